@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The project's one entry point for set-up and the main jobs.
+#   ./dev.sh demo    main job on the embedded default (no Redis, no GPU)
+#   ./dev.sh test    the whole test suite (ruff + pytest), what CI runs
+#   ./dev.sh bench   benchmarks under tests/bench (prints ratio tables)
+# It creates .venv (or $ALIGN_VENV) and installs what the job needs on first use.
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV="${ALIGN_VENV:-.venv}"
+TORCH_REQ="${ALIGN_TORCH:-torch==2.13.0}"   # CPU build on the project's machines
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else "$@"; fi; }
+
+apt_install() {
+  command -v apt-get >/dev/null || { echo "dev.sh: please install: $*" >&2; return 1; }
+  as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+ensure_venv() {   # $1: pip extra ("" or "test")
+  local extra="$1" stamp
+  if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV" 2>/dev/null || { apt_install python3-venv python3-dev && python3 -m venv "$VENV"; }
+  fi
+  stamp="$VENV/.libalign-${extra:-base}-$(sha256sum pyproject.toml | cut -c1-16)"
+  [ -f "$stamp" ] && return 0
+  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/python" -m pip install -q "$TORCH_REQ"
+  "$VENV/bin/python" -m pip install -q -e ".${extra:+[$extra]}"
+  touch "$stamp"
+}
+
+cmd="${1:-demo}"; shift || true
+case "$cmd" in
+  demo)  ensure_venv "";   exec "$VENV/bin/alignd" demo "$@" ;;
+  test)  ensure_venv test
+         "$VENV/bin/ruff" check .
+         exec "$VENV/bin/python" -m pytest "$@" ;;
+  bench) ensure_venv test; exec "$VENV/bin/python" -m tests.bench "$@" ;;
+  *) echo "usage: $0 {demo|test|bench} [args...]" >&2; exit 2 ;;
+esac

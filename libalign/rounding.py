@@ -1,0 +1,158 @@
+"""Bit-exact rounding of fp32 values to E2M1 codes and to E4M3 bytes.
+
+Everything here is explicit integer-and-comparison arithmetic on float32 tensors; nothing
+relies on ``tensor.to(torch.float8_e4m3fn)``, whose saturation behaviour changed across
+PyTorch releases. Callers clamp before calling: E2M1 inputs to [-6, 6] (values beyond
+saturate anyway), E4M3 inputs to [0, 448].
+
+E2M1 round-to-nearest-even
+    The eight magnitudes are 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0..7). The magnitude code
+    of ``a = |z|`` is the number of midpoints ``a`` has passed, where passing a midpoint
+    whose upper neighbour is odd needs a strict ``>`` and one whose upper neighbour is even
+    needs ``>=``: ``(a>0.25)+(a>=0.75)+(a>1.25)+(a>=1.75)+(a>2.5)+(a>=3.5)+(a>5)``. Each
+    midpoint is exactly representable, so ties go to the even code with no rounding error.
+
+E4M3 round-to-nearest-even (bias 7, 3 mantissa bits, max 448, no Inf)
+    A value ``v >= 2^-6`` is normal: with ``2^E <= v < 2^(E+1)`` its quantum is
+    ``2^(E-3)``, ``k = rne(v / 2^(E-3))`` lies in [8, 16] (16 carries into the exponent) and
+    the byte is ``(E+7) << 3 | (k-8)``. A smaller value is subnormal with quantum 2^-9:
+    the byte is ``rne(v * 2^9)``, and 8 lands exactly on the smallest normal, 0x08.
+    Scaling by a power of two is exact, and ``torch.round`` rounds half to even.
+
+Stochastic rounding (E2M1 only)
+    With ``lo <= a <= hi`` the bracketing magnitudes, ``a`` rounds up when ``u < (a-lo)/(hi-lo)``
+    for ``u`` uniform in [0, 1) drawn from an explicit ``torch.Generator``, in the element
+    order of the tensor, so a seed reproduces the codes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .constants import (
+    E2M1_MAGNITUDES,
+    E2M1_MAX,
+    E2M1_SIGN_BIT,
+    E4M3_EXPONENT_BIAS,
+    E4M3_MAX,
+    E4M3_MIN_NORMAL,
+    E4M3_NAN_BITS,
+)
+from .errors import SpecError
+
+SIGNED_ZERO_POLICIES = ("positive", "sign_of_input", "sign_of_nonzero")
+
+_STRICT_MIDPOINTS = (0.25, 1.25, 2.5, 5.0)  # upper neighbour odd: pass only when >
+_INCLUSIVE_MIDPOINTS = (0.75, 1.75, 3.5)  # upper neighbour even: pass when >=
+
+
+def e2m1_magnitude_codes(a: torch.Tensor) -> torch.Tensor:
+    """Round non-negative fp32 magnitudes to E2M1 magnitude codes 0..7, ties to even."""
+    code = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    for m in _STRICT_MIDPOINTS:
+        code += a > m
+    for m in _INCLUSIVE_MIDPOINTS:
+        code += a >= m
+    return code
+
+
+def _apply_sign(z: torch.Tensor, mag: torch.Tensor, signed_zero: str) -> torch.Tensor:
+    """Attach the sign bit to magnitude codes under a signed-zero policy.
+
+    ``sign_of_input`` copies the IEEE sign bit of ``z`` (so -0.0 -> 0x8, as hardware
+    converters and torchao do); ``sign_of_nonzero`` sets it for negative values only
+    (-0.0 -> 0x0, -0.1 -> 0x8, as TE's reference, ModelOpt and compressed-tensors do);
+    ``positive`` never marks a zero magnitude negative (any zero is 0x0).
+    """
+    if signed_zero == "sign_of_input":
+        neg = torch.signbit(z)
+    elif signed_zero == "sign_of_nonzero":
+        neg = z < 0
+    elif signed_zero == "positive":
+        neg = (z < 0) & (mag != 0)
+    else:
+        raise SpecError(f"signed_zero must be one of {SIGNED_ZERO_POLICIES}, got {signed_zero!r}")
+    return mag | (neg.to(torch.uint8) << 3)
+
+
+def round_e2m1(z: torch.Tensor, signed_zero: str = "positive") -> torch.Tensor:
+    """fp32 values (already clamped to [-6, 6]) -> E2M1 codes 0x0..0xF (uint8), RNE."""
+    return _apply_sign(z, e2m1_magnitude_codes(z.abs()), signed_zero)
+
+
+def round_e2m1_stochastic(
+    z: torch.Tensor, generator: torch.Generator, signed_zero: str = "positive"
+) -> torch.Tensor:
+    """fp32 values in [-6, 6] -> E2M1 codes with stochastic rounding (see module doc)."""
+    a = z.abs().clamp_(max=E2M1_MAX)
+    grid = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=z.device)
+    # index of the largest magnitude <= a (0..7)
+    lo_idx = (torch.bucketize(a, grid, right=True) - 1).clamp_(0, 7)
+    hi_idx = (lo_idx + 1).clamp_(max=7)
+    lo, hi = grid[lo_idx], grid[hi_idx]
+    width = hi - lo
+    frac = torch.where(width > 0, (a - lo) / torch.where(width > 0, width, 1.0), 0.0)
+    u = torch.rand(z.shape, generator=generator, dtype=torch.float32, device=z.device)
+    mag = torch.where(u < frac, hi_idx, lo_idx).to(torch.uint8)
+    return _apply_sign(z, mag, signed_zero)
+
+
+def canonical_zero(codes: torch.Tensor) -> torch.Tensor:
+    """Unpacked E2M1 codes with negative zero (0x8) replaced by positive zero (0x0)."""
+    return torch.where(codes == E2M1_SIGN_BIT, torch.zeros_like(codes), codes)
+
+
+def e2m1_code_values(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes 0x0..0xF (uint8) -> their fp32 values (0x8 -> -0.0)."""
+    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=codes.device)
+    c = codes.to(torch.int64)
+    val = mags[c & 0x7]
+    return torch.where((c & E2M1_SIGN_BIT) != 0, -val, val)
+
+
+def round_e4m3_bits(v: torch.Tensor) -> torch.Tensor:
+    """Non-negative fp32 values (already clamped to [0, 448]) -> E4M3 bytes (uint8), RNE."""
+    v = v.to(torch.float32)
+    normal = v >= E4M3_MIN_NORMAL
+    _, e = torch.frexp(v)  # v = f * 2^e, f in [0.5, 1)
+    big_e = (e - 1).clamp_(min=-6)  # 2^E <= v < 2^(E+1) for normal values
+    k_normal = torch.round(torch.ldexp(v, 3 - big_e))  # in [8, 16]
+    carry = k_normal >= 16
+    big_e = big_e + carry.to(big_e.dtype)
+    k_normal = torch.where(carry, 8.0, k_normal)
+    normal_bits = ((big_e + E4M3_EXPONENT_BIAS) << 3) | (k_normal.to(torch.int32) - 8)
+    sub_bits = torch.round(torch.ldexp(v, torch.tensor(9, dtype=torch.int32))).to(torch.int32)
+    bits = torch.where(normal, normal_bits.to(torch.int32), sub_bits)
+    return bits.to(torch.uint8)
+
+
+def _e4m3_table(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The fp32 value of each of the 256 E4M3 bytes, decoded field by field."""
+    b = torch.arange(256, dtype=torch.int64)
+    sign = torch.where((b & 0x80) != 0, -1.0, 1.0)
+    exp = (b >> 3) & 0xF
+    man = (b & 0x7).to(torch.float64)
+    sub = man * 2.0**-9
+    nor = (8.0 + man) * torch.pow(2.0, (exp - 10).to(torch.float64))
+    val = torch.where(exp == 0, sub, nor) * sign
+    val = torch.where((b & 0x7F) == E4M3_NAN_BITS, float("nan"), val)
+    return val.to(torch.float32).to(device)
+
+
+_TABLES: dict[str, torch.Tensor] = {}
+
+
+def e4m3_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
+    """E4M3 bytes (uint8 or float8_e4m3fn) -> exact fp32 values."""
+    if bits.dtype == torch.float8_e4m3fn:
+        bits = bits.view(torch.uint8)
+    key = str(bits.device)
+    table = _TABLES.get(key)
+    if table is None:
+        table = _TABLES[key] = _e4m3_table(bits.device)
+    return table[bits.to(torch.int64)]
+
+
+def saturate_e4m3(v: torch.Tensor, floor: float | None = None) -> torch.Tensor:
+    """Clamp to the E4M3 range [floor or 0, 448] before the cast (NaN passes through)."""
+    return v.clamp(min=0.0 if floor is None else floor, max=E4M3_MAX)

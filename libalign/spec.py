@@ -1,0 +1,543 @@
+"""The executable numerical specification of NVFP4: THE reference quantize/dequantize.
+
+An NVFP4 tensor is three things: 4-bit E2M1 codes (two per byte, even element in the low
+nibble), one E4M3 block scale per 16 consecutive elements of the last dimension, and an
+FP32 outer scale whose domain is the whole tensor, one expert of a 3-D stack, or one row.
+Reconstruction is ``x ~ e2m1(code) * e4m3(block scale) * outer decode scale``.
+
+"Matching an FP4 encoding" leaves many bits open. :class:`NumericsSpec` names every choice
+a bit depends on, and :func:`quantize` executes them in this order, in fp32 unless the
+spec says otherwise:
+
+1. refuse (or saturate) NaN/Inf; pad K to a multiple of 16 with zeros (or refuse);
+2. optionally rotate each block with the fixed 16-point Hadamard transform;
+3. block maxima ``v = max |x|`` per block, outer maximum ``A`` per outer domain, floored;
+4. outer scales ``enc``/``dec`` from ``A`` in the spec's operation order
+   (:mod:`libalign.scale_math`);
+5. the fp32 block scale, zero substitution, clamp to [floor, 448], explicit E4M3 RNE;
+6. the element encoding in the same order, a zero-scale block's multiplier by policy,
+   clamp to [-6, 6], E2M1 round-half-even (or stochastic) with the signed-zero policy;
+7. nibble packing.
+
+Kernels (CUDA, CPU) are tested against this module bit for bit; quality against BF16 is
+a separate question. The presets reproduce public quantizers exactly on finite inputs:
+
+``minite`` (default)
+    Row-scaled outer scale (one per activation row / weight output row), TE's fp32
+    order, row maximum floored as ``max(a, 1e-12)``, and a block whose decoded E4M3 scale
+    is zero gets a zero encoding multiplier, so its codes are zero. No scale floor, so
+    tiny blocks keep their own scale. Any zero magnitude is stored as code 0x0.
+``te``
+    TransformerEngine's NVFP4 reference (bit-exact to its kernels): per-tensor amax,
+    no floors, a zero-scale block is encoded with multiplier FLT_MAX (its non-zero
+    elements saturate to +-6), -0.0 -> 0x0 but tiny negatives -> 0x8. Stores the amax.
+    ``te_row`` is TE's ``row_scaled_nvfp4`` activation variant.
+``torchao``
+    ``torchao.prototype.mx_formats.nvfp4_tensor.nvfp4_quantize`` with
+    ``per_tensor_scale = amax / 2688`` (per expert for 3-D): block scales floored at
+    2^-6 (an all-zero block stores 0x08), encode ``x * ((1/g) / s)``, sign bit copied
+    from the input (-0.0 -> 0x8). PyTorch on CPU divides ``v / 6`` exactly; on CUDA it
+    multiplies by a rounded reciprocal, so torchao's own bits differ across devices:
+    this preset follows its CPU bits.
+``modelopt``
+    ``NVFP4QTensor.quantize`` (per-tensor ``weight_scale_2 = amax / 2688``): a zero fp32
+    block scale becomes 1.0 (0x38), floor 2^-9, encode ``x / (s * g)``, zero-padded K.
+``compressed_tensors``
+    compressed-tensors' NVFP4 (``generate_gparam``, ``calculate_qparams``,
+    ``quantize_and_pack_fp4``): global scale and ``v / 6`` in the model dtype, a block
+    scale that rounds to zero becomes 0.125 (0x20), encode ``x / (s / gs)``, K must be
+    a multiple of 16. Stores the encode-convention global scale.
+
+The ``torchao`` and ``modelopt`` presets raise :class:`UndefinedScaleError` on an
+all-zero tensor, where both libraries compute 0/0 and emit NaN block scales.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import scale_math
+from .constants import (
+    BLOCK_SIZE,
+    E2M1_MAX,
+    FLT_MAX,
+    HADAMARD_SIGNS,
+    MINITE_AMAX_FLOOR,
+)
+from .errors import DTypeError, NonFiniteError, ShapeError, SpecError, UndefinedScaleError
+from .hadamard import rht16, rht16_inverse
+from .packing import pack_nibbles, swizzle_scales, unpack_nibbles
+from .rounding import (
+    SIGNED_ZERO_POLICIES,
+    e2m1_code_values,
+    e4m3_bits_to_float,
+    round_e2m1,
+    round_e2m1_stochastic,
+    round_e4m3_bits,
+    saturate_e4m3,
+)
+
+OUTER_DOMAINS = ("none", "tensor", "expert", "row")
+OUTER_CONVENTIONS = ("amax", "enc", "dec")
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class NumericsSpec:
+    """Every choice an NVFP4 bit depends on. Frozen; derive variants with :meth:`replace`.
+
+    Attributes:
+        name: preset name (informational; equality compares every field).
+        outer_domain: ``none`` (block scales only), ``tensor``, ``expert`` (one per
+            leading index of a 3-D stack; a 2-D tensor is one expert) or ``row``.
+        op_order: fp32 operation order of outer scale, block scale and element encode
+            (``te``, ``torchao``, ``modelopt``, ``compressed_tensors``; see scale_math).
+        amax_floor: the outer maximum is replaced by ``max(A, amax_floor)`` (in fp32).
+        block_scale_floor: lower clamp of the fp32 block scale before the E4M3 cast.
+        zero_prescale_to: value substituted for an fp32 block scale that is exactly zero,
+            before the clamp (ModelOpt: 1.0).
+        zero_scale_to: value substituted for an E4M3 block scale that rounded to zero,
+            after the cast (compressed-tensors: 0.125). Must be E4M3-representable.
+        zero_scale_encode: multiplier of a block whose final scale is still zero:
+            ``zero`` (codes become zero) or ``saturate`` (FLT_MAX: non-zero elements go
+            to +-6, TE's behaviour).
+        signed_zero: code of values whose magnitude rounds to zero: ``positive`` (0x0
+            always), ``sign_of_input`` (IEEE sign bit, -0.0 -> 0x8) or
+            ``sign_of_nonzero`` (-0.0 -> 0x0, -0.1 -> 0x8).
+        nonfinite: ``raise`` a :class:`NonFiniteError`, or ``saturate`` (NaN -> 0,
+            +-Inf -> the input dtype's largest finite value) before quantizing.
+        k_remainder: K not a multiple of 16: ``pad`` with zeros or ``refuse``.
+        hadamard: rotate each block with the fixed 16-point Hadamard transform first.
+        hadamard_signs: its fixed sign mask.
+        stochastic_rounding: E2M1 rounding draws from an explicit generator.
+        outer_convention: what ``NVFP4Tensor.outer_scale`` stores: ``amax``, ``enc``
+            (2688 / amax) or ``dec`` (amax / 2688), as this order computes them.
+        scale_math_dtype: ``float32``, or ``input`` for the steps compressed-tensors
+            computes in the model dtype.
+    """
+
+    name: str = "custom"
+    outer_domain: str = "row"
+    op_order: str = "te"
+    amax_floor: float | None = MINITE_AMAX_FLOOR
+    block_scale_floor: float | None = None
+    zero_prescale_to: float | None = None
+    zero_scale_to: float | None = None
+    zero_scale_encode: str = "zero"
+    signed_zero: str = "positive"
+    nonfinite: str = "raise"
+    k_remainder: str = "pad"
+    hadamard: bool = False
+    hadamard_signs: tuple[int, ...] = HADAMARD_SIGNS
+    stochastic_rounding: bool = False
+    outer_convention: str = "dec"
+    scale_math_dtype: str = "float32"
+    block_size: int = field(default=BLOCK_SIZE)
+
+    def __post_init__(self) -> None:
+        choices = {
+            "outer_domain": OUTER_DOMAINS,
+            "op_order": scale_math.OP_ORDERS,
+            "zero_scale_encode": ("zero", "saturate"),
+            "signed_zero": SIGNED_ZERO_POLICIES,
+            "nonfinite": ("raise", "saturate"),
+            "k_remainder": ("pad", "refuse"),
+            "outer_convention": OUTER_CONVENTIONS,
+            "scale_math_dtype": ("float32", "input"),
+        }
+        for attr, allowed in choices.items():
+            if getattr(self, attr) not in allowed:
+                raise SpecError(f"{attr} must be one of {allowed}, got {getattr(self, attr)!r}")
+        if self.block_size != BLOCK_SIZE:
+            raise SpecError(f"NVFP4 blocks have {BLOCK_SIZE} elements, got {self.block_size}")
+        if len(self.hadamard_signs) != 16 or any(s not in (1, -1) for s in self.hadamard_signs):
+            raise SpecError("hadamard_signs must be 16 values of +1 or -1")
+        for attr in ("amax_floor", "block_scale_floor", "zero_prescale_to", "zero_scale_to"):
+            v = getattr(self, attr)
+            if v is not None and not (v > 0 and v < FLT_MAX):
+                raise SpecError(f"{attr} must be a positive finite number or None, got {v!r}")
+        if self.zero_scale_to is not None:
+            t = torch.tensor([self.zero_scale_to], dtype=torch.float32)
+            if e4m3_bits_to_float(round_e4m3_bits(saturate_e4m3(t))).item() != self.zero_scale_to:
+                raise SpecError(f"zero_scale_to={self.zero_scale_to} is not an E4M3 value")
+        if self.outer_domain == "none" and self.outer_convention != "dec":
+            raise SpecError("outer_domain 'none' stores no outer scale; use outer_convention 'dec'")
+
+    def replace(self, **changes: Any) -> NumericsSpec:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (for manifests and the wire)."""
+        d = dataclasses.asdict(self)
+        d["hadamard_signs"] = list(self.hadamard_signs)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> NumericsSpec:
+        """Inverse of :meth:`to_dict`; unknown keys are an error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise SpecError(f"unknown numerics spec field(s): {sorted(unknown)}")
+        d = dict(d)
+        if "hadamard_signs" in d:
+            d["hadamard_signs"] = tuple(d["hadamard_signs"])
+        return cls(**d)
+
+
+PRESETS: dict[str, NumericsSpec] = {
+    "minite": NumericsSpec(name="minite"),
+    "te": NumericsSpec(
+        name="te", outer_domain="tensor", amax_floor=None, zero_scale_encode="saturate",
+        signed_zero="sign_of_nonzero", outer_convention="amax",
+    ),
+    "te_row": NumericsSpec(
+        name="te_row", outer_domain="row", amax_floor=None, zero_scale_encode="saturate",
+        signed_zero="sign_of_nonzero", outer_convention="amax",
+    ),
+    "torchao": NumericsSpec(
+        name="torchao", outer_domain="expert", op_order="torchao", amax_floor=None,
+        block_scale_floor=2.0**-6, signed_zero="sign_of_input", k_remainder="refuse",
+        outer_convention="dec",
+    ),
+    "modelopt": NumericsSpec(
+        name="modelopt", outer_domain="tensor", op_order="modelopt", amax_floor=None,
+        block_scale_floor=2.0**-9, zero_prescale_to=1.0, signed_zero="sign_of_nonzero",
+        outer_convention="dec",
+    ),
+    "compressed_tensors": NumericsSpec(
+        name="compressed_tensors", outer_domain="tensor", op_order="compressed_tensors",
+        amax_floor=None, zero_scale_to=0.125, signed_zero="sign_of_nonzero",
+        k_remainder="refuse", outer_convention="enc", scale_math_dtype="input",
+    ),
+}
+
+
+@dataclass(frozen=True, eq=False)
+class NVFP4Tensor:
+    """A quantized tensor: packed codes, linear block scales, outer scale, and its spec.
+
+    Attributes:
+        codes: uint8 ``[..., Kp/2]``, low nibble = even index (Kp = K padded to 16).
+        block_scales: float8_e4m3fn ``[..., Kp/16]``, linear layout.
+        outer_scale: fp32 in ``spec.outer_convention``; shape ``[]`` (tensor), ``[E]``
+            (expert), ``[..., M]`` (row); ``None`` for outer domain ``none``.
+        spec: the numerics spec that produced (or interprets) the bits.
+        shape: logical shape of the original tensor (K unpadded).
+        outer_amax: the floored fp32 outer maxima when quantized from data, else None.
+    """
+
+    codes: torch.Tensor
+    block_scales: torch.Tensor
+    outer_scale: torch.Tensor | None
+    spec: NumericsSpec
+    shape: tuple[int, ...]
+    outer_amax: torch.Tensor | None = None
+
+    @property
+    def k(self) -> int:
+        """Logical length of the last dimension."""
+        return self.shape[-1]
+
+    def outer(self) -> scale_math.OuterScales:
+        """Outer scales in both conventions (exactly 1 for outer domain ``none``)."""
+        if self.outer_scale is None:
+            one = torch.ones((), dtype=torch.float32, device=self.codes.device)
+            return scale_math.OuterScales(enc=one, dec=one)
+        return scale_math.outer_from_stored(
+            self.outer_scale, self.spec.outer_convention, self.spec.op_order,
+            _math_dtype(self.spec, torch.float32),
+        )
+
+    @property
+    def outer_enc(self) -> torch.Tensor:
+        """Outer encode scale (about 2688 / amax)."""
+        return self.outer().enc
+
+    @property
+    def outer_dec(self) -> torch.Tensor:
+        """Outer decode scale (about amax / 2688)."""
+        return self.outer().dec
+
+    def swizzled_block_scales(self) -> torch.Tensor:
+        """Block scales in the 128x4 swizzled layout (flat, zero padded)."""
+        return swizzle_scales(self.block_scales)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, *, rotated: bool = False):
+        """See :func:`dequantize`."""
+        return dequantize(self, dtype, rotated=rotated)
+
+    def expert(self, e: int) -> NVFP4Tensor:
+        """Expert ``e`` of a 3-D stack as a 2-D tensor with its own outer scale."""
+        if len(self.shape) != 3:
+            raise ShapeError(f"expert() needs a 3-D stack, this tensor has shape {self.shape}")
+        dom = self.spec.outer_domain
+        outer = self.outer_scale
+        if outer is not None and dom in ("expert", "row"):
+            outer = outer[e]
+        amax = self.outer_amax
+        if amax is not None and dom in ("expert", "row"):
+            amax = amax[e]
+        spec = self.spec.replace(outer_domain="tensor") if dom == "expert" else self.spec
+        return NVFP4Tensor(self.codes[e], self.block_scales[e], outer, spec,
+                           tuple(self.shape[1:]), amax)
+
+    def payload_sha256(self) -> str:
+        """SHA-256 of the packed codes."""
+        return _sha256(self.codes)
+
+    def scales_sha256(self) -> str:
+        """SHA-256 of the block-scale bytes."""
+        return _sha256(self.block_scales.view(torch.uint8))
+
+    def bitwise_equal(self, other: NVFP4Tensor) -> bool:
+        """Codes, block-scale bytes and outer-scale bits all identical."""
+        if self.shape != other.shape or not torch.equal(self.codes, other.codes):
+            return False
+        if not torch.equal(self.block_scales.view(torch.uint8), other.block_scales.view(torch.uint8)):
+            return False
+        if (self.outer_scale is None) != (other.outer_scale is None):
+            return False
+        return self.outer_scale is None or torch.equal(
+            self.outer_scale.view(torch.int32), other.outer_scale.view(torch.int32)
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes, block scales and outer scale."""
+        n = self.codes.numel() + self.block_scales.numel()
+        return n + (0 if self.outer_scale is None else 4 * self.outer_scale.numel())
+
+
+def _sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
+
+
+def _math_dtype(spec: NumericsSpec, input_dtype: torch.dtype) -> torch.dtype:
+    return input_dtype if spec.scale_math_dtype == "input" else torch.float32
+
+
+def _check_input(x: Any, spec: NumericsSpec) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise DTypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in INPUT_DTYPES:
+        raise DTypeError(f"quantize accepts float32, bfloat16 or float16, got {x.dtype}")
+    if x.ndim not in (2, 3):
+        raise ShapeError(
+            f"quantize expects a 2-D matrix [M, K] or a 3-D expert stack [E, M, K], "
+            f"got {x.ndim}-D shape {tuple(x.shape)}"
+        )
+    if spec.k_remainder == "refuse" and x.shape[-1] % BLOCK_SIZE:
+        raise ShapeError(
+            f"K={x.shape[-1]} is not a multiple of {BLOCK_SIZE} and preset {spec.name!r} "
+            f"refuses to pad"
+        )
+
+
+def check_finite(x: torch.Tensor, what: str = "input", limit: int = 5) -> None:
+    """Raise :class:`NonFiniteError` naming how many NaN/Inf and the first positions."""
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        nan = int(torch.isnan(x).sum())
+        count = int(bad.sum())
+        first = torch.nonzero(bad)[:limit].tolist()
+        raise NonFiniteError(what, count, nan, count - nan, [tuple(ix) for ix in first])
+
+
+def _saturate_nonfinite(x: torch.Tensor) -> torch.Tensor:
+    big = torch.finfo(x.dtype).max
+    return torch.nan_to_num(x, nan=0.0, posinf=big, neginf=-big)
+
+
+def _amax(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """Max over ``dims`` that returns 0 for empty reductions."""
+    if t.numel() == 0:
+        keep = [s for i, s in enumerate(t.shape) if i not in {d % t.ndim for d in dims}]
+        return t.new_zeros(keep)
+    return torch.amax(t, dim=dims) if dims else t
+
+
+def _outer_amax(vmax: torch.Tensor, domain: str) -> torch.Tensor:
+    """Outer maxima from block maxima ``[..., M, nb]``: [], [E] or [..., M]."""
+    if domain == "tensor" or (domain == "expert" and vmax.ndim == 2):
+        return _amax(vmax, tuple(range(vmax.ndim)))
+    if domain == "expert":
+        return _amax(vmax, (-2, -1))
+    return _amax(vmax, (-1,))  # row
+
+
+def _broadcast_outer(t: torch.Tensor, domain: str, vmax_ndim: int) -> torch.Tensor:
+    """Shape an outer-domain tensor to broadcast against block maxima ``[..., M, nb]``."""
+    if t.ndim == 0:
+        return t
+    if domain == "expert":
+        return t.reshape(-1, *([1] * (vmax_ndim - 1)))
+    return t.unsqueeze(-1)  # row
+
+
+def _blocks(x32: torch.Tensor) -> torch.Tensor:
+    return x32.reshape(*x32.shape[:-1], x32.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+
+
+def quantize(
+    x: torch.Tensor,
+    spec: NumericsSpec | None = None,
+    *,
+    generator: torch.Generator | None = None,
+) -> NVFP4Tensor:
+    """Quantize a 2-D ``[M, K]`` or 3-D ``[E, M, K]`` float tensor to NVFP4 under ``spec``.
+
+    ``spec`` defaults to ``PRESETS["minite"]``. ``generator`` is required when the spec
+    asks for stochastic rounding, and is consumed in element order.
+    """
+    spec = PRESETS["minite"] if spec is None else spec
+    _check_input(x, spec)
+    if spec.stochastic_rounding and generator is None:
+        raise SpecError("stochastic rounding needs an explicit torch.Generator")
+    if spec.nonfinite == "raise":
+        check_finite(x)
+    else:
+        x = _saturate_nonfinite(x)
+
+    shape = tuple(x.shape)
+    math_dtype = _math_dtype(spec, x.dtype)
+    x32 = x.to(torch.float32)
+    pad = -shape[-1] % BLOCK_SIZE
+    if pad:
+        x32 = torch.nn.functional.pad(x32, (0, pad))
+    if spec.hadamard:
+        x32 = rht16(x32, spec.hadamard_signs)
+    blocks = _blocks(x32)  # [..., M, nb, 16]
+    vmax = _amax(blocks.abs(), (-1,))  # [..., M, nb]
+
+    if spec.outer_domain == "none":
+        one = torch.ones((), dtype=torch.float32, device=x.device)
+        outer_b = scale_math.OuterScales(enc=one, dec=one)
+        amax = stored = None
+    else:
+        amax = _outer_amax(vmax, spec.outer_domain)
+        if spec.amax_floor is not None:
+            amax = torch.clamp(amax, min=amax.new_tensor(spec.amax_floor))
+        outer = scale_math.outer_from_amax(amax, spec.op_order, math_dtype)
+        stored = scale_math.stored_from_outer(outer, amax, spec.outer_convention)
+        outer_b = scale_math.OuterScales(
+            enc=_broadcast_outer(outer.enc, spec.outer_domain, vmax.ndim),
+            dec=_broadcast_outer(outer.dec, spec.outer_domain, vmax.ndim),
+        )
+
+    bits, s32 = _block_scales(vmax, outer_b, spec, math_dtype)
+    codes = _encode(blocks, s32, outer_b, spec, generator)
+    return NVFP4Tensor(
+        codes=codes,
+        block_scales=bits.view(torch.float8_e4m3fn),
+        outer_scale=stored,
+        spec=spec,
+        shape=shape,
+        outer_amax=amax,
+    )
+
+
+def _encode(blocks, s32, outer_b, spec, generator) -> torch.Tensor:
+    """Packed E2M1 codes of fp32 blocks ``[..., nb, 16]`` under given scales (step 6-7)."""
+    outer_e = scale_math.OuterScales(
+        enc=outer_b.enc.unsqueeze(-1) if outer_b.enc.ndim else outer_b.enc,
+        dec=outer_b.dec.unsqueeze(-1) if outer_b.dec.ndim else outer_b.dec,
+    )
+    s_e = s32.unsqueeze(-1)
+    scaled = scale_math.encode_blocks(blocks, s_e, outer_e, spec.op_order)
+    zero = s_e == 0
+    if bool(zero.any()):
+        mult = 0.0 if spec.zero_scale_encode == "zero" else FLT_MAX
+        scaled = torch.where(zero, blocks * mult, scaled)
+    scaled = scaled.clamp_(-E2M1_MAX, E2M1_MAX).reshape(*blocks.shape[:-2], -1)
+    if spec.stochastic_rounding:
+        codes = round_e2m1_stochastic(scaled, generator, spec.signed_zero)
+    else:
+        codes = round_e2m1(scaled, spec.signed_zero)
+    return pack_nibbles(codes)
+
+
+def encode_with_scales(
+    x: torch.Tensor, q: NVFP4Tensor, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Packed codes of ``x`` encoded with ``q``'s block and outer scales (not its own).
+
+    This is what a consumer does when it must agree with a producer's scales: re-encoding
+    ``dequantize(q)`` this way reproduces ``q.codes`` exactly.
+    """
+    spec = q.spec
+    if tuple(x.shape) != q.shape:
+        raise ShapeError(f"x has shape {tuple(x.shape)}, the scales belong to shape {q.shape}")
+    if spec.nonfinite == "raise":
+        check_finite(x)
+    else:
+        x = _saturate_nonfinite(x)
+    x32 = x.to(torch.float32)
+    pad = -q.shape[-1] % BLOCK_SIZE
+    if pad:
+        x32 = torch.nn.functional.pad(x32, (0, pad))
+    if spec.hadamard:
+        x32 = rht16(x32, spec.hadamard_signs)
+    s32 = e4m3_bits_to_float(q.block_scales)
+    outer = q.outer()
+    outer_b = scale_math.OuterScales(
+        enc=_broadcast_outer(outer.enc, spec.outer_domain, s32.ndim),
+        dec=_broadcast_outer(outer.dec, spec.outer_domain, s32.ndim),
+    )
+    return _encode(_blocks(x32), s32, outer_b, spec, generator)
+
+
+def _block_scales(vmax, outer, spec, math_dtype):
+    """E4M3 block-scale bytes and their fp32 values (steps 5 of the module doc)."""
+    pre = scale_math.block_prescale(vmax, outer, spec.op_order, math_dtype)
+    if spec.zero_prescale_to is not None:
+        pre = torch.where(pre == 0, pre.new_tensor(spec.zero_prescale_to), pre)
+    undefined = torch.isnan(pre)
+    if bool(undefined.any()):
+        first = torch.nonzero(undefined)[:3].tolist()
+        raise UndefinedScaleError(
+            f"preset {spec.name!r} computes {int(undefined.sum())} NaN block scale(s) "
+            f"(first blocks {first}); its library divides 0 by 0 for an all-zero "
+            f"{spec.outer_domain}"
+        )
+    bits = round_e4m3_bits(saturate_e4m3(pre, spec.block_scale_floor))
+    s32 = e4m3_bits_to_float(bits)
+    if spec.zero_scale_to is not None:
+        zero = s32 == 0
+        if bool(zero.any()):
+            sub = s32.new_tensor([spec.zero_scale_to])
+            bits = torch.where(zero, round_e4m3_bits(sub), bits)
+            s32 = torch.where(zero, sub, s32)
+    return bits, s32
+
+
+def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, *,
+               rotated: bool = False) -> torch.Tensor:
+    """Reconstruct ``q`` as a ``dtype`` tensor of its logical shape.
+
+    Values are formed in fp32 in the spec's dequantization order (``scale_math``) and
+    rounded once to ``dtype``. For a Hadamard spec the rotation is undone unless
+    ``rotated=True`` (what a GEMM whose operands are both rotated consumes).
+    """
+    codes = unpack_nibbles(q.codes)
+    vals = _blocks(e2m1_code_values(codes))
+    s32 = e4m3_bits_to_float(q.block_scales).unsqueeze(-1)
+    outer = q.outer()
+    dom = q.spec.outer_domain
+    nd = s32.ndim - 1  # ndim of the [..., M, nb] block grid
+    enc = _broadcast_outer(outer.enc, dom, nd)
+    dec = _broadcast_outer(outer.dec, dom, nd)
+    if enc.ndim:
+        enc, dec = enc.unsqueeze(-1), dec.unsqueeze(-1)
+    out = scale_math.dequantize_blocks(vals, s32, scale_math.OuterScales(enc, dec),
+                                       q.spec.op_order)
+    out = out.reshape(*out.shape[:-2], -1)
+    if q.spec.hadamard and not rotated:
+        out = rht16_inverse(out, q.spec.hadamard_signs)
+    return out[..., : q.shape[-1]].to(dtype)
