@@ -41,8 +41,9 @@ reflected division, a reciprocal followed by a multiply::
     x_scaled = fl(x / fl(s / enc))
 
 Dequantization orders: ``te`` multiplies ``fl(fl(q * s) * dec)`` (``q * s`` is exact, so a
-single rounding); ``torchao`` and ``modelopt`` ``fl(q * fl(dec * s))``;
-``compressed_tensors`` ``fl(q * fl(s / enc))``.
+single rounding); ``torchao`` and ``modelopt`` ``fl(q * fl(dec * s))``, where ModelOpt's
+value table decodes the negative-zero code 0x8 as +0.0; ``compressed_tensors``
+``fl(q * fl(s / enc))``.
 """
 
 from __future__ import annotations
@@ -161,8 +162,10 @@ def dequantize_blocks(q: torch.Tensor, s: torch.Tensor, outer: OuterScales, orde
     """fp32 values from E2M1 values ``q`` ``[..., nb, 16]`` and block scales ``[..., nb, 1]``."""
     if order == "te":
         return (q * s) * outer.dec
-    if order in ("torchao", "modelopt"):
+    if order == "torchao":
         return q * (outer.dec * s)
+    if order == "modelopt":
+        return (q + 0.0) * (outer.dec * s)  # ModelOpt's value table maps 0x8 to +0.0
     if order == "compressed_tensors":
         return q * (s / outer.enc)
     raise SpecError(f"unknown op_order {order!r}; expected one of {OP_ORDERS}")

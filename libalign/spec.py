@@ -74,6 +74,7 @@ from .hadamard import rht16, rht16_inverse
 from .packing import pack_nibbles, swizzle_scales, unpack_nibbles
 from .rounding import (
     SIGNED_ZERO_POLICIES,
+    canonical_zero,
     e2m1_code_values,
     e4m3_bits_to_float,
     round_e2m1,
@@ -455,7 +456,7 @@ def _encode(blocks, s32, outer_b, spec, generator) -> torch.Tensor:
     if bool(zero.any()):
         mult = 0.0 if spec.zero_scale_encode == "zero" else FLT_MAX
         scaled = torch.where(zero, blocks * mult, scaled)
-    scaled = scaled.clamp_(-E2M1_MAX, E2M1_MAX).reshape(*blocks.shape[:-2], -1)
+    scaled = scaled.clamp_(-E2M1_MAX, E2M1_MAX).reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK_SIZE)
     if spec.stochastic_rounding:
         codes = round_e2m1_stochastic(scaled, generator, spec.signed_zero)
     else:
@@ -491,6 +492,22 @@ def encode_with_scales(
         dec=_broadcast_outer(outer.dec, spec.outer_domain, s32.ndim),
     )
     return _encode(_blocks(x32), s32, outer_b, spec, generator)
+
+
+def roundtrip_codes(q: NVFP4Tensor) -> torch.Tensor:
+    """The packed codes that re-encoding ``dequantize(q)`` with ``q``'s scales yields.
+
+    Equal to ``q.codes`` except where two codes decode to the same value: under
+    ``sign_of_nonzero`` the code 0x8 decodes to -0.0, which encodes as 0x0; under the
+    ``saturate`` zero-scale policy a zero-scale block's +-6 codes decode to zeros.
+    """
+    codes = unpack_nibbles(q.codes)
+    if q.spec.signed_zero == "sign_of_nonzero":
+        codes = canonical_zero(codes)
+    if q.spec.zero_scale_encode == "saturate":
+        zero = (q.block_scales.view(torch.uint8) == 0).repeat_interleave(BLOCK_SIZE, dim=-1)
+        codes = torch.where(zero, torch.zeros_like(codes), codes)
+    return pack_nibbles(codes)
 
 
 def _block_scales(vmax, outer, spec, math_dtype):
@@ -537,7 +554,7 @@ def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, *,
         enc, dec = enc.unsqueeze(-1), dec.unsqueeze(-1)
     out = scale_math.dequantize_blocks(vals, s32, scale_math.OuterScales(enc, dec),
                                        q.spec.op_order)
-    out = out.reshape(*out.shape[:-2], -1)
+    out = out.reshape(*out.shape[:-2], out.shape[-2] * BLOCK_SIZE)
     if q.spec.hadamard and not rotated:
         out = rht16_inverse(out, q.spec.hadamard_signs)
     return out[..., : q.shape[-1]].to(dtype)

@@ -51,3 +51,48 @@ def torchao_dequantize(packed, scale_bytes, pts, shape, dtype=torch.float32):
     t = NVFP4Tensor(packed.clone(), scale_bytes.view(torch.float8_e4m3fn).clone(), 16,
                     torch.bfloat16, pts)
     return t.dequantize(dtype)
+
+
+def _ct_scheme():
+    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+
+    return preset_name_to_scheme("NVFP4", targets=["Linear"])
+
+
+def compressed_tensors(x: torch.Tensor):
+    """compressed-tensors 0.20 NVFP4 (``nvfp4-pack-quantized``) for a 2-D weight.
+
+    Global scale from ``generate_gparam`` over the tensor's min/max (in the weight dtype,
+    as llm-compressor's min-max observer feeds it), group scales from
+    ``compute_dynamic_scales_and_zp``, codes and stored scale from the NVFP4 compressor.
+    On CPU every step runs compressed-tensors' eager torch fallback.
+    """
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization.utils import (
+        compute_dynamic_scales_and_zp,
+        generate_gparam,
+    )
+
+    scheme = _ct_scheme()
+    flat = x.reshape(1, 1, -1)
+    gs = generate_gparam(torch.amin(flat, dim=(0, -1)), torch.amax(flat, dim=(0, -1)))
+    scale, zp = compute_dynamic_scales_and_zp(value=x, args=scheme.weights, module=None,
+                                              global_scale=gs)
+    sd = NVFP4PackedCompressor.compress(
+        {"weight": x, "weight_scale": scale, "weight_global_scale": gs, "weight_zero_point": zp},
+        scheme,
+    )
+    return (sd["weight_packed"].view(torch.uint8), sd["weight_scale"].view(torch.uint8),
+            sd["weight_global_scale"].reshape(-1))
+
+
+def compressed_tensors_dequantize(packed, scale_bytes, global_scale):
+    """compressed-tensors' ``NVFP4PackedCompressor.decompress`` (returns bf16)."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+
+    sd = NVFP4PackedCompressor.decompress(
+        {"weight_packed": packed, "weight_scale": scale_bytes.view(torch.float8_e4m3fn),
+         "weight_global_scale": global_scale.reshape(1)},
+        _ct_scheme(),
+    )
+    return sd["weight"]
