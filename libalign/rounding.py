@@ -121,7 +121,7 @@ def round_e4m3_bits(v: torch.Tensor) -> torch.Tensor:
     big_e = big_e + carry.to(big_e.dtype)
     k_normal = torch.where(carry, 8.0, k_normal)
     normal_bits = ((big_e + E4M3_EXPONENT_BIAS) << 3) | (k_normal.to(torch.int32) - 8)
-    sub_bits = torch.round(torch.ldexp(v, torch.tensor(9, dtype=torch.int32))).to(torch.int32)
+    sub_bits = torch.round(v * 2.0**9).to(torch.int32)  # exact: a power-of-two scaling
     bits = torch.where(normal, normal_bits.to(torch.int32), sub_bits)
     return bits.to(torch.uint8)
 

@@ -130,7 +130,9 @@ def block_prescale(vmax: torch.Tensor, outer: OuterScales, order: str,
         mult = outer.enc * torch.reciprocal(_f32(E2M1_MAX, vmax))
         return torch.minimum(vmax * mult, _f32(FLT_MAX, vmax))
     if order == "torchao":
-        return (vmax / E2M1_MAX) / outer.dec
+        # a tensor divisor keeps this a true division on every device: PyTorch on CUDA
+        # turns `tensor / python_float` into a multiply by the rounded reciprocal
+        return torch.div(vmax, _f32(E2M1_MAX, vmax)) / outer.dec
     if order == "modelopt":
         return vmax / (E2M1_MAX * outer.dec)
     if order == "compressed_tensors":

@@ -83,9 +83,17 @@ def _libalign(preset: str, per_matrix: bool) -> Callable[[list[torch.Tensor]], l
     return run
 
 
-def _torchao_tensor(stacks: list[torch.Tensor]) -> list[Bits]:
-    from tests.libalign import peers
+def _peers():
+    """The test suite's peer adapters (tests/libalign/peers.py, formerly tests/spec/)."""
+    try:
+        from tests.libalign import peers
+    except ImportError:
+        from tests.spec import peers
+    return peers
 
+
+def _torchao_tensor(stacks: list[torch.Tensor]) -> list[Bits]:
+    peers = _peers()
     return [peers.torchao(s) for s in stacks]
 
 
@@ -125,8 +133,7 @@ def _modelopt(stacks: list[torch.Tensor]) -> list[Bits]:
 
 
 def _compressed_tensors(stacks: list[torch.Tensor]) -> list[Bits]:
-    from tests.libalign import peers
-
+    peers = _peers()
     return [peers.compressed_tensors(w) for s in stacks for w in s]
 
 
@@ -183,7 +190,9 @@ def _same_bits(a: list[Bits], b: list[Bits]) -> bool:
 
 
 def measure(qs: list[Quantizer], stacks: list[torch.Tensor], repeats: int,
-            warmup: list[torch.Tensor]) -> None:
+            warmup: list[torch.Tensor]) -> tuple[float, float]:
+    """Time every quantizer; returns the 1-minute load average before and after."""
+    load_before = os.getloadavg()[0]
     for q in qs:  # imports, lazily built tables, first-call dispatch: untimed
         try:
             q.run(warmup)
@@ -204,6 +213,7 @@ def measure(qs: list[Quantizer], stacks: list[torch.Tensor], repeats: int,
                 continue
             q.bits = bits
             q.bytes_out = _nbytes(bits)
+    return load_before, os.getloadavg()[0]
 
 
 def row_variant_check(qs: list[Quantizer], stacks: list[torch.Tensor]) -> bool | None:
@@ -238,7 +248,8 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def build_results(qs, stacks, repeats, anchor_path, row_check=None) -> dict[str, Any]:
+def build_results(qs, stacks, repeats, anchor_path, row_check=None,
+                  load=(None, None)) -> dict[str, Any]:
     bytes_in = sum(s.numel() * s.element_size() for s in stacks)
     by_name = {q.name: q for q in qs}
     base_ao = by_name[BASELINE_TORCHAO].best
@@ -276,6 +287,7 @@ def build_results(qs, stacks, repeats, anchor_path, row_check=None) -> dict[str,
         "repeats": repeats,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
+        "loadavg_1min_before_after": list(load),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "versions": {
@@ -308,7 +320,10 @@ def footnotes(res: dict[str, Any]) -> list[str]:
         f"({w['bytes_in']:,} bytes in), seeded randn; best of {res['repeats']} "
         f"round-robin repeats; torch {v['torch']}, {res['threads']} threads (default), "
         f"torchao {v['torchao']}, modelopt {v['nvidia-modelopt']}, "
-        f"compressed-tensors {v['compressed-tensors']}.",
+        f"compressed-tensors {v['compressed-tensors']}; 1-min load average "
+        f"{_fmt(res['loadavg_1min_before_after'][0], '.2f')} before, "
+        f"{_fmt(res['loadavg_1min_before_after'][1], '.2f')} after (includes this benchmark; "
+        "other work on the machine inflates every figure).",
         "GB/s = (bytes in + bytes out) / s; bytes out = packed codes + E4M3 block scales + "
         "outer scales as returned (per-row rows store 4 B per row, per-tensor 4 B per "
         "matrix). 'vs X' = X's seconds / this row's seconds (>1 = faster).",
@@ -321,7 +336,7 @@ def footnotes(res: dict[str, Any]) -> list[str]:
         "the same nvfp4_quantize arithmetic; the anchor's 'rowwise' figure was recorded "
         "by a script not in this repo, so the two may not be the same call.",
         "ModelOpt is called directly per matrix (no input clone); compressed-tensors via "
-        "tests/spec/peers.py (generate_gparam + compute_dynamic_scales_and_zp + "
+        f"{_peers().__name__} (generate_gparam + compute_dynamic_scales_and_zp + "
         "NVFP4PackedCompressor.compress) per matrix.",
     ]
     checks = ", ".join(f"{k}: {'bit-exact' if ok else ('DIFFERS' if ok is False else 'n/a')}"
@@ -400,9 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     stacks = make_workload(args.experts, shapes, args.seed)
     warmup = make_workload(1, QUICK_SHAPES, args.seed + 1)
     qs = quantizers()
-    measure(qs, stacks, args.repeats, warmup)
+    load = measure(qs, stacks, args.repeats, warmup)
     res = build_results(qs, stacks, args.repeats, find_anchor(args.anchor),
-                        row_variant_check(qs, stacks))
+                        row_variant_check(qs, stacks), load)
     render(res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
