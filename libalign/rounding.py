@@ -69,7 +69,7 @@ def _apply_sign(z: torch.Tensor, mag: torch.Tensor, signed_zero: str) -> torch.T
     elif signed_zero == "sign_of_nonzero":
         neg = z < 0
     elif signed_zero == "positive":
-        neg = (z < 0) & (mag != 0)
+        neg = z < -_STRICT_MIDPOINTS[0]  # the magnitude is non-zero exactly when |z| > 0.25
     else:
         raise SpecError(f"signed_zero must be one of {SIGNED_ZERO_POLICIES}, got {signed_zero!r}")
     return mag | (neg.to(torch.uint8) << 3)

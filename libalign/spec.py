@@ -382,6 +382,15 @@ def _broadcast_outer(t: torch.Tensor, domain: str, vmax_ndim: int) -> torch.Tens
     return t.unsqueeze(-1)  # row
 
 
+def _block_maxima(blocks: torch.Tensor) -> torch.Tensor:
+    """fp32 max |x| of every block ``[..., nb, 16] -> [..., nb]``, in cache-sized chunks."""
+    flat = blocks.reshape(-1, BLOCK_SIZE)
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+    for lo in range(0, flat.shape[0], CHUNK_BLOCKS):
+        out[lo:lo + CHUNK_BLOCKS] = flat[lo:lo + CHUNK_BLOCKS].abs().amax(-1)
+    return out.reshape(blocks.shape[:-1])
+
+
 def _blocks(x32: torch.Tensor) -> torch.Tensor:
     return x32.reshape(*x32.shape[:-1], x32.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
 
@@ -415,7 +424,7 @@ def quantize(
     if spec.hadamard:
         x32 = rht16(x32, spec.hadamard_signs)
     blocks = _blocks(x32)  # [..., M, nb, 16]
-    vmax = _amax(blocks.abs(), (-1,))  # [..., M, nb]
+    vmax = _block_maxima(blocks)  # [..., M, nb]
 
     if spec.outer_domain == "none":
         one = torch.ones((), dtype=torch.float32, device=x.device)
@@ -444,24 +453,44 @@ def quantize(
     )
 
 
+#: Blocks encoded per chunk: every step after the block scales is elementwise per block,
+#: so working through cache-sized chunks gives the same bits as one pass, faster.
+CHUNK_BLOCKS = 1 << 15
+
+
+def _per_block(t: torch.Tensor, grid_shape: torch.Size) -> torch.Tensor:
+    """An outer-scale tensor broadcast to one value per block, flattened to ``[n, 1]``."""
+    if t.ndim == 0:
+        return t
+    return t.expand(grid_shape).reshape(-1, 1)
+
+
 def _encode(blocks, s32, outer_b, spec, generator) -> torch.Tensor:
     """Packed E2M1 codes of fp32 blocks ``[..., nb, 16]`` under given scales (step 6-7)."""
-    outer_e = scale_math.OuterScales(
-        enc=outer_b.enc.unsqueeze(-1) if outer_b.enc.ndim else outer_b.enc,
-        dec=outer_b.dec.unsqueeze(-1) if outer_b.dec.ndim else outer_b.dec,
-    )
-    s_e = s32.unsqueeze(-1)
-    scaled = scale_math.encode_blocks(blocks, s_e, outer_e, spec.op_order)
-    zero = s_e == 0
-    if bool(zero.any()):
-        mult = 0.0 if spec.zero_scale_encode == "zero" else FLT_MAX
-        scaled = torch.where(zero, blocks * mult, scaled)
-    scaled = scaled.clamp_(-E2M1_MAX, E2M1_MAX).reshape(*blocks.shape[:-2], blocks.shape[-2] * BLOCK_SIZE)
-    if spec.stochastic_rounding:
-        codes = round_e2m1_stochastic(scaled, generator, spec.signed_zero)
-    else:
-        codes = round_e2m1(scaled, spec.signed_zero)
-    return pack_nibbles(codes)
+    grid = s32.shape  # [..., M, nb]
+    flat = blocks.reshape(-1, BLOCK_SIZE)
+    s_flat = s32.reshape(-1, 1)
+    enc, dec = _per_block(outer_b.enc, grid), _per_block(outer_b.dec, grid)
+    mult = 0.0 if spec.zero_scale_encode == "zero" else FLT_MAX
+    # stochastic rounding consumes its generator in element order over the whole tensor
+    step = flat.shape[0] if spec.stochastic_rounding else CHUNK_BLOCKS
+    out = torch.empty((flat.shape[0], BLOCK_SIZE // 2), dtype=torch.uint8, device=flat.device)
+    for lo in range(0, flat.shape[0], max(step, 1)):
+        hi = lo + step
+        xb, sb = flat[lo:hi], s_flat[lo:hi]
+        ob = scale_math.OuterScales(enc=enc if enc.ndim == 0 else enc[lo:hi],
+                                    dec=dec if dec.ndim == 0 else dec[lo:hi])
+        scaled = scale_math.encode_blocks(xb, sb, ob, spec.op_order)
+        zero = sb == 0
+        if bool(zero.any()):
+            scaled = torch.where(zero, xb * mult, scaled)
+        scaled = scaled.clamp_(-E2M1_MAX, E2M1_MAX)
+        if spec.stochastic_rounding:
+            codes = round_e2m1_stochastic(scaled, generator, spec.signed_zero)
+        else:
+            codes = round_e2m1(scaled, spec.signed_zero)
+        out[lo:hi] = pack_nibbles(codes)
+    return out.reshape(*grid[:-1], grid[-1] * (BLOCK_SIZE // 2))
 
 
 def encode_with_scales(

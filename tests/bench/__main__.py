@@ -75,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         names, bench_argv = argv[:cut], argv[cut + 1 :]
-    else:
-        names, bench_argv = argv, []
+    else:  # options without a `--` go to the benchmarks too
+        names = [a for a in argv if not a.startswith("-")]
+        bench_argv = [a for a in argv if a.startswith("-")]
     return run(names, bench_argv)
 
 
