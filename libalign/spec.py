@@ -382,6 +382,21 @@ def _broadcast_outer(t: torch.Tensor, domain: str, vmax_ndim: int) -> torch.Tens
     return t.unsqueeze(-1)  # row
 
 
+def _prepared_blocks(x: torch.Tensor, spec: NumericsSpec) -> torch.Tensor:
+    """Steps 1-2: refuse or saturate NaN/Inf, fp32, zero-pad K, optional rotation, blocks."""
+    if spec.nonfinite == "raise":
+        check_finite(x)
+    else:
+        x = _saturate_nonfinite(x)
+    x32 = x.to(torch.float32)
+    pad = -x.shape[-1] % BLOCK_SIZE
+    if pad:
+        x32 = torch.nn.functional.pad(x32, (0, pad))
+    if spec.hadamard:
+        x32 = rht16(x32, spec.hadamard_signs)
+    return _blocks(x32)
+
+
 def _block_maxima(blocks: torch.Tensor) -> torch.Tensor:
     """fp32 max |x| of every block ``[..., nb, 16] -> [..., nb]``, in cache-sized chunks."""
     flat = blocks.reshape(-1, BLOCK_SIZE)
@@ -410,20 +425,9 @@ def quantize(
     _check_input(x, spec)
     if spec.stochastic_rounding and generator is None:
         raise SpecError("stochastic rounding needs an explicit torch.Generator")
-    if spec.nonfinite == "raise":
-        check_finite(x)
-    else:
-        x = _saturate_nonfinite(x)
-
     shape = tuple(x.shape)
     math_dtype = _math_dtype(spec, x.dtype)
-    x32 = x.to(torch.float32)
-    pad = -shape[-1] % BLOCK_SIZE
-    if pad:
-        x32 = torch.nn.functional.pad(x32, (0, pad))
-    if spec.hadamard:
-        x32 = rht16(x32, spec.hadamard_signs)
-    blocks = _blocks(x32)  # [..., M, nb, 16]
+    blocks = _prepared_blocks(x, spec)  # [..., M, nb, 16]
     vmax = _block_maxima(blocks)  # [..., M, nb]
 
     if spec.outer_domain == "none":
@@ -504,23 +508,14 @@ def encode_with_scales(
     spec = q.spec
     if tuple(x.shape) != q.shape:
         raise ShapeError(f"x has shape {tuple(x.shape)}, the scales belong to shape {q.shape}")
-    if spec.nonfinite == "raise":
-        check_finite(x)
-    else:
-        x = _saturate_nonfinite(x)
-    x32 = x.to(torch.float32)
-    pad = -q.shape[-1] % BLOCK_SIZE
-    if pad:
-        x32 = torch.nn.functional.pad(x32, (0, pad))
-    if spec.hadamard:
-        x32 = rht16(x32, spec.hadamard_signs)
+    blocks = _prepared_blocks(x, spec)
     s32 = e4m3_bits_to_float(q.block_scales)
     outer = q.outer()
     outer_b = scale_math.OuterScales(
         enc=_broadcast_outer(outer.enc, spec.outer_domain, s32.ndim),
         dec=_broadcast_outer(outer.dec, spec.outer_domain, s32.ndim),
     )
-    return _encode(_blocks(x32), s32, outer_b, spec, generator)
+    return _encode(blocks, s32, outer_b, spec, generator)
 
 
 def roundtrip_codes(q: NVFP4Tensor) -> torch.Tensor:
