@@ -22,6 +22,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import sys
 import time
 import warnings
@@ -56,6 +57,7 @@ class Quantizer:
     granularity: str
     run: Callable[[list[torch.Tensor]], list[Bits]]
     times: list[float] = field(default_factory=list)
+    faults: list[int] = field(default_factory=list)  # minor page faults of each timed run
     bytes_out: int = 0
     bits: list[Bits] | None = None
     error: str | None = None
@@ -205,9 +207,11 @@ def measure(qs: list[Quantizer], stacks: list[torch.Tensor], repeats: int,
             q.bits = None
             gc.collect()
             try:
+                flt = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 start = time.perf_counter()
                 bits = q.run(stacks)
                 q.times.append(time.perf_counter() - start)
+                q.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt)
             except Exception as exc:
                 q.error = f"{type(exc).__name__}: {exc}"
                 continue
@@ -226,6 +230,19 @@ def row_variant_check(qs: list[Quantizer], stacks: list[torch.Tensor]) -> bool |
 
 
 # --- reporting ------------------------------------------------------------------------
+
+
+def _malloc_heap_only() -> bool:
+    """glibc: stop serving large blocks with mmap and never trim the heap (M_MMAP_MAX=0)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        m_trim_threshold, m_mmap_max = -1, -4
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(
+            libc.mallopt(m_trim_threshold, ctypes.c_int(2**31 - 1)))
+    except (OSError, AttributeError):
+        return False
 
 
 def find_anchor(explicit: str | None) -> Path | None:
@@ -249,7 +266,7 @@ def _version(dist: str) -> str:
 
 
 def build_results(qs, stacks, repeats, anchor_path, row_check=None,
-                  load=(None, None)) -> dict[str, Any]:
+                  load=(None, None), no_mmap=False) -> dict[str, Any]:
     bytes_in = sum(s.numel() * s.element_size() for s in stacks)
     by_name = {q.name: q for q in qs}
     base_ao = by_name[BASELINE_TORCHAO].best
@@ -262,6 +279,7 @@ def build_results(qs, stacks, repeats, anchor_path, row_check=None,
             "outer_granularity": q.granularity,
             "seconds": t,
             "all_seconds": q.times,
+            "minor_faults_best_run": q.faults[q.times.index(t)] if q.times else None,
             "bytes_out": q.bytes_out or None,
             "GBps": None if t is None else (bytes_in + q.bytes_out) / t / 1e9,
             "vs_torchao": None if t is None or base_ao is None else base_ao / t,
@@ -288,6 +306,7 @@ def build_results(qs, stacks, repeats, anchor_path, row_check=None,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "loadavg_1min_before_after": list(load),
+        "malloc_no_mmap": no_mmap,
         "platform": platform.platform(),
         "python": platform.python_version(),
         "versions": {
@@ -339,6 +358,15 @@ def footnotes(res: dict[str, Any]) -> list[str]:
         f"{_peers().__name__} (generate_gparam + compute_dynamic_scales_and_zp + "
         "NVFP4PackedCompressor.compress) per matrix.",
     ]
+    flt = ", ".join(f"{r['quantizer']} {r['minor_faults_best_run'] / 1e3:.0f}k"
+                    for r in res["rows"] if r["minor_faults_best_run"] is not None)
+    notes.append(
+        f"Minor page faults in each best run: {flt}. glibc serves each temporary above its "
+        "mmap threshold (32 MiB at most) with fresh pages, so whole-stack calls pay page "
+        "faults that per-matrix loops do not"
+        + (" (this run: --no-mmap, large blocks reused from the heap)." if res["malloc_no_mmap"]
+           else "; --no-mmap removes that cost.")
+    )
     checks = ", ".join(f"{k}: {'bit-exact' if ok else ('DIFFERS' if ok is False else 'n/a')}"
                        for k, ok in res["bit_checks"].items())
     notes.append(f"Same-input bit check (codes, scale bytes, outer values): {checks}.")
@@ -405,11 +433,16 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"tiny shapes {QUICK_SHAPES} for a smoke run")
     p.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    p.add_argument("--no-mmap", action="store_true",
+                   help="glibc only: mallopt(M_MMAP_MAX=0) so large temporaries are reused from "
+                        "the heap instead of page-faulting fresh mmap'd memory on every call")
     p.add_argument("--anchor", metavar="PATH", help=f"anchor file (default: find {ANCHOR_NAME})")
     args = p.parse_args(argv)
     if args.experts < 1 or args.repeats < 1:
         p.error("--experts and --repeats must be at least 1")
 
+    if args.no_mmap and not _malloc_heap_only():
+        p.error("--no-mmap needs glibc's mallopt")
     warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
     stacks = make_workload(args.experts, shapes, args.seed)
@@ -417,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     qs = quantizers()
     load = measure(qs, stacks, args.repeats, warmup)
     res = build_results(qs, stacks, args.repeats, find_anchor(args.anchor),
-                        row_variant_check(qs, stacks), load)
+                        row_variant_check(qs, stacks), load, args.no_mmap)
     render(res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
