@@ -382,6 +382,11 @@ def _broadcast_outer(t: torch.Tensor, domain: str, vmax_ndim: int) -> torch.Tens
     return t.unsqueeze(-1)  # row
 
 
+#: Blocks encoded per chunk: every step after the block scales is elementwise per block,
+#: so working through cache-sized chunks gives the same bits as one pass, faster.
+CHUNK_BLOCKS = 1 << 15
+
+
 def _prepared_blocks(x: torch.Tensor, spec: NumericsSpec) -> torch.Tensor:
     """Steps 1-2: refuse or saturate NaN/Inf, fp32, zero-pad K, optional rotation, blocks."""
     if spec.nonfinite == "raise":
@@ -457,11 +462,6 @@ def quantize(
     )
 
 
-#: Blocks encoded per chunk: every step after the block scales is elementwise per block,
-#: so working through cache-sized chunks gives the same bits as one pass, faster.
-CHUNK_BLOCKS = 1 << 15
-
-
 def _per_block(t: torch.Tensor, grid_shape: torch.Size) -> torch.Tensor:
     """An outer-scale tensor broadcast to one value per block, flattened to ``[n, 1]``."""
     if t.ndim == 0:
@@ -476,6 +476,7 @@ def _encode(blocks, s32, outer_b, spec, generator) -> torch.Tensor:
     s_flat = s32.reshape(-1, 1)
     enc, dec = _per_block(outer_b.enc, grid), _per_block(outer_b.dec, grid)
     mult = 0.0 if spec.zero_scale_encode == "zero" else FLT_MAX
+    any_zero = bool((s_flat == 0).any())  # one check, not one device sync per chunk
     # stochastic rounding consumes its generator in element order over the whole tensor
     step = flat.shape[0] if spec.stochastic_rounding else CHUNK_BLOCKS
     out = torch.empty((flat.shape[0], BLOCK_SIZE // 2), dtype=torch.uint8, device=flat.device)
@@ -485,9 +486,8 @@ def _encode(blocks, s32, outer_b, spec, generator) -> torch.Tensor:
         ob = scale_math.OuterScales(enc=enc if enc.ndim == 0 else enc[lo:hi],
                                     dec=dec if dec.ndim == 0 else dec[lo:hi])
         scaled = scale_math.encode_blocks(xb, sb, ob, spec.op_order)
-        zero = sb == 0
-        if bool(zero.any()):
-            scaled = torch.where(zero, xb * mult, scaled)
+        if any_zero:
+            scaled = torch.where(sb == 0, xb * mult, scaled)
         scaled = scaled.clamp_(-E2M1_MAX, E2M1_MAX)
         if spec.stochastic_rounding:
             codes = round_e2m1_stochastic(scaled, generator, spec.signed_zero)
