@@ -420,11 +420,17 @@ def quantize(
     spec: NumericsSpec | None = None,
     *,
     generator: torch.Generator | None = None,
+    outer_amax: torch.Tensor | None = None,
 ) -> NVFP4Tensor:
     """Quantize a 2-D ``[M, K]`` or 3-D ``[E, M, K]`` float tensor to NVFP4 under ``spec``.
 
     ``spec`` defaults to ``PRESETS["minite"]``. ``generator`` is required when the spec
     asks for stochastic rounding, and is consumed in element order.
+
+    ``outer_amax`` replaces the outer maxima this tensor would give (shape ``[]`` for the
+    tensor domain, ``[E]`` for experts, ``[..., M]`` for rows; fp32, floored like
+    computed maxima). It is how two tensors share one outer scale, as samplers expect of
+    the gate and up projections they fuse (see :func:`shared_outer_amax`).
     """
     spec = PRESETS["minite"] if spec is None else spec
     _check_input(x, spec)
@@ -441,6 +447,8 @@ def quantize(
         amax = stored = None
     else:
         amax = _outer_amax(vmax, spec.outer_domain)
+        if outer_amax is not None:
+            amax = _checked_outer_amax(outer_amax, amax)
         if spec.amax_floor is not None:
             amax = torch.clamp(amax, min=amax.new_tensor(spec.amax_floor))
         outer = scale_math.outer_from_amax(amax, spec.op_order, math_dtype)
@@ -460,6 +468,52 @@ def quantize(
         shape=shape,
         outer_amax=amax,
     )
+
+
+def _checked_outer_amax(given: torch.Tensor, computed: torch.Tensor) -> torch.Tensor:
+    """``given`` as fp32 on the input's device, refused unless it fits the outer domain."""
+    if not isinstance(given, torch.Tensor):
+        raise DTypeError(f"outer_amax must be a torch.Tensor, got {type(given).__name__}")
+    if tuple(given.shape) != tuple(computed.shape):
+        raise ShapeError(f"outer_amax has shape {tuple(given.shape)}, this outer domain "
+                         f"needs {tuple(computed.shape)}")
+    given = given.to(device=computed.device, dtype=torch.float32)
+    if not bool(torch.isfinite(given).all()) or bool((given < 0).any()):
+        raise NonFiniteError("outer_amax", int((~torch.isfinite(given)).sum()),
+                             int(torch.isnan(given).sum()), int(torch.isinf(given).sum()), [])
+    return given
+
+
+def shared_outer_amax(tensors: list[torch.Tensor], spec: NumericsSpec) -> torch.Tensor:
+    """One outer maximum for several tensors of the same outer-domain shape.
+
+    The gate and up projections of an expert are separate tensors in a checkpoint but
+    one fused GEMM in a sampler, which needs them to share one outer scale. For the
+    ``tensor`` and ``expert`` domains this returns the elementwise maximum of each
+    tensor's own outer maxima. For the ``row`` domain every row is its own domain
+    already, so sharing is not needed: it is refused to avoid a silent no-op.
+    """
+    if spec.outer_domain not in ("tensor", "expert"):
+        raise SpecError(f"a shared outer amax needs the tensor or expert domain, "
+                        f"preset {spec.name!r} has {spec.outer_domain!r}")
+    out = None
+    for t in tensors:
+        _check_input(t, spec)
+        x = t if spec.nonfinite == "raise" else _saturate_nonfinite(t)
+        if spec.nonfinite == "raise":
+            check_finite(x)
+        if spec.hadamard:
+            x = rht16(torch.nn.functional.pad(x.float(), (0, -x.shape[-1] % BLOCK_SIZE)),
+                      spec.hadamard_signs)
+        dims = tuple(range(x.ndim)) if (spec.outer_domain == "tensor" or x.ndim == 2) else (-2, -1)
+        a = _amax(x.abs().float(), dims)
+        if out is not None and a.shape != out.shape:
+            raise ShapeError(f"shared outer amax over tensors with different outer domains: "
+                             f"{tuple(out.shape)} vs {tuple(a.shape)}")
+        out = a if out is None else torch.maximum(out, a)
+    if out is None:
+        raise ShapeError("shared_outer_amax needs at least one tensor")
+    return out
 
 
 def _per_block(t: torch.Tensor, grid_shape: torch.Size) -> torch.Tensor:

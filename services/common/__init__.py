@@ -1,0 +1,1 @@
+"""Pieces every service shares: settings, wire schemas, Redis bus and stores, telemetry."""
