@@ -92,3 +92,104 @@ class LayoutError(InputError):
     """A packed payload, scale layout or checkpoint dict does not fit its description."""
 
     code = "invalid_layout"
+
+
+class ConfigError(AlignError):
+    """A setting is missing or inconsistent, or asks for something not available here."""
+
+    code = "invalid_config"
+    http_status = 500
+
+
+class MissingShardError(InputError):
+    """A published weight version names a shard file that is not there.
+
+    ``shard`` is the missing file name and ``tensors`` the tensors the index puts in it.
+    """
+
+    code = "missing_shard"
+
+    def __init__(self, shard: str, tensors: Sequence[str], where: str = ""):
+        self.shard = shard
+        self.tensors = list(tensors)
+        first = ", ".join(self.tensors[:3]) + (" ..." if len(self.tensors) > 3 else "")
+        at = f" in {where}" if where else ""
+        super().__init__(f"shard {shard!r}{at} is missing; it holds {len(self.tensors)} "
+                         f"tensor(s): {first}")
+
+
+class EventError(InputError):
+    """An event on a Redis stream lacks a field or holds one that does not parse."""
+
+    code = "invalid_event"
+
+
+class VersionNotFoundError(AlignError, LookupError):
+    """No weight version with this id exists (in the registry or in the store)."""
+
+    code = "version_not_found"
+    http_status = 404
+
+    def __init__(self, version_id: str, where: str = "registry"):
+        self.version_id = version_id
+        super().__init__(f"weight version {version_id!r} not found in the {where}")
+
+
+class VersionExistsError(AlignError):
+    """A weight version with this id already exists and may not be created again."""
+
+    code = "version_exists"
+    http_status = 409
+
+    def __init__(self, version_id: str, where: str = "registry"):
+        self.version_id = version_id
+        super().__init__(f"weight version {version_id!r} already exists in the {where}")
+
+
+class StateTransitionError(AlignError):
+    """A weight version cannot move from its current state to the one asked for."""
+
+    code = "illegal_transition"
+    http_status = 409
+
+    def __init__(self, version_id: str, current: str, target: str, detail: str = ""):
+        self.version_id = version_id
+        self.current = current
+        self.target = target
+        extra = f" ({detail})" if detail else ""
+        super().__init__(f"weight version {version_id!r}: {current} -> {target} is not "
+                         f"allowed{extra}")
+
+
+class StoreError(AlignError):
+    """The weight store holds something unreadable or inconsistent."""
+
+    code = "store_error"
+    http_status = 500
+
+
+class ChecksumMismatchError(StoreError):
+    """A stored tensor's bytes do not match the SHA-256 its manifest records."""
+
+    code = "checksum_mismatch"
+
+    def __init__(self, version_id: str, tensor: str, expected: str, actual: str):
+        self.version_id = version_id
+        self.tensor = tensor
+        self.expected = expected
+        self.actual = actual
+        super().__init__(f"weight version {version_id!r}: tensor {tensor!r} has sha256 "
+                         f"{actual[:16]}..., the manifest says {expected[:16]}...")
+
+
+class ManifestError(StoreError):
+    """A stored version's manifest is missing, unparsable or disagrees with its files."""
+
+    code = "invalid_manifest"
+
+
+class BusUnavailableError(AlignError):
+    """Redis could not be reached within the retry budget."""
+
+    code = "bus_unavailable"
+    http_status = 503
