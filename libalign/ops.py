@@ -1,18 +1,105 @@
 """The only door to compiled kernels; everything else calls these functions.
 
-Each function here has a reference in :mod:`libalign.spec` and the compiled kernels in
-``csrc/`` must reproduce that reference bit for bit. Dispatch is by device: CUDA tensors go
-to the CUDA kernel, CPU tensors to the C++ kernel; when a kernel cannot be built or the
-request is outside what it covers (an unusual preset, K not a multiple of 16, a Hadamard
-rotation), the call falls back to the spec itself, which is slower but gives the same bits.
+Each function here has a reference in :mod:`libalign.spec`, and the kernels in ``csrc/``
+reproduce that reference bit for bit (codes, block-scale bytes, outer-scale bits).
+
+How a call is served
+    CUDA tensors go to the CUDA kernel, CPU tensors to the C++ kernel (AVX-512 where the
+    CPU has it), both built on first use (:mod:`libalign._native`). The kernels cover the
+    ``te``, ``torchao`` and ``modelopt`` operation orders, every outer domain, bf16 /
+    fp16 / fp32 input, 2-D matrices and 3-D expert stacks, a given outer maximum (shared
+    gate/up scales), and linear or 128x4-swizzled block scales. Anything else — the
+    compressed-tensors order (its scale math runs in bf16), a Hadamard rotation,
+    stochastic rounding, K not a multiple of 16, a given per-row maximum — is served by
+    the spec itself: slower, the same bits. :func:`backend_for` says which one a call gets.
+
+Errors
+    The kernels flag NaN/Inf input and undefined scales (a preset dividing 0 by 0) rather
+    than describe them; on a flag the call re-runs the spec, which raises the typed error
+    with positions, so every path raises exactly what the spec raises.
+
+Row domain, one pass
+    In the row domain (the ``minite`` default) a row's maximum, outer scale, block scales
+    and codes come from one read of the row. The tensor and expert domains need the
+    maximum before any scale, so they read the input twice: a max pass, then the encode.
 """
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
+
 import torch
 
+from . import _native, scale_math
 from . import spec as _spec
-from .spec import NumericsSpec, NVFP4Tensor
+from .constants import BLOCK_SIZE
+from .errors import SpecError
+from .packing import swizzled_size, unswizzle_scales
+from .spec import PRESETS, NumericsSpec, NVFP4Tensor
+
+_ORDERS = {"te": 0, "torchao": 1, "modelopt": 2}
+_SIGNED_ZERO = {"positive": 0, "sign_of_input": 1, "sign_of_nonzero": 2}
+_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_CONVENTIONS = {"amax": 0, "enc": 1, "dec": 2}
+_FLAG_NONFINITE, _FLAG_UNDEFINED = 1, 2
+SCALE_LAYOUTS = ("linear", "swizzled")
+BACKENDS = ("auto", "kernel", "spec")
+
+
+@dataclass(frozen=True, eq=False)
+class GemmOperand:
+    """A quantized weight laid out for block-scaled GEMMs: scales in the 128x4 layout.
+
+    ``block_scales`` is the flat swizzled buffer (each expert padded to 128 rows and a
+    multiple of 4 scale columns, padding bytes zero); the other fields are as in
+    :class:`~libalign.spec.NVFP4Tensor`.
+    """
+
+    codes: torch.Tensor
+    block_scales: torch.Tensor
+    outer_scale: torch.Tensor | None
+    outer_amax: torch.Tensor | None
+    spec: NumericsSpec
+    shape: tuple[int, ...]
+
+    def linear(self) -> NVFP4Tensor:
+        """The same bits with linear block scales."""
+        nb = -(-self.shape[-1] // BLOCK_SIZE)
+        lin = unswizzle_scales(self.block_scales, (*self.shape[:-1], nb))
+        return NVFP4Tensor(self.codes, lin, self.outer_scale, self.spec, self.shape,
+                           self.outer_amax)
+
+
+def kernel_gap(x: torch.Tensor, spec: NumericsSpec, outer_amax: torch.Tensor | None) -> str | None:
+    """Why the compiled kernels cannot serve this call, or None when they can."""
+    if spec.op_order not in _ORDERS:
+        return f"op_order {spec.op_order!r} (its scale math is not fp32)"
+    if spec.scale_math_dtype != "float32" or spec.zero_scale_to is not None:
+        return "scale math in the input dtype / zero-scale substitution"
+    if spec.hadamard:
+        return "Hadamard rotation"
+    if spec.stochastic_rounding:
+        return "stochastic rounding"
+    if x.dtype not in _DTYPES:
+        return f"dtype {x.dtype}"
+    if x.shape[-1] % BLOCK_SIZE:
+        return f"K={x.shape[-1]} is not a multiple of {BLOCK_SIZE}"
+    if x.device.type not in ("cpu", "cuda"):
+        return f"device {x.device.type}"
+    if outer_amax is not None and spec.outer_domain == "row":
+        return "a given per-row maximum"
+    return None
+
+
+def backend_for(x: torch.Tensor, spec: NumericsSpec | None = None,
+                outer_amax: torch.Tensor | None = None) -> str:
+    """``'cuda'``, ``'cpu'`` or ``'spec'``: which implementation :func:`quantize` would use."""
+    spec = PRESETS["minite"] if spec is None else spec
+    if kernel_gap(x, spec, outer_amax) is not None:
+        return "spec"
+    kind = x.device.type
+    return kind if _native.load(kind) is not None else "spec"
 
 
 def quantize(
@@ -20,7 +107,155 @@ def quantize(
     spec: NumericsSpec | None = None,
     *,
     outer_amax: torch.Tensor | None = None,
+    scale_layout: str = "linear",
     backend: str = "auto",
-) -> NVFP4Tensor:
-    """Quantize like :func:`libalign.spec.quantize`, on the fastest backend available."""
-    return _spec.quantize(x, spec, outer_amax=outer_amax)
+) -> NVFP4Tensor | GemmOperand:
+    """Quantize like :func:`libalign.spec.quantize`, on the fastest backend available.
+
+    ``scale_layout='swizzled'`` returns a :class:`GemmOperand` whose block scales are
+    already in the 128x4 layout (written in place by the kernel, no extra pass).
+    ``backend`` is ``auto`` (kernel when possible), ``kernel`` (raise
+    :class:`~libalign.errors.SpecError` if no kernel can serve the call) or ``spec``.
+    """
+    spec = PRESETS["minite"] if spec is None else spec
+    if scale_layout not in SCALE_LAYOUTS:
+        raise SpecError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+    if backend not in BACKENDS:
+        raise SpecError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _spec._check_input(x, spec)
+    gap = kernel_gap(x, spec, outer_amax)
+    lib = None if gap is not None or backend == "spec" else _native.load(x.device.type)
+    if lib is None:
+        if backend == "kernel":
+            raise SpecError(f"no compiled kernel serves this call: {gap or 'kernel unavailable'}")
+        q = _spec.quantize(x, spec, outer_amax=outer_amax)
+        return q if scale_layout == "linear" else _as_gemm_operand(q)
+    return _quantize_kernel(lib, x, spec, outer_amax, scale_layout == "swizzled")
+
+
+def _as_gemm_operand(q: NVFP4Tensor) -> GemmOperand:
+    return GemmOperand(q.codes, q.swizzled_block_scales(), q.outer_scale, q.outer_amax,
+                       q.spec, q.shape)
+
+
+def _params(x3: torch.Tensor, spec: NumericsSpec, swizzled: bool) -> _native.NvParams:
+    e, m, k = x3.shape
+    p = _native.NvParams()
+    p.experts, p.rows, p.k = e, m, k
+    p.in_dtype = _DTYPES[x3.dtype]
+    p.op_order = _ORDERS[spec.op_order]
+    p.outer_mode = 1 if spec.outer_domain == "row" else 0
+    p.outer_stride = 1 if spec.outer_domain == "expert" else 0
+    p.store_conv = _CONVENTIONS[spec.outer_convention]
+    p.has_amax_floor = int(spec.amax_floor is not None)
+    p.amax_floor = spec.amax_floor or 0.0
+    p.block_scale_floor = spec.block_scale_floor or 0.0
+    p.has_zero_prescale = int(spec.zero_prescale_to is not None)
+    p.zero_prescale_to = spec.zero_prescale_to or 0.0
+    p.zero_saturate = int(spec.zero_scale_encode == "saturate")
+    p.signed_zero = _SIGNED_ZERO[spec.signed_zero]
+    p.nonfinite_saturate = int(spec.nonfinite == "saturate")
+    p.in_max = torch.finfo(x3.dtype).max
+    p.swizzled = int(swizzled)
+    return p
+
+
+def _outer_given(lib, x3, is_3d, spec, p, outer_amax, flags, stream, nthreads):
+    """Outer scales of the tensor/expert/none domains: amax pass + the spec's formulas.
+
+    Returns ``(enc, dec, stored, amax)``, or None when the amax pass met NaN/Inf.
+    """
+    dev = x3.device
+    if spec.outer_domain == "none":
+        one = torch.ones(1, dtype=torch.float32, device=dev)
+        return one, one, None, None
+    per_expert_domain = spec.outer_domain == "expert" and is_3d
+    if outer_amax is None:
+        per_expert = torch.zeros(x3.shape[0], dtype=torch.float32, device=dev)
+        if dev.type == "cpu":
+            code = lib.nvfp4_amax_cpu(x3.data_ptr(), per_expert.data_ptr(), p, nthreads)
+        else:
+            code = lib.nvfp4_amax_cuda(x3.data_ptr(), per_expert.data_ptr(), p,
+                                       flags.data_ptr(), stream)
+        _check_launch(code, "amax")
+        if code > 0 or (flags is not None and int(flags.item())):
+            return None
+        if per_expert_domain:
+            amax = per_expert
+        else:
+            amax = per_expert.amax() if per_expert.numel() else per_expert.new_zeros(())
+    else:
+        want = torch.empty(x3.shape[0] if per_expert_domain else ())
+        amax = _spec._checked_outer_amax(outer_amax, want.to(dev))
+    if spec.amax_floor is not None:
+        amax = torch.clamp(amax, min=amax.new_tensor(spec.amax_floor))
+    outer = scale_math.outer_from_amax(amax, spec.op_order, torch.float32)
+    stored = scale_math.stored_from_outer(outer, amax, spec.outer_convention)
+    return outer.enc.reshape(-1).contiguous(), outer.dec.reshape(-1).contiguous(), stored, amax
+
+
+def _check_launch(code: int, what: str) -> None:
+    if code < 0:
+        raise SpecError(f"the {what} kernel refused its parameters (code {code})")
+
+
+def _quantize_kernel(lib, x, spec, outer_amax, swizzled):
+    shape = tuple(x.shape)
+    is_3d = x.ndim == 3
+    x3 = (x if is_3d else x.unsqueeze(0)).contiguous()
+    e, m, k = x3.shape
+    nb = k // BLOCK_SIZE
+    dev = x3.device
+    p = _params(x3, spec, swizzled)
+    cuda = dev.type == "cuda"
+    flags = torch.zeros(1, dtype=torch.int32, device=dev) if cuda else None
+    stream = torch.cuda.current_stream(dev).cuda_stream if cuda else None
+    nthreads = torch.get_num_threads()
+
+    codes = torch.empty((e, m, k // 2), dtype=torch.uint8, device=dev)
+    if swizzled:
+        scales = torch.zeros(e * swizzled_size(m, nb), dtype=torch.uint8, device=dev)
+    else:
+        scales = torch.empty((e, m, nb), dtype=torch.uint8, device=dev)
+    row = spec.outer_domain == "row"
+    amax_out = torch.empty(e * m if row else 0, dtype=torch.float32, device=dev)
+    stored_out = torch.empty_like(amax_out)
+    stored = amax = None
+    with torch.cuda.device(dev) if cuda else contextlib.nullcontext():
+        if row:
+            enc = dec = amax_out  # unused in ROW mode
+        else:
+            given = _outer_given(lib, x3, is_3d, spec, p, outer_amax, flags, stream, nthreads)
+            if given is None:
+                return _raise_like_spec(x, spec, outer_amax)
+            enc, dec, stored, amax = given
+        if cuda:
+            code = lib.nvfp4_quantize_cuda(x3.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                                           amax_out.data_ptr(), stored_out.data_ptr(),
+                                           enc.data_ptr(), dec.data_ptr(), p, flags.data_ptr(),
+                                           stream)
+            _check_launch(code, "quantize")
+            if code:
+                raise RuntimeError(f"CUDA error {code} in the NVFP4 quantize kernel")
+            bad = int(flags.item())
+        else:
+            bad = lib.nvfp4_quantize_cpu(x3.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                                         amax_out.data_ptr(), stored_out.data_ptr(),
+                                         enc.data_ptr(), dec.data_ptr(), p, nthreads)
+            _check_launch(bad, "quantize")
+    if bad:
+        return _raise_like_spec(x, spec, outer_amax)
+    lead = shape[:-1]
+    codes = codes.reshape(*lead, k // 2)
+    if row:
+        stored, amax = stored_out.reshape(lead), amax_out.reshape(lead)
+    if swizzled:
+        return GemmOperand(codes, scales.view(torch.float8_e4m3fn), stored, amax, spec, shape)
+    return NVFP4Tensor(codes=codes, block_scales=scales.reshape(*lead, nb).view(torch.float8_e4m3fn),
+                       outer_scale=stored, spec=spec, shape=shape, outer_amax=amax)
+
+
+def _raise_like_spec(x, spec, outer_amax):
+    _spec.quantize(x, spec, outer_amax=outer_amax)  # raises the typed error with positions
+    raise RuntimeError("an NVFP4 kernel flagged its input but the spec accepted it; "
+                       "please report this as a kernel bug")

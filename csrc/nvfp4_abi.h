@@ -1,0 +1,73 @@
+// The C ABI of libalign's compiled NVFP4 kernels: the one bindings surface.
+//
+// Python reaches these through ctypes (libalign/_native.py); nothing here depends on
+// Python or PyTorch headers, so a build is one compiler call and takes seconds.
+// Every kernel reproduces libalign.spec.quantize bit for bit for the parameters below;
+// anything else (compressed-tensors' bf16 scale math, Hadamard rotation, stochastic
+// rounding, K not a multiple of 16) stays with the spec.
+#pragma once
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { NV_IN_BF16 = 0, NV_IN_FP16 = 1, NV_IN_FP32 = 2 };
+enum { NV_ORDER_TE = 0, NV_ORDER_TORCHAO = 1, NV_ORDER_MODELOPT = 2 };
+enum { NV_OUTER_GIVEN = 0, NV_OUTER_ROW = 1 };
+enum { NV_STORE_AMAX = 0, NV_STORE_ENC = 1, NV_STORE_DEC = 2 };
+enum { NV_SZ_POSITIVE = 0, NV_SZ_SIGN_OF_INPUT = 1, NV_SZ_SIGN_OF_NONZERO = 2 };
+
+// Flags returned by the kernels (OR-ed): the caller re-runs the spec, which raises the
+// precise typed error (positions of NaN/Inf, or the undefined-scale explanation).
+enum { NV_FLAG_NONFINITE = 1, NV_FLAG_UNDEFINED_SCALE = 2 };
+
+typedef struct NvParams {
+  int64_t experts;      // leading dimension of a 3-D stack (1 for a matrix)
+  int64_t rows;         // rows per expert (M)
+  int64_t k;            // row length, a multiple of 16
+  int32_t in_dtype;     // NV_IN_*
+  int32_t op_order;     // NV_ORDER_*
+  int32_t outer_mode;   // NV_OUTER_GIVEN: enc/dec arrays; NV_OUTER_ROW: from each row's amax
+  int32_t outer_stride; // GIVEN mode: 0 = one enc/dec for all, 1 = one per expert
+  int32_t store_conv;   // ROW mode: what stored_out holds (NV_STORE_*)
+  int32_t has_amax_floor;
+  float amax_floor;
+  float block_scale_floor;  // lower clamp of the fp32 block scale (0 when none)
+  int32_t has_zero_prescale;
+  float zero_prescale_to;   // substitute for an fp32 block scale of exactly zero
+  int32_t zero_saturate;    // a zero E4M3 scale encodes with FLT_MAX (1) or 0 (0)
+  int32_t signed_zero;      // NV_SZ_*
+  int32_t nonfinite_saturate; // NaN -> 0, +-Inf -> +-in_max instead of flagging
+  float in_max;             // largest finite value of the input dtype
+  int32_t swizzled;         // block scales in the 128x4 layout (caller zero-fills)
+} NvParams;
+
+// CPU: x points at experts*rows*k elements of in_dtype (contiguous). codes receives
+// experts*rows*k/2 bytes, scales experts*rows*k/16 bytes (or the swizzled size).
+// ROW mode writes amax_out/stored_out (experts*rows floats each); GIVEN mode reads
+// enc/dec. Returns the OR of NV_FLAG_* (0 on success).
+int nvfp4_quantize_cpu(const void* x, uint8_t* codes, uint8_t* scales, float* amax_out,
+                       float* stored_out, const float* enc, const float* dec,
+                       const NvParams* p, int nthreads);
+
+// CPU: per-expert max |x| (experts floats) for the tensor/expert domains; NaN/Inf set the
+// flag (or are saturated first, as nonfinite_saturate says).
+int nvfp4_amax_cpu(const void* x, float* amax_out, const NvParams* p, int nthreads);
+
+// CPU: 1 when the vectorized (AVX-512) path was compiled in; force_scalar(1) disables it
+// (the tests run both paths against the spec).
+int nvfp4_cpu_has_simd(void);
+void nvfp4_cpu_force_scalar(int on);
+
+// CUDA: the same contract on device pointers, asynchronously on `stream`; flags_dev is
+// one device int the kernels OR their flags into (the caller zeroes and reads it).
+int nvfp4_quantize_cuda(const void* x, uint8_t* codes, uint8_t* scales, float* amax_out,
+                        float* stored_out, const float* enc, const float* dec,
+                        const NvParams* p, int* flags_dev, void* stream);
+int nvfp4_amax_cuda(const void* x, float* amax_out, const NvParams* p, int* flags_dev,
+                    void* stream);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,158 @@
+// NVFP4 scalar numerics shared by the CPU and CUDA kernels.
+//
+// Each function is the fp32 operation sequence of one step of libalign.spec.quantize
+// (see libalign/scale_math.py for the orders): one IEEE rounding per operation, in the
+// same association, never fused. On the device the explicit __fdiv_rn/__fmul_rn
+// intrinsics keep nvcc from contracting or approximating; on the host the build uses
+// -ffp-contract=off and no fast-math.
+#pragma once
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+#include "nvfp4_abi.h"
+
+#if defined(__CUDACC__)
+#define NV_HD __host__ __device__ __forceinline__
+#else
+#define NV_HD static inline
+#endif
+
+#define NV_FLT_MAX 3.4028234663852886e38f
+#define NV_E4M3_MAX 448.0f
+#define NV_E2M1_MAX 6.0f
+#define NV_FP8_TIMES_FP4_MAX 2688.0f
+#define NV_E4M3_MIN_NORMAL 0.015625f  // 2^-6
+
+NV_HD float nv_div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+NV_HD float nv_mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+NV_HD uint32_t nv_f2u(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u; memcpy(&u, &f, 4); return u;
+#endif
+}
+
+NV_HD float nv_u2f(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f; memcpy(&f, &u, 4); return f;
+#endif
+}
+
+// torch.minimum / clamp semantics for the non-NaN values that reach them here.
+NV_HD float nv_min(float a, float b) { return a < b ? a : b; }
+NV_HD float nv_max(float a, float b) { return a > b ? a : b; }
+
+typedef struct NvOuter { float enc, dec; } NvOuter;
+
+// Outer scales from the floored outer maximum (scale_math.outer_from_amax).
+NV_HD NvOuter nv_outer_from_amax(float a, int order) {
+  NvOuter o;
+  if (order == NV_ORDER_TE) {
+    float enc = nv_min(nv_div(NV_FP8_TIMES_FP4_MAX, a), NV_FLT_MAX);
+    if (enc == 0.0f) enc = 1.0f;
+    o.enc = enc;
+    o.dec = nv_div(1.0f, enc);
+  } else {  // torchao, modelopt
+    o.dec = nv_div(a, NV_FP8_TIMES_FP4_MAX);
+    o.enc = nv_div(1.0f, o.dec);
+  }
+  return o;
+}
+
+// The TE order's block-scale multiplier fl(enc * fl(1/6)), hoisted out of the block loop.
+NV_HD float nv_te_block_mult(float enc) { return nv_mul(enc, nv_div(1.0f, NV_E2M1_MAX)); }
+
+// fp32 block scale before clamping (scale_math.block_prescale); te_mult from above.
+NV_HD float nv_block_prescale(float v, NvOuter o, float te_mult, int order) {
+  if (order == NV_ORDER_TE) return nv_min(nv_mul(v, te_mult), NV_FLT_MAX);
+  if (order == NV_ORDER_TORCHAO) return nv_div(nv_div(v, NV_E2M1_MAX), o.dec);
+  return nv_div(v, nv_mul(NV_E2M1_MAX, o.dec));  // modelopt
+}
+
+// Clamped fp32 value in [0, 448] -> E4M3 byte, round half to even (rounding.round_e4m3_bits).
+NV_HD uint8_t nv_e4m3_bits(float v) {
+  if (v >= NV_E4M3_MIN_NORMAL) {
+    uint32_t b = nv_f2u(v);
+    uint32_t r = (b + 0x7FFFFu + ((b >> 20) & 1u)) >> 20;  // RNE to 3 mantissa bits
+    return (uint8_t)(r - (120u << 3));                     // rebias 127 -> 7
+  }
+  return (uint8_t)rintf(v * 512.0f);  // subnormal quantum 2^-9; exact scaling, RNE
+}
+
+// E4M3 byte (non-negative) -> its exact fp32 value.
+NV_HD float nv_e4m3_value(uint8_t byte) {
+  uint32_t e = (byte >> 3) & 0xFu, m = byte & 7u;
+  if (e == 0) return (float)m * (1.0f / 512.0f);
+  return nv_u2f(((e + 120u) << 23) | (m << 20));
+}
+
+// Block scale byte from block maximum v: prescale, zero substitution, clamp, E4M3 RNE.
+// Sets *undefined when the preset's arithmetic gives NaN (0/0 on an all-zero domain).
+NV_HD uint8_t nv_block_scale(float v, NvOuter o, float te_mult, const NvParams& p,
+                             int* undefined) {
+  float pre = nv_block_prescale(v, o, te_mult, p.op_order);
+  if (pre != pre) { *undefined = 1; return 0; }
+  if (p.has_zero_prescale && pre == 0.0f) pre = p.zero_prescale_to;
+  float lo = p.block_scale_floor;
+  pre = nv_min(nv_max(pre, lo), NV_E4M3_MAX);
+  return nv_e4m3_bits(pre);
+}
+
+// How a block's elements are scaled: z = x * mult, or z = x / div (ModelOpt).
+typedef struct NvEnc { float mult; float div; int use_div; } NvEnc;
+
+NV_HD NvEnc nv_element_encoder(float s, NvOuter o, const NvParams& p) {
+  NvEnc e; e.mult = 0.0f; e.div = 1.0f; e.use_div = 0;
+  if (s == 0.0f) { e.mult = p.zero_saturate ? NV_FLT_MAX : 0.0f; return e; }
+  if (p.op_order == NV_ORDER_TE) {
+    e.mult = nv_min(nv_div(1.0f, nv_mul(s, o.dec)), NV_FLT_MAX);
+  } else if (p.op_order == NV_ORDER_TORCHAO) {
+    e.mult = nv_div(o.enc, s);
+  } else {
+    e.use_div = 1; e.div = nv_mul(s, o.dec);
+  }
+  return e;
+}
+
+// One element -> its E2M1 code under the signed-zero policy (rounding.round_e2m1).
+NV_HD uint32_t nv_e2m1_code(float x, NvEnc e, int signed_zero) {
+  float z = e.use_div ? nv_div(x, e.div) : nv_mul(x, e.mult);
+  z = nv_min(nv_max(z, -NV_E2M1_MAX), NV_E2M1_MAX);
+  float a = fabsf(z);
+  uint32_t mag = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
+                 (a >= 3.5f) + (a > 5.0f);
+  uint32_t neg;
+  if (signed_zero == NV_SZ_SIGN_OF_INPUT) neg = nv_f2u(z) >> 31;
+  else if (signed_zero == NV_SZ_SIGN_OF_NONZERO) neg = z < 0.0f;
+  else neg = z < -0.25f;
+  return mag | (neg << 3);
+}
+
+// Stored outer value of a row in ROW mode (scale_math.stored_from_outer).
+NV_HD float nv_stored(float amax, NvOuter o, int conv) {
+  return conv == NV_STORE_AMAX ? amax : (conv == NV_STORE_ENC ? o.enc : o.dec);
+}
+
+// Byte offset of scale (row r, block column c) of expert e in the 128x4 swizzled layout.
+NV_HD int64_t nv_swizzle_offset(int64_t e, int64_t r, int64_t c, int64_t rows, int64_t cols) {
+  int64_t rp = (rows + 127) / 128 * 128, cp = (cols + 3) / 4 * 4;
+  int64_t tile = (r / 128) * (cp / 4) + c / 4;
+  return e * rp * cp + tile * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 + (c % 4);
+}

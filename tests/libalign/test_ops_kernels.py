@@ -1,0 +1,209 @@
+"""Pins the compiled NVFP4 kernels (CPU and CUDA) to the spec, bit for bit (atol=0).
+
+Every comparison checks the packed codes, the block-scale bytes (linear and 128x4
+swizzled), the outer-scale bits and the floored outer maxima against
+:func:`libalign.spec.quantize` on the same input, over the adversarial input families,
+the kernel-served presets and spec variants, and every shape class the converter sees.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from libalign import _native, ops
+from libalign.errors import NonFiniteError, SpecError, UndefinedScaleError
+from libalign.packing import swizzle_scales
+from libalign.spec import PRESETS, quantize, shared_outer_amax
+from tests.libalign import inputs
+
+KERNEL_PRESETS = ["minite", "te", "te_row", "torchao", "modelopt"]
+
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cpu-scalar", id="cpu-scalar"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """A device string for tensors; 'cpu-scalar' runs the CPU kernel without AVX-512."""
+    kind = request.param
+    if kind.startswith("cpu"):
+        lib = _native.load("cpu")
+        if lib is None:
+            pytest.fail("the CPU kernel did not build (g++ is part of the test set-up)")
+        lib.nvfp4_cpu_force_scalar(int(kind == "cpu-scalar"))
+        yield "cpu"
+        lib.nvfp4_cpu_force_scalar(0)
+    else:
+        if _native.load("cuda") is None:
+            pytest.fail("the CUDA kernel did not build on a machine with a CUDA device")
+        yield "cuda"
+
+
+def assert_bitwise(q, ref):
+    """Codes, scale bytes, outer-scale bits and outer maxima identical."""
+    assert q.shape == ref.shape
+    assert torch.equal(q.codes.cpu(), ref.codes.cpu()), "codes differ"
+    assert torch.equal(q.block_scales.view(torch.uint8).cpu(),
+                       ref.block_scales.view(torch.uint8).cpu()), "block scales differ"
+    assert (q.outer_scale is None) == (ref.outer_scale is None)
+    if ref.outer_scale is not None:
+        assert q.outer_scale.shape == ref.outer_scale.shape
+        assert torch.equal(q.outer_scale.cpu().view(torch.int32),
+                           ref.outer_scale.cpu().view(torch.int32)), "outer scales differ"
+        assert torch.equal(q.outer_amax.cpu().view(torch.int32),
+                           ref.outer_amax.cpu().view(torch.int32)), "outer maxima differ"
+
+
+def run_both(x, spec, device, **kw):
+    q = ops.quantize(x.to(device), spec, backend="kernel", **kw)
+    ref = quantize(x, spec, **kw)
+    assert_bitwise(q, ref)
+    return q
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("family", sorted(inputs.FAMILIES))
+@pytest.mark.parametrize("preset", KERNEL_PRESETS)
+def test_families_match_spec(device, preset, family, dtype):
+    """Each adversarial family, 3-D stack, K=768, 200 rows (not a multiple of 128)."""
+    x = inputs.FAMILIES[family]((3, 200, 768), dtype=torch.float32)
+    if dtype == torch.float16:
+        x = x.clamp(-60000, 60000)
+    run_both(x.to(dtype), PRESETS[preset], device)
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (5, 7168), (130, 2048), (2, 9, 7168),
+                                   (128, 3, 2048), (4, 0, 768), (3, 1, 16), (2, 64, 8208)])
+@pytest.mark.parametrize("preset", KERNEL_PRESETS)
+def test_shape_classes_match_spec(device, preset, shape):
+    """Matrices and stacks: K in {16, 768, 2048, 7168, 8208}, 1..128 experts, empty experts."""
+    x = inputs.tie_heavy(shape if len(shape) == 2 else shape, dtype=torch.float32)
+    run_both(x.to(torch.bfloat16), PRESETS[preset], device)
+
+
+@pytest.mark.parametrize("preset", ["minite", "te", "te_row"])
+def test_zero_rows_and_zero_experts(device, preset):
+    """All-zero rows and an all-zero expert: the row floor / zero-scale policies hold."""
+    x = inputs.randn((4, 40, 768))
+    x[1] = 0
+    x[2, 7] = 0
+    x[3, :, :32] = -0.0
+    run_both(x, PRESETS[preset], device)
+
+
+@pytest.mark.parametrize("preset", KERNEL_PRESETS)
+def test_swizzled_scales_equal_swizzled_spec(device, preset):
+    """The kernel's in-place 128x4 layout equals swizzling the spec's linear scales."""
+    x = inputs.mixed_magnitudes((3, 200, 2048))
+    g = ops.quantize(x.to(device), PRESETS[preset], scale_layout="swizzled", backend="kernel")
+    ref = quantize(x, PRESETS[preset])
+    assert torch.equal(g.block_scales.view(torch.uint8).cpu(),
+                       swizzle_scales(ref.block_scales).view(torch.uint8))
+    assert_bitwise(g.linear(), ref)
+
+
+@pytest.mark.parametrize("preset", ["te", "torchao", "modelopt"])
+def test_shared_outer_amax_for_gate_and_up(device, preset):
+    """Gate and up quantized with one shared outer maximum agree with the spec."""
+    spec = PRESETS[preset]
+    gate, up = inputs.randn((4, 96, 256), seed=11), inputs.randn((4, 96, 256), seed=12) * 3
+    shared = shared_outer_amax([gate, up], spec)
+    qg = run_both(gate, spec, device, outer_amax=shared)
+    qu = run_both(up, spec, device, outer_amax=shared)
+    assert torch.equal(qg.outer_scale.cpu(), qu.outer_scale.cpu())
+
+
+def test_nonfinite_raises_like_spec(device):
+    """NaN/Inf: the kernel path raises the spec's NonFiniteError with the same positions."""
+    x = inputs.randn((2, 64, 768))
+    x[1, 5, 17] = float("nan")
+    x[0, 3, 700] = float("inf")
+    for preset in KERNEL_PRESETS:
+        with pytest.raises(NonFiniteError) as got:
+            ops.quantize(x.to(device), PRESETS[preset])
+        with pytest.raises(NonFiniteError) as want:
+            quantize(x, PRESETS[preset])
+        assert str(got.value) == str(want.value)
+
+
+def test_nonfinite_saturate_matches_spec(device):
+    """nonfinite='saturate': NaN -> 0, +-Inf -> the dtype's largest value, in every path."""
+    x = inputs.randn((2, 64, 768))
+    x[1, 5, 17] = float("nan")
+    x[0, 3, 700] = float("-inf")
+    for preset in ("minite", "te", "torchao"):
+        run_both(x, PRESETS[preset].replace(nonfinite="saturate"), device)
+
+
+def test_undefined_scale_raises_like_spec(device):
+    """torchao/modelopt on an all-zero expert raise UndefinedScaleError, as the spec does."""
+    x = inputs.randn((3, 32, 256))
+    x[1] = 0
+    with pytest.raises(UndefinedScaleError):
+        ops.quantize(x.to(device), PRESETS["torchao"])
+    with pytest.raises(UndefinedScaleError):
+        ops.quantize(torch.zeros(8, 64).to(device), PRESETS["modelopt"])
+
+
+def test_backend_kernel_refuses_uncovered_specs():
+    """backend='kernel' names why it cannot serve compressed-tensors / Hadamard / odd K."""
+    x = inputs.randn((8, 64))
+    with pytest.raises(SpecError, match="op_order"):
+        ops.quantize(x, PRESETS["compressed_tensors"], backend="kernel")
+    with pytest.raises(SpecError, match="Hadamard"):
+        ops.quantize(x, PRESETS["minite"].replace(hadamard=True), backend="kernel")
+    with pytest.raises(SpecError, match="multiple of 16"):
+        ops.quantize(inputs.randn((8, 40)), PRESETS["minite"], backend="kernel")
+    # auto falls back to the spec and still gives its bits
+    q = ops.quantize(inputs.randn((8, 40)), PRESETS["minite"])
+    assert q.bitwise_equal(quantize(inputs.randn((8, 40)), PRESETS["minite"]))
+
+
+def test_cpu_kernel_is_vectorized_on_this_machine():
+    """The AVX-512 path is compiled in where the CPU has it (else both paths are scalar)."""
+    lib = _native.load("cpu")
+    assert lib is not None
+    flags = _native._cpu_flags()
+    if " avx512f " in flags + " " and " avx512bw " in flags + " " and " avx512vl " in flags + " ":
+        assert lib.nvfp4_cpu_has_simd() == 1
+
+
+spec_variants = st.builds(
+    lambda order, domain, floor, bsf, zpre, zenc, sz, conv, sat: PRESETS["minite"].replace(
+        name="variant", op_order=order, outer_domain=domain, amax_floor=floor,
+        block_scale_floor=bsf, zero_prescale_to=zpre, zero_scale_encode=zenc,
+        signed_zero=sz, outer_convention=conv if domain != "none" else "dec",
+        nonfinite="saturate" if sat else "raise"),
+    st.sampled_from(["te", "torchao", "modelopt"]),
+    st.sampled_from(["row", "tensor", "expert", "none"]),
+    st.sampled_from([None, 1e-12, 1e-3]),
+    st.sampled_from([None, 2.0**-9, 2.0**-6]),
+    st.sampled_from([None, 1.0]),
+    st.sampled_from(["zero", "saturate"]),
+    st.sampled_from(["positive", "sign_of_input", "sign_of_nonzero"]),
+    st.sampled_from(["amax", "enc", "dec"]),
+    st.booleans(),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=spec_variants, family=st.sampled_from(sorted(inputs.FAMILIES)),
+       experts=st.integers(1, 4), rows=st.integers(1, 40), nb=st.integers(1, 20),
+       seed=st.integers(0, 2**16), three_d=st.booleans())
+def test_property_any_kernel_spec_matches(device, spec, family, experts, rows, nb, seed, three_d):
+    """Any spec the kernels cover, any small shape: kernel bits == spec bits (or same error)."""
+    shape = (experts, rows, nb * 16) if three_d else (rows, nb * 16)
+    x = inputs.FAMILIES[family](shape, dtype=torch.float32, seed=seed).to(torch.bfloat16)
+    try:
+        ref = quantize(x, spec)
+    except UndefinedScaleError:
+        with pytest.raises(UndefinedScaleError):
+            ops.quantize(x.to(device), spec, backend="kernel")
+        return
+    assert_bitwise(ops.quantize(x.to(device), spec, backend="kernel"), ref)
