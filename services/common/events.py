@@ -1,0 +1,80 @@
+"""Wire schemas of the events on the Redis streams, and the rule for version ids.
+
+A stream entry is a flat map of strings, so each event is a small pydantic model that
+turns into such a map (:meth:`Event.to_fields`) and is parsed back with validation
+(:meth:`Event.from_fields`); a malformed entry raises :class:`EventError` rather than a
+``KeyError`` deep inside a handler. Events carry ids and paths, never tensor bytes:
+weights live in the weight store directory.
+
+Version ids become directory names and Redis key parts, so they are restricted to
+``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Annotated, ClassVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from libalign.errors import EventError, InputError
+
+VERSION_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_version_id(version_id: str) -> str:
+    """Return ``version_id`` if it is a safe directory name and key part, else raise."""
+    if not isinstance(version_id, str) or not VERSION_ID_RE.fullmatch(version_id):
+        raise InputError(f"version id {version_id!r} must match {VERSION_ID_RE.pattern}")
+    return version_id
+
+
+VersionId = Annotated[str, AfterValidator(check_version_id)]
+
+
+class Event(BaseModel):
+    """Base of the stream events: string-map conversion with typed errors."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    kind: ClassVar[str] = "event"
+
+    def to_fields(self) -> dict[str, str]:
+        """Flat string map for XADD, with the event kind."""
+        d = {k: str(v) for k, v in self.model_dump().items() if v is not None}
+        d["event"] = self.kind
+        return d
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, str]):
+        """Parse a stream entry; raise EventError naming what is wrong."""
+        kind = fields.get("event", cls.kind)
+        if kind != cls.kind:
+            raise EventError(f"expected a {cls.kind!r} event, got {kind!r}")
+        try:
+            return cls.model_validate(fields)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                                 for err in e.errors())
+            raise EventError(f"malformed {cls.kind} event {fields!r}: {problems}") from e
+
+
+class PublishedEvent(Event):
+    """The learner wrote a BF16 version under ``path``; convert it."""
+
+    kind: ClassVar[str] = "published"
+    version_id: VersionId
+    path: str
+    published_at: float = Field(default_factory=time.time)
+
+
+class ConvertedEvent(Event):
+    """An NVFP4 version is complete and verified in the weight store; load it."""
+
+    kind: ClassVar[str] = "converted"
+    version_id: VersionId
+    path: str
+    preset: str
+    tensors: int
+    stored_bytes: int
+    converted_at: float = Field(default_factory=time.time)

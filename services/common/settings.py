@@ -1,0 +1,79 @@
+"""Settings of every libalign service, read from ``ALIGN_*`` environment variables.
+
+One flat :class:`Settings` object configures the daemon: where Redis is, where the weight
+store lives, which numerics preset conversion uses, the names of the streams and consumer
+groups that carry events, and the timing knobs of at-least-once delivery. Every field
+maps to an environment variable with the ``ALIGN_`` prefix (``store_dir`` is
+``ALIGN_STORE_DIR``), so a container is configured without code.
+
+Delivery timing, in short: a consumer that is working on a message refreshes it every
+``heartbeat_ms``; a message nobody refreshed for ``claim_idle_ms`` is taken over
+(``XAUTOCLAIM``) by a live consumer. ``heartbeat_ms`` must therefore be well below
+``claim_idle_ms``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from libalign.spec import PRESETS
+
+
+def _default_consumer() -> str:
+    """Host name and process id: unique per running process, stable in its logs."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class Settings(BaseSettings):
+    """Configuration of the libalign services (environment prefix ``ALIGN_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="ALIGN_", extra="ignore", frozen=True)
+
+    redis_url: str | None = Field(
+        None, description="redis://host:port/db; None selects the embedded single-process default")
+    store_dir: Path = Field(Path("align-store"), description="root of the weight store directory")
+    preset: str = Field("minite", description="numerics preset conversion quantizes with")
+    key_prefix: str = Field("libalign", description="prefix of every Redis key the daemon owns")
+
+    published_stream: str = Field("libalign:events:published", description="learner -> converter")
+    converted_stream: str = Field("libalign:events:converted", description="converter -> samplers")
+    converter_group: str = Field("converter", description="consumer group of the converters")
+    consumer_name: str = Field(default_factory=_default_consumer, description="this consumer")
+
+    heartbeat_ms: int = Field(5_000, gt=0, description="refresh period of an in-flight message")
+    claim_idle_ms: int = Field(60_000, gt=0, description="idle time after which others reclaim")
+    block_ms: int = Field(1_000, gt=0, description="longest wait of one XREADGROUP")
+    max_deliveries: int = Field(5, ge=1, description="deliveries before a version is failed")
+    redis_retry_s: float | None = Field(
+        None, description="give up on an unreachable Redis after this long (None: retry forever)")
+
+    convert_all_linear: bool = Field(False, description="also quantize every 2-D linear weight")
+    store_shard_bytes: int = Field(1 << 30, gt=0, description="largest output safetensors shard")
+    sweep_stale_s: float = Field(3_600.0, ge=0, description="age of .tmp-* leftovers to delete")
+
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve /metrics (0: any)")
+    metrics_addr: str = Field("0.0.0.0", description="address the metrics server binds")
+
+    test_step_delay_s: float = Field(
+        0.0, ge=0, description="test hook: sleep after each durable step of a conversion")
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str) -> str:
+        """Refuse a preset name libalign.spec does not define."""
+        if v not in PRESETS:
+            raise ValueError(f"unknown preset {v!r}; choose one of {sorted(PRESETS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _heartbeat_below_claim(self) -> Settings:
+        """A busy consumer must refresh its message before others may reclaim it."""
+        if self.heartbeat_ms * 2 > self.claim_idle_ms:
+            raise ValueError(f"heartbeat_ms={self.heartbeat_ms} must be at most half of "
+                             f"claim_idle_ms={self.claim_idle_ms}")
+        return self

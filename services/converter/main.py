@@ -1,0 +1,102 @@
+"""The converter service's top-level loop: ``python -m services.converter.main``.
+
+It joins the converter consumer group on the ``published`` stream and, forever: takes
+over messages that a dead consumer left pending (``XAUTOCLAIM``, on start and then every
+half ``claim_idle_ms``), reads new ones (``XREADGROUP``), and hands each to
+:class:`~services.converter.worker.ConverterWorker`, which acks it when its outcome is
+recorded. Configuration comes from :class:`~services.common.settings.Settings`
+(``ALIGN_*`` environment variables); SIGTERM or SIGINT finish the current message and
+stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+
+from pydantic import ValidationError
+
+from libalign.errors import AlignError, BusUnavailableError
+from services.common.redis_bus import RedisBus
+from services.common.registry import Registry
+from services.common.settings import Settings
+from services.common.telemetry import Metrics, serve_metrics
+from services.common.weight_store import WeightStore
+
+from .worker import ConverterWorker
+
+log = logging.getLogger("services.converter")
+
+
+def run_converter(settings: Settings, stop_event: threading.Event | None = None,
+                  max_messages: int | None = None, *, metrics: Metrics | None = None) -> int:
+    """Consume ``published`` events until stopped (or ``max_messages``); return how many."""
+    stop = stop_event if stop_event is not None else threading.Event()
+    metrics = metrics if metrics is not None else Metrics()
+    bus = RedisBus.from_settings(settings, stop_event=stop,
+                                 on_retry=lambda _what, _e: metrics.redis_retries.inc())
+    store = WeightStore(settings.store_dir)
+    store.sweep(settings.sweep_stale_s)
+    worker = ConverterWorker(settings, bus, Registry(bus, settings.key_prefix), store, metrics)
+    server = None
+    if settings.metrics_port is not None:
+        server = serve_metrics(metrics.registry, settings.metrics_port, settings.metrics_addr)
+    stream, group, me = settings.published_stream, settings.converter_group, settings.consumer_name
+    claim_every_s = settings.claim_idle_ms / 2000
+    handled, next_claim = 0, 0.0
+    log.info("converter %s: %s -> %s, preset %s, store %s", me, stream, settings.converted_stream,
+             settings.preset, settings.store_dir)
+    try:
+        bus.ensure_group(stream, group)
+        while not stop.is_set() and (max_messages is None or handled < max_messages):
+            msgs = []
+            now = time.monotonic()
+            if now >= next_claim:
+                msgs = bus.reclaim(stream, group, me, min_idle_ms=settings.claim_idle_ms)
+                metrics.messages_reclaimed.inc(len(msgs))
+                next_claim = now + claim_every_s
+            if not msgs:
+                wait_ms = max(1, min(settings.block_ms, int((next_claim - now) * 1000)))
+                msgs = bus.read(stream, group, me, count=1, block_ms=wait_ms)
+            for m in msgs:
+                if stop.is_set() or (max_messages is not None and handled >= max_messages):
+                    break  # unhandled messages stay pending and are reclaimed later
+                outcome = worker.handle(m)
+                handled += 1
+                log.debug("message %s (%s delivery %d): %s", m.id,
+                          "reclaimed" if m.reclaimed else "new", m.deliveries, outcome)
+    except BusUnavailableError:
+        if not stop.is_set():
+            raise
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+    return handled
+
+
+def main() -> int:
+    """Entry point: settings from the environment, signals to stop, exit status."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = Settings()
+    except ValidationError as e:
+        log.error("bad settings: %s", e)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        run_converter(settings, stop)
+    except AlignError as e:
+        log.error("converter stopped: %s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
