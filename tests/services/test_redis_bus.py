@@ -1,0 +1,134 @@
+"""Pins the stream bus: ack semantics, reclaim after a consumer dies, heartbeats, retries."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from libalign.errors import BusUnavailableError
+from services.common.events import PublishedEvent
+from services.common.redis_bus import Backoff, Heartbeat, RedisBus, connect
+
+S, G = "t:stream", "grp"
+
+
+def bus_for(url: str, **kw) -> RedisBus:
+    return RedisBus(connect(url), **kw)
+
+
+def test_read_ack_and_pending(redis_url):
+    """A read message stays pending until acked; a group is created once."""
+    bus = bus_for(redis_url)
+    assert bus.ensure_group(S, G) is True and bus.ensure_group(S, G) is False
+    ev = PublishedEvent(version_id="v1", path="/p/v1")
+    mid = bus.publish(S, ev.to_fields())
+    [msg] = bus.read(S, G, "a", block_ms=100)
+    assert (msg.id, msg.deliveries, msg.reclaimed) == (mid, 1, False)
+    assert PublishedEvent.from_fields(msg.fields) == ev
+    assert bus.read(S, G, "b", block_ms=50) == []  # one consumer per message
+    assert bus.pending_count(S, G) == 1
+    assert bus.ack(S, G, msg.id) == 1 and bus.ack(S, G, msg.id) == 0
+    assert bus.pending_count(S, G) == 0
+
+
+def test_reclaim_after_consumer_process_is_killed(redis_url):
+    """A consumer SIGKILLed after reading leaves the message pending; a live one reclaims it
+    once it is idle long enough, with the delivery counted, and only then."""
+    bus = bus_for(redis_url)
+    bus.ensure_group(S, G)
+    mid = bus.publish(S, {"version_id": "v1", "path": "/p"})
+    code = (
+        "import os, signal, redis\n"
+        f"r = redis.Redis.from_url({redis_url!r})\n"
+        f"r.xreadgroup({G!r}, 'doomed', {{{S!r}: '>'}}, count=1)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], timeout=30)
+    assert proc.returncode == -9
+    assert bus.pending_count(S, G) == 1
+    assert bus.reclaim(S, G, "rescuer", min_idle_ms=60_000) == []  # not idle long enough
+    time.sleep(0.25)
+    [msg] = bus.reclaim(S, G, "rescuer", min_idle_ms=200)
+    assert (msg.id, msg.reclaimed, msg.deliveries) == (mid, True, 2)
+    assert msg.fields["version_id"] == "v1"
+    bus.ack(S, G, msg.id)
+    assert bus.pending_count(S, G) == 0
+
+
+def test_heartbeat_keeps_message_from_reclaim(redis_url):
+    """A touched message is not idle; touching someone else's message fails."""
+    bus = bus_for(redis_url)
+    bus.ensure_group(S, G)
+    bus.publish(S, {"x": "1"})
+    [msg] = bus.read(S, G, "worker", block_ms=100)
+    with Heartbeat(bus, msg, G, "worker", period_s=0.05) as hb:
+        time.sleep(0.4)
+        assert bus.reclaim(S, G, "thief", min_idle_ms=200) == []
+    assert not hb.lost
+    assert bus.touch(S, G, "thief", msg.id) is False
+    time.sleep(0.25)
+    [stolen] = bus.reclaim(S, G, "thief", min_idle_ms=200)
+    assert stolen.id == msg.id and bus.touch(S, G, "worker", msg.id) is False
+
+
+def test_trimmed_pending_message_is_dropped(redis_url):
+    """A pending entry whose message was deleted from the stream is acked by reclaim."""
+    bus = bus_for(redis_url)
+    bus.ensure_group(S, G)
+    bus.publish(S, {"x": "1"})
+    [msg] = bus.read(S, G, "a", block_ms=100)
+    bus.client.xdel(S, msg.id)
+    assert bus.reclaim(S, G, "b", min_idle_ms=0) == []
+    assert bus.pending_count(S, G) == 0
+
+
+def test_group_recreated_after_redis_lost_it(redis_url):
+    """XREADGROUP on a stream whose group vanished (Redis restarted empty) recreates it."""
+    bus = bus_for(redis_url)
+    bus.ensure_group(S, G)
+    bus.client.flushall()
+    assert bus.read(S, G, "a", block_ms=10) == []
+    bus.publish(S, {"x": "1"})
+    assert len(bus.read(S, G, "a", block_ms=100)) == 1
+
+
+def test_calls_wait_for_redis_to_come_back(private_redis):
+    """A publish while Redis is down retries with backoff and lands once it restarts."""
+    retries: list[str] = []
+    bus = bus_for(private_redis.url, backoff=Backoff(initial_s=0.02, max_s=0.1),
+                  on_retry=lambda what, e: retries.append(what))
+    bus.ensure_group(S, G)
+    bus.publish(S, {"n": "0"})
+    private_redis.stop()
+    restarter = threading.Timer(0.6, private_redis.start)
+    restarter.start()
+    t0 = time.monotonic()
+    bus.publish(S, {"n": "1"})
+    restarter.join()
+    assert time.monotonic() - t0 >= 0.5 and retries and retries[0].startswith("XADD")
+    assert [m.fields["n"] for m in bus.read(S, G, "a", count=5, block_ms=100)] == ["0", "1"]
+
+
+def test_gives_up_with_typed_error(private_redis):
+    """With a retry budget, an unreachable Redis raises BusUnavailableError (503)."""
+    bus = bus_for(private_redis.url, backoff=Backoff(initial_s=0.02, give_up_after_s=0.3))
+    private_redis.stop()
+    t0 = time.monotonic()
+    with pytest.raises(BusUnavailableError) as ei:
+        bus.publish(S, {"x": "1"})
+    assert ei.value.http_status == 503 and 0.3 <= time.monotonic() - t0 < 5
+
+
+def test_stop_event_ends_retrying(private_redis):
+    """A set stop event turns the next failed attempt into BusUnavailableError at once."""
+    stop = threading.Event()
+    bus = bus_for(private_redis.url, stop_event=stop)
+    private_redis.stop()
+    threading.Timer(0.3, stop.set).start()
+    with pytest.raises(BusUnavailableError):
+        bus.publish(S, {"x": "1"})
+    assert stop.is_set()

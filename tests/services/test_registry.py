@@ -1,0 +1,173 @@
+"""Pins the version registry: every legal and illegal transition, history, races, fencing."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from libalign.errors import (
+    InputError,
+    StateTransitionError,
+    VersionExistsError,
+    VersionNotFoundError,
+)
+from services.common.redis_bus import RedisBus, connect
+from services.common.registry import REENTRANT, STATES, TRANSITIONS, Registry
+
+# A legal path from 'published' to each state.
+PATH_TO = {
+    "published": [],
+    "converting": ["converting"],
+    "converted": ["converting", "converted"],
+    "loading": ["converting", "converted", "loading"],
+    "serving": ["converting", "converted", "loading", "serving"],
+    "failed": ["failed"],
+}
+
+
+def make_registry(url: str, prefix: str = "t") -> Registry:
+    return Registry(RedisBus(connect(url)), prefix)
+
+
+def drive(reg: Registry, vid: str, state: str) -> None:
+    """Create ``vid`` and walk it to ``state`` along legal moves."""
+    reg.create(vid, f"/published/{vid}", actor="learner")
+    for s in PATH_TO[state]:
+        reg.transition(vid, s, actor="c1", reason="boom" if s == "failed" else "")
+
+
+def test_lifecycle_records_history(redis_url):
+    """published -> ... -> serving: each step in the history with from, to, actor and server time."""
+    reg = make_registry(redis_url)
+    rec = reg.create("v1", "/p/v1", actor="learner", meta={"step": 7})
+    assert (rec.state, rec.path, rec.meta) == ("published", "/p/v1", {"step": 7})
+    for s in PATH_TO["serving"]:
+        assert reg.transition("v1", s, actor="conv-a").state == s
+    hist = reg.history("v1")
+    assert [(h.from_state, h.to_state) for h in hist] == [
+        ("", "published"), ("published", "converting"), ("converting", "converted"),
+        ("converted", "loading"), ("loading", "serving")]
+    assert hist[0].actor == "learner" and all(h.actor == "conv-a" for h in hist[1:])
+    times = [h.at for h in hist]
+    assert times == sorted(times) and times[0] > 1.5e9
+    assert reg.get("v1").updated_at == times[-1]
+    assert [r.version_id for r in reg.list_versions(state="serving")] == ["v1"]
+
+
+@pytest.mark.parametrize("source", STATES)
+@pytest.mark.parametrize("target", STATES)
+def test_transition_table(redis_url, source, target):
+    """Exactly the moves in TRANSITIONS succeed; the rest raise and change nothing."""
+    reg = make_registry(redis_url)
+    drive(reg, "v", source)
+    before = reg.history("v")
+    legal = target in TRANSITIONS[source] and not (source == target and target in REENTRANT)
+    reason = "why" if target == "failed" else ""
+    if legal:
+        assert reg.transition("v", target, actor="x", reason=reason).state == target
+        assert len(reg.history("v")) == len(before) + 1
+    else:
+        with pytest.raises(StateTransitionError) as ei:
+            reg.transition("v", target, actor="x", reason=reason)
+        assert ei.value.code == "illegal_transition" and ei.value.http_status == 409
+        assert (ei.value.current, ei.value.target) == (source, target)
+        assert reg.state("v") == source and reg.history("v") == before
+
+
+def test_reentering_converting_needs_reclaim(redis_url):
+    """converting -> converting only for a reclaimed message; the new owner is recorded."""
+    reg = make_registry(redis_url)
+    drive(reg, "v", "converting")
+    with pytest.raises(StateTransitionError, match="reclaim"):
+        reg.transition("v", "converting", actor="c2")
+    rec = reg.transition("v", "converting", actor="c2", reclaim=True)
+    assert rec.state == "converting" and rec.owner == "c2"
+    assert reg.history("v")[-1].from_state == reg.history("v")[-1].to_state == "converting"
+
+
+def test_failed_keeps_reason(redis_url):
+    """failed needs a reason and the record and history keep it."""
+    reg = make_registry(redis_url)
+    drive(reg, "v", "converting")
+    with pytest.raises(InputError):
+        reg.transition("v", "failed")
+    rec = reg.fail("v", "non_finite: tensor 'x.weight'", actor="c1")
+    assert rec.state == "failed" and rec.reason == "non_finite: tensor 'x.weight'"
+    assert reg.history("v")[-1].reason == rec.reason
+
+
+def test_unknown_and_duplicate_versions(redis_url):
+    """Unknown ids raise VersionNotFoundError (404); creating twice VersionExistsError (409)."""
+    reg = make_registry(redis_url)
+    for call in (lambda: reg.get("nope"), lambda: reg.history("nope"),
+                 lambda: reg.transition("nope", "converting")):
+        with pytest.raises(VersionNotFoundError) as ei:
+            call()
+        assert ei.value.http_status == 404
+    reg.create("v", "/p")
+    with pytest.raises(VersionExistsError) as ei:
+        reg.create("v", "/other")
+    assert ei.value.http_status == 409 and reg.get("v").path == "/p"
+    with pytest.raises(InputError):
+        reg.create("../escape", "/p")
+    with pytest.raises(InputError):
+        reg.transition("v", "deleted")
+
+
+def test_owner_fence(redis_url):
+    """expect_owner refuses a move when another consumer took the version over."""
+    reg = make_registry(redis_url)
+    drive(reg, "v", "converting")  # owner c1
+    reg.transition("v", "converting", actor="c2", reclaim=True)
+    with pytest.raises(StateTransitionError, match="owned by 'c2'"):
+        reg.transition("v", "converted", actor="c1", expect_owner="c1")
+    assert reg.transition("v", "converted", actor="c2", expect_owner="c2").state == "converted"
+
+
+def test_retried_transition_is_idempotent(redis_url):
+    """A transition re-sent with its token after a lost reply succeeds instead of X -> X."""
+    reg = make_registry(redis_url)
+    drive(reg, "v", "converting")
+    keys = [reg._key("v"), reg._history_key("v")]
+    args = ["converted", "tok-1", "", "c1", "converting", ""]
+    assert reg._transition(keys=keys, args=args)[0] == "ok"
+    assert reg._transition(keys=keys, args=args)[0] == "ok"  # the retry
+    assert reg._transition(keys=keys, args=[*args[:1], "tok-2", *args[2:]])[0] == "illegal"
+    assert [h.to_state for h in reg.history("v")].count("converted") == 1
+
+
+@pytest.mark.parametrize("source,target", [("published", "converting"), ("converted", "loading")])
+def test_race_for_one_transition_has_one_winner(redis_url, source, target):
+    """Eight clients race for the same move on each of 15 versions: exactly one wins each."""
+    setup = make_registry(redis_url)
+    vids = [f"race{i}" for i in range(15)]
+    for vid in vids:
+        drive(setup, vid, source)
+    regs = [make_registry(redis_url) for _ in range(8)]
+    wins: dict[str, list[int]] = {vid: [] for vid in vids}
+    losses: dict[str, int] = dict.fromkeys(vids, 0)
+    lock = threading.Lock()
+
+    def racer(i: int) -> None:
+        for vid in vids:
+            barrier.wait()
+            try:
+                regs[i].transition(vid, target, actor=f"c{i}")
+                with lock:
+                    wins[vid].append(i)
+            except StateTransitionError:
+                with lock:
+                    losses[vid] += 1
+
+    barrier = threading.Barrier(len(regs))
+    threads = [threading.Thread(target=racer, args=(i,)) for i in range(len(regs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for vid in vids:
+        assert len(wins[vid]) == 1 and losses[vid] == len(regs) - 1, (vid, wins[vid])
+        hist = setup.history(vid)
+        assert [h.to_state for h in hist].count(target) == 1
+        assert hist[-1].actor == f"c{wins[vid][0]}" == setup.get(vid).owner
