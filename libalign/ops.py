@@ -109,6 +109,7 @@ def quantize(
     outer_amax: torch.Tensor | None = None,
     scale_layout: str = "linear",
     backend: str = "auto",
+    out: NVFP4Tensor | GemmOperand | None = None,
 ) -> NVFP4Tensor | GemmOperand:
     """Quantize like :func:`libalign.spec.quantize`, on the fastest backend available.
 
@@ -116,6 +117,9 @@ def quantize(
     already in the 128x4 layout (written in place by the kernel, no extra pass).
     ``backend`` is ``auto`` (kernel when possible), ``kernel`` (raise
     :class:`~libalign.errors.SpecError` if no kernel can serve the call) or ``spec``.
+    ``out`` is an earlier result of the same shape, spec, layout and device whose buffers
+    are overwritten (a converter that quantizes the same shapes every step skips the
+    allocation and the page faults of fresh output memory).
     """
     spec = PRESETS["minite"] if spec is None else spec
     if scale_layout not in SCALE_LAYOUTS:
@@ -123,14 +127,43 @@ def quantize(
     if backend not in BACKENDS:
         raise SpecError(f"backend must be one of {BACKENDS}, got {backend!r}")
     _spec._check_input(x, spec)
+    if out is not None:
+        _check_out(out, x, spec, scale_layout)
     gap = kernel_gap(x, spec, outer_amax)
     lib = None if gap is not None or backend == "spec" else _native.load(x.device.type)
     if lib is None:
         if backend == "kernel":
             raise SpecError(f"no compiled kernel serves this call: {gap or 'kernel unavailable'}")
         q = _spec.quantize(x, spec, outer_amax=outer_amax)
-        return q if scale_layout == "linear" else _as_gemm_operand(q)
-    return _quantize_kernel(lib, x, spec, outer_amax, scale_layout == "swizzled")
+        q = q if scale_layout == "linear" else _as_gemm_operand(q)
+        return q if out is None else _copy_into(q, out)
+    return _quantize_kernel(lib, x, spec, outer_amax, scale_layout == "swizzled", out)
+
+
+def _check_out(out, x, spec, layout) -> None:
+    """Refuse an ``out`` that does not have this call's shape, spec, layout and device."""
+    want = GemmOperand if layout == "swizzled" else NVFP4Tensor
+    if not isinstance(out, want):
+        raise SpecError(f"out must be a {want.__name__} for scale_layout={layout!r}")
+    if out.shape != tuple(x.shape) or out.spec != spec or out.codes.device != x.device:
+        raise SpecError(f"out has shape {out.shape}, spec {out.spec.name!r} on "
+                        f"{out.codes.device}; this call needs {tuple(x.shape)}, "
+                        f"{spec.name!r} on {x.device}")
+    for t in (out.codes, out.block_scales, out.outer_scale, out.outer_amax):
+        if t is not None and not t.is_contiguous():
+            raise SpecError("out's buffers must be contiguous")
+
+
+def _copy_into(q, out):
+    """Copy a result's bits into ``out``'s buffers and return a result viewing them."""
+    out.codes.copy_(q.codes)
+    out.block_scales.view(torch.uint8).copy_(q.block_scales.view(torch.uint8))
+    for mine, theirs in ((out.outer_scale, q.outer_scale), (out.outer_amax, q.outer_amax)):
+        if mine is not None and theirs is not None:
+            mine.copy_(theirs)
+    return type(out)(**{**q.__dict__, "codes": out.codes, "block_scales": out.block_scales,
+                        "outer_scale": out.outer_scale if q.outer_scale is not None else None,
+                        "outer_amax": out.outer_amax if q.outer_amax is not None else None})
 
 
 def _as_gemm_operand(q: NVFP4Tensor) -> GemmOperand:
@@ -199,7 +232,7 @@ def _check_launch(code: int, what: str) -> None:
         raise SpecError(f"the {what} kernel refused its parameters (code {code})")
 
 
-def _quantize_kernel(lib, x, spec, outer_amax, swizzled):
+def _quantize_kernel(lib, x, spec, outer_amax, swizzled, out=None):
     shape = tuple(x.shape)
     is_3d = x.ndim == 3
     x3 = (x if is_3d else x.unsqueeze(0)).contiguous()
@@ -212,14 +245,22 @@ def _quantize_kernel(lib, x, spec, outer_amax, swizzled):
     stream = torch.cuda.current_stream(dev).cuda_stream if cuda else None
     nthreads = torch.get_num_threads()
 
-    codes = torch.empty((e, m, k // 2), dtype=torch.uint8, device=dev)
-    if swizzled:
-        scales = torch.zeros(e * swizzled_size(m, nb), dtype=torch.uint8, device=dev)
-    else:
-        scales = torch.empty((e, m, nb), dtype=torch.uint8, device=dev)
     row = spec.outer_domain == "row"
-    amax_out = torch.empty(e * m if row else 0, dtype=torch.float32, device=dev)
-    stored_out = torch.empty_like(amax_out)
+    if out is None:
+        codes = torch.empty((e, m, k // 2), dtype=torch.uint8, device=dev)
+        if swizzled:
+            scales = torch.zeros(e * swizzled_size(m, nb), dtype=torch.uint8, device=dev)
+        else:
+            scales = torch.empty((e, m, nb), dtype=torch.uint8, device=dev)
+        amax_out = torch.empty(e * m if row else 0, dtype=torch.float32, device=dev)
+        stored_out = torch.empty_like(amax_out)
+    else:  # the kernel never writes swizzle padding, so out's zero padding stays zero
+        codes = out.codes.view(e, m, k // 2)
+        scales = out.block_scales.view(torch.uint8)
+        scales = scales.view(-1) if swizzled else scales.view(e, m, nb)
+        empty = torch.empty(0, dtype=torch.float32, device=dev)
+        amax_out = out.outer_amax.view(-1) if row else empty
+        stored_out = out.outer_scale.view(-1) if row else empty
     stored = amax = None
     with torch.cuda.device(dev) if cuda else contextlib.nullcontext():
         if row:
@@ -249,6 +290,10 @@ def _quantize_kernel(lib, x, spec, outer_amax, swizzled):
     codes = codes.reshape(*lead, k // 2)
     if row:
         stored, amax = stored_out.reshape(lead), amax_out.reshape(lead)
+    elif out is not None and stored is not None:
+        out.outer_scale.copy_(stored)
+        out.outer_amax.copy_(amax)
+        stored, amax = out.outer_scale, out.outer_amax
     if swizzled:
         return GemmOperand(codes, scales.view(torch.float8_e4m3fn), stored, amax, spec, shape)
     return NVFP4Tensor(codes=codes, block_scales=scales.reshape(*lead, nb).view(torch.float8_e4m3fn),

@@ -83,7 +83,7 @@ def test_families_match_spec(device, preset, family, dtype):
 @pytest.mark.parametrize("preset", KERNEL_PRESETS)
 def test_shape_classes_match_spec(device, preset, shape):
     """Matrices and stacks: K in {16, 768, 2048, 7168, 8208}, 1..128 experts, empty experts."""
-    x = inputs.tie_heavy(shape if len(shape) == 2 else shape, dtype=torch.float32)
+    x = inputs.tie_heavy(shape, dtype=torch.float32)
     run_both(x.to(torch.bfloat16), PRESETS[preset], device)
 
 
@@ -207,3 +207,21 @@ def test_property_any_kernel_spec_matches(device, spec, family, experts, rows, n
             ops.quantize(x.to(device), spec, backend="kernel")
         return
     assert_bitwise(ops.quantize(x.to(device), spec, backend="kernel"), ref)
+
+
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+@pytest.mark.parametrize("preset", ["minite", "te", "torchao", "compressed_tensors"])
+def test_out_buffers_are_reused_with_spec_bits(device, preset, layout):
+    """out=: a second input quantized into the first call's buffers gives the spec's bits."""
+    spec = PRESETS[preset]
+    a = inputs.randn((2, 64, 256), seed=1).to(device)
+    b = inputs.tie_heavy((2, 64, 256)).to(device)
+    if preset == "compressed_tensors":
+        a, b = a[0], b[0]
+    first = ops.quantize(a, spec, scale_layout=layout)
+    second = ops.quantize(b, spec, scale_layout=layout, out=first)
+    assert second.codes.data_ptr() == first.codes.data_ptr()
+    got = second if layout == "linear" else second.linear()
+    assert_bitwise(got, quantize(b.cpu(), spec))
+    with pytest.raises(SpecError, match="out has shape"):
+        ops.quantize(b[..., :128], spec, scale_layout=layout, out=first)

@@ -1,0 +1,415 @@
+"""Converter benchmark: fused BF16 -> NVFP4 kernels and the whole weight sync, with baselines.
+
+Workload: the expert weights of Qwen3-30B-A3B MoE layers, ``E`` experts of 1536x2048
+(fused gate/up) and ``E`` experts of 2048x768 (down), BF16, seeded randn. On a CUDA
+device the default is one full layer (E=128, 1.21 GB in); on the CPU, E=8 (75.5 MB).
+
+Table 1, kernel throughput, every row measured in this run on the same inputs:
+effective GB/s = (bytes read + bytes written) / seconds. The named baselines are a
+copy of the same input bytes (device-to-device on a GPU, memcpy into pre-touched memory
+on the CPU: read + write), torchao's ``nvfp4_quantize`` with one outer scale per row
+(``torch.compile``-d on a GPU, eager on the CPU) and, on the CPU, ModelOpt's
+``NVFP4QTensor.quantize``. Ratios are bandwidth ratios (row GB/s / baseline GB/s).
+GPU rows are the median of CUDA-event timings over ``--repeats`` runs after warm-up;
+CPU rows the best of ``--repeats`` wall times. ``fresh`` rows allocate their outputs in
+the call (what a caller pays); ``reused`` rows write into outputs of an earlier call.
+
+Table 2, whole sync: the expert set of ``--layers`` layers moves from the learner's
+memory to where the sampler loads it from. On a GPU: BF16 is copied device-to-host into
+pinned memory; NVFP4 is quantized on the device (minite, row scales) and its codes,
+scales and row scales are copied device-to-host; a colocated variant copies
+device-to-device instead. On the CPU the path runs through the project's own weight
+store: publish BF16 shards, convert, write the store version with its manifest and
+checksums, and read it back verified (``ready to load``), against publishing the BF16
+version and reading it back the same way.
+
+Every libalign row is checked bit for bit against ``libalign.spec.quantize`` on the same
+input. Run: ``python -m tests.bench convert [-- --device cuda --layers 48]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from libalign import ops
+from libalign.spec import PRESETS, quantize
+
+SHAPES = ((1536, 2048), (2048, 768))
+
+
+@dataclass
+class Row:
+    """One measured configuration of table 1."""
+
+    name: str
+    run: Callable[[], object]
+    bytes_moved: Callable[[object], int]
+    times: list[float] = field(default_factory=list)
+    result: object = None
+    error: str | None = None
+    note: str = ""
+
+    @property
+    def seconds(self) -> float | None:
+        if not self.times:
+            return None
+        return statistics.median(self.times) if self.note == "median" else min(self.times)
+
+
+def make_stacks(experts: int, device: str, seed: int = 0) -> list[torch.Tensor]:
+    """The two BF16 expert stacks of one layer (generated on ``device``)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randn((experts, m, k), generator=gen, dtype=torch.float32, device=device)
+            .to(torch.bfloat16) for m, k in SHAPES]
+
+
+def _in_bytes(stacks) -> int:
+    return sum(s.numel() * s.element_size() for s in stacks)
+
+
+def _out_bytes(qs) -> int:
+    total = 0
+    for q in qs:
+        total += q.codes.numel() + q.block_scales.numel()
+        if q.outer_scale is not None:
+            total += 4 * q.outer_scale.numel()
+    return total
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_rows(rows: list[Row], device: str, repeats: int) -> None:
+    """Warm every row up once, then time ``repeats`` round-robin runs of each."""
+    for r in rows:
+        try:
+            r.result = r.run()
+            _sync(device)
+        except Exception as exc:  # a missing peer is reported, not fatal
+            r.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    for _ in range(repeats):
+        for r in rows:
+            if r.error:
+                continue
+            gc.collect()
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                r.result = r.run()
+                end.record()
+                end.synchronize()
+                r.times.append(start.elapsed_time(end) / 1e3)
+                r.note = "median"
+            else:
+                t0 = time.perf_counter()
+                r.result = r.run()
+                r.times.append(time.perf_counter() - t0)
+
+
+# --- table 1 rows ---------------------------------------------------------------------------
+
+
+def libalign_row(name, stacks, preset, layout="linear", reuse=False) -> Row:
+    """libalign.ops.quantize over both stacks (fresh or reused outputs)."""
+    spec = PRESETS[preset]
+    outs: list = []
+
+    def run():
+        if reuse and outs:
+            return [ops.quantize(s, spec, scale_layout=layout, out=o)
+                    for s, o in zip(stacks, outs, strict=True)]
+        qs = [ops.quantize(s, spec, scale_layout=layout) for s in stacks]
+        if reuse:
+            outs.extend(qs)
+        return qs
+
+    return Row(name, run, _out_bytes)
+
+
+def copy_row(stacks, device) -> Row:
+    """A copy of the same input bytes into pre-allocated (pre-touched) destinations."""
+    dst = [torch.empty_like(s) for s in stacks]
+    for d in dst:
+        d.zero_()
+
+    def run():
+        for d, s in zip(dst, stacks, strict=True):
+            d.copy_(s)
+        return dst
+
+    return Row("copy of the input bytes (read + write)", run, lambda _: _in_bytes(stacks))
+
+
+def torchao_rowwise(stacks, compiled: bool) -> Row:
+    """torchao's nvfp4_quantize with per_tensor_scale = row amax / 2688, one 'tensor' per row."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+
+    def quant(x):
+        rows = x.reshape(-1, 1, x.shape[-1])
+        pts = per_tensor_amax_to_scale(torch.amax(torch.abs(rows), dim=(1, 2))).view(-1, 1, 1)
+        scales, codes = nvfp4_quantize(rows, 16, pts)
+        return codes, scales, pts
+
+    fn = torch.compile(quant, dynamic=False) if compiled else quant
+
+    def run():
+        return [fn(s) for s in stacks]
+
+    def moved(res):
+        return sum(c.numel() * c.element_size() + sc.numel() * sc.element_size()
+                   + 4 * p.numel() for c, sc, p in res)
+
+    name = "torchao nvfp4_quantize, row scale" + (" (torch.compile)" if compiled else " (eager)")
+    return Row(name, run, moved)
+
+
+def modelopt_row(stacks) -> Row:
+    """ModelOpt's NVFP4QTensor.quantize, one call per expert matrix (per-tensor scale)."""
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    def run():
+        out = []
+        for s in stacks:
+            for w in s:
+                qt, wsf, wsf2 = NVFP4QTensor.quantize(w, 16)
+                out.append((qt._quantized_data, wsf, wsf2))
+        return out
+
+    def moved(res):
+        return sum(a.numel() + b.numel() + 4 * c.numel() for a, b, c in res)
+
+    return Row("ModelOpt NVFP4QTensor.quantize (per matrix)", run, moved)
+
+
+def spec_row(stacks) -> Row:
+    """The reference spec itself (minite)."""
+    return Row("libalign spec reference, minite (row)",
+               lambda: [quantize(s, PRESETS["minite"]) for s in stacks], _out_bytes)
+
+
+def bit_check(stacks, device) -> dict[str, bool]:
+    """Kernel bits == spec bits on this run's inputs, for each preset benchmarked."""
+    checks = {}
+    for preset in ("minite", "te", "torchao"):
+        spec = PRESETS[preset]
+        ok = True
+        for s in stacks:
+            sample = s[: min(8, s.shape[0])]
+            k = ops.quantize(sample, spec, backend="kernel")
+            r = quantize(sample, spec)
+            ok &= k.bitwise_equal(r)
+        checks[f"{preset} kernel == spec"] = bool(ok)
+    return checks
+
+
+def table1(args, device) -> dict:
+    stacks = make_stacks(args.experts, device)
+    rows = [
+        copy_row(stacks, device),
+        libalign_row("libalign minite (row), linear scales, fresh outputs", stacks, "minite"),
+        libalign_row("libalign minite (row), linear scales, reused outputs", stacks, "minite",
+                     reuse=True),
+        libalign_row("libalign minite (row), 128x4 swizzled scales", stacks, "minite",
+                     layout="swizzled"),
+        libalign_row("libalign te (tensor: max pass + encode)", stacks, "te"),
+        libalign_row("libalign torchao (expert: max pass + encode)", stacks, "torchao"),
+        torchao_rowwise(stacks, compiled=device == "cuda"),
+    ]
+    if device == "cuda":
+        rows.append(torchao_rowwise(stacks, compiled=False))
+    else:
+        rows += [modelopt_row(stacks), spec_row(stacks)]
+    time_rows(rows, device, args.repeats)
+    bytes_in = _in_bytes(stacks)
+    res = {"bytes_in": bytes_in, "rows": []}
+    for r in rows:
+        moved = None if r.result is None or r.error else bytes_in + r.bytes_moved(r.result)
+        t = r.seconds
+        res["rows"].append({"name": r.name, "seconds": t, "bytes_moved": moved,
+                            "GBps": None if t is None or moved is None else moved / t / 1e9,
+                            "error": r.error})
+    res["bit_checks"] = bit_check(stacks, device)
+    return res
+
+
+# --- table 2: whole sync --------------------------------------------------------------------
+
+
+def sync_gpu(args) -> dict:
+    """Learner GPU tensors -> pinned host (or colocated device) buffers, BF16 vs NVFP4."""
+    layers = [make_stacks(args.experts, "cuda", seed=i) for i in range(args.layers)]
+    spec = PRESETS["minite"]
+    # Destinations: two layers' worth of each kind, alternated. Every copy is far larger
+    # than any cache, so its time is the same as into distinct buffers for all layers,
+    # and 48 layers' worth of pinned host memory (74 GB) is not needed to measure it.
+    q0 = [ops.quantize(s, spec) for s in layers[0]]
+    bf16_host = [[torch.empty(s.shape, dtype=s.dtype, pin_memory=True) for s in layers[0]]
+                 for _ in range(2)]
+    fp4_host = [[(torch.empty(q.codes.shape, dtype=torch.uint8, pin_memory=True),
+                  torch.empty(q.block_scales.shape, dtype=torch.uint8, pin_memory=True),
+                  torch.empty(q.outer_scale.shape, dtype=torch.float32, pin_memory=True))
+                 for q in q0] for _ in range(2)]
+    bf16_dev = [[torch.empty_like(s) for s in layers[0]] for _ in range(2)]
+    fp4_dev = [[(torch.empty_like(q.codes), torch.empty_like(q.block_scales.view(torch.uint8)),
+                 torch.empty_like(q.outer_scale)) for q in q0] for _ in range(2)]
+
+    def bf16(dst):
+        for i, layer in enumerate(layers):
+            for s, h in zip(layer, dst[i % 2], strict=True):
+                h.copy_(s, non_blocking=True)
+
+    def nvfp4(dst):
+        for i, layer in enumerate(layers):
+            for s, (c, sc, o) in zip(layer, dst[i % 2], strict=True):
+                q = ops.quantize(s, spec)
+                c.copy_(q.codes, non_blocking=True)
+                sc.copy_(q.block_scales.view(torch.uint8), non_blocking=True)
+                o.copy_(q.outer_scale, non_blocking=True)
+
+    cases = {"host: BF16 copy": lambda: bf16(bf16_host),
+             "host: NVFP4 convert + copy": lambda: nvfp4(fp4_host),
+             "colocated: BF16 copy": lambda: bf16(bf16_dev),
+             "colocated: NVFP4 convert + copy": lambda: nvfp4(fp4_dev)}
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for fn in cases.values():
+        fn()
+    torch.cuda.synchronize()
+    for _ in range(args.sync_repeats):
+        for name, fn in cases.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - t0)
+    last = fp4_host[(len(layers) - 1) % 2]
+    ok = all(torch.equal(h[0], quantize(s.cpu(), spec).codes)
+             for s, h in zip(layers[-1], last, strict=True))
+    bf16_bytes = sum(_in_bytes(layer) for layer in layers)
+    fp4_bytes = len(layers) * sum(a.numel() + b.numel() + 4 * c.numel() for a, b, c in fp4_host[0])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"layers": args.layers, "bf16_bytes": bf16_bytes, "nvfp4_bytes": fp4_bytes,
+            "seconds": med, "all_seconds": times, "host_copy_bits_ok": ok,
+            "ratio_host": med["host: NVFP4 convert + copy"] / med["host: BF16 copy"],
+            "ratio_colocated": med["colocated: NVFP4 convert + copy"] / med["colocated: BF16 copy"]}
+
+
+def sync_cpu(args) -> dict:
+    """Publish -> converted -> ready to load through the weight store, BF16 vs NVFP4."""
+    from services.common.weight_store import WeightStore, publish_bf16
+    from services.converter.worker import convert_published
+
+    tensors = {}
+    for layer in range(args.layers):
+        for (_m, k), s in zip(SHAPES, make_stacks(args.experts, "cpu", seed=layer), strict=True):
+            for e in range(s.shape[0]):
+                proj = "gate_up_proj" if k == 2048 else "down_proj"
+                tensors[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = s[e].contiguous()
+    times: dict[str, list[float]] = {"BF16 publish + load": [], "NVFP4 publish + convert + load": []}
+    with tempfile.TemporaryDirectory(dir=args.store_root) as root:
+        store = WeightStore(Path(root) / "store")
+        for i in range(args.sync_repeats):
+            t0 = time.perf_counter()
+            src = publish_bf16(store, f"bf16-{i}", tensors)
+            store.read_published(f"bf16-{i}", verify=True)
+            times["BF16 publish + load"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            src = publish_bf16(store, f"v-{i}", tensors)
+            convert_published(src, store, f"v-{i}", PRESETS["minite"])
+            store.read_version(f"v-{i}", verify=True)
+            times["NVFP4 publish + convert + load"].append(time.perf_counter() - t0)
+    med = {k: min(v) for k, v in times.items()}
+    return {"layers": args.layers, "seconds": med, "all_seconds": times,
+            "ratio": med["NVFP4 publish + convert + load"] / med["BF16 publish + load"]}
+
+
+# --- report ---------------------------------------------------------------------------------
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def render(res: dict, device: str) -> None:
+    t1 = res["table1"]
+    base = {r["name"]: r["GBps"] for r in t1["rows"]}
+    copy = base.get("copy of the input bytes (read + write)")
+    tao = next((r["GBps"] for r in t1["rows"] if r["name"].startswith("torchao") and
+                ("compile" in r["name"] or device == "cpu")), None)
+    mo = base.get("ModelOpt NVFP4QTensor.quantize (per matrix)")
+    print(f"\nTable 1: BF16 -> NVFP4 on {res['device']} ({t1['bytes_in'] / 1e9:.3f} GB in)")
+    head = f"{'row':62} {'ms':>9} {'GB/s':>9} {'vs copy':>8} {'vs torchao':>10}"
+    head += f" {'vs modelopt':>11}" if mo else ""
+    print(head)
+    for r in t1["rows"]:
+        g = r["GBps"]
+        line = (f"{r['name'][:62]:62} {_fmt(r['seconds'] and r['seconds'] * 1e3, '9.3f')} "
+                f"{_fmt(g, '9.1f')} {_fmt(g and copy and g / copy, '8.2f')} "
+                f"{_fmt(g and tao and g / tao, '10.2f')}")
+        if mo:
+            line += f" {_fmt(g and g / mo, '11.1f')}"
+        if r["error"]:
+            line += f"  ERROR {r['error']}"
+        print(line)
+    print("bit checks:", ", ".join(f"{k}: {'bit-exact' if v else 'DIFFERS'}"
+                                   for k, v in t1["bit_checks"].items()))
+    t2 = res.get("table2")
+    if t2:
+        print(f"\nTable 2: whole sync of {t2['layers']} layers' expert weights")
+        for k, v in t2["seconds"].items():
+            print(f"  {k:40} {v:9.3f} s")
+        for k in ("ratio", "ratio_host", "ratio_colocated"):
+            if k in t2:
+                print(f"  {k:40} {t2[k]:9.3f} (NVFP4 time / BF16 time)")
+        if "host_copy_bits_ok" in t2:
+            print(f"  NVFP4 bytes on the host == kernel output: {t2['host_copy_bits_ok']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench_convert", description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--experts", type=int, default=None, help="experts per layer")
+    ap.add_argument("--layers", type=int, default=None, help="layers in the whole-sync table")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--sync-repeats", type=int, default=3)
+    ap.add_argument("--no-sync", action="store_true", help="skip table 2")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    ap.add_argument("--json", default=None, help="write all numbers to this file")
+    ap.add_argument("--store-root", default=None, help="where the CPU sync writes its store")
+    args = ap.parse_args(argv)
+    cuda = args.device == "cuda"
+    if args.experts is None:
+        args.experts = 2 if args.quick else (128 if cuda else 8)
+    if args.layers is None:
+        args.layers = 1 if args.quick else (48 if cuda else 2)
+    if args.repeats is None:
+        args.repeats = 2 if args.quick else (20 if cuda else 5)
+    warnings.filterwarnings("ignore")
+    res = {"device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+           "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "kernel_backend": ops.backend_for(make_stacks(1, args.device)[0]),
+           "table1": table1(args, args.device)}
+    if not args.no_sync:
+        res["table2"] = sync_gpu(args) if cuda else sync_cpu(args)
+    render(res, args.device)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+    ok = all(res["table1"]["bit_checks"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
