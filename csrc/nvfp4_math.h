@@ -134,7 +134,7 @@ NV_HD NvEnc nv_element_encoder(float s, NvOuter o, const NvParams& p) {
 // One element -> its E2M1 code under the signed-zero policy (rounding.round_e2m1).
 NV_HD uint32_t nv_e2m1_code(float x, NvEnc e, int signed_zero) {
   float z = e.use_div ? nv_div(x, e.div) : nv_mul(x, e.mult);
-  z = nv_min(nv_max(z, -NV_E2M1_MAX), NV_E2M1_MAX);
+  z = z > NV_E2M1_MAX ? NV_E2M1_MAX : (z < -NV_E2M1_MAX ? -NV_E2M1_MAX : z);  // NaN stays NaN
   float a = fabsf(z);
   uint32_t mag = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
                  (a >= 3.5f) + (a > 5.0f);

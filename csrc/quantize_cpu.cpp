@@ -107,7 +107,8 @@ inline void encode_block(const float* xb, NvEnc e, int signed_zero, uint8_t* out
     __m512 x = _mm512_loadu_ps(xb);
     __m512 z = e.use_div ? _mm512_div_ps(x, _mm512_set1_ps(e.div))
                          : _mm512_mul_ps(x, _mm512_set1_ps(e.mult));
-    z = _mm512_min_ps(_mm512_max_ps(z, _mm512_set1_ps(-6.0f)), _mm512_set1_ps(6.0f));
+    // operand order: MAXPS/MINPS return the second operand on NaN, so NaN propagates
+    z = _mm512_min_ps(_mm512_set1_ps(6.0f), _mm512_max_ps(_mm512_set1_ps(-6.0f), z));
     __m512 a = _mm512_abs_ps(z);
     const __m512i one = _mm512_set1_epi32(1);
     __m512i mag = _mm512_setzero_si512();
@@ -139,11 +140,72 @@ inline void encode_block(const float* xb, NvEnc e, int signed_zero, uint8_t* out
   }
 }
 
+#if NV_HAVE_AVX512
+// Scales of 16 blocks at once: the same operations as nv_block_scale and
+// nv_element_encoder, lane by lane. Writes scale bytes and each block's encoder.
+void scale_blocks_simd(const float* vmax, int64_t nb, NvOuter o, float te_mult,
+                       const NvParams& p, uint8_t* sbytes, float* mult, float* div,
+                       int* undefined) {
+  const __m512 flt_max = _mm512_set1_ps(NV_FLT_MAX), zero = _mm512_setzero_ps();
+  const __m512 dec = _mm512_set1_ps(o.dec), enc = _mm512_set1_ps(o.enc);
+  const __m512 six_dec = _mm512_set1_ps(nv_mul(NV_E2M1_MAX, o.dec));
+  const __m512 zmult = _mm512_set1_ps(p.zero_saturate ? NV_FLT_MAX : 0.0f);
+  for (int64_t b = 0; b < nb; b += 16) {
+    const __mmask16 live = nb - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nb - b)) - 1);
+    __m512 v = _mm512_maskz_loadu_ps(live, vmax + b);
+    __m512 pre;
+    if (p.op_order == NV_ORDER_TE)
+      pre = _mm512_min_ps(_mm512_mul_ps(v, _mm512_set1_ps(te_mult)), flt_max);
+    else if (p.op_order == NV_ORDER_TORCHAO)
+      pre = _mm512_div_ps(_mm512_div_ps(v, _mm512_set1_ps(NV_E2M1_MAX)), dec);
+    else
+      pre = _mm512_div_ps(v, six_dec);
+    if (_mm512_mask_cmp_ps_mask(live, pre, pre, _CMP_UNORD_Q)) *undefined = 1;
+    if (p.has_zero_prescale)
+      pre = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(pre, zero, _CMP_EQ_OQ), pre,
+                                 _mm512_set1_ps(p.zero_prescale_to));
+    pre = _mm512_min_ps(_mm512_max_ps(pre, _mm512_set1_ps(p.block_scale_floor)),
+                        _mm512_set1_ps(NV_E4M3_MAX));
+    // E4M3 RNE: normal values by rounding the fp32 bits to 3 mantissa bits, subnormals
+    // by an exact scaling to units of 2^-9 and a round-to-nearest-even conversion.
+    __m512i bits = _mm512_castps_si512(pre);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 20), _mm512_set1_epi32(1));
+    __m512i rn = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFFF)), odd), 20);
+    rn = _mm512_sub_epi32(rn, _mm512_set1_epi32(120 << 3));
+    __m512i sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(pre, _mm512_set1_ps(512.0f)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __mmask16 normal = _mm512_cmp_ps_mask(pre, _mm512_set1_ps(NV_E4M3_MIN_NORMAL), _CMP_GE_OQ);
+    __m512i byte = _mm512_mask_blend_epi32(normal, sub, rn);
+    _mm_mask_storeu_epi8(sbytes + b, live, _mm512_cvtepi32_epi8(byte));
+    // decode the byte back to its exact value
+    __m512i e = _mm512_and_si512(_mm512_srli_epi32(byte, 3), _mm512_set1_epi32(15));
+    __m512i m = _mm512_and_si512(byte, _mm512_set1_epi32(7));
+    __m512 sn = _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23), _mm512_slli_epi32(m, 20)));
+    __m512 ss = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(1.0f / 512.0f));
+    __m512 s = _mm512_mask_blend_ps(_mm512_cmpneq_epi32_mask(e, _mm512_setzero_si512()), ss, sn);
+    __mmask16 szero = _mm512_cmp_ps_mask(s, zero, _CMP_EQ_OQ);
+    __m512 mu = zmult, dv = zero;
+    if (p.op_order == NV_ORDER_TE)
+      mu = _mm512_min_ps(_mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_mul_ps(s, dec)), flt_max);
+    else if (p.op_order == NV_ORDER_TORCHAO)
+      mu = _mm512_div_ps(enc, s);
+    else
+      dv = _mm512_mask_blend_ps(szero, _mm512_mul_ps(s, dec), zero);
+    mu = _mm512_mask_blend_ps(szero, mu, zmult);
+    _mm512_mask_storeu_ps(mult + b, live, mu);
+    _mm512_mask_storeu_ps(div + b, live, dv);
+  }
+}
+#endif
+
 void quantize_rows(const void* x, uint8_t* codes, uint8_t* scales, float* amax_out,
                    float* stored_out, const float* enc, const float* dec, const NvParams& p,
                    int64_t r0, int64_t r1, int* flags) {
   const int64_t k = p.k, nb = k / 16;
   std::vector<float> buf(static_cast<size_t>(k)), vmax(static_cast<size_t>(nb));
+  std::vector<float> mults(static_cast<size_t>(nb)), divs(static_cast<size_t>(nb));
+  std::vector<uint8_t> sbytes(static_cast<size_t>(nb));
   const bool simd = NV_HAVE_AVX512 && !g_force_scalar.load(std::memory_order_relaxed);
   int local = 0;
   for (int64_t r = r0; r < r1; ++r) {
@@ -164,6 +226,28 @@ void quantize_rows(const void* x, uint8_t* codes, uint8_t* scales, float* amax_o
     }
     const float te_mult = nv_te_block_mult(o.enc);
     uint8_t* crow = codes + r * (k / 2);
+#if NV_HAVE_AVX512
+    if (simd) {
+      int undefined = 0;
+      scale_blocks_simd(vmax.data(), nb, o, te_mult, p, sbytes.data(), mults.data(),
+                        divs.data(), &undefined);
+      if (undefined) local |= NV_FLAG_UNDEFINED_SCALE;
+      if (p.swizzled) {
+        for (int64_t b = 0; b < nb; ++b)
+          scales[nv_swizzle_offset(e, rr, b, p.rows, nb)] = sbytes[b];
+      } else {
+        memcpy(scales + r * nb, sbytes.data(), static_cast<size_t>(nb));
+      }
+      for (int64_t b = 0; b < nb; ++b) {
+        NvEnc enc_b;
+        enc_b.use_div = p.op_order == NV_ORDER_MODELOPT && sbytes[b] != 0;
+        enc_b.div = divs[b];
+        enc_b.mult = mults[b];
+        encode_block(buf.data() + b * 16, enc_b, p.signed_zero, crow + b * 8, true);
+      }
+      continue;
+    }
+#endif
     for (int64_t b = 0; b < nb; ++b) {
       int undefined = 0;
       uint8_t sb = nv_block_scale(vmax[b], o, te_mult, p, &undefined);
@@ -171,7 +255,7 @@ void quantize_rows(const void* x, uint8_t* codes, uint8_t* scales, float* amax_o
       if (p.swizzled) scales[nv_swizzle_offset(e, rr, b, p.rows, nb)] = sb;
       else scales[r * nb + b] = sb;
       NvEnc enc_b = nv_element_encoder(nv_e4m3_value(sb), o, p);
-      encode_block(buf.data() + b * 16, enc_b, p.signed_zero, crow + b * 8, simd);
+      encode_block(buf.data() + b * 16, enc_b, p.signed_zero, crow + b * 8, false);
     }
   }
   *flags |= local;
