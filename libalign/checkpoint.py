@@ -11,6 +11,16 @@ compressed-tensors (``nvfp4-pack-quantized``) stores ``weight_packed`` (uint8
 Both formats hold one outer scale per 2-D weight, so only tensor-scaled 2-D tensors
 convert (take ``q.expert(e)`` of a stack first). A row-scaled tensor has no faithful
 representation in either format and is refused rather than silently re-scaled.
+
+One documented extension exists for row-scaled weights (the ``minite`` preset), asked for
+with ``row_scaled_ok=True`` and only in the ModelOpt layout: ``weight_scale_2`` becomes
+an fp32 column ``[N, 1]`` holding each output row's decode scale. ModelOpt's own
+dequantization (``weight_scale * weight_scale_2``, broadcast per block) reads it
+correctly; stock serving loaders (SGLang ``modelopt_fp4``, vLLM) expect a scalar per
+weight and do not. compressed-tensors' ``tensor_group`` dequantization cannot broadcast
+a per-row global scale against its ``[N, K/16, 1]`` group scales, so that format stays
+tensor-scaled only.
+
 Readers check dtypes, shapes and finiteness and name what is wrong.
 """
 
@@ -21,24 +31,29 @@ import torch
 from .errors import DTypeError, LayoutError, ShapeError
 from .spec import PRESETS, NumericsSpec, NVFP4Tensor, check_finite
 
+FORMATS = ("modelopt", "compressed-tensors")
 
-def _tensor_scaled_2d(q: NVFP4Tensor, fmt: str) -> None:
+
+def _tensor_scaled_2d(q: NVFP4Tensor, fmt: str, row_scaled_ok: bool = False) -> None:
     if len(q.shape) != 2:
         raise ShapeError(f"{fmt} stores 2-D weights; take q.expert(e) of shape {q.shape} first")
-    if q.spec.outer_domain not in ("tensor", "expert"):
+    allowed = ("tensor", "expert", "row") if row_scaled_ok else ("tensor", "expert")
+    if q.spec.outer_domain not in allowed:
         raise LayoutError(
             f"{fmt} has one outer scale per weight; a {q.spec.outer_domain!r}-scaled tensor "
             f"cannot be stored without re-quantizing"
         )
 
 
-def to_modelopt(q: NVFP4Tensor) -> dict[str, torch.Tensor]:
-    """``weight`` / ``weight_scale`` / ``weight_scale_2`` of a tensor-scaled 2-D weight."""
-    _tensor_scaled_2d(q, "ModelOpt")
+def to_modelopt(q: NVFP4Tensor, *, row_scaled_ok: bool = False) -> dict[str, torch.Tensor]:
+    """``weight`` / ``weight_scale`` / ``weight_scale_2`` of a 2-D weight (rows: ``[N, 1]``)."""
+    _tensor_scaled_2d(q, "ModelOpt", row_scaled_ok)
+    dec = q.outer_dec.to(torch.float32)
     return {
         "weight": q.codes.contiguous(),
         "weight_scale": q.block_scales.contiguous(),
-        "weight_scale_2": q.outer_dec.reshape(()).to(torch.float32).clone(),
+        "weight_scale_2": (dec.reshape(-1, 1) if q.spec.outer_domain == "row"
+                           else dec.reshape(())).clone(),
     }
 
 
@@ -52,7 +67,42 @@ def to_compressed_tensors(q: NVFP4Tensor) -> dict[str, torch.Tensor]:
     }
 
 
-def _read(d: dict, packed_key: str, outer_key: str, fmt: str):
+def to_format(q: NVFP4Tensor, fmt: str, *, row_scaled_ok: bool = False) -> dict[str, torch.Tensor]:
+    """The tensor dict of ``q`` in checkpoint format ``fmt`` (one of :data:`FORMATS`)."""
+    if fmt == "modelopt":
+        return to_modelopt(q, row_scaled_ok=row_scaled_ok)
+    if fmt == "compressed-tensors":
+        return to_compressed_tensors(q)
+    raise LayoutError(f"unknown checkpoint format {fmt!r}; expected one of {FORMATS}")
+
+
+def stored_layout(fmt: str, shape: tuple[int, ...], row_scaled: bool = False
+                  ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Key, shape and dtype of every tensor :func:`to_format` stores for a ``[N, K]`` weight.
+
+    K must be a multiple of 16: both formats store unpadded widths ``K / 2`` and ``K / 16``.
+    """
+    if len(shape) != 2:
+        raise ShapeError(f"checkpoint weights are 2-D, got shape {tuple(shape)}")
+    n, k = shape
+    if k % 16:
+        raise ShapeError(f"K={k} is not a multiple of 16; {fmt} stores unpadded NVFP4 weights")
+    if fmt == "modelopt":
+        outer = ((n, 1) if row_scaled else ())
+        return {"weight": ((n, k // 2), torch.uint8),
+                "weight_scale": ((n, k // 16), torch.float8_e4m3fn),
+                "weight_scale_2": (outer, torch.float32)}
+    if fmt == "compressed-tensors":
+        if row_scaled:
+            raise LayoutError("compressed-tensors has one global scale per weight; "
+                              "a row-scaled weight cannot be stored in it")
+        return {"weight_packed": ((n, k // 2), torch.uint8),
+                "weight_scale": ((n, k // 16), torch.float8_e4m3fn),
+                "weight_global_scale": ((1,), torch.float32)}
+    raise LayoutError(f"unknown checkpoint format {fmt!r}; expected one of {FORMATS}")
+
+
+def _read(d: dict, packed_key: str, outer_key: str, fmt: str, row_scaled_ok: bool = False):
     missing = [k for k in (packed_key, "weight_scale", outer_key) if k not in d]
     if missing:
         raise LayoutError(f"{fmt} dict lacks {missing}; it has {sorted(d)}")
@@ -73,21 +123,25 @@ def _read(d: dict, packed_key: str, outer_key: str, fmt: str):
             f"{fmt} 'weight_scale' shape {tuple(scales.shape)} does not match "
             f"{packed_key!r} {tuple(packed.shape)} (expected {(n, -(-half_k * 2 // 16))})"
         )
-    if outer.numel() != 1:
-        raise ShapeError(f"{fmt} {outer_key!r} must hold one value, got shape {tuple(outer.shape)}")
+    rows = row_scaled_ok and tuple(outer.shape) == (n, 1) and n != 1
+    if outer.numel() != 1 and not rows:
+        want = "one value" + (f" or one per row, shape {(n, 1)}" if row_scaled_ok else "")
+        raise ShapeError(f"{fmt} {outer_key!r} must hold {want}, got shape {tuple(outer.shape)}")
     check_finite(outer, outer_key)
-    if float(outer.reshape(())) <= 0:
-        raise LayoutError(f"{fmt} {outer_key!r} must be positive, got {float(outer.reshape(()))}")
+    if bool((outer <= 0).any()):
+        raise LayoutError(f"{fmt} {outer_key!r} must be positive, got minimum {float(outer.min())}")
     if bool(scales.view(torch.uint8).bitwise_and(0x7F).eq(0x7F).any()):
         raise LayoutError(f"{fmt} 'weight_scale' holds NaN bytes (0x7F/0xFF)")
-    return packed, scales, outer.reshape(()), (n, half_k * 2)
+    return packed, scales, outer.reshape(-1) if rows else outer.reshape(()), (n, half_k * 2)
 
 
-def from_modelopt(d: dict[str, torch.Tensor], spec: NumericsSpec | None = None) -> NVFP4Tensor:
-    """Read a ModelOpt NVFP4 weight dict (decode convention outer scale)."""
+def from_modelopt(d: dict[str, torch.Tensor], spec: NumericsSpec | None = None, *,
+                  row_scaled_ok: bool = False) -> NVFP4Tensor:
+    """Read a ModelOpt NVFP4 weight dict (decode convention; ``[N, 1]`` rows if allowed)."""
     spec = PRESETS["modelopt"] if spec is None else spec
-    packed, scales, outer, shape = _read(d, "weight", "weight_scale_2", "ModelOpt")
-    spec = spec.replace(outer_domain="tensor", outer_convention="dec")
+    packed, scales, outer, shape = _read(d, "weight", "weight_scale_2", "ModelOpt", row_scaled_ok)
+    domain = "row" if outer.ndim else "tensor"
+    spec = spec.replace(outer_domain=domain, outer_convention="dec")
     return NVFP4Tensor(packed, scales, outer.clone(), spec, shape)
 
 

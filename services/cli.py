@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -69,6 +71,60 @@ def demo(
                   f"{100 * r.scales_vs_minite:.2f}%", f"{r.gbps:.3f}")
     console.print(t)
     raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
+def convert(
+    src: Annotated[Path, typer.Argument(help="Hugging Face checkpoint directory (safetensors)")],
+    dst: Annotated[Path, typer.Argument(help="output directory; must not exist unless --overwrite")],
+    preset: str = typer.Option("minite", help="numerics preset: minite, modelopt, "
+                               "compressed_tensors, torchao or te"),
+    fmt: str = typer.Option("modelopt", "--format", help="modelopt or compressed-tensors"),
+    all_linear: bool = typer.Option(False, "--all-linear", help="also every linear layer except "
+                                    "embeddings, lm_head, norms and routers"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing DST"),
+    device: str = typer.Option("cpu", help="device that quantizes (cpu, cuda); same bits"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar, no summary"),
+) -> None:
+    """Convert a checkpoint's expert weights to NVFP4 safetensors, atomically."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    from libalign.errors import AlignError
+    from services.common.atomic_dir import DestinationExistsError
+    from services.converter.checkpoint_export import convert_checkpoint
+
+    err = Console(stderr=True)
+    bar = Progress(TextColumn("{task.description}", style="cyan"), BarColumn(), DownloadColumn(),
+                   TransferSpeedColumn(), TimeRemainingColumn(), console=err,
+                   disable=quiet or not err.is_terminal, transient=True)
+    task = bar.add_task("convert", total=None)
+
+    def progress(done: int, total: int, what: str) -> None:
+        bar.update(task, completed=done, total=total, description=what[-48:])
+
+    try:
+        with bar:
+            result = convert_checkpoint(src, dst, preset=preset, fmt=fmt, all_linear=all_linear,
+                                        overwrite=overwrite, device=device, progress=progress)
+    except (AlignError, DestinationExistsError, OSError) as e:
+        msg = " ".join(str(e).split())
+        if isinstance(e, DestinationExistsError) and "--overwrite" not in msg:
+            msg += " (pass --overwrite to replace it)"
+        typer.echo(f"error: {type(e).__name__}: {msg}", err=True)
+        raise typer.Exit(1) from None
+    if not quiet:
+        t = result.manifest["totals"]
+        console.print(f"wrote {result.dst}: {t['tensors_converted']} tensors to NVFP4 "
+                      f"({preset}, {fmt}), {t['bytes_in'] / 1e6:.1f} MB -> "
+                      f"{t['bytes_out'] / 1e6:.1f} MB in "
+                      f"{result.manifest['timings_seconds']['total']:.1f} s")
 
 
 if __name__ == "__main__":
