@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's one entry point for set-up and the main jobs.
 #   ./dev.sh demo    main job on the embedded default (no Redis, no GPU)
-#   ./dev.sh test    the whole test suite (ruff + pytest), what CI runs
+#   ./dev.sh test    the whole test suite (ruff + pytest), what CI runs (installs redis-server)
 #   ./dev.sh bench   benchmarks under tests/bench (prints ratio tables)
 # It creates .venv (or $ALIGN_VENV) and installs what the job needs on first use.
 set -euo pipefail
@@ -33,6 +33,8 @@ cmd="${1:-demo}"; shift || true
 case "$cmd" in
   demo)  ensure_venv "";   exec "$VENV/bin/alignd" demo "$@" ;;
   test)  ensure_venv test
+         command -v redis-server >/dev/null || apt_install redis-server \
+           || echo "dev.sh: no redis-server; the Redis service tests will be skipped" >&2
          "$VENV/bin/ruff" check .
          exec "$VENV/bin/python" -m pytest "$@" ;;
   bench) ensure_venv test; exec "$VENV/bin/python" -m tests.bench "$@" ;;
