@@ -95,6 +95,8 @@ def write_checkpoint(root: Path, tensors: dict[str, torch.Tensor],
     (root / "config.json").write_text(json.dumps(cfg))
     (root / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"vocab": {"a": 0}}}))
     (root / "generation_config.json").write_text('{"do_sample": true}')
+    (root / "original").mkdir(exist_ok=True)
+    (root / "original" / "params.json").write_text('{"dim": 64}')
     return root
 
 
@@ -179,6 +181,47 @@ def test_row_scaled_needs_asking_for():
     back = from_modelopt(d, PRESETS["minite"], row_scaled_ok=True)
     assert back.spec.outer_domain == "row" and back.bitwise_equal(q.__class__(
         q.codes, q.block_scales, q.outer_dec, back.spec, q.shape))
+
+
+def test_selection_names():
+    """Which names are expert weights, never quantized, or fused siblings."""
+    assert ce.is_expert_weight("model.layers.3.mlp.experts.17.down_proj.weight")
+    assert ce.is_expert_weight("model.layers.0.block_sparse_moe.experts.2.w3.weight")
+    assert not ce.is_expert_weight("model.layers.3.mlp.shared_expert.gate_proj.weight")
+    assert not ce.is_expert_weight("model.layers.3.mlp.experts.17.down_proj.bias")
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate.weight",
+                 "model.layers.0.input_layernorm.weight", "model.layers.0.mlp.shared_expert_gate.weight",
+                 "model.layers.0.block_sparse_moe.router.weight"):
+        assert ce.is_never_quantized(name), name
+    assert not ce.is_never_quantized("model.layers.0.mlp.gate_proj.weight")
+    names = ["a.experts.0.w1.weight", "a.experts.0.w3.weight", "a.experts.0.w2.weight",
+             "m.self_attn.q_proj.weight", "m.self_attn.k_proj.weight", "m.self_attn.v_proj.weight"]
+    assert ce.fused_groups(names) == {"a.experts.0:gate_up": names[:2], "m.self_attn:qkv": sorted(names[3:])}
+
+
+def test_single_file_checkpoint(tmp_path, src_tensors):
+    """A checkpoint without an index (one model.safetensors) converts and gains an index."""
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file(src_tensors, str(src / ce.SINGLE_NAME), metadata={"format": "pt"})
+    (src / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    dst = tmp_path / "dst"
+    ce.convert_checkpoint(src, dst, preset="compressed_tensors", fmt="compressed-tensors")
+    index = json.loads((dst / ce.INDEX_NAME).read_text())
+    assert set(index["weight_map"].values()) == {ce.SINGLE_NAME}
+    out = load_all(dst)
+    name = "model.layers.1.mlp.experts.2.down_proj"
+    q = quantize(src_tensors[f"{name}.weight"], PRESETS["compressed_tensors"])
+    assert torch.equal(out[f"{name}.weight_packed"], q.codes)
+
+
+def test_refuses_already_quantized_source(tmp_path, src_tensors):
+    """A source whose config.json already has a quantization_config is refused, nothing written."""
+    src = write_checkpoint(tmp_path / "src", src_tensors,
+                           config={"quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(LayoutError, match="quantization_config"):
+        ce.convert_checkpoint(src, tmp_path / "out" / "dst")
+    _assert_nothing_at(tmp_path / "out" / "dst")
 
 
 def test_fixture_has_pairs_straddling_shards(ckpt):
@@ -377,9 +420,11 @@ def test_index_manifest_and_copied_files(export, ckpt, src_tensors):
         if proj in ("gate_proj", "up_proj"):
             other = "up_proj" if proj == "gate_proj" else "gate_proj"
             assert c["outer_shared_with"] == [f"{m}.{other}.weight"]
-    for f in ("tokenizer.json", "generation_config.json"):
+    copied = {"tokenizer.json", "generation_config.json", "original/params.json"}
+    for f in copied:
         assert (root / f).read_bytes() == (ckpt / f).read_bytes()
-    assert {f["path"] for f in manifest["files_copied"]} == {"tokenizer.json", "generation_config.json"}
+    assert {f["path"] for f in manifest["files_copied"]} == copied
+    assert set(manifest["files_skipped"]) == {SHARD_A, SHARD_B, ce.INDEX_NAME, "config.json"}
     cfg_in = json.loads((ckpt / "config.json").read_text())
     cfg_out = json.loads((root / "config.json").read_text())
     assert {k: v for k, v in cfg_out.items() if k != "quantization_config"} == cfg_in
