@@ -7,7 +7,11 @@ ModelOpt layout (``weight`` uint8, ``weight_scale`` float8_e4m3fn, ``weight_scal
 fp32: what SGLang's ``modelopt_fp4`` loads) or compressed-tensors layout
 (``weight_packed``, ``weight_scale``, ``weight_global_scale``), the matching
 ``quantization_config`` in ``config.json`` (and ``hf_quant_config.json`` for ModelOpt),
-a new index, every other file copied byte for byte, and ``manifest.json``.
+a new index, every other file copied byte for byte, and ``manifest.json``. Weight files
+outside the conversion (other ``*.safetensors``, ``pytorch_model*.bin``) are not copied;
+the manifest lists them under ``files_skipped``. The index must agree with the shards: a
+tensor in a shard the index does not map there, or an index entry its shard lacks, is a
+:class:`LayoutError`.
 
 Which tensors
     By default the routed experts' ``gate_proj``, ``up_proj`` and ``down_proj`` weights
@@ -156,6 +160,10 @@ def read_source(src: Path) -> tuple[list[str], dict[str, SourceTensor], dict[str
             raise LayoutError(f"{index_path} has an empty or malformed weight_map")
         shards = sorted(set(weight_map.values()))
         for shard in shards:
+            parts = Path(str(shard)).parts
+            if not isinstance(shard, str) or not parts or Path(shard).is_absolute() or ".." in parts:
+                raise LayoutError(f"{index_path} names shard {shard!r}, which is not a relative "
+                                  f"path inside the checkpoint")
             if not (src / shard).is_file():
                 raise MissingShardError(shard, sorted(n for n, s in weight_map.items() if s == shard),
                                         str(src))
@@ -621,6 +629,7 @@ def _write_shard(plan: ExportPlan, shard: str, out: Path, clock: _Clock, device:
                 roles[name] = role
     records: list[dict] = []
     converted: list[dict] = []
+    (out / shard).parent.mkdir(parents=True, exist_ok=True)
     writer = ShardWriter(out / shard, entries, {**plan.shard_metadata[shard], "format": "pt"})
     try:
         with safe_open(plan.src / shard, framework="pt") as f:

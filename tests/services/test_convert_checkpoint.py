@@ -477,11 +477,18 @@ def test_nan_in_one_expert_leaves_nothing(tmp_path, src_tensors, bad):
 
 
 def test_missing_shard_and_wrong_dtype_leave_nothing(tmp_path, src_tensors):
-    """An index naming a missing shard, or an integer expert weight, fails before DST appears."""
+    """A missing or escaping shard in the index, or an integer expert weight, fails before DST appears."""
     src = write_checkpoint(tmp_path / "src", src_tensors)
     (src / SHARD_B).unlink()
     dst = tmp_path / "out" / "dst"
     with pytest.raises(MissingShardError, match=SHARD_B):
+        ce.convert_checkpoint(src, dst)
+    _assert_nothing_at(dst)
+
+    index = json.loads((src / ce.INDEX_NAME).read_text())
+    index["weight_map"] = {n: "../" + SHARD_A for n in index["weight_map"]}
+    (src / ce.INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(LayoutError, match="relative"):
         ce.convert_checkpoint(src, dst)
     _assert_nothing_at(dst)
 
