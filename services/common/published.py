@@ -112,7 +112,7 @@ class PublishedVersion:
     def __init__(self, path: Path):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise MissingShardError(INDEX_NAME, [], str(self.path))
+            raise LayoutError(f"published version directory {self.path} does not exist")
         index_file = self.path / INDEX_NAME
         if index_file.exists():
             try:
@@ -126,7 +126,7 @@ class PublishedVersion:
                 self.weight_map = {k: SINGLE_NAME for k in f.keys()}  # noqa: SIM118
             self.metadata = {}
         else:
-            raise MissingShardError(INDEX_NAME, [], str(self.path))
+            raise LayoutError(f"{self.path}: neither {INDEX_NAME} nor {SINGLE_NAME}")
 
     def shards(self) -> dict[str, list[str]]:
         """Shard file name -> tensor names it holds, in file order."""
@@ -145,7 +145,11 @@ class PublishedVersion:
         """Every tensor as (name, tensor), one shard at a time."""
         self.check_shards()
         for shard, names in self.shards().items():
-            with safe_open(self.path / shard, framework="pt") as f:
+            try:
+                f = safe_open(self.path / shard, framework="pt")
+            except Exception as e:  # safetensors' own error type: truncated or foreign file
+                raise LayoutError(f"shard {shard!r} of {self.path} is unreadable: {e}") from e
+            with f:
                 present = set(f.keys())
                 for name in names:
                     if name not in present:

@@ -240,3 +240,17 @@ def test_convert_published_selection_and_dtype(tmp_path):
         convert_published(src, store, "bad", PRESETS["minite"])
     assert ei.value.tensor == "model.layers.0.mlp.experts.1.gate_proj.weight"
     assert "bad" not in store.list_versions()
+
+
+def test_unreadable_published_input(tmp_path):
+    """A truncated shard, a missing directory and a directory without index are LayoutErrors."""
+    path = write_published(tmp_path, "v", tiny_experts(experts=2), shard_bytes=20_000)
+    shard = next(iter(PublishedVersion(path).shards()))
+    (path / shard).write_bytes((path / shard).read_bytes()[:100])
+    with pytest.raises(LayoutError, match=shard):
+        list(PublishedVersion(path).iter_tensors())
+    with pytest.raises(LayoutError, match="does not exist"):
+        PublishedVersion(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LayoutError, match="neither"):
+        PublishedVersion(tmp_path / "empty")
