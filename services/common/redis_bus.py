@@ -184,11 +184,17 @@ class RedisBus:
         return out
 
     def reclaim(self, stream: str, group: str, consumer: str, *, min_idle_ms: int,
-                count: int = 100) -> list[Message]:
-        """XAUTOCLAIM every message idle at least ``min_idle_ms``; trimmed ones are acked."""
+                count: int = 100, limit: int | None = None) -> list[Message]:
+        """XAUTOCLAIM messages idle at least ``min_idle_ms`` (at most ``limit``); trimmed ones are acked.
+
+        Claim only what you will work on next: a claimed message waits in this consumer's
+        name, and other consumers leave it alone until it is idle again.
+        """
         out: list[Message] = []
         cursor = "0-0"
-        while True:
+        if limit is not None:
+            count = min(count, limit)
+        while limit is None or len(out) < limit:
             reply = self._grouped(stream, group, f"XAUTOCLAIM {stream}", lambda c=cursor:
                                   self.client.xautoclaim(stream, group, consumer, min_idle_ms,
                                                          start_id=c, count=count))
@@ -202,7 +208,8 @@ class RedisBus:
             for msg_id in deleted:  # entry trimmed away: nothing left to do, drop it from the PEL
                 self.ack(stream, group, msg_id)
             if cursor in ("0-0", "0"):
-                return out
+                break
+        return out
 
     def deliveries(self, stream: str, group: str, msg_id: str) -> int:
         """How many times the group has delivered ``msg_id`` (0 if no longer pending)."""

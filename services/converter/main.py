@@ -55,9 +55,10 @@ def run_converter(settings: Settings, stop_event: threading.Event | None = None,
             msgs = []
             now = time.monotonic()
             if now >= next_claim:
-                msgs = bus.reclaim(stream, group, me, min_idle_ms=settings.claim_idle_ms)
+                msgs = bus.reclaim(stream, group, me, min_idle_ms=settings.claim_idle_ms, limit=1)
                 metrics.messages_reclaimed.inc(len(msgs))
-                next_claim = now + claim_every_s
+                # keep claiming at once while there is a backlog of abandoned messages
+                next_claim = now if msgs else now + claim_every_s
             if not msgs:
                 wait_ms = max(1, min(settings.block_ms, int((next_claim - now) * 1000)))
                 msgs = bus.read(stream, group, me, count=1, block_ms=wait_ms)

@@ -93,7 +93,10 @@ class ConverterWorker:
             self.metrics.observe_failure(e)
             return DROPPED
         if rec.state == "converted":
-            self._announce(vid)
+            try:
+                self._announce(vid)
+            except (VersionNotFoundError, StoreError) as e:  # store copy deleted since
+                log.error("version %s is converted but cannot be announced: %s", vid, e)
             return SKIPPED
         if rec.state not in ("published", "converting"):
             log.info("version %s is %s already; nothing to do", vid, rec.state)

@@ -176,6 +176,19 @@ def test_reclaims_work_of_a_dead_consumer(env):
     assert bus.pending_count(settings.published_stream, settings.converter_group) == 0
 
 
+def test_backlog_of_abandoned_messages_is_drained(env):
+    """Several messages of a dead consumer are all reclaimed, one at a time, and finished."""
+    settings, bus, reg, _store = env
+    for i in range(3):
+        publish(env, f"v{i}", tiny_experts(experts=1, seed=i))
+    got = bus.read(settings.published_stream, settings.converter_group, "dead", count=3, block_ms=100)
+    assert len(got) == 3
+    metrics = Metrics()
+    assert run_converter(settings, max_messages=3, metrics=metrics) == 3
+    assert [reg.state(f"v{i}") for i in range(3)] == ["converted"] * 3
+    assert metrics.value("libalign_bus_messages_reclaimed_total") == 3
+
+
 def test_reclaim_after_commit_reuses_store_version(env):
     """A predecessor that died after the rename: its verified version is kept, not rewritten."""
     settings, _bus, reg, store = env

@@ -132,3 +132,15 @@ def test_stop_event_ends_retrying(private_redis):
     with pytest.raises(BusUnavailableError):
         bus.publish(S, {"x": "1"})
     assert stop.is_set()
+
+
+def test_reclaim_limit_claims_only_what_it_returns(redis_url):
+    """reclaim(limit=1) takes one abandoned message; the others stay with the dead consumer."""
+    bus = bus_for(redis_url)
+    bus.ensure_group(S, G)
+    ids = [bus.publish(S, {"n": str(i)}) for i in range(3)]
+    assert len(bus.read(S, G, "dead", count=3, block_ms=100)) == 3
+    [first] = bus.reclaim(S, G, "live", min_idle_ms=0, limit=1)
+    owners = {r["message_id"]: r["consumer"] for r in bus.client.xpending_range(S, G, "-", "+", 10)}
+    assert first.id == ids[0] and owners == {ids[0]: "live", ids[1]: "dead", ids[2]: "dead"}
+    assert [m.id for m in bus.reclaim(S, G, "live", min_idle_ms=0)] == ids
