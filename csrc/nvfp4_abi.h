@@ -20,7 +20,10 @@ enum { NV_SZ_POSITIVE = 0, NV_SZ_SIGN_OF_INPUT = 1, NV_SZ_SIGN_OF_NONZERO = 2 };
 
 // Flags returned by the kernels (OR-ed): the caller re-runs the spec, which raises the
 // precise typed error (positions of NaN/Inf, or the undefined-scale explanation).
-enum { NV_FLAG_NONFINITE = 1, NV_FLAG_UNDEFINED_SCALE = 2 };
+enum { NV_FLAG_NONFINITE = 1, NV_FLAG_UNDEFINED_SCALE = 2, NV_FLAG_USE_SPEC = 4 };
+// NV_FLAG_USE_SPEC: a block whose exact result the fast path does not reproduce (a
+// ModelOpt-order divisor s * dec that underflows to zero, where the spec divides 0 by 0);
+// the caller returns the spec's result for the whole call instead.
 
 typedef struct NvParams {
   int64_t experts;      // leading dimension of a 3-D stack (1 for a matrix)

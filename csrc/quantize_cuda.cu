@@ -9,9 +9,15 @@
 // are read twice, the second time from cache. The tensor and expert domains take their
 // outer scales from a per-expert amax pass (nvfp4_amax_cuda) and the spec's outer-scale
 // formulas, which the caller evaluates on the device.
+//
+// The kernel is bound by instruction issue, not memory, unless the per-element work is
+// small, so the inner loop is lean: the maximum is taken on the integer bits of |x| (which
+// order like the values, and expose NaN/Inf in the same step), the E4M3 scale byte comes
+// from the hardware's round-to-nearest-even converter, and each element costs one scale
+// multiply plus the branch-free E2M1 rounding of nv_e2m1_code_fast.
 #include <cuda_runtime.h>
-#include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include "nvfp4_math.h"
 
@@ -40,78 +46,116 @@ __device__ __forceinline__ void widen(const uint4& raw, float (&v)[Traits<DT>::k
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      __half2 h = *reinterpret_cast<const __half2*>(&w[i]);
-      float2 f = __half22float2(h);
+      float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
       v[2 * i] = f.x;
       v[2 * i + 1] = f.y;
     }
   }
 }
 
-__device__ __forceinline__ bool is_finite_bits(float v) {
-  return (__float_as_uint(v) & 0x7F800000u) != 0x7F800000u;
+// Largest |x| of a chunk as fp32 bits (>= 0x7F800000 when the chunk holds NaN or Inf).
+template <int DT>
+__device__ __forceinline__ uint32_t chunk_absmax_bits(const uint4& raw) {
+  if constexpr (DT == NV_IN_FP32) {
+    uint32_t m = max(max(raw.x & 0x7FFFFFFFu, raw.y & 0x7FFFFFFFu),
+                     max(raw.z & 0x7FFFFFFFu, raw.w & 0x7FFFFFFFu));
+    return m;
+  } else {
+    // two 16-bit magnitudes per word, compared as unsigned halves
+    uint32_t m = __vmaxu2(__vmaxu2(raw.x & 0x7FFF7FFFu, raw.y & 0x7FFF7FFFu),
+                          __vmaxu2(raw.z & 0x7FFF7FFFu, raw.w & 0x7FFF7FFFu));
+    uint32_t h = max(m & 0xFFFFu, m >> 16);
+    if constexpr (DT == NV_IN_BF16) {
+      return h << 16;
+    } else {  // fp16 bits -> fp32 bits of the same value (NaN/Inf -> 0x7F800000 or above)
+      if (h >= 0x7C00u) return 0x7F800000u | (h & 0x3FFu);
+      return __float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(h))));
+    }
+  }
 }
 
-// Widen a chunk, saturating NaN/Inf when asked; returns max |v| and sets *bad on NaN/Inf.
 template <int DT>
-__device__ __forceinline__ float chunk_values(const uint4& raw, const NvParams& p,
-                                              float (&v)[Traits<DT>::kEpc], bool* bad) {
-  widen<DT>(raw, v);
-  float m = 0.0f;
+__device__ __forceinline__ uint32_t block_max_bits(uint32_t m) {
+  m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+  if constexpr (Traits<DT>::kLpb == 4) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
+  return m;
+}
+
+__device__ __forceinline__ uint32_t warp_max_bits(uint32_t m) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+  return m;
+}
+
+__device__ __forceinline__ bool bits_nonfinite(uint32_t b) { return b >= 0x7F800000u; }
+
+// E4M3 byte of a clamped value in [0, 448] via the hardware converter (RNE, like
+// nv_e4m3_bits; the values are in range so saturation never acts).
+__device__ __forceinline__ uint8_t e4m3_hw(float v) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+// Saturate NaN/Inf of a widened chunk (nonfinite='saturate' only; rare path).
+template <int DT>
+__device__ __forceinline__ void saturate_chunk(float (&v)[Traits<DT>::kEpc], float in_max) {
 #pragma unroll
   for (int i = 0; i < Traits<DT>::kEpc; ++i) {
-    if (!is_finite_bits(v[i])) {
-      *bad = true;
-      v[i] = (v[i] != v[i]) ? 0.0f : (v[i] > 0.0f ? p.in_max : -p.in_max);
-    }
-    m = fmaxf(m, fabsf(v[i]));
+    if ((__float_as_uint(v[i]) & 0x7F800000u) == 0x7F800000u)
+      v[i] = (v[i] != v[i]) ? 0.0f : (v[i] > 0.0f ? in_max : -in_max);
   }
-  return m;
 }
 
+// Block scale byte, then the chunk's packed codes; the block's first lane stores the byte.
 template <int DT>
-__device__ __forceinline__ float block_max(float m) {
-  m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
-  if constexpr (Traits<DT>::kLpb == 4) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
-  return m;
-}
-
-__device__ __forceinline__ float warp_max(float m) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-  return m;
-}
-
-// Scale byte of the chunk's block (written by the block's first lane) and its packed codes.
-template <int DT>
-__device__ __forceinline__ void encode_chunk(const float (&v)[Traits<DT>::kEpc], float bmax,
-                                             int64_t r, int c, NvOuter o, float te_mult,
+__device__ __forceinline__ void encode_chunk(const uint4& raw, float bmax, bool sat, int64_t r,
+                                             int c, NvOuter o, float te_mult, float neg_above,
                                              const NvParams& p, uint8_t* codes,
-                                             uint8_t* scales, int* undefined) {
+                                             uint8_t* scales, int* flags_local) {
   constexpr int kEpc = Traits<DT>::kEpc, kLpb = Traits<DT>::kLpb;
   const int64_t nb = p.k / 16;
-  const int b = c / kLpb;
-  uint8_t sb = nv_block_scale(bmax, o, te_mult, p, undefined);
+  float pre = nv_block_prescale(bmax, o, te_mult, p.op_order);
+  if (pre != pre) *flags_local |= NV_FLAG_UNDEFINED_SCALE;
+  if (p.has_zero_prescale && pre == 0.0f) pre = p.zero_prescale_to;
+  pre = fminf(fmaxf(pre, p.block_scale_floor), NV_E4M3_MAX);
+  const uint8_t sb = e4m3_hw(pre);
   if (c % kLpb == 0) {
+    const int b = c / kLpb;
     const int64_t e = r / p.rows, rr = r % p.rows;
     if (p.swizzled) scales[nv_swizzle_offset(e, rr, b, p.rows, nb)] = sb;
     else scales[r * nb + b] = sb;
   }
-  NvEnc enc = nv_element_encoder(nv_e4m3_value(sb), o, p);
+  const float s = nv_e4m3_value(sb);
+  float v[kEpc];
+  widen<DT>(raw, v);
+  if (sat) saturate_chunk<DT>(v, p.in_max);
   uint32_t packed = 0;
+  if (p.op_order == NV_ORDER_MODELOPT && s != 0.0f) {
+    const float div = __fmul_rn(s, o.dec);
+    if (div == 0.0f) *flags_local |= NV_FLAG_USE_SPEC;
 #pragma unroll
-  for (int i = 0; i < kEpc; ++i) packed |= nv_e2m1_code(v[i], enc, p.signed_zero) << (4 * i);
+    for (int i = 0; i < kEpc; ++i)
+      packed |= nv_e2m1_code_fast(__fdiv_rn(v[i], div), neg_above) << (4 * i);
+  } else {
+    float mult;
+    if (s == 0.0f) mult = p.zero_saturate ? NV_FLT_MAX : 0.0f;
+    else if (p.op_order == NV_ORDER_TE) mult = fminf(__frcp_rn(__fmul_rn(s, o.dec)), NV_FLT_MAX);
+    else mult = __fdiv_rn(o.enc, s);
+#pragma unroll
+    for (int i = 0; i < kEpc; ++i)
+      packed |= nv_e2m1_code_fast(__fmul_rn(v[i], mult), neg_above) << (4 * i);
+  }
   uint8_t* dst = codes + r * (p.k / 2) + static_cast<int64_t>(c) * (kEpc / 2);
   if constexpr (kEpc == 8) __stcs(reinterpret_cast<unsigned int*>(dst), packed);
   else __stcs(reinterpret_cast<unsigned short*>(dst), static_cast<unsigned short>(packed));
 }
 
-__device__ __forceinline__ NvOuter row_outer(float rowmax, int64_t r, int lane, const NvParams& p,
-                                             const float* enc, const float* dec,
-                                             float* amax_out, float* stored_out) {
+__device__ __forceinline__ NvOuter row_outer(uint32_t rowmax_bits, int64_t r, int lane,
+                                             const NvParams& p, const float* enc,
+                                             const float* dec, float* amax_out,
+                                             float* stored_out) {
   NvOuter o;
   if (p.outer_mode == NV_OUTER_ROW) {
-    float a = warp_max(rowmax);
+    float a = __uint_as_float(warp_max_bits(rowmax_bits));
     if (p.has_amax_floor) a = nv_max(a, p.amax_floor);
     o = nv_outer_from_amax(a, p.op_order);
     if (lane == 0) {
@@ -126,16 +170,27 @@ __device__ __forceinline__ NvOuter row_outer(float rowmax, int64_t r, int lane, 
   return o;
 }
 
+// Exact block maximum of a chunk that held NaN/Inf, after saturation.
+template <int DT>
+__device__ __forceinline__ uint32_t saturated_chunk_max_bits(const uint4& raw, float in_max) {
+  float v[Traits<DT>::kEpc];
+  widen<DT>(raw, v);
+  saturate_chunk<DT>(v, in_max);
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < Traits<DT>::kEpc; ++i) m = max(m, __float_as_uint(v[i]) & 0x7FFFFFFFu);
+  return m;
+}
+
 // Rows of at most 32*CPT chunks: the row stays in registers between the two steps.
 template <int DT, int CPT>
 __global__ void __launch_bounds__(kWarpsPerCta * 32)
 quantize_rows_reg(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
                   uint8_t* __restrict__ scales, float* amax_out, float* stored_out,
                   const float* enc, const float* dec, NvParams p, int* flags) {
-  constexpr int kEpc = Traits<DT>::kEpc;
   const int lane = threadIdx.x & 31;
   const int64_t total = p.experts * p.rows;
-  const int nchunks = static_cast<int>(p.k / kEpc);
+  const int nchunks = static_cast<int>(p.k / Traits<DT>::kEpc);
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + (threadIdx.x >> 5);
   if (r >= total) return;
   const uint4* xr = x + r * nchunks;
@@ -145,37 +200,39 @@ quantize_rows_reg(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
     const int c = i * 32 + lane;
     if (c < nchunks) raw[i] = __ldcs(xr + c);
   }
-  float bmax[CPT];
+  uint32_t cmax[CPT];
   bool bad = false;
-  float rowmax = 0.0f;
 #pragma unroll
   for (int i = 0; i < CPT; ++i) {
     const int c = i * 32 + lane;
-    float v[kEpc];
-    float m = 0.0f;
-    if (c < nchunks) m = chunk_values<DT>(raw[i], p, v, &bad);
-    if (i * 32 < nchunks) m = block_max<DT>(m);  // whole warp takes part
-    bmax[i] = m;
-    rowmax = fmaxf(rowmax, m);
+    cmax[i] = c < nchunks ? chunk_absmax_bits<DT>(raw[i]) : 0u;
+    if (bits_nonfinite(cmax[i])) {
+      bad = true;
+      if (p.nonfinite_saturate) cmax[i] = saturated_chunk_max_bits<DT>(raw[i], p.in_max);
+    }
   }
   if (__any_sync(0xFFFFFFFFu, bad) && !p.nonfinite_saturate) {
     if (lane == 0) atomicOr(flags, NV_FLAG_NONFINITE);
     return;
   }
+  uint32_t rowmax = 0;
+#pragma unroll
+  for (int i = 0; i < CPT; ++i) {
+    if (i * 32 < nchunks) cmax[i] = block_max_bits<DT>(cmax[i]);  // whole warp takes part
+    rowmax = max(rowmax, cmax[i]);
+  }
   const NvOuter o = row_outer(rowmax, r, lane, p, enc, dec, amax_out, stored_out);
   const float te_mult = nv_te_block_mult(o.enc);
-  int undefined = 0;
+  const float neg_above = nv_neg_threshold(p.signed_zero);
+  int local = 0;
 #pragma unroll
   for (int i = 0; i < CPT; ++i) {
     const int c = i * 32 + lane;
-    if (c < nchunks) {
-      float v[kEpc];
-      bool ignored = false;
-      chunk_values<DT>(raw[i], p, v, &ignored);
-      encode_chunk<DT>(v, bmax[i], r, c, o, te_mult, p, codes, scales, &undefined);
-    }
+    if (c < nchunks)
+      encode_chunk<DT>(raw[i], __uint_as_float(cmax[i]), bad, r, c, o, te_mult, neg_above, p,
+                       codes, scales, &local);
   }
-  if (undefined) atomicOr(flags, NV_FLAG_UNDEFINED_SCALE);
+  if (local) atomicOr(flags, local);
 }
 
 // Any row length: the row maximum first, then a second (cached) read to encode.
@@ -184,19 +241,22 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
 quantize_rows_stream(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
                      uint8_t* __restrict__ scales, float* amax_out, float* stored_out,
                      const float* enc, const float* dec, NvParams p, int* flags) {
-  constexpr int kEpc = Traits<DT>::kEpc;
   const int lane = threadIdx.x & 31;
   const int64_t total = p.experts * p.rows;
-  const int nchunks = static_cast<int>(p.k / kEpc);
+  const int nchunks = static_cast<int>(p.k / Traits<DT>::kEpc);
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + (threadIdx.x >> 5);
   if (r >= total) return;
   const uint4* xr = x + r * nchunks;
   bool bad = false;
-  float rowmax = 0.0f;
-  for (int base = 0; base < nchunks; base += 32) {
-    const int c = base + lane;
-    float v[kEpc];
-    if (c < nchunks) rowmax = fmaxf(rowmax, chunk_values<DT>(__ldg(xr + c), p, v, &bad));
+  uint32_t rowmax = 0;
+  for (int c = lane; c < nchunks; c += 32) {
+    const uint4 raw = __ldg(xr + c);
+    uint32_t m = chunk_absmax_bits<DT>(raw);
+    if (bits_nonfinite(m)) {
+      bad = true;
+      if (p.nonfinite_saturate) m = saturated_chunk_max_bits<DT>(raw, p.in_max);
+    }
+    rowmax = max(rowmax, m);
   }
   if (__any_sync(0xFFFFFFFFu, bad) && !p.nonfinite_saturate) {
     if (lane == 0) atomicOr(flags, NV_FLAG_NONFINITE);
@@ -204,41 +264,56 @@ quantize_rows_stream(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
   }
   const NvOuter o = row_outer(rowmax, r, lane, p, enc, dec, amax_out, stored_out);
   const float te_mult = nv_te_block_mult(o.enc);
-  int undefined = 0;
+  const float neg_above = nv_neg_threshold(p.signed_zero);
+  int local = 0;
   for (int base = 0; base < nchunks; base += 32) {
     const int c = base + lane;
-    float v[kEpc];
-    bool ignored = false;
-    float m = 0.0f;
-    if (c < nchunks) m = chunk_values<DT>(__ldg(xr + c), p, v, &ignored);
-    m = block_max<DT>(m);
-    if (c < nchunks) encode_chunk<DT>(v, m, r, c, o, te_mult, p, codes, scales, &undefined);
+    uint4 raw = make_uint4(0, 0, 0, 0);
+    uint32_t m = 0;
+    bool sat = false;
+    if (c < nchunks) {
+      raw = __ldg(xr + c);
+      m = chunk_absmax_bits<DT>(raw);
+      if (bits_nonfinite(m)) {
+        sat = true;
+        m = saturated_chunk_max_bits<DT>(raw, p.in_max);
+      }
+    }
+    m = block_max_bits<DT>(m);
+    if (c < nchunks)
+      encode_chunk<DT>(raw, __uint_as_float(m), sat, r, c, o, te_mult, neg_above, p, codes,
+                       scales, &local);
   }
-  if (undefined) atomicOr(flags, NV_FLAG_UNDEFINED_SCALE);
+  if (local) atomicOr(flags, local);
 }
 
 // Per-expert max |x| (non-negative floats order like their bit patterns).
 template <int DT>
-__global__ void amax_rows(const uint4* __restrict__ x, float* amax_out, NvParams p, int* flags) {
-  constexpr int kEpc = Traits<DT>::kEpc;
+__global__ void __launch_bounds__(kWarpsPerCta * 32)
+amax_rows(const uint4* __restrict__ x, float* amax_out, NvParams p, int* flags) {
   const int lane = threadIdx.x & 31;
   const int64_t total = p.experts * p.rows;
-  const int nchunks = static_cast<int>(p.k / kEpc);
+  const int nchunks = static_cast<int>(p.k / Traits<DT>::kEpc);
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + (threadIdx.x >> 5);
   if (r >= total) return;
   const uint4* xr = x + r * nchunks;
   bool bad = false;
-  float m = 0.0f;
+  uint32_t m = 0;
   for (int c = lane; c < nchunks; c += 32) {
-    float v[kEpc];
-    m = fmaxf(m, chunk_values<DT>(__ldcs(xr + c), p, v, &bad));
+    const uint4 raw = __ldcs(xr + c);
+    uint32_t cm = chunk_absmax_bits<DT>(raw);
+    if (bits_nonfinite(cm)) {
+      bad = true;
+      if (p.nonfinite_saturate) cm = saturated_chunk_max_bits<DT>(raw, p.in_max);
+    }
+    m = max(m, cm);
   }
-  m = warp_max(m);
+  m = warp_max_bits(m);
   if (__any_sync(0xFFFFFFFFu, bad) && !p.nonfinite_saturate) {
     if (lane == 0) atomicOr(flags, NV_FLAG_NONFINITE);
     return;
   }
-  if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(amax_out) + r / p.rows, __float_as_uint(m));
+  if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(amax_out) + r / p.rows, m);
 }
 
 template <int DT>
@@ -256,6 +331,7 @@ cudaError_t launch_quantize(const void* x, uint8_t* codes, uint8_t* scales, floa
   quantize_rows_reg<DT, CPT><<<grid, block, 0, s>>>(xv, codes, scales, amax_out, stored_out, enc, dec, p, flags)
   if (cpt <= 1) NV_LAUNCH(1);
   else if (cpt <= 2) NV_LAUNCH(2);
+  else if (cpt <= 3) NV_LAUNCH(3);
   else if (cpt <= 4) NV_LAUNCH(4);
   else if (cpt <= 8) NV_LAUNCH(8);
   else if (cpt <= 16) NV_LAUNCH(16);

@@ -76,17 +76,40 @@ def _compiler_version(cmd: str) -> str:
         return ""
 
 
-def cuda_archs(nvcc: str) -> list[str]:
-    """``-gencode`` flags: sm_90, plus sm_100a where this nvcc knows compute_100."""
+def _nvcc_archs(nvcc: str) -> list[str]:
     try:
-        known = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True,
-                               timeout=30).stdout.split()
+        return subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True,
+                              timeout=30).stdout.split()
     except (OSError, subprocess.SubprocessError):
-        known = []
-    flags = ["-gencode=arch=compute_90,code=sm_90"]
-    if "compute_100" in known:
-        flags.append("-gencode=arch=compute_100a,code=sm_100a")
-    flags.append("-gencode=arch=compute_90,code=compute_90")  # PTX for newer chips
+        return []
+
+
+def cuda_archs(nvcc: str) -> list[str]:
+    """``-gencode`` flags from ``$ALIGN_CUDA_ARCHS``.
+
+    ``native`` (default): the current device's architecture only (sm_90 on Hopper,
+    sm_100a on Blackwell), which keeps a first-use build short; ``all``: sm_90, plus
+    sm_100a where this nvcc knows compute_100, plus PTX for newer chips; or an explicit
+    comma-separated list such as ``90,100a``.
+    """
+    want = os.environ.get("ALIGN_CUDA_ARCHS", "native").strip().lower()
+    if want == "native":
+        try:
+            import torch
+
+            major, minor = torch.cuda.get_device_capability()
+            want = f"{major}{minor}" + ("a" if major >= 10 else "")
+        except Exception:  # no device visible: build the portable set
+            want = "all"
+    if want == "all":
+        want = "90,100a" if "compute_100" in _nvcc_archs(nvcc) else "90"
+        want += ",ptx90"
+    flags = []
+    for arch in (a.strip() for a in want.split(",") if a.strip()):
+        if arch.startswith("ptx"):
+            flags.append(f"-gencode=arch=compute_{arch[3:]},code=compute_{arch[3:]}")
+        else:
+            flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
     return flags
 
 
@@ -122,6 +145,8 @@ def build(kind: str) -> Path:
     compiler = build_command(kind, src, Path("x"))[0]
     if shutil.which(compiler) is None:
         raise KernelBuildError(f"compiler {compiler!r} not found on PATH")
+    if kind == "cuda" and not os.environ.get("NVCC") and shutil.which("nvcc") is None:
+        raise KernelBuildError("nvcc not found on PATH")
     probe = build_command(kind, src, Path("OUT"))
     target = cache_dir() / f"libnvfp4_{kind}-{_key(kind, probe)}.so"
     if target.exists():
