@@ -308,32 +308,72 @@ def sync_gpu(args) -> dict:
 
 
 def sync_cpu(args) -> dict:
-    """Publish -> converted -> ready to load through the weight store, BF16 vs NVFP4."""
-    from services.common.weight_store import WeightStore, publish_bf16
-    from services.converter.worker import convert_published
+    """Publish -> converted -> ready to load through the weight store, NVFP4 vs BF16.
+
+    Both paths run the same code: the learner publishes BF16 shards, the store version is
+    written from them (atomically, with a manifest and per-tensor SHA-256), and the
+    sampler reads it back verified. The BF16 path stores the expert weights as they are
+    (a store version with nothing selected for quantization); the NVFP4 path quantizes
+    them with the minite preset on the way (``convert_published``).
+    """
+    from services.common.published import PublishedVersion, write_published
+    from services.common.weight_store import WeightStore
+    from services.converter.convert import convert_published
+    from services.converter.selection import is_expert_weight
 
     tensors = {}
     for layer in range(args.layers):
         for (_m, k), s in zip(SHAPES, make_stacks(args.experts, "cpu", seed=layer), strict=True):
             for e in range(s.shape[0]):
-                proj = "gate_up_proj" if k == 2048 else "down_proj"
-                tensors[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = s[e].contiguous()
-    times: dict[str, list[float]] = {"BF16 publish + load": [], "NVFP4 publish + convert + load": []}
+                pre = f"model.layers.{layer}.mlp.experts.{e}"
+                if k == 2048:  # the fused 1536 rows are the checkpoint's gate and up
+                    half = s.shape[1] // 2
+                    tensors[f"{pre}.gate_proj.weight"] = s[e, :half].contiguous()
+                    tensors[f"{pre}.up_proj.weight"] = s[e, half:].contiguous()
+                else:
+                    tensors[f"{pre}.down_proj.weight"] = s[e].contiguous()
+    spec, keep = PRESETS["minite"], (lambda name, t: False)
+    times: dict[str, list[float]] = {k: [] for k in (
+        "service: BF16 publish + store + load", "service: NVFP4 publish + convert + store + load",
+        "learner-side: BF16 store + load", "learner-side: NVFP4 convert + store + load")}
     with tempfile.TemporaryDirectory(dir=args.store_root) as root:
-        store = WeightStore(Path(root) / "store")
+        store, pub = WeightStore(Path(root) / "store"), Path(root) / "published"
+
+        def timed(key, fn):
+            t0 = time.perf_counter()
+            out = fn()
+            times[key].append(time.perf_counter() - t0)
+            return out
+
         for i in range(args.sync_repeats):
-            t0 = time.perf_counter()
-            src = publish_bf16(store, f"bf16-{i}", tensors)
-            store.read_published(f"bf16-{i}", verify=True)
-            times["BF16 publish + load"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            src = publish_bf16(store, f"v-{i}", tensors)
-            convert_published(src, store, f"v-{i}", PRESETS["minite"])
-            store.read_version(f"v-{i}", verify=True)
-            times["NVFP4 publish + convert + load"].append(time.perf_counter() - t0)
-    med = {k: min(v) for k, v in times.items()}
-    return {"layers": args.layers, "seconds": med, "all_seconds": times,
-            "ratio": med["NVFP4 publish + convert + load"] / med["BF16 publish + load"]}
+            def via_service_bf16(i=i):
+                src = write_published(pub, f"b{i}", tensors)
+                store.write_version(f"b{i}", PublishedVersion(src).iter_tensors(), spec, select=keep)
+                return store.read_version(f"b{i}", verify=True)
+
+            def via_service_nvfp4(i=i):
+                convert_published(write_published(pub, f"v{i}", tensors), store, f"v{i}", spec)
+                return store.read_version(f"v{i}", verify=True)
+
+            def direct_bf16(i=i):
+                store.write_version(f"db{i}", tensors, spec, select=keep)
+                return store.read_version(f"db{i}", verify=True)
+
+            def direct_nvfp4(i=i):
+                store.write_version(f"dv{i}", tensors, spec, select=is_expert_weight)
+                return store.read_version(f"dv{i}", verify=True)
+
+            timed("service: BF16 publish + store + load", via_service_bf16)
+            got = timed("service: NVFP4 publish + convert + store + load", via_service_nvfp4)
+            timed("learner-side: BF16 store + load", direct_bf16)
+            timed("learner-side: NVFP4 convert + store + load", direct_nvfp4)
+        name = next(iter(tensors))
+        ok = got[name].bitwise_equal(quantize(tensors[name], spec))
+    best = {k: min(v) for k, v in times.items()}
+    vals = list(best.values())
+    return {"layers": args.layers, "experts": args.experts, "seconds": best, "all_seconds": times,
+            "bf16_bytes": _in_bytes(list(tensors.values())), "stored_bits_ok": bool(ok),
+            "ratio_service": vals[1] / vals[0], "ratio_learner_side": vals[3] / vals[2]}
 
 
 # --- report ---------------------------------------------------------------------------------
@@ -370,12 +410,13 @@ def render(res: dict, device: str) -> None:
     if t2:
         print(f"\nTable 2: whole sync of {t2['layers']} layers' expert weights")
         for k, v in t2["seconds"].items():
-            print(f"  {k:40} {v:9.3f} s")
-        for k in ("ratio", "ratio_host", "ratio_colocated"):
+            print(f"  {k:48} {v:9.3f} s")
+        for k in ("ratio_service", "ratio_learner_side", "ratio_host", "ratio_colocated"):
             if k in t2:
-                print(f"  {k:40} {t2[k]:9.3f} (NVFP4 time / BF16 time)")
-        if "host_copy_bits_ok" in t2:
-            print(f"  NVFP4 bytes on the host == kernel output: {t2['host_copy_bits_ok']}")
+                print(f"  {k:48} {t2[k]:9.3f} (NVFP4 time / BF16 time)")
+        for key in ("host_copy_bits_ok", "stored_bits_ok"):
+            if key in t2:
+                print(f"  NVFP4 bytes where the sampler loads them == spec: {t2[key]}")
 
 
 def main(argv: list[str] | None = None) -> int:
