@@ -1,20 +1,22 @@
 // CUDA kernel of libalign.spec.quantize for the te / torchao / modelopt orders.
 //
-// One warp per row. Each lane loads 16-byte chunks (8 bf16/fp16 or 4 fp32 elements), so
-// a 16-element block lives in 2 (or 4) neighbouring lanes and its maximum is one or two
-// shuffles away. In the row domain the warp reduces the row maximum, forms the outer
-// scales, and every lane then encodes its chunks into 4 (or 2) packed bytes: the input is
-// read once from memory and nothing but codes, scales and the row's outer scale is
-// written. Rows up to 32*16 chunks stay in registers between the two steps; longer rows
-// are read twice, the second time from cache. The tensor and expert domains take their
-// outer scales from a per-expert amax pass (nvfp4_amax_cuda) and the spec's outer-scale
-// formulas, which the caller evaluates on the device.
+// One warp per row, two phases. Phase 1 streams the row from memory into shared memory
+// (16-byte loads, coalesced) while taking its maximum on the integer bits of |x|, which
+// order like the values and expose NaN/Inf in the same step. The warp reduces the row
+// maximum and forms the outer scales (row domain) or reads them (tensor/expert domains,
+// from nvfp4_amax_cuda plus the spec's formulas evaluated by the caller). Phase 2 gives
+// each lane whole 16-element blocks from shared memory: the block maximum, the E4M3 scale
+// byte (the hardware's round-to-nearest-even converter), one multiplier per block, then
+// per element one multiply and the branch-free E2M1 rounding of nv_e2m1_code_fast, and
+// 8 packed bytes stored at once. The input is read from memory once; only codes, scales
+// and the row's outer scale are written.
 //
-// The kernel is bound by instruction issue, not memory, unless the per-element work is
-// small, so the inner loop is lean: the maximum is taken on the integer bits of |x| (which
-// order like the values, and expose NaN/Inf in the same step), the E4M3 scale byte comes
-// from the hardware's round-to-nearest-even converter, and each element costs one scale
-// multiply plus the branch-free E2M1 rounding of nv_e2m1_code_fast.
+// The work per element decides the speed (the kernel is limited by instruction issue well
+// before memory bandwidth), so the kernel is specialised by input dtype, operation order
+// and signed-zero policy, and the sign bits of a block are gathered from the input words
+// with byte permutes: the scaled value has the sign of its input (every multiplier and
+// divisor is positive or zero), so 'sign_of_input' takes them as they are and
+// 'positive' keeps them where the magnitude code is not zero.
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -23,62 +25,45 @@
 
 namespace {
 
-constexpr int kWarpsPerCta = 8;
+constexpr int kMaxWarpsPerCta = 8;
+constexpr int kMaxStagedBytes = 96 * 1024;  // shared memory per CTA for staged rows
+
+enum { SZ_FAST_POSITIVE = 0, SZ_FAST_INPUT = 1, SZ_GENERIC = 2 };
 
 template <int DT>
 struct Traits {
-  static constexpr int kEpc = DT == NV_IN_FP32 ? 4 : 8;  // elements per 16-byte chunk
-  static constexpr int kLpb = 16 / kEpc;                 // lanes per 16-element block
+  static constexpr int kEpw = DT == NV_IN_FP32 ? 1 : 2;  // elements per 32-bit word
+  static constexpr int kWpb = 16 / kEpw;                 // words per block
+  static constexpr int kCpb = kWpb / 4;                  // 16-byte chunks per block
 };
 
 template <int DT>
-__device__ __forceinline__ void widen(const uint4& raw, float (&v)[Traits<DT>::kEpc]) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+__device__ __forceinline__ float word_elem(uint32_t w, int hi) {
+  if constexpr (DT == NV_IN_FP32) return __uint_as_float(w);
+  else if constexpr (DT == NV_IN_BF16) return __uint_as_float(hi ? (w & 0xFFFF0000u) : (w << 16));
+  else return __half2float(__ushort_as_half(static_cast<unsigned short>(hi ? (w >> 16) : (w & 0xFFFFu))));
+}
+
+// Running max of |x| bits over a 16-byte chunk (16-bit types: two halves per word).
+template <int DT>
+__device__ __forceinline__ uint32_t fold_absmax(uint32_t m, const uint4& v) {
   if constexpr (DT == NV_IN_FP32) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(w[i]);
-  } else if constexpr (DT == NV_IN_BF16) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[2 * i] = __uint_as_float(w[i] << 16);
-      v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-    }
+    return max(max(m, max(v.x & 0x7FFFFFFFu, v.y & 0x7FFFFFFFu)),
+               max(v.z & 0x7FFFFFFFu, v.w & 0x7FFFFFFFu));
   } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-      v[2 * i] = f.x;
-      v[2 * i + 1] = f.y;
-    }
+    return __vmaxu2(__vmaxu2(m, __vmaxu2(v.x & 0x7FFF7FFFu, v.y & 0x7FFF7FFFu)),
+                    __vmaxu2(v.z & 0x7FFF7FFFu, v.w & 0x7FFF7FFFu));
   }
 }
 
-// Largest |x| of a chunk as fp32 bits (>= 0x7F800000 when the chunk holds NaN or Inf).
+// fp32 bits of the folded maximum (>= 0x7F800000 when NaN/Inf was seen).
 template <int DT>
-__device__ __forceinline__ uint32_t chunk_absmax_bits(const uint4& raw) {
-  if constexpr (DT == NV_IN_FP32) {
-    uint32_t m = max(max(raw.x & 0x7FFFFFFFu, raw.y & 0x7FFFFFFFu),
-                     max(raw.z & 0x7FFFFFFFu, raw.w & 0x7FFFFFFFu));
-    return m;
-  } else {
-    // two 16-bit magnitudes per word, compared as unsigned halves
-    uint32_t m = __vmaxu2(__vmaxu2(raw.x & 0x7FFF7FFFu, raw.y & 0x7FFF7FFFu),
-                          __vmaxu2(raw.z & 0x7FFF7FFFu, raw.w & 0x7FFF7FFFu));
-    uint32_t h = max(m & 0xFFFFu, m >> 16);
-    if constexpr (DT == NV_IN_BF16) {
-      return h << 16;
-    } else {  // fp16 bits -> fp32 bits of the same value (NaN/Inf -> 0x7F800000 or above)
-      if (h >= 0x7C00u) return 0x7F800000u | (h & 0x3FFu);
-      return __float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(h))));
-    }
-  }
-}
-
-template <int DT>
-__device__ __forceinline__ uint32_t block_max_bits(uint32_t m) {
-  m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
-  if constexpr (Traits<DT>::kLpb == 4) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
-  return m;
+__device__ __forceinline__ uint32_t finish_absmax(uint32_t m) {
+  if constexpr (DT == NV_IN_FP32) return m;
+  const uint32_t h = max(m & 0xFFFFu, m >> 16);
+  if constexpr (DT == NV_IN_BF16) return h << 16;
+  if (h >= 0x7C00u) return 0x7F800000u | h;
+  return __float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(h))));
 }
 
 __device__ __forceinline__ uint32_t warp_max_bits(uint32_t m) {
@@ -87,257 +72,280 @@ __device__ __forceinline__ uint32_t warp_max_bits(uint32_t m) {
   return m;
 }
 
-__device__ __forceinline__ bool bits_nonfinite(uint32_t b) { return b >= 0x7F800000u; }
-
-// E4M3 byte of a clamped value in [0, 448] via the hardware converter (RNE, like
-// nv_e4m3_bits; the values are in range so saturation never acts).
-__device__ __forceinline__ uint8_t e4m3_hw(float v) {
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+__device__ __forceinline__ float saturate_elem(float v, float in_max) {
+  if ((__float_as_uint(v) & 0x7F800000u) != 0x7F800000u) return v;
+  return (v != v) ? 0.0f : (v > 0.0f ? in_max : -in_max);
 }
 
-// Saturate NaN/Inf of a widened chunk (nonfinite='saturate' only; rare path).
+// nonfinite='saturate' at the bit level: NaN -> +0, +-Inf -> +-largest finite value of
+// the input dtype, exactly what the spec's nan_to_num gives before widening.
+__device__ __forceinline__ uint32_t sanitize16(uint32_t h, uint32_t exp_mask, uint32_t max_bits) {
+  if ((h & exp_mask) != exp_mask) return h;
+  if (h & (~exp_mask & 0x7FFFu)) return 0u;  // NaN
+  return (h & 0x8000u) | max_bits;
+}
+
 template <int DT>
-__device__ __forceinline__ void saturate_chunk(float (&v)[Traits<DT>::kEpc], float in_max) {
+__device__ __forceinline__ void sanitize_words(uint32_t* w) {
 #pragma unroll
-  for (int i = 0; i < Traits<DT>::kEpc; ++i) {
-    if ((__float_as_uint(v[i]) & 0x7F800000u) == 0x7F800000u)
-      v[i] = (v[i] != v[i]) ? 0.0f : (v[i] > 0.0f ? in_max : -in_max);
+  for (int i = 0; i < Traits<DT>::kWpb; ++i) {
+    if constexpr (DT == NV_IN_FP32) {
+      const uint32_t v = w[i];
+      if ((v & 0x7F800000u) == 0x7F800000u)
+        w[i] = (v & 0x007FFFFFu) ? 0u : ((v & 0x80000000u) | 0x7F7FFFFFu);
+    } else {
+      const uint32_t em = DT == NV_IN_BF16 ? 0x7F80u : 0x7C00u;
+      const uint32_t mx = DT == NV_IN_BF16 ? 0x7F7Fu : 0x7BFFu;
+      w[i] = sanitize16(w[i] & 0xFFFFu, em, mx) | (sanitize16(w[i] >> 16, em, mx) << 16);
+    }
   }
 }
 
-// Block scale byte, then the chunk's packed codes; the block's first lane stores the byte.
-template <int DT>
-__device__ __forceinline__ void encode_chunk(const uint4& raw, float bmax, bool sat, int64_t r,
-                                             int c, NvOuter o, float te_mult, float neg_above,
-                                             const NvParams& p, uint8_t* codes,
-                                             uint8_t* scales, int* flags_local) {
-  constexpr int kEpc = Traits<DT>::kEpc, kLpb = Traits<DT>::kLpb;
-  const int64_t nb = p.k / 16;
-  float pre = nv_block_prescale(bmax, o, te_mult, p.op_order);
-  if (pre != pre) *flags_local |= NV_FLAG_UNDEFINED_SCALE;
-  if (p.has_zero_prescale && pre == 0.0f) pre = p.zero_prescale_to;
-  pre = fminf(fmaxf(pre, p.block_scale_floor), NV_E4M3_MAX);
-  const uint8_t sb = e4m3_hw(pre);
-  if (c % kLpb == 0) {
-    const int b = c / kLpb;
-    const int64_t e = r / p.rows, rr = r % p.rows;
-    if (p.swizzled) scales[nv_swizzle_offset(e, rr, b, p.rows, nb)] = sb;
-    else scales[r * nb + b] = sb;
-  }
-  const float s = nv_e4m3_value(sb);
-  float v[kEpc];
-  widen<DT>(raw, v);
-  if (sat) saturate_chunk<DT>(v, p.in_max);
+// Sign bits of 8 consecutive 16-bit elements (words w[0..3]) at bit 3 of each nibble.
+__device__ __forceinline__ uint32_t signs16(const uint32_t* w) {
+  const uint32_t t01 = __byte_perm(w[0], w[1], 0x7351), t23 = __byte_perm(w[2], w[3], 0x7351);
+  const uint32_t b1 = __byte_perm(t01, t23, 0x5410), b3 = __byte_perm(t01, t23, 0x7632);
+  return ((b1 >> 4) & 0x08080808u) | (b3 & 0x80808080u);
+}
+
+// Magnitude code 0..7 of a scaled value (nv_e2m1_code_fast without the sign).
+__device__ __forceinline__ uint32_t e2m1_mag(float z) {
+  const float a = fminf(fabsf(z), NV_E2M1_MAX);
+  const uint32_t b = __float_as_uint(a);
+  const uint32_t lo = __float_as_uint(fmaf(a, 2.0f, 8388608.0f)) & 3u;
+  const uint32_t hi = (b + 0x1FFFFFu + ((b >> 22) & 1u) - (252u << 22)) >> 22;
+  return a < 1.0f ? lo : hi;
+}
+
+// Encode 8 elements (words w) with one multiplier/divisor into one packed word.
+template <int DT, int ORDER, int SZ>
+__device__ __forceinline__ uint32_t encode8(const uint32_t* w, float mult, float div,
+                                            bool use_div, float neg_above) {
+  constexpr int kEpw = Traits<DT>::kEpw;
   uint32_t packed = 0;
-  if (p.op_order == NV_ORDER_MODELOPT && s != 0.0f) {
-    const float div = __fmul_rn(s, o.dec);
-    if (div == 0.0f) *flags_local |= NV_FLAG_USE_SPEC;
 #pragma unroll
-    for (int i = 0; i < kEpc; ++i)
-      packed |= nv_e2m1_code_fast(__fdiv_rn(v[i], div), neg_above) << (4 * i);
-  } else {
-    float mult;
-    if (s == 0.0f) mult = p.zero_saturate ? NV_FLT_MAX : 0.0f;
-    else if (p.op_order == NV_ORDER_TE) mult = fminf(__frcp_rn(__fmul_rn(s, o.dec)), NV_FLT_MAX);
-    else mult = __fdiv_rn(o.enc, s);
-#pragma unroll
-    for (int i = 0; i < kEpc; ++i)
-      packed |= nv_e2m1_code_fast(__fmul_rn(v[i], mult), neg_above) << (4 * i);
+  for (int i = 0; i < 8; ++i) {
+    const float x = word_elem<DT>(w[i / kEpw], i % kEpw);
+    const float z = (ORDER == NV_ORDER_MODELOPT && use_div) ? __fdiv_rn(x, div) : __fmul_rn(x, mult);
+    uint32_t code = e2m1_mag(z);
+    if constexpr (SZ == SZ_GENERIC) code |= ((__float_as_uint(z) >> 31) & (fabsf(z) > neg_above)) << 3;
+    packed += code << (4 * i);
   }
-  uint8_t* dst = codes + r * (p.k / 2) + static_cast<int64_t>(c) * (kEpc / 2);
-  if constexpr (kEpc == 8) __stcs(reinterpret_cast<unsigned int*>(dst), packed);
-  else __stcs(reinterpret_cast<unsigned short*>(dst), static_cast<unsigned short>(packed));
+  if constexpr (SZ != SZ_GENERIC) {
+    uint32_t s;
+    if constexpr (DT == NV_IN_FP32) {
+      s = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s |= (w[i] >> 31) << (4 * i + 3);
+    } else {
+      s = signs16(w);
+    }
+    if constexpr (SZ == SZ_FAST_POSITIVE) {
+      const uint32_t q = packed | (packed >> 1) | (packed >> 2);
+      s &= (q << 3);
+    }
+    packed |= s & 0x88888888u;
+  }
+  return packed;
 }
 
-__device__ __forceinline__ NvOuter row_outer(uint32_t rowmax_bits, int64_t r, int lane,
-                                             const NvParams& p, const float* enc,
-                                             const float* dec, float* amax_out,
-                                             float* stored_out) {
+template <int DT, int ORDER, int SZ, bool STAGED>
+__global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
+quantize_rows(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
+              uint8_t* __restrict__ scales, float* __restrict__ amax_out,
+              float* __restrict__ stored_out, const float* __restrict__ enc_in,
+              const float* __restrict__ dec_in, NvParams p, int* flags) {
+  extern __shared__ uint4 staged[];
+  constexpr int kCpb = Traits<DT>::kCpb, kWpb = Traits<DT>::kWpb;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wpc = blockDim.x >> 5;
+  const int64_t total = p.experts * p.rows;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * wpc + warp;
+  if (r >= total) return;
+  const int nb = static_cast<int>(p.k / 16), nchunks = nb * kCpb;
+  const uint4* xr = x + r * nchunks;
+  uint4* srow = staged + (STAGED ? warp * nchunks : 0);
+
+  // phase 1: stage the row, its maximum
+  uint32_t m = 0;
+#pragma unroll 4
+  for (int c = lane; c < nchunks; c += 32) {
+    const uint4 v = __ldcs(xr + c);
+    if constexpr (STAGED) srow[c] = v;
+    m = fold_absmax<DT>(m, v);
+  }
+  const uint32_t mine = finish_absmax<DT>(m);
+  const bool bad = mine >= 0x7F800000u;
+  const bool any_bad = __any_sync(0xFFFFFFFFu, bad);
+  if (any_bad && !p.nonfinite_saturate) {
+    if (lane == 0) atomicOr(flags, NV_FLAG_NONFINITE);
+    return;
+  }
   NvOuter o;
   if (p.outer_mode == NV_OUTER_ROW) {
-    float a = __uint_as_float(warp_max_bits(rowmax_bits));
+    uint32_t rm = mine;
+    if (any_bad) {  // saturated maximum of this lane's chunks (rare path)
+      rm = 0;
+      for (int c = lane; c < nchunks; c += 32) {
+        const uint4 v = STAGED ? srow[c] : __ldg(xr + c);
+        const uint32_t ww[4] = {v.x, v.y, v.z, v.w};
+        for (int i = 0; i < 4 * Traits<DT>::kEpw; ++i) {
+          const float e = saturate_elem(word_elem<DT>(ww[i / Traits<DT>::kEpw], i % Traits<DT>::kEpw), p.in_max);
+          rm = max(rm, __float_as_uint(e) & 0x7FFFFFFFu);
+        }
+      }
+    }
+    float a = __uint_as_float(warp_max_bits(rm));
     if (p.has_amax_floor) a = nv_max(a, p.amax_floor);
-    o = nv_outer_from_amax(a, p.op_order);
+    o = nv_outer_from_amax(a, ORDER);
     if (lane == 0) {
       amax_out[r] = a;
       stored_out[r] = nv_stored(a, o, p.store_conv);
     }
   } else {
     const int64_t i = p.outer_stride ? r / p.rows : 0;
-    o.enc = enc[i];
-    o.dec = dec[i];
+    o.enc = enc_in[i];
+    o.dec = dec_in[i];
   }
-  return o;
-}
+  if constexpr (STAGED) __syncwarp();
 
-// Exact block maximum of a chunk that held NaN/Inf, after saturation.
-template <int DT>
-__device__ __forceinline__ uint32_t saturated_chunk_max_bits(const uint4& raw, float in_max) {
-  float v[Traits<DT>::kEpc];
-  widen<DT>(raw, v);
-  saturate_chunk<DT>(v, in_max);
-  uint32_t m = 0;
-#pragma unroll
-  for (int i = 0; i < Traits<DT>::kEpc; ++i) m = max(m, __float_as_uint(v[i]) & 0x7FFFFFFFu);
-  return m;
-}
-
-// Rows of at most 32*CPT chunks: the row stays in registers between the two steps.
-template <int DT, int CPT>
-__global__ void __launch_bounds__(kWarpsPerCta * 32)
-quantize_rows_reg(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
-                  uint8_t* __restrict__ scales, float* amax_out, float* stored_out,
-                  const float* enc, const float* dec, NvParams p, int* flags) {
-  const int lane = threadIdx.x & 31;
-  const int64_t total = p.experts * p.rows;
-  const int nchunks = static_cast<int>(p.k / Traits<DT>::kEpc);
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + (threadIdx.x >> 5);
-  if (r >= total) return;
-  const uint4* xr = x + r * nchunks;
-  uint4 raw[CPT];
-#pragma unroll
-  for (int i = 0; i < CPT; ++i) {
-    const int c = i * 32 + lane;
-    if (c < nchunks) raw[i] = __ldcs(xr + c);
-  }
-  uint32_t cmax[CPT];
-  bool bad = false;
-#pragma unroll
-  for (int i = 0; i < CPT; ++i) {
-    const int c = i * 32 + lane;
-    cmax[i] = c < nchunks ? chunk_absmax_bits<DT>(raw[i]) : 0u;
-    if (bits_nonfinite(cmax[i])) {
-      bad = true;
-      if (p.nonfinite_saturate) cmax[i] = saturated_chunk_max_bits<DT>(raw[i], p.in_max);
-    }
-  }
-  if (__any_sync(0xFFFFFFFFu, bad) && !p.nonfinite_saturate) {
-    if (lane == 0) atomicOr(flags, NV_FLAG_NONFINITE);
-    return;
-  }
-  uint32_t rowmax = 0;
-#pragma unroll
-  for (int i = 0; i < CPT; ++i) {
-    if (i * 32 < nchunks) cmax[i] = block_max_bits<DT>(cmax[i]);  // whole warp takes part
-    rowmax = max(rowmax, cmax[i]);
-  }
-  const NvOuter o = row_outer(rowmax, r, lane, p, enc, dec, amax_out, stored_out);
+  // phase 2: whole blocks per lane
   const float te_mult = nv_te_block_mult(o.enc);
   const float neg_above = nv_neg_threshold(p.signed_zero);
+  const int64_t e = r / p.rows, rr = r % p.rows;
+  uint2* crow = reinterpret_cast<uint2*>(codes + r * (p.k / 2));
   int local = 0;
+#pragma unroll 1
+  for (int b = lane; b < nb; b += 32) {
+    uint32_t w[kWpb];
 #pragma unroll
-  for (int i = 0; i < CPT; ++i) {
-    const int c = i * 32 + lane;
-    if (c < nchunks)
-      encode_chunk<DT>(raw[i], __uint_as_float(cmax[i]), bad, r, c, o, te_mult, neg_above, p,
-                       codes, scales, &local);
-  }
-  if (local) atomicOr(flags, local);
-}
-
-// Any row length: the row maximum first, then a second (cached) read to encode.
-template <int DT>
-__global__ void __launch_bounds__(kWarpsPerCta * 32)
-quantize_rows_stream(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
-                     uint8_t* __restrict__ scales, float* amax_out, float* stored_out,
-                     const float* enc, const float* dec, NvParams p, int* flags) {
-  const int lane = threadIdx.x & 31;
-  const int64_t total = p.experts * p.rows;
-  const int nchunks = static_cast<int>(p.k / Traits<DT>::kEpc);
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + (threadIdx.x >> 5);
-  if (r >= total) return;
-  const uint4* xr = x + r * nchunks;
-  bool bad = false;
-  uint32_t rowmax = 0;
-  for (int c = lane; c < nchunks; c += 32) {
-    const uint4 raw = __ldg(xr + c);
-    uint32_t m = chunk_absmax_bits<DT>(raw);
-    if (bits_nonfinite(m)) {
-      bad = true;
-      if (p.nonfinite_saturate) m = saturated_chunk_max_bits<DT>(raw, p.in_max);
+    for (int c = 0; c < kCpb; ++c) {
+      const uint4 v = STAGED ? srow[b * kCpb + c] : __ldg(xr + b * kCpb + c);
+      w[4 * c] = v.x; w[4 * c + 1] = v.y; w[4 * c + 2] = v.z; w[4 * c + 3] = v.w;
     }
-    rowmax = max(rowmax, m);
-  }
-  if (__any_sync(0xFFFFFFFFu, bad) && !p.nonfinite_saturate) {
-    if (lane == 0) atomicOr(flags, NV_FLAG_NONFINITE);
-    return;
-  }
-  const NvOuter o = row_outer(rowmax, r, lane, p, enc, dec, amax_out, stored_out);
-  const float te_mult = nv_te_block_mult(o.enc);
-  const float neg_above = nv_neg_threshold(p.signed_zero);
-  int local = 0;
-  for (int base = 0; base < nchunks; base += 32) {
-    const int c = base + lane;
-    uint4 raw = make_uint4(0, 0, 0, 0);
-    uint32_t m = 0;
-    bool sat = false;
-    if (c < nchunks) {
-      raw = __ldg(xr + c);
-      m = chunk_absmax_bits<DT>(raw);
-      if (bits_nonfinite(m)) {
-        sat = true;
-        m = saturated_chunk_max_bits<DT>(raw, p.in_max);
+    uint32_t bm = 0;
+#pragma unroll
+    for (int c = 0; c < kCpb; ++c)
+      bm = fold_absmax<DT>(bm, make_uint4(w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]));
+    bm = finish_absmax<DT>(bm);
+    if (any_bad && bm >= 0x7F800000u) {  // nonfinite='saturate' (rare path)
+      sanitize_words<DT>(w);
+      bm = 0;
+#pragma unroll
+      for (int c = 0; c < kCpb; ++c)
+        bm = fold_absmax<DT>(bm, make_uint4(w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]));
+      bm = finish_absmax<DT>(bm);
+    }
+    float pre = nv_block_prescale(__uint_as_float(bm), o, te_mult, ORDER);
+    if (pre != pre) local |= NV_FLAG_UNDEFINED_SCALE;
+    if (p.has_zero_prescale && pre == 0.0f) pre = p.zero_prescale_to;
+    pre = fminf(fmaxf(pre, p.block_scale_floor), NV_E4M3_MAX);
+    const uint8_t sb = static_cast<uint8_t>(__nv_cvt_float_to_fp8(pre, __NV_SATFINITE, __NV_E4M3));
+    if (p.swizzled) scales[nv_swizzle_offset(e, rr, b, p.rows, nb)] = sb;
+    else scales[r * nb + b] = sb;
+    const float s = nv_e4m3_value(sb);
+    float mult = p.zero_saturate ? NV_FLT_MAX : 0.0f, div = 1.0f;
+    bool use_div = false;
+    if (s != 0.0f) {
+      if constexpr (ORDER == NV_ORDER_TE) {
+        mult = fminf(__frcp_rn(__fmul_rn(s, o.dec)), NV_FLT_MAX);
+      } else if constexpr (ORDER == NV_ORDER_TORCHAO) {
+        mult = __fdiv_rn(o.enc, s);
+      } else {
+        use_div = true;
+        div = __fmul_rn(s, o.dec);
+        if (div == 0.0f) local |= NV_FLAG_USE_SPEC;
       }
     }
-    m = block_max_bits<DT>(m);
-    if (c < nchunks)
-      encode_chunk<DT>(raw, __uint_as_float(m), sat, r, c, o, te_mult, neg_above, p, codes,
-                       scales, &local);
+    uint2 out;
+    out.x = encode8<DT, ORDER, SZ>(w, mult, div, use_div, neg_above);
+    out.y = encode8<DT, ORDER, SZ>(w + kWpb / 2, mult, div, use_div, neg_above);
+    __stcs(crow + b, out);
   }
   if (local) atomicOr(flags, local);
 }
 
 // Per-expert max |x| (non-negative floats order like their bit patterns).
 template <int DT>
-__global__ void __launch_bounds__(kWarpsPerCta * 32)
+__global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
 amax_rows(const uint4* __restrict__ x, float* amax_out, NvParams p, int* flags) {
   const int lane = threadIdx.x & 31;
   const int64_t total = p.experts * p.rows;
-  const int nchunks = static_cast<int>(p.k / Traits<DT>::kEpc);
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + (threadIdx.x >> 5);
+  const int nchunks = static_cast<int>(p.k / 16) * Traits<DT>::kCpb;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kMaxWarpsPerCta + (threadIdx.x >> 5);
   if (r >= total) return;
   const uint4* xr = x + r * nchunks;
-  bool bad = false;
   uint32_t m = 0;
-  for (int c = lane; c < nchunks; c += 32) {
-    const uint4 raw = __ldcs(xr + c);
-    uint32_t cm = chunk_absmax_bits<DT>(raw);
-    if (bits_nonfinite(cm)) {
-      bad = true;
-      if (p.nonfinite_saturate) cm = saturated_chunk_max_bits<DT>(raw, p.in_max);
+#pragma unroll 4
+  for (int c = lane; c < nchunks; c += 32) m = fold_absmax<DT>(m, __ldcs(xr + c));
+  uint32_t mine = finish_absmax<DT>(m);
+  const bool bad = mine >= 0x7F800000u;
+  if (__any_sync(0xFFFFFFFFu, bad)) {
+    if (!p.nonfinite_saturate) {
+      if (lane == 0) atomicOr(flags, NV_FLAG_NONFINITE);
+      return;
     }
-    m = max(m, cm);
+    mine = 0;
+    for (int c = lane; c < nchunks; c += 32) {
+      const uint4 v = __ldg(xr + c);
+      const uint32_t ww[4] = {v.x, v.y, v.z, v.w};
+      for (int i = 0; i < 4 * Traits<DT>::kEpw; ++i) {
+        const float e = saturate_elem(word_elem<DT>(ww[i / Traits<DT>::kEpw], i % Traits<DT>::kEpw), p.in_max);
+        mine = max(mine, __float_as_uint(e) & 0x7FFFFFFFu);
+      }
+    }
   }
-  m = warp_max_bits(m);
-  if (__any_sync(0xFFFFFFFFu, bad) && !p.nonfinite_saturate) {
-    if (lane == 0) atomicOr(flags, NV_FLAG_NONFINITE);
-    return;
+  const uint32_t rm = warp_max_bits(mine);
+  if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(amax_out) + r / p.rows, rm);
+}
+
+template <int DT, int ORDER, int SZ>
+cudaError_t launch3(const void* x, uint8_t* codes, uint8_t* scales, float* amax_out,
+                    float* stored_out, const float* enc, const float* dec, const NvParams& p,
+                    int* flags, cudaStream_t s) {
+  const int64_t total = p.experts * p.rows;
+  const int64_t row_bytes = p.k * (DT == NV_IN_FP32 ? 4 : 2);
+  const uint4* xv = static_cast<const uint4*>(x);
+  if (row_bytes <= kMaxStagedBytes) {
+    const int wpc = static_cast<int>(std::min<int64_t>(kMaxWarpsPerCta, kMaxStagedBytes / row_bytes));
+    const size_t smem = static_cast<size_t>(wpc * row_bytes);
+    auto kern = quantize_rows<DT, ORDER, SZ, true>;
+    static bool raised = false;  // one attribute call per instantiation
+    if (!raised) {
+      cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxStagedBytes);
+      if (err != cudaSuccess) return err;
+      raised = true;
+    }
+    const dim3 grid(static_cast<unsigned>((total + wpc - 1) / wpc));
+    kern<<<grid, wpc * 32, smem, s>>>(xv, codes, scales, amax_out, stored_out, enc, dec, p, flags);
+  } else {
+    const dim3 grid(static_cast<unsigned>((total + kMaxWarpsPerCta - 1) / kMaxWarpsPerCta));
+    quantize_rows<DT, ORDER, SZ, false><<<grid, kMaxWarpsPerCta * 32, 0, s>>>(
+        xv, codes, scales, amax_out, stored_out, enc, dec, p, flags);
   }
-  if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(amax_out) + r / p.rows, m);
+  return cudaGetLastError();
+}
+
+template <int DT, int ORDER>
+cudaError_t launch2(const void* x, uint8_t* codes, uint8_t* scales, float* amax_out,
+                    float* stored_out, const float* enc, const float* dec, const NvParams& p,
+                    int* flags, cudaStream_t s) {
+  if (p.signed_zero == NV_SZ_POSITIVE)
+    return launch3<DT, ORDER, SZ_FAST_POSITIVE>(x, codes, scales, amax_out, stored_out, enc, dec, p, flags, s);
+  if (p.signed_zero == NV_SZ_SIGN_OF_INPUT)
+    return launch3<DT, ORDER, SZ_FAST_INPUT>(x, codes, scales, amax_out, stored_out, enc, dec, p, flags, s);
+  return launch3<DT, ORDER, SZ_GENERIC>(x, codes, scales, amax_out, stored_out, enc, dec, p, flags, s);
 }
 
 template <int DT>
-cudaError_t launch_quantize(const void* x, uint8_t* codes, uint8_t* scales, float* amax_out,
-                            float* stored_out, const float* enc, const float* dec,
-                            const NvParams& p, int* flags, cudaStream_t s) {
-  const int64_t total = p.experts * p.rows;
-  if (total == 0) return cudaSuccess;
-  const int nchunks = static_cast<int>(p.k / Traits<DT>::kEpc);
-  const int cpt = (nchunks + 31) / 32;
-  const dim3 grid(static_cast<unsigned>((total + kWarpsPerCta - 1) / kWarpsPerCta));
-  const dim3 block(kWarpsPerCta * 32);
-  const uint4* xv = static_cast<const uint4*>(x);
-#define NV_LAUNCH(CPT) \
-  quantize_rows_reg<DT, CPT><<<grid, block, 0, s>>>(xv, codes, scales, amax_out, stored_out, enc, dec, p, flags)
-  if (cpt <= 1) NV_LAUNCH(1);
-  else if (cpt <= 2) NV_LAUNCH(2);
-  else if (cpt <= 3) NV_LAUNCH(3);
-  else if (cpt <= 4) NV_LAUNCH(4);
-  else if (cpt <= 8) NV_LAUNCH(8);
-  else if (cpt <= 16) NV_LAUNCH(16);
-  else quantize_rows_stream<DT><<<grid, block, 0, s>>>(xv, codes, scales, amax_out, stored_out, enc, dec, p, flags);
-#undef NV_LAUNCH
-  return cudaGetLastError();
+cudaError_t launch1(const void* x, uint8_t* codes, uint8_t* scales, float* amax_out,
+                    float* stored_out, const float* enc, const float* dec, const NvParams& p,
+                    int* flags, cudaStream_t s) {
+  switch (p.op_order) {
+    case NV_ORDER_TE: return launch2<DT, NV_ORDER_TE>(x, codes, scales, amax_out, stored_out, enc, dec, p, flags, s);
+    case NV_ORDER_TORCHAO: return launch2<DT, NV_ORDER_TORCHAO>(x, codes, scales, amax_out, stored_out, enc, dec, p, flags, s);
+    case NV_ORDER_MODELOPT: return launch2<DT, NV_ORDER_MODELOPT>(x, codes, scales, amax_out, stored_out, enc, dec, p, flags, s);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
@@ -348,12 +356,13 @@ int nvfp4_quantize_cuda(const void* x, uint8_t* codes, uint8_t* scales, float* a
                         float* stored_out, const float* enc, const float* dec,
                         const NvParams* p, int* flags_dev, void* stream) {
   if (p->k % 16 != 0) return -1;
+  if (p->experts * p->rows == 0) return 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   cudaError_t err;
   switch (p->in_dtype) {
-    case NV_IN_BF16: err = launch_quantize<NV_IN_BF16>(x, codes, scales, amax_out, stored_out, enc, dec, *p, flags_dev, s); break;
-    case NV_IN_FP16: err = launch_quantize<NV_IN_FP16>(x, codes, scales, amax_out, stored_out, enc, dec, *p, flags_dev, s); break;
-    case NV_IN_FP32: err = launch_quantize<NV_IN_FP32>(x, codes, scales, amax_out, stored_out, enc, dec, *p, flags_dev, s); break;
+    case NV_IN_BF16: err = launch1<NV_IN_BF16>(x, codes, scales, amax_out, stored_out, enc, dec, *p, flags_dev, s); break;
+    case NV_IN_FP16: err = launch1<NV_IN_FP16>(x, codes, scales, amax_out, stored_out, enc, dec, *p, flags_dev, s); break;
+    case NV_IN_FP32: err = launch1<NV_IN_FP32>(x, codes, scales, amax_out, stored_out, enc, dec, *p, flags_dev, s); break;
     default: return -2;
   }
   return static_cast<int>(err);
@@ -365,8 +374,8 @@ int nvfp4_amax_cuda(const void* x, float* amax_out, const NvParams* p, int* flag
   const int64_t total = p->experts * p->rows;
   if (total == 0) return 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  const dim3 grid(static_cast<unsigned>((total + kWarpsPerCta - 1) / kWarpsPerCta));
-  const dim3 block(kWarpsPerCta * 32);
+  const dim3 grid(static_cast<unsigned>((total + kMaxWarpsPerCta - 1) / kMaxWarpsPerCta));
+  const dim3 block(kMaxWarpsPerCta * 32);
   const uint4* xv = static_cast<const uint4*>(x);
   switch (p->in_dtype) {
     case NV_IN_BF16: amax_rows<NV_IN_BF16><<<grid, block, 0, s>>>(xv, amax_out, *p, flags_dev); break;
