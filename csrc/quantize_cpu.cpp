@@ -24,6 +24,12 @@ namespace {
 
 std::atomic<int> g_force_scalar{0};
 
+// E2M1 magnitude code by index 2*floor(4a) + (4a is an integer), a = |z| in [0, 6]
+// (the midpoints 0.25, 1.25, 2.5, 5 round down on a tie, 0.75, 1.75, 3.5 up).
+alignas(64) const uint8_t kMagByIndex[64] = {
+    0, 0, 1, 0, 1, 1, 2, 2, 2, 2, 3, 2, 3, 3, 4, 4, 4, 4, 4, 4, 5, 4, 5, 5, 5, 5, 5, 5, 6, 6, 6, 6,
+    6, 6, 6, 6, 6, 6, 6, 6, 7, 6, 7, 7, 7, 7, 7, 7, 7, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+
 inline float load_scalar(const void* x, int64_t i, int dtype) {
   if (dtype == NV_IN_FP32) return static_cast<const float*>(x)[i];
   uint16_t h = static_cast<const uint16_t*>(x)[i];
@@ -57,27 +63,37 @@ float load_row(const void* x, int64_t base, int64_t k, int dtype, const NvParams
 #if NV_HAVE_AVX512
     if (use_simd) {
       __m512 v;
-      if (dtype == NV_IN_BF16) {
+      if (dtype != NV_IN_FP32) {
+        // 16-bit input: the block maximum on the raw magnitudes (they order like the
+        // values; NaN/Inf are the largest), one PHMINPOSUW on their complements.
         __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
             static_cast<const uint16_t*>(x) + base + b * 16));
-        v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      } else if (dtype == NV_IN_FP16) {
-        __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-            static_cast<const uint16_t*>(x) + base + b * 16));
-        v = _mm512_cvtph_ps(h);
+        v = dtype == NV_IN_BF16
+                ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                : _mm512_cvtph_ps(h);
+        _mm512_storeu_ps(dst, v);
+        __m256i mag = _mm256_and_si256(h, _mm256_set1_epi16(0x7FFF));
+        __m128i m8 = _mm_max_epu16(_mm256_castsi256_si128(mag), _mm256_extracti128_si256(mag, 1));
+        __m128i inv = _mm_minpos_epu16(_mm_xor_si128(m8, _mm_set1_epi16(-1)));
+        const uint16_t top = static_cast<uint16_t>(~_mm_cvtsi128_si32(inv));
+        if (top < (dtype == NV_IN_BF16 ? 0x7F80u : 0x7C00u)) {
+          const float mf = load_scalar(&top, 0, dtype);
+          vmax[b] = mf;
+          rowmax = std::max(rowmax, mf);
+          continue;
+        }
+        bad = true;  // a NaN/Inf block: fixed up below from the widened values in dst
       } else {
         v = _mm512_loadu_ps(static_cast<const float*>(x) + base + b * 16);
-      }
-      __m512i bits = _mm512_castps_si512(v);
-      __m512i expo = _mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000));
-      bad = _mm512_cmpeq_epi32_mask(expo, _mm512_set1_epi32(0x7F800000)) != 0;
-      _mm512_storeu_ps(dst, v);
-      if (!bad) {
-        __m512 a = _mm512_abs_ps(v);
-        float m = _mm512_reduce_max_ps(a);
-        vmax[b] = m;
-        rowmax = std::max(rowmax, m);
-        continue;
+        __m512i expo = _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7F800000));
+        bad = _mm512_cmpeq_epi32_mask(expo, _mm512_set1_epi32(0x7F800000)) != 0;
+        _mm512_storeu_ps(dst, v);
+        if (!bad) {
+          float m = _mm512_reduce_max_ps(_mm512_abs_ps(v));
+          vmax[b] = m;
+          rowmax = std::max(rowmax, m);
+          continue;
+        }
       }
     } else
 #endif
@@ -108,6 +124,17 @@ inline void encode_block(const float* xb, NvEnc e, int signed_zero, uint8_t* out
     __m512 z = e.use_div ? _mm512_div_ps(x, _mm512_set1_ps(e.div))
                          : _mm512_mul_ps(x, _mm512_set1_ps(e.mult));
     // operand order: MAXPS/MINPS return the second operand on NaN, so NaN propagates
+#if defined(__AVX512VBMI__)
+    // Magnitude code by table: k = 4|z| is exact, and E2M1's midpoints are integers in k,
+    // so floor(k) and whether k is an integer pick the code (index 2*floor(k) + exact).
+    // NaN (only from an underflowing ModelOpt divisor) gives index 0, code 0, like the spec.
+    const __m512 a = _mm512_min_ps(_mm512_set1_ps(6.0f), _mm512_abs_ps(z));
+    const __m512 k = _mm512_mul_ps(a, _mm512_set1_ps(4.0f));
+    const __m512 fl = _mm512_roundscale_ps(k, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512i idx = _mm512_slli_epi32(_mm512_cvttps_epi32(fl), 1);
+    idx = _mm512_mask_add_epi32(idx, _mm512_cmp_ps_mask(k, fl, _CMP_EQ_OQ), idx, _mm512_set1_epi32(1));
+    __m512i mag = _mm512_permutexvar_epi8(idx, _mm512_loadu_si512(kMagByIndex));
+#else
     z = _mm512_min_ps(_mm512_set1_ps(6.0f), _mm512_max_ps(_mm512_set1_ps(-6.0f), z));
     __m512 a = _mm512_abs_ps(z);
     const __m512i one = _mm512_set1_epi32(1);
@@ -119,6 +146,7 @@ inline void encode_block(const float* xb, NvEnc e, int signed_zero, uint8_t* out
     mag = _mm512_mask_add_epi32(mag, _mm512_cmp_ps_mask(a, _mm512_set1_ps(2.5f), _CMP_GT_OQ), mag, one);
     mag = _mm512_mask_add_epi32(mag, _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.5f), _CMP_GE_OQ), mag, one);
     mag = _mm512_mask_add_epi32(mag, _mm512_cmp_ps_mask(a, _mm512_set1_ps(5.0f), _CMP_GT_OQ), mag, one);
+#endif
     __mmask16 neg;
     if (signed_zero == NV_SZ_SIGN_OF_INPUT)
       neg = _mm512_movepi32_mask(_mm512_castps_si512(z));
@@ -304,10 +332,34 @@ int nvfp4_amax_cpu(const void* x, float* amax_out, const NvParams* p, int nthrea
   const int nt = std::max(1, nthreads);
   std::vector<float> part(static_cast<size_t>(nt * p->experts), 0.0f);
   std::vector<int> flags(static_cast<size_t>(nt), 0);
+  const bool simd = NV_HAVE_AVX512 && !g_force_scalar.load(std::memory_order_relaxed);
   parallel_rows(total, nt, [&](int64_t a, int64_t b, int i) {
     std::vector<float> buf(static_cast<size_t>(k)), vmax(static_cast<size_t>(nb));
     for (int64_t r = a; r < b; ++r) {
-      float m = load_row(x, r * k, k, p->in_dtype, *p, buf.data(), vmax.data(), &flags[i]);
+      float m = -1.0f;
+#if NV_HAVE_AVX512
+      // |x| orders like its bit pattern with the sign cleared, so the maximum is an
+      // unsigned integer maximum over the raw words; NaN/Inf show up as the largest.
+      if (simd && p->in_dtype != NV_IN_FP32) {
+        const uint16_t* row = static_cast<const uint16_t*>(x) + r * k;
+        const __m512i mask = _mm512_set1_epi16(0x7FFF);
+        __m512i acc = _mm512_setzero_si512();
+        int64_t j = 0;
+        for (; j + 32 <= k; j += 32)
+          acc = _mm512_max_epu16(acc, _mm512_and_si512(_mm512_loadu_si512(row + j), mask));
+        __m256i h = _mm256_max_epu16(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+        __m128i q = _mm_max_epu16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+        alignas(16) uint16_t lanes[8];
+        _mm_store_si128(reinterpret_cast<__m128i*>(lanes), q);
+        uint32_t top = 0;
+        for (int l = 0; l < 8; ++l) top = std::max<uint32_t>(top, lanes[l]);
+        for (; j < k; ++j) top = std::max<uint32_t>(top, row[j] & 0x7FFFu);
+        const uint32_t inf = p->in_dtype == NV_IN_BF16 ? 0x7F80u : 0x7C00u;
+        const uint16_t top16 = static_cast<uint16_t>(top);
+        if (top < inf) m = load_scalar(&top16, 0, p->in_dtype);
+      }
+#endif
+      if (m < 0.0f) m = load_row(x, r * k, k, p->in_dtype, *p, buf.data(), vmax.data(), &flags[i]);
       float& slot = part[static_cast<size_t>(i * p->experts + r / p->rows)];
       slot = std::max(slot, m);
     }
