@@ -3,8 +3,10 @@
 For one synthetic MoE layer of expert weights (seeded, BF16, heavy-tailed rows like real
 checkpoints) it quantizes under every preset and reports size, quality against the BF16
 original, how many codes and scale bytes differ from the ``minite`` preset, and how long
-the reference took. The reference is the truth, not the fast path: the converter kernels
-report their own bandwidth.
+the reference took. The reference is the truth; beside it the report runs the fast path
+(:func:`libalign.ops.quantize`: the compiled kernel where one serves the preset, else the
+spec again) on the same tensor, says which backend served it, whether its bits equal the
+reference's, and its bandwidth.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ops
 from .spec import PRESETS, NumericsSpec, dequantize, quantize
 
 
@@ -29,11 +32,20 @@ class PresetRow:
     codes_vs_minite: float
     scales_vs_minite: float
     seconds: float
+    backend: str = "spec"
+    fast_bit_exact: bool = True
+    fast_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:
         """Effective bandwidth of the reference: (bytes in + bytes out) / time."""
         return (self.bytes_in + self.bytes_out) / self.seconds / 1e9 if self.seconds else 0.0
+
+    @property
+    def fast_gbps(self) -> float:
+        """Effective bandwidth of the fast path (best of a few calls)."""
+        moved = self.bytes_in + self.bytes_out
+        return moved / self.fast_seconds / 1e9 if self.fast_seconds else 0.0
 
 
 def synthetic_experts(experts: int = 8, rows: int = 384, k: int = 512, seed: int = 0):
@@ -56,6 +68,12 @@ def conversion_report(w: torch.Tensor, presets: dict[str, NumericsSpec] | None =
         t0 = time.perf_counter()
         q = quantize(w, spec)
         dt = time.perf_counter() - t0
+        backend = ops.backend_for(w, spec)
+        fast, best = None, float("inf")
+        for _ in range(3):
+            t1 = time.perf_counter()
+            fast = ops.quantize(w, spec)
+            best = min(best, time.perf_counter() - t1)
         d = dequantize(q, torch.float32)
         err = d - ref
         rows.append(PresetRow(
@@ -68,5 +86,8 @@ def conversion_report(w: torch.Tensor, presets: dict[str, NumericsSpec] | None =
             scales_vs_minite=float((q.block_scales.view(torch.uint8)
                                     != base.block_scales.view(torch.uint8)).float().mean()),
             seconds=dt,
+            backend=backend,
+            fast_bit_exact=fast.bitwise_equal(q),
+            fast_seconds=best,
         ))
     return rows
