@@ -1,0 +1,85 @@
+"""Pins how the compiled kernels are built, cached and replaced by the spec when they can't be.
+
+The kernels are built on first use into a cache keyed by sources, flags and compiler; a
+missing compiler degrades to the reference spec with one warning (same bits, slower); the
+CUDA source compiles for Hopper (sm_90) and Blackwell (sm_100a) wherever an nvcc exists,
+also on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from libalign import _native, ops
+from libalign.spec import PRESETS, quantize
+
+
+@pytest.fixture
+def fresh_native(tmp_path, monkeypatch):
+    """An empty kernel cache and no loaded libraries, restored afterwards."""
+    monkeypatch.setenv("ALIGN_KERNEL_CACHE", str(tmp_path / "cache"))
+    saved_libs, saved_warned = dict(_native._libs), set(_native._warned)
+    _native._libs.clear()
+    _native._warned.clear()
+    yield tmp_path / "cache"
+    _native._libs.clear()
+    _native._libs.update(saved_libs)
+    _native._warned.clear()
+    _native._warned.update(saved_warned)
+
+
+def test_missing_compiler_falls_back_to_spec_with_one_warning(fresh_native, monkeypatch):
+    """No compiler: ops.quantize still returns the spec's bits, and warns exactly once."""
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = ops.quantize(x, PRESETS["minite"])
+        second = ops.quantize(x, PRESETS["minite"])
+    unavailable = [w for w in caught if "kernel is unavailable" in str(w.message)]
+    assert len(unavailable) == 1 and "no-such-compiler-xyz" in str(unavailable[0].message)
+    assert first.bitwise_equal(quantize(x, PRESETS["minite"])) and second.bitwise_equal(first)
+    assert ops.backend_for(x) == "spec"
+
+
+def test_kernel_backend_refused_when_build_impossible(fresh_native, monkeypatch):
+    """backend='kernel' with no buildable kernel is a SpecError, not a silent spec run."""
+    from libalign.errors import SpecError
+
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    with pytest.raises(SpecError, match="kernel unavailable"):
+        ops.quantize(torch.randn(8, 32), PRESETS["minite"], backend="kernel")
+
+
+def test_cpu_build_is_cached_by_content(fresh_native):
+    """A second build finds the cached library; the name changes when the flags do."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    first = _native.build("cpu")
+    mtime = first.stat().st_mtime_ns
+    assert _native.build("cpu") == first and first.stat().st_mtime_ns == mtime
+    assert list(fresh_native.glob(".build-*")) == []  # no temporary left behind
+
+
+def test_spec_env_disables_kernels(fresh_native, monkeypatch):
+    """ALIGN_KERNELS=spec routes every call to the reference."""
+    monkeypatch.setenv("ALIGN_KERNELS", "spec")
+    assert ops.backend_for(torch.randn(4, 32)) == "spec"
+
+
+@pytest.mark.slow
+def test_cuda_source_compiles_for_hopper_and_blackwell(fresh_native, monkeypatch):
+    """nvcc builds csrc/quantize_cuda.cu for sm_90 and sm_100a (no GPU needed to compile)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not installed")
+    archs = "90,100a" if "compute_100" in _native._nvcc_archs(nvcc) else "90"
+    monkeypatch.setenv("ALIGN_CUDA_ARCHS", archs)
+    flags = _native.cuda_archs(nvcc)
+    assert "-gencode=arch=compute_90,code=sm_90" in flags
+    lib = _native.build("cuda")
+    assert lib.exists() and lib.stat().st_size > 0
