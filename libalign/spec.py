@@ -289,6 +289,14 @@ class NVFP4Tensor:
         return NVFP4Tensor(self.codes[e], self.block_scales[e], outer, spec,
                            tuple(self.shape[1:]), amax)
 
+    def to(self, device: torch.device | str) -> NVFP4Tensor:
+        """The same bits on another device."""
+        def move(t):
+            return None if t is None else t.to(device)
+
+        return NVFP4Tensor(self.codes.to(device), self.block_scales.to(device),
+                           move(self.outer_scale), self.spec, self.shape, move(self.outer_amax))
+
     def payload_sha256(self) -> str:
         """SHA-256 of the packed codes."""
         return _sha256(self.codes)

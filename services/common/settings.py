@@ -54,6 +54,8 @@ class Settings(BaseSettings):
 
     convert_all_linear: bool = Field(False, description="also quantize every 2-D linear weight")
     store_shard_bytes: int = Field(1 << 30, gt=0, description="largest output safetensors shard")
+    converter_device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
+                                  description="where the converter quantizes (cpu or cuda[:N])")
     sweep_stale_s: float = Field(3_600.0, ge=0, description="age of .tmp-* leftovers to delete")
 
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve /metrics (0: any)")

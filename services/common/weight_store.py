@@ -202,8 +202,12 @@ class WeightStore:
         extra: dict[str, Any] | None = None,
         overwrite: bool = False,
         on_step: Callable[[str], None] | None = None,
+        device: str = "cpu",
     ) -> dict[str, Any]:
         """Quantize and write a version atomically; return its manifest.
+
+        ``device`` is where tensors are quantized (``cuda`` runs the GPU kernel; the
+        stored bits are the same on every device).
 
         ``tensors`` yields ``(name, tensor)``: a float tensor for which ``select(name,
         tensor)`` is true (every tensor when ``select`` is None) is quantized with
@@ -246,7 +250,7 @@ class WeightStore:
                     if name in entries:
                         raise InputError(f"tensor {name!r} appears twice in version {version_id!r}")
                     with timer.stage("quantize"):
-                        entry, stored = self._prepare(name, value, spec, select, specs)
+                        entry, stored = self._prepare(name, value, spec, select, specs, device)
                     clash = taken.intersection(stored)
                     if clash:
                         raise LayoutError(f"tensor {name!r}: stored name(s) {sorted(clash)} "
@@ -277,7 +281,8 @@ class WeightStore:
         return manifest
 
     def _prepare(self, name: str, value: Any, spec: NumericsSpec, select: Select | None,
-                 specs: dict[str, dict]) -> tuple[dict[str, Any], dict[str, tuple[str, torch.Tensor]]]:
+                 specs: dict[str, dict], device: str = "cpu",
+                 ) -> tuple[dict[str, Any], dict[str, tuple[str, torch.Tensor]]]:
         """Manifest entry (without checksums) and stored tensors of one input tensor."""
         if isinstance(value, NVFP4Tensor):
             q, source_dtype = value, None
@@ -288,7 +293,7 @@ class WeightStore:
                          "source_bytes": t.numel() * t.element_size()}
                 return entry, {name: ("raw", t)}
             try:
-                q = ops.quantize(value, spec)
+                q = ops.quantize(value.to(device), spec).to("cpu")
             except AlignError as e:
                 raise named_error(e, name) from e
             source_dtype = dtype_name(value.dtype)

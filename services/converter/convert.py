@@ -39,6 +39,7 @@ def convert_published(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     overwrite: bool = False,
     on_step: Callable[[str], None] | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Convert the published version in ``src_dir`` into ``store`` as ``version_id``.
 
@@ -51,5 +52,5 @@ def convert_published(
     return store.write_version(
         version_id, pub.iter_tensors(), spec, select=make_select(all_linear),
         shard_bytes=shard_bytes, source=source, extra={"all_linear": all_linear},
-        overwrite=overwrite, on_step=on_step,
+        overwrite=overwrite, on_step=on_step, device=device,
     )

@@ -145,6 +145,7 @@ class ConverterWorker:
         try:
             manifest = convert_published(
                 src, self.store, vid, self.spec, all_linear=self.settings.convert_all_linear,
+                device=self.settings.converter_device,
                 shard_bytes=self.settings.store_shard_bytes, overwrite=overwrite, on_step=self._step)
         except VersionExistsError:  # a concurrent converter committed first
             manifest = self.store.verify_version(vid)

@@ -254,3 +254,18 @@ def test_unreadable_published_input(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(LayoutError, match="neither"):
         PublishedVersion(tmp_path / "empty")
+
+
+@pytest.mark.gpu
+def test_quantizing_on_cuda_stores_the_same_bits(tmp_path):
+    """device='cuda' runs the GPU kernel; the stored version equals the CPU one bit for bit."""
+    tensors = tiny_experts()
+    cpu = WeightStore(tmp_path / "a")
+    gpu = WeightStore(tmp_path / "b")
+    cpu.write_version("v1", tensors, PRESETS["minite"], select=is_expert_weight)
+    gpu.write_version("v1", tensors, PRESETS["minite"], select=is_expert_weight, device="cuda")
+    a, b = cpu.read_version("v1"), gpu.read_version("v1")
+    for name in tensors:
+        if is_expert_weight(name, tensors[name]):
+            assert b[name].bitwise_equal(a[name]), name
+            assert b[name].bitwise_equal(spec_quantize(tensors[name], PRESETS["minite"]))
