@@ -225,3 +225,10 @@ def test_out_buffers_are_reused_with_spec_bits(device, preset, layout):
     assert_bitwise(got, quantize(b.cpu(), spec))
     with pytest.raises(SpecError, match="out has shape"):
         ops.quantize(b[..., :128], spec, scale_layout=layout, out=first)
+
+
+@pytest.mark.parametrize("preset", ["minite", "torchao"])
+def test_rows_longer_than_shared_memory_match_spec(device, preset):
+    """fp32 rows of 96 KiB and more (the CUDA kernel re-reads them instead of staging)."""
+    x = inputs.mixed_magnitudes((2, 3, 24592), dtype=torch.float32)
+    run_both(x, PRESETS[preset], device)
