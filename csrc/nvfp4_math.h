@@ -171,9 +171,15 @@ NV_HD float nv_stored(float amax, NvOuter o, int conv) {
   return conv == NV_STORE_AMAX ? amax : (conv == NV_STORE_ENC ? o.enc : o.dec);
 }
 
-// Byte offset of scale (row r, block column c) of expert e in the 128x4 swizzled layout.
-NV_HD int64_t nv_swizzle_offset(int64_t e, int64_t r, int64_t c, int64_t rows, int64_t cols) {
+// Byte offset of scale (row r, block column c) of expert e in the 128x4 swizzled layout:
+// nv_swizzle_row_base(e, r) + nv_swizzle_col(c), the row part computed once per row.
+NV_HD int64_t nv_swizzle_row_base(int64_t e, int64_t r, int64_t rows, int64_t cols) {
   int64_t rp = (rows + 127) / 128 * 128, cp = (cols + 3) / 4 * 4;
-  int64_t tile = (r / 128) * (cp / 4) + c / 4;
-  return e * rp * cp + tile * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 + (c % 4);
+  return e * rp * cp + (r / 128) * (cp / 4) * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4;
+}
+
+NV_HD int64_t nv_swizzle_col(int64_t c) { return (c / 4) * 512 + (c % 4); }
+
+NV_HD int64_t nv_swizzle_offset(int64_t e, int64_t r, int64_t c, int64_t rows, int64_t cols) {
+  return nv_swizzle_row_base(e, r, rows, cols) + nv_swizzle_col(c);
 }

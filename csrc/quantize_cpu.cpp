@@ -261,8 +261,8 @@ void quantize_rows(const void* x, uint8_t* codes, uint8_t* scales, float* amax_o
                         divs.data(), &undefined);
       if (undefined) local |= NV_FLAG_UNDEFINED_SCALE;
       if (p.swizzled) {
-        for (int64_t b = 0; b < nb; ++b)
-          scales[nv_swizzle_offset(e, rr, b, p.rows, nb)] = sbytes[b];
+        uint8_t* base = scales + nv_swizzle_row_base(e, rr, p.rows, nb);
+        for (int64_t b = 0; b < nb; ++b) base[nv_swizzle_col(b)] = sbytes[b];
       } else {
         memcpy(scales + r * nb, sbytes.data(), static_cast<size_t>(nb));
       }

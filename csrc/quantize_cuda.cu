@@ -212,6 +212,7 @@ quantize_rows(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
   const float te_mult = nv_te_block_mult(o.enc);
   const float neg_above = nv_neg_threshold(p.signed_zero);
   const int64_t e = r / p.rows, rr = r % p.rows;
+  const int64_t scale_row = p.swizzled ? nv_swizzle_row_base(e, rr, p.rows, nb) : r * nb;
   uint2* crow = reinterpret_cast<uint2*>(codes + r * (p.k / 2));
   int local = 0;
 #pragma unroll 1
@@ -240,8 +241,7 @@ quantize_rows(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
     if (p.has_zero_prescale && pre == 0.0f) pre = p.zero_prescale_to;
     pre = fminf(fmaxf(pre, p.block_scale_floor), NV_E4M3_MAX);
     const uint8_t sb = static_cast<uint8_t>(__nv_cvt_float_to_fp8(pre, __NV_SATFINITE, __NV_E4M3));
-    if (p.swizzled) scales[nv_swizzle_offset(e, rr, b, p.rows, nb)] = sb;
-    else scales[r * nb + b] = sb;
+    scales[scale_row + (p.swizzled ? nv_swizzle_col(b) : b)] = sb;
     const float s = nv_e4m3_value(sb);
     float mult = p.zero_saturate ? NV_FLT_MAX : 0.0f, div = 1.0f;
     bool use_div = false;
