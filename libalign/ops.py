@@ -248,8 +248,9 @@ def _quantize_kernel(lib, x, spec, outer_amax, swizzled, out=None):
     row = spec.outer_domain == "row"
     if out is None:
         codes = torch.empty((e, m, k // 2), dtype=torch.uint8, device=dev)
-        if swizzled:
-            scales = torch.zeros(e * swizzled_size(m, nb), dtype=torch.uint8, device=dev)
+        if swizzled:  # padding bytes must be zero; without padding every byte is written
+            alloc = torch.empty if m % 128 == 0 and nb % 4 == 0 else torch.zeros
+            scales = alloc(e * swizzled_size(m, nb), dtype=torch.uint8, device=dev)
         else:
             scales = torch.empty((e, m, nb), dtype=torch.uint8, device=dev)
         amax_out = torch.empty(e * m if row else 0, dtype=torch.float32, device=dev)
