@@ -97,10 +97,11 @@ def test_zero_rows_and_zero_experts(device, preset):
     run_both(x, PRESETS[preset], device)
 
 
+@pytest.mark.parametrize("shape", [(3, 200, 2048), (2, 256, 512)])  # padded / unpadded
 @pytest.mark.parametrize("preset", KERNEL_PRESETS)
-def test_swizzled_scales_equal_swizzled_spec(device, preset):
+def test_swizzled_scales_equal_swizzled_spec(device, preset, shape):
     """The kernel's in-place 128x4 layout equals swizzling the spec's linear scales."""
-    x = inputs.mixed_magnitudes((3, 200, 2048))
+    x = inputs.mixed_magnitudes(shape)
     g = ops.quantize(x.to(device), PRESETS[preset], scale_layout="swizzled", backend="kernel")
     ref = quantize(x, PRESETS[preset])
     assert torch.equal(g.block_scales.view(torch.uint8).cpu(),
