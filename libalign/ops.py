@@ -207,12 +207,15 @@ def _outer_given(lib, x3, is_3d, spec, p, outer_amax, flags, stream, nthreads):
         per_expert = torch.zeros(x3.shape[0], dtype=torch.float32, device=dev)
         if dev.type == "cpu":
             code = lib.nvfp4_amax_cpu(x3.data_ptr(), per_expert.data_ptr(), p, nthreads)
-        else:
+            _check_launch(code, "amax")
+            if code > 0:
+                return None
+        else:  # NaN/Inf rows are flagged again by the encode kernel: flags are read once
             code = lib.nvfp4_amax_cuda(x3.data_ptr(), per_expert.data_ptr(), p,
                                        flags.data_ptr(), stream)
-        _check_launch(code, "amax")
-        if code > 0 or (flags is not None and int(flags.item())):
-            return None
+            _check_launch(code, "amax")
+            if code:
+                raise RuntimeError(f"CUDA error {code} in the NVFP4 amax kernel")
         if per_expert_domain:
             amax = per_expert
         else:
@@ -232,8 +235,26 @@ def _check_launch(code: int, what: str) -> None:
         raise SpecError(f"the {what} kernel refused its parameters (code {code})")
 
 
-def _quantize_kernel(lib, x, spec, outer_amax, swizzled, out=None):
-    shape = tuple(x.shape)
+@dataclass
+class _Pending:
+    """A launched kernel call whose flags are not read yet (see :func:`quantize_many`)."""
+
+    x: torch.Tensor
+    spec: NumericsSpec
+    outer_amax: torch.Tensor | None
+    swizzled: bool
+    out: NVFP4Tensor | GemmOperand | None
+    codes: torch.Tensor
+    scales: torch.Tensor
+    amax_out: torch.Tensor
+    stored_out: torch.Tensor
+    stored: torch.Tensor | None
+    amax: torch.Tensor | None
+    flags: torch.Tensor | int  # a device int (CUDA, read later) or the CPU kernel's result
+
+
+def _launch(lib, x, spec, outer_amax, swizzled, out=None, flags=None) -> _Pending:
+    """Allocate outputs and launch the kernel(s); CUDA work stays asynchronous."""
     is_3d = x.ndim == 3
     x3 = (x if is_3d else x.unsqueeze(0)).contiguous()
     e, m, k = x3.shape
@@ -241,7 +262,8 @@ def _quantize_kernel(lib, x, spec, outer_amax, swizzled, out=None):
     dev = x3.device
     p = _params(x3, spec, swizzled)
     cuda = dev.type == "cuda"
-    flags = torch.zeros(1, dtype=torch.int32, device=dev) if cuda else None
+    if cuda and flags is None:
+        flags = torch.zeros(1, dtype=torch.int32, device=dev)
     stream = torch.cuda.current_stream(dev).cuda_stream if cuda else None
     nthreads = torch.get_num_threads()
 
@@ -263,13 +285,17 @@ def _quantize_kernel(lib, x, spec, outer_amax, swizzled, out=None):
         amax_out = out.outer_amax.view(-1) if row else empty
         stored_out = out.outer_scale.view(-1) if row else empty
     stored = amax = None
-    with torch.cuda.device(dev) if cuda else contextlib.nullcontext():
+    pending = _Pending(x, spec, outer_amax, swizzled, out, codes, scales, amax_out, stored_out,
+                       None, None, 0)
+    same = not cuda or dev.index is None or dev.index == torch.cuda.current_device()
+    with contextlib.nullcontext() if same else torch.cuda.device(dev):
         if row:
             enc = dec = amax_out  # unused in ROW mode
         else:
             given = _outer_given(lib, x3, is_3d, spec, p, outer_amax, flags, stream, nthreads)
-            if given is None:
-                return _raise_like_spec(x, spec, outer_amax)
+            if given is None:  # the CPU amax pass met NaN/Inf
+                pending.flags = _FLAG_NONFINITE
+                return pending
             enc, dec, stored, amax = given
         if cuda:
             code = lib.nvfp4_quantize_cuda(x3.data_ptr(), codes.data_ptr(), scales.data_ptr(),
@@ -279,30 +305,85 @@ def _quantize_kernel(lib, x, spec, outer_amax, swizzled, out=None):
             _check_launch(code, "quantize")
             if code:
                 raise RuntimeError(f"CUDA error {code} in the NVFP4 quantize kernel")
-            bad = int(flags.item())
+            pending.flags = flags
         else:
             bad = lib.nvfp4_quantize_cpu(x3.data_ptr(), codes.data_ptr(), scales.data_ptr(),
                                          amax_out.data_ptr(), stored_out.data_ptr(),
                                          enc.data_ptr(), dec.data_ptr(), p, nthreads)
             _check_launch(bad, "quantize")
+            pending.flags = bad
+    pending.stored, pending.amax = stored, amax
+    return pending
+
+
+def _finish(t: _Pending, bad: int):
+    """The result of a launched call, given its flags (the spec raises or answers on a flag)."""
+    x, spec, out = t.x, t.spec, t.out
     if bad == _FLAG_USE_SPEC:  # a corner the fast path does not reproduce: the spec's bits
-        q = _spec.quantize(x, spec, outer_amax=outer_amax)
-        q = _as_gemm_operand(q) if swizzled else q
+        q = _spec.quantize(x, spec, outer_amax=t.outer_amax)
+        q = _as_gemm_operand(q) if t.swizzled else q
         return q if out is None else _copy_into(q, out)
     if bad:
-        return _raise_like_spec(x, spec, outer_amax)
-    lead = shape[:-1]
-    codes = codes.reshape(*lead, k // 2)
-    if row:
-        stored, amax = stored_out.reshape(lead), amax_out.reshape(lead)
+        return _raise_like_spec(x, spec, t.outer_amax)
+    shape = tuple(x.shape)
+    lead, k = shape[:-1], shape[-1]
+    codes = t.codes.reshape(*lead, k // 2)
+    stored, amax = t.stored, t.amax
+    if spec.outer_domain == "row":
+        stored, amax = t.stored_out.reshape(lead), t.amax_out.reshape(lead)
     elif out is not None and stored is not None:
         out.outer_scale.copy_(stored)
         out.outer_amax.copy_(amax)
         stored, amax = out.outer_scale, out.outer_amax
-    if swizzled:
-        return GemmOperand(codes, scales.view(torch.float8_e4m3fn), stored, amax, spec, shape)
-    return NVFP4Tensor(codes=codes, block_scales=scales.reshape(*lead, nb).view(torch.float8_e4m3fn),
+    if t.swizzled:
+        return GemmOperand(codes, t.scales.view(torch.float8_e4m3fn), stored, amax, spec, shape)
+    return NVFP4Tensor(codes=codes,
+                       block_scales=t.scales.reshape(*lead, k // BLOCK_SIZE).view(torch.float8_e4m3fn),
                        outer_scale=stored, spec=spec, shape=shape, outer_amax=amax)
+
+
+def _quantize_kernel(lib, x, spec, outer_amax, swizzled, out=None):
+    t = _launch(lib, x, spec, outer_amax, swizzled, out)
+    return _finish(t, int(t.flags.item()) if isinstance(t.flags, torch.Tensor) else t.flags)
+
+
+def quantize_many(
+    tensors: list[torch.Tensor],
+    spec: NumericsSpec | None = None,
+    *,
+    scale_layout: str = "linear",
+) -> list[NVFP4Tensor | GemmOperand]:
+    """:func:`quantize` of several tensors with one device synchronisation for all.
+
+    Each call's error flags are read after every kernel has been launched, so a GPU runs
+    the tensors back to back (a converter quantizing a layer, a sync quantizing a model).
+    Errors are the same as :func:`quantize` raises, for the first failing tensor.
+    """
+    spec = PRESETS["minite"] if spec is None else spec
+    if scale_layout not in SCALE_LAYOUTS:
+        raise SpecError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+    results: list = [None] * len(tensors)
+    launched: list[tuple[int, _Pending]] = []
+    flags = {}
+    for i, x in enumerate(tensors):
+        _spec._check_input(x, spec)
+        lib = None if kernel_gap(x, spec, None) else _native.load(x.device.type)
+        if lib is None:
+            q = _spec.quantize(x, spec)
+            results[i] = q if scale_layout == "linear" else _as_gemm_operand(q)
+            continue
+        slot = None
+        if x.device.type == "cuda":
+            buf = flags.get(x.device)
+            if buf is None:
+                buf = flags[x.device] = torch.zeros(len(tensors), dtype=torch.int32, device=x.device)
+            slot = buf[i:i + 1]
+        launched.append((i, _launch(lib, x, spec, None, scale_layout == "swizzled", flags=slot)))
+    host_flags = {dev: buf.tolist() for dev, buf in flags.items()}  # one sync per device
+    for i, t in launched:
+        bad = host_flags[t.x.device][i] if isinstance(t.flags, torch.Tensor) else t.flags
+        results[i] = _finish(t, bad)
+    return results
 
 
 def _raise_like_spec(x, spec, outer_amax):

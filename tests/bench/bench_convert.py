@@ -123,12 +123,14 @@ def time_rows(rows: list[Row], device: str, repeats: int) -> None:
 # --- table 1 rows ---------------------------------------------------------------------------
 
 
-def libalign_row(name, stacks, preset, layout="linear", reuse=False) -> Row:
-    """libalign.ops.quantize over both stacks (fresh or reused outputs)."""
+def libalign_row(name, stacks, preset, layout="linear", reuse=False, batched=False) -> Row:
+    """libalign.ops.quantize over both stacks (fresh or reused outputs), or quantize_many."""
     spec = PRESETS[preset]
     outs: list = []
 
     def run():
+        if batched:
+            return ops.quantize_many(stacks, spec, scale_layout=layout)
         if reuse and outs:
             return [ops.quantize(s, spec, scale_layout=layout, out=o)
                     for s, o in zip(stacks, outs, strict=True)]
@@ -221,12 +223,15 @@ def table1(args, device) -> dict:
     rows = [
         copy_row(stacks, device),
         libalign_row("libalign minite (row), linear scales, fresh outputs", stacks, "minite"),
+        libalign_row("libalign minite (row), quantize_many (one sync)", stacks, "minite",
+                     batched=True),
         libalign_row("libalign minite (row), linear scales, reused outputs", stacks, "minite",
                      reuse=True),
         libalign_row("libalign minite (row), 128x4 swizzled scales", stacks, "minite",
                      layout="swizzled"),
-        libalign_row("libalign te (tensor: max pass + encode)", stacks, "te"),
-        libalign_row("libalign torchao (expert: max pass + encode)", stacks, "torchao"),
+        libalign_row("libalign te (tensor: max pass + encode)", stacks, "te", batched=True),
+        libalign_row("libalign torchao (expert: max pass + encode)", stacks, "torchao",
+                     batched=True),
         torchao_rowwise(stacks, compiled=device == "cuda"),
     ]
     if device == "cuda":
@@ -274,8 +279,7 @@ def sync_gpu(args) -> dict:
 
     def nvfp4(dst):
         for i, layer in enumerate(layers):
-            for s, (c, sc, o) in zip(layer, dst[i % 2], strict=True):
-                q = ops.quantize(s, spec)
+            for q, (c, sc, o) in zip(ops.quantize_many(layer, spec), dst[i % 2], strict=True):
                 c.copy_(q.codes, non_blocking=True)
                 sc.copy_(q.block_scales.view(torch.uint8), non_blocking=True)
                 o.copy_(q.outer_scale, non_blocking=True)

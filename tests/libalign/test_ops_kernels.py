@@ -233,3 +233,22 @@ def test_rows_longer_than_shared_memory_match_spec(device, preset):
     """fp32 rows of 96 KiB and more (the CUDA kernel re-reads them instead of staging)."""
     x = inputs.mixed_magnitudes((2, 3, 24592), dtype=torch.float32)
     run_both(x, PRESETS[preset], device)
+
+
+def test_quantize_many_matches_spec_and_raises_like_quantize(device):
+    """quantize_many: one sync for all; each result is the spec's; the first bad tensor raises."""
+    from libalign.ops import quantize_many
+
+    xs = [inputs.randn((2, 64, 256), seed=s) for s in range(3)] + [inputs.randn((8, 40))]
+    for preset in ("minite", "torchao"):
+        spec = PRESETS[preset]
+        got = quantize_many([x.to(device) for x in xs[:3]], spec)
+        for g, x in zip(got, xs[:3], strict=True):
+            assert_bitwise(g, quantize(x, spec))
+    got = quantize_many([x.to(device) for x in xs], PRESETS["minite"], scale_layout="swizzled")
+    assert_bitwise(got[3].linear(), quantize(xs[3], PRESETS["minite"]))  # K=40: the spec serves
+    bad = inputs.randn((2, 64, 256))
+    bad[1, 3, 5] = float("nan")
+    with pytest.raises(NonFiniteError) as err:
+        quantize_many([xs[0].to(device), bad.to(device)], PRESETS["te"])
+    assert "(1, 3, 5)" in str(err.value)
