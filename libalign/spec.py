@@ -507,14 +507,9 @@ def shared_outer_amax(tensors: list[torch.Tensor], spec: NumericsSpec) -> torch.
     out = None
     for t in tensors:
         _check_input(t, spec)
-        x = t if spec.nonfinite == "raise" else _saturate_nonfinite(t)
-        if spec.nonfinite == "raise":
-            check_finite(x)
-        if spec.hadamard:
-            x = rht16(torch.nn.functional.pad(x.float(), (0, -x.shape[-1] % BLOCK_SIZE)),
-                      spec.hadamard_signs)
-        dims = tuple(range(x.ndim)) if (spec.outer_domain == "tensor" or x.ndim == 2) else (-2, -1)
-        a = _amax(x.abs().float(), dims)
+        # the same preparation and maxima quantize() computes (NaN/Inf policy, padding,
+        # rotation), so the shared value is exactly what each tensor would have used
+        a = _outer_amax(_block_maxima(_prepared_blocks(t, spec)), spec.outer_domain)
         if out is not None and a.shape != out.shape:
             raise ShapeError(f"shared outer amax over tensors with different outer domains: "
                              f"{tuple(out.shape)} vs {tuple(a.shape)}")
