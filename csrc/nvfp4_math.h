@@ -145,21 +145,20 @@ NV_HD uint32_t nv_e2m1_code(float x, NvEnc e, int signed_zero) {
   return mag | (neg << 3);
 }
 
-// The same code as nv_e2m1_code from a scaled value z, in fewer operations (the GPU's
-// inner loop). |z| is clamped to 6; below 1 the E2M1 step is 0.5, so the magnitude code
-// is rint(2|z|), formed by adding 2^23 (whose ulp is 1) in one correctly rounded FMA;
-// from 1 up the format is a float with one mantissa bit, so rounding the fp32 bits to one
+// The magnitude code 0..7 of nv_e2m1_code from a scaled value z, in fewer operations (the
+// GPU's inner loop). |z| is clamped to 6; below 1 the E2M1 step is 0.5, so the code is
+// rint(2|z|), formed by adding 2^23 (whose ulp is 1) in one correctly rounded FMA; from 1
+// up the format is a float with one mantissa bit, so rounding the fp32 bits to one
 // mantissa bit (half to even) and rebiasing the exponent gives the code. The sign bit is
-// set when z is negative and |z| passes the policy's threshold `neg_above` (0.25 for
-// 'positive', 0 for 'sign_of_nonzero', -1 for 'sign_of_input'). z must not be NaN.
-NV_HD uint32_t nv_e2m1_code_fast(float z, float neg_above) {
-  float a = fminf(fabsf(z), NV_E2M1_MAX);
-  uint32_t b = nv_f2u(a);
-  uint32_t lo = nv_f2u(fmaf(a, 2.0f, 8388608.0f)) - 0x4B000000u;
-  uint32_t hi = (b + 0x1FFFFFu + ((b >> 22) & 1u) - (252u << 22)) >> 22;
-  uint32_t mag = a < 1.0f ? lo : hi;
-  uint32_t neg = (nv_f2u(z) >> 31) & (uint32_t)(a > neg_above);
-  return mag | (neg << 3);
+// the caller's: z is negative and |z| passes the policy's threshold nv_neg_threshold
+// (0.25 for 'positive', 0 for 'sign_of_nonzero', -1 for 'sign_of_input'). z must not be
+// NaN.
+NV_HD uint32_t nv_e2m1_mag(float z) {
+  const float a = fminf(fabsf(z), NV_E2M1_MAX);
+  const uint32_t b = nv_f2u(a);
+  const uint32_t lo = nv_f2u(fmaf(a, 2.0f, 8388608.0f)) & 3u;
+  const uint32_t hi = (b + 0x1FFFFFu + ((b >> 22) & 1u) - (252u << 22)) >> 22;
+  return a < 1.0f ? lo : hi;
 }
 
 NV_HD float nv_neg_threshold(int signed_zero) {

@@ -7,7 +7,7 @@
 // from nvfp4_amax_cuda plus the spec's formulas evaluated by the caller). Phase 2 gives
 // each lane whole 16-element blocks from shared memory: the block maximum, the E4M3 scale
 // byte (the hardware's round-to-nearest-even converter), one multiplier per block, then
-// per element one multiply and the branch-free E2M1 rounding of nv_e2m1_code_fast, and
+// per element one multiply and the branch-free E2M1 rounding of nv_e2m1_mag, and
 // 8 packed bytes stored at once. The input is read from memory once; only codes, scales
 // and the row's outer scale are written.
 //
@@ -108,15 +108,6 @@ __device__ __forceinline__ uint32_t signs16(const uint32_t* w) {
   return ((b1 >> 4) & 0x08080808u) | (b3 & 0x80808080u);
 }
 
-// Magnitude code 0..7 of a scaled value (nv_e2m1_code_fast without the sign).
-__device__ __forceinline__ uint32_t e2m1_mag(float z) {
-  const float a = fminf(fabsf(z), NV_E2M1_MAX);
-  const uint32_t b = __float_as_uint(a);
-  const uint32_t lo = __float_as_uint(fmaf(a, 2.0f, 8388608.0f)) & 3u;
-  const uint32_t hi = (b + 0x1FFFFFu + ((b >> 22) & 1u) - (252u << 22)) >> 22;
-  return a < 1.0f ? lo : hi;
-}
-
 // Encode 8 elements (words w) with one multiplier/divisor into one packed word.
 template <int DT, int ORDER, int SZ>
 __device__ __forceinline__ uint32_t encode8(const uint32_t* w, float mult, float div,
@@ -127,7 +118,7 @@ __device__ __forceinline__ uint32_t encode8(const uint32_t* w, float mult, float
   for (int i = 0; i < 8; ++i) {
     const float x = word_elem<DT>(w[i / kEpw], i % kEpw);
     const float z = (ORDER == NV_ORDER_MODELOPT && use_div) ? __fdiv_rn(x, div) : __fmul_rn(x, mult);
-    uint32_t code = e2m1_mag(z);
+    uint32_t code = nv_e2m1_mag(z);
     if constexpr (SZ == SZ_GENERIC) code |= ((__float_as_uint(z) >> 31) & (fabsf(z) > neg_above)) << 3;
     packed += code << (4 * i);
   }
