@@ -77,6 +77,23 @@ __device__ __forceinline__ float saturate_elem(float v, float in_max) {
   return (v != v) ? 0.0f : (v > 0.0f ? in_max : -in_max);
 }
 
+// Largest |x| (fp32 bits) of this lane's chunks of a row after nonfinite='saturate'
+// (rare path: only rows that hold NaN/Inf). `src` is the staged row or the input row.
+template <int DT>
+__device__ uint32_t saturated_absmax_bits(const uint4* src, int lane, int nchunks, float in_max) {
+  constexpr int kEpw = Traits<DT>::kEpw;
+  uint32_t m = 0;
+  for (int c = lane; c < nchunks; c += 32) {
+    const uint4 v = src[c];
+    const uint32_t ww[4] = {v.x, v.y, v.z, v.w};
+    for (int i = 0; i < 4 * kEpw; ++i) {
+      const float e = saturate_elem(word_elem<DT>(ww[i / kEpw], i % kEpw), in_max);
+      m = max(m, __float_as_uint(e) & 0x7FFFFFFFu);
+    }
+  }
+  return m;
+}
+
 // nonfinite='saturate' at the bit level: NaN -> +0, +-Inf -> +-largest finite value of
 // the input dtype, exactly what the spec's nan_to_num gives before widening.
 __device__ __forceinline__ uint32_t sanitize16(uint32_t h, uint32_t exp_mask, uint32_t max_bits) {
@@ -174,17 +191,7 @@ quantize_rows(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
   NvOuter o;
   if (p.outer_mode == NV_OUTER_ROW) {
     uint32_t rm = mine;
-    if (any_bad) {  // saturated maximum of this lane's chunks (rare path)
-      rm = 0;
-      for (int c = lane; c < nchunks; c += 32) {
-        const uint4 v = STAGED ? srow[c] : __ldg(xr + c);
-        const uint32_t ww[4] = {v.x, v.y, v.z, v.w};
-        for (int i = 0; i < 4 * Traits<DT>::kEpw; ++i) {
-          const float e = saturate_elem(word_elem<DT>(ww[i / Traits<DT>::kEpw], i % Traits<DT>::kEpw), p.in_max);
-          rm = max(rm, __float_as_uint(e) & 0x7FFFFFFFu);
-        }
-      }
-    }
+    if (any_bad) rm = saturated_absmax_bits<DT>(STAGED ? srow : xr, lane, nchunks, p.in_max);
     float a = __uint_as_float(warp_max_bits(rm));
     if (p.has_amax_floor) a = nv_max(a, p.amax_floor);
     o = nv_outer_from_amax(a, ORDER);
@@ -275,15 +282,7 @@ amax_rows(const uint4* __restrict__ x, float* amax_out, NvParams p, int* flags) 
       if (lane == 0) atomicOr(flags, NV_FLAG_NONFINITE);
       return;
     }
-    mine = 0;
-    for (int c = lane; c < nchunks; c += 32) {
-      const uint4 v = __ldg(xr + c);
-      const uint32_t ww[4] = {v.x, v.y, v.z, v.w};
-      for (int i = 0; i < 4 * Traits<DT>::kEpw; ++i) {
-        const float e = saturate_elem(word_elem<DT>(ww[i / Traits<DT>::kEpw], i % Traits<DT>::kEpw), p.in_max);
-        mine = max(mine, __float_as_uint(e) & 0x7FFFFFFFu);
-      }
-    }
+    mine = saturated_absmax_bits<DT>(xr, lane, nchunks, p.in_max);
   }
   const uint32_t rm = warp_max_bits(mine);
   if (lane == 0) atomicMax(reinterpret_cast<unsigned int*>(amax_out) + r / p.rows, rm);
