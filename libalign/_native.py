@@ -8,6 +8,10 @@ of the sources, the compiler's version, the flags and (for ``-march=native``) th
 feature flags, and written by rename so concurrent first uses are safe. When a compiler is
 missing or a build fails, :func:`load` returns ``None`` and warns once; the caller then
 uses the spec. ``ALIGN_KERNELS=spec`` disables the compiled kernels altogether.
+
+The native Blackwell grouped GEMM (kind ``gemm_sm100``, ``csrc/gemm_abi.h``) also needs the
+CUTLASS headers (:mod:`libalign._cutlass`), is built for sm_100a only (about a minute) and
+has no spec to fall back on: :func:`load_or_raise` returns it or says why it cannot.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 HEADERS = ("nvfp4_abi.h", "nvfp4_math.h")
-SOURCES = {"cpu": "quantize_cpu.cpp", "cuda": "quantize_cuda.cu"}
+SOURCES = {"cpu": "quantize_cpu.cpp", "cuda": "quantize_cuda.cu",
+           "gemm_sm100": "gemm_nvfp4_sm100.cu"}
+# Headers only one kind includes (they join that kind's cache key).
+KIND_HEADERS = {"gemm_sm100": ("gemm_abi.h",)}
 
 
 class NvParams(ctypes.Structure):
@@ -40,6 +47,20 @@ class NvParams(ctypes.Structure):
         ("zero_saturate", ctypes.c_int32), ("signed_zero", ctypes.c_int32),
         ("nonfinite_saturate", ctypes.c_int32), ("in_max", ctypes.c_float),
         ("swizzled", ctypes.c_int32),
+    ]
+
+
+class GemmSm100Args(ctypes.Structure):
+    """Mirror of ``NvGemmSm100Args`` in csrc/gemm_abi.h (field order and types must match)."""
+
+    _fields_ = [
+        ("experts", ctypes.c_int32), ("n", ctypes.c_int32), ("k", ctypes.c_int32),
+        ("a_dec_per_row", ctypes.c_int32), ("w_dec_mode", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("row_offsets", ctypes.c_void_p), ("a_codes", ctypes.c_void_p),
+        ("a_scales", ctypes.c_void_p), ("a_dec", ctypes.c_void_p),
+        ("w_codes", ctypes.c_void_p), ("w_scales", ctypes.c_void_p),
+        ("w_dec", ctypes.c_void_p), ("out", ctypes.c_void_p),
     ]
 
 
@@ -114,8 +135,16 @@ def cuda_archs(nvcc: str) -> list[str]:
 
 
 def build_command(kind: str, src: Path, out: Path) -> list[str]:
-    """The compiler invocation for ``kind`` ('cpu' or 'cuda')."""
+    """The compiler invocation for ``kind`` ('cpu', 'cuda' or 'gemm_sm100')."""
     inc = f"-I{CSRC}"
+    if kind == "gemm_sm100":  # Blackwell only (sm_100a), CUTLASS headers, no other arch
+        from . import _cutlass
+
+        nvcc = os.environ.get("NVCC", "nvcc")
+        return [nvcc, "-O3", "-std=c++17", "-fmad=false", "--expt-relaxed-constexpr",
+                "-DNDEBUG", "-Xcompiler", "-fPIC", "-shared",
+                "-gencode=arch=compute_100a,code=sm_100a", inc, *_cutlass.find().flags(),
+                str(src), "-o", str(out)]
     if kind == "cpu":
         cxx = os.environ.get("CXX", "g++")
         march = os.environ.get("ALIGN_CPU_MARCH", "native")
@@ -128,8 +157,12 @@ def build_command(kind: str, src: Path, out: Path) -> list[str]:
 
 def _key(kind: str, cmd: list[str]) -> str:
     h = hashlib.sha256()
-    for name in (*HEADERS, SOURCES[kind]):
+    for name in (*HEADERS, *KIND_HEADERS.get(kind, ()), SOURCES[kind]):
         h.update((CSRC / name).read_bytes())
+    if kind == "gemm_sm100":  # the CUTLASS copy's version, also when it is upgraded in place
+        from . import _cutlass
+
+        h.update(_cutlass.find().version_header().read_bytes())
     h.update(" ".join(cmd[1:]).replace(str(CSRC), "CSRC").encode())
     h.update(_compiler_version(cmd[0]).encode())
     if kind == "cpu":
@@ -147,6 +180,8 @@ def build(kind: str) -> Path:
         raise KernelBuildError(f"compiler {compiler!r} not found on PATH")
     if kind == "cuda" and not os.environ.get("NVCC") and shutil.which("nvcc") is None:
         raise KernelBuildError("nvcc not found on PATH")
+    if kind == "gemm_sm100" and "compute_100" not in _nvcc_archs(compiler):
+        raise KernelBuildError(f"{compiler} cannot target sm_100a (CUDA 12.8 or newer needed)")
     probe = build_command(kind, src, Path("OUT"))
     target = cache_dir() / f"libnvfp4_{kind}-{_key(kind, probe)}.so"
     if target.exists():
@@ -169,7 +204,19 @@ def build(kind: str) -> Path:
 
 def _declare(lib: ctypes.CDLL, kind: str) -> None:
     p, f, i, vp = ctypes.c_void_p, ctypes.POINTER(NvParams), ctypes.c_int, ctypes.c_void_p
-    if kind == "cpu":
+    if kind == "gemm_sm100":
+        g = ctypes.POINTER(GemmSm100Args)
+        lib.nvfp4_gemm_sm100_available.argtypes = []
+        lib.nvfp4_gemm_sm100_workspace_size.argtypes = [g, ctypes.POINTER(ctypes.c_size_t)]
+        lib.nvfp4_grouped_gemm_sm100.argtypes = [g, vp, ctypes.c_size_t, vp]
+        lib.nvfp4_gemm_sm100_status_string.argtypes = [i]
+        lib.nvfp4_gemm_sm100_status_string.restype = ctypes.c_char_p
+        lib.nvfp4_gemm_sm100_args_size.argtypes = []
+        lib.nvfp4_gemm_sm100_args_size.restype = ctypes.c_size_t
+        for fn in ("nvfp4_gemm_sm100_available", "nvfp4_gemm_sm100_workspace_size",
+                   "nvfp4_grouped_gemm_sm100"):
+            getattr(lib, fn).restype = i
+    elif kind == "cpu":
         lib.nvfp4_quantize_cpu.argtypes = [p, p, p, p, p, p, p, f, i]
         lib.nvfp4_amax_cpu.argtypes = [p, p, f, i]
         lib.nvfp4_cpu_force_scalar.argtypes = [i]
@@ -203,3 +250,30 @@ def load(kind: str) -> ctypes.CDLL | None:
             lib = None
         _libs[kind] = lib
         return lib
+
+
+_strict: dict[str, ctypes.CDLL | KernelBuildError] = {}
+
+
+def load_or_raise(kind: str) -> ctypes.CDLL:
+    """The loaded library for ``kind``, built on first use; KernelBuildError (why) if not.
+
+    For kernels that have no spec fallback (the native GEMM): no warning, and a failed
+    build is remembered for the process, so a missing compiler costs one attempt.
+    """
+    if os.environ.get("ALIGN_KERNELS", "").lower() == "spec":
+        raise KernelBuildError("compiled kernels are disabled (ALIGN_KERNELS=spec)")
+    with _lock:
+        got = _strict.get(kind)
+        if got is None:
+            try:
+                got = ctypes.CDLL(str(build(kind)))
+                _declare(got, kind)
+            except KernelBuildError as exc:
+                got = exc
+            except (OSError, subprocess.SubprocessError) as exc:
+                got = KernelBuildError(f"the {kind} library could not be built or loaded: {exc}")
+            _strict[kind] = got
+    if isinstance(got, KernelBuildError):
+        raise KernelBuildError(str(got))
+    return got
