@@ -386,6 +386,91 @@ def quantize_many(
     return results
 
 
+# --- the emulated W4A4 grouped GEMM (Triton, CUDA) -------------------------------------------
+
+_triton_module = None
+
+
+def _triton():
+    """The Triton kernels, imported on first use; None where Triton or CUDA is missing."""
+    global _triton_module
+    if _triton_module is None:
+        try:
+            from . import _triton_w4a4
+            _triton_module = _triton_w4a4
+        except Exception:  # no triton, or a triton that cannot load
+            _triton_module = False
+    return _triton_module or None
+
+
+_capability: dict[str, tuple[int, int]] = {}
+
+
+def triton_gemm_available(device: torch.device | str) -> bool:
+    """Whether the fused Triton W4A4 GEMM can run on ``device`` (CUDA, sm_90+, Triton)."""
+    import os
+
+    dev = torch.device(device)
+    if dev.type != "cuda" or os.environ.get("ALIGN_KERNELS", "") == "spec":
+        return False
+    key = str(dev)
+    if key not in _capability:
+        _capability[key] = torch.cuda.get_device_capability(dev)
+    return _capability[key][0] >= 9 and _triton() is not None
+
+
+def triton_act_gap(spec: NumericsSpec) -> str | None:
+    """Why the Triton activation pass cannot quantize under ``spec``, or None when it can."""
+    if spec.op_order != "te":
+        return f"op_order {spec.op_order!r} (the Triton pass implements 'te')"
+    if spec.outer_domain not in ("row", "tensor"):
+        return f"activation outer domain {spec.outer_domain!r}"
+    if spec.block_scale_floor is not None or spec.zero_prescale_to is not None:
+        return "a block-scale floor or zero-prescale substitute"
+    if spec.nonfinite != "raise" or spec.scale_math_dtype != "float32":
+        return "non-finite saturation or non-fp32 scale math"
+    if spec.hadamard or spec.stochastic_rounding:
+        return "a Hadamard rotation or stochastic rounding"
+    return None
+
+
+def _triton_k_gap(k: int) -> str | None:
+    return None if k % 16 == 0 else f"K={k} is not a multiple of 16"
+
+
+def w4a4_grouped_triton(a: torch.Tensor, spec: NumericsSpec, w_inner: torch.Tensor,
+                        w_dec: torch.Tensor, layout, out_dtype: torch.dtype = torch.bfloat16, *,
+                        check_finite: bool = True) -> torch.Tensor:
+    """The fused W4A4 grouped GEMM on a CUDA device (see :mod:`libalign._triton_w4a4`).
+
+    ``a`` ``[rows, K]`` sorted by expert as ``layout`` (a :class:`libalign.gemm.GroupLayout`)
+    says; ``w_inner`` the bf16 inner values ``[E, N, K]`` and ``w_dec`` ``[E, N]`` of
+    :func:`libalign.gemm.prepare_weights`. Rows are padded to 128 per expert when the layout
+    is not already padded to 64 or 128. ``check_finite`` synchronises once to raise
+    :class:`~libalign.errors.NonFiniteError` for activations holding NaN/Inf.
+    """
+    from .gemm import group_layout
+
+    tk = _triton()
+    if tk is None or a.device.type != "cuda":
+        raise SpecError("the Triton W4A4 GEMM needs a CUDA device with Triton installed")
+    gap = triton_act_gap(spec) or _triton_k_gap(a.shape[-1])
+    if gap is not None:
+        raise SpecError(f"the Triton W4A4 GEMM cannot serve {gap}")
+    lay = layout if layout.pad_to in (64, 128) else group_layout(layout.counts, 128)
+    ap = lay.pad(a.contiguous())
+    amax = None
+    if spec.outer_domain == "tensor":
+        amax = a.abs().amax().float().reshape(1) if a.numel() else a.new_zeros(1, dtype=torch.float32)
+    inner, dec = tk.act_qdq(ap, amax_floor=spec.amax_floor, tensor_amax=amax)
+    tiles = lay.tile_expert(lay.pad_to, a.device)
+    out = tk.grouped_gemm(inner, dec, w_inner, w_dec, tiles, lay.pad_to, out_dtype)
+    # checked after the GEMM is queued, so the device never idles while the host looks
+    if check_finite and not bool(torch.isfinite(dec).all()):
+        _spec.check_finite(a, "activations")  # raises with counts and positions
+    return lay.unpad(out)
+
+
 def _raise_like_spec(x, spec, outer_amax):
     _spec.quantize(x, spec, outer_amax=outer_amax)  # raises the typed error with positions
     raise RuntimeError("an NVFP4 kernel flagged its input but the spec accepted it; "

@@ -1,0 +1,194 @@
+"""Triton kernels of the emulated W4A4 expert GEMM on GPUs without FP4 tensor cores (Hopper).
+
+Reached only through :mod:`libalign.ops`. Two kernels implement :mod:`libalign.gemm`'s three
+steps:
+
+``act_qdq``
+    One pass over the activations ``[M, K]``: the row maximum (or a given tensor maximum),
+    the outer scales, the E4M3 block scales and the E2M1 codes, all in the ``te`` fp32
+    operation order of :mod:`libalign.scale_math` (true IEEE divisions through ``div_rn``,
+    the E4M3 cast by the hardware converter, ties-to-even E2M1 by midpoint counting), then
+    writes the exact inner values ``code * block_scale`` as bf16 and the row decode scales.
+    A row holding NaN/Inf gets a NaN decode scale, which the caller checks.
+``grouped_gemm``
+    A bf16 tensor-core GEMM over the padded expert layout: each ``BM``-row tile belongs to
+    one expert (``tile_expert``), its weights are that expert's exact inner values; fp32
+    accumulation; the epilogue ``bf16(acc * (a_dec[m] * w_dec[n]))``.
+
+Weights are quantized once per version (``libalign.gemm.prepare_weights``), so the per-call
+cost over a bf16 grouped GEMM is the activation pass and the epilogue's two scale loads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
+
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def _act_qdq_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x, stride_i,
+                    AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr, TENSOR_AMAX: tl.constexpr,
+                    ROWS: tl.constexpr, NB: tl.constexpr):
+    # a [ROWS, NB, 16] tile: one row per ROWS index, one 16-element block per NB index, so
+    # block maxima and row maxima are plain reductions (no reshapes between layouts)
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    blk = tl.arange(0, NB)
+    j = tl.arange(0, 16)
+    cols = blk[None, :, None] * 16 + j[None, None, :]
+    rmask = rows < M
+    mask = rmask[:, None, None] & (blk < KB)[None, :, None]  # whole blocks: K % 16 == 0
+    r64 = rows[:, None, None].to(tl.int64)
+    x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    vmax = tl.max(tl.abs(x), axis=2)
+    poison = tl.sum(tl.sum(x * 0.0, axis=2), axis=1)  # NaN iff the row holds NaN or Inf
+    if TENSOR_AMAX:  # noqa: SIM108 (constexpr branch)
+        amax = tl.load(amax_ptr) + tl.zeros([ROWS], dtype=tl.float32)
+    else:
+        amax = tl.max(vmax, axis=1)
+    if HAS_FLOOR:
+        amax = tl.maximum(amax, AMAX_FLOOR)
+    enc = tl.math.div_rn(tl.full([ROWS], 2688.0, tl.float32), amax)
+    enc = tl.minimum(enc, _FLT_MAX)
+    enc = tl.where(enc == 0.0, 1.0, enc)
+    dec = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), enc)
+    sixth = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), tl.full([ROWS], 6.0, tl.float32))
+    pre = tl.minimum(vmax * (enc * sixth)[:, None], _FLT_MAX)
+    s = tl.minimum(pre, 448.0).to(tl.float8e4nv).to(tl.float32)
+    sd = s * dec[:, None]
+    mult = tl.minimum(tl.math.div_rn(tl.full(sd.shape, 1.0, tl.float32), sd), _FLT_MAX)
+    mult = tl.where(s == 0.0, 0.0, mult)
+    z = x * mult[:, :, None]
+    a = tl.minimum(tl.abs(z), 6.0)
+    mag = tl.where(a > 0.25, 0.5, 0.0)
+    mag = tl.where(a >= 0.75, 1.0, mag)
+    mag = tl.where(a > 1.25, 1.5, mag)
+    mag = tl.where(a >= 1.75, 2.0, mag)
+    mag = tl.where(a > 2.5, 3.0, mag)
+    mag = tl.where(a >= 3.5, 4.0, mag)
+    mag = tl.where(a > 5.0, 6.0, mag)
+    val = tl.where(z < 0.0, -mag, mag) * s[:, :, None]
+    tl.store(inner_ptr + r64 * stride_i + cols, val.to(inner_ptr.dtype.element_ty), mask=mask)
+    dec = tl.where(poison == 0.0, dec, float("nan"))
+    tl.store(dec_ptr + rows, dec, mask=rmask)
+
+
+def act_qdq(x: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Tensor | None,
+            out: torch.Tensor | None = None):
+    """Inner values (bf16 ``[M, K]``) and fp32 row decode scales ``[M]`` of activations."""
+    m, k = x.shape
+    if k % 16 or x.stride(1) != 1:
+        raise ValueError("act_qdq needs contiguous rows whose length is a multiple of 16")
+    inner = torch.empty((m, k), dtype=torch.bfloat16, device=x.device) if out is None else out
+    dec = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return inner, dec
+    nb = triton.next_power_of_2(triton.cdiv(k, 16))
+    rows = max(1, min(16, 256 // nb))
+    amax = tensor_amax if tensor_amax is not None else dec  # unused pointer when per row
+    _act_qdq_kernel[(triton.cdiv(m, rows),)](
+        x, inner, dec, amax, m, k // 16, x.stride(0), inner.stride(0),
+        AMAX_FLOOR=float(amax_floor or 0.0), HAS_FLOOR=amax_floor is not None,
+        TENSOR_AMAX=tensor_amax is not None, ROWS=rows, NB=nb, num_warps=4)
+    return inner, dec
+
+
+def _set_blocks(nargs):
+    bm, bn, bk = nargs["BM"], nargs["BN"], nargs["BK"]
+    nargs["a_desc"].block_shape = [bm, bk]
+    nargs["w_desc"].block_shape = [bn, bk]
+    nargs["o_desc"].block_shape = [bm, bn]
+
+
+def _configs():
+    out = []
+    for bm, bn, bk, st, wp in ((128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 128, 3, 8),
+                               (64, 256, 64, 4, 4), (128, 256, 64, 4, 8), (64, 128, 64, 4, 4)):
+        for flat in (False, True):
+            out.append(triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "FLATTEN": flat},
+                                     num_stages=st, num_warps=wp, pre_hook=_set_blocks))
+    return out
+
+
+def _prune(configs, named_args, **kwargs):
+    n, pad = named_args["N"], named_args["PAD"]
+    keep = [c for c in configs if pad % c.kwargs["BM"] == 0 and n % c.kwargs["BN"] == 0]
+    return keep or [c for c in configs if pad % c.kwargs["BM"] == 0][:2]
+
+
+@triton.jit
+def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """Grouped tile order: GROUP_M row tiles share each column of weights in L2."""
+    group = GROUP_M * num_n
+    first_m = (tile // group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile % group) % size_m, (tile % group) // size_m
+
+
+@triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "PAD"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _grouped_gemm_kernel(a_desc, w_desc, o_desc, a_dec_ptr, w_dec_ptr, tile_expert_ptr,
+                         M, N, K, M_BUCKET, PAD, NUM_SMS: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+    # persistent: NUM_SMS programs walk the output tiles; with FLATTEN the compiler
+    # pipelines the next tile's loads under this tile's epilogue
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=FLATTEN):
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        e = tl.load(tile_expert_ptr + (pid_m * BM) // PAD)
+        row_w = e * N + pid_n * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([pid_m * BM, ki * BK])
+            w = w_desc.load([row_w, ki * BK])
+            acc = tl.dot(a, w.T, acc)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        a_dec = tl.load(a_dec_ptr + offs_m)
+        w_dec = tl.load(w_dec_ptr + e * N + offs_n, mask=offs_n < N, other=0.0)
+        out = acc * (a_dec[:, None] * w_dec[None, :])
+        o_desc.store([pid_m * BM, pid_n * BN], out.to(o_desc.dtype))
+
+
+_SMS: dict[int, int] = {}
+
+
+def grouped_gemm(a_inner: torch.Tensor, a_dec: torch.Tensor, w_inner: torch.Tensor,
+                 w_dec: torch.Tensor, tile_expert: torch.Tensor, pad: int,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``out[Mp, N]`` of the padded layout; ``tile_expert`` holds one expert per ``pad`` rows."""
+    mp, k = a_inner.shape
+    e, n, _ = w_inner.shape
+    if not (w_inner.is_contiguous() and w_dec.is_contiguous() and w_dec.dtype == torch.float32):
+        raise ValueError("grouped_gemm needs contiguous bf16 weights and fp32 [E, N] decode scales")
+    out = torch.empty((mp, n), dtype=out_dtype, device=a_inner.device)
+    if mp == 0:
+        return out
+    dummy = [16, 16]
+    a_desc = TensorDescriptor.from_tensor(a_inner, dummy)
+    w_desc = TensorDescriptor.from_tensor(w_inner.reshape(e * n, k), dummy)
+    o_desc = TensorDescriptor.from_tensor(out, dummy)
+
+    dev = a_inner.device.index if a_inner.device.index is not None else torch.cuda.current_device()
+    sms = _SMS.get(dev)
+    if sms is None:
+        sms = _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+
+    def grid(meta):
+        return (min(sms, triton.cdiv(mp, meta["BM"]) * triton.cdiv(n, meta["BN"])),)
+
+    _grouped_gemm_kernel[grid](a_desc, w_desc, o_desc, a_dec, w_dec.reshape(-1), tile_expert,
+                               mp, n, k, triton.next_power_of_2(mp), pad, NUM_SMS=sms)
+    return out

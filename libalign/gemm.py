@@ -1,0 +1,489 @@
+"""The W4A4 expert GEMM: what a block-scaled NVFP4 matrix product computes, and in which order.
+
+A W4A4 product multiplies two NVFP4 operands, the activations ``A`` ``[M, K]`` and an expert's
+weights ``W`` ``[N, K]`` (both quantized along K, the contraction dimension). Each element is
+``q * s * d``: an E2M1 value ``q``, the E4M3 scale ``s`` of its 16-element block, and the fp32
+outer decode scale ``d`` of its row (or of the whole tensor or expert). The product is
+defined here in three steps, and every backend follows them:
+
+1. **Inner dequantization.** ``a_in = q_a * s_a`` and ``w_in = q_w * s_w``. An E2M1 value has
+   at most 2 significant bits and an E4M3 value 4, so ``q * s`` has at most 6 and is exact in
+   bf16 (8 bits) as in fp32. The outer scales stay out of the inner loop, which is what lets a
+   tensor core (or, on Blackwell, the FP4 tensor core with its block-scale hardware) consume
+   the operands.
+2. **Accumulation in fp32.** ``acc[m, n] = sum_k a_in[m, k] * w_in[n, k]``. Each product is
+   exact in fp32 (at most 12 significant bits), so the only rounding is in the additions, and
+   their order is the backend's: the reference sums in float64 and rounds once to fp32 (the
+   ideal fp32 accumulator, independent of order); a tensor core sums in its own tree.
+3. **Epilogue, in fp32, then one rounding.** ``out[m, n] = bf16(fl(acc[m, n] * fl(d_a[m] *
+   d_w[n])))``: the two outer decode scales are multiplied first (a per-tensor or per-expert
+   scale broadcasts), the accumulator is scaled once, and the result is rounded once to bf16.
+
+Backends therefore agree exactly up to step 2's addition order: the fused GPU path (Triton
+on Hopper: bf16 tensor cores fed with the exact inner values) and the CPU path (fp32 matmul)
+differ from the float64 reference by a few fp32 ulps in ``acc``, which flips the final bf16
+rounding of a small fraction of outputs by one bf16 ulp (the tests pin that bound).
+
+**Grouped over experts.** A mixture-of-experts layer multiplies each expert's rows of a
+token-permuted activation matrix by that expert's weights. Rows arrive sorted by expert with
+``counts[e]`` rows for expert ``e`` (zero allowed). :class:`GroupLayout` pads each expert's
+rows to a multiple of 64 or 128 so that a GEMM tile never straddles two experts; padding rows
+are zero, which changes no outer maximum (a zero row quantizes to zero codes), so padding is
+invisible in the result.
+
+**Execution paths.** :data:`PATHS` names what a learner or a sampler can run: ``bf16`` (no
+quantization), ``nvfp4_naive`` (per-tensor activation scale, per-expert weight scale: the
+common recipe), ``nvfp4_minite`` (row-scaled activations and weights, the miniTE spec). A
+path fixes one :class:`~libalign.spec.NumericsSpec` for each operand.
+
+**Backward.** The straight-through estimator: gradients are those of the bf16 product of the
+*unquantized* operands saved by the forward (``grad_a = grad_out @ W``, ``grad_W = grad_out^T
+@ a`` per expert), as if quantization were the identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ops
+from .errors import DTypeError, ShapeError, SpecError
+from .packing import unpack_nibbles
+from .rounding import e2m1_code_values, e4m3_bits_to_float
+from .spec import PRESETS, NumericsSpec, NVFP4Tensor, check_finite
+
+BACKENDS = ("auto", "reference", "torch", "triton")
+PAD_CHOICES = (1, 64, 128)
+
+
+# --- execution paths --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExecutionPath:
+    """How one side multiplies by its experts: one numerics spec per operand, or none (bf16).
+
+    ``act_spec.outer_domain`` is ``row`` (one scale per token row) or ``tensor`` (one scale
+    over all rows of the grouped call); ``weight_spec.outer_domain`` is ``row`` (per output
+    row of each expert), ``expert``, ``tensor`` or ``none``.
+    """
+
+    name: str
+    weight_spec: NumericsSpec | None = None
+    act_spec: NumericsSpec | None = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.weight_spec is None) != (self.act_spec is None):
+            raise SpecError(f"path {self.name!r}: quantize both operands or neither")
+        for what, spec in (("weight", self.weight_spec), ("activation", self.act_spec)):
+            if spec is not None and spec.hadamard:
+                raise SpecError(f"path {self.name!r}: the W4A4 GEMM takes {what} specs "
+                                "without the Hadamard rotation")
+            if spec is not None and spec.stochastic_rounding:
+                raise SpecError(f"path {self.name!r}: stochastic rounding is not a GEMM path")
+        if self.act_spec is not None and self.act_spec.outer_domain not in ("row", "tensor", "none"):
+            raise SpecError(f"path {self.name!r}: activation outer domain must be row, tensor "
+                            f"or none, got {self.act_spec.outer_domain!r}")
+
+    @property
+    def quantized(self) -> bool:
+        """True when the path multiplies NVFP4 operands."""
+        return self.weight_spec is not None
+
+
+_TE_EXPERT = PRESETS["te"].replace(name="te_expert", outer_domain="expert")
+
+PATHS: dict[str, ExecutionPath] = {
+    "bf16": ExecutionPath("bf16", description="bf16 operands, fp32 accumulation"),
+    "nvfp4_naive": ExecutionPath(
+        "nvfp4_naive", _TE_EXPERT, PRESETS["te"],
+        "NVFP4, one outer scale per activation tensor and per expert weight (common recipe)"),
+    "nvfp4_minite": ExecutionPath(
+        "nvfp4_minite", PRESETS["minite"], PRESETS["minite"],
+        "NVFP4, row-scaled activations and weights (the miniTE spec)"),
+}
+
+
+def register_path(path: ExecutionPath) -> None:
+    """Add a named path (e.g. a guided-rounding path) that :func:`get_path` will find."""
+    PATHS[path.name] = path
+
+
+def get_path(path: str | ExecutionPath) -> ExecutionPath:
+    """The path of that name; :class:`~libalign.errors.SpecError` names the known ones."""
+    if isinstance(path, ExecutionPath):
+        return path
+    try:
+        return PATHS[path]
+    except KeyError:
+        raise SpecError(f"unknown execution path {path!r}; known: {sorted(PATHS)}") from None
+
+
+# --- inner and outer parts of an NVFP4 operand ------------------------------------------------
+
+def inner_values(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * s`` per element (step 1): exact in fp32 and bf16; logical shape, K unpadded."""
+    vals = e2m1_code_values(unpack_nibbles(q.codes))
+    s32 = e4m3_bits_to_float(q.block_scales)
+    out = (vals.unflatten(-1, (-1, 16)) * s32.unsqueeze(-1)).flatten(-2)
+    return out[..., : q.k].to(dtype)
+
+
+def row_decode_scales(q: NVFP4Tensor) -> torch.Tensor:
+    """The fp32 outer decode scale of every row of ``q``, shape ``q.shape[:-1]``."""
+    rows = q.shape[:-1]
+    dec = q.outer_dec
+    dom = q.spec.outer_domain
+    if q.outer_scale is None or dom == "tensor":
+        return dec.reshape(()).expand(rows).contiguous()
+    if dom == "expert":
+        return dec.reshape(-1, *([1] * (len(rows) - 1))).expand(rows).contiguous()
+    return dec.reshape(rows)
+
+
+def epilogue(acc: torch.Tensor, a_dec: torch.Tensor, w_dec: torch.Tensor,
+             dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Step 3: ``dtype(fl(acc * fl(a_dec[m] * w_dec[n])))`` for an fp32 ``acc`` ``[M, N]``."""
+    alpha = a_dec.float().reshape(-1, 1) * w_dec.float().reshape(1, -1)
+    return (acc * alpha).to(dtype)
+
+
+def w4a4_reference(a: NVFP4Tensor, w: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16):
+    """The defining product of two 2-D NVFP4 operands ``[M, K]`` and ``[N, K]``.
+
+    Accumulates the exact products in float64 and rounds the sum once to fp32, so the result
+    does not depend on an addition order (for the ranges NVFP4 operands span, float64 holds
+    the sums exactly or within one float64 ulp, far below the fp32 rounding that follows).
+    """
+    if len(a.shape) != 2 or len(w.shape) != 2 or a.k != w.k:
+        raise ShapeError(f"w4a4_reference needs [M, K] x [N, K], got {a.shape} and {w.shape}")
+    acc = (inner_values(a, torch.float64) @ inner_values(w, torch.float64).T).float()
+    return epilogue(acc, row_decode_scales(a), row_decode_scales(w), dtype)
+
+
+# --- group layout -----------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class GroupLayout:
+    """Rows sorted by expert, ``counts[e]`` of them for expert ``e``, padded per expert.
+
+    ``padded_counts[e]`` rounds ``counts[e]`` up to ``pad_to``; ``rows`` maps each unpadded row
+    to its position in the padded layout; ``tile_expert`` gives the expert of each ``pad_to``
+    row tile (what a GEMM kernel reads to pick the weights of a tile).
+    """
+
+    counts: tuple[int, ...]
+    pad_to: int
+    padded_counts: tuple[int, ...]
+    rows: torch.Tensor = field(repr=False)
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def experts(self) -> int:
+        """Number of experts (groups)."""
+        return len(self.counts)
+
+    @property
+    def total(self) -> int:
+        """Unpadded rows."""
+        return sum(self.counts)
+
+    @property
+    def padded_total(self) -> int:
+        """Rows after padding."""
+        return sum(self.padded_counts)
+
+    def offsets(self, padded: bool = True) -> list[int]:
+        """Start row of each expert (``E + 1`` entries, the last is the total)."""
+        out, acc = [0], 0
+        for c in self.padded_counts if padded else self.counts:
+            acc += c
+            out.append(acc)
+        return out
+
+    def tile_expert(self, tile: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """int32 expert index of each ``tile``-row tile of the padded layout."""
+        if self.pad_to % tile and tile % self.pad_to:
+            raise ShapeError(f"tile {tile} and padding {self.pad_to} do not nest")
+        if tile > self.pad_to:
+            raise ShapeError(f"tile {tile} is larger than the padding {self.pad_to}")
+        key = (tile, str(device))
+        hit = self._cache.get(key)
+        if hit is None:
+            per = torch.tensor([c // tile for c in self.padded_counts], dtype=torch.int64)
+            hit = torch.repeat_interleave(torch.arange(self.experts, dtype=torch.int32), per).to(device)
+            self._cache[key] = hit
+        return hit
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[total, ...]`` in the padded layout, padding rows zero."""
+        if x.shape[0] != self.total:
+            raise ShapeError(f"layout holds {self.total} rows, tensor has {x.shape[0]}")
+        if self.padded_total == self.total:
+            return x
+        out = x.new_zeros((self.padded_total, *x.shape[1:]))
+        out[self._rows_on(x.device)] = x
+        return out
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        """The rows of a padded-layout tensor that belong to real tokens."""
+        if self.padded_total == self.total:
+            return y
+        return y[self._rows_on(y.device)]
+
+    def _rows_on(self, device: torch.device) -> torch.Tensor:
+        key = ("rows", str(device))
+        if key not in self._cache:
+            self._cache[key] = self.rows.to(device)
+        return self._cache[key]
+
+
+def group_layout(counts: torch.Tensor | list[int] | tuple[int, ...], pad_to: int = 1) -> GroupLayout:
+    """The :class:`GroupLayout` of rows sorted by expert with these per-expert counts."""
+    if pad_to not in PAD_CHOICES:
+        raise SpecError(f"pad_to must be one of {PAD_CHOICES}, got {pad_to}")
+    c = [int(v) for v in (counts.tolist() if isinstance(counts, torch.Tensor) else counts)]
+    if not c or any(v < 0 for v in c):
+        raise ShapeError(f"counts must be a non-empty list of non-negative ints, got {c[:8]}")
+    padded = [-(-v // pad_to) * pad_to for v in c]
+    starts = torch.tensor([0, *padded[:-1]], dtype=torch.int64).cumsum(0)
+    parts = [torch.arange(v, dtype=torch.int64) + s for v, s in zip(c, starts.tolist(), strict=True)]
+    rows = torch.cat(parts) if sum(c) else torch.zeros(0, dtype=torch.int64)
+    return GroupLayout(tuple(c), pad_to, tuple(padded), rows)
+
+
+# --- prepared weights -------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class ExpertWeights:
+    """An expert stack ``[E, N, K]`` made ready for one path.
+
+    ``weight`` is the unquantized stack (the bf16 path's operand and the STE backward's);
+    for a quantized path ``q`` holds its NVFP4 bits, ``inner`` the exact inner values (bf16 on
+    a GPU, fp32 on the CPU) and ``dec`` the fp32 outer decode scale of every output row
+    ``[E, N]``. Weights change only when a new version arrives, so a caller keeps one of
+    these per version and pays the quantization once.
+    """
+
+    path: ExecutionPath
+    weight: torch.Tensor
+    q: NVFP4Tensor | None = None
+    inner: torch.Tensor | None = None
+    dec: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(E, N, K)``."""
+        e, n, k = self.weight.shape
+        return e, n, k
+
+
+def _inner_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def prepare_weights(weight: torch.Tensor, path: str | ExecutionPath, *,
+                    outer_amax: torch.Tensor | None = None) -> ExpertWeights:
+    """Quantize an expert stack ``[E, N, K]`` for ``path`` (once per weight version).
+
+    ``outer_amax`` shares outer maxima (e.g. :func:`~libalign.spec.shared_outer_amax` for a
+    fused gate/up stack). NaN/Inf weights raise :class:`~libalign.errors.NonFiniteError`.
+    """
+    p = get_path(path)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 3:
+        raise ShapeError(f"expert weights must be a 3-D [E, N, K] tensor, got "
+                         f"{getattr(weight, 'shape', type(weight).__name__)}")
+    if not weight.is_floating_point():
+        raise DTypeError(f"expert weights must be floating point, got {weight.dtype}")
+    if not p.quantized:
+        return ExpertWeights(p, weight)
+    w = weight.detach()
+    q = ops.quantize(w, p.weight_spec, outer_amax=outer_amax)
+    return ExpertWeights(p, weight, q, inner_values(q, _inner_dtype(w.device)), row_decode_scales(q))
+
+
+# --- activations ------------------------------------------------------------------------------
+
+def quantize_activations(a: torch.Tensor, spec: NumericsSpec):
+    """Quantize activations ``[M, K]``: returns ``(q, inner, dec)`` with ``dec`` ``[M]``.
+
+    A ``tensor``-domain spec takes one maximum over all ``M`` rows of the grouped call.
+    """
+    q = ops.quantize(a.detach(), spec)
+    return q, inner_values(q, _inner_dtype(a.device)), row_decode_scales(q)
+
+
+# --- the grouped product ----------------------------------------------------------------------
+
+def _check_grouped(a: torch.Tensor, w: ExpertWeights, layout: GroupLayout) -> None:
+    e, _, k = w.shape
+    if a.ndim != 2:
+        raise ShapeError(f"activations must be 2-D [rows, K], got shape {tuple(a.shape)}")
+    if a.shape[1] != k:
+        raise ShapeError(f"activations have K={a.shape[1]}, expert weights K={k}")
+    if a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise DTypeError(f"activations must be bf16, fp16 or fp32, got {a.dtype}")
+    if layout.experts != e:
+        raise ShapeError(f"counts name {layout.experts} experts, the weights hold {e}")
+    if a.shape[0] != layout.total:
+        raise ShapeError(f"counts sum to {layout.total} rows, activations have {a.shape[0]}")
+    if a.device != w.weight.device:
+        raise ShapeError(f"activations on {a.device}, weights on {w.weight.device}")
+
+
+def _resolve_backend(backend: str, device: torch.device, path: ExecutionPath, k: int) -> str:
+    if backend not in BACKENDS:
+        raise SpecError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton":
+        if not ops.triton_gemm_available(device):
+            raise SpecError(f"the triton W4A4 backend needs a CUDA device with Triton, got {device}")
+        gap = ops.triton_act_gap(path.act_spec) if path.quantized else "the bf16 path"
+        gap = gap or (None if k % 16 == 0 else f"K={k} is not a multiple of 16")
+        if gap is not None:
+            raise SpecError(f"the triton W4A4 backend cannot serve path {path.name!r}: {gap}")
+    if backend != "auto":
+        return backend
+    if (path.quantized and k % 16 == 0 and ops.triton_gemm_available(device)
+            and ops.triton_act_gap(path.act_spec) is None):
+        return "triton"
+    return "torch"
+
+
+def _per_expert(layout: GroupLayout, fn: Callable[[int, slice], torch.Tensor],
+                out: torch.Tensor) -> torch.Tensor:
+    offs = layout.offsets(padded=False)
+    for e in range(layout.experts):
+        lo, hi = offs[e], offs[e + 1]
+        if hi > lo:
+            out[lo:hi] = fn(e, slice(lo, hi))
+    return out
+
+
+def _bf16_grouped(a: torch.Tensor, w: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
+    out = a.new_empty((a.shape[0], w.shape[1]))
+    if a.is_cuda and hasattr(torch, "_grouped_mm") and a.dtype == torch.bfloat16 and a.shape[0]:
+        offs = torch.tensor(layout.offsets(padded=False)[1:], dtype=torch.int32, device=a.device)
+        return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+    wd = w.to(a.dtype)
+    return _per_expert(layout, lambda e, s: a[s] @ wd[e].T, out)
+
+
+def _quantized_grouped(a: torch.Tensor, w: ExpertWeights, layout: GroupLayout,
+                       backend: str) -> torch.Tensor:
+    spec = w.path.act_spec
+    out_dtype = a.dtype if a.dtype != torch.float32 else torch.bfloat16
+    if backend == "triton":
+        return ops.w4a4_grouped_triton(a, spec, w.inner, w.dec, layout, out_dtype)
+    check_finite(a, "activations")
+    _, a_in, a_dec = quantize_activations(a, spec)
+    out = a.new_empty((a.shape[0], w.shape[1]), dtype=out_dtype)
+    if backend == "reference":
+        w_in64 = inner_values(w.q, torch.float64)
+        a_in64 = a_in.double()
+
+        def one(e, s):
+            acc = (a_in64[s] @ w_in64[e].T).float()
+            return epilogue(acc, a_dec[s], w.dec[e], out_dtype)
+    else:
+        def one(e, s):
+            acc = a_in[s].float() @ w.inner[e].float().T
+            return epilogue(acc, a_dec[s], w.dec[e], out_dtype)
+    return _per_expert(layout, one, out)
+
+
+class _GroupedSTE(torch.autograd.Function):
+    """Forward through the chosen path; backward as the bf16 product of saved operands."""
+
+    @staticmethod
+    def forward(ctx, a, weight, w, layout, backend):
+        ctx.save_for_backward(a, weight)
+        ctx.layout = layout
+        if w.path.quantized:
+            return _quantized_grouped(a, w, layout, backend)
+        return _bf16_grouped(a, weight, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, weight = ctx.saved_tensors
+        layout = ctx.layout
+        grad = grad.to(a.dtype)
+        wd = weight.to(a.dtype)
+        grad_a = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_a = _per_expert(layout, lambda e, s: grad[s] @ wd[e], torch.zeros_like(a))
+        if ctx.needs_input_grad[1]:
+            offs = layout.offsets(padded=False)
+            grad_w = torch.zeros_like(weight)
+            for e in range(layout.experts):
+                lo, hi = offs[e], offs[e + 1]
+                if hi > lo:
+                    grad_w[e] = (grad[lo:hi].T @ a[lo:hi]).to(weight.dtype)
+        return grad_a, grad_w, None, None, None
+
+
+def grouped_linear(a: torch.Tensor, weights: ExpertWeights,
+                   counts: torch.Tensor | list[int] | GroupLayout, *,
+                   backend: str = "auto") -> torch.Tensor:
+    """``out[rows of e] = a[rows of e] @ W[e]^T`` through ``weights.path``, rows sorted by expert.
+
+    ``a`` is ``[rows, K]``; ``counts`` gives each expert's rows (or a :class:`GroupLayout`).
+    Backends: ``reference`` (float64 accumulation), ``torch`` (fp32 matmul of exact inner
+    values), ``triton`` (fused GPU kernel), ``auto`` (triton on a CUDA device that has it).
+    Differentiable in ``a`` and ``weights.weight`` with the straight-through estimator.
+    """
+    layout = counts if isinstance(counts, GroupLayout) else group_layout(counts)
+    _check_grouped(a, weights, layout)
+    be = _resolve_backend(backend, a.device, weights.path, a.shape[-1])
+    return _GroupedSTE.apply(a, weights.weight, weights, layout, be)
+
+
+# --- a whole MoE expert block -----------------------------------------------------------------
+
+Observer = Callable[[str, torch.Tensor], None]
+
+
+def moe_experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                        gate_up: ExpertWeights, down: ExpertWeights, *, backend: str = "auto",
+                        act_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                        observer: Observer | None = None) -> torch.Tensor:
+    """The routed experts of one MoE layer (Qwen3-MoE layout) through prepared weights.
+
+    ``hidden`` ``[T, H]``; ``top_k_index``/``top_k_weights`` ``[T, k]``; ``gate_up`` holds
+    ``[E, 2I, H]`` (gate rows first, then up), ``down`` ``[E, H, I]``. Tokens are permuted
+    so that rows are sorted by expert (stable, so ties keep token order), FC1 runs grouped,
+    ``act_fn(gate) * up`` (SiLU by default) forms FC2's input, FC2 runs grouped, and each
+    row is weighted by its router weight and summed back into its token.
+
+    ``observer(name, tensor)``, when given, sees ``routing`` (``top_k_index``), ``fc1_in``,
+    ``fc1_out``, ``fc2_in`` and ``fc2_out`` in the permuted (expert-sorted) row order, and
+    ``order`` (the permutation) — what per-layer diagnosis compares between paths.
+    """
+    if hidden.ndim != 2:
+        raise ShapeError(f"hidden states must be [tokens, hidden], got {tuple(hidden.shape)}")
+    if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden.shape[0]:
+        raise ShapeError(f"routing shapes {tuple(top_k_index.shape)} / {tuple(top_k_weights.shape)}"
+                         f" do not match {hidden.shape[0]} tokens")
+    e = gate_up.shape[0]
+    k = top_k_index.shape[1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // k
+    counts = torch.bincount(flat, minlength=e)[:e]
+    layout = group_layout(counts.cpu())
+    x = hidden[token_of]
+    h = grouped_linear(x, gate_up, layout, backend=backend)
+    gate, up = h.chunk(2, dim=-1)
+    act = (act_fn or torch.nn.functional.silu)(gate) * up
+    y = grouped_linear(act, down, layout, backend=backend)
+    if observer is not None:
+        observer("routing", top_k_index)
+        observer("order", order)
+        observer("fc1_in", x)
+        observer("fc1_out", h)
+        observer("fc2_in", act)
+        observer("fc2_out", y)
+    y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
+    out = torch.zeros_like(hidden)
+    return out.index_add_(0, token_of, y.to(hidden.dtype))

@@ -1,0 +1,159 @@
+"""W4A4 expert GEMM benchmark: the fused emulated path against the bf16 grouped GEMM.
+
+Cells: the miniTE module shapes, 32 experts with 256, 1,024, 4,096 or 8,192 rows each, FC1
+(K=2048, N=1536) and FC2 (K=768, N=2048); bf16 activations drawn per cell, weights
+quantized once beforehand (a weight version is quantized once, used for many calls).
+
+Rows, all measured in this run on the same inputs (median of CUDA-event timings):
+
+* ``bf16``: ``torch._grouped_mm`` on the bf16 operands — the named baseline;
+* ``minite``: :func:`libalign.gemm.grouped_linear` on the ``nvfp4_minite`` path, activation
+  quantization (row scales) included, with the NaN/Inf check (one device sync);
+* ``minite nocheck``: the same without the check;
+* ``naive``: the ``nvfp4_naive`` path (per-tensor activation scale: an extra max pass);
+* ``gemm only``: the Triton GEMM on already-quantized activations (what the fusion costs).
+
+The ratio column is each row's time over ``bf16``'s; the goal is a geometric mean of at most
+1.3 for ``minite``. Each cell also reports the largest difference to the float64 reference,
+in bf16 ulps, on 64 sampled rows per expert. Run: ``python -m tests.bench gemm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+
+import torch
+
+from libalign import gemm, ops
+
+CELLS = [("FC1", 2048, 1536), ("FC2", 768, 2048)]
+ROWS = (256, 1024, 4096, 8192)
+
+
+def _time(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def _graph_time(fn, repeats: int) -> float:
+    """Median ms of replaying a CUDA graph of ``fn`` (device time without launch overhead)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _time(graph.replay, repeats)
+
+
+def _ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ax = ref.float().abs().clamp(min=2.0**-126)
+    ulp = torch.exp2(torch.floor(torch.log2(ax)) - 7)
+    return float(((out.float() - ref.float()).abs() / ulp).max())
+
+
+def _check(a, ew, counts, out) -> float:
+    """Max ulps against the float64 reference on a row sample of every expert."""
+    offs = [0]
+    for c in counts:
+        offs.append(offs[-1] + c)
+    take = torch.cat([torch.arange(o, o + min(64, c)) for o, c in zip(offs, counts, strict=False)])
+    sub_counts = [min(64, c) for c in counts]
+    cpu_w = gemm.ExpertWeights(ew.path, ew.weight.cpu(), ew.q.to("cpu"), None, ew.dec.cpu())
+    ref = gemm.grouped_linear(a[take.to(a.device)].cpu(), cpu_w, sub_counts, backend="reference")
+    return _ulps(out[take.to(a.device)].cpu(), ref)
+
+
+def _cell(name, k, n, rows, args, w, ew, ew_naive, tk) -> dict:
+    """Measure one (GEMM, rows per expert) cell and print its line."""
+    dev = w.device
+    counts = [rows] * args.experts
+    m = rows * args.experts
+    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    lay = gemm.group_layout(counts, 128)
+    offs = torch.tensor(lay.offsets(padded=False)[1:], dtype=torch.int32, device=dev)
+    spec = ew.path.act_spec
+    inner, dec = tk.act_qdq(a, amax_floor=spec.amax_floor, tensor_amax=None)
+    tiles = lay.tile_expert(128, dev)
+    wt = w.transpose(1, 2)
+    runs = {
+        "bf16": lambda: torch._grouped_mm(a, wt, offs=offs),
+        "minite": lambda: gemm.grouped_linear(a, ew, lay, backend="triton"),
+        "nocheck": lambda: ops.w4a4_grouped_triton(a, spec, ew.inner, ew.dec, lay, check_finite=False),
+        "naive": lambda: gemm.grouped_linear(a, ew_naive, lay, backend="triton"),
+        "gemm": lambda: tk.grouped_gemm(inner, dec, ew.inner, ew.dec, tiles, 128),
+    }
+    runs["qdq"] = lambda: tk.act_qdq(a, amax_floor=spec.amax_floor, tensor_amax=None)
+    with torch.no_grad():
+        ms = {key: _time(fn, args.repeats) for key, fn in runs.items() if key != "qdq"}
+        for key in ("bf16", "nocheck", "gemm", "qdq"):
+            ms[f"{key} graph"] = _graph_time(runs[key], args.repeats)
+        ulps = _check(a, ew, counts, runs["minite"]())
+    r = {key: ms[key] / ms["bf16"] for key in ms if "graph" not in key}
+    r.update({key: ms[key] / ms["bf16 graph"] for key in ms if "graph" in key})
+    flops = 2.0 * m * k * n
+    row = {"cell": f"{name} {rows}", "ms": ms, "ratio": r, "max_ulps": ulps,
+           "bf16_tflops": flops / ms["bf16"] / 1e9, "minite_tflops": flops / ms["minite"] / 1e9}
+    cols = ["bf16", "minite", "nocheck", "naive", "gemm", "bf16 graph", "nocheck graph",
+            "gemm graph", "qdq graph"]
+    print(f"{row['cell']:<11}" + "".join(f"{ms[c]:>8.3f}{r[c]:>6.2f}" for c in cols)
+          + f"{ulps:>6.1f}", flush=True)
+    return row
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="bench gemm")
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
+    ap.add_argument("--json", default=os.environ.get("OUT", "") and os.path.join(os.environ["OUT"],
+                                                                                   "bench_gemm.json"))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench gemm needs a CUDA device; skipped")
+        return 0
+    if not ops.triton_gemm_available("cuda"):
+        print("bench gemm: Triton W4A4 kernels unavailable on this device")
+        return 1
+    from libalign import _triton_w4a4 as tk
+
+    dev = "cuda"
+    torch.manual_seed(0)
+    results = []
+    header = (f"{'cell':<11}" + "".join(f"{c:>14}" for c in (
+        "bf16 ms  x", "minite", "nocheck", "naive", "gemm", "bf16 graph", "nocheck gr", "gemm gr",
+        "qdq gr")) + f"{'ulps':>6}")
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print(header)
+    for name, k, n in CELLS:
+        w = (torch.randn(args.experts, n, k, device=dev) * 0.02).to(torch.bfloat16)
+        ew = gemm.prepare_weights(w, "nvfp4_minite")
+        ew_naive = gemm.prepare_weights(w, "nvfp4_naive")
+        for rows in args.rows:
+            results.append(_cell(name, k, n, rows, args, w, ew, ew_naive, tk))
+    geo = {key: math.exp(statistics.fmean(math.log(x["ratio"][key]) for x in results))
+           for key in ("minite", "nocheck", "naive", "gemm", "nocheck graph", "gemm graph")}
+    print("geometric mean of ratios over bf16: "
+          + ", ".join(f"{key} {v:.3f}" for key, v in geo.items()) + "  (goal: minite <= 1.3)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cells": results, "geomean": geo, "device": torch.cuda.get_device_name()}, f,
+                      indent=1)
+    return 0

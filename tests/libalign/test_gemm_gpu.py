@@ -1,0 +1,119 @@
+"""Pins the fused GPU W4A4 path against the spec and the float64 reference (CUDA only).
+
+The activation pass must reproduce the spec's inner values and decode scales bit for bit;
+the grouped GEMM differs from the reference only by its fp32 addition order, which the
+stated tolerance bounds: every output within one bf16 ulp, and almost all identical.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from libalign import gemm, ops
+from libalign.errors import NonFiniteError
+from libalign.spec import PRESETS, quantize
+
+pytestmark = pytest.mark.gpu
+
+CUDA = "cuda"
+
+
+def _need_triton():
+    if not torch.cuda.is_available() or not ops.triton_gemm_available(CUDA):
+        pytest.skip("needs a CUDA device of sm_90+ with Triton")
+
+
+def _acts(m, k, seed, ties=False):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    a = torch.randn(m, k, generator=g) * torch.exp(torch.randn(m, 1, generator=g) * 2)
+    if ties:  # values on E2M1 midpoints once scaled: integers and halves of a power of two
+        a = torch.randint(-12, 13, (m, k), generator=g).float() * 0.25
+        a[:, ::16] = 6.0  # each block max 6 (scale lands on a power of two)
+    a[: max(1, m // 17), :] = 0.0  # all-zero rows
+    return a.to(torch.bfloat16).to(CUDA)
+
+
+@pytest.mark.parametrize("preset", ["minite", "te"])
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("k", [64, 768, 2048, 80])
+def test_activation_pass_bits_equal_spec(preset, ties, k):
+    """Triton inner values and row decode scales equal the spec's, bit for bit."""
+    _need_triton()
+    from libalign import _triton_w4a4 as tk
+
+    spec = PRESETS[preset]
+    a = _acts(333, k, seed=k + ties, ties=ties)
+    amax = a.abs().amax().float().reshape(1) if spec.outer_domain == "tensor" else None
+    inner, dec = tk.act_qdq(a, amax_floor=spec.amax_floor, tensor_amax=amax)
+    q = quantize(a.cpu(), spec)
+    want_inner = gemm.inner_values(q, torch.float32).to(torch.bfloat16)
+    want_dec = gemm.row_decode_scales(q)
+    # the sign of a zero does not reach a product, so values (not bits) are compared
+    assert torch.equal(inner.cpu(), want_inner) and torch.isfinite(inner).all()
+    assert torch.equal(dec.cpu().view(torch.int32), want_dec.view(torch.int32))
+
+
+def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Spacing of bf16 values at |x| (the smallest normal's spacing below it)."""
+    ax = x.float().abs().clamp(min=2.0**-126)
+    return torch.exp2(torch.floor(torch.log2(ax)) - 7)
+
+
+@pytest.mark.parametrize("path", ["nvfp4_minite", "nvfp4_naive"])
+@pytest.mark.parametrize("n,k", [(1536, 2048), (2048, 768), (200, 96), (64, 80)])
+def test_grouped_gemm_matches_reference_within_one_ulp(path, n, k):
+    """Uneven and empty experts: every output within 1 bf16 ulp of the reference, >= 97% equal."""
+    _need_triton()
+    torch.manual_seed(n + k)
+    counts = [130, 0, 1, 257, 64, 0, 511, 3]
+    w = (torch.randn(len(counts), n, k) * 0.02).to(torch.bfloat16)
+    a = _acts(sum(counts), k, seed=n)
+    ew_cpu = gemm.prepare_weights(w, path)
+    ref = gemm.grouped_linear(a.cpu(), ew_cpu, counts, backend="reference")
+    ew = gemm.prepare_weights(w.to(CUDA), path)
+    assert ew.q.bitwise_equal(ew_cpu.q.to(CUDA))
+    out = gemm.grouped_linear(a, ew, counts, backend="triton").cpu()
+    assert out.shape == ref.shape and torch.isfinite(out.float()).all()
+    diff = (out.float() - ref.float()).abs()
+    assert bool((diff <= _bf16_ulp(ref)).all()), float((diff / _bf16_ulp(ref)).max())
+    assert (out == ref).float().mean() >= 0.97
+
+
+def test_padding_is_invisible():
+    """Rows padded to 64 or 128 per expert give the same outputs as the unpadded call."""
+    _need_triton()
+    counts = [5, 0, 77, 200]
+    w = torch.randn(4, 256, 128, dtype=torch.bfloat16, device=CUDA)
+    a = _acts(sum(counts), 128, seed=3)
+    ew = gemm.prepare_weights(w, "nvfp4_minite")
+    outs = [gemm.grouped_linear(a, ew, gemm.group_layout(counts, p), backend="triton")
+            for p in (1, 64, 128)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_nan_activation_raises_naming_the_row():
+    """A NaN in the activations is a NonFiniteError naming its row, not NaN outputs."""
+    _need_triton()
+    w = torch.randn(2, 64, 64, dtype=torch.bfloat16, device=CUDA)
+    a = _acts(40, 64, seed=1)
+    a[17, 5] = float("nan")
+    ew = gemm.prepare_weights(w, "nvfp4_minite")
+    with pytest.raises(NonFiniteError, match="17"):
+        gemm.grouped_linear(a, ew, [20, 20], backend="triton")
+
+
+def test_backward_is_the_bf16_straight_through_product():
+    """Gradients of the fused path equal those of the bf16 product of the unquantized operands."""
+    _need_triton()
+    counts = [64, 0, 100]
+    w = torch.randn(3, 128, 64, dtype=torch.bfloat16, device=CUDA, requires_grad=True)
+    a = torch.randn(164, 64, dtype=torch.bfloat16, device=CUDA, requires_grad=True)
+    g = torch.randn(164, 128, dtype=torch.bfloat16, device=CUDA)
+    ew = gemm.prepare_weights(w, "nvfp4_minite")
+    gemm.grouped_linear(a, ew, counts, backend="triton").backward(g)
+    ga, gw = a.grad.clone(), w.grad.clone()
+    a.grad = w.grad = None
+    gemm.grouped_linear(a, gemm.prepare_weights(w, "bf16"), counts).backward(g)
+    assert torch.allclose(ga.float(), a.grad.float(), rtol=1e-2, atol=1e-2)
+    assert torch.allclose(gw.float(), w.grad.float(), rtol=1e-2, atol=1e-2)
