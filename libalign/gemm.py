@@ -54,7 +54,7 @@ from .packing import unpack_nibbles
 from .rounding import e2m1_code_values, e4m3_bits_to_float
 from .spec import PRESETS, NumericsSpec, NVFP4Tensor, check_finite
 
-BACKENDS = ("auto", "reference", "torch", "triton")
+BACKENDS = ("auto", "reference", "torch", "triton", "native")
 PAD_CHOICES = (1, 64, 128)
 
 
@@ -248,9 +248,9 @@ def group_layout(counts: torch.Tensor | list[int] | tuple[int, ...], pad_to: int
     if not c or any(v < 0 for v in c):
         raise ShapeError(f"counts must be a non-empty list of non-negative ints, got {c[:8]}")
     padded = [-(-v // pad_to) * pad_to for v in c]
-    starts = torch.tensor([0, *padded[:-1]], dtype=torch.int64).cumsum(0)
-    parts = [torch.arange(v, dtype=torch.int64) + s for v, s in zip(c, starts.tolist(), strict=True)]
-    rows = torch.cat(parts) if sum(c) else torch.zeros(0, dtype=torch.int64)
+    ct, pt = torch.tensor(c, dtype=torch.int64), torch.tensor(padded, dtype=torch.int64)
+    shift = (pt.cumsum(0) - pt) - (ct.cumsum(0) - ct)  # padded start minus unpadded start
+    rows = torch.arange(sum(c), dtype=torch.int64) + torch.repeat_interleave(shift, ct)
     return GroupLayout(tuple(c), pad_to, tuple(padded), rows)
 
 
@@ -343,8 +343,14 @@ def _resolve_backend(backend: str, device: torch.device, path: ExecutionPath, k:
         gap = gap or (None if k % 16 == 0 else f"K={k} is not a multiple of 16")
         if gap is not None:
             raise SpecError(f"the triton W4A4 backend cannot serve path {path.name!r}: {gap}")
+    if backend == "native":
+        gap = ops.native_grouped_gemm_gap(device) if path.quantized else "the bf16 path"
+        if gap is not None:
+            raise SpecError(f"the native Blackwell W4A4 backend cannot serve this call: {gap}")
     if backend != "auto":
         return backend
+    if path.quantized and device.type == "cuda" and ops.native_grouped_gemm_available(device):
+        return "native"
     if (path.quantized and k % 16 == 0 and ops.triton_gemm_available(device)
             and ops.triton_act_gap(path.act_spec) is None):
         return "triton"
@@ -376,6 +382,15 @@ def _quantized_grouped(a: torch.Tensor, w: ExpertWeights, layout: GroupLayout,
     out_dtype = a.dtype if a.dtype != torch.float32 else torch.bfloat16
     if backend == "triton":
         return ops.w4a4_grouped_triton(a, spec, w.inner, w.dec, layout, out_dtype)
+    if backend == "native":  # Blackwell FP4 tensor cores (compiled for sm_100a, never run here)
+        check_finite(a, "activations")
+        qa = ops.quantize(a.detach(), spec)
+        offs = layout.offsets(padded=False)
+        w_op = ops.quantize(w.weight.detach(), w.path.weight_spec, outer_amax=w.q.outer_amax,
+                            scale_layout="swizzled")
+        return ops.native_grouped_gemm(qa.codes, ops.grouped_activation_scales(qa.block_scales, offs),
+                                       row_decode_scales(qa), offs, w_op.codes, w_op.block_scales,
+                                       w.dec)
     check_finite(a, "activations")
     _, a_in, a_dec = quantize_activations(a, spec)
     out = a.new_empty((a.shape[0], w.shape[1]), dtype=out_dtype)
@@ -430,7 +445,9 @@ def grouped_linear(a: torch.Tensor, weights: ExpertWeights,
 
     ``a`` is ``[rows, K]``; ``counts`` gives each expert's rows (or a :class:`GroupLayout`).
     Backends: ``reference`` (float64 accumulation), ``torch`` (fp32 matmul of exact inner
-    values), ``triton`` (fused GPU kernel), ``auto`` (triton on a CUDA device that has it).
+    values), ``triton`` (fused Hopper kernel), ``native`` (Blackwell FP4 tensor cores through
+    CUTLASS; compiled, not yet run on hardware), ``auto`` (native on Blackwell, else triton
+    on a CUDA device that has it, else torch).
     Differentiable in ``a`` and ``weights.weight`` with the straight-through estimator.
     """
     layout = counts if isinstance(counts, GroupLayout) else group_layout(counts)

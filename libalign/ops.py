@@ -461,7 +461,9 @@ def w4a4_grouped_triton(a: torch.Tensor, spec: NumericsSpec, w_inner: torch.Tens
     ap = lay.pad(a.contiguous())
     amax = None
     if spec.outer_domain == "tensor":
-        amax = a.abs().amax().float().reshape(1) if a.numel() else a.new_zeros(1, dtype=torch.float32)
+        # one read pass (no |a| temporary); NaN propagates and is caught by the row check
+        amax = (torch.linalg.vector_norm(a, float("inf")).float().reshape(1) if a.numel()
+                else a.new_zeros(1, dtype=torch.float32))
     inner, dec = tk.act_qdq(ap, amax_floor=spec.amax_floor, tensor_amax=amax)
     tiles = lay.tile_expert(lay.pad_to, a.device)
     out = tk.grouped_gemm(inner, dec, w_inner, w_dec, tiles, lay.pad_to, out_dtype)

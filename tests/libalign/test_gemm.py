@@ -238,3 +238,12 @@ def test_moe_block_bf16_path_matches_transformers_eager():
                              observer=lambda name, t: seen.setdefault(name, t))
     assert set(seen) == {"routing", "order", "fc1_in", "fc1_out", "fc2_in", "fc2_out"}
     assert seen["fc1_out"].shape == (74, 64) and seen["fc2_out"].shape == (74, 64)
+
+
+def test_native_backend_is_refused_without_blackwell():
+    """backend='native' names why it cannot run (no CUDA / no compute capability 10.x here)."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10:
+        pytest.skip("a Blackwell device is present")
+    w, a = _w(2, 16, 32), _a(4, 32)
+    with pytest.raises(SpecError, match="native Blackwell"):
+        gemm.grouped_linear(a, gemm.prepare_weights(w, "nvfp4_minite"), [2, 2], backend="native")
