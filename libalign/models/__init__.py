@@ -1,0 +1,89 @@
+"""MoE model glue: stock Hugging Face Qwen3-MoE models run through libalign's execution paths.
+
+The alignment question is asked of a real model: given one parameter version, how far apart
+are the log-probabilities a learner computes and those a sampler reported, and where in the
+network does the difference arise? This package supplies the pieces to ask it on any
+``Qwen3MoeForCausalLM`` (a real checkpoint loads unchanged; nothing here subclasses it):
+
+* :mod:`~libalign.models.config` – a tiny Qwen3-MoE config, a Qwen3-30B-A3B-shaped one, and
+  a seeded random initializer;
+* :mod:`~libalign.models.task` – a synthetic verifiable task (reversed-sum addition) and
+  :mod:`~libalign.models.train` – a cached, CPU-trainable tiny model, so activations are a
+  trained model's;
+* :mod:`~libalign.models.paths` – the per-instance expert-forward swap that puts an
+  :class:`~libalign.gemm.ExecutionPath` (``bf16``, ``nvfp4_naive``, ``nvfp4_minite``) under
+  chosen layers;
+* :mod:`~libalign.models.capture` – per-layer activation capture (residual stream, routing,
+  FC1/FC2 outputs in token order) and forced routing;
+* :mod:`~libalign.models.scoring` – the learner (teacher-forced scores), the sampler (KV-cache
+  decoding that reports log-probs as it goes) and single-layer replay for the 2×2 input/path
+  swap.
+
+Typical use::
+
+    model, task = trained_tiny_model()
+    prompts = task.prompts(32, seed=0)
+    rollout = generate(model, prompts, "nvfp4_naive", max_new_tokens=8)    # sampler
+    learner = score_sequences(model, rollout.sequences, rollout.prompt_lens, "bf16")
+    deltas = [l - s for l, s in zip(learner, rollout.logprobs)]              # δ per token
+"""
+
+from .capture import capture, force_routing, to_token_order
+from .config import build_model, qwen3_30b_a3b_shaped_config, tiny_config
+from .paths import (
+    add_observer,
+    clear_weight_cache,
+    current_paths,
+    decoder_layers,
+    experts_module,
+    moe_layer_indices,
+    prepared_weights,
+    reset_paths,
+    set_path,
+    use_path,
+)
+from .scoring import GenerationResult, generate, replay_layer, replay_moe, score_sequences
+from .task import SyntheticTask
+from .train import (
+    DEFAULT_STEPS,
+    cache_root,
+    checkpoint_dir,
+    heldout_accuracy,
+    train_model,
+    trained_tiny_model,
+    training_report,
+    write_dir_atomically,
+)
+
+__all__ = [
+    "DEFAULT_STEPS",
+    "GenerationResult",
+    "SyntheticTask",
+    "add_observer",
+    "build_model",
+    "cache_root",
+    "capture",
+    "checkpoint_dir",
+    "clear_weight_cache",
+    "current_paths",
+    "decoder_layers",
+    "experts_module",
+    "force_routing",
+    "generate",
+    "heldout_accuracy",
+    "moe_layer_indices",
+    "prepared_weights",
+    "qwen3_30b_a3b_shaped_config",
+    "replay_layer",
+    "replay_moe",
+    "reset_paths",
+    "score_sequences",
+    "set_path",
+    "tiny_config",
+    "to_token_order",
+    "train_model",
+    "trained_tiny_model",
+    "training_report",
+    "use_path",
+    "write_dir_atomically",
+]

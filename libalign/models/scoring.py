@@ -1,0 +1,293 @@
+"""Both sides of the execution gap on one model: teacher-forced scores and sampled log-probs.
+
+Learner and sampler
+-------------------
+In RL the sampler generates each token with a KV cache, one step at a time, and reports the
+log-probability it assigned to the token it drew; the learner later runs the finished
+sequence through one teacher-forced forward pass and computes the log-probability of every
+completion token from its prefix. With the parameter version and token ids held fixed the
+two should agree; per token, ``δ = log p_learner − log p_sampler`` measures how much they
+don't. Here both sides run on the same Hugging Face model, each under an execution path
+(:mod:`libalign.models.paths`):
+
+* :func:`score_sequences` is the learner: right-padded batches with an attention mask, one
+  forward pass, ``log_softmax`` in fp32 of the logits at positions ``prompt_len-1 .. len-2``
+  gathered at the next tokens.
+* :func:`generate` is the sampler: prompts left-padded (attention mask, positions counted
+  from each prompt's first real token), a prefill pass, then one token per step through the
+  KV cache. The reported log-prob is ``log_softmax`` in fp32 of the raw step logits (before
+  temperature), as inference engines report by default; the token is drawn from
+  ``softmax(logits / temperature)`` with a seeded ``torch.Generator`` (temperature 0:
+  argmax).
+
+Even on the same path the two differ slightly: a cached decode step multiplies different
+shapes than a full-sequence pass (another reduction order in attention and in every GEMM), and
+padding sits on different sides. That residual is the cross-stack floor the NVFP4 paths are
+measured against.
+
+Replay
+------
+:func:`replay_layer` runs one decoder layer on given input hidden states under a path,
+optionally with fixed expert assignments: ``F_X(h_Y)``, path X applied to an input captured on
+path Y, the cell of the 2×2 replay that separates "different input" from "different
+arithmetic". :func:`replay_moe` does the same for the MoE block alone (input captured at the
+MoE entry, ``moe_in``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..errors import InputError, ShapeError, SpecError
+from .capture import RoutingSpec, force_routing
+from .paths import PathAssignment, decoder_layers, experts_module, moe_layer_indices, use_path
+
+try:
+    from transformers.cache_utils import DynamicCache
+    from transformers.masking_utils import create_causal_mask
+except ImportError:  # pragma: no cover - transformers < 4.53
+    DynamicCache = None
+    create_causal_mask = None
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _path_ctx(model: nn.Module, path: PathAssignment, backend: str):
+    return nullcontext() if path is None else use_path(model, path, backend=backend)
+
+
+def _cache_kwarg(fn) -> str:
+    params = inspect.signature(fn).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _check_batch_size(batch_size: int) -> None:
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise InputError(f"batch_size must be a positive int, got {batch_size!r}")
+
+
+# --- learner side -----------------------------------------------------------------------------
+
+def score_sequences(model: nn.Module, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+                    path: PathAssignment, *, batch_size: int = 8, backend: str = "auto",
+                    pad_id: int = 0) -> list[torch.Tensor]:
+    """Teacher-forced fp32 log-prob of every completion token (positions ``prompt_len..len-1``).
+
+    One CPU float32 tensor per sequence, of length ``len - prompt_len``. ``path=None`` leaves the
+    model's current forwards as they are.
+    """
+    _check_batch_size(batch_size)
+    if len(sequences) != len(prompt_lens):
+        raise InputError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
+    for i, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
+        if not 1 <= p <= len(seq):
+            raise InputError(f"sequence {i}: prompt_len {p} must be in [1, {len(seq)}]")
+    dev = _device(model)
+    out: list[torch.Tensor] = []
+    with torch.no_grad(), _path_ctx(model, path, backend):
+        for start in range(0, len(sequences), batch_size):
+            chunk = [list(map(int, s)) for s in sequences[start:start + batch_size]]
+            lens = [len(s) for s in chunk]
+            ids = torch.full((len(chunk), max(lens)), pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for r, s in enumerate(chunk):
+                ids[r, :len(s)] = torch.tensor(s, dtype=torch.long)
+                mask[r, :len(s)] = 1
+            ids, mask = ids.to(dev), mask.to(dev)
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            for r, s in enumerate(chunk):
+                p, n = prompt_lens[start + r], len(s)
+                logp = torch.log_softmax(logits[r, p - 1:n - 1].float(), dim=-1)
+                out.append(logp.gather(-1, ids[r, p:n].unsqueeze(-1)).squeeze(-1).cpu())
+    return out
+
+
+# --- sampler side -----------------------------------------------------------------------------
+
+@dataclass
+class GenerationResult:
+    """What :func:`generate` returns: sequences (prompt + completion) and the sampler's log-probs.
+
+    ``logprobs[i]`` holds one float32 value per completion token of ``sequences[i]``;
+    ``finished[i]`` says whether that completion ended with the eos token.
+    """
+
+    sequences: list[list[int]]
+    prompt_lens: list[int]
+    logprobs: list[torch.Tensor]
+    finished: list[bool] = field(default_factory=list)
+
+    @property
+    def completions(self) -> list[list[int]]:
+        """The generated tokens of each sequence."""
+        return [s[p:] for s, p in zip(self.sequences, self.prompt_lens, strict=True)]
+
+
+def _eos_set(model: nn.Module, eos_id) -> set[int]:
+    if eos_id is None:
+        eos_id = getattr(model.config, "eos_token_id", None)
+    if eos_id is None:
+        return set()
+    return {int(e) for e in eos_id} if isinstance(eos_id, list | tuple | set) else {int(eos_id)}
+
+
+def generate(model: nn.Module, prompts: Sequence[Sequence[int]], path: PathAssignment, *,
+             max_new_tokens: int, temperature: float = 1.0, seed: int = 0, batch_size: int = 8,
+             eos_id: int | Sequence[int] | None = None, backend: str = "auto",
+             pad_id: int | None = None) -> GenerationResult:
+    """Sample completions token by token with a KV cache and report each token's log-prob.
+
+    Prompts run in batches of ``batch_size`` (left-padded); a sequence stops at an eos token
+    (``eos_id``, default the model config's) or after ``max_new_tokens``. The eos token is part
+    of the completion. ``path=None`` leaves the model's current forwards as they are. Results
+    depend on the seed and on the batching (which rows share a batch).
+    """
+    _check_batch_size(batch_size)
+    if max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise InputError(f"temperature must be >= 0, got {temperature}")
+    if any(len(p) == 0 for p in prompts):
+        raise InputError("every prompt needs at least one token")
+    if DynamicCache is None:  # pragma: no cover
+        raise SpecError("generate needs transformers with transformers.cache_utils.DynamicCache")
+    eos = _eos_set(model, eos_id)
+    if pad_id is None:
+        pad_id = getattr(model.config, "pad_token_id", None)
+        pad_id = 0 if pad_id is None else int(pad_id)
+    dev = _device(model)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    cache_kw = _cache_kwarg(model.forward)
+    result = GenerationResult([], [], [], [])
+    with torch.no_grad(), _path_ctx(model, path, backend):
+        for start in range(0, len(prompts), batch_size):
+            chunk = [list(map(int, p)) for p in prompts[start:start + batch_size]]
+            seqs, lps, done = _generate_batch(model, chunk, max_new_tokens, temperature, gen, eos,
+                                              pad_id, dev, cache_kw)
+            result.sequences.extend(seqs)
+            result.prompt_lens.extend(len(p) for p in chunk)
+            result.logprobs.extend(lps)
+            result.finished.extend(done)
+    return result
+
+
+def _generate_batch(model, chunk, max_new_tokens, temperature, gen, eos, pad_id, dev, cache_kw):
+    b, width = len(chunk), max(len(p) for p in chunk)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(chunk):
+        ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[r, width - len(p):] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                   **{cache_kw: cache}).logits[:, -1]
+    next_pos = positions[:, -1:] + 1
+    done = [False] * b
+    new_tokens: list[list[int]] = [[] for _ in range(b)]
+    new_lps: list[list[float]] = [[] for _ in range(b)]
+    for step in range(max_new_tokens):
+        lf = logits.float()
+        logp = torch.log_softmax(lf, dim=-1)
+        if temperature == 0:
+            tok = lf.argmax(dim=-1)
+        else:
+            probs = torch.softmax(lf / temperature, dim=-1)
+            tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+        tok_lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+        tok_l, lp_l = tok.tolist(), tok_lp.tolist()
+        for r in range(b):
+            if not done[r]:
+                new_tokens[r].append(tok_l[r])
+                new_lps[r].append(lp_l[r])
+                done[r] = tok_l[r] in eos
+        if all(done) or step == max_new_tokens - 1:
+            break
+        feed = torch.tensor([pad_id if d else t for d, t in zip(done, tok_l, strict=True)],
+                            dtype=torch.long, device=dev).unsqueeze(-1)
+        mask = torch.cat([mask, torch.ones_like(feed)], dim=-1)
+        logits = model(input_ids=feed, attention_mask=mask, position_ids=next_pos, use_cache=True,
+                       **{cache_kw: cache}).logits[:, -1]
+        next_pos = next_pos + 1
+    seqs = [p + t for p, t in zip(chunk, new_tokens, strict=True)]
+    lps = [torch.tensor(v, dtype=torch.float32) for v in new_lps]
+    return seqs, lps, done
+
+
+# --- replay -----------------------------------------------------------------------------------
+
+def _causal_mask(config, hidden: torch.Tensor, attention_mask, position_ids):
+    if create_causal_mask is None:  # pragma: no cover
+        raise SpecError("replay needs transformers with transformers.masking_utils.create_causal_mask")
+    params = inspect.signature(create_causal_mask).parameters
+    kwargs = dict(config=config, inputs_embeds=hidden, attention_mask=attention_mask,
+                  position_ids=position_ids)
+    kwargs["cache" if "cache" in params else "past_key_values"] = None
+    if "cache_position" in params:
+        kwargs["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
+    return create_causal_mask(**kwargs)
+
+
+def _replay_ctx(model, layer, path, routing, backend) -> ExitStack:
+    stack = ExitStack()
+    if path is not None and layer in moe_layer_indices(model):
+        stack.enter_context(use_path(model, path, backend=backend, layers=[layer]))
+    if routing is not None:
+        stack.enter_context(force_routing(model, {layer: routing}))
+    return stack
+
+
+def replay_layer(model: nn.Module, layer: int, hidden_in: torch.Tensor, path: PathAssignment, *,
+                 attention_mask: torch.Tensor | None = None, routing: RoutingSpec | None = None,
+                 backend: str = "auto", position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Decoder layer ``layer`` applied to ``hidden_in`` ``[B, T, H]`` under ``path``.
+
+    The attention sees a causal mask built as the model builds it (with ``attention_mask``
+    ``[B, T]`` for padding) and rotary embeddings of ``position_ids`` (default ``0..T-1``, what
+    the model uses when given none, e.g. in :func:`score_sequences`). ``routing`` fixes the
+    layer's expert assignment (see :func:`~libalign.models.capture.force_routing`). Replaying a
+    captured ``hidden_in`` on the path it was captured on reproduces ``hidden_out`` exactly.
+    """
+    layers = decoder_layers(model)
+    if not isinstance(layer, int) or not 0 <= layer < len(layers):
+        raise SpecError(f"layer {layer!r} does not exist; the model has {len(layers)} layers")
+    if hidden_in.ndim != 3:
+        raise ShapeError(f"hidden_in must be [B, T, H], got {tuple(hidden_in.shape)}")
+    base = getattr(model, "model", model)
+    t = hidden_in.shape[1]
+    if position_ids is None:
+        position_ids = torch.arange(t, device=hidden_in.device).unsqueeze(0)
+    if attention_mask is not None:
+        attention_mask = attention_mask.to(hidden_in.device)
+    with torch.no_grad(), _replay_ctx(model, layer, path, routing, backend):
+        mask = _causal_mask(base.config, hidden_in, attention_mask, position_ids)
+        rope = base.rotary_emb(hidden_in, position_ids=position_ids)
+        out = layers[layer](hidden_in, attention_mask=mask, position_ids=position_ids,
+                            use_cache=False, position_embeddings=rope)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def replay_moe(model: nn.Module, layer: int, moe_in: torch.Tensor, path: PathAssignment, *,
+               routing: RoutingSpec | None = None, backend: str = "auto") -> torch.Tensor:
+    """The MoE block of ``layer`` (router and experts) on ``moe_in`` ``[tokens, H]`` under ``path``.
+
+    ``moe_in`` is what :func:`~libalign.models.capture.capture` records at the MoE entry;
+    returns ``[tokens, H]``.
+    """
+    experts_module(model, layer)
+    if moe_in.ndim != 2:
+        raise ShapeError(f"moe_in must be [tokens, H], got {tuple(moe_in.shape)}")
+    block = decoder_layers(model)[layer].mlp
+    with torch.no_grad(), _replay_ctx(model, layer, path, routing, backend):
+        out = block(moe_in.unsqueeze(0))
+    out = out[0] if isinstance(out, tuple) else out
+    return out.reshape(moe_in.shape)

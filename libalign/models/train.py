@@ -1,0 +1,278 @@
+"""Train (once) and cache the tiny Qwen3-MoE on the synthetic task.
+
+Diagnosing the execution gap needs activations of a model that has learned something: peaked
+next-token distributions, routers that prefer some experts, hidden states with the outliers
+training produces. :func:`trained_tiny_model` trains :func:`~libalign.models.config.tiny_config`
+on :class:`~libalign.models.task.SyntheticTask` on the CPU in a few minutes, stores it with
+``save_pretrained`` (safetensors, bf16) and loads it with ``from_pretrained`` afterwards.
+
+Recipe
+------
+fp32 weights, AdamW (β = 0.9/0.98, weight decay 0.01), linear warm-up then cosine decay to a
+tenth of the peak rate, gradient-norm clipping at 1. The loss is the cross-entropy of the
+completion tokens only (the operands are random, so predicting them is noise) plus the
+router's load-balancing loss (``router_aux_loss_coef``), which keeps all experts in use as in
+a real MoE. Batches are sampled from the training split with a seeded ``random.Random``, the
+weights from a forked seeded torch RNG, so one configuration trains to the same model on the
+same software.
+
+The cache
+---------
+The checkpoint lives at ``<root>/tiny-<hash>``, ``root`` being ``cache_dir``, else
+``$ALIGN_MODEL_CACHE``, else ``~/.cache/libalign/models``; the hash covers the model config,
+the task, the number of steps, the seed and the recipe. It is written into a temporary
+directory next to it, fsynced and renamed into place, so a reader sees either no checkpoint
+or a complete one; a failure removes the temporary directory, and temporary directories of
+processes that no longer exist are swept on the next write. ``training.json`` beside the
+weights records the loss curve, the training time and the greedy accuracy on held-out
+prompts, per execution path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from ..errors import ConfigError
+from .config import build_model, tiny_config
+from .scoring import generate
+from .task import SyntheticTask
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STEPS = 1200
+RECIPE = {"version": 1, "batch_size": 96, "lr": 3e-3, "warmup": 60, "min_lr_ratio": 0.1,
+          "betas": (0.9, 0.98), "weight_decay": 0.01, "grad_clip": 1.0}
+LOG_EVERY = 100
+EVAL_PROMPTS = 512
+EVAL_PATHS = ("bf16", "nvfp4_naive", "nvfp4_minite")
+META_FILE = "training.json"
+ENV_CACHE = "ALIGN_MODEL_CACHE"
+_VOLATILE = {"transformers_version", "_name_or_path", "architectures", "dtype", "id2label", "label2id",
+             "output_attentions", "output_hidden_states", "return_dict", "problem_type",
+             "chunk_size_feed_forward", "use_cache", "is_encoder_decoder"}
+
+
+# --- cache location ---------------------------------------------------------------------------
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where trained tiny models are kept (see the module docstring)."""
+    root = cache_dir or os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "libalign" / "models"
+    return Path(root).expanduser()
+
+
+def cache_key(config: Qwen3MoeConfig, task: SyntheticTask, steps: int, seed: int) -> str:
+    """16 hex digits identifying a trained model: config, task, steps, seed and recipe."""
+    cfg = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE and not k.startswith("_")}
+    blob = json.dumps({"config": cfg, "task": task.spec(), "steps": steps, "seed": seed,
+                       "recipe": RECIPE}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def checkpoint_dir(*, cache_dir=None, steps: int | None = None, seed: int = 0,
+                   config: Qwen3MoeConfig | None = None, task: SyntheticTask | None = None) -> Path:
+    """The directory :func:`trained_tiny_model` uses for these arguments."""
+    task = task or SyntheticTask()
+    config = config or tiny_config(vocab_size=task.vocab_size)
+    steps = DEFAULT_STEPS if steps is None else steps
+    return cache_root(cache_dir) / f"tiny-{cache_key(config, task, steps, seed)}"
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / META_FILE).is_file() and any(
+        path.glob("*.safetensors"))
+
+
+def _sweep_stale(root: Path, max_age_s: float = 3600.0) -> None:
+    if not Path("/proc").is_dir():
+        return
+    now = time.time()
+    for entry in root.glob(".tmp-*"):
+        parts = entry.name.split("-")
+        pid = parts[3] if len(parts) > 4 else ""
+        try:
+            stale = (pid.isdigit() and not Path(f"/proc/{pid}").exists()
+                     and now - entry.stat().st_mtime > max_age_s)
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in path.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_dir_atomically(final: Path, write: Callable[[Path], None]) -> Path:
+    """Run ``write(tmp)`` into a fresh temporary directory beside ``final``, then rename it there.
+
+    On any failure the temporary directory is removed and ``final`` is untouched. When another
+    writer renamed a complete ``final`` first, ours is discarded and theirs kept.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_stale(final.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-{os.getpid()}-", dir=final.parent))
+    try:
+        write(tmp)
+        _fsync_tree(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not _is_complete(final):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+# --- training ---------------------------------------------------------------------------------
+
+def _batch(task: SyntheticTask, rng: random.Random, n: int, device) -> tuple[torch.Tensor, ...]:
+    rows = []
+    for _ in range(n):
+        prompt = task.prompt_ids(*task.sample_pair(rng, "train"))
+        rows.append((prompt, task.answer_ids(prompt)))
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((n, width), task.pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    target = torch.zeros_like(ids, dtype=torch.bool)
+    for r, (p, a) in enumerate(rows):
+        ids[r, :len(p) + len(a)] = torch.tensor(p + a)
+        mask[r, :len(p) + len(a)] = 1
+        target[r, len(p):len(p) + len(a)] = True
+    return ids.to(device), mask.to(device), target.to(device)
+
+
+def _lr_at(step: int, steps: int) -> float:
+    peak, warm, floor = RECIPE["lr"], RECIPE["warmup"], RECIPE["min_lr_ratio"]
+    if step < warm:
+        return peak * (step + 1) / warm
+    frac = (step - warm) / max(1, steps - warm)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def train_model(config: Qwen3MoeConfig, task: SyntheticTask, *, steps: int, seed: int = 0,
+                device: str | torch.device = "cpu") -> tuple[Qwen3MoeForCausalLM, list[dict]]:
+    """Train a fresh fp32 model on the task; returns it (fp32, eval mode) and the loss curve."""
+    if steps < 1:
+        raise ConfigError(f"steps must be at least 1, got {steps}")
+    model = build_model(config, seed=seed, dtype=torch.float32, device=device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=RECIPE["lr"], betas=RECIPE["betas"],
+                            weight_decay=RECIPE["weight_decay"])
+    rng = random.Random(f"train:{seed}")
+    coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    curve: list[dict] = []
+    acc = {"loss": 0.0, "tok": 0, "tok_ok": 0, "seq": 0, "seq_ok": 0, "n": 0}
+    t0 = time.perf_counter()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, steps)
+        ids, mask, target = _batch(task, rng, RECIPE["batch_size"], device)
+        out = model(input_ids=ids, attention_mask=mask, output_router_logits=coef > 0)
+        logits = out.logits[:, :-1].float()
+        want, sel = ids[:, 1:], target[:, 1:]
+        ce = torch.nn.functional.cross_entropy(logits[sel], want[sel])
+        loss = ce + coef * out.aux_loss if coef > 0 else ce
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), RECIPE["grad_clip"])
+        opt.step()
+        with torch.no_grad():
+            right = (logits.argmax(-1) == want) | ~sel
+            acc["loss"] += float(ce)
+            acc["n"] += 1
+            acc["tok"] += int(sel.sum())
+            acc["tok_ok"] += int((right & sel).sum())
+            acc["seq"] += ids.shape[0]
+            acc["seq_ok"] += int(right.all(-1).sum())
+        if (step + 1) % LOG_EVERY == 0 or step + 1 == steps:
+            point = {"step": step + 1, "loss": acc["loss"] / acc["n"],
+                     "token_acc": acc["tok_ok"] / acc["tok"], "seq_acc": acc["seq_ok"] / acc["seq"],
+                     "lr": _lr_at(step, steps), "seconds": round(time.perf_counter() - t0, 2)}
+            curve.append(point)
+            log.info("tiny model step %d/%d: loss %.4f, token acc %.3f, teacher-forced seq acc %.3f"
+                     " (%.0f s)", point["step"], steps, point["loss"], point["token_acc"],
+                     point["seq_acc"], point["seconds"])
+            acc = dict.fromkeys(acc, 0)
+            acc["loss"] = 0.0
+    return model.eval(), curve
+
+
+def heldout_accuracy(model: Qwen3MoeForCausalLM, task: SyntheticTask, path, *, n: int = EVAL_PROMPTS,
+                     seed: int = 0, batch_size: int = 64) -> float:
+    """Greedy exact-match accuracy on ``n`` held-out prompts under ``path``."""
+    prompts = task.prompts(n, seed, split="eval")
+    res = generate(model, prompts, path, max_new_tokens=task.max_completion_len, temperature=0,
+                   batch_size=batch_size, eos_id=task.eos_id, pad_id=task.pad_id)
+    ok = sum(task.verify(p, c) for p, c in zip(prompts, res.completions, strict=True))
+    return ok / max(1, n)
+
+
+def trained_tiny_model(*, cache_dir: str | os.PathLike | None = None, device: str | torch.device = "cpu",
+                       steps: int | None = None, seed: int = 0,
+                       eval_prompts: int = EVAL_PROMPTS) -> tuple[Qwen3MoeForCausalLM, SyntheticTask]:
+    """The tiny model trained on the synthetic task (bf16, eval mode, on ``device``), and the task.
+
+    Trains and caches on the first call for these arguments (``steps=None``: ``DEFAULT_STEPS``,
+    a couple of CPU minutes), loads from the cache afterwards.
+    """
+    task = SyntheticTask()
+    config = tiny_config(vocab_size=task.vocab_size)
+    steps = DEFAULT_STEPS if steps is None else int(steps)
+    final = checkpoint_dir(cache_dir=cache_dir, steps=steps, seed=seed, config=config, task=task)
+    if not _is_complete(final):
+        log.info("training the tiny Qwen3-MoE (%d steps) into %s", steps, final)
+        t0 = time.perf_counter()
+        model, curve = train_model(config, task, steps=steps, seed=seed, device=device)
+        seconds = time.perf_counter() - t0
+        model = model.to(torch.bfloat16)
+        accuracy = {p: heldout_accuracy(model, task, p, n=eval_prompts) for p in EVAL_PATHS}
+        log.info("tiny model trained in %.0f s; held-out greedy accuracy %s", seconds,
+                 {k: round(v, 4) for k, v in accuracy.items()})
+        meta = {"key": final.name, "steps": steps, "seed": seed, "task": task.spec(), "recipe": RECIPE,
+                "train_seconds": round(seconds, 2), "device": str(device),
+                "threads": torch.get_num_threads(), "loss_curve": curve,
+                "final_loss": curve[-1]["loss"] if curve else None,
+                "heldout_prompts": eval_prompts, "heldout_accuracy": accuracy,
+                "torch": torch.__version__}
+
+        def write(tmp: Path) -> None:
+            _save_checkpoint(model, tmp)
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+        write_dir_atomically(final, write)
+    model = Qwen3MoeForCausalLM.from_pretrained(final, dtype=torch.bfloat16)
+    return model.to(device).eval(), task
+
+
+def _save_checkpoint(model: Qwen3MoeForCausalLM, path: Path) -> None:
+    model.save_pretrained(path)
+
+
+def training_report(*, cache_dir=None, steps: int | None = None, seed: int = 0) -> dict | None:
+    """The ``training.json`` of the cached model for these arguments, or None if not trained yet."""
+    meta = checkpoint_dir(cache_dir=cache_dir, steps=steps, seed=seed) / META_FILE
+    return json.loads(meta.read_text()) if meta.is_file() else None
