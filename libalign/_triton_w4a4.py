@@ -82,7 +82,7 @@ def _act_qdq_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x, stride
 
 
 def act_qdq(x: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Tensor | None,
-            out: torch.Tensor | None = None):
+            out: torch.Tensor | None = None, elems: int = 4096, num_warps: int = 4):
     """Inner values (bf16 ``[M, K]``) and fp32 row decode scales ``[M]`` of activations."""
     m, k = x.shape
     if k % 16 or x.stride(1) != 1:
@@ -92,12 +92,12 @@ def act_qdq(x: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Ten
     if m == 0:
         return inner, dec
     nb = triton.next_power_of_2(triton.cdiv(k, 16))
-    rows = max(1, min(16, 256 // nb))
+    rows = max(1, min(64, elems // (16 * nb)))
     amax = tensor_amax if tensor_amax is not None else dec  # unused pointer when per row
     _act_qdq_kernel[(triton.cdiv(m, rows),)](
         x, inner, dec, amax, m, k // 16, x.stride(0), inner.stride(0),
         AMAX_FLOOR=float(amax_floor or 0.0), HAS_FLOOR=amax_floor is not None,
-        TENSOR_AMAX=tensor_amax is not None, ROWS=rows, NB=nb, num_warps=4)
+        TENSOR_AMAX=tensor_amax is not None, ROWS=rows, NB=nb, num_warps=num_warps)
     return inner, dec
 
 

@@ -349,12 +349,26 @@ def _resolve_backend(backend: str, device: torch.device, path: ExecutionPath, k:
             raise SpecError(f"the native Blackwell W4A4 backend cannot serve this call: {gap}")
     if backend != "auto":
         return backend
-    if path.quantized and device.type == "cuda" and ops.native_grouped_gemm_available(device):
+    if not path.quantized or device.type != "cuda":
+        return "torch"
+    native, triton = _device_kernels(device)
+    if native:
         return "native"
-    if (path.quantized and k % 16 == 0 and ops.triton_gemm_available(device)
-            and ops.triton_act_gap(path.act_spec) is None):
+    if triton and k % 16 == 0 and ops.triton_act_gap(path.act_spec) is None:
         return "triton"
     return "torch"
+
+
+_DEVICE_KERNELS: dict[str, tuple[bool, bool]] = {}
+
+
+def _device_kernels(device: torch.device) -> tuple[bool, bool]:
+    """(native Blackwell GEMM, Triton GEMM) availability per device, asked once per process."""
+    key = str(device)
+    if key not in _DEVICE_KERNELS:
+        _DEVICE_KERNELS[key] = (ops.native_grouped_gemm_available(device),
+                                ops.triton_gemm_available(device))
+    return _DEVICE_KERNELS[key]
 
 
 def _per_expert(layout: GroupLayout, fn: Callable[[int, slice], torch.Tensor],

@@ -51,6 +51,11 @@ def _time(fn, repeats: int) -> float:
 
 def _graph_time(fn, repeats: int) -> float:
     """Median ms of replaying a CUDA graph of ``fn`` (device time without launch overhead)."""
+    return _time(_graph(fn).replay, repeats)
+
+
+def _graph(fn) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of one call of ``fn`` (captured after warm-up on a side stream)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -60,7 +65,7 @@ def _graph_time(fn, repeats: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return _time(graph.replay, repeats)
+    return graph
 
 
 def _ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -79,6 +84,26 @@ def _check(a, ew, counts, out) -> float:
     cpu_w = gemm.ExpertWeights(ew.path, ew.weight.cpu(), ew.q.to("cpu"), None, ew.dec.cpu())
     ref = gemm.grouped_linear(a[take.to(a.device)].cpu(), cpu_w, sub_counts, backend="reference")
     return _ulps(out[take.to(a.device)].cpu(), ref)
+
+
+def _qdq_sweep(repeats: int) -> None:
+    """Activation-pass bandwidth for tile sizes and warps against a copy of the same bytes."""
+    from libalign import _triton_w4a4 as tk
+
+    print("activation pass sweep (graph-replayed; GB/s = bytes read + written)")
+    for k in (2048, 768):
+        a = torch.randn(262144, k, device="cuda", dtype=torch.bfloat16)
+        moved = a.numel() * 4 + a.shape[0] * 4
+        dst = torch.empty_like(a)
+        copy_ms = _graph_time(lambda a=a, dst=dst: dst.copy_(a), repeats)
+        line = [f"K={k}: copy {2 * a.numel() * 2 / copy_ms / 1e6:.0f} GB/s"]
+        for elems in (2048, 4096, 8192, 16384):
+            for warps in (4, 8):
+                ms = _graph_time(lambda a=a, e=elems, w=warps: tk.act_qdq(
+                    a, amax_floor=1e-12, tensor_amax=None, elems=e, num_warps=w), repeats)
+                line.append(f"{elems}/{warps}: {moved / ms / 1e6:.0f}")
+        print("  " + "  ".join(line), flush=True)
+        del a, dst
 
 
 def _cell(name, k, n, rows, args, w, ew, ew_naive, tk) -> dict:
@@ -102,9 +127,15 @@ def _cell(name, k, n, rows, args, w, ew, ew_naive, tk) -> dict:
     }
     runs["qdq"] = lambda: tk.act_qdq(a, amax_floor=spec.amax_floor, tensor_amax=None)
     with torch.no_grad():
-        ms = {key: _time(fn, args.repeats) for key, fn in runs.items() if key != "qdq"}
-        for key in ("bf16", "nocheck", "gemm", "qdq"):
-            ms[f"{key} graph"] = _graph_time(runs[key], args.repeats)
+        # rounds interleave the variants so clock drift hits them alike; median per variant
+        graphs = {f"{key} graph": _graph(runs[key]) for key in ("bf16", "nocheck", "gemm", "qdq")}
+        timed = {key: fn for key, fn in runs.items() if key != "qdq"}
+        timed.update({key: g.replay for key, g in graphs.items()})
+        samples: dict[str, list[float]] = {key: [] for key in timed}
+        for _ in range(args.rounds):
+            for key, fn in timed.items():
+                samples[key].append(_time(fn, args.repeats))
+        ms = {key: statistics.median(v) for key, v in samples.items()}
         ulps = _check(a, ew, counts, runs["minite"]())
     r = {key: ms[key] / ms["bf16"] for key in ms if "graph" not in key}
     r.update({key: ms[key] / ms["bf16 graph"] for key in ms if "graph" in key})
@@ -121,7 +152,9 @@ def _cell(name, k, n, rows, args, w, ew, ew_naive, tk) -> dict:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="bench gemm")
     ap.add_argument("--experts", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sweep", action="store_true", help="also sweep the activation pass's tiles")
     ap.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
     ap.add_argument("--json", default=os.environ.get("OUT", "") and os.path.join(os.environ["OUT"],
                                                                                    "bench_gemm.json"))
@@ -136,6 +169,8 @@ def main(argv: list[str]) -> int:
 
     dev = "cuda"
     torch.manual_seed(0)
+    if args.sweep:
+        _qdq_sweep(args.repeats)
     results = []
     header = (f"{'cell':<11}" + "".join(f"{c:>14}" for c in (
         "bf16 ms  x", "minite", "nocheck", "naive", "gemm", "bf16 graph", "nocheck gr", "gemm gr",
