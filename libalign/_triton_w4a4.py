@@ -34,33 +34,22 @@ _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
-def _act_qdq_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x, stride_i,
-                    AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr, TENSOR_AMAX: tl.constexpr,
-                    ROWS: tl.constexpr, NB: tl.constexpr):
-    # a [ROWS, NB, 16] tile: one row per ROWS index, one 16-element block per NB index, so
-    # block maxima and row maxima are plain reductions (no reshapes between layouts)
-    pid = tl.program_id(0)
-    rows = pid * ROWS + tl.arange(0, ROWS)
-    blk = tl.arange(0, NB)
-    j = tl.arange(0, 16)
-    cols = blk[None, :, None] * 16 + j[None, None, :]
-    rmask = rows < M
-    mask = rmask[:, None, None] & (blk < KB)[None, :, None]  # whole blocks: K % 16 == 0
-    r64 = rows[:, None, None].to(tl.int64)
-    x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    vmax = tl.max(tl.abs(x), axis=2)
-    poison = tl.sum(tl.sum(x * 0.0, axis=2), axis=1)  # NaN iff the row holds NaN or Inf
-    if TENSOR_AMAX:  # noqa: SIM108 (constexpr branch)
-        amax = tl.load(amax_ptr) + tl.zeros([ROWS], dtype=tl.float32)
-    else:
-        amax = tl.max(vmax, axis=1)
+def _outer(amax, AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr):
+    """te order: enc = fl(2688 / A) (capped, 0 -> 1), dec = fl(1 / enc)."""
     if HAS_FLOOR:
         amax = tl.maximum(amax, AMAX_FLOOR)
-    enc = tl.math.div_rn(tl.full([ROWS], 2688.0, tl.float32), amax)
+    enc = tl.math.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax)
     enc = tl.minimum(enc, _FLT_MAX)
     enc = tl.where(enc == 0.0, 1.0, enc)
-    dec = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), enc)
-    sixth = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), tl.full([ROWS], 6.0, tl.float32))
+    dec = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), enc)
+    return enc, dec
+
+
+@triton.jit
+def _inner_values(x, enc, dec):
+    """Exact code * block-scale values of fp32 blocks ``x`` [R, B, 16] (te order, RNE)."""
+    vmax = tl.max(tl.abs(x), axis=2)
+    sixth = tl.math.div_rn(tl.full(enc.shape, 1.0, tl.float32), tl.full(enc.shape, 6.0, tl.float32))
     pre = tl.minimum(vmax * (enc * sixth)[:, None], _FLT_MAX)
     s = tl.minimum(pre, 448.0).to(tl.float8e4nv).to(tl.float32)
     sd = s * dec[:, None]
@@ -75,15 +64,78 @@ def _act_qdq_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x, stride
     mag = tl.where(a > 2.5, 3.0, mag)
     mag = tl.where(a >= 3.5, 4.0, mag)
     mag = tl.where(a > 5.0, 6.0, mag)
-    val = tl.where(z < 0.0, -mag, mag) * s[:, :, None]
+    return tl.where(z < 0.0, -mag, mag) * s[:, :, None]
+
+
+@triton.jit
+def _act_qdq_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x, stride_i,
+                    AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr, TENSOR_AMAX: tl.constexpr,
+                    ROWS: tl.constexpr, NB: tl.constexpr):
+    # a [ROWS, NB, 16] tile holds whole rows: one row per ROWS index, one 16-element block
+    # per NB index, so block and row maxima are plain reductions (no reshapes)
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    blk = tl.arange(0, NB)
+    j = tl.arange(0, 16)
+    cols = blk[None, :, None] * 16 + j[None, None, :]
+    rmask = rows < M
+    mask = rmask[:, None, None] & (blk < KB)[None, :, None]  # whole blocks: K % 16 == 0
+    r64 = rows[:, None, None].to(tl.int64)
+    x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    poison = tl.sum(tl.sum(x * 0.0, axis=2), axis=1)  # NaN iff the row holds NaN or Inf
+    if TENSOR_AMAX:
+        amax = tl.load(amax_ptr) + tl.zeros([ROWS], dtype=tl.float32)
+    else:
+        amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
+    enc, dec = _outer(amax, AMAX_FLOOR, HAS_FLOOR)
+    val = _inner_values(x, enc, dec)
     tl.store(inner_ptr + r64 * stride_i + cols, val.to(inner_ptr.dtype.element_ty), mask=mask)
-    dec = tl.where(poison == 0.0, dec, float("nan"))
-    tl.store(dec_ptr + rows, dec, mask=rmask)
+    tl.store(dec_ptr + rows, tl.where(poison == 0.0, dec, float("nan")), mask=rmask)
+
+
+@triton.jit
+def _act_qdq_chunked_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x, stride_i,
+                            AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr,
+                            TENSOR_AMAX: tl.constexpr, ROWS: tl.constexpr, CB: tl.constexpr):
+    # rows whose block count is not a power of two: walk them in chunks of CB blocks, once
+    # for the row maxima and once to encode (the second read mostly hits L2), so no lane
+    # idles on padding
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    blk = tl.arange(0, CB)
+    j = tl.arange(0, 16)
+    rmask = rows < M
+    r64 = rows[:, None, None].to(tl.int64)
+    amax = tl.zeros([ROWS], dtype=tl.float32)
+    poison = tl.zeros([ROWS], dtype=tl.float32)
+    for c in range(0, KB, CB):
+        b = c + blk
+        cols = b[None, :, None] * 16 + j[None, None, :]
+        mask = rmask[:, None, None] & (b < KB)[None, :, None]
+        x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        poison += tl.sum(tl.sum(x * 0.0, axis=2), axis=1)
+        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), axis=2), axis=1))
+    if TENSOR_AMAX:
+        amax = tl.load(amax_ptr) + tl.zeros([ROWS], dtype=tl.float32)
+    enc, dec = _outer(amax, AMAX_FLOOR, HAS_FLOOR)
+    for c in range(0, KB, CB):
+        b = c + blk
+        cols = b[None, :, None] * 16 + j[None, None, :]
+        mask = rmask[:, None, None] & (b < KB)[None, :, None]
+        x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        val = _inner_values(x, enc, dec)
+        tl.store(inner_ptr + r64 * stride_i + cols, val.to(inner_ptr.dtype.element_ty), mask=mask)
+    tl.store(dec_ptr + rows, tl.where(poison == 0.0, dec, float("nan")), mask=rmask)
 
 
 def act_qdq(x: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Tensor | None,
-            out: torch.Tensor | None = None, elems: int = 4096, num_warps: int = 4):
-    """Inner values (bf16 ``[M, K]``) and fp32 row decode scales ``[M]`` of activations."""
+            out: torch.Tensor | None = None, elems: int = 4096, num_warps: int = 4,
+            chunk: int | None = None):
+    """Inner values (bf16 ``[M, K]``) and fp32 row decode scales ``[M]`` of activations.
+
+    Rows of a power-of-two block count are read once as whole-row tiles; others in chunks of
+    ``chunk`` blocks (default 16; 0 forces whole-row tiles padded to a power of two).
+    """
     m, k = x.shape
     if k % 16 or x.stride(1) != 1:
         raise ValueError("act_qdq needs contiguous rows whose length is a multiple of 16")
@@ -91,13 +143,20 @@ def act_qdq(x: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Ten
     dec = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m == 0:
         return inner, dec
-    nb = triton.next_power_of_2(triton.cdiv(k, 16))
-    rows = max(1, min(64, elems // (16 * nb)))
+    kb = k // 16
+    nb = triton.next_power_of_2(kb)
     amax = tensor_amax if tensor_amax is not None else dec  # unused pointer when per row
-    _act_qdq_kernel[(triton.cdiv(m, rows),)](
-        x, inner, dec, amax, m, k // 16, x.stride(0), inner.stride(0),
-        AMAX_FLOOR=float(amax_floor or 0.0), HAS_FLOOR=amax_floor is not None,
-        TENSOR_AMAX=tensor_amax is not None, ROWS=rows, NB=nb, num_warps=num_warps)
+    common = dict(AMAX_FLOOR=float(amax_floor or 0.0), HAS_FLOOR=amax_floor is not None,
+                  TENSOR_AMAX=tensor_amax is not None, num_warps=num_warps)
+    if nb == kb or chunk == 0 or (chunk is None and nb <= 8):  # whole rows in one tile
+        rows = max(1, min(64, elems // (16 * nb)))
+        _act_qdq_kernel[(triton.cdiv(m, rows),)](
+            x, inner, dec, amax, m, kb, x.stride(0), inner.stride(0), ROWS=rows, NB=nb, **common)
+    else:
+        cb = chunk or 16
+        rows = max(1, min(64, elems // (16 * cb)))
+        _act_qdq_chunked_kernel[(triton.cdiv(m, rows),)](
+            x, inner, dec, amax, m, kb, x.stride(0), inner.stride(0), ROWS=rows, CB=cb, **common)
     return inner, dec
 
 

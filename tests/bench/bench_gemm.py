@@ -97,11 +97,11 @@ def _qdq_sweep(repeats: int) -> None:
         dst = torch.empty_like(a)
         copy_ms = _graph_time(lambda a=a, dst=dst: dst.copy_(a), repeats)
         line = [f"K={k}: copy {2 * a.numel() * 2 / copy_ms / 1e6:.0f} GB/s"]
-        for elems in (2048, 4096, 8192, 16384):
-            for warps in (4, 8):
-                ms = _graph_time(lambda a=a, e=elems, w=warps: tk.act_qdq(
-                    a, amax_floor=1e-12, tensor_amax=None, elems=e, num_warps=w), repeats)
-                line.append(f"{elems}/{warps}: {moved / ms / 1e6:.0f}")
+        for elems, warps, chunk in ((4096, 4, 0), (4096, 4, 8), (4096, 4, 16), (8192, 4, 16),
+                                    (4096, 4, 32), (8192, 8, 32), (16384, 8, 16)):
+            ms = _graph_time(lambda a=a, e=elems, w=warps, c=chunk: tk.act_qdq(
+                a, amax_floor=1e-12, tensor_amax=None, elems=e, num_warps=w, chunk=c), repeats)
+            line.append(f"{elems}/{warps}/{chunk}: {moved / ms / 1e6:.0f}")
         print("  " + "  ".join(line), flush=True)
         del a, dst
 

@@ -117,3 +117,16 @@ def test_backward_is_the_bf16_straight_through_product():
     gemm.grouped_linear(a, gemm.prepare_weights(w, "bf16"), counts).backward(g)
     assert torch.allclose(ga.float(), a.grad.float(), rtol=1e-2, atol=1e-2)
     assert torch.allclose(gw.float(), w.grad.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("k", [768, 2048, 1040])
+def test_chunked_and_whole_row_activation_passes_agree(k):
+    """Walking a row in chunks (two reads) gives the same bits as one whole-row tile."""
+    _need_triton()
+    from libalign import _triton_w4a4 as tk
+
+    a = _acts(300, k, seed=k)
+    whole = tk.act_qdq(a, amax_floor=1e-12, tensor_amax=None, chunk=0)
+    for chunk in (8, 16, 32):
+        part = tk.act_qdq(a, amax_floor=1e-12, tensor_amax=None, chunk=chunk)
+        assert torch.equal(part[0], whole[0]) and torch.equal(part[1], whole[1])
