@@ -15,8 +15,8 @@ digits, ``+`` and ``=``. A prompt is ``<bos>a+b=`` with both operands written wi
 ``max_digits`` digits (zero-padded); the completion is the digits of ``a + b`` **least
 significant first**, without leading zeros, then ``<eos>``::
 
-    <bos>347+085=  ->  234<eos>        (347 + 85 = 432)
-    <bos>004+003=  ->  7<eos>
+    <bos>0347+0085=  ->  234<eos>        (347 + 85 = 432, max_digits = 4)
+    <bos>0004+0003=  ->  7<eos>
 
 Writing the sum backwards lets a left-to-right model emit each digit after exactly the two
 operand digits and the carry it depends on, and the fixed operand width puts those digits at
@@ -48,7 +48,7 @@ SYMBOLS = (*SPECIALS, *"0123456789", "+", "=")
 class SyntheticTask:
     """Reversed-sum addition over a 15-symbol vocabulary (see the module docstring)."""
 
-    max_digits: int = 3
+    max_digits: int = 4
     name: str = "add_reversed_padded"
 
     def __post_init__(self) -> None:

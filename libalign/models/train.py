@@ -14,7 +14,14 @@ completion tokens only (the operands are random, so predicting them is noise) pl
 router's load-balancing loss (``router_aux_loss_coef``), which keeps all experts in use as in
 a real MoE. Batches are sampled from the training split with a seeded ``random.Random``, the
 weights from a forked seeded torch RNG, so one configuration trains to the same model on the
-same software.
+same software. Training runs on one CPU thread (:func:`cpu_threads`): the matrices are too
+small to share, and on cores that other processes also use, multi-threaded small operations
+were measured 20-40 times slower.
+
+With the defaults (4-digit operands, 800 steps of 96 sequences) the loss plateaus near 1.0
+while the model learns digit alignment, then drops to about 0.04 within 300 steps; greedy
+accuracy on held-out prompts lands near 97% in bf16 (a model that is confident but not
+perfect, so some tokens carry real uncertainty). That takes about two minutes on one core.
 
 The cache
 ---------
@@ -39,7 +46,8 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -52,10 +60,11 @@ from .task import SyntheticTask
 
 log = logging.getLogger(__name__)
 
-DEFAULT_STEPS = 1200
+DEFAULT_STEPS = 800
 RECIPE = {"version": 1, "batch_size": 96, "lr": 3e-3, "warmup": 60, "min_lr_ratio": 0.1,
           "betas": (0.9, 0.98), "weight_decay": 0.01, "grad_clip": 1.0}
 LOG_EVERY = 100
+TRAIN_THREADS = 1
 EVAL_PROMPTS = 512
 EVAL_PATHS = ("bf16", "nvfp4_naive", "nvfp4_minite")
 META_FILE = "training.json"
@@ -174,12 +183,35 @@ def _lr_at(step: int, steps: int) -> float:
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+@contextmanager
+def cpu_threads(n: int | None) -> Iterator[None]:
+    """Run the block with ``n`` intra-op CPU threads (``None``: unchanged), then restore.
+
+    The tiny model's matrices are too small to gain from several threads, and when other
+    processes share the cores, OpenMP workers that spin at every barrier slow each small
+    operation down by an order of magnitude or more; one thread is the robust choice.
+    """
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(max(1, int(n)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def train_model(config: Qwen3MoeConfig, task: SyntheticTask, *, steps: int, seed: int = 0,
-                device: str | torch.device = "cpu") -> tuple[Qwen3MoeForCausalLM, list[dict]]:
+                device: str | torch.device = "cpu",
+                threads: int | None = TRAIN_THREADS) -> tuple[Qwen3MoeForCausalLM, list[dict]]:
     """Train a fresh fp32 model on the task; returns it (fp32, eval mode) and the loss curve."""
     if steps < 1:
         raise ConfigError(f"steps must be at least 1, got {steps}")
-    model = build_model(config, seed=seed, dtype=torch.float32, device=device).train()
+    with cpu_threads(threads):
+        model = build_model(config, seed=seed, dtype=torch.float32, device=device).train()
+        return _train_loop(model, config, task, steps=steps, seed=seed, device=device)
+
+
+def _train_loop(model, config, task, *, steps, seed, device):
     opt = torch.optim.AdamW(model.parameters(), lr=RECIPE["lr"], betas=RECIPE["betas"],
                             weight_decay=RECIPE["weight_decay"])
     rng = random.Random(f"train:{seed}")
@@ -249,12 +281,13 @@ def trained_tiny_model(*, cache_dir: str | os.PathLike | None = None, device: st
         model, curve = train_model(config, task, steps=steps, seed=seed, device=device)
         seconds = time.perf_counter() - t0
         model = model.to(torch.bfloat16)
-        accuracy = {p: heldout_accuracy(model, task, p, n=eval_prompts) for p in EVAL_PATHS}
+        with cpu_threads(TRAIN_THREADS if torch.device(device).type == "cpu" else None):
+            accuracy = {p: heldout_accuracy(model, task, p, n=eval_prompts) for p in EVAL_PATHS}
         log.info("tiny model trained in %.0f s; held-out greedy accuracy %s", seconds,
                  {k: round(v, 4) for k, v in accuracy.items()})
         meta = {"key": final.name, "steps": steps, "seed": seed, "task": task.spec(), "recipe": RECIPE,
                 "train_seconds": round(seconds, 2), "device": str(device),
-                "threads": torch.get_num_threads(), "loss_curve": curve,
+                "threads": TRAIN_THREADS, "loss_curve": curve,
                 "final_loss": curve[-1]["loss"] if curve else None,
                 "heldout_prompts": eval_prompts, "heldout_accuracy": accuracy,
                 "torch": torch.__version__}

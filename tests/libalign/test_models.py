@@ -35,6 +35,13 @@ from libalign.models import train as train_mod
 TASK = SyntheticTask()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matrices gain nothing from threads, and spinning OpenMP workers crawl on shared cores."""
+    with train_mod.cpu_threads(1):
+        yield
+
+
 @pytest.fixture(scope="module")
 def model():
     return build_model(tiny_config(num_hidden_layers=2), seed=3)
@@ -87,8 +94,9 @@ def test_build_model_is_deterministic_by_seed():
 
 def test_task_round_trip_and_verifier():
     """Prompts encode/decode, the verifier accepts exactly the reversed sum + eos, splits are disjoint."""
+    assert TASK.max_digits == 4
     p = TASK.prompt_ids(347, 85)
-    assert TASK.decode(p) == "<bos>347+085="
+    assert TASK.decode(p) == "<bos>0347+0085="
     assert TASK.encode(TASK.decode(p)) == p
     assert TASK.decode(TASK.answer_ids(p)) == "234<eos>"
     assert TASK.verify(p, TASK.encode("234<eos><pad>"))
@@ -100,6 +108,9 @@ def test_task_round_trip_and_verifier():
     assert TASK.prompts(5, 1) == TASK.prompts(5, 1)
     with pytest.raises(InputError):
         TASK.encode("12x")
+    with pytest.raises(InputError):
+        TASK.prompt_ids(10_000, 1)
+    assert SyntheticTask(max_digits=2).decode(SyntheticTask(max_digits=2).prompt_ids(7, 12)) == "<bos>07+12="
 
 
 # --- path swapping --------------------------------------------------------------------------
