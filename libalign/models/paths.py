@@ -187,9 +187,11 @@ def prepared_weights(module: nn.Module, path: PathLike) -> tuple[gemm.ExpertWeig
         sig = _signature(w)
         hit = cache.get((p, name))
         if hit is None or hit[0] != sig:
-            hit = (sig, gemm.prepare_weights(w, p))
+            # The entry holds the storage it was made from, so no other tensor can be given the
+            # same address while the entry lives: an equal pointer means the same storage.
+            hit = (sig, w.detach(), gemm.prepare_weights(w, p))
             cache[(p, name)] = hit
-        out.append(hit[1])
+        out.append(hit[2])
     return out[0], out[1]
 
 
@@ -223,7 +225,9 @@ def _resolve(model: nn.Module, path: PathAssignment,
     sel = list(layers)
     for layer in sel:
         experts_module(model, layer)
-    return {i: (p if i in sel else (None if p is None else gemm.PATHS["bf16"])) for i in moe}
+    if p is None:
+        return dict.fromkeys(sel)
+    return {i: (p if i in sel else gemm.PATHS["bf16"]) for i in moe}
 
 
 def _check_backend(backend: str) -> None:
@@ -260,8 +264,9 @@ def set_path(model: nn.Module, path: PathAssignment, *, backend: str = "auto",
 
     ``path``: a path name, an :class:`~libalign.gemm.ExecutionPath`, a dict ``{layer: path}``
     (layers not in it run ``bf16``) or ``None`` (stock forward). ``layers`` restricts a single
-    path to some layers (the others run ``bf16``). Everything is validated before anything
-    changes: an unknown path or layer raises :class:`~libalign.errors.SpecError`.
+    path to some layers (the others run ``bf16``; with ``None``, the others stay as they are).
+    Everything is validated before anything changes: an unknown path or layer raises
+    :class:`~libalign.errors.SpecError`.
     """
     _check_backend(backend)
     plan = _resolve(model, path, layers)

@@ -161,6 +161,8 @@ def test_path_restored_after_exception_and_nesting(model):
     assert current_paths(model) == {0: None, 1: None}
     set_path(model, gemm.PATHS["nvfp4_minite"])
     assert current_paths(model) == {0: "nvfp4_minite", 1: "nvfp4_minite"}
+    set_path(model, None, layers=[0])
+    assert current_paths(model) == {0: None, 1: "nvfp4_minite"}
     reset_paths(model)
     assert current_paths(model) == {0: None, 1: None} and "forward" not in ex.__dict__
 
@@ -195,6 +197,10 @@ def test_weights_prepared_once_per_version(model, monkeypatch):
             ex.down_proj.mul_(1.0)
         _logits(model, ids, mask)
         assert len(calls) == 5
+        # New storage (as .to() or load_state_dict(assign=True) give) is seen too.
+        ex.down_proj.data = ex.down_proj.data.clone()
+        _logits(model, ids, mask)
+        assert len(calls) == 6
 
 
 # --- capture and routing --------------------------------------------------------------------
