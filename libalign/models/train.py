@@ -109,8 +109,8 @@ def _sweep_stale(root: Path, max_age_s: float = 3600.0) -> None:
         return
     now = time.time()
     for entry in root.glob(".tmp-*"):
-        parts = entry.name.split("-")
-        pid = parts[3] if len(parts) > 4 else ""
+        parts = entry.name.rsplit("-", 2)  # .tmp-<name>-<pid>-<random>
+        pid = parts[1] if len(parts) == 3 else ""
         try:
             stale = (pid.isdigit() and not Path(f"/proc/{pid}").exists()
                      and now - entry.stat().st_mtime > max_age_s)
@@ -118,6 +118,21 @@ def _sweep_stale(root: Path, max_age_s: float = 3600.0) -> None:
             continue
         if stale:
             shutil.rmtree(entry, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _publish_modes(path: Path) -> None:
+    # mkdtemp makes a private (0700) directory; the published one gets the modes a plain
+    # mkdir and open would have given, so other users of a shared cache can read it.
+    mask = _umask()
+    for f in path.rglob("*"):
+        f.chmod((0o777 if f.is_dir() else 0o666) & ~mask)
+    path.chmod(0o777 & ~mask)
 
 
 def _fsync_tree(path: Path) -> None:
@@ -144,6 +159,7 @@ def write_dir_atomically(final: Path, write: Callable[[Path], None]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-{os.getpid()}-", dir=final.parent))
     try:
         write(tmp)
+        _publish_modes(tmp)
         _fsync_tree(tmp)
         try:
             os.rename(tmp, final)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 import torch
@@ -384,3 +386,17 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
     write_dir_atomically(final, lambda tmp: (tmp / "a").write_text("1"))
     assert [p.name for p in tmp_path.iterdir()] == ["x"] and (final / "a").read_text() == "1"
+    assert final.stat().st_mode & 0o055 == 0o055 & ~train_mod._umask()
+
+
+def test_stale_temporary_dirs_of_dead_writers_are_swept(tmp_path):
+    """An old temporary directory of a process that no longer exists is removed; a live one stays."""
+    if not os.path.isdir("/proc"):
+        pytest.skip("needs /proc to tell live writers")
+    dead = tmp_path / ".tmp-tiny-abc-999999999-x1"
+    live = tmp_path / f".tmp-tiny-abc-{os.getpid()}-x2"
+    for d in (dead, live):
+        d.mkdir()
+        os.utime(d, (time.time() - 7200,) * 2)
+    write_dir_atomically(tmp_path / "tiny-abc", lambda tmp: (tmp / "a").write_text("1"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "tiny-abc"])
