@@ -129,5 +129,109 @@ def convert(
                       f"{result.manifest['timings_seconds']['total']:.1f} s")
 
 
+@app.command()
+def diagnose(
+    checkpoint: Annotated[Path | None, typer.Option(
+        "--checkpoint", help="Hugging Face Qwen3-MoE checkpoint directory (tokenizer used if "
+        "present)")] = None,
+    model: str = typer.Option("tiny", help="built-in model when no --checkpoint: tiny (trained "
+                              "on the synthetic task, cached), tiny-random, qwen3-30b-a3b-shaped"),
+    num_layers: int = typer.Option(2, help="decoder layers of the qwen3-30b-a3b-shaped model"),
+    prompts: Annotated[Path | None, typer.Option(
+        "--prompts", help="JSONL: {\"prompt\": text} or {\"tokens\": list of ids} per line")] = None,
+    sequences: Annotated[Path | None, typer.Option(
+        "--sequences", help="JSONL of pre-generated sequences: tokens, prompt_len, optional "
+        "sampler_logprobs")] = None,
+    num_prompts: int = typer.Option(2048, help="prompts drawn from the task (or random ids) when "
+                                    "no file is given"),
+    prompt_len: int = typer.Option(32, help="length of random-id prompts (models without a "
+                                   "tokenizer or task)"),
+    max_new_tokens: int | None = typer.Option(None, help="completion limit (default: the task's "
+                                              "longest answer; 32 otherwise)"),
+    batch_size: int = typer.Option(64, help="sequences per batch, the same on every path"),
+    conditions: str | None = typer.Option(None, help="learner/sampler pairs, e.g. "
+                                          "bf16/bf16,bf16/nvfp4_naive"),
+    learner_paths: str | None = typer.Option(None, help="comma list; crossed with --sampler-paths"),
+    sampler_paths: str | None = typer.Option(None, help="comma list; crossed with --learner-paths"),
+    floor: str = typer.Option("bf16/bf16", help="the cross-path floor every condition is compared to"),
+    generate_path: str | None = typer.Option(None, help="sampler path that generates the shared "
+                                             "tokens (default: the floor's sampler)"),
+    on_policy: bool = typer.Option(True, "--on-policy/--no-on-policy", help="also generate on "
+                                   "every sampler path and report δ on its own rollouts"),
+    layers: str = typer.Option("all", help="layers to localize: all, none or e.g. 0,3"),
+    replay_layers: str = typer.Option("0,-1", help="layers of the 2x2 replay (none to skip)"),
+    conditioned: bool = typer.Option(True, "--conditioned/--no-conditioned",
+                                     help="routing-conditioned FC1/FC2 variant"),
+    localize_sequences: int = typer.Option(256, help="shared sequences used for localization, "
+                                           "replay and the context swap"),
+    context_swap: bool = typer.Option(True, "--context-swap/--no-context-swap",
+                                      help="batch-composition check per path"),
+    clip_low: float = typer.Option(0.8, help="lower clip bound of exp(δ)"),
+    clip_high: float = typer.Option(1.28, help="upper clip bound of exp(δ)"),
+    tis_cap: float = typer.Option(2.0, help="TIS truncation C"),
+    n_boot: int = typer.Option(1000, help="bootstrap resamples"),
+    level: float = typer.Option(0.95, help="confidence level"),
+    seed: int = typer.Option(0, help="seed of prompts, sampling and bootstrap"),
+    device: str = typer.Option("cpu", help="cpu or cuda[:N]"),
+    backend: str = typer.Option("auto", help="W4A4 GEMM backend: auto, torch, reference, triton"),
+    threads: int | None = typer.Option(None, help="CPU intra-op threads (default: 1 for the tiny "
+                                       "models on the CPU, else PyTorch's default)"),
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="directory for report.json and the PNGs")] = None,
+    as_json: bool = typer.Option(False, "--json", help="print the report JSON only"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bars"),
+) -> None:
+    """Measure and localize the learner-sampler execution gap (teacher-forced, frozen policy)."""
+    from libalign.errors import AlignError
+    from services.diagnose import render
+    from services.diagnose.run import DiagnoseConfig, run_diagnosis, write_outputs
+
+    cfg = DiagnoseConfig(
+        model=model, checkpoint=None if checkpoint is None else str(checkpoint), num_layers=num_layers,
+        prompts_file=None if prompts is None else str(prompts),
+        sequences_file=None if sequences is None else str(sequences), num_prompts=num_prompts,
+        prompt_len=prompt_len, max_new_tokens=max_new_tokens, batch_size=batch_size,
+        conditions=conditions, learner_paths=learner_paths, sampler_paths=sampler_paths, floor=floor,
+        generate_path=generate_path, on_policy=on_policy, layers=layers, replay_layers=replay_layers,
+        conditioned=conditioned, localize_sequences=localize_sequences, context_swap=context_swap,
+        clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, n_boot=n_boot, level=level, seed=seed,
+        device=device, backend=backend, threads=threads)
+    err = Console(stderr=True)
+    try:
+        with _DiagnoseProgress(err, disable=quiet or as_json or not err.is_terminal) as progress:
+            report = run_diagnosis(cfg, progress)
+        if out is not None:
+            write_outputs(report, out)
+    except (AlignError, OSError) as e:
+        typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(render.to_json(report))
+        return
+    render.render_report(report, Console(width=max(console.width, 170)))
+
+
+class _DiagnoseProgress:
+    """rich progress bars for the diagnosis stages (one bar per stage)."""
+
+    def __init__(self, console: Console, disable: bool):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn("{task.description}", style="cyan"), BarColumn(),
+                            MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                            disable=disable, transient=True)
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+    def task(self, description: str, total: int):
+        task_id = self.bar.add_task(description, total=total)
+        return lambda n: self.bar.advance(task_id, n)
+
+
 if __name__ == "__main__":
     app()
