@@ -204,15 +204,22 @@ def _random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int
 # --- the run ----------------------------------------------------------------------------------
 
 class _Clock:
-    def __init__(self):
+    """Wall seconds per stage (summed when a stage repeats); waits for the GPU at both ends."""
+
+    def __init__(self, device: str):
         self.seconds: dict[str, float] = {}
+        self.cuda = device.startswith("cuda") and torch.cuda.is_available()
 
     @contextmanager
     def stage(self, name: str):
+        if self.cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         try:
             yield
         finally:
+            if self.cuda:
+                torch.cuda.synchronize()
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
 
@@ -266,7 +273,7 @@ def run_diagnosis(cfg: DiagnoseConfig, reporter: Reporter | None = None) -> dict
 
 
 def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
-    clock = _Clock()
+    clock = _Clock(cfg.device)
     t_start = time.perf_counter()
     opts = stats.StatOptions(cfg.clip_low, cfg.clip_high, cfg.tis_cap, cfg.n_boot, cfg.level, cfg.seed)
 
@@ -287,6 +294,11 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
     learners = paths_of(conds, "learner")
     samplers = paths_of(conds, "sampler")
     max_new = cfg.max_new_tokens or lm.default_max_new_tokens
+    # quantize every path's expert weights once, up front, so that no stage below pays for it
+    for p in dict.fromkeys(learners + samplers):
+        with clock.stage(f"prepare_weights[{p}]"):
+            for layer in models.moe_layer_indices(model):
+                models.prepared_weights(models.experts_module(model, layer), p)
     common = dict(batch_size=cfg.batch_size, pad_id=lm.pad_id, backend=cfg.backend)
 
     # --- the shared sequences ---
