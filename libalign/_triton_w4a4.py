@@ -129,8 +129,8 @@ def _act_qdq_chunked_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x
 
 
 def act_qdq(x: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Tensor | None,
-            out: torch.Tensor | None = None, elems: int = 4096, num_warps: int = 4,
-            chunk: int | None = None):
+            out: torch.Tensor | None = None, dec_out: torch.Tensor | None = None,
+            elems: int = 4096, num_warps: int = 4, chunk: int | None = None):
     """Inner values (bf16 ``[M, K]``) and fp32 row decode scales ``[M]`` of activations.
 
     Rows of a power-of-two block count are read once as whole-row tiles; others in chunks of
@@ -140,7 +140,7 @@ def act_qdq(x: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Ten
     if k % 16 or x.stride(1) != 1:
         raise ValueError("act_qdq needs contiguous rows whose length is a multiple of 16")
     inner = torch.empty((m, k), dtype=torch.bfloat16, device=x.device) if out is None else out
-    dec = torch.empty((m,), dtype=torch.float32, device=x.device)
+    dec = torch.empty((m,), dtype=torch.float32, device=x.device) if dec_out is None else dec_out
     if m == 0:
         return inner, dec
     kb = k // 16
@@ -226,13 +226,14 @@ _SMS: dict[int, int] = {}
 
 def grouped_gemm(a_inner: torch.Tensor, a_dec: torch.Tensor, w_inner: torch.Tensor,
                  w_dec: torch.Tensor, tile_expert: torch.Tensor, pad: int,
-                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                 out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
     """``out[Mp, N]`` of the padded layout; ``tile_expert`` holds one expert per ``pad`` rows."""
     mp, k = a_inner.shape
     e, n, _ = w_inner.shape
     if not (w_inner.is_contiguous() and w_dec.is_contiguous() and w_dec.dtype == torch.float32):
         raise ValueError("grouped_gemm needs contiguous bf16 weights and fp32 [E, N] decode scales")
-    out = torch.empty((mp, n), dtype=out_dtype, device=a_inner.device)
+    if out is None:
+        out = torch.empty((mp, n), dtype=out_dtype, device=a_inner.device)
     if mp == 0:
         return out
     dummy = [16, 16]
@@ -251,3 +252,46 @@ def grouped_gemm(a_inner: torch.Tensor, a_dec: torch.Tensor, w_inner: torch.Tens
     _grouped_gemm_kernel[grid](a_desc, w_desc, o_desc, a_dec, w_dec.reshape(-1), tile_expert,
                                mp, n, k, triton.next_power_of_2(mp), pad, NUM_SMS=sms)
     return out
+
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def pipelined(a: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Tensor | None,
+              w_inner: torch.Tensor, w_dec: torch.Tensor, tile_expert: torch.Tensor, pad: int,
+              out_dtype: torch.dtype = torch.bfloat16, chunks: int = 1):
+    """Activation pass and GEMM over ``chunks`` row ranges, the pass of range i+1 on a side
+    stream while the GEMM of range i runs (a memory-bound pass under a compute-bound GEMM).
+
+    Returns ``(out, dec)``; the bits do not depend on ``chunks`` (rows are independent).
+    """
+    m, k = a.shape
+    n = w_inner.shape[1]
+    inner = torch.empty((m, k), dtype=torch.bfloat16, device=a.device)
+    dec = torch.empty((m,), dtype=torch.float32, device=a.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    step = -(-m // max(1, chunks) // pad) * pad if m else pad
+    bounds = [(lo, min(m, lo + step)) for lo in range(0, m, step)]
+    if len(bounds) <= 1:
+        act_qdq(a, amax_floor=amax_floor, tensor_amax=tensor_amax, out=inner, dec_out=dec)
+        grouped_gemm(inner, dec, w_inner, w_dec, tile_expert, pad, out_dtype, out=out)
+        return out, dec
+    main = torch.cuda.current_stream(a.device)
+    dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    side = _SIDE.get(dev)
+    if side is None:
+        side = _SIDE[dev] = torch.cuda.Stream(device=a.device)
+    side.wait_stream(main)  # the activations (and the buffers) are ready on the main stream
+    ready = []
+    with torch.cuda.stream(side):
+        for lo, hi in bounds:
+            act_qdq(a[lo:hi], amax_floor=amax_floor, tensor_amax=tensor_amax, out=inner[lo:hi],
+                    dec_out=dec[lo:hi])
+            ev = torch.cuda.Event()
+            ev.record(side)
+            ready.append(ev)
+    for (lo, hi), ev in zip(bounds, ready, strict=True):
+        main.wait_event(ev)
+        grouped_gemm(inner[lo:hi], dec[lo:hi], w_inner, w_dec, tile_expert[lo // pad:], pad,
+                     out_dtype, out=out[lo:hi])
+    return out, dec

@@ -440,15 +440,19 @@ def _triton_k_gap(k: int) -> str | None:
 
 def w4a4_grouped_triton(a: torch.Tensor, spec: NumericsSpec, w_inner: torch.Tensor,
                         w_dec: torch.Tensor, layout, out_dtype: torch.dtype = torch.bfloat16, *,
-                        check_finite: bool = True) -> torch.Tensor:
+                        check_finite: bool = True, chunks: int | None = None) -> torch.Tensor:
     """The fused W4A4 grouped GEMM on a CUDA device (see :mod:`libalign._triton_w4a4`).
 
     ``a`` ``[rows, K]`` sorted by expert as ``layout`` (a :class:`libalign.gemm.GroupLayout`)
     says; ``w_inner`` the bf16 inner values ``[E, N, K]`` and ``w_dec`` ``[E, N]`` of
     :func:`libalign.gemm.prepare_weights`. Rows are padded to 128 per expert when the layout
     is not already padded to 64 or 128. ``check_finite`` synchronises once to raise
-    :class:`~libalign.errors.NonFiniteError` for activations holding NaN/Inf.
+    :class:`~libalign.errors.NonFiniteError` for activations holding NaN/Inf. ``chunks`` row
+    ranges overlap the activation pass of one with the GEMM of the previous (default
+    ``$ALIGN_GEMM_CHUNKS`` or 1); the bits are the same for any value.
     """
+    import os
+
     from .gemm import group_layout
 
     tk = _triton()
@@ -464,9 +468,12 @@ def w4a4_grouped_triton(a: torch.Tensor, spec: NumericsSpec, w_inner: torch.Tens
         # one read pass (no |a| temporary); NaN propagates and is caught by the row check
         amax = (torch.linalg.vector_norm(a, float("inf")).float().reshape(1) if a.numel()
                 else a.new_zeros(1, dtype=torch.float32))
-    inner, dec = tk.act_qdq(ap, amax_floor=spec.amax_floor, tensor_amax=amax)
     tiles = lay.tile_expert(lay.pad_to, a.device)
-    out = tk.grouped_gemm(inner, dec, w_inner, w_dec, tiles, lay.pad_to, out_dtype)
+    if chunks is None:  # the overlap is written and bit-tested but not yet timed on a GPU
+        chunks = int(os.environ.get("ALIGN_GEMM_CHUNKS", "1"))
+    out, dec = tk.pipelined(ap, amax_floor=spec.amax_floor, tensor_amax=amax, w_inner=w_inner,
+                            w_dec=w_dec, tile_expert=tiles, pad=lay.pad_to, out_dtype=out_dtype,
+                            chunks=chunks)
     # checked after the GEMM is queued, so the device never idles while the host looks
     if check_finite and not bool(torch.isfinite(dec).all()):
         _spec.check_finite(a, "activations")  # raises with counts and positions

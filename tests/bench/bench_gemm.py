@@ -124,12 +124,15 @@ def _cell(name, k, n, rows, args, w, ew, ew_naive, tk) -> dict:
         "nocheck": lambda: ops.w4a4_grouped_triton(a, spec, ew.inner, ew.dec, lay, check_finite=False),
         "naive": lambda: gemm.grouped_linear(a, ew_naive, lay, backend="triton"),
         "gemm": lambda: tk.grouped_gemm(inner, dec, ew.inner, ew.dec, tiles, 128),
+        "serial": lambda: ops.w4a4_grouped_triton(a, spec, ew.inner, ew.dec, lay, check_finite=False,
+                                                  chunks=1),
     }
     runs["qdq"] = lambda: tk.act_qdq(a, amax_floor=spec.amax_floor, tensor_amax=None)
     with torch.no_grad():
         # rounds interleave the variants so clock drift hits them alike; median per variant
-        graphs = {f"{key} graph": _graph(runs[key]) for key in ("bf16", "nocheck", "gemm", "qdq")}
-        timed = {key: fn for key, fn in runs.items() if key != "qdq"}
+        graphs = {f"{key} graph": _graph(runs[key])
+                  for key in ("bf16", "nocheck", "serial", "gemm", "qdq")}
+        timed = {key: fn for key, fn in runs.items() if key not in ("qdq", "serial")}
         timed.update({key: g.replay for key, g in graphs.items()})
         samples: dict[str, list[float]] = {key: [] for key in timed}
         for _ in range(args.rounds):
@@ -143,7 +146,7 @@ def _cell(name, k, n, rows, args, w, ew, ew_naive, tk) -> dict:
     row = {"cell": f"{name} {rows}", "ms": ms, "ratio": r, "max_ulps": ulps,
            "bf16_tflops": flops / ms["bf16"] / 1e9, "minite_tflops": flops / ms["minite"] / 1e9}
     cols = ["bf16", "minite", "nocheck", "naive", "gemm", "bf16 graph", "nocheck graph",
-            "gemm graph", "qdq graph"]
+            "serial graph", "gemm graph", "qdq graph"]
     print(f"{row['cell']:<11}" + "".join(f"{ms[c]:>8.3f}{r[c]:>6.2f}" for c in cols)
           + f"{ulps:>6.1f}", flush=True)
     return row
@@ -173,8 +176,8 @@ def main(argv: list[str]) -> int:
         _qdq_sweep(args.repeats)
     results = []
     header = (f"{'cell':<11}" + "".join(f"{c:>14}" for c in (
-        "bf16 ms  x", "minite", "nocheck", "naive", "gemm", "bf16 graph", "nocheck gr", "gemm gr",
-        "qdq gr")) + f"{'ulps':>6}")
+        "bf16 ms  x", "minite", "nocheck", "naive", "gemm", "bf16 graph", "nocheck gr", "serial gr",
+        "gemm gr", "qdq gr")) + f"{'ulps':>6}")
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(header)
     for name, k, n in CELLS:
@@ -184,7 +187,8 @@ def main(argv: list[str]) -> int:
         for rows in args.rows:
             results.append(_cell(name, k, n, rows, args, w, ew, ew_naive, tk))
     geo = {key: math.exp(statistics.fmean(math.log(x["ratio"][key]) for x in results))
-           for key in ("minite", "nocheck", "naive", "gemm", "nocheck graph", "gemm graph")}
+           for key in ("minite", "nocheck", "naive", "gemm", "nocheck graph", "serial graph",
+                       "gemm graph")}
     print("geometric mean of ratios over bf16: "
           + ", ".join(f"{key} {v:.3f}" for key, v in geo.items()) + "  (goal: minite <= 1.3)")
     if args.json:

@@ -130,3 +130,17 @@ def test_chunked_and_whole_row_activation_passes_agree(k):
     for chunk in (8, 16, 32):
         part = tk.act_qdq(a, amax_floor=1e-12, tensor_amax=None, chunk=chunk)
         assert torch.equal(part[0], whole[0]) and torch.equal(part[1], whole[1])
+
+
+def test_pipelined_chunks_give_the_same_bits():
+    """Overlapping the activation pass with the GEMM over row chunks changes no output bit."""
+    _need_triton()
+    counts = [300, 0, 1000, 57, 700]
+    w = (torch.randn(5, 512, 256) * 0.02).to(torch.bfloat16).to(CUDA)
+    a = _acts(sum(counts), 256, seed=11)
+    ew = gemm.prepare_weights(w, "nvfp4_minite")
+    lay = gemm.group_layout(counts, 128)
+    one = ops.w4a4_grouped_triton(a, ew.path.act_spec, ew.inner, ew.dec, lay, chunks=1)
+    for chunks in (2, 3, 7):
+        many = ops.w4a4_grouped_triton(a, ew.path.act_spec, ew.inner, ew.dec, lay, chunks=chunks)
+        assert torch.equal(one, many)
