@@ -123,6 +123,11 @@ class LoadedModel:
 def _check_config(cfg: DiagnoseConfig) -> None:
     if cfg.model not in MODELS:
         raise InputError(f"unknown --model {cfg.model!r}; choose one of {', '.join(MODELS)}")
+    # path names first, so a typo fails before any model is loaded
+    resolve_conditions(cfg.conditions, cfg.learner_paths, cfg.sampler_paths, floor=cfg.floor,
+                       external=cfg.sequences_file is not None)
+    if cfg.generate_path:
+        check_path(cfg.generate_path, "--generate-path")
     for name, v, lo in (("--num-prompts", cfg.num_prompts, 2), ("--batch-size", cfg.batch_size, 1),
                         ("--n-boot", cfg.n_boot, 1), ("--num-layers", cfg.num_layers, 1),
                         ("--prompt-len", cfg.prompt_len, 1),
