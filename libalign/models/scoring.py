@@ -157,21 +157,18 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], path: PathAssig
         raise InputError(f"temperature must be >= 0, got {temperature}")
     if any(len(p) == 0 for p in prompts):
         raise InputError("every prompt needs at least one token")
-    if DynamicCache is None:  # pragma: no cover
-        raise SpecError("generate needs transformers with transformers.cache_utils.DynamicCache")
     eos = _eos_set(model, eos_id)
     if pad_id is None:
         pad_id = getattr(model.config, "pad_token_id", None)
         pad_id = 0 if pad_id is None else int(pad_id)
     dev = _device(model)
     gen = torch.Generator(device=dev).manual_seed(seed)
-    cache_kw = _cache_kwarg(model.forward)
     result = GenerationResult([], [], [], [])
     with torch.no_grad(), _path_ctx(model, path, backend):
         for start in range(0, len(prompts), batch_size):
             chunk = [list(map(int, p)) for p in prompts[start:start + batch_size]]
             seqs, lps, done = _generate_batch(model, chunk, max_new_tokens, temperature, gen, eos,
-                                              pad_id, dev, cache_kw)
+                                              pad_id)
             result.sequences.extend(seqs)
             result.prompt_lens.extend(len(p) for p in chunk)
             result.logprobs.extend(lps)
@@ -179,24 +176,53 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], path: PathAssig
     return result
 
 
-def _generate_batch(model, chunk, max_new_tokens, temperature, gen, eos, pad_id, dev, cache_kw):
-    b, width = len(chunk), max(len(p) for p in chunk)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, p in enumerate(chunk):
-        ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[r, width - len(p):] = 1
-    ids, mask = ids.to(dev), mask.to(dev)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                   **{cache_kw: cache}).logits[:, -1]
-    next_pos = positions[:, -1:] + 1
+class KVDecode:
+    """The sampler's decode of one batch: left-padded prompts prefilled once, then one token per
+    :meth:`step` with the KV cache, positions counted from each prompt's first real token.
+
+    ``logits`` (``[B, vocab]``) holds the logits that predict the next token of every row.
+    :func:`generate` samples from it; a teacher-forced replay of given tokens feeds those
+    instead, through the same calls, so both report the same log-probs for the same tokens.
+    """
+
+    def __init__(self, model: nn.Module, prompts: list[list[int]], pad_id: int):
+        if DynamicCache is None:  # pragma: no cover
+            raise SpecError("decoding needs transformers with transformers.cache_utils.DynamicCache")
+        b, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((b, width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[r, width - len(p):] = 1
+        self.model = model
+        self.device = _device(model)
+        self.cache_kw = _cache_kwarg(model.forward)
+        self.cache = DynamicCache(config=model.config)
+        ids, self.mask = ids.to(self.device), mask.to(self.device)
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        self.logits = self._forward(ids, positions)
+        self.next_pos = positions[:, -1:] + 1
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
+                          use_cache=True, **{self.cache_kw: self.cache}).logits[:, -1]
+
+    def step(self, tokens: list[int]) -> None:
+        """Feed one token per row (a finished row is fed the pad token by its caller)."""
+        feed = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(-1)
+        self.mask = torch.cat([self.mask, torch.ones_like(feed)], dim=-1)
+        self.logits = self._forward(feed, self.next_pos)
+        self.next_pos = self.next_pos + 1
+
+
+def _generate_batch(model, chunk, max_new_tokens, temperature, gen, eos, pad_id):
+    b = len(chunk)
+    dec = KVDecode(model, chunk, pad_id)
     done = [False] * b
     new_tokens: list[list[int]] = [[] for _ in range(b)]
     new_lps: list[list[float]] = [[] for _ in range(b)]
     for step in range(max_new_tokens):
-        lf = logits.float()
+        lf = dec.logits.float()
         logp = torch.log_softmax(lf, dim=-1)
         if temperature == 0:
             tok = lf.argmax(dim=-1)
@@ -212,12 +238,7 @@ def _generate_batch(model, chunk, max_new_tokens, temperature, gen, eos, pad_id,
                 done[r] = tok_l[r] in eos
         if all(done) or step == max_new_tokens - 1:
             break
-        feed = torch.tensor([pad_id if d else t for d, t in zip(done, tok_l, strict=True)],
-                            dtype=torch.long, device=dev).unsqueeze(-1)
-        mask = torch.cat([mask, torch.ones_like(feed)], dim=-1)
-        logits = model(input_ids=feed, attention_mask=mask, position_ids=next_pos, use_cache=True,
-                       **{cache_kw: cache}).logits[:, -1]
-        next_pos = next_pos + 1
+        dec.step([pad_id if d else t for d, t in zip(done, tok_l, strict=True)])
     seqs = [p + t for p, t in zip(chunk, new_tokens, strict=True)]
     lps = [torch.tensor(v, dtype=torch.float32) for v in new_lps]
     return seqs, lps, done

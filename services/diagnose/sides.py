@@ -25,14 +25,10 @@ import torch
 from torch import nn
 
 from libalign import models
-from libalign.models.scoring import _cache_kwarg  # the model's name for the KV cache argument
+from libalign.models.scoring import KVDecode  # the generator's own decode, teacher-forced here
 
 Progress = Callable[[int], None]
 """Called with the number of sequences just finished."""
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 def _chunks(n: int, batch_size: int):
@@ -76,32 +72,17 @@ def score(model: nn.Module, sequences: Sequence[Sequence[int]], prompt_lens: Seq
 
 
 @torch.no_grad()
-def _replay_batch(model: nn.Module, seqs: list[list[int]], plens: list[int], pad_id: int,
-                  cache_kw: str) -> list[torch.Tensor]:
-    from transformers.cache_utils import DynamicCache
-
-    dev = _device(model)
+def _replay_batch(model: nn.Module, seqs: list[list[int]], plens: list[int],
+                  pad_id: int) -> list[torch.Tensor]:
     b = len(seqs)
-    prompts = [s[:p] for s, p in zip(seqs, plens, strict=True)]
     comps = [s[p:] for s, p in zip(seqs, plens, strict=True)]
-    width = max(len(p) for p in prompts)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[r, width - len(p):] = 1
-    ids, mask = ids.to(dev), mask.to(dev)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                   **{cache_kw: cache}).logits[:, -1]
-    next_pos = positions[:, -1:] + 1
+    dec = KVDecode(model, [s[:p] for s, p in zip(seqs, plens, strict=True)], pad_id)
     steps = max(len(c) for c in comps)
     got: list[list[float]] = [[] for _ in range(b)]
     for step in range(steps):
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        logp = torch.log_softmax(dec.logits.float(), dim=-1)
         want = torch.tensor([c[step] if step < len(c) else pad_id for c in comps], dtype=torch.long,
-                            device=dev)
+                            device=dec.device)
         lp = logp.gather(-1, want.unsqueeze(-1)).squeeze(-1).tolist()
         for r in range(b):
             if step < len(comps[r]):
@@ -109,12 +90,7 @@ def _replay_batch(model: nn.Module, seqs: list[list[int]], plens: list[int], pad
         if step == steps - 1:
             break
         # a row whose completion has ended is fed the pad token, as the generator does
-        feed = torch.tensor([c[step] if step < len(c) - 1 else pad_id for c in comps],
-                            dtype=torch.long, device=dev).unsqueeze(-1)
-        mask = torch.cat([mask, torch.ones_like(feed)], dim=-1)
-        logits = model(input_ids=feed, attention_mask=mask, position_ids=next_pos, use_cache=True,
-                       **{cache_kw: cache}).logits[:, -1]
-        next_pos = next_pos + 1
+        dec.step([c[step] if step < len(c) - 1 else pad_id for c in comps])
     return [torch.tensor(v, dtype=torch.float32) for v in got]
 
 
@@ -126,12 +102,11 @@ def replay_decode(model: nn.Module, sequences: Sequence[Sequence[int]], prompt_l
     One float32 tensor per sequence with the log-prob of each completion token as the sampler
     of ``path`` computes it while decoding (see the module docstring).
     """
-    cache_kw = _cache_kwarg(model.forward)
     out: list[torch.Tensor] = []
     with models.use_path(model, path, backend=backend):
         for a, b in _chunks(len(sequences), batch_size):
             out.extend(_replay_batch(model, [list(map(int, s)) for s in sequences[a:b]],
-                                     list(prompt_lens[a:b]), pad_id, cache_kw))
+                                     list(prompt_lens[a:b]), pad_id))
             if progress:
                 progress(b - a)
     return out
