@@ -142,6 +142,16 @@ def load_prompts(path: Path, *, encode: Callable[[str], Sequence[int]] | None,
     return prompts
 
 
+def _check_prompt_len(p, n_tokens: int, where: str) -> None:
+    """A prompt length must be an int leaving at least one prompt and one completion token."""
+    if isinstance(p, bool) or not isinstance(p, int):
+        raise InputError(f"{where}: prompt_len must be an integer, got {p!r}")
+    if p <= 0:
+        raise InputError(f"{where}: the prompt is empty (prompt_len {p})")
+    if p >= n_tokens:
+        raise InputError(f"{where}: no completion tokens (prompt_len {p}, {n_tokens} tokens)")
+
+
 def validate_sequences(seqs: SequenceSet, vocab_size: int | None) -> SequenceSet:
     """Check every sequence of ``seqs``; return it unchanged or raise naming the sequence."""
     if len(seqs.tokens) != len(seqs.prompt_lens):
@@ -154,12 +164,7 @@ def validate_sequences(seqs: SequenceSet, vocab_size: int | None) -> SequenceSet
     for i, (toks, p) in enumerate(zip(seqs.tokens, seqs.prompt_lens, strict=True)):
         where = f"sequence {i}"
         check_token_ids(toks, where, vocab_size)
-        if isinstance(p, bool) or not isinstance(p, int):
-            raise InputError(f"{where}: prompt_len must be an integer, got {p!r}")
-        if p <= 0:
-            raise InputError(f"{where}: the prompt is empty (prompt_len {p})")
-        if p >= len(toks):
-            raise InputError(f"{where}: no completion tokens (prompt_len {p}, {len(toks)} tokens)")
+        _check_prompt_len(p, len(toks), where)
         if seqs.sampler_logprobs is not None:
             check_logprobs(seqs.sampler_logprobs[i], where, expected=len(toks) - p)
     return seqs
@@ -179,12 +184,7 @@ def load_sequences(path: Path, *, vocab_size: int | None) -> SequenceSet:
                 raise InputError(f"{where}: missing \"{key}\"")
         toks = check_token_ids(obj["tokens"], where, vocab_size)
         p = obj["prompt_len"]
-        if isinstance(p, bool) or not isinstance(p, int):
-            raise InputError(f"{where}: prompt_len must be an integer, got {p!r}")
-        if p <= 0:
-            raise InputError(f"{where}: the prompt is empty (prompt_len {p})")
-        if p >= len(toks):
-            raise InputError(f"{where}: no completion tokens (prompt_len {p}, {len(toks)} tokens)")
+        _check_prompt_len(p, len(toks), where)
         has = "sampler_logprobs" in obj
         if with_logp is None:
             with_logp = has
