@@ -263,8 +263,9 @@ class ExpertWeights:
     ``weight`` is the unquantized stack (the bf16 path's operand and the STE backward's);
     for a quantized path ``q`` holds its NVFP4 bits, ``inner`` the exact inner values (bf16 on
     a GPU, fp32 on the CPU) and ``dec`` the fp32 outer decode scale of every output row
-    ``[E, N]``. Weights change only when a new version arrives, so a caller keeps one of
-    these per version and pays the quantization once.
+    ``[E, N]``; on a device with the native Blackwell GEMM, ``operand`` holds the same bits
+    with 128x4-swizzled scales. Weights change only when a new version arrives, so a caller
+    keeps one of these per version and pays the quantization once.
     """
 
     path: ExecutionPath
@@ -272,6 +273,7 @@ class ExpertWeights:
     q: NVFP4Tensor | None = None
     inner: torch.Tensor | None = None
     dec: torch.Tensor | None = None
+    operand: ops.GemmOperand | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -301,7 +303,9 @@ def prepare_weights(weight: torch.Tensor, path: str | ExecutionPath, *,
         return ExpertWeights(p, weight)
     w = weight.detach()
     q = ops.quantize(w, p.weight_spec, outer_amax=outer_amax)
-    return ExpertWeights(p, weight, q, inner_values(q, _inner_dtype(w.device)), row_decode_scales(q))
+    native = w.is_cuda and _device_kernels(w.device)[0]
+    return ExpertWeights(p, weight, q, inner_values(q, _inner_dtype(w.device)), row_decode_scales(q),
+                         ops._as_gemm_operand(q) if native else None)
 
 
 # --- activations ------------------------------------------------------------------------------
@@ -382,12 +386,11 @@ def _per_expert(layout: GroupLayout, fn: Callable[[int, slice], torch.Tensor],
 
 
 def _bf16_grouped(a: torch.Tensor, w: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
-    out = a.new_empty((a.shape[0], w.shape[1]))
     if a.is_cuda and hasattr(torch, "_grouped_mm") and a.dtype == torch.bfloat16 and a.shape[0]:
         offs = torch.tensor(layout.offsets(padded=False)[1:], dtype=torch.int32, device=a.device)
         return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
     wd = w.to(a.dtype)
-    return _per_expert(layout, lambda e, s: a[s] @ wd[e].T, out)
+    return _per_expert(layout, lambda e, s: a[s] @ wd[e].T, a.new_empty((a.shape[0], w.shape[1])))
 
 
 def _quantized_grouped(a: torch.Tensor, w: ExpertWeights, layout: GroupLayout,
@@ -396,16 +399,15 @@ def _quantized_grouped(a: torch.Tensor, w: ExpertWeights, layout: GroupLayout,
     out_dtype = a.dtype if a.dtype != torch.float32 else torch.bfloat16
     if backend == "triton":
         return ops.w4a4_grouped_triton(a, spec, w.inner, w.dec, layout, out_dtype)
+    check_finite(a, "activations")
     if backend == "native":  # Blackwell FP4 tensor cores (compiled for sm_100a, never run here)
-        check_finite(a, "activations")
+        if w.operand is None:
+            raise SpecError("these weights were not prepared on a device with the native GEMM")
         qa = ops.quantize(a.detach(), spec)
         offs = layout.offsets(padded=False)
-        w_op = ops.quantize(w.weight.detach(), w.path.weight_spec, outer_amax=w.q.outer_amax,
-                            scale_layout="swizzled")
         return ops.native_grouped_gemm(qa.codes, ops.grouped_activation_scales(qa.block_scales, offs),
-                                       row_decode_scales(qa), offs, w_op.codes, w_op.block_scales,
-                                       w.dec)
-    check_finite(a, "activations")
+                                       row_decode_scales(qa), offs, w.operand.codes,
+                                       w.operand.block_scales, w.dec)
     _, a_in, a_dec = quantize_activations(a, spec)
     out = a.new_empty((a.shape[0], w.shape[1]), dtype=out_dtype)
     if backend == "reference":

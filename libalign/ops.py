@@ -27,6 +27,7 @@ Row domain, one pass
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -408,8 +409,6 @@ _capability: dict[str, tuple[int, int]] = {}
 
 def triton_gemm_available(device: torch.device | str) -> bool:
     """Whether the fused Triton W4A4 GEMM can run on ``device`` (CUDA, sm_90+, Triton)."""
-    import os
-
     dev = torch.device(device)
     if dev.type != "cuda" or os.environ.get("ALIGN_KERNELS", "") == "spec":
         return False
@@ -451,8 +450,6 @@ def w4a4_grouped_triton(a: torch.Tensor, spec: NumericsSpec, w_inner: torch.Tens
     ranges overlap the activation pass of one with the GEMM of the previous (default
     ``$ALIGN_GEMM_CHUNKS`` or 1); the bits are the same for any value.
     """
-    import os
-
     from .gemm import group_layout
 
     tk = _triton()
@@ -505,8 +502,6 @@ def native_grouped_gemm_gap(device: torch.device | str | None = None) -> str | N
     Cheap checks come first (device type, compute capability), so a CPU or a Hopper machine
     never builds the library; on a 10.x device the first call builds it (about a minute).
     """
-    import os
-
     dev = torch.device("cuda" if device is None else device)
     if os.environ.get("ALIGN_KERNELS", "").lower() == "spec":
         return "compiled kernels are disabled (ALIGN_KERNELS=spec)"
