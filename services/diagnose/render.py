@@ -38,6 +38,11 @@ def _verdict(v: str | None) -> str:
         v or "", "—")
 
 
+def _name_width(names) -> int:
+    """Width that keeps condition names whole (rich otherwise squeezes the one wrappable column)."""
+    return min(max((len(n) for n in names), default=9), 32)
+
+
 def stats_table(report: dict, which: str = "shared") -> Table | None:
     """δ statistics per condition with CIs (``which``: ``shared`` or ``on_policy``)."""
     conds = [c for c in report["conditions"] if c.get(which)]
@@ -59,7 +64,9 @@ def stats_table(report: dict, which: str = "shared") -> Table | None:
             f"TIS trunc tok / seq (C={cfg['tis_cap']:g})"]
     for c in cols:
         t.add_column(escape(c), justify="left" if c == "condition" else "right",
-                     no_wrap=c != "condition")
+                     no_wrap=c != "condition",
+                     min_width=_name_width(c["name"] + " (floor)" for c in conds)
+                     if c == "condition" else None)
     for c in conds:
         s = c[which]
         d = s["delta"]
@@ -84,7 +91,8 @@ def floor_table(report: dict) -> Table | None:
                            f"cluster bootstrap {cfg['level']:.0%} CI"), title_justify="left")
     for c in ("condition", "ΔP99|δ|", "CI", "widens the tail", "Δclip potential", "CI ",
               "raises clip potential"):
-        t.add_column(c, justify="left" if c == "condition" else "right")
+        t.add_column(c, justify="left" if c == "condition" else "right",
+                     min_width=_name_width(x["name"] for x in conds) if c == "condition" else None)
     for c in conds:
         v = c["shared"]["vs_floor"]
         p, q = v["p99_abs_diff"], v["clip_potential_diff"]
@@ -102,7 +110,9 @@ def layers_table(report: dict) -> Table | None:
               "forced forwards on the shared sequences)", title_justify="left")
     for c in ("condition", "layer", "h_in", "set match", "matched rows", "FC1", "FC2", "MoE out",
               "FC1 | routing fixed", "FC2 | routing fixed", "MoE | routing fixed"):
-        t.add_column(c, justify="left" if c == "condition" else "right")
+        t.add_column(c, justify="left" if c == "condition" else "right",
+                     min_width=_name_width(r["condition"] for r in rows) if c == "condition"
+                     else None)
     for r in rows:
         n = r.get("natural") or {}
         k = r.get("conditioned") or {}
@@ -122,7 +132,9 @@ def replay_table(report: dict) -> Table | None:
               "routing held fixed)", title_justify="left")
     for c in ("condition", "layer", "site", "R(h_R,h_L)", "I: F_L(h_R)|F_L(h_L)",
               "E: F_R(h_R)|F_L(h_R)", "F_R(h_L)|F_L(h_L)", "F_R(h_R)|F_R(h_L)", "N: F_R(h_R)|F_L(h_L)"):
-        t.add_column(c, justify="left" if c in ("condition", "site") else "right")
+        t.add_column(c, justify="left" if c in ("condition", "site") else "right",
+                     min_width=_name_width(r["condition"] for r in rows) if c == "condition"
+                     else None)
     for r in rows:
         for site in ("fc1", "fc2", "moe_out"):
             s = r.get(site) or {}
