@@ -193,3 +193,56 @@ class BusUnavailableError(AlignError):
 
     code = "bus_unavailable"
     http_status = 503
+
+
+class PayloadTooLargeError(InputError):
+    """A request body, record or value is larger than the configured limit."""
+
+    code = "payload_too_large"
+    http_status = 413
+
+    def __init__(self, what: str, size: int, limit: int):
+        self.what = what
+        self.size = size
+        self.limit = limit
+        super().__init__(f"{what} is {size} bytes, more than the limit of {limit} bytes")
+
+
+class GuidanceRecordError(InputError):
+    """A guidance record is malformed or does not fit the activation it should guide."""
+
+    code = "invalid_guidance"
+
+
+class GuidanceChecksumError(GuidanceRecordError):
+    """A guidance record's bytes do not match the checksum it carries (corrupt record)."""
+
+    code = "guidance_checksum"
+
+
+class GuidanceNotFoundError(AlignError, LookupError):
+    """The guidance store holds no record for this weight version (or this rollout)."""
+
+    code = "guidance_not_found"
+    http_status = 404
+
+    def __init__(self, version_id: str, rollout_id: str | None = None, detail: str = ""):
+        self.version_id = version_id
+        self.rollout_id = rollout_id
+        what = (f"rollout {rollout_id!r} of weight version {version_id!r}" if rollout_id
+                is not None else f"weight version {version_id!r}")
+        super().__init__(f"no guidance for {what}" + (f" ({detail})" if detail else ""))
+
+
+class GuidanceEvictedError(GuidanceNotFoundError):
+    """The version's guidance existed but was evicted (budget or TTL); the message says why."""
+
+    code = "guidance_evicted"
+    http_status = 410
+
+
+class GuidanceBudgetError(AlignError):
+    """A put would exceed the guidance store's byte budget and nothing may be evicted."""
+
+    code = "guidance_budget"
+    http_status = 507
