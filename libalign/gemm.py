@@ -103,6 +103,10 @@ PATHS: dict[str, ExecutionPath] = {
     "nvfp4_minite": ExecutionPath(
         "nvfp4_minite", PRESETS["minite"], PRESETS["minite"],
         "NVFP4, row-scaled activations and weights (the miniTE spec)"),
+    "nvfp4_trace": ExecutionPath(
+        "nvfp4_trace", PRESETS["minite"], PRESETS["minite"],
+        "NVFP4 as nvfp4_minite, activations rounded as the sampler's guidance records say "
+        "(TRACE; round-to-nearest where no record is attached)"),
 }
 
 
@@ -394,21 +398,29 @@ def _bf16_grouped(a: torch.Tensor, w: torch.Tensor, layout: GroupLayout) -> torc
 
 
 def _quantized_grouped(a: torch.Tensor, w: ExpertWeights, layout: GroupLayout,
-                       backend: str) -> torch.Tensor:
+                       backend: str, act_q: NVFP4Tensor | None = None) -> torch.Tensor:
     spec = w.path.act_spec
     out_dtype = a.dtype if a.dtype != torch.float32 else torch.bfloat16
     if backend == "triton":
+        if act_q is not None:
+            return ops.w4a4_grouped_triton_quantized(
+                inner_values(act_q, torch.bfloat16), row_decode_scales(act_q), w.inner, w.dec,
+                layout, out_dtype)
         return ops.w4a4_grouped_triton(a, spec, w.inner, w.dec, layout, out_dtype)
-    check_finite(a, "activations")
+    if act_q is None:
+        check_finite(a, "activations")
     if backend == "native":  # Blackwell FP4 tensor cores (compiled for sm_100a, never run here)
         if w.operand is None:
             raise SpecError("these weights were not prepared on a device with the native GEMM")
-        qa = ops.quantize(a.detach(), spec)
+        qa = act_q if act_q is not None else ops.quantize(a.detach(), spec)
         offs = layout.offsets(padded=False)
         return ops.native_grouped_gemm(qa.codes, ops.grouped_activation_scales(qa.block_scales, offs),
                                        row_decode_scales(qa), offs, w.operand.codes,
                                        w.operand.block_scales, w.dec)
-    _, a_in, a_dec = quantize_activations(a, spec)
+    if act_q is not None:
+        a_in, a_dec = inner_values(act_q, _inner_dtype(a.device)), row_decode_scales(act_q)
+    else:
+        _, a_in, a_dec = quantize_activations(a, spec)
     out = a.new_empty((a.shape[0], w.shape[1]), dtype=out_dtype)
     if backend == "reference":
         w_in64 = inner_values(w.q, torch.float64)
@@ -428,11 +440,11 @@ class _GroupedSTE(torch.autograd.Function):
     """Forward through the chosen path; backward as the bf16 product of saved operands."""
 
     @staticmethod
-    def forward(ctx, a, weight, w, layout, backend):
+    def forward(ctx, a, weight, w, layout, backend, act_q):
         ctx.save_for_backward(a, weight)
         ctx.layout = layout
         if w.path.quantized:
-            return _quantized_grouped(a, w, layout, backend)
+            return _quantized_grouped(a, w, layout, backend, act_q)
         return _bf16_grouped(a, weight, layout)
 
     @staticmethod
@@ -451,12 +463,12 @@ class _GroupedSTE(torch.autograd.Function):
                 lo, hi = offs[e], offs[e + 1]
                 if hi > lo:
                     grad_w[e] = (grad[lo:hi].T @ a[lo:hi]).to(weight.dtype)
-        return grad_a, grad_w, None, None, None
+        return grad_a, grad_w, None, None, None, None
 
 
 def grouped_linear(a: torch.Tensor, weights: ExpertWeights,
                    counts: torch.Tensor | list[int] | GroupLayout, *,
-                   backend: str = "auto") -> torch.Tensor:
+                   backend: str = "auto", act_q: NVFP4Tensor | None = None) -> torch.Tensor:
     """``out[rows of e] = a[rows of e] @ W[e]^T`` through ``weights.path``, rows sorted by expert.
 
     ``a`` is ``[rows, K]``; ``counts`` gives each expert's rows (or a :class:`GroupLayout`).
@@ -465,22 +477,41 @@ def grouped_linear(a: torch.Tensor, weights: ExpertWeights,
     CUTLASS; compiled, not yet run on hardware), ``auto`` (native on Blackwell, else triton
     on a CUDA device that has it, else torch).
     Differentiable in ``a`` and ``weights.weight`` with the straight-through estimator.
+
+    ``act_q``, when given, is the activations' quantization to multiply instead of the
+    path's own (guided rounding): an NVFP4 ``[rows, K]`` of ``a`` in the same row order;
+    ``a`` itself is then only saved for the backward pass.
     """
     layout = counts if isinstance(counts, GroupLayout) else group_layout(counts)
     _check_grouped(a, weights, layout)
+    if act_q is not None and (not weights.path.quantized or act_q.shape != tuple(a.shape)):
+        raise ShapeError(f"act_q of shape {act_q.shape} for activations {tuple(a.shape)} on path "
+                         f"{weights.path.name!r}: needs a quantized path and the same shape")
     be = _resolve_backend(backend, a.device, weights.path, a.shape[-1])
-    return _GroupedSTE.apply(a, weights.weight, weights, layout, be)
+    return _GroupedSTE.apply(a, weights.weight, weights, layout, be, act_q)
 
 
 # --- a whole MoE expert block -----------------------------------------------------------------
 
 Observer = Callable[[str, torch.Tensor], None]
+# hook(site, activations, spec, token_of, expert_of) -> their NVFP4 quantization
+ActivationHook = Callable[[str, torch.Tensor, NumericsSpec, torch.Tensor, torch.Tensor | None],
+                          NVFP4Tensor]
+
+
+def take_rows(q: NVFP4Tensor, idx: torch.Tensor) -> NVFP4Tensor:
+    """Rows ``idx`` of a 2-D NVFP4 tensor (row outer scales follow their rows)."""
+    outer = q.outer_scale
+    if outer is not None and q.spec.outer_domain == "row":
+        outer = outer[idx]
+    return NVFP4Tensor(q.codes[idx], q.block_scales[idx], outer, q.spec, (int(idx.numel()), q.k))
 
 
 def moe_experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                         gate_up: ExpertWeights, down: ExpertWeights, *, backend: str = "auto",
                         act_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                        observer: Observer | None = None) -> torch.Tensor:
+                        observer: Observer | None = None,
+                        act_hook: ActivationHook | None = None) -> torch.Tensor:
     """The routed experts of one MoE layer (Qwen3-MoE layout) through prepared weights.
 
     ``hidden`` ``[T, H]``; ``top_k_index``/``top_k_weights`` ``[T, k]``; ``gate_up`` holds
@@ -492,6 +523,12 @@ def moe_experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_w
     ``observer(name, tensor)``, when given, sees ``routing`` (``top_k_index``), ``fc1_in``,
     ``fc1_out``, ``fc2_in`` and ``fc2_out`` in the permuted (expert-sorted) row order, and
     ``order`` (the permutation) — what per-layer diagnosis compares between paths.
+
+    ``act_hook``, on a quantized path, quantizes the activations instead of the path: it is
+    called as ``hook("fc1", hidden, spec, token_of, None)`` once per token (``token_of`` is
+    ``arange(T)``; row scales make a token's bits the same for each of its experts, so the
+    rows are then gathered into expert order) and as ``hook("fc2", act, spec, token_of,
+    expert_of)`` on the expert-sorted FC2 inputs. Guidance capture and guided rounding use it.
     """
     if hidden.ndim != 2:
         raise ShapeError(f"hidden states must be [tokens, hidden], got {tuple(hidden.shape)}")
@@ -506,10 +543,17 @@ def moe_experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_w
     counts = torch.bincount(flat, minlength=e)[:e]
     layout = group_layout(counts.cpu())
     x = hidden[token_of]
-    h = grouped_linear(x, gate_up, layout, backend=backend)
+    hook = act_hook if gate_up.path.quantized and down.path.quantized else None
+    q1 = q2 = None
+    if hook is not None:
+        tokens = torch.arange(hidden.shape[0], device=hidden.device)
+        q1 = take_rows(hook("fc1", hidden, gate_up.path.act_spec, tokens, None), token_of)
+    h = grouped_linear(x, gate_up, layout, backend=backend, act_q=q1)
     gate, up = h.chunk(2, dim=-1)
     act = (act_fn or torch.nn.functional.silu)(gate) * up
-    y = grouped_linear(act, down, layout, backend=backend)
+    if hook is not None:
+        q2 = hook("fc2", act, down.path.act_spec, token_of, flat[order])
+    y = grouped_linear(act, down, layout, backend=backend, act_q=q2)
     if observer is not None:
         observer("routing", top_k_index)
         observer("order", order)

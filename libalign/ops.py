@@ -477,6 +477,30 @@ def w4a4_grouped_triton(a: torch.Tensor, spec: NumericsSpec, w_inner: torch.Tens
     return lay.unpad(out)
 
 
+def w4a4_grouped_triton_quantized(a_inner: torch.Tensor, a_dec: torch.Tensor,
+                                  w_inner: torch.Tensor, w_dec: torch.Tensor, layout,
+                                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The Triton grouped GEMM on activations quantized elsewhere (guided rounding).
+
+    ``a_inner`` ``[rows, K]`` bf16 inner values (code times block scale) and ``a_dec``
+    ``[rows]`` fp32 row decode scales, rows sorted by expert as ``layout`` says.
+    """
+    from .gemm import group_layout
+
+    tk = _triton()
+    if tk is None or a_inner.device.type != "cuda":
+        raise SpecError("the Triton W4A4 GEMM needs a CUDA device with Triton installed")
+    gap = _triton_k_gap(a_inner.shape[-1])
+    if gap is not None:
+        raise SpecError(f"the Triton W4A4 GEMM cannot serve {gap}")
+    lay = layout if layout.pad_to in (64, 128) else group_layout(layout.counts, 128)
+    ap = lay.pad(a_inner.to(torch.bfloat16).contiguous())
+    dp = lay.pad(a_dec.float().reshape(-1, 1)).reshape(-1).contiguous()
+    tiles = lay.tile_expert(lay.pad_to, a_inner.device)
+    out = tk.grouped_gemm(ap, dp, w_inner, w_dec, tiles, lay.pad_to, out_dtype)
+    return lay.unpad(out)
+
+
 def _raise_like_spec(x, spec, outer_amax):
     _spec.quantize(x, spec, outer_amax=outer_amax)  # raises the typed error with positions
     raise RuntimeError("an NVFP4 kernel flagged its input but the spec accepted it; "

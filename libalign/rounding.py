@@ -19,6 +19,33 @@ E4M3 round-to-nearest-even (bias 7, 3 mantissa bits, max 448, no Inf)
     the byte is ``rne(v * 2^9)``, and 8 lands exactly on the smallest normal, 0x08.
     Scaling by a power of two is exact, and ``torch.round`` rounds half to even.
 
+Guided rounding (TRACE, E2M1 only)
+    The learner re-quantizes an activation the sampler already quantized, from slightly
+    different bf16 values. Where plain rounding would flip a code across a midpoint (2.51 ->
+    3 on one side, 2.49 -> 2 on the other: one codeword, about 24 after de-scaling at a
+    block scale of 24), guided rounding keeps the sampler's choice. Number the signed grid
+    by *levels* -7..7 (level = magnitude code with the value's sign, both zeros are level
+    0). The learner's normalized value ``z`` lies in a bracket ``[L-, L+]`` of adjacent
+    levels (``L- = L+`` when ``z`` is a grid point). The sampler's record keeps only the
+    ``b`` low bits of its code: ``b = 1`` is the mantissa bit, ``b = 2`` adds the low
+    exponent bit, ``b = 3`` is the magnitude code, ``b = 4`` the whole code. Adjacent
+    levels always differ in those bits, so at most one bracket end matches the record.
+
+    * A bracket end whose low bits match is the sampler's codeword (reconstructed exactly):
+      it is chosen.
+    * Otherwise the sampler's codeword lay outside the bracket; the nearest level (by
+      value, from ``z``) with matching bits above the bracket and the one below stand in
+      for it, and the bracket end on the nearer side is chosen. Equal distances (or no
+      matching level on either side) fall back to round-to-nearest-even.
+    * Rows without a record round to nearest-even.
+
+    Consequences the tests pin: with identical inputs (``z`` equal on both sides) the
+    sampler's code is the RNE code, which lies in the bracket, so guided rounding returns
+    RNE bit for bit for every ``b``; the chosen code is always a bracket end, so its error
+    is never more than one grid step; with any ``b`` the learner reproduces every sampler
+    code that lies in its bracket. A zero level gets its sign bit from the spec's
+    signed-zero policy applied to ``z``, exactly as RNE does.
+
 Stochastic rounding (E2M1 only)
     With ``lo <= a <= hi`` the bracketing magnitudes, ``a`` rounds up when ``u < (a-lo)/(hi-lo)``
     for ``u`` uniform in [0, 1) drawn from an explicit ``torch.Generator``, in the element
@@ -95,6 +122,101 @@ def round_e2m1_stochastic(
     u = torch.rand(z.shape, generator=generator, dtype=torch.float32, device=z.device)
     mag = torch.where(u < frac, hi_idx, lo_idx).to(torch.uint8)
     return _apply_sign(z, mag, signed_zero)
+
+
+GUIDE_BITS = (1, 2, 3, 4)
+
+
+def e2m1_levels(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes -> signed levels -7..7 (int8); both zeros are level 0."""
+    c = codes.to(torch.int16)
+    mag = c & 0x7
+    return torch.where((c & E2M1_SIGN_BIT) != 0, -mag, mag).to(torch.int8)
+
+
+def low_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The ``bits`` low bits of E2M1 codes (uint8); what a guidance record keeps per value."""
+    if bits not in GUIDE_BITS:
+        raise SpecError(f"guidance keeps 1, 2, 3 or 4 bits per value, got {bits!r}")
+    return codes & ((1 << bits) - 1)
+
+
+def _level_bits(levels: torch.Tensor, bits: int) -> torch.Tensor:
+    """The low bits a code at each signed level would carry (int16; -0 for level 0)."""
+    lv = levels.to(torch.int16)
+    if bits == 4:
+        return torch.where(lv < 0, (-lv) | E2M1_SIGN_BIT, lv)
+    return lv.abs() & ((1 << bits) - 1)
+
+
+def _nearest_matching_tables(bits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[15, 2^bits]`` fp32 tables: value of the nearest level >= L (resp. <= L) whose low bits
+    are c, indexed by ``L + 7`` and ``c``; +inf (resp. -inf) where none exists."""
+    mags = E2M1_MAGNITUDES
+    vals = [-mags[-lv] if lv < 0 else mags[lv] for lv in range(-7, 8)]
+    up = torch.full((15, 1 << bits), float("inf"))
+    down = torch.full((15, 1 << bits), float("-inf"))
+    lvl_bits = _level_bits(torch.arange(-7, 8), bits).tolist()
+    for i in range(15):
+        for j in range(i, 15):
+            if up[i, lvl_bits[j]] == float("inf"):
+                up[i, lvl_bits[j]] = vals[j]
+        for j in range(i, -1, -1):
+            if down[i, lvl_bits[j]] == float("-inf"):
+                down[i, lvl_bits[j]] = vals[j]
+    return up.to(device), down.to(device)
+
+
+_GUIDE_TABLES: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def bracket_levels(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signed levels ``(L-, L+)`` (int8) of the grid points bracketing fp32 ``z`` in [-6, 6]."""
+    grid = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=z.device)
+    a = z.abs()
+    lo = (torch.bucketize(a, grid, right=True) - 1).clamp_(0, 7)  # largest magnitude <= a
+    hi = torch.where(grid[lo] == a, lo, (lo + 1).clamp(max=7))
+    neg = z < 0
+    lower = torch.where(neg, -hi, lo).to(torch.int8)
+    upper = torch.where(neg, -lo, hi).to(torch.int8)
+    return lower, upper
+
+
+def round_e2m1_guided(z: torch.Tensor, guide: torch.Tensor, bits: int,
+                      present: torch.Tensor | None = None,
+                      signed_zero: str = "positive") -> torch.Tensor:
+    """fp32 ``z`` (clamped to [-6, 6]) -> E2M1 codes steered by the sampler's low code bits.
+
+    ``guide`` holds, per element, the ``bits`` low bits of the sampler's code (uint8, as
+    :func:`low_bits` gives them); ``present`` (broadcastable to ``z``) marks the elements a
+    record covers, the rest round to nearest-even. See the module doc for the rule.
+    """
+    if bits not in GUIDE_BITS:
+        raise SpecError(f"guidance keeps 1, 2, 3 or 4 bits per value, got {bits!r}")
+    if guide.shape != z.shape:
+        raise SpecError(f"guide bits have shape {tuple(guide.shape)}, values {tuple(z.shape)}")
+    key = (bits, str(z.device))
+    if key not in _GUIDE_TABLES:
+        _GUIDE_TABLES[key] = _nearest_matching_tables(bits, z.device)
+    up_tab, down_tab = _GUIDE_TABLES[key]
+    rne = e2m1_magnitude_codes(z.abs())
+    rne_level = torch.where(z < 0, -rne.to(torch.int8), rne.to(torch.int8))
+    lower, upper = bracket_levels(z)
+    g = guide.to(torch.int16)
+    lower_hit = _level_bits(lower, bits) == g
+    upper_hit = _level_bits(upper, bits) == g
+    d_up = up_tab[upper.long() + 7, g.long()] - z
+    d_down = z - down_tab[lower.long() + 7, g.long()]
+    outside = torch.where(d_up < d_down, upper, torch.where(d_down < d_up, lower, rne_level))
+    level = torch.where(lower_hit, lower, torch.where(upper_hit, upper, outside))
+    if present is not None:
+        level = torch.where(present, level, rne_level)
+    neg = level < 0
+    if signed_zero != "positive":  # a zero level takes the sign RNE would give it
+        zero_code = _apply_sign(z, torch.zeros(z.shape, dtype=torch.uint8, device=z.device),
+                                signed_zero)
+        neg = neg | ((level == 0) & (zero_code != 0))
+    return level.abs().to(torch.uint8) | (neg.to(torch.uint8) << 3)
 
 
 def canonical_zero(codes: torch.Tensor) -> torch.Tensor:

@@ -575,6 +575,41 @@ def encode_with_scales(
     return _encode(blocks, s32, outer_b, spec, generator)
 
 
+def normalized_with_scales(
+    x: torch.Tensor, block_scales: torch.Tensor, outer_scale: torch.Tensor | None,
+    spec: NumericsSpec,
+) -> torch.Tensor:
+    """``x`` normalized by given scales, as the encoder sees it before rounding: fp32 ``[..., nb, 16]``.
+
+    ``block_scales`` (E4M3, ``[..., nb]``) and ``outer_scale`` (stored convention, shaped as
+    ``spec.outer_domain`` says) usually come from another producer; the values are the
+    scaled, clamped elements that step 7 would round, in the spec's operation order and
+    zero-scale policy, so rounding them to nearest reproduces :func:`encode_with_scales`.
+    Guided rounding (:func:`libalign.rounding.round_e2m1_guided`) rounds them instead.
+    """
+    shape = tuple(x.shape)
+    bits = block_scales.view(torch.uint8) if block_scales.dtype == torch.float8_e4m3fn \
+        else block_scales
+    if tuple(bits.shape) != (*shape[:-1], -(-shape[-1] // BLOCK_SIZE)):
+        raise ShapeError(f"block scales of shape {tuple(bits.shape)} do not fit values of shape "
+                         f"{shape}")
+    carrier = NVFP4Tensor(bits.new_empty(0), bits.view(torch.float8_e4m3fn), outer_scale, spec,
+                          shape)
+    blocks = _prepared_blocks(x, spec)
+    s32 = e4m3_bits_to_float(bits)
+    outer = carrier.outer()
+    grid = s32.shape
+    enc = _per_block(_broadcast_outer(outer.enc, spec.outer_domain, s32.ndim), grid)
+    dec = _per_block(_broadcast_outer(outer.dec, spec.outer_domain, s32.ndim), grid)
+    flat, s_flat = blocks.reshape(-1, BLOCK_SIZE), s32.reshape(-1, 1)
+    scaled = scale_math.encode_blocks(flat, s_flat, scale_math.OuterScales(enc=enc, dec=dec),
+                                      spec.op_order)
+    if bool((s_flat == 0).any()):
+        mult = 0.0 if spec.zero_scale_encode == "zero" else FLT_MAX
+        scaled = torch.where(s_flat == 0, flat * mult, scaled)
+    return scaled.clamp_(-E2M1_MAX, E2M1_MAX).reshape(*grid, BLOCK_SIZE)
+
+
 def roundtrip_codes(q: NVFP4Tensor) -> torch.Tensor:
     """The packed codes that re-encoding ``dequantize(q)`` with ``q``'s scales yields.
 

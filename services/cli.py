@@ -171,6 +171,10 @@ def diagnose(
     tis_cap: float = typer.Option(2.0, help="TIS truncation C"),
     n_boot: int = typer.Option(1000, help="bootstrap resamples"),
     level: float = typer.Option(0.95, help="confidence level"),
+    trace_bits: int = typer.Option(1, help="bits a value kept in the sampler's guidance records "
+                                   "(1, 2, 3 or 4) for nvfp4_trace conditions"),
+    trace_layers: int | None = typer.Option(None, help="record only the last N MoE layers "
+                                            "(default: all)"),
     seed: int = typer.Option(0, help="seed of prompts, sampling and bootstrap"),
     device: str = typer.Option("cpu", help="cpu or cuda[:N]"),
     backend: str = typer.Option("auto", help="W4A4 GEMM backend: auto, torch, reference, triton"),
@@ -194,8 +198,9 @@ def diagnose(
         conditions=conditions, learner_paths=learner_paths, sampler_paths=sampler_paths, floor=floor,
         generate_path=generate_path, on_policy=on_policy, layers=layers, replay_layers=replay_layers,
         conditioned=conditioned, localize_sequences=localize_sequences, context_swap=context_swap,
-        clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, n_boot=n_boot, level=level, seed=seed,
-        device=device, backend=backend, threads=threads)
+        clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, n_boot=n_boot, level=level,
+        trace_bits=trace_bits, trace_layers=trace_layers, seed=seed, device=device,
+        backend=backend, threads=threads)
     err = Console(stderr=True)
     try:
         with _DiagnoseProgress(err, disable=quiet or as_json or not err.is_terminal) as progress:

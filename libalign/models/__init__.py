@@ -15,6 +15,8 @@ network does the difference arise? This package supplies the pieces to ask it on
   chosen layers;
 * :mod:`~libalign.models.capture` – per-layer activation capture (residual stream, routing,
   FC1/FC2 outputs in token order) and forced routing;
+* :mod:`~libalign.models.guided` – TRACE: the sampler captures guidance records, the learner
+  rounds by them (``nvfp4_trace``);
 * :mod:`~libalign.models.scoring` – the learner (teacher-forced scores), the sampler (KV-cache
   decoding that reports log-probs as it goes) and single-layer replay for the 2×2 input/path
   swap.
@@ -30,6 +32,7 @@ Typical use::
 
 from .capture import capture, force_routing, to_token_order
 from .config import build_model, qwen3_30b_a3b_shaped_config, tiny_config
+from .guided import CodeAgreement, capture_guidance, use_guidance
 from .paths import (
     add_observer,
     clear_weight_cache,
@@ -58,12 +61,14 @@ from .train import (
 
 __all__ = [
     "DEFAULT_STEPS",
+    "CodeAgreement",
     "GenerationResult",
     "SyntheticTask",
     "add_observer",
     "build_model",
     "cache_root",
     "capture",
+    "capture_guidance",
     "checkpoint_dir",
     "clear_weight_cache",
     "cpu_threads",
@@ -86,6 +91,7 @@ __all__ = [
     "train_model",
     "trained_tiny_model",
     "training_report",
+    "use_guidance",
     "use_path",
     "write_dir_atomically",
 ]

@@ -37,6 +37,7 @@ the per-expert scale of the naive path spans gate and up rows together.
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -102,12 +103,13 @@ class _Glue:
     path: gemm.ExecutionPath | None = None
     backend: str = "auto"
     observers: list = field(default_factory=list)
+    act_hook: Callable | None = None
 
 
 def _glued_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                    top_k_weights: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     glue: _Glue = self.__dict__[_GLUE]
-    if glue.path is None and not glue.observers:
+    if glue.path is None and not glue.observers and glue.act_hook is None:
         return _call_saved(self, glue, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
     path = glue.path or gemm.PATHS["bf16"]
     gate_up, down = prepared_weights(self, path)
@@ -115,7 +117,8 @@ def _glued_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: to
     out = gemm.moe_experts_forward(
         hidden_states, top_k_index, top_k_weights, gate_up, down, backend=glue.backend,
         act_fn=getattr(self, "act_fn", None),
-        observer=None if record is None else record.__setitem__)
+        observer=None if record is None else record.__setitem__,
+        act_hook=None if glue.act_hook is None else functools.partial(glue.act_hook, glue.layer))
     if record is not None:
         record.update(moe_in=hidden_states, router_weights=top_k_weights, moe_out=out,
                       path=path.name)
@@ -141,7 +144,7 @@ def _glue_of(module: nn.Module, layer: int) -> _Glue:
 
 def _release_if_idle(module: nn.Module) -> None:
     glue = module.__dict__.get(_GLUE)
-    if glue is None or glue.path is not None or glue.observers:
+    if glue is None or glue.path is not None or glue.observers or glue.act_hook is not None:
         return
     del module.__dict__[_GLUE]
     if glue.saved is _MISSING:
@@ -169,6 +172,44 @@ def add_observer(model: nn.Module, layer: int, fn: ExpertsObserver) -> Callable[
             _release_if_idle(module)
 
     return remove
+
+
+# layer-bound activation hook: hook(layer, site, activations, spec, token_of, expert_of)
+LayerActivationHook = Callable[..., object]
+
+
+def set_activation_hook(model: nn.Module, layer: int, hook: LayerActivationHook | None) -> None:
+    """Quantize layer ``layer``'s expert activations through ``hook`` (None removes it).
+
+    The hook only acts on layers running a quantized path; see
+    :func:`libalign.gemm.moe_experts_forward` for when it is called and what it returns.
+    """
+    module = experts_module(model, layer)
+    if hook is None:
+        glue = module.__dict__.get(_GLUE)
+        if glue is not None:
+            glue.act_hook = None
+            _release_if_idle(module)
+        return
+    _glue_of(module, layer).act_hook = hook
+
+
+_ROW_KEYS = "_libalign_row_keys"
+
+
+def set_row_keys(model: nn.Module, keys: torch.Tensor | None) -> None:
+    """Name the token rows of the next forward calls (int64 ``[batch, seq]``, -1 = padding).
+
+    The scoring and decoding helpers set these (sequence id and position of every token, see
+    :func:`libalign.guidance.row_keys`) so that guidance capture and lookup can tell which
+    rollout token each expert row belongs to.
+    """
+    model.__dict__[_ROW_KEYS] = None if keys is None else keys.reshape(-1)
+
+
+def row_keys_of(model: nn.Module) -> torch.Tensor | None:
+    """The flat row keys of the current forward call, if the caller set them."""
+    return model.__dict__.get(_ROW_KEYS)
 
 
 # --- prepared weights -------------------------------------------------------------------------

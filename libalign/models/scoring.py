@@ -45,8 +45,16 @@ import torch
 from torch import nn
 
 from ..errors import InputError, ShapeError, SpecError
+from ..guidance import MAX_SEQUENCE, row_keys
 from .capture import RoutingSpec, force_routing
-from .paths import PathAssignment, decoder_layers, experts_module, moe_layer_indices, use_path
+from .paths import (
+    PathAssignment,
+    decoder_layers,
+    experts_module,
+    moe_layer_indices,
+    set_row_keys,
+    use_path,
+)
 
 try:
     from transformers.cache_utils import DynamicCache
@@ -69,6 +77,17 @@ def _cache_kwarg(fn) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _seq_ids(seq_ids: Sequence[int] | None, n: int) -> list[int]:
+    if seq_ids is None:
+        return list(range(n))
+    ids = [int(i) for i in seq_ids]
+    if len(ids) != n:
+        raise InputError(f"{len(ids)} sequence ids for {n} sequences")
+    if any(not 0 <= i <= MAX_SEQUENCE for i in ids):
+        raise InputError(f"sequence ids must lie in [0, {MAX_SEQUENCE}]")
+    return ids
+
+
 def _check_batch_size(batch_size: int) -> None:
     if not isinstance(batch_size, int) or batch_size < 1:
         raise InputError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -78,15 +97,17 @@ def _check_batch_size(batch_size: int) -> None:
 
 def score_sequences(model: nn.Module, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
                     path: PathAssignment, *, batch_size: int = 8, backend: str = "auto",
-                    pad_id: int = 0) -> list[torch.Tensor]:
+                    pad_id: int = 0, seq_ids: Sequence[int] | None = None) -> list[torch.Tensor]:
     """Teacher-forced fp32 log-prob of every completion token (positions ``prompt_len..len-1``).
 
     One CPU float32 tensor per sequence, of length ``len - prompt_len``. ``path=None`` leaves the
-    model's current forwards as they are.
+    model's current forwards as they are. ``seq_ids`` (default ``0..n-1``) name the sequences
+    for guidance lookup (:func:`~libalign.models.paths.set_row_keys`).
     """
     _check_batch_size(batch_size)
     if len(sequences) != len(prompt_lens):
         raise InputError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
+    ids_of = _seq_ids(seq_ids, len(sequences))
     for i, (seq, p) in enumerate(zip(sequences, prompt_lens, strict=True)):
         if not 1 <= p <= len(seq):
             raise InputError(f"sequence {i}: prompt_len {p} must be in [1, {len(seq)}]")
@@ -102,7 +123,13 @@ def score_sequences(model: nn.Module, sequences: Sequence[Sequence[int]], prompt
                 ids[r, :len(s)] = torch.tensor(s, dtype=torch.long)
                 mask[r, :len(s)] = 1
             ids, mask = ids.to(dev), mask.to(dev)
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            pos = torch.arange(ids.shape[1], device=dev).expand_as(ids)
+            sid = torch.tensor(ids_of[start:start + len(chunk)], device=dev).unsqueeze(-1)
+            set_row_keys(model, torch.where(mask.bool(), row_keys(sid, pos), -1))
+            try:
+                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            finally:
+                set_row_keys(model, None)
             for r, s in enumerate(chunk):
                 p, n = prompt_lens[start + r], len(s)
                 logp = torch.log_softmax(logits[r, p - 1:n - 1].float(), dim=-1)
@@ -142,13 +169,14 @@ def _eos_set(model: nn.Module, eos_id) -> set[int]:
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], path: PathAssignment, *,
              max_new_tokens: int, temperature: float = 1.0, seed: int = 0, batch_size: int = 8,
              eos_id: int | Sequence[int] | None = None, backend: str = "auto",
-             pad_id: int | None = None) -> GenerationResult:
+             pad_id: int | None = None, seq_ids: Sequence[int] | None = None) -> GenerationResult:
     """Sample completions token by token with a KV cache and report each token's log-prob.
 
     Prompts run in batches of ``batch_size`` (left-padded); a sequence stops at an eos token
     (``eos_id``, default the model config's) or after ``max_new_tokens``. The eos token is part
     of the completion. ``path=None`` leaves the model's current forwards as they are. Results
-    depend on the seed and on the batching (which rows share a batch).
+    depend on the seed and on the batching (which rows share a batch). ``seq_ids`` (default
+    ``0..n-1``) name the rollouts in guidance records captured while generating.
     """
     _check_batch_size(batch_size)
     if max_new_tokens < 1:
@@ -158,6 +186,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], path: PathAssig
     if any(len(p) == 0 for p in prompts):
         raise InputError("every prompt needs at least one token")
     eos = _eos_set(model, eos_id)
+    ids_of = _seq_ids(seq_ids, len(prompts))
     if pad_id is None:
         pad_id = getattr(model.config, "pad_token_id", None)
         pad_id = 0 if pad_id is None else int(pad_id)
@@ -168,7 +197,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], path: PathAssig
         for start in range(0, len(prompts), batch_size):
             chunk = [list(map(int, p)) for p in prompts[start:start + batch_size]]
             seqs, lps, done = _generate_batch(model, chunk, max_new_tokens, temperature, gen, eos,
-                                              pad_id)
+                                              pad_id, ids_of[start:start + len(chunk)])
             result.sequences.extend(seqs)
             result.prompt_lens.extend(len(p) for p in chunk)
             result.logprobs.extend(lps)
@@ -185,9 +214,11 @@ class KVDecode:
     instead, through the same calls, so both report the same log-probs for the same tokens.
     """
 
-    def __init__(self, model: nn.Module, prompts: list[list[int]], pad_id: int):
+    def __init__(self, model: nn.Module, prompts: list[list[int]], pad_id: int,
+                 seq_ids: Sequence[int] | None = None):
         if DynamicCache is None:  # pragma: no cover
             raise SpecError("decoding needs transformers with transformers.cache_utils.DynamicCache")
+        self.seq_ids = _seq_ids(seq_ids, len(prompts))
         b, width = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((b, width), pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
@@ -200,24 +231,33 @@ class KVDecode:
         self.cache = DynamicCache(config=model.config)
         ids, self.mask = ids.to(self.device), mask.to(self.device)
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
-        self.logits = self._forward(ids, positions)
+        self._sid = torch.tensor(self.seq_ids, device=self.device).unsqueeze(-1)
+        self.logits = self._forward(ids, positions, self.mask.bool())
         self.next_pos = positions[:, -1:] + 1
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
-                          use_cache=True, **{self.cache_kw: self.cache}).logits[:, -1]
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor,
+                 real: torch.Tensor) -> torch.Tensor:
+        set_row_keys(self.model, torch.where(real, row_keys(self._sid, positions), -1))
+        try:
+            return self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
+                              use_cache=True, **{self.cache_kw: self.cache}).logits[:, -1]
+        finally:
+            set_row_keys(self.model, None)
 
-    def step(self, tokens: list[int]) -> None:
-        """Feed one token per row (a finished row is fed the pad token by its caller)."""
+    def step(self, tokens: list[int], active: Sequence[bool] | None = None) -> None:
+        """Feed one token per row (a finished row is fed the pad token by its caller and, when
+        ``active`` says so, is not attributed to its sequence in guidance records)."""
         feed = torch.tensor(tokens, dtype=torch.long, device=self.device).unsqueeze(-1)
         self.mask = torch.cat([self.mask, torch.ones_like(feed)], dim=-1)
-        self.logits = self._forward(feed, self.next_pos)
+        real = torch.ones_like(feed, dtype=torch.bool) if active is None else \
+            torch.tensor(list(active), dtype=torch.bool, device=self.device).unsqueeze(-1)
+        self.logits = self._forward(feed, self.next_pos, real)
         self.next_pos = self.next_pos + 1
 
 
-def _generate_batch(model, chunk, max_new_tokens, temperature, gen, eos, pad_id):
+def _generate_batch(model, chunk, max_new_tokens, temperature, gen, eos, pad_id, seq_ids):
     b = len(chunk)
-    dec = KVDecode(model, chunk, pad_id)
+    dec = KVDecode(model, chunk, pad_id, seq_ids)
     done = [False] * b
     new_tokens: list[list[int]] = [[] for _ in range(b)]
     new_lps: list[list[float]] = [[] for _ in range(b)]
@@ -238,7 +278,8 @@ def _generate_batch(model, chunk, max_new_tokens, temperature, gen, eos, pad_id)
                 done[r] = tok_l[r] in eos
         if all(done) or step == max_new_tokens - 1:
             break
-        dec.step([pad_id if d else t for d, t in zip(done, tok_l, strict=True)])
+        dec.step([pad_id if d else t for d, t in zip(done, tok_l, strict=True)],
+                 active=[not d for d in done])
     seqs = [p + t for p, t in zip(chunk, new_tokens, strict=True)]
     lps = [torch.tensor(v, dtype=torch.float32) for v in new_lps]
     return seqs, lps, done

@@ -10,7 +10,9 @@ comparison needs:
 * ``bf16/nvfp4_naive`` — a bf16 learner against a per-tensor-scaled NVFP4 sampler (the common
   recipe);
 * ``bf16/nvfp4_minite`` — a bf16 learner against the row-scaled NVFP4 sampler;
-* ``nvfp4_minite/nvfp4_minite`` — the aligned pair: both sides run the same NVFP4 spec.
+* ``nvfp4_minite/nvfp4_minite`` — the aligned pair: both sides run the same NVFP4 spec;
+* ``nvfp4_trace/nvfp4_minite`` — the aligned pair with TRACE: the learner rounds its
+  activations as the sampler's guidance records say (:mod:`services.diagnose.guided`).
 
 Path names are checked against :data:`libalign.gemm.PATHS`; an unknown one is a
 :class:`~libalign.errors.SpecError` naming it and the condition it came from.
@@ -25,7 +27,7 @@ from libalign.errors import InputError, SpecError
 from libalign.gemm import PATHS
 
 DEFAULT_CONDITIONS = ("bf16/bf16", "bf16/nvfp4_naive", "bf16/nvfp4_minite",
-                      "nvfp4_minite/nvfp4_minite")
+                      "nvfp4_minite/nvfp4_minite", "nvfp4_trace/nvfp4_minite")
 FLOOR = "bf16/bf16"
 EXTERNAL = "external"
 """Sampler name of log-probs supplied in a sequences file (no path re-runs them)."""

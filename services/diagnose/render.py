@@ -179,6 +179,33 @@ def timings_table(report: dict) -> Table:
     return t
 
 
+def guidance_table(report: dict) -> Table | None:
+    """TRACE: record sizes, and per layer/site the code mismatch before and after guidance."""
+    g = report.get("guidance")
+    if not g:
+        return None
+    t = Table(title=escape(f"TRACE guidance ({g['bits']} bit a value, layers {g['layers']}): share "
+                           "of learner codes that differ from the sampler's, on rows with a record"),
+              title_justify="left")
+    for c in ("sampler", "layer", "site", "values", "rows with record", "before guidance",
+              "after guidance"):
+        t.add_column(c, justify="left" if c in ("sampler", "site") else "right")
+    for sampler, s in g["by_sampler"].items():
+        for r in s["agreement"]:
+            t.add_row(escape(sampler), str(r["layer"]), r["site"], str(r["values"]),
+                      _pct(r["rows_with_record"]), _pct(r["mismatch_before"]),
+                      _pct(r["mismatch_after"]))
+    return t
+
+
+def _guidance_sizes(report: dict) -> list[str]:
+    g = report.get("guidance") or {}
+    return [f"guidance records of {sampler}: {s['records']} rollouts, "
+            f"{_f(s['bytes_per_token'])} B per token position ({_f(s['bytes_per_token_zlib'])} B "
+            f"with zlib; full 4-bit codes {_f(s['bytes_per_token_full_codes'])} B)"
+            for sampler, s in (g.get("by_sampler") or {}).items()]
+
+
 def render_report(report: dict, console: Console) -> None:
     """Every table the report has data for."""
     m = report.get("model", {})
@@ -192,9 +219,12 @@ def render_report(report: dict, console: Console) -> None:
                              f"({report['sequences']['generated_by']}): max |Δ| {_f(rc['max_abs'], 3)}"
                              f"{' (bitwise)' if rc['bitwise'] else ''}"))
     for table in (stats_table(report, "shared"), floor_table(report), stats_table(report, "on_policy"),
-                  layers_table(report), replay_table(report), context_table(report)):
+                  guidance_table(report), layers_table(report), replay_table(report),
+                  context_table(report)):
         if table is not None:
             console.print(table)
+    for line in _guidance_sizes(report):
+        console.print(escape(line))
     cs = report.get("context_swap") or {}
     for path, q in (cs.get("quantizer_level") or {}).items():
         state = "independent" if q["independent"] else f"changed by {', '.join(q['changed'])}"
@@ -204,6 +234,10 @@ def render_report(report: dict, console: Console) -> None:
     if skipped and (report.get("layers") or report.get("replay")):
         console.print(escape(f"not localized (same path on both sides, identical teacher-forced "
                              f"forwards): {', '.join(skipped)}"))
+    guided_skipped = (report.get("localization") or {}).get("skipped_guided") or []
+    if guided_skipped and (report.get("layers") or report.get("replay")):
+        console.print(escape(f"not localized (a guided learner has records only for the scored "
+                             f"forwards): {', '.join(guided_skipped)}"))
     console.print(timings_table(report))
     for name, path in (report.get("outputs") or {}).items():
         console.print(escape(f"{name}: {path}"))

@@ -54,8 +54,9 @@ import torch
 import libalign
 from libalign import models
 from libalign.errors import ConfigError, InputError
+from libalign.rounding import GUIDE_BITS
 
-from . import inputs, localize, sides, stats
+from . import guided, inputs, localize, sides, stats
 from .conditions import EXTERNAL, Condition, check_path, parse_layers, paths_of, resolve_conditions
 
 MODELS = ("tiny", "tiny-random", "qwen3-30b-a3b-shaped")
@@ -91,6 +92,8 @@ class DiagnoseConfig:
     tis_cap: float = 2.0
     n_boot: int = 1000
     level: float = 0.95
+    trace_bits: int = 1
+    trace_layers: int | None = None
     seed: int = 0
     device: str = "cpu"
     backend: str = "auto"
@@ -124,8 +127,13 @@ def _check_config(cfg: DiagnoseConfig) -> None:
     if cfg.model not in MODELS:
         raise InputError(f"unknown --model {cfg.model!r}; choose one of {', '.join(MODELS)}")
     # path names first, so a typo fails before any model is loaded
-    resolve_conditions(cfg.conditions, cfg.learner_paths, cfg.sampler_paths, floor=cfg.floor,
-                       external=cfg.sequences_file is not None)
+    conds, _ = resolve_conditions(cfg.conditions, cfg.learner_paths, cfg.sampler_paths,
+                                  floor=cfg.floor, external=cfg.sequences_file is not None)
+    guided.check_guided(conds)
+    if cfg.trace_bits not in GUIDE_BITS:
+        raise InputError(f"--trace-bits must be one of {GUIDE_BITS}, got {cfg.trace_bits}")
+    if cfg.trace_layers is not None and cfg.trace_layers < 1:
+        raise InputError(f"--trace-layers must be at least 1, got {cfg.trace_layers}")
     if cfg.generate_path:
         check_path(cfg.generate_path, "--generate-path")
     for name, v, lo in (("--num-prompts", cfg.num_prompts, 2), ("--batch-size", cfg.batch_size, 1),
@@ -270,6 +278,16 @@ def _threads(cfg: DiagnoseConfig) -> int | None:
     return None
 
 
+@contextmanager
+def _capture_if(model, wanted: bool, layers: list[int], sampler: str):
+    """Guidance capture around a sampler stage when ``wanted``; yields the capture or None."""
+    if not wanted:
+        yield None
+        return
+    with models.capture_guidance(model, layers, guided.capture_spec(sampler)) as cap:
+        yield cap
+
+
 def run_diagnosis(cfg: DiagnoseConfig, reporter: Reporter | None = None) -> dict:
     """Run every stage the configuration asks for and return the report dict (no files written)."""
     _check_config(cfg)
@@ -298,6 +316,8 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
     gen_path = check_path(cfg.generate_path or floor.sampler, "--generate-path")
     learners = paths_of(conds, "learner")
     samplers = paths_of(conds, "sampler")
+    recorders = paths_of(guided.guided_conditions(conds), "sampler")  # samplers that record
+    trace_layers = guided.recording_layers(model, cfg.trace_layers) if recorders else []
     max_new = cfg.max_new_tokens or lm.default_max_new_tokens
     # quantize every path's expert weights once, up front, so that no stage below pays for it
     for p in dict.fromkeys(learners + samplers):
@@ -308,6 +328,7 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
 
     # --- the shared sequences ---
     rollouts: dict[str, models.GenerationResult] = {}
+    on_policy_guidance: dict[str, guided.Guidance] = {}
     if seqfile is None:
         if cfg.prompts_file:
             prompts = inputs.load_prompts(Path(cfg.prompts_file), encode=lm.encode,
@@ -321,11 +342,15 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
             prompt_source = f"random token ids (length {cfg.prompt_len})"
         gen_paths = [gen_path] + ([p for p in samplers if p != gen_path] if cfg.on_policy else [])
         for p in gen_paths:
-            with clock.stage(f"generate[{p}]"):
+            with clock.stage(f"generate[{p}]"), _capture_if(
+                    model, p in recorders and p != gen_path, trace_layers, p) as cap:
                 rollouts[p] = sides.sample(model, prompts, p, max_new_tokens=max_new,
                                            temperature=cfg.temperature, seed=cfg.seed,
                                            eos_id=lm.eos_id, progress=rep.task(f"sample {p}", len(prompts)),
                                            **common)
+            if cap is not None:
+                on_policy_guidance[p] = guided.Guidance(cap, cfg.trace_bits, trace_layers,
+                                                        lm.model.device)
             inputs.check_same_tokens(f"rollouts of {p}", [s[:n] for s, n in zip(
                 rollouts[p].sequences, rollouts[p].prompt_lens, strict=True)], prompts,
                 rollouts[p].prompt_lens, [len(x) for x in prompts])
@@ -341,11 +366,17 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
 
     # --- both sides on the shared tokens ---
     sampler_lp: dict[str, list[torch.Tensor]] = {}
+    shared_guidance: dict[str, guided.Guidance] = {}
     for p in samplers:
-        with clock.stage(f"sampler_replay[{p}]"):
+        with clock.stage(f"sampler_replay[{p}]"), _capture_if(
+                model, p in recorders, trace_layers, p) as cap:
             sampler_lp[p] = sides.replay_decode(model, shared.tokens, shared.prompt_lens, p,
                                                 progress=rep.task(f"replay decode {p}", len(shared)),
                                                 **common)
+        if cap is not None:
+            with clock.stage(f"guidance_records[{p}]"):
+                shared_guidance[p] = guided.Guidance(cap, cfg.trace_bits, trace_layers,
+                                                     lm.model.device)
         inputs.check_side_logprobs(f"sampler {p}", "sampler", sampler_lp[p], comp_lens)
     if external:
         sampler_lp[EXTERNAL] = [torch.tensor(v, dtype=torch.float32) for v in shared.sampler_logprobs]
@@ -355,14 +386,28 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
         consistency = {"path": gen_path, "max_abs": m, "bitwise": bitwise}
     learner_lp: dict[str, list[torch.Tensor]] = {}
     for p in learners:
+        if p == guided.GUIDED:
+            continue
         with clock.stage(f"learner_score[{p}]"):
             learner_lp[p] = sides.score(model, shared.tokens, shared.prompt_lens, p,
                                         progress=rep.task(f"learner score {p}", len(shared)), **common)
         inputs.check_side_logprobs(f"learner {p}", "learner", learner_lp[p], comp_lens)
+    guidance_report: dict[str, dict] = {}
+    for c in guided.guided_conditions(conds):
+        g = shared_guidance[c.sampler]
+        with clock.stage(f"learner_score[{c.name}]"):
+            learner_lp[c.name], agreement = guided.score_guided(
+                model, shared.tokens, shared.prompt_lens, g,
+                progress=rep.task(f"learner score {c.name}", len(shared)), **common)
+        inputs.check_side_logprobs(f"learner {c.name}", "learner", learner_lp[c.name], comp_lens)
+        guidance_report[c.sampler] = {**g.summary(), "agreement": agreement}
+
+    def lkey(c: Condition) -> str:
+        return c.name if c.learner == guided.GUIDED else c.learner
 
     # --- statistics ---
     with clock.stage("statistics"):
-        deltas = {c.name: stats.deltas(learner_lp[c.learner], sampler_lp[c.sampler]) for c in conds}
+        deltas = {c.name: stats.deltas(learner_lp[lkey(c)], sampler_lp[c.sampler]) for c in conds}
         cond_rows = []
         for c in conds:
             s = stats.summarize(deltas[c.name], opts)
@@ -378,7 +423,12 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
             if r is None:
                 continue
             if c.sampler == gen_path:
-                lp_l = learner_lp[c.learner]
+                lp_l = learner_lp[lkey(c)]
+            elif c.learner == guided.GUIDED:
+                with clock.stage(f"on_policy_score[{c.name}]"):
+                    lp_l, _ = guided.score_guided(
+                        model, r.sequences, r.prompt_lens, on_policy_guidance[c.sampler],
+                        progress=rep.task(f"on-policy score {c.name}", len(r.sequences)), **common)
             else:
                 with clock.stage(f"on_policy_score[{c.name}]"):
                     lp_l = sides.score(model, r.sequences, r.prompt_lens, c.learner,
@@ -396,7 +446,9 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
     # --- localization and replay ---
     sub = min(len(shared), cfg.localize_sequences)
     loc_seqs = shared.tokens[:sub]
-    internal = [c for c in conds if c.sampler != EXTERNAL]
+    # a guided learner needs records for the exact forwards it runs; localization's own
+    # forwards carry none, so guided conditions are left out of it (and said so)
+    internal = [c for c in conds if c.sampler != EXTERNAL and c.learner != guided.GUIDED]
     layer_rows, replay_rows, skipped = [], [], []
     if (layers or replay_layers) and internal:
         with clock.stage("localization"):
@@ -410,7 +462,8 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
         with clock.stage("context_swap"):
             ctx = localize.context_swap_check(model, shared.tokens[:max(sub, 3)],
                                               shared.prompt_lens[:max(sub, 3)],
-                                              list(dict.fromkeys(learners + samplers)), **common)
+                                              [p for p in dict.fromkeys(learners + samplers)
+                                               if p != guided.GUIDED], **common)
 
     clock.seconds["total"] = time.perf_counter() - t_start
     cfg_dict = asdict(cfg)
@@ -433,7 +486,10 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
         "replay": replay_rows,
         "localization": {"sequences": sub if layer_rows or replay_rows else 0,
                          "layers": layers, "replay_layers": replay_layers,
-                         "skipped_same_path": skipped},
+                         "skipped_same_path": skipped,
+                         "skipped_guided": [c.name for c in guided.guided_conditions(conds)]},
+        "guidance": ({"bits": cfg.trace_bits, "layers": trace_layers, "by_sampler": guidance_report}
+                     if guidance_report else None),
         "context_swap": ctx,
         "timings_seconds": {k: round(v, 3) for k, v in clock.seconds.items()},
     }

@@ -48,7 +48,7 @@ def sample(model: nn.Module, prompts: Sequence[Sequence[int]], path: str, *, max
     for i, (a, b) in enumerate(_chunks(len(prompts), batch_size)):
         r = models.generate(model, prompts[a:b], path, max_new_tokens=max_new_tokens,
                             temperature=temperature, seed=seed * 1_000_003 + i, batch_size=b - a,
-                            eos_id=eos_id, backend=backend, pad_id=pad_id)
+                            eos_id=eos_id, backend=backend, pad_id=pad_id, seq_ids=range(a, b))
         out.sequences.extend(r.sequences)
         out.prompt_lens.extend(r.prompt_lens)
         out.logprobs.extend(r.logprobs)
@@ -65,7 +65,8 @@ def score(model: nn.Module, sequences: Sequence[Sequence[int]], prompt_lens: Seq
     out: list[torch.Tensor] = []
     for a, b in _chunks(len(sequences), batch_size):
         out.extend(models.score_sequences(model, sequences[a:b], prompt_lens[a:b], path,
-                                          batch_size=b - a, backend=backend, pad_id=pad_id))
+                                          batch_size=b - a, backend=backend, pad_id=pad_id,
+                                          seq_ids=range(a, b)))
         if progress:
             progress(b - a)
     return out
@@ -73,10 +74,10 @@ def score(model: nn.Module, sequences: Sequence[Sequence[int]], prompt_lens: Seq
 
 @torch.no_grad()
 def _replay_batch(model: nn.Module, seqs: list[list[int]], plens: list[int],
-                  pad_id: int) -> list[torch.Tensor]:
+                  pad_id: int, seq_ids: Sequence[int]) -> list[torch.Tensor]:
     b = len(seqs)
     comps = [s[p:] for s, p in zip(seqs, plens, strict=True)]
-    dec = KVDecode(model, [s[:p] for s, p in zip(seqs, plens, strict=True)], pad_id)
+    dec = KVDecode(model, [s[:p] for s, p in zip(seqs, plens, strict=True)], pad_id, seq_ids)
     steps = max(len(c) for c in comps)
     got: list[list[float]] = [[] for _ in range(b)]
     for step in range(steps):
@@ -90,7 +91,8 @@ def _replay_batch(model: nn.Module, seqs: list[list[int]], plens: list[int],
         if step == steps - 1:
             break
         # a row whose completion has ended is fed the pad token, as the generator does
-        dec.step([c[step] if step < len(c) - 1 else pad_id for c in comps])
+        dec.step([c[step] if step < len(c) - 1 else pad_id for c in comps],
+                 active=[step < len(c) - 1 for c in comps])
     return [torch.tensor(v, dtype=torch.float32) for v in got]
 
 
@@ -106,7 +108,7 @@ def replay_decode(model: nn.Module, sequences: Sequence[Sequence[int]], prompt_l
     with models.use_path(model, path, backend=backend):
         for a, b in _chunks(len(sequences), batch_size):
             out.extend(_replay_batch(model, [list(map(int, s)) for s in sequences[a:b]],
-                                     list(prompt_lens[a:b]), pad_id))
+                                     list(prompt_lens[a:b]), pad_id, range(a, b)))
             if progress:
                 progress(b - a)
     return out

@@ -1,0 +1,496 @@
+"""Guidance records: the sampler's FP4 rounding outcomes, kept compactly for the learner.
+
+What is recorded
+----------------
+TRACE steers the learner's activation rounding towards the codes the sampler produced
+(:func:`libalign.rounding.round_e2m1_guided`). The sampler therefore keeps, at each captured
+*site* of each selected MoE layer, for every row it quantized:
+
+* ``fc1``: the expert input of a token (the hidden state entering the routed experts; one row
+  per token, shared by its top-k experts, since row scales make its bits independent of
+  which expert reads it);
+* ``fc2``: the input of the down projection, one row per (token, routed expert);
+
+and for each row: the ``b`` low bits of every E2M1 code (``b`` = 1, 2, 3 or 4), the E4M3
+block-scale bytes (one per 16 values) and the fp32 outer row scale (in the spec's stored
+convention), plus the row's position in its sequence and, for ``fc2``, its expert. With
+the sampler's scales in hand the learner normalizes its own values exactly as the sampler
+did; the low bits then tell it which end of its FP4 bracket the sampler chose.
+
+Sizes
+-----
+Per value a record costs ``b`` bits plus 8/16 bits of block scale: 1.5 bits at ``b = 1``,
+4.5 bits at ``b = 4`` (the full code), so a ``b = 1`` record is a third of a full one.
+Per row add 4 bytes of row scale and 4 (6 for ``fc2``) bytes of index. :func:`size_per_token`
+computes the bytes per generated token for a model and reproduces TRACE's accounting
+(:func:`trace_reference_size`: about 45 KiB of activation and 5.6 KiB of KV guidance per token
+for a 35B MoE with hidden size 2048, 40 layers and 256 KV values per layer, at 4.5 bits a value).
+
+Layout of one encoded record (one rollout)
+------------------------------------------
+``b"LAGR" | u32 header length | header (JSON, utf-8) | sections | u32 CRC-32``, little-endian.
+The header names the format, ``bits``, the spec, the compression and, per section (one
+``(layer, site)``), its row count, K (logical and padded to 16) and byte length. A section
+holds ``positions`` (int32), ``experts`` (int16, ``fc2`` only), row scales (fp32), block
+scales (``rows × K/16`` bytes) and ``bits`` bit planes: plane ``j`` holds bit ``j`` of every
+code, eight codes per byte, first code in the least significant bit. With ``zlib``
+compression each section is deflated on its own. The CRC-32 covers every byte before it;
+a mismatch raises :class:`~libalign.errors.GuidanceChecksumError`.
+
+Encoding and decoding run on the tensors' device (CPU or GPU); only the final bytes move.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .constants import BLOCK_SIZE
+from .errors import GuidanceChecksumError, GuidanceRecordError, ShapeError, SpecError
+from .packing import pack_nibbles, unpack_nibbles
+from .rounding import GUIDE_BITS, low_bits, round_e2m1_guided
+from .spec import NumericsSpec, NVFP4Tensor, normalized_with_scales
+
+SITES = ("fc1", "fc2")
+COMPRESSIONS = ("none", "zlib")
+MAGIC = b"LAGR"
+FORMAT = 1
+_U32 = struct.Struct("<I")
+
+# a row's key: sequence id, position and (expert + 1, 0 for fc1) packed in one int64
+_POS_SHIFT, _SEQ_SHIFT = 16, 40
+MAX_POSITION = (1 << (_SEQ_SHIFT - _POS_SHIFT)) - 1
+MAX_SEQUENCE = (1 << (63 - _SEQ_SHIFT)) - 1
+
+
+def row_keys(seq: torch.Tensor | int, pos: torch.Tensor, expert: torch.Tensor | None = None):
+    """int64 keys of rows: ``seq << 40 | pos << 16 | expert + 1`` (``0`` in the low bits for fc1)."""
+    k = (torch.as_tensor(seq, dtype=torch.int64, device=pos.device) << _SEQ_SHIFT) | \
+        (pos.to(torch.int64) << _POS_SHIFT)
+    return k if expert is None else k | (expert.to(torch.int64) + 1)
+
+
+def token_of_key(keys: torch.Tensor) -> torch.Tensor:
+    """The token part (sequence and position) of row keys."""
+    return keys & ~((1 << _POS_SHIFT) - 1)
+
+
+def select_layers(moe_layers: Sequence[int], last: int | None = None) -> list[int]:
+    """The MoE layers whose sites are recorded: all (``last=None``) or the last ``last``."""
+    layers = sorted(int(x) for x in moe_layers)
+    if last is None:
+        return layers
+    if not isinstance(last, int) or last < 1:
+        raise SpecError(f"last must be a positive number of layers, got {last!r}")
+    return layers[-last:]
+
+
+# --- bit planes -------------------------------------------------------------------------------
+
+_WEIGHTS: dict[str, torch.Tensor] = {}
+
+
+def _bit_weights(device) -> torch.Tensor:
+    key = str(device)
+    if key not in _WEIGHTS:
+        _WEIGHTS[key] = (1 << torch.arange(8, dtype=torch.int32, device=device)).to(torch.uint8)
+    return _WEIGHTS[key]
+
+
+def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``bits`` planes of uint8 codes (any shape, numel a multiple of 8): ``[bits, numel/8]``."""
+    if bits not in GUIDE_BITS:
+        raise SpecError(f"guidance keeps 1, 2, 3 or 4 bits per value, got {bits!r}")
+    flat = codes.reshape(-1, 8)
+    w = _bit_weights(codes.device)
+    planes = torch.empty((bits, flat.shape[0]), dtype=torch.uint8, device=codes.device)
+    for j in range(bits):
+        bit = (flat >> j) & 1 if j else flat & 1
+        planes[j] = (bit * w).sum(-1, dtype=torch.int32).to(torch.uint8)
+    return planes
+
+
+def unpack_planes(planes: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_planes`: flat uint8 codes (only the stored low bits set)."""
+    bits = planes.shape[0]
+    w = _bit_weights(planes.device)
+    out = torch.zeros(planes.shape[1] * 8, dtype=torch.uint8, device=planes.device)
+    for j in range(bits):
+        b = ((planes[j].unsqueeze(-1) & w) != 0).reshape(-1).to(torch.uint8)
+        out |= b << j if j else b
+    return out[:numel]
+
+
+# --- one site's rows --------------------------------------------------------------------------
+
+@dataclass
+class SiteRows:
+    """The recorded rows of one site of one layer.
+
+    ``codes`` ``[n, Kp]`` uint8 holds full E2M1 codes on the capture side and only the
+    record's low bits after decoding; ``block_scales`` ``[n, Kp/16]`` E4M3 bytes (uint8);
+    ``row_scales`` ``[n]`` fp32 in the spec's stored convention; ``positions`` ``[n]`` int32;
+    ``experts`` ``[n]`` int16 (-1 at ``fc1``); ``k`` the logical row length.
+    """
+
+    positions: torch.Tensor
+    experts: torch.Tensor
+    codes: torch.Tensor
+    block_scales: torch.Tensor
+    row_scales: torch.Tensor
+    k: int
+
+    @property
+    def rows(self) -> int:
+        """Number of rows."""
+        return int(self.positions.shape[0])
+
+    def to(self, device) -> SiteRows:
+        """The same rows on another device."""
+        return SiteRows(self.positions.to(device), self.experts.to(device), self.codes.to(device),
+                        self.block_scales.to(device), self.row_scales.to(device), self.k)
+
+
+def _section_bytes(rows: SiteRows, site: str, bits: int) -> list[bytes]:
+    parts = [rows.positions.to(torch.int32).cpu().numpy().tobytes()]
+    if site == "fc2":
+        parts.append(rows.experts.to(torch.int16).cpu().numpy().tobytes())
+    parts.append(rows.row_scales.to(torch.float32).cpu().numpy().tobytes())
+    parts.append(rows.block_scales.contiguous().cpu().numpy().tobytes())
+    parts.append(pack_planes(low_bits(rows.codes, bits), bits).cpu().numpy().tobytes())
+    return parts
+
+
+@dataclass
+class GuidanceRecord:
+    """The guidance of one rollout: ``sites[(layer, site)]`` rows at ``bits`` bits a value."""
+
+    bits: int
+    spec: str
+    sites: dict[tuple[int, str], SiteRows] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.bits not in GUIDE_BITS:
+            raise SpecError(f"guidance keeps 1, 2, 3 or 4 bits per value, got {self.bits!r}")
+        for (layer, site), rows in self.sites.items():
+            _check_rows(layer, site, rows)
+
+    @property
+    def layers(self) -> list[int]:
+        """The recorded layers, sorted."""
+        return sorted({layer for layer, _ in self.sites})
+
+    def encode(self, compress: str = "none", level: int = 1) -> bytes:
+        """The record as bytes (see the module doc), with its CRC-32 at the end."""
+        if compress not in COMPRESSIONS:
+            raise SpecError(f"compress must be one of {COMPRESSIONS}, got {compress!r}")
+        sections, blobs = [], []
+        for (layer, site), rows in sorted(self.sites.items()):
+            raw = b"".join(_section_bytes(rows, site, self.bits))
+            data = zlib.compress(raw, level) if compress == "zlib" else raw
+            sections.append({"layer": layer, "site": site, "rows": rows.rows, "k": rows.k,
+                             "kp": int(rows.codes.shape[-1]), "raw": len(raw), "nbytes": len(data)})
+            blobs.append(data)
+        header = json.dumps({"format": FORMAT, "bits": self.bits, "spec": self.spec,
+                             "compress": compress, "sections": sections},
+                            separators=(",", ":")).encode()
+        body = b"".join([MAGIC, _U32.pack(len(header)), header, *blobs])
+        return body + _U32.pack(zlib.crc32(body))
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray | memoryview, device: torch.device | str = "cpu",
+               *, what: str = "guidance record") -> GuidanceRecord:
+        """Parse and verify encoded bytes; codes come back as the record's low bits."""
+        buf = memoryview(data)
+        if len(buf) < 12 or bytes(buf[:4]) != MAGIC:
+            raise GuidanceRecordError(f"{what}: not a guidance record (bad magic or too short)")
+        (crc,) = _U32.unpack(buf[-4:])
+        if zlib.crc32(buf[:-4]) != crc:
+            raise GuidanceChecksumError(f"{what}: CRC-32 mismatch, the record is corrupt")
+        (hlen,) = _U32.unpack(buf[4:8])
+        try:
+            header = json.loads(bytes(buf[8:8 + hlen]))
+            bits, spec, compress = int(header["bits"]), str(header["spec"]), header["compress"]
+            sections = header["sections"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise GuidanceRecordError(f"{what}: unreadable header ({e})") from None
+        if header.get("format") != FORMAT:
+            raise GuidanceRecordError(f"{what}: format {header.get('format')!r}, this build "
+                                      f"reads {FORMAT}")
+        if bits not in GUIDE_BITS or compress not in COMPRESSIONS:
+            raise GuidanceRecordError(f"{what}: bits={bits!r} compress={compress!r} unsupported")
+        off, end = 8 + hlen, len(buf) - 4
+        rec = cls(bits, spec)
+        for s in sections:
+            try:
+                layer, site, n, k, kp = int(s["layer"]), s["site"], int(s["rows"]), int(s["k"]), \
+                    int(s["kp"])
+                nbytes, raw_len = int(s["nbytes"]), int(s["raw"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise GuidanceRecordError(f"{what}: bad section entry {s!r} ({e})") from None
+            if off + nbytes > end:
+                raise GuidanceRecordError(f"{what}: section {layer}/{site} runs past the end")
+            chunk = buf[off:off + nbytes]
+            off += nbytes
+            raw = zlib.decompress(chunk) if compress == "zlib" else chunk
+            rec.sites[(layer, site)] = _parse_section(raw, site, n, k, kp, bits, raw_len, device,
+                                                      f"{what} section {layer}/{site}")
+        if off != end:
+            raise GuidanceRecordError(f"{what}: {end - off} trailing bytes after the sections")
+        return rec
+
+    def nbytes(self) -> int:
+        """Uncompressed encoded size."""
+        return len(self.encode())
+
+
+def _check_rows(layer, site, rows: SiteRows) -> None:
+    if site not in SITES:
+        raise GuidanceRecordError(f"unknown site {site!r}; sites are {SITES}")
+    n, kp = rows.rows, int(rows.codes.shape[-1]) if rows.codes.ndim == 2 else -1
+    if kp < 0 or rows.codes.shape[0] != n or kp % BLOCK_SIZE or not 0 < rows.k <= kp:
+        raise GuidanceRecordError(f"layer {layer} {site}: codes {tuple(rows.codes.shape)} do not "
+                                  f"fit {n} rows of K={rows.k}")
+    if tuple(rows.block_scales.shape) != (n, kp // BLOCK_SIZE) or rows.row_scales.shape != (n,) \
+            or rows.experts.shape != (n,):
+        raise GuidanceRecordError(f"layer {layer} {site}: scales or experts do not fit {n} rows")
+
+
+def _parse_section(raw, site, n, k, kp, bits, raw_len, device, what) -> SiteRows:
+    if n < 0 or kp % BLOCK_SIZE or not 0 < k <= kp:
+        raise GuidanceRecordError(f"{what}: rows={n} k={k} kp={kp} are inconsistent")
+    nb = kp // BLOCK_SIZE
+    sizes = [4 * n] + ([2 * n] if site == "fc2" else []) + [4 * n, n * nb, bits * n * kp // 8]
+    if len(raw) != sum(sizes) or len(raw) != raw_len:
+        raise GuidanceRecordError(f"{what}: {len(raw)} bytes, expected {sum(sizes)}")
+    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if len(raw) else \
+        torch.empty(0, dtype=torch.uint8)
+    t = t.to(device)
+    parts, o = [], 0
+    for sz in sizes:
+        parts.append(t[o:o + sz])
+        o += sz
+    pos = parts[0].view(torch.int32)
+    if site == "fc2":
+        experts = parts[1].view(torch.int16)
+        rest = parts[2:]
+    else:
+        experts = torch.full((n,), -1, dtype=torch.int16, device=t.device)
+        rest = parts[1:]
+    row_scales = rest[0].view(torch.float32)
+    block_scales = rest[1].reshape(n, nb)
+    codes = unpack_planes(rest[2].reshape(bits, -1), n * kp).reshape(n, kp)
+    return SiteRows(pos, experts, codes, block_scales, row_scales, k)
+
+
+# --- sizes ------------------------------------------------------------------------------------
+
+def size_per_token(*, hidden: int, moe_intermediate: int, top_k: int, layers: int, bits: int,
+                   sites: Iterable[str] = SITES, kv_values: int = 0, row_scale: bool = True,
+                   index: bool = True) -> dict[str, float]:
+    """Bytes of guidance per token, by part, for a model with ``layers`` recorded MoE layers.
+
+    ``fc1`` records ``hidden`` values per token, ``fc2`` ``top_k * moe_intermediate``;
+    ``kv_values`` adds that many KV-cache values per layer (a later capture site, counted here
+    for planning). ``row_scale``/``index`` count the 4-byte row scale and the row index.
+    """
+    if bits not in GUIDE_BITS:
+        raise SpecError(f"guidance keeps 1, 2, 3 or 4 bits per value, got {bits!r}")
+    sites = tuple(sites)
+    unknown = set(sites) - set(SITES)
+    if unknown:
+        raise SpecError(f"unknown sites {sorted(unknown)}; sites are {SITES}")
+    values = rows = idx = 0
+    if "fc1" in sites:
+        values, rows, idx = values + hidden, rows + 1, idx + 4
+    if "fc2" in sites:
+        values, rows, idx = values + top_k * moe_intermediate, rows + top_k, idx + 6 * top_k
+    out = {
+        "code_bits": layers * values * bits / 8,
+        "block_scales": layers * values / BLOCK_SIZE,
+        "row_scales": layers * rows * 4 if row_scale else 0,
+        "index": layers * idx if index else 0,
+        "kv": layers * kv_values * (bits / 8 + 1 / BLOCK_SIZE),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def trace_reference_size(bits: int = 4, tokens_per_trajectory: int = 256 * 1024,
+                         trajectories: int = 4096) -> dict[str, float]:
+    """TRACE's accounting for a 35B MoE (hidden 2048, 256 KV values a layer, 40 layers, codes +
+    block scales only), per token and per RL step."""
+    act = size_per_token(hidden=2048, moe_intermediate=0, top_k=0, layers=40, bits=bits,
+                         sites=("fc1",), row_scale=False, index=False)
+    kv = size_per_token(hidden=0, moe_intermediate=0, top_k=0, layers=40, bits=bits, sites=(),
+                        kv_values=256, row_scale=False, index=False)
+    per_token = act["total"] + kv["total"]
+    return {"activation_bytes": act["total"], "kv_bytes": kv["total"], "per_token_bytes": per_token,
+            "per_step_bytes": per_token * tokens_per_trajectory * trajectories}
+
+
+# --- capture (sampler side) -------------------------------------------------------------------
+
+def _row_scales(q: NVFP4Tensor) -> torch.Tensor:
+    if q.spec.outer_domain != "row" or q.outer_scale is None:
+        raise SpecError("guidance records need row-scaled activations (outer domain 'row'), "
+                        f"got {q.spec.outer_domain!r}")
+    return q.outer_scale.reshape(-1).to(torch.float32)
+
+
+class GuidanceCapture:
+    """Collects the sampler's quantized rows per ``(layer, site)`` across forward calls."""
+
+    def __init__(self, spec: NumericsSpec):
+        self.spec = spec
+        self._parts: dict[tuple[int, str], list[tuple]] = {}
+
+    def add(self, layer: int, site: str, q: NVFP4Tensor, keys: torch.Tensor) -> None:
+        """Keep the rows of ``q`` whose key is not negative (padding has key -1)."""
+        keep = keys >= 0
+        codes = unpack_nibbles(q.codes)
+        rs = _row_scales(q)
+        bs = q.block_scales.view(torch.uint8)
+        self._parts.setdefault((layer, site), []).append(
+            (keys[keep], codes[keep], bs[keep], rs[keep], q.k))
+
+    def clear(self) -> None:
+        """Forget everything captured so far."""
+        self._parts.clear()
+
+    def pooled(self) -> dict[tuple[int, str], tuple[torch.Tensor, SiteRows]]:
+        """Per site, all captured rows sorted by key: ``(keys, rows)`` with full codes."""
+        out = {}
+        for site_key, parts in self._parts.items():
+            keys = torch.cat([p[0] for p in parts])
+            order = torch.argsort(keys)
+            keys = keys[order]
+            rows = SiteRows(((keys >> _POS_SHIFT) & MAX_POSITION).to(torch.int32),
+                            ((keys & 0xFFFF) - 1).to(torch.int16),
+                            torch.cat([p[1] for p in parts])[order],
+                            torch.cat([p[2] for p in parts])[order],
+                            torch.cat([p[3] for p in parts])[order], parts[0][4])
+            out[site_key] = (keys, rows)
+        return out
+
+    def records(self, bits: int, layers: Iterable[int] | None = None) -> dict[int, GuidanceRecord]:
+        """One :class:`GuidanceRecord` per sequence id, keeping ``bits`` bits a value."""
+        wanted = None if layers is None else set(layers)
+        out: dict[int, GuidanceRecord] = {}
+        for (layer, site), (keys, rows) in self.pooled().items():
+            if wanted is not None and layer not in wanted:
+                continue
+            seqs = keys >> _SEQ_SHIFT
+            ids, counts = torch.unique_consecutive(seqs, return_counts=True)
+            lo = 0
+            for sid, c in zip(ids.tolist(), counts.tolist(), strict=True):
+                sl = slice(lo, lo + c)
+                lo += c
+                rec = out.setdefault(sid, GuidanceRecord(bits, self.spec.name))
+                rec.sites[(layer, site)] = SiteRows(
+                    rows.positions[sl], rows.experts[sl], low_bits(rows.codes[sl], bits),
+                    rows.block_scales[sl], rows.row_scales[sl], rows.k)
+        return out
+
+
+# --- lookup and guided quantization (learner side) --------------------------------------------
+
+@dataclass
+class RowGuide:
+    """Guidance aligned to the rows of one activation: what :func:`guided_quantize` consumes.
+
+    ``present`` ``[T]`` marks rows with a record; for those, ``index`` points into the
+    site's ``low`` ``[n, Kp]`` bits, ``block_scales`` ``[n, Kp/16]`` and ``row_scales`` ``[n]``.
+    """
+
+    bits: int
+    present: torch.Tensor
+    index: torch.Tensor
+    low: torch.Tensor
+    block_scales: torch.Tensor
+    row_scales: torch.Tensor
+
+
+class GuidanceTable:
+    """Decoded records of many sequences, indexed for lookup by row key on one device."""
+
+    def __init__(self, records: Mapping[int, GuidanceRecord], device: torch.device | str = "cpu"):
+        bits = {r.bits for r in records.values()}
+        if len(bits) > 1:
+            raise GuidanceRecordError(f"records mix {sorted(bits)} bits a value")
+        self.bits = bits.pop() if bits else 4
+        specs = {r.spec for r in records.values()}
+        self.spec_names = specs
+        per_site: dict[tuple[int, str], list[tuple[torch.Tensor, SiteRows]]] = {}
+        for sid, rec in records.items():
+            if not 0 <= sid <= MAX_SEQUENCE:
+                raise GuidanceRecordError(f"sequence id {sid} outside [0, {MAX_SEQUENCE}]")
+            for site_key, rows in rec.sites.items():
+                rows = rows.to(device)
+                exp = rows.experts if site_key[1] == "fc2" else None
+                keys = row_keys(sid, rows.positions, exp)
+                per_site.setdefault(site_key, []).append((keys, rows))
+        self.sites: dict[tuple[int, str], tuple[torch.Tensor, SiteRows]] = {}
+        for site_key, parts in per_site.items():
+            keys = torch.cat([p[0] for p in parts])
+            order = torch.argsort(keys)
+            rows = SiteRows(*(torch.cat([getattr(p[1], f) for p in parts])[order] for f in
+                              ("positions", "experts", "codes", "block_scales", "row_scales")),
+                            parts[0][1].k)
+            self.sites[site_key] = (keys[order], rows)
+
+    def lookup(self, layer: int, site: str, keys: torch.Tensor) -> RowGuide | None:
+        """Guidance for rows with these keys (-1: none), or None when the site has no records."""
+        hit = self.sites.get((layer, site))
+        if hit is None:
+            return None
+        table, rows = hit
+        if table.numel() == 0:
+            return None
+        idx = torch.searchsorted(table, keys).clamp_(max=table.numel() - 1)
+        present = (table[idx] == keys) & (keys >= 0)
+        return RowGuide(self.bits, present, idx, rows.codes, rows.block_scales, rows.row_scales)
+
+
+def guided_quantize(x: torch.Tensor, spec: NumericsSpec, guide: RowGuide | None) -> NVFP4Tensor:
+    """Row-scaled NVFP4 of ``x`` ``[T, K]``: guided by the sampler's records where present,
+    the spec's own round-to-nearest (own scales) elsewhere.
+
+    Guided rows take the sampler's block and row scales and :func:`round_e2m1_guided` codes of
+    ``x`` normalized by them; with the sampler's own input this reproduces its bits exactly.
+    """
+    from .ops import quantize  # the kernel door; the spec on CPU
+
+    own = quantize(x, spec)
+    if guide is None:
+        return own
+    if spec.outer_domain != "row":
+        raise SpecError(f"guided rounding needs row-scaled activations, spec {spec.name!r} has "
+                        f"outer domain {spec.outer_domain!r}")
+    if x.ndim != 2 or guide.present.shape != (x.shape[0],):
+        raise ShapeError(f"guidance for {tuple(guide.present.shape)} rows, activations "
+                         f"{tuple(x.shape)}")
+    kp = own.codes.shape[-1] * 2
+    if guide.low.shape[-1] != kp:
+        raise GuidanceRecordError(f"records hold rows of {guide.low.shape[-1]} values, the "
+                                  f"activations {kp} (K={x.shape[-1]} padded to 16)")
+    rows = torch.nonzero(guide.present).squeeze(-1)
+    if rows.numel() == 0:
+        return own
+    src = guide.index[rows]
+    bs = guide.block_scales[src]
+    rs = guide.row_scales[src]
+    z = normalized_with_scales(x[rows], bs, rs, spec).flatten(-2)
+    codes = round_e2m1_guided(z, guide.low[src], guide.bits, signed_zero=spec.signed_zero)
+    out_codes = own.codes.clone()
+    out_codes[rows] = pack_nibbles(codes)
+    out_bs = own.block_scales.view(torch.uint8).clone()
+    out_bs[rows] = bs
+    out_rs = own.outer_scale.clone()
+    out_rs[rows] = rs.to(out_rs.dtype)
+    return NVFP4Tensor(out_codes, out_bs.view(torch.float8_e4m3fn), out_rs, spec, own.shape)
