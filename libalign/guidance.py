@@ -48,6 +48,7 @@ import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .constants import BLOCK_SIZE
@@ -106,6 +107,12 @@ def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``bits`` planes of uint8 codes (any shape, numel a multiple of 8): ``[bits, numel/8]``."""
     if bits not in GUIDE_BITS:
         raise SpecError(f"guidance keeps 1, 2, 3 or 4 bits per value, got {bits!r}")
+    if codes.numel() % 8:
+        raise ShapeError(f"bit planes pack 8 codes a byte; {codes.numel()} codes do not divide")
+    if codes.device.type == "cpu":  # numpy's packbits: one C pass per plane
+        c = codes.reshape(-1).contiguous().numpy()
+        return torch.from_numpy(np.stack([np.packbits((c >> j) & 1, bitorder="little")
+                                          for j in range(bits)]))
     flat = codes.reshape(-1, 8)
     w = _bit_weights(codes.device)
     planes = torch.empty((bits, flat.shape[0]), dtype=torch.uint8, device=codes.device)
@@ -118,6 +125,12 @@ def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_planes(planes: torch.Tensor, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack_planes`: flat uint8 codes (only the stored low bits set)."""
     bits = planes.shape[0]
+    if planes.device.type == "cpu":
+        p = planes.contiguous().numpy()
+        out = np.unpackbits(p[0], count=numel, bitorder="little")
+        for j in range(1, bits):
+            out |= np.unpackbits(p[j], count=numel, bitorder="little") << j
+        return torch.from_numpy(out)
     w = _bit_weights(planes.device)
     out = torch.zeros(planes.shape[1] * 8, dtype=torch.uint8, device=planes.device)
     for j in range(bits):

@@ -29,6 +29,8 @@ from libalign.gemm import PATHS
 DEFAULT_CONDITIONS = ("bf16/bf16", "bf16/nvfp4_naive", "bf16/nvfp4_minite",
                       "nvfp4_minite/nvfp4_minite", "nvfp4_trace/nvfp4_minite")
 FLOOR = "bf16/bf16"
+GUIDED = "nvfp4_trace"
+"""The learner path that consumes its sampler's guidance records (needs a recording sampler)."""
 EXTERNAL = "external"
 """Sampler name of log-probs supplied in a sequences file (no path re-runs them)."""
 
@@ -99,7 +101,8 @@ def resolve_conditions(conditions: str | None = None, learner_paths: str | None 
         chosen = [parse_condition(c) for c in DEFAULT_CONDITIONS]
     if external:
         for learner in dict.fromkeys(c.learner for c in chosen):
-            chosen.append(Condition(learner, EXTERNAL))
+            if learner != GUIDED:  # external log-probs come without guidance records
+                chosen.append(Condition(learner, EXTERNAL))
     out = [floor_c]
     for c in chosen:
         if c not in out:

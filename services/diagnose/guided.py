@@ -25,9 +25,7 @@ from libalign.gemm import PATHS
 from libalign.guidance import GuidanceCapture, GuidanceRecord, GuidanceTable, select_layers
 
 from . import sides
-from .conditions import Condition
-
-GUIDED = "nvfp4_trace"
+from .conditions import GUIDED, Condition
 
 
 def guided_conditions(conds: Sequence[Condition]) -> list[Condition]:

@@ -222,6 +222,31 @@ def test_report_structure(small_report):
     assert r["timings_seconds"]["total"] > 0
 
 
+def test_trace_condition_reports_guidance(small_report):
+    """nvfp4_trace/nvfp4_minite: records of the minite replay, sizes, and code agreement per site."""
+    r = small_report
+    g = r["guidance"]
+    assert g["bits"] == 1 and g["layers"] == [0, 1, 2, 3]
+    s = g["by_sampler"]["nvfp4_minite"]
+    assert s["records"] == r["sequences"]["count"]
+    assert 0 < s["bytes_per_token"] < s["bytes_per_token_full_codes"]
+    sites = {(row["layer"], row["site"]) for row in s["agreement"]}
+    assert sites == {(layer, site) for layer in range(4) for site in ("fc1", "fc2")}
+    for row in s["agreement"]:
+        assert row["mismatch_after"] <= row["mismatch_before"]
+        assert 0 < row["rows_with_record"] <= 1
+    trace = next(c for c in r["conditions"] if c["name"] == "nvfp4_trace/nvfp4_minite")
+    aligned = next(c for c in r["conditions"] if c["name"] == "nvfp4_minite/nvfp4_minite")
+    assert trace["shared"]["delta"]["mean_abs"] < aligned["shared"]["delta"]["mean_abs"]
+    assert r["localization"]["skipped_guided"] == ["nvfp4_trace/nvfp4_minite"]
+
+
+def test_trace_needs_a_row_scaled_sampler():
+    """A guided learner against the per-tensor sampler is refused before the model loads."""
+    with pytest.raises(SpecError, match="nvfp4_trace needs a sampler that records row-scaled"):
+        run_diagnosis(DiagnoseConfig(model="tiny-random", conditions="nvfp4_trace/nvfp4_naive"))
+
+
 def test_context_swap_minite_passes_naive_fails(small_report):
     """Row-scaled NVFP4 gives the target the same bits in every batch; per-tensor does not."""
     cs = small_report["context_swap"]["paths"]
@@ -263,6 +288,8 @@ def test_cli_tables_and_out(tmp_path):
      "path 'nvfp9'"),
     (["--layers", "9"], "--layers: layer 9 is out of range"),
     (["--model", "gpt"], "unknown --model 'gpt'"),
+    (["--trace-bits", "5"], "--trace-bits must be one of (1, 2, 3, 4), got 5"),
+    (["--trace-layers", "0"], "--trace-layers must be at least 1, got 0"),
 ])
 def test_cli_bad_options_exit_2(args, match):
     """Bad options exit 2 with one line naming the item, no traceback."""
