@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     start = time.perf_counter()
     report = run_diagnosis(cfg)
     write_outputs(report, Path(args.out))
-    console = Console(width=140)
+    console = Console(width=200)
     render.render_report(report, console)
     shape = f" ({args.layers} layers)" if gpu else ""
     console.print(f"model: {cfg.model}{shape} on {args.device}; "

@@ -144,3 +144,47 @@ def test_pipelined_chunks_give_the_same_bits():
     for chunks in (2, 3, 7):
         many = ops.w4a4_grouped_triton(a, ew.path.act_spec, ew.inner, ew.dec, lay, chunks=chunks)
         assert torch.equal(one, many)
+
+
+def test_prequantized_activations_give_the_fused_bits():
+    """Activations quantized outside (the guided path's door) multiply to the fused path's bits."""
+    _need_triton()
+    counts = [130, 0, 1, 257, 64, 3]
+    w = (torch.randn(len(counts), 1536, 2048, device=CUDA) * 0.02).to(torch.bfloat16)
+    a = _acts(sum(counts), 2048, seed=11)
+    ew = gemm.prepare_weights(w, "nvfp4_trace")
+    fused = gemm.grouped_linear(a, ew, counts, backend="triton")
+    q = quantize(a, PRESETS["minite"])
+    pre = gemm.grouped_linear(a, ew, counts, backend="triton", act_q=q)
+    assert torch.equal(fused, pre)
+
+
+def test_guided_rounding_and_records_on_the_device():
+    """Guided quantization and record encode/decode on CUDA give the CPU's bits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from libalign.guidance import GuidanceRecord, RowGuide, SiteRows, guided_quantize
+    from libalign.packing import unpack_nibbles
+    from libalign.rounding import low_bits
+
+    x = _acts(300, 2048, seed=5)
+    spec = PRESETS["minite"]
+    sampler = quantize(x + 0.01 * torch.randn_like(x), spec)
+    codes = unpack_nibbles(sampler.codes)
+    for bits in (1, 2, 4):
+        guide = RowGuide(bits, torch.ones(300, dtype=torch.bool, device=CUDA),
+                         torch.arange(300, device=CUDA), low_bits(codes, bits),
+                         sampler.block_scales.view(torch.uint8), sampler.outer_scale)
+        g_gpu = guided_quantize(x, spec, guide)
+        cpu_guide = RowGuide(bits, *(t.cpu() for t in (guide.present, guide.index, guide.low,
+                                                        guide.block_scales, guide.row_scales)))
+        g_cpu = guided_quantize(x.cpu(), spec, cpu_guide)
+        assert g_gpu.to("cpu").bitwise_equal(g_cpu)
+        rows = SiteRows(torch.arange(300, dtype=torch.int32, device=CUDA),
+                        torch.full((300,), -1, dtype=torch.int16, device=CUDA), codes,
+                        sampler.block_scales.view(torch.uint8), sampler.outer_scale, 2048)
+        rec = GuidanceRecord(bits, "minite", {(0, "fc1"): rows})
+        blob = rec.encode()
+        assert blob == GuidanceRecord(bits, "minite", {(0, "fc1"): rows.to("cpu")}).encode()
+        back = GuidanceRecord.decode(blob, CUDA).sites[(0, "fc1")]
+        assert torch.equal(back.codes, low_bits(codes, bits))
