@@ -10,6 +10,9 @@ Delivery timing, in short: a consumer that is working on a message refreshes it 
 ``heartbeat_ms``; a message nobody refreshed for ``claim_idle_ms`` is taken over
 (``XAUTOCLAIM``) by a live consumer. ``heartbeat_ms`` must therefore be well below
 ``claim_idle_ms``.
+
+The ``guidance_*`` fields configure the guidance store (budget, TTL, chunking, what to
+do when only versions in use are left to evict); see ``services/common/guidance_store.py``.
 """
 
 from __future__ import annotations
@@ -57,6 +60,18 @@ class Settings(BaseSettings):
     converter_device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
                                   description="where the converter quantizes (cpu or cuda[:N])")
     sweep_stale_s: float = Field(3_600.0, ge=0, description="age of .tmp-* leftovers to delete")
+
+    guidance_budget_bytes: int | None = Field(
+        4 << 30, gt=0, description="payload bytes the guidance store may hold (None: no limit)")
+    guidance_ttl_s: float | None = Field(
+        86_400.0, gt=0, description="a version's guidance expires this long after its first put")
+    guidance_chunk_bytes: int = Field(8 << 20, gt=0, le=512 << 20,
+                                      description="records are split into Redis values this large")
+    guidance_max_record_bytes: int = Field(256 << 20, gt=0,
+                                           description="largest guidance record accepted")
+    guidance_on_in_use: str = Field(
+        "evict", pattern=r"^(evict|refuse)$",
+        description="budget full and only leased versions left: evict them (loudly) or refuse")
 
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve /metrics (0: any)")
     metrics_addr: str = Field("0.0.0.0", description="address the metrics server binds")

@@ -80,10 +80,33 @@ class Metrics:
         self.converter_busy = Gauge(
             "libalign_converter_busy_ratio", "1 while the converter works on a version, else 0.",
             registry=r)
+        self.guidance_stored_bytes = Gauge(
+            "libalign_guidance_stored_bytes",
+            "Payload bytes the guidance store holds (its byte budget's measure), read from Redis.",
+            registry=r)
+        self.guidance_hits = Counter(
+            "libalign_guidance_hits_total", "Guidance records read and verified.", registry=r)
+        self.guidance_misses = Counter(
+            "libalign_guidance_misses_total",
+            "Guidance records asked for and not there (unknown, expired or evicted).", registry=r)
+        self.guidance_evictions = Counter(
+            "libalign_guidance_evictions_total",
+            "Versions evicted from the guidance store to stay within its budget; in_use=true "
+            "when a consumer held a lease on the version.", ["in_use"], registry=r)
+        self.guidance_put_bytes = Counter(
+            "libalign_guidance_put_bytes_total", "Guidance record bytes stored.", registry=r)
+        self.guidance_get_bytes = Counter(
+            "libalign_guidance_get_bytes_total", "Guidance record bytes read and verified.",
+            registry=r)
+        self.guidance_refused_puts = Counter(
+            "libalign_guidance_refused_puts_total",
+            "Guidance puts refused because the byte budget had no room.", registry=r)
         for s in STAGES:
             self.conversion_stage_seconds.labels(stage=s)
         for reason in FAILURE_REASONS:
             self.versions_failed.labels(reason=reason)
+        for in_use in ("true", "false"):
+            self.guidance_evictions.labels(in_use=in_use)
 
     def observe_conversion(self, manifest: dict, total_s: float) -> None:
         """Record one successful conversion from its manifest's timings and totals."""
