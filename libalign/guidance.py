@@ -250,7 +250,11 @@ class GuidanceRecord:
                 raise GuidanceRecordError(f"{what}: section {layer}/{site} runs past the end")
             chunk = buf[off:off + nbytes]
             off += nbytes
-            raw = zlib.decompress(chunk) if compress == "zlib" else chunk
+            try:
+                raw = zlib.decompress(chunk) if compress == "zlib" else chunk
+            except zlib.error as e:
+                raise GuidanceRecordError(f"{what}: section {layer}/{site} does not inflate "
+                                          f"({e})") from None
             rec.sites[(layer, site)] = _parse_section(raw, site, n, k, kp, bits, raw_len, device,
                                                       f"{what} section {layer}/{site}")
         if off != end:
@@ -295,7 +299,7 @@ def _parse_section(raw, site, n, k, kp, bits, raw_len, device, what) -> SiteRows
     else:
         experts = torch.full((n,), -1, dtype=torch.int16, device=t.device)
         rest = parts[1:]
-    row_scales = rest[0].view(torch.float32)
+    row_scales = rest[0].clone().view(torch.float32)  # at fc2 it starts at 6n bytes: realign
     block_scales = rest[1].reshape(n, nb)
     codes = unpack_planes(rest[2].reshape(bits, -1), n * kp).reshape(n, kp)
     return SiteRows(pos, experts, codes, block_scales, row_scales, k)

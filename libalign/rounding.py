@@ -203,11 +203,15 @@ def round_e2m1_guided(z: torch.Tensor, guide: torch.Tensor, bits: int,
     rne_level = torch.where(z < 0, -rne.to(torch.int8), rne.to(torch.int8))
     lower, upper = bracket_levels(z)
     g = guide.to(torch.int16)
+    if bits == 4:  # the sampler's negative zero 0x8 is level 0, like 0x0
+        g = torch.where(g == E2M1_SIGN_BIT, 0, g)
     lower_hit = _level_bits(lower, bits) == g
     upper_hit = _level_bits(upper, bits) == g
-    d_up = up_tab[upper.long() + 7, g.long()] - z
-    d_down = z - down_tab[lower.long() + 7, g.long()]
-    outside = torch.where(d_up < d_down, upper, torch.where(d_down < d_up, lower, rne_level))
+    # nearer side, exactly: up - z < z - down  <=>  up + down < 2z (grid sums and 2z are exact
+    # in fp32; fp32 distances are not, near zero); -inf + inf is NaN: neither side, RNE
+    ends = up_tab[upper.long() + 7, g.long()] + down_tab[lower.long() + 7, g.long()]
+    two_z = 2 * z
+    outside = torch.where(ends < two_z, upper, torch.where(two_z < ends, lower, rne_level))
     level = torch.where(lower_hit, lower, torch.where(upper_hit, upper, outside))
     if present is not None:
         level = torch.where(present, level, rne_level)
