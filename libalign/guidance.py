@@ -338,6 +338,29 @@ def size_per_token(*, hidden: int, moe_intermediate: int, top_k: int, layers: in
     return out
 
 
+def size_for_config(config, *, bits: int, last_layers: int | None = None,
+                    sites: Iterable[str] = SITES, kv: bool = False) -> dict[str, float]:
+    """:func:`size_per_token` for a Hugging Face MoE config (``hidden_size``,
+    ``moe_intermediate_size``, ``num_experts_per_tok``, ``num_hidden_layers``, and
+    ``mlp_only_layers``/``decoder_sparse_step`` where present), recording the last
+    ``last_layers`` MoE layers (all by default); ``kv`` counts K and V of every recorded layer.
+    """
+    get = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else \
+        (lambda k, d=None: getattr(config, k, d))
+    n = int(get("num_hidden_layers"))
+    dense = set(get("mlp_only_layers", None) or [])
+    step = int(get("decoder_sparse_step", 1) or 1)
+    moe = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    layers = len(select_layers(moe, last_layers))
+    heads = int(get("num_key_value_heads", 0) or 0)
+    head_dim = int(get("head_dim", 0) or (int(get("hidden_size")) //
+                                          max(1, int(get("num_attention_heads", 1)))))
+    return size_per_token(hidden=int(get("hidden_size")),
+                          moe_intermediate=int(get("moe_intermediate_size")),
+                          top_k=int(get("num_experts_per_tok")), layers=layers, bits=bits,
+                          sites=sites, kv_values=2 * heads * head_dim if kv else 0)
+
+
 def trace_reference_size(bits: int = 4, tokens_per_trajectory: int = 256 * 1024,
                          trajectories: int = 4096) -> dict[str, float]:
     """TRACE's accounting for a 35B MoE (hidden 2048, 256 KV values a layer, 40 layers, codes +

@@ -51,6 +51,53 @@ def presets(as_json: bool = typer.Option(False, "--json", help="print the specs 
     console.print(t)
 
 
+@app.command("guidance-size")
+def guidance_size(
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="a Hugging Face config.json (or its checkpoint directory); default: "
+        "Qwen3-30B-A3B's shapes (48 layers)")] = None,
+    last_layers: int | None = typer.Option(None, help="record only the last N MoE layers"),
+    sites: str = typer.Option("fc1,fc2", help="captured sites: fc1, fc2 or both"),
+    kv: bool = typer.Option(False, "--kv/--no-kv", help="also count K and V (a later site)"),
+    tokens: int = typer.Option(256 * 1024, help="tokens per trajectory, for the per-step total"),
+    trajectories: int = typer.Option(4096, help="trajectories per RL step"),
+) -> None:
+    """Bytes of guidance records per token (and per RL step) for a model, at 1, 2 and 4 bits."""
+    from libalign.errors import AlignError
+    from libalign.guidance import size_for_config, trace_reference_size
+
+    try:
+        if config is None:
+            from libalign.models import qwen3_30b_a3b_shaped_config
+            cfg, name = qwen3_30b_a3b_shaped_config(48), "Qwen3-30B-A3B shapes"
+        else:
+            path = config / "config.json" if config.is_dir() else config
+            cfg, name = json.loads(path.read_text()), str(path)
+        chosen = [s.strip() for s in sites.split(",") if s.strip()]
+        rows = {b: size_for_config(cfg, bits=b, last_layers=last_layers, sites=chosen, kv=kv)
+                for b in (1, 2, 4)}
+    except (AlignError, OSError, ValueError, KeyError, TypeError) as e:
+        typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
+        raise typer.Exit(2) from None
+    t = Table(title=f"guidance bytes per token: {name}, sites {','.join(chosen)}"
+              f"{' + kv' if kv else ''}, layers {'all' if last_layers is None else f'last {last_layers}'}"
+              f"; a step is {trajectories} trajectories x {tokens} tokens")
+    for c in ("bits", "codes", "scales", "row scales", "index", "kv", "B/token", "TiB/step",
+              "vs 4 bits"):
+        t.add_column(c, justify="right")
+    for b, r in rows.items():
+        t.add_row(str(b), f"{r['code_bits']:.0f}", f"{r['block_scales']:.0f}",
+                  f"{r['row_scales']:.0f}", f"{r['index']:.0f}", f"{r['kv']:.0f}",
+                  f"{r['total']:.0f}", f"{r['total'] * tokens * trajectories / 2**40:.2f}",
+                  f"{r['total'] / rows[4]['total']:.3f}")
+    console.print(t)
+    ref = trace_reference_size(4, tokens, trajectories)
+    console.print(f"TRACE's accounting (35B MoE: hidden 2048, 40 layers, 256 KV values a layer, "
+                  f"4.5 bits a value): {ref['activation_bytes'] / 1024:.1f} KiB activations + "
+                  f"{ref['kv_bytes'] / 1024:.2f} KiB KV = {ref['per_token_bytes'] / 1024:.1f} KiB "
+                  f"per token, {ref['per_step_bytes'] / 2**40:.1f} TiB per step")
+
+
 @app.command()
 def demo(
     experts: int = typer.Option(8, help="experts in the synthetic layer"),

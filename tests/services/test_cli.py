@@ -32,3 +32,26 @@ def test_presets_json_lists_every_field():
     data = json.loads(res.output)
     assert data["minite"]["outer_domain"] == "row"
     assert data["compressed_tensors"]["scale_math_dtype"] == "input"
+
+
+def test_guidance_size_default_and_config(tmp_path):
+    """alignd guidance-size prints bytes per token at 1, 2 and 4 bits and TRACE's accounting."""
+    from typer.testing import CliRunner
+
+    from services.cli import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["guidance-size"])
+    assert res.exit_code == 0, res.output
+    assert "77952" in res.output and "225408" in res.output  # Qwen3-30B-A3B, 48 layers, fc1+fc2
+    assert "50.6 KiB per token" in res.output
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"num_hidden_layers": 4, "hidden_size": 64, "moe_intermediate_size": 32, '
+                   '"num_experts_per_tok": 2, "mlp_only_layers": [0]}')
+    res = runner.invoke(app, ["guidance-size", "--config", str(cfg), "--last-layers", "2",
+                              "--sites", "fc1"])
+    assert res.exit_code == 0, res.output
+    # 2 layers x (64 values x 1 bit / 8 + 64 / 16 scales + 4 row scale + 4 index) = 40 B
+    assert " 40 " in res.output
+    res = runner.invoke(app, ["guidance-size", "--config", str(tmp_path / "missing.json")])
+    assert res.exit_code == 2 and "FileNotFoundError" in res.output
