@@ -73,6 +73,34 @@ class Settings(BaseSettings):
         "evict", pattern=r"^(evict|refuse)$",
         description="budget full and only leased versions left: evict them (loudly) or refuse")
 
+    # --- control API -----------------------------------------------------------------------
+    api_host: str = Field("127.0.0.1", description="address the REST control API binds")
+    api_port: int = Field(8000, ge=0, le=65535, description="port of the REST control API (0: any)")
+    api_url: str | None = Field(None, description="where clients and services reach the API "
+                                "(default http://<api_host>:<api_port>)")
+    api_token: str | None = Field(None, description="bearer token every mutating route requires")
+    dev_mode: bool = Field(False, description="allow running the API without a token (local use)")
+    max_body_bytes: int = Field(16 << 20, gt=0, description="largest JSON request body accepted")
+    max_guidance_body_bytes: int = Field(256 << 20, gt=0,
+                                         description="largest guidance record upload accepted")
+
+    # --- services' liveness and the sampler/learner engines ------------------------------------
+    service_heartbeat_s: float = Field(2.0, gt=0, description="period of a service's heartbeat")
+    service_heartbeat_ttl_s: float = Field(10.0, gt=0,
+                                           description="a heartbeat older than this means down")
+    sampler_name: str = Field(default_factory=_default_consumer, description="this sampler")
+    sampler_path: str = Field("nvfp4_minite", description="execution path the sampler runs")
+    sampler_device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
+                                description="device of the embedded sampler engine")
+    learner_path: str = Field("bf16", description="execution path the learner runs")
+    learner_device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
+                                description="device of the embedded learner engine")
+    guidance_bits: int = Field(1, ge=1, le=4, description="bits a value kept in guidance records")
+    guidance_last_layers: int | None = Field(None, ge=1,
+                                             description="record only the last N MoE layers")
+    discrepancy_window_tokens: int = Field(
+        65_536, gt=0, description="tokens the status and metrics discrepancy statistics cover")
+
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve /metrics (0: any)")
     metrics_addr: str = Field("0.0.0.0", description="address the metrics server binds")
 
@@ -86,6 +114,14 @@ class Settings(BaseSettings):
         if v not in PRESETS:
             raise ValueError(f"unknown preset {v!r}; choose one of {sorted(PRESETS)}")
         return v
+
+    @property
+    def resolved_api_url(self) -> str:
+        """The API's base URL as clients should use it."""
+        if self.api_url:
+            return self.api_url.rstrip("/")
+        host = "127.0.0.1" if self.api_host in ("0.0.0.0", "::") else self.api_host
+        return f"http://{host}:{self.api_port}"
 
     @model_validator(mode="after")
     def _heartbeat_below_claim(self) -> Settings:
