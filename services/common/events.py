@@ -66,6 +66,9 @@ class PublishedEvent(Event):
     version_id: VersionId
     path: str
     published_at: float = Field(default_factory=time.time)
+    #: convert for this execution path's weight spec (``bf16``: store unquantized); None: the
+    #: converter's configured preset
+    target_path: str | None = None
 
 
 class ConvertedEvent(Event):
@@ -78,3 +81,4 @@ class ConvertedEvent(Event):
     tensors: int
     stored_bytes: int
     converted_at: float = Field(default_factory=time.time)
+    target_path: str | None = None

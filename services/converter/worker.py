@@ -44,7 +44,7 @@ from services.common.settings import Settings
 from services.common.telemetry import Metrics
 from services.common.weight_store import WeightStore
 
-from .convert import convert_published, resolve_spec
+from .convert import convert_published, resolve_spec, target_spec
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class ConverterWorker:
             return DROPPED
         if rec.state == "converted":
             try:
-                self._announce(vid)
+                self._announce(vid, target_path=event.target_path)
             except (VersionNotFoundError, StoreError) as e:  # store copy deleted since
                 log.error("version %s is converted but cannot be announced: %s", vid, e)
             return SKIPPED
@@ -114,7 +114,7 @@ class ConverterWorker:
         try:
             with Heartbeat(self.bus, msg, self.settings.converter_group, self.me,
                            self.settings.heartbeat_ms / 1000):
-                manifest = self._convert(vid, rec.path or event.path)
+                manifest = self._convert(vid, rec.path or event.path, event.target_path)
         except (InputError, StoreError) as e:
             return self._fail(vid, e.code, str(e), err=e)
         finally:
@@ -125,14 +125,15 @@ class ConverterWorker:
             log.warning("version %s: %s; another consumer finished it", vid, e)
             return SKIPPED
         self.metrics.observe_conversion(manifest, time.perf_counter() - t0)
-        self._announce(vid, manifest)
+        self._announce(vid, manifest, event.target_path)
         log.info("version %s converted: %d tensors, %d bytes, %.2fs", vid,
                  manifest["totals"]["tensors"], manifest["totals"]["stored_bytes"],
                  time.perf_counter() - t0)
         return CONVERTED
 
-    def _convert(self, vid: str, src: str) -> dict[str, Any]:
+    def _convert(self, vid: str, src: str, target_path: str | None = None) -> dict[str, Any]:
         """The store version of ``vid``: reused if complete and verified, else written."""
+        spec, quantize = target_spec(self.spec, target_path)
         overwrite = False
         if self.store.has_version(vid):
             try:
@@ -144,7 +145,8 @@ class ConverterWorker:
                 overwrite = True
         try:
             manifest = convert_published(
-                src, self.store, vid, self.spec, all_linear=self.settings.convert_all_linear,
+                src, self.store, vid, spec, all_linear=self.settings.convert_all_linear,
+                quantize=quantize,
                 device=self.settings.converter_device,
                 shard_bytes=self.settings.store_shard_bytes, overwrite=overwrite, on_step=self._step)
         except VersionExistsError:  # a concurrent converter committed first
@@ -171,10 +173,13 @@ class ConverterWorker:
         log.error("version %s failed: %s", vid, reason)
         return FAILED
 
-    def _announce(self, vid: str, manifest: dict[str, Any] | None = None) -> None:
+    def _announce(self, vid: str, manifest: dict[str, Any] | None = None,
+                  target_path: str | None = None) -> None:
         """Put a ``converted`` event for ``vid`` on the converted stream."""
         manifest = manifest if manifest is not None else self.store.read_manifest(vid)
+        spec, _ = target_spec(self.spec, target_path)
         event = ConvertedEvent(
-            version_id=vid, path=str(self.store.version_path(vid)), preset=self.settings.preset,
-            tensors=manifest["totals"]["tensors"], stored_bytes=manifest["totals"]["stored_bytes"])
+            version_id=vid, path=str(self.store.version_path(vid)), preset=spec.name,
+            tensors=manifest["totals"]["tensors"], stored_bytes=manifest["totals"]["stored_bytes"],
+            target_path=target_path)
         self.bus.publish(self.settings.converted_stream, event.to_fields())
