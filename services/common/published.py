@@ -175,10 +175,14 @@ def publish_version(
     *,
     actor: str = "learner",
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    target_path: str | None = None,
 ) -> PublishedEvent:
-    """Learner side: write the BF16 version, register it, then announce it on ``stream``."""
+    """Learner side: write the BF16 version, register it, then announce it on ``stream``.
+
+    ``target_path`` names the sampler execution path the version is converted for.
+    """
     path = write_published(published_root, version_id, tensors, shard_bytes=shard_bytes)
     registry.create(version_id, str(path), actor=actor)
-    event = PublishedEvent(version_id=version_id, path=str(path))
+    event = PublishedEvent(version_id=version_id, path=str(path), target_path=target_path)
     bus.publish(stream, event.to_fields())
     return event

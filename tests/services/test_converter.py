@@ -98,6 +98,26 @@ def test_other_preset_and_all_linear(env):
     assert q.bitwise_equal(ref) and q.outer_scale.shape == ()
 
 
+def test_target_path_chooses_the_weight_spec(env):
+    """A version published for nvfp4_naive gets one outer scale per expert; for bf16, no codes."""
+    settings, _bus, _reg, store = env
+    sd = tiny_experts(experts=3)
+    publish(env, "naive", sd, target_path="nvfp4_naive")
+    publish(env, "plain", sd, target_path="bf16")
+    assert run_converter(settings, max_messages=2) == 2
+    from libalign.gemm import PATHS
+
+    stack = "model.layers.0.mlp.experts.gate_up_proj"
+    q = store.read_version("naive")[stack]
+    assert q.bitwise_equal(spec_quantize(sd[stack], PATHS["nvfp4_naive"].weight_spec))
+    assert q.outer_scale.shape == (3,)
+    raw = store.read_version("plain")
+    assert all(torch.equal(raw[n].view(torch.uint8), t.view(torch.uint8)) for n, t in sd.items())
+    events = {e.version_id: e for e in converted_events(env)}
+    assert events["naive"].target_path == "nvfp4_naive" and events["naive"].preset == "te_expert"
+    assert events["plain"].target_path == "bf16"
+
+
 def test_bad_versions_fail_by_name_and_service_goes_on(env):
     """NaN, missing shard, int dtype and a malformed event each end the message (acked);
     the failed versions name the tensor or shard; the good version after them converts."""
