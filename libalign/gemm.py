@@ -312,6 +312,30 @@ def prepare_weights(weight: torch.Tensor, path: str | ExecutionPath, *,
                          ops._as_gemm_operand(q) if native else None)
 
 
+def weights_from_quantized(q: NVFP4Tensor, path: str | ExecutionPath,
+                           weight: torch.Tensor | None = None) -> ExpertWeights:
+    """:class:`ExpertWeights` from stored bits (a converted version), without re-quantizing.
+
+    ``q`` must carry exactly the path's weight spec (else :class:`SpecError`: a sampler must
+    not multiply bits made for another recipe); ``weight`` is the unquantized stack for the
+    straight-through backward, by default the dequantized bits.
+    """
+    p = get_path(path)
+    if not p.quantized:
+        raise SpecError(f"path {p.name!r} multiplies bf16 weights; it takes no NVFP4 bits")
+    if q.spec.to_dict() != p.weight_spec.to_dict():
+        raise SpecError(f"stored weights carry spec {q.spec.name!r}, path {p.name!r} needs "
+                        f"{p.weight_spec.name!r}")
+    if len(q.shape) != 3:
+        raise ShapeError(f"expert weights must be a 3-D [E, N, K] stack, got shape {q.shape}")
+    dev = q.codes.device
+    if weight is None:
+        weight = q.dequantize(torch.float32).to(torch.bfloat16)
+    native = q.codes.is_cuda and _device_kernels(dev)[0]
+    return ExpertWeights(p, weight, q, inner_values(q, _inner_dtype(dev)), row_decode_scales(q),
+                         ops._as_gemm_operand(q) if native else None)
+
+
 # --- activations ------------------------------------------------------------------------------
 
 def quantize_activations(a: torch.Tensor, spec: NumericsSpec):

@@ -236,6 +236,21 @@ def prepared_weights(module: nn.Module, path: PathLike) -> tuple[gemm.ExpertWeig
     return out[0], out[1]
 
 
+def install_prepared_weights(module: nn.Module, path: PathLike, name: str,
+                             weights: gemm.ExpertWeights) -> None:
+    """Make ``prepared_weights`` hand out ``weights`` for ``module.<name>`` on ``path``.
+
+    A sampler that loads converted bits installs them here, so the GEMM multiplies exactly
+    the stored codes; the entry stays valid until the parameter changes (its signature).
+    """
+    p = gemm.get_path(path)
+    w = getattr(module, name)
+    if tuple(w.shape) != weights.shape:
+        raise SpecError(f"{name}: prepared weights of shape {weights.shape} for a parameter of "
+                        f"shape {tuple(w.shape)}")
+    module.__dict__.setdefault(_WEIGHTS, {})[(p, name)] = (_signature(w), w.detach(), weights)
+
+
 def clear_weight_cache(model: nn.Module) -> None:
     """Drop every prepared weight stack the glue holds for ``model``."""
     for i in moe_layer_indices(model):
