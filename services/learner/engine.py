@@ -1,0 +1,211 @@
+"""What a learner engine does, and the embedded one: GRPO with truncated importance sampling.
+
+The protocol
+------------
+A learner engine holds the policy being trained. It can
+
+* :meth:`~LearnerEngine.score` sequences teacher-forced under its execution path (with the
+  sampler's guidance records when the path is ``nvfp4_trace``), the learner side of δ;
+* :meth:`~LearnerEngine.train_step` on a batch of rollouts: the sampler's tokens, the
+  sampler's log-probs, rewards and group ids;
+* :meth:`~LearnerEngine.export_weights`: the BF16 tensors of the current policy, named as
+  the Hugging Face model names them, for publishing a version.
+
+The embedded GRPO step
+----------------------
+Rollouts come in groups that share a prompt. A rollout's advantage is its reward minus the
+group mean, divided by the group's standard deviation (plus 1e-6; a group whose rewards are
+all equal teaches nothing). The loss is the token-mean of ``-w_t · A · log π(y_t)`` where
+``log π`` is the learner's log-prob under its own execution path (a W4A4 path runs NVFP4
+experts forward and the straight-through bf16 product backward) and ``w_t`` the truncated
+importance weight ``min(exp(log π_learner(y_t) − log p_sampler(y_t)), C)`` (token-level TIS,
+detached): the correction for having sampled with a different execution than the one being
+trained; ``C = 2`` by default, ``use_tis=False`` sets every weight to 1. Parameters stay
+in bf16 (what the sampler serves) with fp32 master copies updated by Adam.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from libalign import gemm, models
+from libalign.errors import InputError
+from libalign.guidance import GuidanceRecord, GuidanceTable, row_keys
+from libalign.models.paths import set_row_keys
+
+GUIDED = "nvfp4_trace"
+
+
+@dataclass
+class TrainBatch:
+    """Rollouts of one step: sequences, prompt lengths, sampler log-probs, rewards, groups."""
+
+    sequences: list[list[int]]
+    prompt_lens: list[int]
+    sampler_logprobs: list[list[float]]
+    rewards: list[float]
+    groups: list[int]
+    guidance: Mapping[int, GuidanceRecord] | None = None
+    """Guidance record per batch index (``nvfp4_trace``)."""
+
+    def check(self) -> None:
+        """InputError naming the first inconsistency."""
+        n = len(self.sequences)
+        for what, xs in (("prompt_lens", self.prompt_lens), ("sampler_logprobs",
+                         self.sampler_logprobs), ("rewards", self.rewards), ("groups", self.groups)):
+            if len(xs) != n:
+                raise InputError(f"{what} has {len(xs)} entries for {n} sequences")
+        for i, (s, p, lp) in enumerate(zip(self.sequences, self.prompt_lens,
+                                           self.sampler_logprobs, strict=True)):
+            if not 1 <= p < len(s) or len(lp) != len(s) - p:
+                raise InputError(f"rollout {i}: prompt_len {p}, {len(s)} tokens and {len(lp)} "
+                                 "sampler log-probs do not fit")
+            if not all(math.isfinite(v) for v in lp) or not math.isfinite(self.rewards[i]):
+                raise InputError(f"rollout {i}: non-finite sampler log-prob or reward")
+
+
+class LearnerEngine(Protocol):
+    """Score, train on rollouts, export weights."""
+
+    path: str
+
+    def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+              guidance: Mapping[int, GuidanceRecord] | None = None) -> list[list[float]]:
+        """Teacher-forced log-probs of the completion tokens under the learner's path."""
+
+    def train_step(self, batch: TrainBatch) -> dict:
+        """One policy update; returns its statistics."""
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The current policy's tensors (bf16, CPU), as the model names them."""
+
+
+def grpo_advantages(rewards: Sequence[float], groups: Sequence[int]) -> torch.Tensor:
+    """Group-normalized advantages: (r − mean of the group) / (std of the group + 1e-6)."""
+    r = torch.tensor(rewards, dtype=torch.float64)
+    g = torch.tensor(groups)
+    adv = torch.zeros_like(r)
+    for gid in torch.unique(g):
+        m = g == gid
+        x = r[m]
+        std = x.std(unbiased=False) if x.numel() > 1 else torch.tensor(0.0, dtype=torch.float64)
+        adv[m] = (x - x.mean()) / (std + 1e-6)
+    return adv.float()
+
+
+class TorchLearnerEngine:
+    """The embedded learner: a Hugging Face Qwen3-MoE trained with GRPO + TIS on one path."""
+
+    def __init__(self, model: nn.Module, path: str = "bf16", *, lr: float = 2e-5,
+                 tis_cap: float = 2.0, use_tis: bool = True, batch_size: int = 64, pad_id: int = 0,
+                 max_grad_norm: float = 1.0):
+        self.path = gemm.get_path(path).name
+        self.model = model
+        self.tis_cap = float(tis_cap)
+        self.use_tis = use_tis
+        self.batch_size = batch_size
+        self.pad_id = pad_id
+        self.max_grad_norm = max_grad_norm
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        self.opt = torch.optim.Adam(self.master, lr=lr)
+        self.steps = 0
+
+    # --- the learner's log-probs ----------------------------------------------------------
+
+    def _table(self, guidance):
+        if self.path != GUIDED or not guidance:
+            return None
+        return GuidanceTable(dict(guidance), next(self.model.parameters()).device)
+
+    def _forward(self, seqs, plens, ids_of, table, grad: bool) -> list[torch.Tensor]:
+        """Log-probs of completion tokens for one padded batch (with or without autograd)."""
+        dev = next(self.model.parameters()).device
+        lens = [len(s) for s in seqs]
+        ids = torch.full((len(seqs), max(lens)), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, s in enumerate(seqs):
+            ids[r, :len(s)] = torch.tensor(s)
+            mask[r, :len(s)] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = torch.arange(ids.shape[1], device=dev).expand_as(ids)
+        sid = torch.tensor(ids_of, device=dev).unsqueeze(-1)
+        set_row_keys(self.model, torch.where(mask.bool(), row_keys(sid, pos), -1))
+        try:
+            with torch.set_grad_enabled(grad), models.use_path(self.model, self.path), \
+                    (models.use_guidance(self.model, table) if table is not None
+                     else nullcontext()):
+                logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        finally:
+            set_row_keys(self.model, None)
+        out = []
+        for r, (n, p) in enumerate(zip(lens, plens, strict=True)):
+            lp = torch.log_softmax(logits[r, p - 1:n - 1].float(), dim=-1)
+            out.append(lp.gather(-1, ids[r, p:n].unsqueeze(-1)).squeeze(-1))
+        return out
+
+    def score(self, sequences, prompt_lens, guidance=None) -> list[list[float]]:
+        """Teacher-forced log-probs (the records of ``guidance`` steer ``nvfp4_trace``)."""
+        table = self._table(guidance)
+        out: list[list[float]] = []
+        for a in range(0, len(sequences), self.batch_size):
+            b = min(len(sequences), a + self.batch_size)
+            lps = self._forward([list(map(int, s)) for s in sequences[a:b]], list(prompt_lens[a:b]),
+                                list(range(a, b)), table, grad=False)
+            out += [t.tolist() for t in lps]
+        return out
+
+    # --- one update -----------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch) -> dict:
+        """GRPO + TIS on ``batch`` (one optimizer step over all its rollouts)."""
+        batch.check()
+        adv = grpo_advantages(batch.rewards, batch.groups)
+        table = self._table(batch.guidance)
+        for p in self.params:
+            p.grad = None
+        tokens = sum(len(lp) for lp in batch.sampler_logprobs)
+        loss_sum, truncated, ratios = 0.0, 0, []
+        n = len(batch.sequences)
+        for a in range(0, n, self.batch_size):
+            b = min(n, a + self.batch_size)
+            lps = self._forward(batch.sequences[a:b], batch.prompt_lens[a:b], list(range(a, b)),
+                                table, grad=True)
+            loss = 0.0
+            for i, lp in zip(range(a, b), lps, strict=True):
+                samp = torch.tensor(batch.sampler_logprobs[i], device=lp.device)
+                ratio = torch.exp(lp.detach() - samp)
+                w = torch.clamp(ratio, max=self.tis_cap) if self.use_tis else torch.ones_like(ratio)
+                truncated += int((ratio > self.tis_cap).sum())
+                ratios.append(ratio.cpu())
+                loss = loss - (w * adv[i].item() * lp).sum()
+            loss = loss / tokens
+            loss.backward()
+            loss_sum += float(loss.detach())
+        for p, m in zip(self.params, self.master, strict=True):
+            m.grad = None if p.grad is None else p.grad.float()
+        norm = float(torch.nn.utils.clip_grad_norm_(self.master, self.max_grad_norm))
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master, strict=True):
+                p.copy_(m.to(p.dtype))
+        self.steps += 1
+        r = torch.cat(ratios) if ratios else torch.zeros(0)
+        return {"loss": loss_sum, "grad_norm": norm, "tokens": tokens,
+                "reward_mean": float(sum(batch.rewards) / max(1, n)),
+                "tis_truncated_fraction": truncated / max(1, tokens),
+                "ratio_mean": float(r.mean()) if r.numel() else 1.0}
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """bf16 CPU copies of every tensor of the model's state dict."""
+        return {k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype)
+                .contiguous().clone() for k, v in self.model.state_dict().items()}
+
+
