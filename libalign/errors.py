@@ -246,3 +246,86 @@ class GuidanceBudgetError(AlignError):
 
     code = "guidance_budget"
     http_status = 507
+
+
+class RolloutExistsError(AlignError):
+    """A rollout with this id is already stored for the weight version; rollouts are write-once."""
+
+    code = "rollout_exists"
+    http_status = 409
+
+    def __init__(self, version_id: str, rollout_ids: Sequence[str]):
+        self.version_id = version_id
+        self.rollout_ids = list(rollout_ids)
+        shown = ", ".join(repr(r) for r in self.rollout_ids[:5])
+        more = f" and {len(self.rollout_ids) - 5} more" if len(self.rollout_ids) > 5 else ""
+        super().__init__(f"weight version {version_id!r} already holds rollout(s) {shown}{more}; "
+                         "nothing of this batch was stored")
+
+
+class RolloutNotFoundError(AlignError, LookupError):
+    """No rollout with this id is stored for the weight version (never put, or expired)."""
+
+    code = "rollout_not_found"
+    http_status = 404
+
+    def __init__(self, version_id: str, rollout_id: str):
+        self.version_id = version_id
+        self.rollout_id = rollout_id
+        super().__init__(f"rollout {rollout_id!r} of weight version {version_id!r} not found "
+                         "(never stored, or expired)")
+
+
+class MalformedBodyError(InputError):
+    """A request body is not parsable at all (broken JSON), as opposed to parsable but invalid."""
+
+    code = "malformed_body"
+    http_status = 400
+
+
+class UnauthorizedError(AlignError):
+    """A mutating request came without a bearer token."""
+
+    code = "unauthorized"
+    http_status = 401
+
+
+class ForbiddenError(AlignError):
+    """A mutating request came with a bearer token that is not the configured one."""
+
+    code = "forbidden"
+    http_status = 403
+
+
+class RouteNotFoundError(AlignError, LookupError):
+    """No API route has this path."""
+
+    code = "route_not_found"
+    http_status = 404
+
+
+class MethodNotAllowedError(AlignError):
+    """The API route exists but does not accept this HTTP method."""
+
+    code = "method_not_allowed"
+    http_status = 405
+
+
+class SpecMismatchError(AlignError):
+    """The caller's numerics spec hash differs from the one the daemon runs with."""
+
+    code = "spec_mismatch"
+    http_status = 409
+
+    def __init__(self, server_sha256: str, client_sha256: str):
+        self.server_sha256 = server_sha256
+        self.client_sha256 = client_sha256
+        super().__init__(f"numerics spec mismatch: the daemon runs sha256 {server_sha256}, the "
+                         f"caller has {client_sha256}")
+
+
+class InternalError(AlignError):
+    """Something failed inside the daemon that no more specific error describes."""
+
+    code = "internal_error"
+    http_status = 500

@@ -8,6 +8,11 @@ weights live in the weight store directory.
 
 Version ids become directory names and Redis key parts, so they are restricted to
 ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``.
+
+Streams: ``published`` and ``converted`` events travel on the streams that settings name;
+``sync`` requests (the control API asks samplers to load a version) travel on
+:func:`sync_stream` of the key prefix, ``<key_prefix>:events:sync`` (:data:`SYNC_STREAM`
+with the default prefix).
 """
 
 from __future__ import annotations
@@ -19,6 +24,15 @@ from typing import Annotated, ClassVar
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from libalign.errors import EventError, InputError
+
+#: The stream of sync requests under the default key prefix ``libalign``.
+SYNC_STREAM = "libalign:events:sync"
+
+
+def sync_stream(key_prefix: str = "libalign") -> str:
+    """Name of the sync-request stream for a key prefix (``SYNC_STREAM`` for the default)."""
+    return f"{key_prefix}:events:sync"
+
 
 VERSION_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -82,3 +96,11 @@ class ConvertedEvent(Event):
     stored_bytes: int
     converted_at: float = Field(default_factory=time.time)
     target_path: str | None = None
+
+
+class SyncEvent(Event):
+    """Samplers: load ``version_id`` (already converted) and serve it."""
+
+    kind: ClassVar[str] = "sync"
+    version_id: VersionId
+    requested_at: float = Field(default_factory=time.time)

@@ -9,6 +9,21 @@ free text: a version id as a label would create one time series per version.
 unless given), never on prometheus_client's global default, so several services or
 tests in one process do not collide. :func:`serve_metrics` exposes a registry on
 ``/metrics`` (and ``/healthz``) from a background HTTP server.
+
+The execution gap. ``libalign_logprob_abs_delta`` is a histogram of |δ| = |log p_learner −
+log p_sampler| per scored token, by ``learner_path`` and ``sampler_path``; its buckets span
+1e-4 to 2 nats on a 1-2.5-5 grid, the range between "bit-identical but for reduction order"
+and "a different token distribution". Scoring a batch adds tens of thousands of tokens at
+once, so :meth:`Metrics.observe_abs_deltas` counts them per bucket in one vectorized pass
+instead of calling ``observe`` per token. The gauges ``libalign_discrepancy_*`` hold the
+windowed statistics (the last ``discrepancy_window_tokens`` tokens) that the control API
+recomputes from Redis. Path labels are execution path names (:data:`libalign.gemm.PATHS`);
+any other name is counted as ``other``, so a client cannot grow the label set.
+
+Weight sync. ``libalign_sync_stage_seconds`` is observed once per version when it reaches
+``serving``, from the registry's history timestamps (server clock): ``convert`` from the
+first ``converting`` to ``converted``, ``load`` from ``loading`` to ``serving``, ``total``
+from ``published`` to ``serving``.
 """
 
 from __future__ import annotations
@@ -32,6 +47,20 @@ FAILURE_REASONS = (
     "checksum_mismatch", "invalid_manifest", "too_many_deliveries", "other",
 )
 
+#: Stages of a weight sync, the values of the ``stage`` label of libalign_sync_stage_seconds.
+SYNC_STAGES = ("convert", "load", "total")
+
+#: Services that write heartbeats, the values of the ``service`` label.
+SERVICES = ("api", "converter", "sampler", "learner")
+
+#: HTTP status classes, the values of the ``status_class`` label.
+STATUS_CLASSES = ("2xx", "3xx", "4xx", "5xx")
+
+#: Upper bounds of the |δ| histogram, nats.
+ABS_DELTA_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                     1.0, 2.0)
+
+_REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -44,6 +73,19 @@ def failure_reason(err: BaseException | str) -> str:
     else:
         code = "other"
     return code if code in FAILURE_REASONS else "other"
+
+
+def path_label(name: str) -> str:
+    """Bounded ``learner_path``/``sampler_path`` label: a known execution path, else ``other``."""
+    from libalign.gemm import PATHS  # torch-heavy: imported when a path is first labelled
+
+    return name if name in PATHS else "other"
+
+
+def status_class(status: int) -> str:
+    """``2xx`` .. ``5xx`` for an HTTP status (1xx and odd values count as ``5xx``)."""
+    cls = f"{status // 100}xx"
+    return cls if cls in STATUS_CLASSES else "5xx"
 
 
 class Metrics:
@@ -101,8 +143,57 @@ class Metrics:
         self.guidance_refused_puts = Counter(
             "libalign_guidance_refused_puts_total",
             "Guidance puts refused because the byte budget had no room.", registry=r)
+        self.logprob_abs_delta = Histogram(
+            "libalign_logprob_abs_delta",
+            "|log p_learner - log p_sampler| per scored token, nats.",
+            ["learner_path", "sampler_path"], buckets=ABS_DELTA_BUCKETS, registry=r)
+        self.discrepancy_p99_abs = Gauge(
+            "libalign_discrepancy_p99_abs",
+            "P99 of |delta log p| over the discrepancy window (last N scored tokens), nats.",
+            ["learner_path", "sampler_path"], registry=r)
+        self.discrepancy_mean_abs = Gauge(
+            "libalign_discrepancy_mean_abs",
+            "Mean |delta log p| over the discrepancy window, nats.",
+            ["learner_path", "sampler_path"], registry=r)
+        self.clip_potential = Gauge(
+            "libalign_clip_potential_ratio",
+            "Fraction of window tokens whose ratio exp(delta) lies outside the clip band "
+            "[0.8, 1.28] before any update.", ["learner_path", "sampler_path"], registry=r)
+        self.tis_truncated = Gauge(
+            "libalign_tis_truncated_ratio",
+            "Fraction of window tokens whose token-level TIS weight is truncated at C=2.",
+            ["learner_path", "sampler_path"], registry=r)
+        self.rollout_tokens = Counter(
+            "libalign_rollout_tokens_total",
+            "Generated (non-prompt) tokens of the rollouts stored, by sampler path.",
+            ["sampler_path"], registry=r)
+        self.sync_stage_seconds = Histogram(
+            "libalign_sync_stage_seconds",
+            "Seconds a weight version spent per sync stage (convert, load, total), from the "
+            "registry's history, observed when it reaches serving.",
+            ["stage"], buckets=_STAGE_BUCKETS, registry=r)
+        self.weight_version_lag = Gauge(
+            "libalign_weight_version_lag",
+            "Versions between the newest one published and the newest one serving, by "
+            "position in the registry's creation order.", registry=r)
+        self.service_up = Gauge(
+            "libalign_service_up",
+            "1 if at least one instance of the service has a live heartbeat, else 0.",
+            ["service"], registry=r)
+        self.api_requests = Counter(
+            "libalign_api_requests_total",
+            "Control API requests answered, by route template and status class.",
+            ["route", "status_class"], registry=r)
+        self.api_request_seconds = Histogram(
+            "libalign_api_request_seconds",
+            "Seconds the control API took to answer a request, by route template.",
+            ["route"], buckets=_REQUEST_BUCKETS, registry=r)
         for s in STAGES:
             self.conversion_stage_seconds.labels(stage=s)
+        for s in SYNC_STAGES:
+            self.sync_stage_seconds.labels(stage=s)
+        for svc in SERVICES:
+            self.service_up.labels(service=svc)
         for reason in FAILURE_REASONS:
             self.versions_failed.labels(reason=reason)
         for in_use in ("true", "false"):
@@ -122,6 +213,50 @@ class Metrics:
     def observe_failure(self, err: BaseException | str) -> None:
         """Count one failed version under its bounded reason."""
         self.versions_failed.labels(reason=failure_reason(err)).inc()
+
+    def observe_abs_deltas(self, learner_path: str, sampler_path: str, abs_delta) -> None:
+        """Add many |δ| values (any 1-D array-like) to the histogram in one pass."""
+        import numpy as np
+
+        x = np.asarray(abs_delta, dtype=np.float64).ravel()
+        if x.size == 0:
+            return
+        child = self.logprob_abs_delta.labels(learner_path=path_label(learner_path),
+                                              sampler_path=path_label(sampler_path))
+        bounds = getattr(child, "_upper_bounds", None)
+        buckets = getattr(child, "_buckets", None)
+        if bounds is None or buckets is None or len(bounds) != len(buckets):
+            for v in x:  # prometheus_client changed its internals: the slow, public way
+                child.observe(float(v))
+            return
+        # observe() puts v in the first bucket whose upper bound is >= v: searchsorted left
+        counts = np.bincount(np.searchsorted(np.asarray(bounds), x, side="left"),
+                             minlength=len(bounds))
+        for i, n in enumerate(counts.tolist()):
+            if n:
+                buckets[i].inc(n)
+        child._sum.inc(float(x.sum()))
+
+    def set_discrepancy(self, learner_path: str, sampler_path: str, *, mean_abs: float,
+                        p99_abs: float, clip_potential: float, tis_truncated: float) -> None:
+        """Set the windowed discrepancy gauges of one (learner, sampler) path pair."""
+        labels = {"learner_path": path_label(learner_path),
+                  "sampler_path": path_label(sampler_path)}
+        self.discrepancy_mean_abs.labels(**labels).set(mean_abs)
+        self.discrepancy_p99_abs.labels(**labels).set(p99_abs)
+        self.clip_potential.labels(**labels).set(clip_potential)
+        self.tis_truncated.labels(**labels).set(tis_truncated)
+
+    def observe_sync(self, stages: dict[str, float]) -> None:
+        """Record one version's sync stage durations (keys from ``SYNC_STAGES``)."""
+        for stage, seconds in stages.items():
+            if stage in SYNC_STAGES:
+                self.sync_stage_seconds.labels(stage=stage).observe(max(0.0, float(seconds)))
+
+    def observe_request(self, route: str, status: int, seconds: float) -> None:
+        """Count one API request and its latency under its route template."""
+        self.api_requests.labels(route=route, status_class=status_class(status)).inc()
+        self.api_request_seconds.labels(route=route).observe(seconds)
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """Current value of a sample (0.0 if absent); for tests and health output."""

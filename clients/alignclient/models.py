@@ -1,0 +1,378 @@
+"""Wire models of the libalign control API, shared by the server and this client.
+
+The API (``services/api``) declares its request and response bodies with these pydantic
+models and the client parses replies into them, so both sides validate the same shapes
+and a field added here appears on both. This module imports nothing from ``services``
+(the client is installed without the daemon) and nothing heavier than pydantic.
+
+Ids. Version ids, rollout ids, consumer names and execution path names become Redis key
+parts and directory names, so they match :data:`ID_PATTERN` (the daemon's
+``services.common.events.VERSION_ID_RE``; a test pins that the two agree).
+
+Log-probabilities are finite and at most :data:`LOGPROB_MAX` (a probability cannot exceed
+1; rounding may push a certain token a hair above 0), as ``libalign.metrics`` requires.
+
+Errors travel as ``{"error": {"code", "type", "message"}}`` (:class:`ErrorResponse`), the
+code naming a class of ``libalign.errors``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+#: Safe ids: Redis key parts and directory names.
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+#: Largest log-probability accepted (libalign.metrics.LOGPROB_TOLERANCE).
+LOGPROB_MAX = 1e-6
+#: Most tokens (prompt and completion) of one rollout.
+MAX_ROLLOUT_TOKENS = 1 << 18
+#: Most rollouts, scores or guidance ids in one request.
+MAX_BATCH = 4096
+#: States of a weight version, in the order a version moves through them.
+VERSION_STATES = ("published", "converting", "converted", "loading", "serving", "failed")
+
+SafeId = Annotated[str, Field(pattern=ID_PATTERN)]
+LogProb = Annotated[float, Field(allow_inf_nan=False, le=LOGPROB_MAX)]
+TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
+VersionState = Literal["published", "converting", "converted", "loading", "serving", "failed"]
+
+
+class Wire(BaseModel):
+    """Base of every wire model: unknown fields are refused, values are not coerced from text."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Reply(BaseModel):
+    """Base of response models: unknown fields are ignored, so a newer server stays readable."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+# --- errors and health ------------------------------------------------------------------
+
+
+class ErrorBody(Reply):
+    """A typed error: ``code`` names a libalign.errors class, ``type`` its class name."""
+
+    code: str
+    type: str
+    message: str
+
+
+class ErrorResponse(Reply):
+    """The body of every error response."""
+
+    error: ErrorBody
+
+
+class Health(Reply):
+    """Liveness of the API process."""
+
+    status: str = "ok"
+
+
+class Ready(Reply):
+    """Readiness: Redis answers."""
+
+    status: str
+    redis: bool
+
+
+# --- versions ---------------------------------------------------------------------------
+
+
+class PublishRequest(Wire):
+    """Register a BF16 version the learner already wrote to the weight store's published dir."""
+
+    version_id: SafeId
+    meta: dict[str, Any] = Field(default_factory=dict)
+    target_path: SafeId | None = Field(
+        None, description="sampler execution path to convert for (None: the converter preset)")
+
+
+class VersionInfo(Reply):
+    """A weight version as the registry holds it."""
+
+    version_id: str
+    state: VersionState
+    path: str
+    reason: str = ""
+    owner: str = ""
+    created_at: float
+    updated_at: float
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+class HistoryEntry(Reply):
+    """One state change of a version (server time)."""
+
+    from_state: str
+    to_state: str
+    at: float
+    reason: str = ""
+    actor: str = ""
+
+
+class VersionDetail(Reply):
+    """A version's record and every state change it went through."""
+
+    version: VersionInfo
+    history: list[HistoryEntry]
+
+
+class VersionList(Reply):
+    """Versions, oldest first."""
+
+    versions: list[VersionInfo]
+
+
+class PublishResponse(Reply):
+    """The registered version and the id of its ``published`` event."""
+
+    version: VersionInfo
+    stream: str
+    event_id: str
+
+
+class SyncRequest(Wire):
+    """Ask the samplers to load a converted version."""
+
+    version_id: SafeId
+
+
+class SyncResponse(Reply):
+    """The ``sync`` event put on the sync stream."""
+
+    version_id: str
+    state: VersionState
+    stream: str
+    event_id: str
+    requested_at: float
+
+
+# --- rollouts, scores, discrepancy ------------------------------------------------------
+
+
+class Rollout(Wire):
+    """One generated sequence as the sampler saw it: tokens and the sampler's log-probs."""
+
+    rollout_id: SafeId
+    prompt_len: int = Field(ge=1)
+    tokens: list[TokenId] = Field(max_length=MAX_ROLLOUT_TOKENS)
+    logprobs: list[LogProb] = Field(
+        description="sampler log-probability of each completion token (tokens after the prompt)")
+    reward: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    path: SafeId = Field(description="execution path the sampler ran")
+    guidance: bool = Field(False, description="a guidance record was stored for this rollout")
+
+    @model_validator(mode="after")
+    def _lengths(self) -> Rollout:
+        """At least one completion token, and one log-prob per completion token."""
+        if len(self.tokens) <= self.prompt_len:
+            raise ValueError(f"tokens has {len(self.tokens)} entries; it must be longer than "
+                             f"prompt_len={self.prompt_len} (at least one completion token)")
+        want = len(self.tokens) - self.prompt_len
+        if len(self.logprobs) != want:
+            raise ValueError(f"logprobs has {len(self.logprobs)} entries; the "
+                             f"{len(self.tokens)} tokens after a prompt of {self.prompt_len} "
+                             f"need {want}")
+        return self
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens after the prompt (those with a log-prob)."""
+        return len(self.tokens) - self.prompt_len
+
+
+class Score(Wire):
+    """The learner's log-probs of one stored rollout's completion tokens."""
+
+    rollout_id: SafeId
+    logprobs: list[LogProb] = Field(min_length=1, max_length=MAX_ROLLOUT_TOKENS)
+    path: SafeId = Field(description="execution path the learner ran")
+
+
+class RolloutBatch(Wire):
+    """Rollouts to store for one version (all or none)."""
+
+    rollouts: list[Rollout] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class RolloutPutResponse(Reply):
+    """How many rollouts and completion tokens were stored."""
+
+    version_id: str
+    stored: int
+    tokens: int
+
+
+class RolloutIds(Reply):
+    """Ids of the rollouts stored for a version, sorted."""
+
+    version_id: str
+    rollout_ids: list[str]
+
+
+class RolloutList(Reply):
+    """Full rollouts of a version."""
+
+    version_id: str
+    rollouts: list[Rollout]
+
+
+class ScoreBatch(Wire):
+    """Learner scores to pair with stored rollouts."""
+
+    scores: list[Score] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class DeltaStats(Reply):
+    """Statistics of δ = log p_learner − log p_sampler (nats); all None when count is 0."""
+
+    count: int = 0
+    mean: float | None = None
+    mean_abs: float | None = None
+    p50_abs: float | None = None
+    p90_abs: float | None = None
+    p99_abs: float | None = None
+    max_abs: float | None = None
+    clip_low: float = 0.8
+    clip_high: float = 1.28
+    clip_potential: float | None = None
+    below: float | None = None
+    above: float | None = None
+    tis_cap: float = 2.0
+    tis_truncated_fraction: float | None = None
+    k3_kl: float | None = None
+
+
+class PathDiscrepancy(Reply):
+    """The statistics of one (learner path, sampler path) pair."""
+
+    learner_path: str
+    sampler_path: str
+    stats: DeltaStats
+
+
+class DeltaSummary(Reply):
+    """What one score batch added: its own δ statistics, overall and per path pair."""
+
+    version_id: str
+    rollouts: int
+    tokens: int
+    duplicates: int = Field(0, description="scores already recorded earlier (not counted again)")
+    stats: DeltaStats
+    by_path: list[PathDiscrepancy] = Field(default_factory=list)
+
+
+class Discrepancy(Reply):
+    """δ statistics over the last ``window_tokens`` scored tokens."""
+
+    version_id: str | None = Field(None, description="the version asked for (None: recent ones)")
+    versions: list[str] = Field(default_factory=list, description="versions the window covers")
+    window_tokens: int
+    stats: DeltaStats
+    by_path: list[PathDiscrepancy] = Field(default_factory=list)
+
+
+# --- guidance ---------------------------------------------------------------------------
+
+
+class GuidancePutResponse(Reply):
+    """One stored guidance record and the store's total afterwards."""
+
+    version_id: str
+    rollout_id: str
+    bytes: int
+    total_bytes: int
+    evicted: list[str] = Field(default_factory=list, description="versions evicted to make room")
+
+
+class GuidanceBatchRequest(Wire):
+    """Rollout ids whose guidance records to fetch in one response."""
+
+    rollout_ids: list[SafeId] = Field(min_length=1, max_length=MAX_BATCH)
+    missing: Literal["raise", "skip"] = "raise"
+
+
+class LeaseRequest(Wire):
+    """Protect a version's guidance from budget eviction for ``ttl_s`` seconds."""
+
+    consumer: SafeId
+    ttl_s: float = Field(gt=0, le=7 * 86_400, allow_inf_nan=False)
+
+
+class LeaseResponse(Reply):
+    """A lease taken (``held`` True) or released (``held`` False: was it held)."""
+
+    version_id: str
+    consumer: str
+    ttl_s: float | None = None
+    held: bool
+
+
+# --- spec -------------------------------------------------------------------------------
+
+
+class SpecInfo(Reply):
+    """The numerics spec the daemon runs and the execution paths of both sides."""
+
+    preset: str
+    spec: dict[str, Any]
+    sha256: str
+    sampler_path: str
+    learner_path: str
+
+
+class SpecCheckRequest(Wire):
+    """A caller's spec hash to compare with the daemon's."""
+
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class SpecCheckResponse(Reply):
+    """The hashes agree."""
+
+    match: bool
+    sha256: str
+
+
+# --- status -----------------------------------------------------------------------------
+
+
+class ServiceStatus(Reply):
+    """One service instance's last heartbeat."""
+
+    service: str
+    name: str
+    up: bool
+    age_s: float | None = None
+    state: str = ""
+    version: str = ""
+    info: dict[str, Any] = Field(default_factory=dict)
+
+
+class GuidanceSummary(Reply):
+    """Guidance store totals."""
+
+    versions: int = 0
+    rollouts: int = 0
+    stored_bytes: int = 0
+    budget_bytes: int | None = None
+    budget_used_ratio: float | None = None
+    leased_versions: list[str] = Field(default_factory=list)
+
+
+class Status(Reply):
+    """Everything the status page shows, in one reply."""
+
+    time: float
+    versions_by_state: dict[str, int]
+    latest: dict[str, str | None] = Field(description="newest version id in each state")
+    weight_version_lag: int
+    services: list[ServiceStatus]
+    discrepancy: Discrepancy
+    guidance: GuidanceSummary
