@@ -1,0 +1,247 @@
+"""The sampler service's loop: ``python -m services.sampler.main`` (or ``alignd serve sampler``).
+
+Three inputs, polled in turn:
+
+* **converted** versions (``settings.converted_stream``, a consumer group of this sampler's
+  own, ``sampler-<name>``, so every sampler sees every version): load it;
+* **sync** requests (:data:`services.common.events.SYNC_STREAM`, read by every sampler): load
+  the named version if it is not the one served;
+* **rollout requests** (:data:`services.common.work.REQUESTS`, the shared group
+  ``samplers``: one sampler per request): generate with the served version (loading the
+  requested one first if needed), store rollouts and guidance records, announce them on
+  :data:`services.common.work.READY`, acknowledge.
+
+Loading moves the registry's version ``converted -> loading -> serving`` (the first sampler to
+get there does; later ones just load) and, when the store's bits fail verification or do not
+fit the sampler's path, ``-> failed`` with the reason; the engine keeps serving what it had.
+On start the sampler loads the newest version that is converted or beyond.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+
+from pydantic import ValidationError
+
+from libalign.errors import (
+    AlignError,
+    BusUnavailableError,
+    EventError,
+    InputError,
+    StateTransitionError,
+    StoreError,
+)
+from services.common.events import ConvertedEvent
+from services.common.redis_bus import Message, RedisBus
+from services.common.registry import Registry
+from services.common.settings import Settings
+from services.common.telemetry import Metrics
+from services.common.work import READY, REQUESTS, SAMPLER_GROUP, RolloutRequest, RolloutsReady
+
+from .engine import SamplerEngine
+
+log = logging.getLogger("services.sampler")
+
+try:  # the sync stream is defined with the API's events
+    from services.common.events import SYNC_STREAM
+except ImportError:  # pragma: no cover - before the API lands
+    SYNC_STREAM = "libalign:events:sync"
+
+LOADABLE = ("converted", "loading", "serving")
+
+
+class SamplerService:
+    """One sampler: an engine plus the Redis plumbing around it."""
+
+    def __init__(self, settings: Settings, engine: SamplerEngine, bus: RedisBus, *,
+                 rollouts, guidance=None, metrics: Metrics | None = None):
+        self.settings = settings
+        self.engine = engine
+        self.bus = bus
+        self.registry = Registry(bus, settings.key_prefix)
+        self.rollouts = rollouts
+        self.guidance = guidance
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.name = settings.sampler_name
+        self.group = f"sampler-{self.name}"
+        self._sync_last = "$"
+        self.load_seconds: dict[str, float] = {}
+
+    # --- loading ------------------------------------------------------------------------
+
+    def load(self, version_id: str) -> bool:
+        """Load ``version_id`` through the registry's states; False if it cannot be served."""
+        if self.engine.version_id == version_id:
+            return True
+        rec = self.registry.get(version_id)
+        if rec.state not in LOADABLE:
+            log.info("version %s is %s; not loadable", version_id, rec.state)
+            return False
+        mine = False
+        if rec.state == "converted":
+            try:
+                self.registry.transition(version_id, "loading", actor=self.name)
+                mine = True
+            except StateTransitionError:
+                pass  # another sampler is loading it; load our copy anyway
+        t0 = time.perf_counter()
+        try:
+            self.engine.load(version_id)
+        except (InputError, StoreError) as e:
+            log.error("version %s cannot be loaded: %s", version_id, e)
+            if mine:
+                with contextlib.suppress(StateTransitionError):
+                    self.registry.fail(version_id, f"{e.code}: {e}", actor=self.name)
+            return False
+        self.load_seconds[version_id] = time.perf_counter() - t0
+        if mine:
+            try:
+                self.registry.transition(version_id, "serving", actor=self.name,
+                                         expect_owner=self.name)
+            except StateTransitionError as e:
+                log.warning("version %s: %s", version_id, e)
+        log.info("serving %s (loaded in %.2fs)", version_id, self.load_seconds[version_id])
+        return True
+
+    def load_latest(self) -> str | None:
+        """Load the newest version that is converted or beyond (on start)."""
+        for rec in sorted(self.registry.list_versions(), key=lambda r: r.created_at, reverse=True):
+            if rec.state in LOADABLE and self.load(rec.version_id):
+                return rec.version_id
+        return None
+
+    # --- rollouts -------------------------------------------------------------------------
+
+    def serve_request(self, req: RolloutRequest) -> RolloutsReady:
+        """Generate and store the rollouts of one request; the ready event says what happened."""
+        t0 = time.perf_counter()
+        base = dict(request_id=req.request_id, version_id=req.version_id, sampler=self.name)
+        if not self.load(req.version_id):
+            return RolloutsReady(**base, error=f"version {req.version_id!r} cannot be served "
+                                 f"(state {self.registry.get(req.version_id).state})")
+        prompts = [p for p in req.prompt_list() for _ in range(req.samples_per_prompt)]
+        bits = req.guidance_bits or None
+        gen = self.engine.generate(prompts, max_new_tokens=req.max_new_tokens,
+                                   temperature=req.temperature, seed=req.seed, guidance_bits=bits)
+        ids = [f"{req.request_id}-{i:05d}" for i in range(len(prompts))]
+        from services.common.rollouts import Rollout
+
+        items = [Rollout(rollout_id=rid, prompt_len=p, tokens=s, logprobs=lp,
+                         path=self.engine.path, guidance=bits is not None)
+                 for rid, s, p, lp in zip(ids, gen.sequences, gen.prompt_lens, gen.logprobs,
+                                          strict=True)]
+        if bits is not None and self.guidance is not None:
+            self.guidance.put_many(req.version_id, {ids[i]: rec.encode()
+                                                    for i, rec in gen.guidance.items()})
+        self.rollouts.put_rollouts(req.version_id, items)
+        return RolloutsReady(**base, rollout_ids=json.dumps(ids), guidance=bits is not None,
+                             seconds=time.perf_counter() - t0)
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Consumer groups, then the newest loadable version."""
+        self.bus.ensure_group(self.settings.converted_stream, self.group, start_id="$")
+        self.bus.ensure_group(REQUESTS, SAMPLER_GROUP)
+        self.load_latest()
+
+    def step(self, block_ms: int = 100) -> int:
+        """Poll each input once; returns how many messages were handled."""
+        handled = 0
+        for m in self.bus.read(self.settings.converted_stream, self.group, self.name, count=8,
+                               block_ms=1):
+            try:
+                ev = ConvertedEvent.from_fields(m.fields)
+                self.load(ev.version_id)
+            except (EventError, AlignError) as e:
+                log.error("converted event %s: %s", m.id, e)
+            self.bus.ack(m.stream, self.group, m.id)
+            handled += 1
+        handled += self._sync()
+        for m in self.bus.read(REQUESTS, SAMPLER_GROUP, self.name, count=1, block_ms=block_ms):
+            self._request(m)
+            handled += 1
+        return handled
+
+    def _sync(self) -> int:
+        got = self.bus.call("read sync", lambda: self.bus.client.xread(
+            {SYNC_STREAM: self._sync_last}, count=16, block=None))
+        n = 0
+        for _stream, entries in got or []:
+            for mid, fields in entries:
+                self._sync_last = mid
+                n += 1
+                vid = fields.get("version_id")
+                if vid:
+                    try:
+                        self.load(vid)
+                    except AlignError as e:
+                        log.error("sync to %s: %s", vid, e)
+        if self._sync_last == "$":  # pin the position so later entries are not missed
+            last = self.bus.call("sync tail", lambda: self.bus.client.xrevrange(SYNC_STREAM,
+                                                                                count=1))
+            self._sync_last = last[0][0] if last else "0-0"
+        return n
+
+    def _request(self, m: Message) -> None:
+        try:
+            req = RolloutRequest.from_fields(m.fields)
+        except EventError as e:
+            log.error("rollout request %s dropped: %s", m.id, e)
+            self.bus.ack(m.stream, SAMPLER_GROUP, m.id)
+            return
+        try:
+            ready = self.serve_request(req)
+        except (AlignError, ValidationError) as e:
+            ready = RolloutsReady(request_id=req.request_id, version_id=req.version_id,
+                                  sampler=self.name, error=f"{type(e).__name__}: {e}")
+        self.bus.publish(READY, ready.to_fields())
+        self.bus.ack(m.stream, SAMPLER_GROUP, m.id)
+
+
+def run_sampler(settings: Settings, engine: SamplerEngine, stop: threading.Event, *, rollouts,
+                guidance=None, metrics: Metrics | None = None, bus: RedisBus | None = None) -> None:
+    """Serve until ``stop`` is set."""
+    bus = bus or RedisBus.from_settings(settings, stop_event=stop)
+    svc = SamplerService(settings, engine, bus, rollouts=rollouts, guidance=guidance,
+                         metrics=metrics)
+    try:
+        svc.setup()
+        while not stop.is_set():
+            svc.step()
+    except BusUnavailableError:
+        if not stop.is_set():
+            raise
+
+
+def main() -> int:  # pragma: no cover - exercised by the integration test as a process
+    """Entry point: settings from the environment, the embedded torch engine, signals."""
+    from .embedded import build_sampler
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = Settings()
+    except ValidationError as e:
+        log.error("bad settings: %s", e)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    engine, rollouts, guidance = build_sampler(settings)
+    try:
+        run_sampler(settings, engine, stop, rollouts=rollouts, guidance=guidance)
+    except AlignError as e:
+        log.error("sampler stopped: %s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The RL loop through the services (converter and sampler threads, real redis-server)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import redis
+
+pytest.importorskip("transformers")
+
+from libalign import models
+from libalign.models import train as train_mod
+from services.common.guidance_store import GuidanceStore
+from services.common.redis_bus import RedisBus
+from services.common.rollouts import RolloutStore
+from services.common.settings import Settings
+from services.common.weight_store import WeightStore
+from services.converter.main import run_converter
+from services.learner.engine import TorchLearnerEngine
+from services.learner.loop import LearnerLoop, LoopError
+from services.sampler.engine import TorchSamplerEngine
+from services.sampler.main import run_sampler
+
+TASK = models.SyntheticTask()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with train_mod.cpu_threads(1):
+        yield
+
+
+class Deployment:
+    """Converter and sampler threads over one Redis and store; the loop runs in the test."""
+
+    def __init__(self, redis_url, tmp_path, sampler_path):
+        self.settings = Settings(redis_url=redis_url, store_dir=tmp_path / "store",
+                                 sampler_path=sampler_path, block_ms=50, heartbeat_ms=100,
+                                 claim_idle_ms=2000, consumer_name="conv", sampler_name="s1")
+        self.stop = threading.Event()
+        self.bus = RedisBus.from_settings(self.settings)
+        base = models.build_model(models.tiny_config(num_hidden_layers=2), seed=5)
+        self.learner_model = copy.deepcopy(base)
+        engine = TorchSamplerEngine(base, WeightStore(self.settings.store_dir), sampler_path,
+                                    batch_size=16, eos_id=TASK.eos_id, pad_id=TASK.pad_id)
+        self.rollouts = RolloutStore(redis.Redis.from_url(redis_url), self.settings.key_prefix)
+        self.guidance = GuidanceStore(redis_url, budget_bytes=1 << 26)
+        self.threads = [
+            threading.Thread(target=run_converter, args=(self.settings, self.stop), daemon=True),
+            threading.Thread(target=run_sampler, args=(self.settings, engine, self.stop),
+                             kwargs=dict(rollouts=self.rollouts, guidance=self.guidance),
+                             daemon=True),
+        ]
+        for t in self.threads:
+            t.start()
+
+    def loop(self, learner_path, **kw):
+        eng = TorchLearnerEngine(self.learner_model, learner_path, pad_id=TASK.pad_id, lr=1e-4)
+        return LearnerLoop(self.settings, eng, self.bus, rollouts=self.rollouts,
+                           guidance=self.guidance, sampler_path=self.settings.sampler_path,
+                           prompts=lambda step: TASK.prompts(2, step),
+                           reward=TASK.verify, prompts_per_step=2, samples_per_prompt=2,
+                           max_new_tokens=4, timeout_s=60, **kw)
+
+    def close(self):
+        self.stop.set()
+        for t in self.threads:
+            t.join(10)
+
+
+@pytest.fixture
+def deploy(redis_url, tmp_path):
+    made = []
+
+    def make(path):
+        d = Deployment(redis_url, tmp_path, path)
+        made.append(d)
+        return d
+
+    yield make
+    for d in made:
+        d.close()
+
+
+@pytest.mark.parametrize(("sampler", "learner"), [("nvfp4_minite", "nvfp4_minite"),
+                                                  ("nvfp4_minite", "nvfp4_trace"),
+                                                  ("bf16", "bf16")])
+def test_iterations_publish_convert_load_roll_out_score_train(deploy, sampler, learner):
+    """Each iteration's version is converted for the sampler, served, rolled out, scored, trained."""
+    d = deploy(sampler)
+    loop = d.loop(learner)
+    results = loop.run(2)
+    for r in results:
+        assert d.bus.client.hget(f"libalign:version:{r.version_id}", "state") == "serving"
+        assert r.delta["tokens"] > 0 and r.train["tokens"] == r.delta["tokens"]
+        assert set(r.seconds) >= {"publish", "convert", "load", "sync", "rollout", "score", "train"}
+        assert 0.0 <= r.reward_mean <= 1.0
+    if learner == "nvfp4_trace":
+        assert d.guidance.versions()  # records were stored for the versions
+    assert results[1].version_id != results[0].version_id
+
+
+def test_a_failed_version_stops_the_loop_with_its_reason(deploy):
+    """A version the sampler cannot serve (converted for another path) fails by name."""
+    d = deploy("nvfp4_minite")
+    loop = d.loop("bf16")
+    loop.sampler_path = "nvfp4_naive"  # the converter stores per-expert scales: not servable
+    with pytest.raises(LoopError, match=r"failed: .*te_expert"):
+        loop.iteration(0)
