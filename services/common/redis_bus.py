@@ -31,11 +31,10 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from libalign.errors import BusUnavailableError, ConfigError
+from libalign.errors import BusUnavailableError
 
+from .redis_clients import client_for, text_client
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -43,6 +42,11 @@ T = TypeVar("T")
 
 #: Errors after which the same call may simply be tried again.
 RETRYABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+#: Error replies that mean "the consumer group (or its whole stream) is gone". Redis says
+#: NOGROUP; the embedded server answers XREADGROUP on a missing stream with XGROUP's
+#: "requires the key to exist" instead, which Redis never sends for the calls we guard.
+_NOGROUP = ("NOGROUP", "requires the key to exist")
 
 # Refresh a pending message's idle time only if this consumer still owns it.
 _TOUCH_LUA = """
@@ -82,14 +86,12 @@ class Message:
 
 
 def connect(url: str | None, *, socket_timeout_s: float = 10.0) -> redis.Redis:
-    """A client for ``url`` with string replies and no hidden retries (we retry ourselves)."""
-    if url is None:
-        raise ConfigError("the embedded single-process Redis is not available in this build; "
-                          "set ALIGN_REDIS_URL (e.g. redis://localhost:6379/0)")
-    return redis.Redis.from_url(
-        url, decode_responses=True, socket_timeout=socket_timeout_s,
-        socket_connect_timeout=min(2.0, socket_timeout_s), retry=Retry(NoBackoff(), 0),
-    )
+    """A client for ``url`` with string replies and no hidden retries (we retry ourselves).
+
+    ``url=None`` gives a client of the embedded in-process server
+    (see ``services/common/redis_clients.py``).
+    """
+    return client_for(url, decode_responses=True, socket_timeout_s=socket_timeout_s)
 
 
 class RedisBus:
@@ -111,10 +113,11 @@ class RedisBus:
 
     @classmethod
     def from_settings(cls, settings: Settings, **kw) -> RedisBus:
-        """A bus on ``settings.redis_url`` that gives up after ``settings.redis_retry_s``."""
+        """A bus on ``settings.redis_url`` (None: embedded) that gives up after
+        ``settings.redis_retry_s``."""
         timeout = settings.block_ms / 1000 + 10.0
         backoff = Backoff(give_up_after_s=settings.redis_retry_s)
-        return cls(connect(settings.redis_url, socket_timeout_s=timeout), backoff=backoff, **kw)
+        return cls(text_client(settings, socket_timeout_s=timeout), backoff=backoff, **kw)
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
         """Run ``fn``, retrying connection errors with backoff; raise BusUnavailableError."""
@@ -157,7 +160,7 @@ class RedisBus:
             try:
                 return fn()
             except redis.exceptions.ResponseError as e:
-                if "NOGROUP" not in str(e):
+                if not any(m in str(e) for m in _NOGROUP):
                     raise
                 log.warning("%s: group %s vanished (Redis restarted empty?); recreating",
                             what, group)
