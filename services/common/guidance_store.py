@@ -26,7 +26,8 @@ and writes them to the append-only file as one block that is replayed whole or n
 all. The chunks carry the generation in their names, so the new ones never overwrite the
 old ones: until EXEC a reader sees the old meta and the old chunks, after it the new
 meta and the new chunks. A client that dies (or loses Redis) before EXEC leaves a
-MULTI that the server discards with the connection; nothing was applied. Because the
+MULTI that the server discards with the connection; nothing was applied. Both payload
+paths (below) send this same transaction, so the argument holds for either. Because the
 script reads the old meta inside the same EXEC, no WATCH (and no WatchError retry) is
 needed; readers detect a generation replaced between their two round trips (its chunks
 are gone) and read again. Every record also carries the crc32 and length of the whole
@@ -49,12 +50,21 @@ version's first put (later puts to it share that deadline). Redis deletes expire
 itself but tells nobody, so every script first reconciles: a version in ``P:index``
 whose ``P:v:<v>`` is gone leaves the accounting and gets an "expired" tombstone.
 
-Speed. Payload bytes move on connections of their own: chunks are sent from
-memoryviews of the caller's buffer (no copies), and read replies are received straight
-into the record's buffer (``recv_into``) instead of through redis-py's parser. The crc32
-of a large put is computed in a worker thread while the chunks are on the wire; that of a
-large read while the next record is received. Keys are computed inside the scripts, so
-the store needs one Redis (standalone or Sentinel), not Redis Cluster.
+Speed. Payload bytes move on one of two paths, chosen when the store is made
+(``payload_path``). The socket path, for a real Redis, runs on connections of its own:
+chunks are sent from memoryviews of the caller's buffer (no copies), and read replies are
+received straight into the record's buffer (``recv_into``) instead of through redis-py's
+parser. The crc32 of a large put is computed in a worker thread while the chunks are on
+the wire; that of a large read while the next record is received. The pipeline path is
+for clients without a socket to read from, the embedded in-process server
+(``services/common/redis_clients.py``) in particular: it uses only redis-py's public API,
+a put is one ``pipeline(transaction=True)`` holding the chunk SETs and the same commit
+script, and a read pipelines the chunk GETs and joins the replies. Same keys, scripts,
+checks and errors; its speed is the server's (the embedded one: hundreds of MB/s for
+MB-sized records, tens of MB/s for 10 KB ones). ``"auto"`` takes the pipeline path for
+an embedded client, and switches to it for good the first time a payload connection
+turns out to have no real socket. Keys are computed inside the scripts, so the store
+needs one Redis (standalone or Sentinel), not Redis Cluster.
 """
 
 from __future__ import annotations
@@ -73,8 +83,6 @@ from datetime import datetime, timezone
 from typing import Any, Literal, NamedTuple
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from libalign.errors import (
     ConfigError,
@@ -88,6 +96,7 @@ from libalign.errors import (
 )
 
 from .redis_bus import Backoff, RedisBus
+from .redis_clients import BINARY_TIMEOUT_S, binary_client, client_for, is_embedded
 from .settings import Settings
 from .telemetry import Metrics
 
@@ -374,6 +383,10 @@ class _Meta:
     crc: int
 
 
+class _NoSocket(Exception):
+    """A payload connection without a real socket: use the pipeline path instead."""
+
+
 class _RespError(Exception):
     """An error reply read in the middle of a reply stream (raised once it is consumed)."""
 
@@ -536,7 +549,8 @@ class GuidanceStore:
         tombstone_ttl_s: int = _TOMBSTONE_TTL_S,
         backoff: Backoff | None = None,
         metrics: Metrics | None = None,
-        socket_timeout_s: float = 30.0,
+        socket_timeout_s: float = BINARY_TIMEOUT_S,
+        payload_path: Literal["auto", "socket", "pipeline"] = "auto",
     ):
         if on_in_use not in ("evict", "refuse"):
             raise ConfigError(f"on_in_use must be 'evict' or 'refuse', not {on_in_use!r}")
@@ -548,11 +562,12 @@ class GuidanceStore:
             raise ConfigError(f"ttl_s must be positive (or None), not {ttl_s}")
         if max_record_bytes < 1 or tombstone_ttl_s < 1:
             raise ConfigError("max_record_bytes and tombstone_ttl_s must be positive")
+        if payload_path not in ("auto", "socket", "pipeline"):
+            raise ConfigError(f"payload_path must be 'auto', 'socket' or 'pipeline', not "
+                              f"{payload_path!r}")
         self._own_client = isinstance(client, str)
         if isinstance(client, str):
-            client = redis.Redis.from_url(
-                client, decode_responses=False, socket_timeout=socket_timeout_s,
-                socket_connect_timeout=min(2.0, socket_timeout_s), retry=Retry(NoBackoff(), 0))
+            client = client_for(client, decode_responses=False, socket_timeout_s=socket_timeout_s)
         pool = client.connection_pool
         if pool.connection_kwargs.get("decode_responses"):
             raise ConfigError("the guidance store needs a binary-safe client "
@@ -568,11 +583,17 @@ class GuidanceStore:
         self.on_in_use = on_in_use
         self.tombstone_ttl_s = int(tombstone_ttl_s)
         self.metrics = metrics
-        # payload connections: same server and options, RESP2, driven only by this module
-        kwargs = {k: v for k, v in pool.connection_kwargs.items()
-                  if not k.startswith(("maint_notifications", "orig_"))}  # RESP3-only extras
-        kwargs.update(protocol=2, decode_responses=False)
-        self._bulk = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
+        #: "socket" or "pipeline": how payload bytes move (see the module docstring).
+        self.payload_path = payload_path
+        if payload_path == "auto":
+            self.payload_path = "pipeline" if is_embedded(client) else "socket"
+        self._bulk: redis.ConnectionPool | None = None
+        if self.payload_path == "socket":
+            # payload connections: same server and options, RESP2, driven only by this module
+            kwargs = {k: v for k, v in pool.connection_kwargs.items()
+                      if not k.startswith(("maint_notifications", "orig_"))}  # RESP3-only extras
+            kwargs.update(protocol=2, decode_responses=False)
+            self._bulk = redis.ConnectionPool(connection_class=pool.connection_class, **kwargs)
         self._workers: ThreadPoolExecutor | None = None
         self._keys = [f"{self.prefix}:{k}" for k in ("index", "bytes", "total", "seq")]
         self._scripts = {name: client.register_script(src) for name, src in (
@@ -581,20 +602,21 @@ class GuidanceStore:
 
     @classmethod
     def from_settings(cls, settings: Settings, metrics: Metrics | None = None) -> GuidanceStore:
-        """A store on ``settings.redis_url`` with the ``guidance_*`` settings."""
-        if settings.redis_url is None:
-            raise ConfigError("the guidance store needs ALIGN_REDIS_URL (the embedded "
-                              "single-process Redis is not available in this build)")
+        """A store on ``settings.redis_url`` (None: embedded) with the ``guidance_*``
+        settings; it owns (and closes) its client."""
         backoff = Backoff(give_up_after_s=settings.redis_retry_s)
-        return cls(settings.redis_url, prefix=settings.key_prefix,
-                   budget_bytes=settings.guidance_budget_bytes, ttl_s=settings.guidance_ttl_s,
-                   chunk_bytes=settings.guidance_chunk_bytes,
-                   max_record_bytes=settings.guidance_max_record_bytes,
-                   on_in_use=settings.guidance_on_in_use, backoff=backoff, metrics=metrics)
+        store = cls(binary_client(settings), prefix=settings.key_prefix,
+                    budget_bytes=settings.guidance_budget_bytes, ttl_s=settings.guidance_ttl_s,
+                    chunk_bytes=settings.guidance_chunk_bytes,
+                    max_record_bytes=settings.guidance_max_record_bytes,
+                    on_in_use=settings.guidance_on_in_use, backoff=backoff, metrics=metrics)
+        store._own_client = True
+        return store
 
     def close(self) -> None:
         """Close the payload connections, the worker thread and an owned client."""
-        self._bulk.disconnect()
+        if self._bulk is not None:
+            self._bulk.disconnect()
         if self._workers is not None:
             self._workers.shutdown(wait=True)
             self._workers = None
@@ -640,6 +662,8 @@ class GuidanceStore:
             sock = getattr(conn, "_sock", None)
             if sock is None:
                 raise redis.exceptions.ConnectionError("payload connection has no socket")
+            if not isinstance(sock, socket.socket):  # connected, but not over a socket
+                raise _NoSocket(type(sock).__name__)
             reader = _RespReader(sock)
             try:
                 out = fn(conn, reader)
@@ -655,6 +679,18 @@ class GuidanceStore:
             if not ok:
                 conn.disconnect()
             self._bulk.release(conn)
+
+    def _payload(self, what: str, on_socket, pipelined):
+        """Run one payload operation: ``on_socket(conn, reader)`` on the socket path,
+        ``pipelined()`` on the pipeline path (both retried by the bus)."""
+        if self.payload_path == "socket":
+            try:
+                return self.bus.call(what, lambda: self._exchange(on_socket))
+            except _NoSocket as e:
+                log.info("guidance store: payload connections have no real socket (%s); "
+                         "using the pipeline path from now on", e)
+                self.payload_path = "pipeline"
+        return self.bus.call(what, pipelined)
 
     def _set_stored(self, total: int) -> None:
         if self.metrics is not None:
@@ -693,9 +729,9 @@ class GuidanceStore:
                 lambda: {r: zlib.crc32(mv) for r, mv in views.items()})
         else:
             crcs = {r: zlib.crc32(mv) for r, mv in views.items()}
-        reply = self.bus.call(f"guidance put {version}",
-                              lambda: self._exchange(lambda c, rd: self._put_once(
-                                  c, rd, version, views, crcs)))
+        reply = self._payload(f"guidance put {version}",
+                              lambda c, rd: self._put_once(c, rd, version, views, crcs),
+                              lambda: self._put_pipelined(version, views, crcs))
         return self._put_outcome(version, views, size, reply)
 
     def _put_once(self, conn, reader: _RespReader, version: str, views: dict[str, memoryview],
@@ -713,12 +749,7 @@ class GuidanceStore:
                 sets.append((b"SET", self._ckey(version, rid, gen, i),
                              part if part.nbytes >= _SEND_WHOLE else part.tobytes()))
         conn.send_packed_command(_pack(sets), check_health=False)
-        crc = crcs.result() if isinstance(crcs, Future) else crcs
-        budget = -1 if self.budget_bytes is None else self.budget_bytes
-        ttl_ms = 0 if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
-        args = self._argv(version, gen, budget, self.on_in_use, ttl_ms, step)
-        for rid, mv in views.items():
-            args += [rid, mv.nbytes, counts[rid], crc[rid]]
+        args = self._commit_args(version, gen, views, counts, crcs)
         commit = [b"EVAL", _COMMIT_LUA.encode(), b"4", *(k.encode() for k in self._keys),
                   *(_b(a) for a in args)]
         conn.send_packed_command(_pack([commit, (b"EXEC",)]), check_health=False)
@@ -732,6 +763,44 @@ class GuidanceStore:
         if isinstance(script, _RespError):
             # the SETs ran but the script did not: remove the unreferenced new chunks
             self._unlink_quietly([s[1] for s in sets[1:]])
+            raise StoreError(f"guidance put {version}: the commit script failed: {script}")
+        return script
+
+    def _commit_args(self, version: str, gen: str, views: dict[str, memoryview],
+                     counts: dict[str, int], crcs: Future | dict[str, int]) -> list[object]:
+        """ARGV of the commit script (waits for the crc32s if a worker computes them)."""
+        crc = crcs.result() if isinstance(crcs, Future) else crcs
+        budget = -1 if self.budget_bytes is None else self.budget_bytes
+        ttl_ms = 0 if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
+        args = self._argv(version, gen, budget, self.on_in_use, ttl_ms, self.chunk_bytes)
+        for rid, mv in views.items():
+            args += [rid, mv.nbytes, counts[rid], crc[rid]]
+        return args
+
+    def _put_pipelined(self, version: str, views: dict[str, memoryview],
+                       crcs: Future | dict[str, int]) -> list:
+        """The same transaction as :meth:`_put_once` through redis-py's pipeline."""
+        gen = uuid.uuid4().hex[:16]  # fresh per attempt: a retried put never meets its chunks
+        step = self.chunk_bytes
+        pipe = self.client.pipeline(transaction=True)
+        keys: list[bytes] = []
+        counts: dict[str, int] = {}
+        for rid, mv in views.items():
+            n = (mv.nbytes + step - 1) // step
+            counts[rid] = n
+            for i in range(n):
+                keys.append(self._ckey(version, rid, gen, i))
+                pipe.set(keys[-1], mv[i * step : (i + 1) * step])
+        pipe.eval(_COMMIT_LUA, 4, *self._keys, *self._commit_args(version, gen, views, counts,
+                                                                   crcs))
+        try:
+            results = pipe.execute(raise_on_error=False)
+        except redis.exceptions.ResponseError as e:  # EXECABORT: nothing was applied
+            raise StoreError(f"guidance put {version}: Redis refused the transaction: {e}") from e
+        script = results[-1]
+        if isinstance(script, Exception):
+            # the SETs ran but the script did not: remove the unreferenced new chunks
+            self._unlink_quietly(keys)
             raise StoreError(f"guidance put {version}: the commit script failed: {script}")
         return script
 
@@ -808,8 +877,10 @@ class GuidanceStore:
             metas = self._metas(version, todo)
             absent += [r for r in todo if metas[r] is None]
             found = {r: m for r, m in metas.items() if m is not None}
-            got, stale = self.bus.call(f"guidance get {version}", lambda f=found: self._exchange(
-                lambda c, rd: self._read_chunks(c, rd, version, f))) if found else ({}, [])
+            got, stale = self._payload(
+                f"guidance get {version}",
+                lambda c, rd, f=found: self._read_chunks(c, rd, version, f),
+                lambda f=found: self._read_chunks_pipelined(version, f)) if found else ({}, [])
             out.update(got)
             if not stale:
                 break
@@ -885,6 +956,51 @@ class GuidanceStore:
                 bad[r] = f"crc32 {crc:08x}, the meta records {metas[r].crc:08x}"
             else:
                 out[r] = data
+        if bad:
+            r = next(iter(bad))
+            raise GuidanceChecksumError(f"guidance record of rollout {r!r}, weight version "
+                                        f"{version!r} ({metas[r].length} bytes) is corrupt: "
+                                        f"{bad[r]}")
+        return out, stale
+
+    def _read_chunks_pipelined(self, version: str, metas: dict[str, _Meta]
+                               ) -> tuple[dict[str, bytes], list[str]]:
+        """:meth:`_read_chunks` through redis-py's pipeline: GETs, then join and check."""
+        pipe = self.client.pipeline(transaction=False)
+        for r, m in metas.items():
+            for i in range(m.chunks):
+                pipe.get(self._ckey(version, r, m.gen, i))
+        replies = iter(pipe.execute(raise_on_error=False))
+        out: dict[str, bytes] = {}
+        stale: list[str] = []
+        bad: dict[str, str] = {}
+        error: Exception | None = None
+        for r, m in metas.items():
+            parts = [next(replies) for _ in range(m.chunks)]
+            ok = True
+            for i, got in enumerate(parts):
+                want = max(0, min(m.chunk_bytes, m.length - i * m.chunk_bytes))
+                if isinstance(got, Exception):
+                    error, ok = got, False
+                elif got is None:
+                    if ok:
+                        stale.append(r)
+                    ok = False
+                elif len(got) != want and ok:
+                    bad[r] = f"chunk {i} holds {len(got)} bytes, {want} expected"
+                    ok = False
+            if ok and m.chunks * m.chunk_bytes < m.length:
+                bad[r] = f"{m.chunks} chunks hold less than the recorded {m.length} bytes"
+                ok = False
+            if ok:
+                data = parts[0] if len(parts) == 1 else b"".join(parts)
+                crc = zlib.crc32(data)
+                if crc != m.crc:
+                    bad[r] = f"crc32 {crc:08x}, the meta records {m.crc:08x}"
+                else:
+                    out[r] = data
+        if error is not None:
+            raise StoreError(f"guidance get {version}: {error}")
         if bad:
             r = next(iter(bad))
             raise GuidanceChecksumError(f"guidance record of rollout {r!r}, weight version "

@@ -1,6 +1,11 @@
 """Pins the guidance store: bit-exact round trips, atomic replace, typed misses, budget
 eviction order and leases, TTL reconciliation, and no partial record after Redis or the
-writer dies mid-put."""
+writer dies mid-put.
+
+The tests that take ``backend`` run three times: on a real redis-server through the
+socket path, on the same server through the pipeline path, and on the embedded
+in-process server (which picks the pipeline path by itself). The crash and restart tests
+need a real server and run on it only."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,18 +35,49 @@ from libalign.errors import (
     GuidanceNotFoundError,
     InputError,
     PayloadTooLargeError,
+    StoreError,
 )
+from services.common import guidance_store
 from services.common.guidance_store import GuidanceStore
 from services.common.redis_bus import Backoff
+from services.common.redis_clients import binary_client, reset_embedded
 from services.common.settings import Settings
 from services.common.telemetry import Metrics
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def store_for(url: str, **kw) -> GuidanceStore:
+def store_for(url: str | redis.Redis, **kw) -> GuidanceStore:
     kw.setdefault("prefix", "t")
     return GuidanceStore(url, **kw)
+
+
+BACKENDS = ("redis", "redis-pipeline", "embedded")
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> Iterator[Callable[..., GuidanceStore]]:
+    """Makes stores (``backend(**kw)``) on one of BACKENDS, empty at the start of the test."""
+    if request.param != "embedded":
+        url = request.getfixturevalue("redis_url")
+        path = "pipeline" if request.param == "redis-pipeline" else "auto"
+        yield lambda **kw: store_for(url, payload_path=path, **kw)
+        return
+    reset_embedded()
+    client = binary_client(Settings(redis_url=None))
+    yield lambda **kw: store_for(client, **kw)
+    client.close()
+    reset_embedded()
+
+
+def test_payload_path_follows_the_backend(backend, request):
+    """A real server gets the socket path unless told otherwise; the embedded server,
+    whose connections have no socket, gets the pipeline path by itself."""
+    want = {"redis": "socket", "redis-pipeline": "pipeline", "embedded": "pipeline"}
+    with backend() as s:
+        assert s.payload_path == want[request.node.callspec.params["backend"]]
+        s.put("v", "r", b"x")
+        assert s.get("v", "r") == b"x"
 
 
 def blob(n: int, seed: int = 0) -> bytes:
@@ -79,10 +116,10 @@ def assert_consistent(store: GuidanceStore) -> dict[tuple[str, str], bytes]:
 # --- round trips -------------------------------------------------------------------
 
 
-def test_round_trip_small_and_chunked(redis_url):
+def test_round_trip_small_and_chunked(backend):
     """Small and multi-chunk records come back bit for bit, from bytes, bytearray and
     memoryview inputs; a chunked record is split into ceil(len / chunk) values."""
-    with store_for(redis_url, chunk_bytes=1000) as s:
+    with backend(chunk_bytes=1000) as s:
         small, big = blob(10, 1), blob(10_500, 2)
         s.put("v1", "small", small)
         res = s.put_many("v1", {"big": bytearray(big), "view": memoryview(big)[7:5007]})
@@ -98,11 +135,11 @@ def test_round_trip_small_and_chunked(redis_url):
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(size=st.integers(1, 300_000), pieces=st.integers(1, 64), extra=st.integers(0, 5000))
-def test_round_trip_property(redis_url, size, pieces, extra):
+def test_round_trip_property(backend, size, pieces, extra):
     """Any size and chunk size (shorter or longer than the record) round-trip exactly."""
     chunk = -(-size // pieces) + extra
     data = blob(size, size ^ chunk)
-    with store_for(redis_url, chunk_bytes=chunk) as s:
+    with backend(chunk_bytes=chunk) as s:
         s.put("v", "r", data)
         assert s.get("v", "r") == data
         s.put("v", "r", data[: size // 2 + 1])
@@ -110,33 +147,35 @@ def test_round_trip_property(redis_url, size, pieces, extra):
         assert assert_consistent(s) == {("v", "r"): data[: size // 2 + 1]}
 
 
-def test_get_many_batches(redis_url, monkeypatch):
-    """get_many fetches 50 records with one meta pipeline and one payload exchange, in
-    request order; duplicates collapse; missing='skip' leaves absent ones out."""
-    with store_for(redis_url, chunk_bytes=4096) as s:
+def test_get_many_batches(backend, monkeypatch):
+    """get_many fetches 50 records with one meta pipeline and one payload exchange (the
+    pipeline path: a second pipeline), in request order; duplicates collapse;
+    missing='skip' leaves absent ones out."""
+    with backend(chunk_bytes=4096) as s:
         data = {f"r{i}": blob(1000 + 997 * i, i) for i in range(50)}
         s.put_many("v", data)
         calls = {"pipeline": 0, "payload": 0}
-        pipeline, get_conn = s.client.pipeline, s._bulk.get_connection
 
         def count(name, fn):
             def wrapped(*a, **k):
                 calls[name] += 1
                 return fn(*a, **k)
             return wrapped
-        monkeypatch.setattr(s.client, "pipeline", count("pipeline", pipeline))
-        monkeypatch.setattr(s._bulk, "get_connection", count("payload", get_conn))
+        monkeypatch.setattr(s.client, "pipeline", count("pipeline", s.client.pipeline))
+        if s.payload_path == "socket":
+            monkeypatch.setattr(s._bulk, "get_connection", count("payload", s._bulk.get_connection))
         ids = [*reversed(data), "r3"]
         got = s.get_many("v", ids)
-        assert calls == {"pipeline": 1, "payload": 1}
+        sock = s.payload_path == "socket"
+        assert calls == ({"pipeline": 1, "payload": 1} if sock else {"pipeline": 2, "payload": 0})
         assert list(got) == list(reversed(data)) and got == data
         assert s.get_many("v", ["r1", "nope"], missing="skip") == {"r1": data["r1"]}
         assert s.get_many("v", []) == {}
 
 
-def test_get_retries_when_replaced_between_round_trips(redis_url, monkeypatch):
+def test_get_retries_when_replaced_between_round_trips(backend, monkeypatch):
     """A record replaced after its meta was read (old chunks gone) is read again."""
-    with store_for(redis_url, chunk_bytes=100) as s:
+    with backend(chunk_bytes=100) as s:
         s.put("v", "r", blob(1000, 1))
         metas = s._metas
 
@@ -150,10 +189,10 @@ def test_get_retries_when_replaced_between_round_trips(redis_url, monkeypatch):
         assert s.get("v", "r") == blob(700, 2)
 
 
-def test_replace_with_fewer_chunks_leaves_no_orphans(redis_url):
+def test_replace_with_fewer_chunks_leaves_no_orphans(backend):
     """Replacing a 7-chunk record by a 2-chunk one removes the old chunks in the same
     transaction; the accounting follows the new length."""
-    with store_for(redis_url, chunk_bytes=1000) as s:
+    with backend(chunk_bytes=1000) as s:
         s.put("v", "r", blob(6500, 1))
         s.put("v", "other", blob(10, 2))
         res = s.put("v", "r", blob(1500, 3))
@@ -166,9 +205,9 @@ def test_replace_with_fewer_chunks_leaves_no_orphans(redis_url):
 # --- misses and bad input ------------------------------------------------------------
 
 
-def test_unknown_version_and_rollout(redis_url):
+def test_unknown_version_and_rollout(backend):
     """An unknown version and an unknown rollout of a known version are told apart."""
-    with store_for(redis_url) as s:
+    with backend() as s:
         with pytest.raises(GuidanceNotFoundError) as e:
             s.get("nope", "r")
         assert type(e.value) is GuidanceNotFoundError
@@ -183,10 +222,10 @@ def test_unknown_version_and_rollout(redis_url):
             s.rollouts("nope")
 
 
-def test_corrupt_chunk_is_detected(redis_url):
+def test_corrupt_chunk_is_detected(backend):
     """A chunk overwritten behind the store's back (same or other length) raises
     GuidanceChecksumError naming the version and rollout."""
-    with store_for(redis_url, chunk_bytes=1000) as s:
+    with backend(chunk_bytes=1000) as s:
         data = blob(2500, 1)
         s.put("v7", "r3", data)
         key = next(iter(s.client.scan_iter(match="t:guidance:v:v7:c:r3:*:1")))
@@ -200,9 +239,23 @@ def test_corrupt_chunk_is_detected(redis_url):
         assert s.get("v7", "r3") == data  # the connection stayed usable
 
 
-def test_oversize_record_is_refused_before_writing(redis_url):
+def test_failed_commit_script_leaves_no_chunks(backend, monkeypatch):
+    """A commit script that fails inside EXEC raises StoreError; the chunks its
+    transaction wrote are removed and the stored record is untouched."""
+    with backend(chunk_bytes=100) as s:
+        s.put("v", "r", blob(250, 1))
+        before = sorted(s.client.keys("t:guidance:*"))
+        monkeypatch.setattr(guidance_store, "_COMMIT_LUA", "return redis.call('NOSUCHCMD')")
+        with pytest.raises(StoreError, match="commit script failed"):
+            s.put("v", "r", blob(500, 2))
+        monkeypatch.undo()
+        assert sorted(s.client.keys("t:guidance:*")) == before
+        assert assert_consistent(s) == {("v", "r"): blob(250, 1)}
+
+
+def test_oversize_record_is_refused_before_writing(backend):
     """A record above max_record_bytes raises PayloadTooLargeError and writes nothing."""
-    with store_for(redis_url, max_record_bytes=1000) as s:
+    with backend(max_record_bytes=1000) as s:
         with pytest.raises(PayloadTooLargeError) as e:
             s.put_many("v", {"ok": b"x" * 10, "big": b"x" * 1001})
         assert (e.value.size, e.value.limit) == (1001, 1000)
@@ -231,11 +284,11 @@ def test_text_client_is_refused(redis_url):
 # --- budget, eviction, leases --------------------------------------------------------
 
 
-def test_budget_evicts_oldest_versions_first(redis_url):
+def test_budget_evicts_oldest_versions_first(backend):
     """Over budget, whole versions go in the order of their first put (a later put to an
     old version does not make it younger); the writer's version is never evicted."""
     m = Metrics()
-    with store_for(redis_url, budget_bytes=3000, metrics=m) as s:
+    with backend(budget_bytes=3000, metrics=m) as s:
         for v in ("v1", "v2", "v3"):
             s.put(v, "r0", blob(1000))
         s.put("v1", "r0", blob(1000, 5))  # replace: same size, no eviction
@@ -252,9 +305,9 @@ def test_budget_evicts_oldest_versions_first(redis_url):
         assert_consistent(s)
 
 
-def test_leased_version_is_skipped(redis_url):
+def test_leased_version_is_skipped(backend):
     """A version with a live lease is passed over for the next-oldest unleased one."""
-    with store_for(redis_url, budget_bytes=2500) as s:
+    with backend(budget_bytes=2500) as s:
         s.put("v1", "r", blob(1000))
         s.put("v2", "r", blob(1000))
         s.acquire("v1", "learner-0", ttl_s=30)
@@ -265,11 +318,11 @@ def test_leased_version_is_skipped(redis_url):
         assert s.release("v1", "learner-0") is True and s.release("v1", "learner-0") is False
 
 
-def test_in_use_eviction_is_loud(redis_url, caplog):
+def test_in_use_eviction_is_loud(backend, caplog):
     """on_in_use='evict': with only leased versions left, the oldest goes, with a
     warning, the in_use='true' count and a tombstone naming its consumers."""
     m = Metrics()
-    with store_for(redis_url, budget_bytes=2500, metrics=m) as s:
+    with backend(budget_bytes=2500, metrics=m) as s:
         s.put("v1", "r", blob(1000))
         s.put("v2", "r", blob(1000))
         s.acquire("v1", "learner-0", ttl_s=30)
@@ -287,11 +340,11 @@ def test_in_use_eviction_is_loud(redis_url, caplog):
         assert e.value.code == "guidance_evicted" and e.value.http_status == 410
 
 
-def test_in_use_refuse_writes_nothing(redis_url):
+def test_in_use_refuse_writes_nothing(backend):
     """on_in_use='refuse': GuidanceBudgetError names the leased versions; no version is
     evicted (not even the unleased one) and nothing of the put remains."""
     m = Metrics()
-    with store_for(redis_url, budget_bytes=3000, on_in_use="refuse", metrics=m) as s:
+    with backend(budget_bytes=3000, on_in_use="refuse", metrics=m) as s:
         for v in ("v1", "v2", "v3"):
             s.put(v, "r", blob(1000))
         s.acquire("v1", "learner-0", ttl_s=30)
@@ -307,10 +360,10 @@ def test_in_use_refuse_writes_nothing(redis_url):
         assert_consistent(s)
 
 
-def test_record_larger_than_budget_is_refused(redis_url):
+def test_record_larger_than_budget_is_refused(backend):
     """A put larger than the whole budget, or that would grow its version past it,
     raises GuidanceBudgetError and leaves the store as it was."""
-    with store_for(redis_url, budget_bytes=2000) as s:
+    with backend(budget_bytes=2000) as s:
         with pytest.raises(GuidanceBudgetError, match="larger than the whole"):
             s.put("v", "r", blob(2001))
         assert s.client.dbsize() == 0
@@ -321,9 +374,9 @@ def test_record_larger_than_budget_is_refused(redis_url):
         assert assert_consistent(s).keys() == {("v0", "r"), ("v", "a")}
 
 
-def test_lease_expires(redis_url):
+def test_lease_expires(backend):
     """A lease that is not renewed runs out and no longer protects its version."""
-    with store_for(redis_url, budget_bytes=1500) as s:
+    with backend(budget_bytes=1500) as s:
         s.put("v1", "r", blob(1000))
         s.acquire("v1", "learner-0", ttl_s=0.15)
         assert s.versions()[0].leased_by == ("learner-0",)
@@ -334,10 +387,10 @@ def test_lease_expires(redis_url):
         assert [(e.version, e.in_use_by) for e in res.evicted] == [("v1", ())]
 
 
-def test_ttl_expiry_reconciles_accounting(redis_url):
+def test_ttl_expiry_reconciles_accounting(backend):
     """All keys of a version expire together; the next script drops it from the index
     and the totals and leaves an 'expired' tombstone."""
-    with store_for(redis_url, ttl_s=0.3, chunk_bytes=100) as s:
+    with backend(ttl_s=0.3, chunk_bytes=100) as s:
         s.put("v1", "r", blob(1000))
         assert 0 < s.client.pttl("t:guidance:v:v1:c:r:" + s.client.hget(
             "t:guidance:v:v1:r:r", "gen").decode() + ":9") <= 300
@@ -351,10 +404,10 @@ def test_ttl_expiry_reconciles_accounting(redis_url):
         assert_consistent(s)
 
 
-def test_versions_delete_and_stats(redis_url):
+def test_versions_delete_and_stats(backend):
     """versions() lists bytes, rollouts, creation and lessees; delete_version leaves a
     tombstone; stats() sums up."""
-    with store_for(redis_url, budget_bytes=10_000) as s:
+    with backend(budget_bytes=10_000) as s:
         t0 = time.time()
         s.put_many("v1", {"a": blob(100), "b": blob(200)})
         s.put("v2", "a", blob(50))
@@ -393,10 +446,10 @@ def test_metrics_and_settings(redis_url):
         Settings(guidance_on_in_use="drop")
 
 
-def test_concurrent_puts_keep_accounting_exact(redis_url):
+def test_concurrent_puts_keep_accounting_exact(backend):
     """Three writers putting and replacing under a tight budget leave totals that add up
     and no orphan keys."""
-    with store_for(redis_url, budget_bytes=20_000, chunk_bytes=500) as s:
+    with backend(budget_bytes=20_000, chunk_bytes=500) as s:
         errors = []
 
         def writer(w: int) -> None:
