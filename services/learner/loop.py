@@ -24,10 +24,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from libalign.errors import AlignError, BusUnavailableError, VersionNotFoundError
+from libalign.errors import AlignError
 from libalign.guidance import GuidanceRecord
 from services.common.published import publish_version
 from services.common.redis_bus import RedisBus
@@ -56,6 +56,8 @@ class IterationResult:
     delta: dict
     train: dict
     seconds: dict[str, float] = field(default_factory=dict)
+    deltas: list[float] = field(default_factory=list)
+    """δ = learner − sampler of every scored token, rollout after rollout."""
 
 
 class LearnerLoop:
@@ -174,7 +176,8 @@ class LearnerLoop:
         train = self.engine.train_step(TrainBatch(seqs, plens, samp, rewards, groups, recs))
         sec["train"] = time.perf_counter() - t
         summary = delta.model_dump() if hasattr(delta, "model_dump") else dict(delta)
-        return IterationResult(step, vid, sum(rewards) / len(rewards), summary, train, sec)
+        flat = [a - b for x, y in zip(mine, samp, strict=True) for a, b in zip(x, y, strict=True)]
+        return IterationResult(step, vid, sum(rewards) / len(rewards), summary, train, sec, flat)
 
     def run(self, steps: int, start: int = 0,
             on_step: Callable[[IterationResult], None] | None = None) -> list[IterationResult]:
@@ -186,13 +189,3 @@ class LearnerLoop:
             if on_step:
                 on_step(r)
         return out
-
-
-def newest(registry: Registry, states: Sequence[str]) -> str | None:
-    """The newest version in one of ``states`` (None if there is none)."""
-    try:
-        recs = registry.list_versions()
-    except (VersionNotFoundError, BusUnavailableError):
-        return None
-    recs = [r for r in recs if r.state in states]
-    return max(recs, key=lambda r: r.created_at).version_id if recs else None

@@ -110,11 +110,13 @@ class SamplerService:
         return True
 
     def load_latest(self) -> str | None:
-        """Load the newest version that is converted or beyond (on start)."""
-        for rec in sorted(self.registry.list_versions(), key=lambda r: r.created_at, reverse=True):
-            if rec.state in LOADABLE and self.load(rec.version_id):
-                return rec.version_id
-        return None
+        """Load the newest version that is converted or beyond (on start), if it fits this
+        sampler; older ones are never tried (they would be stale)."""
+        recs = [r for r in self.registry.list_versions() if r.state in LOADABLE]
+        if not recs:
+            return None
+        newest = max(recs, key=lambda r: r.created_at).version_id
+        return newest if self.load(newest) else None
 
     # --- rollouts -------------------------------------------------------------------------
 
