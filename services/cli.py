@@ -10,7 +10,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from libalign.report import conversion_report, synthetic_experts
 from libalign.selfcheck import run_selfcheck
 from libalign.spec import PRESETS
 
@@ -100,26 +99,110 @@ def guidance_size(
 
 @app.command()
 def demo(
-    experts: int = typer.Option(8, help="experts in the synthetic layer"),
-    rows: int = typer.Option(384, help="output rows per expert"),
-    k: int = typer.Option(512, help="input features (K)"),
+    steps: int = typer.Option(30, help="RL steps per configuration"),
+    configs: str = typer.Option("bf16,nvfp4_naive,nvfp4_minite,nvfp4_trace",
+                                help="configurations to run, comma-separated"),
+    prompts_per_step: int = typer.Option(8, help="prompts per step"),
+    samples_per_prompt: int = typer.Option(8, help="rollouts per prompt (one GRPO group)"),
+    out: Annotated[Path, typer.Option("--out", help="directory for the report, figure and "
+                                      "weight store")] = Path("align-demo"),
+    api: bool = typer.Option(True, "--api/--no-api", help="serve the control API, /metrics and "
+                             "the status page while the demo runs"),
+    api_port: int = typer.Option(8000, help="port of the API (0: any free port)"),
 ) -> None:
-    """Main job on the embedded default: spec self-check and a conversion report."""
-    ok = _selfcheck_table()
-    w = synthetic_experts(experts, rows, k)
-    report = conversion_report(w)
-    t = Table(title=f"conversion report: {experts} x {rows} x {k} BF16 experts")
-    for col in ("preset", "MB in", "MB out", "rel L2", "max |err|", "codes != minite",
-                "scales != minite", "ref GB/s", "fast path", "fast GB/s", "fast == ref"):
-        t.add_column(col, justify="right")
-    for r in report:
-        t.add_row(r.preset, f"{r.bytes_in / 1e6:.2f}", f"{r.bytes_out / 1e6:.2f}",
-                  f"{r.rel_l2:.4f}", f"{r.max_abs_err:.2e}", f"{100 * r.codes_vs_minite:.2f}%",
-                  f"{100 * r.scales_vs_minite:.2f}%", f"{r.gbps:.3f}", r.backend,
-                  f"{r.fast_gbps:.3f}",
-                  "[green]bit-exact[/]" if r.fast_bit_exact else "[red]DIFFERS[/]")
-    Console(width=max(console.width, 150)).print(t)
-    raise typer.Exit(0 if ok and all(r.fast_bit_exact for r in report) else 1)
+    """Main job on the embedded default: RL of the tiny MoE through the services, four paths."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from libalign.errors import AlignError
+    from libalign.models import cpu_threads
+    from services.demo.run import DemoConfig, run_demo
+
+    if not _selfcheck_table():
+        raise typer.Exit(1)
+    names = [c.strip() for c in configs.split(",") if c.strip()]
+    cfg = DemoConfig(configs=tuple(names), steps=steps, prompts_per_step=prompts_per_step,
+                     samples_per_prompt=samples_per_prompt, out_dir=out)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
+    tasks: dict[str, int] = {}
+
+    def on_step(name, r) -> None:
+        if name not in tasks:
+            tasks[name] = progress.add_task(f"{name:>13}", total=steps, info="")
+        mean = sum(abs(x) for x in r.deltas) / max(1, len(r.deltas))
+        progress.update(tasks[name], advance=1,
+                        info=f"reward {r.reward_mean:.3f}  mean|δ| {mean:.2e}")
+
+    try:
+        cfg.check()
+        with cpu_threads(1), _demo_api(api, api_port, out) as url, progress:
+            if url:
+                console.print(f"status page {url}/  metrics {url}/metrics")
+            report = run_demo(cfg, on_step=on_step)
+    except (AlignError, OSError) as e:
+        typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
+        raise typer.Exit(2) from None
+    t = Table(title=f"alignd demo: {steps} GRPO steps per configuration, "
+              f"{prompts_per_step} prompts x {samples_per_prompt} samples")
+    for c in ("configuration", "sampler / learner", "TIS", "reward first", "reward (last 1/4)",
+              "mean |δ|", "P99 |δ|", "clip potential", "convert s", "load s", "rollout s",
+              "train s"):
+        t.add_column(c, justify="left" if c in ("configuration", "sampler / learner") else "right")
+    for c in report["configs"]:
+        sm = c["summary"]
+        sec = sm["seconds_by_stage"]
+        t.add_row(c["name"], f"{c['sampler_path']} / {c['learner_path']}", "yes" if c["tis"] else "no",
+                  f"{sm['reward_first']:.3f}", f"{sm['reward_last_quarter']:.3f}",
+                  f"{sm['mean_abs_delta']:.2e}", f"{sm['p99_abs_delta']:.3g}",
+                  f"{100 * sm['clip_potential']:.2f}%", f"{sec['convert']:.3f}",
+                  f"{sec['load']:.3f}", f"{sec['rollout']:.3f}", f"{sec['train']:.3f}")
+    Console(width=max(console.width, 160)).print(t)
+    for k, v in report["outputs"].items():
+        console.print(f"{k}: {v}")
+
+
+class _demo_api:
+    """Serve the control API in a thread for the demo, when the API package is present."""
+
+    def __init__(self, enabled: bool, port: int, out: Path):
+        self.enabled, self.port, self.out = enabled, port, out
+        self.server = None
+        self.thread = None
+
+    def __enter__(self) -> str | None:
+        if not self.enabled:
+            return None
+        try:
+            import uvicorn
+
+            from services.api.app import create_app
+            from services.common.settings import Settings
+        except ImportError:
+            return None
+        import threading
+
+        settings = Settings(store_dir=self.out / "store", dev_mode=True, api_port=self.port)
+        app_ = create_app(settings)
+        config = uvicorn.Config(app_, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="api", daemon=True)
+        self.thread.start()
+        import time
+
+        deadline = time.monotonic() + 10
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not self.server.started:
+            console.print("[yellow]the API could not start (port taken?); continuing without it[/]")
+            return None
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+            if self.thread is not None:
+                self.thread.join(10)
 
 
 @app.command()

@@ -109,10 +109,16 @@ class SamplerService:
         log.info("serving %s (loaded in %.2fs)", version_id, self.load_seconds[version_id])
         return True
 
+    def for_me(self, target_path: str | None) -> bool:
+        """Whether a version converted for ``target_path`` (None: the default preset) fits this
+        sampler's path; samplers of other paths may share the streams."""
+        return target_path is None or target_path == self.engine.path
+
     def load_latest(self) -> str | None:
         """Load the newest version that is converted or beyond (on start), if it fits this
         sampler; older ones are never tried (they would be stale)."""
-        recs = [r for r in self.registry.list_versions() if r.state in LOADABLE]
+        recs = [r for r in self.registry.list_versions() if r.state in LOADABLE
+                and self.for_me(r.meta.get("target_path"))]
         if not recs:
             return None
         newest = max(recs, key=lambda r: r.created_at).version_id
@@ -160,7 +166,8 @@ class SamplerService:
                                block_ms=1):
             try:
                 ev = ConvertedEvent.from_fields(m.fields)
-                self.load(ev.version_id)
+                if self.for_me(ev.target_path):
+                    self.load(ev.version_id)
             except (EventError, AlignError) as e:
                 log.error("converted event %s: %s", m.id, e)
             self.bus.ack(m.stream, self.group, m.id)

@@ -16,13 +16,24 @@ def test_selfcheck_all_pass():
     assert results and all(r.passed for r in results), [r for r in results if not r.passed]
 
 
-def test_demo_runs_and_reports_every_preset():
-    """alignd demo exits 0 and prints the self-check and one report row per preset."""
-    res = runner.invoke(app, ["demo", "--experts", "2", "--rows", "64", "--k", "128"])
+def test_demo_runs_every_configuration_through_the_services(tmp_path):
+    """alignd demo: self-check, then RL steps per configuration, a summary table and a figure."""
+    res = runner.invoke(app, ["demo", "--steps", "2", "--configs", "bf16,nvfp4_trace",
+                              "--prompts-per-step", "2", "--samples-per-prompt", "2", "--no-api",
+                              "--out", str(tmp_path / "demo")])
     assert res.exit_code == 0, res.output
-    assert "self-check" in res.output and "conversion report" in res.output
-    for name in ("minite", "torchao", "modelopt", "te_row"):
-        assert name in res.output
+    assert "self-check" in res.output and "alignd demo" in res.output
+    report = json.loads((tmp_path / "demo" / "demo_report.json").read_text())
+    assert [c["name"] for c in report["configs"]] == ["bf16", "nvfp4_trace"]
+    for c in report["configs"]:
+        assert len(c["steps"]) == 2 and c["summary"]["tokens"] > 0
+    assert (tmp_path / "demo" / "demo.png").stat().st_size > 1000
+
+
+def test_demo_refuses_unknown_configuration(tmp_path):
+    """An unknown configuration exits 2 naming it."""
+    res = runner.invoke(app, ["demo", "--configs", "fp8", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and "fp8" in res.output
 
 
 def test_presets_json_lists_every_field():

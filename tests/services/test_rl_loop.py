@@ -103,9 +103,9 @@ def test_iterations_publish_convert_load_roll_out_score_train(deploy, sampler, l
 
 
 def test_a_failed_version_stops_the_loop_with_its_reason(deploy):
-    """A version the sampler cannot serve (converted for another path) fails by name."""
-    d = deploy("nvfp4_minite")
+    """A version the sampler cannot serve (converted with another spec) fails by name."""
+    d = deploy("nvfp4_naive")
     loop = d.loop("bf16")
-    loop.sampler_path = "nvfp4_naive"  # the converter stores per-expert scales: not servable
-    with pytest.raises(LoopError, match=r"failed: .*te_expert"):
+    loop.sampler_path = None  # no target: the converter's preset (minite), not servable by naive
+    with pytest.raises(LoopError, match=r"failed: .*needs 'te_expert'"):
         loop.iteration(0)
