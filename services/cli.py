@@ -164,8 +164,8 @@ def demo(
 class _demo_api:
     """Serve the control API in a thread for the demo, when the API package is present."""
 
-    def __init__(self, enabled: bool, port: int, out: Path):
-        self.enabled, self.port, self.out = enabled, port, out
+    def __init__(self, enabled: bool, port: int, out: Path, settings=None):
+        self.enabled, self.port, self.out, self.settings = enabled, port, out, settings
         self.server = None
         self.thread = None
 
@@ -181,7 +181,8 @@ class _demo_api:
             return None
         import threading
 
-        settings = Settings(store_dir=self.out / "store", dev_mode=True, api_port=self.port)
+        settings = self.settings or Settings(store_dir=self.out / "store", dev_mode=True,
+                                             api_port=self.port)
         app_ = create_app(settings)
         config = uvicorn.Config(app_, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
@@ -203,6 +204,92 @@ class _demo_api:
             self.server.should_exit = True
             if self.thread is not None:
                 self.thread.join(10)
+
+
+SERVICES = ("api", "converter", "sampler", "learner")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(
+    ctx: typer.Context,
+    service: Annotated[str, typer.Argument(help="api, converter, sampler or learner")],
+) -> None:
+    """Run one service in this process (settings from ALIGN_* variables)."""
+    import importlib
+
+    if service not in SERVICES:
+        typer.echo(f"error: unknown service {service!r}; choose one of {', '.join(SERVICES)}",
+                   err=True)
+        raise typer.Exit(2)
+    mod = importlib.import_module(f"services.{service}.main")
+    argv = list(ctx.args)
+    raise typer.Exit(mod.main(argv) if service == "learner" else mod.main())
+
+
+@app.command()
+def up(
+    learner_steps: int = typer.Option(0, help="also run the embedded learner for N steps"),
+    api: bool = typer.Option(True, "--api/--no-api", help="serve the control API"),
+) -> None:
+    """All services in one process (embedded Redis unless ALIGN_REDIS_URL is set) until Ctrl-C."""
+    import logging
+    import signal
+    import threading
+
+    from pydantic import ValidationError
+
+    from libalign.errors import AlignError
+    from services.common.settings import Settings
+    from services.common.telemetry import Metrics
+    from services.converter.main import run_converter
+    from services.sampler.embedded import build_sampler
+    from services.sampler.main import run_sampler
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = Settings()
+    except ValidationError as e:
+        typer.echo(f"error: bad settings: {e}", err=True)
+        raise typer.Exit(2) from None
+    if settings.redis_url is None:
+        settings = settings.model_copy(update={"dev_mode": True})
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    metrics = Metrics()
+    engine, rollouts, guidance = build_sampler(settings, metrics=metrics)
+    threads = [
+        threading.Thread(target=run_converter, args=(settings, stop), kwargs=dict(metrics=metrics),
+                         name="converter", daemon=True),
+        threading.Thread(target=run_sampler, args=(settings, engine, stop),
+                         kwargs=dict(rollouts=rollouts, guidance=guidance, metrics=metrics),
+                         name="sampler", daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    try:
+        with _demo_api(api, settings.api_port, settings.store_dir, settings) as url:
+            console.print(f"alignd up: converter, sampler ({settings.sampler_path})"
+                          + (f", API {url}" if url else "")
+                          + (" on the embedded Redis" if settings.redis_url is None else ""))
+            if learner_steps:
+                from services.learner.main import build_loop
+
+                loop = build_loop(settings, metrics=metrics)
+                for step in range(learner_steps):
+                    if stop.is_set():
+                        break
+                    r = loop.iteration(step)
+                    console.print(f"step {r.step} {r.version_id}: reward {r.reward_mean:.3f}")
+            while not stop.is_set():
+                stop.wait(0.5)
+    except AlignError as e:
+        typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
 
 
 @app.command()

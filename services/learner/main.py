@@ -1,0 +1,92 @@
+"""The embedded learner as a service: ``python -m services.learner.main [--steps N]``.
+
+It warm-starts the tiny Qwen3-MoE (trained on the synthetic task, cached), then runs
+:class:`~services.learner.loop.LearnerLoop` against whatever converter and samplers share its
+Redis and weight store (``ALIGN_*`` settings): ``--steps`` iterations, each publishing a
+version for ``ALIGN_SAMPLER_PATH``, training with ``ALIGN_LEARNER_PATH``. One line of JSON per
+step goes to stdout (step, version, reward, δ statistics, seconds by stage); SIGTERM stops
+after the current step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+
+from pydantic import ValidationError
+
+from libalign.errors import AlignError
+from services.common.settings import Settings
+
+log = logging.getLogger("services.learner")
+
+
+def build_loop(settings: Settings, *, lr: float = 2e-5, use_tis: bool = True,
+               prompts_per_step: int = 8, samples_per_prompt: int = 8, metrics=None,
+               run_id: str | None = None):
+    """The embedded learner engine and its loop for ``settings``."""
+    from libalign import models
+    from services.common.guidance_store import GuidanceStore
+    from services.common.redis_bus import RedisBus
+    from services.common.redis_clients import binary_client
+    from services.common.rollouts import RolloutStore
+
+    from .engine import TorchLearnerEngine
+    from .loop import LearnerLoop
+
+    model, task = models.trained_tiny_model(device=settings.learner_device)
+    engine = TorchLearnerEngine(model, settings.learner_path, lr=lr, use_tis=use_tis,
+                                pad_id=task.pad_id)
+    bus = RedisBus.from_settings(settings)
+    rollouts = RolloutStore(binary_client(settings), settings.key_prefix, metrics=metrics)
+    guidance = GuidanceStore.from_settings(settings, metrics=metrics)
+    return LearnerLoop(settings, engine, bus, rollouts=rollouts, guidance=guidance,
+                       sampler_path=settings.sampler_path, run_id=run_id,
+                       prompts=lambda step: task.prompts(prompts_per_step, step, split="train"),
+                       reward=task.verify, prompts_per_step=prompts_per_step,
+                       samples_per_prompt=samples_per_prompt,
+                       max_new_tokens=task.max_completion_len)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: settings from the environment, ``--steps`` iterations, exit status."""
+    ap = argparse.ArgumentParser(prog="alignd serve learner", description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--prompts-per-step", type=int, default=8)
+    ap.add_argument("--samples-per-prompt", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=2e-5)
+    ap.add_argument("--no-tis", action="store_true")
+    ap.add_argument("--run-id", default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = Settings()
+    except ValidationError as e:
+        log.error("bad settings: %s", e)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        loop = build_loop(settings, lr=args.lr, use_tis=not args.no_tis,
+                          prompts_per_step=args.prompts_per_step,
+                          samples_per_prompt=args.samples_per_prompt, run_id=args.run_id)
+        for step in range(args.steps):
+            if stop.is_set():
+                break
+            r = loop.iteration(step)
+            print(json.dumps({"step": r.step, "version_id": r.version_id, "reward": r.reward_mean,
+                              "delta": r.delta.get("stats"), "seconds": r.seconds}), flush=True)
+    except AlignError as e:
+        log.error("learner stopped: %s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
