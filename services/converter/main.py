@@ -41,6 +41,11 @@ def run_converter(settings: Settings, stop_event: threading.Event | None = None,
     store = WeightStore(settings.store_dir)
     store.sweep(settings.sweep_stale_s)
     worker = ConverterWorker(settings, bus, Registry(bus, settings.key_prefix), store, metrics)
+    from services.common.heartbeat import ServiceHeartbeat
+
+    beat = ServiceHeartbeat(bus, "converter", me_name(settings), settings.service_heartbeat_s,
+                            settings.service_heartbeat_ttl_s, prefix=settings.key_prefix,
+                            info=lambda: {"preset": settings.preset}).start()
     server = None
     if settings.metrics_port is not None:
         server = serve_metrics(metrics.registry, settings.metrics_port, settings.metrics_addr)
@@ -73,10 +78,18 @@ def run_converter(settings: Settings, stop_event: threading.Event | None = None,
         if not stop.is_set():
             raise
     finally:
+        beat.stop()
         if server is not None:
             server.shutdown()
             server.server_close()
     return handled
+
+
+def me_name(settings: Settings) -> str:
+    """The converter's heartbeat name: its consumer name, made a safe key part."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9._-]", "-", settings.consumer_name)[:128] or "converter"
 
 
 def main() -> int:

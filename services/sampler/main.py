@@ -72,6 +72,7 @@ class SamplerService:
         self.group = f"sampler-{self.name}"
         self._sync_last = "$"
         self.load_seconds: dict[str, float] = {}
+        self.heartbeat = None  # a ServiceHeartbeat when run as a service
 
     # --- loading ------------------------------------------------------------------------
 
@@ -100,6 +101,8 @@ class SamplerService:
                     self.registry.fail(version_id, f"{e.code}: {e}", actor=self.name)
             return False
         self.load_seconds[version_id] = time.perf_counter() - t0
+        if self.heartbeat is not None:
+            self.heartbeat.set(version=version_id)
         if mine:
             try:
                 self.registry.transition(version_id, "serving", actor=self.name,
@@ -217,9 +220,15 @@ class SamplerService:
 def run_sampler(settings: Settings, engine: SamplerEngine, stop: threading.Event, *, rollouts,
                 guidance=None, metrics: Metrics | None = None, bus: RedisBus | None = None) -> None:
     """Serve until ``stop`` is set."""
+    from services.common.heartbeat import ServiceHeartbeat
+
     bus = bus or RedisBus.from_settings(settings, stop_event=stop)
     svc = SamplerService(settings, engine, bus, rollouts=rollouts, guidance=guidance,
                          metrics=metrics)
+    svc.heartbeat = ServiceHeartbeat(bus, "sampler", settings.sampler_name,
+                                     settings.service_heartbeat_s, settings.service_heartbeat_ttl_s,
+                                     info=lambda: {"path": engine.path},
+                                     prefix=settings.key_prefix).start()
     try:
         svc.setup()
         while not stop.is_set():
@@ -227,6 +236,8 @@ def run_sampler(settings: Settings, engine: SamplerEngine, stop: threading.Event
     except BusUnavailableError:
         if not stop.is_set():
             raise
+    finally:
+        svc.heartbeat.stop()
 
 
 def main() -> int:  # pragma: no cover - exercised by the integration test as a process
