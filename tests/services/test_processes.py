@@ -1,0 +1,101 @@
+"""The deployment as separate processes: redis-server, api, converter, sampler and learner.
+
+Each service runs as its own ``python -m services.<name>.main`` on loopback, configured only
+through ``ALIGN_*`` variables, sharing one private redis-server and one weight-store
+directory, exactly as ``docker compose`` runs them. The learner process runs one full
+iteration (publish, convert, load, roll out with guidance, score, train) and exits 0; the
+API then reports the version serving, every service's heartbeat and the discrepancy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from .conftest import free_port
+
+pytest.importorskip("transformers")
+
+TOKEN = "test-token-0123456789"
+
+
+def _spawn(module: str, env: dict, log, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", module, *args], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def _wait_http(url: str, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not answer")
+
+
+def test_one_iteration_across_five_processes(private_redis, tmp_path):
+    """api + converter + sampler + learner processes over one redis-server and one store."""
+    port = free_port()
+    env = dict(os.environ)
+    env.update({
+        "ALIGN_REDIS_URL": private_redis.url, "ALIGN_STORE_DIR": str(tmp_path / "store"),
+        "ALIGN_API_PORT": str(port), "ALIGN_API_TOKEN": TOKEN, "ALIGN_SAMPLER_PATH": "nvfp4_minite",
+        "ALIGN_LEARNER_PATH": "nvfp4_trace", "ALIGN_SAMPLER_NAME": "sampler-1",
+        "ALIGN_CONSUMER_NAME": "converter-1", "ALIGN_BLOCK_MS": "100",
+        "ALIGN_SERVICE_HEARTBEAT_S": "0.5", "ALIGN_SERVICE_HEARTBEAT_TTL_S": "5",
+        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+    })
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in  # noqa: SIM115 (closed below)
+            ("api", "converter", "sampler", "learner")}
+    procs = {
+        "api": _spawn("services.api.main", env, logs["api"]),
+        "converter": _spawn("services.converter.main", env, logs["converter"]),
+        "sampler": _spawn("services.sampler.main", env, logs["sampler"]),
+    }
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(f"{base}/readyz", time.monotonic() + 120)
+        learner = subprocess.run(
+            [sys.executable, "-m", "services.learner.main", "--steps", "1",
+             "--prompts-per-step", "2", "--samples-per-prompt", "2", "--run-id", "proc"],
+            env=env, capture_output=True, text=True, timeout=240)
+        logs["learner"].write(learner.stdout + learner.stderr)
+        assert learner.returncode == 0, learner.stderr[-3000:]
+        step = json.loads(learner.stdout.strip().splitlines()[-1])
+        assert step["version_id"] == "proc-00000" and step["delta"]["count"] > 0
+        status = httpx.get(f"{base}/v1/status", timeout=10).json()
+        text = json.dumps(status)
+        assert "proc-00000" in text and "serving" in text
+        for service in ("api", "converter", "sampler"):
+            assert service in text
+        version = httpx.get(f"{base}/v1/versions/proc-00000", timeout=10).json()
+        assert json.dumps(version).count("serving") >= 1
+        disc = httpx.get(f"{base}/v1/discrepancy", params={"version": "proc-00000"},
+                         timeout=10).json()
+        assert "count" in json.dumps(disc)
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+        assert "libalign_" in metrics
+        # nothing mutates without the token
+        r = httpx.post(f"{base}/v1/sync", json={"version_id": "proc-00000"}, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for name, p in procs.items():
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+            logs[name].close()
+    for name in ("converter", "sampler"):
+        assert procs[name].returncode == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
