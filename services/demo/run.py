@@ -103,6 +103,10 @@ class ConfigRun:
     summary: dict = field(default_factory=dict)
 
 
+#: the stages one step consists of (``sync`` = convert + load, counted once)
+STEP_STAGES = ("publish", "sync", "rollout", "score", "train")
+
+
 def moving_average(x: Sequence[float], window: int = 21) -> np.ndarray:
     """Centered moving average with shorter windows at the ends (``window`` odd)."""
     a = np.asarray(x, dtype=np.float64)
@@ -154,7 +158,8 @@ def _summary(deltas: list[np.ndarray], results: list[IterationResult]) -> dict:
         "max_abs_delta": stats.get("max_abs"),
         "clip_potential": stats.get("clip_potential"),
         "seconds_by_stage": sync,
-        "seconds_per_step": float(np.mean([sum(r.seconds.values()) for r in results])),
+        "seconds_per_step": float(np.mean([sum(r.seconds[k] for k in STEP_STAGES)
+                                           for r in results])),
     }
 
 
