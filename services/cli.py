@@ -293,6 +293,60 @@ def up(
 
 
 @app.command()
+def status(
+    url: str | None = typer.Option(None, help="API base URL (default: ALIGN_API_URL or "
+                                   "http://127.0.0.1:8000)"),
+    as_json: bool = typer.Option(False, "--json", help="print the status JSON"),
+) -> None:
+    """Versions, services and the current discrepancy, from a running API."""
+    from alignclient import AlignClient
+
+    from libalign.errors import AlignError
+    from services.common.settings import Settings
+
+    base = url or Settings().resolved_api_url
+    try:
+        with AlignClient(base, retries=0, timeout=10) as client:
+            st = client.get_status()
+    except AlignError as e:
+        typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(st.model_dump_json(indent=2))
+        return
+    console.print(f"[bold]libalign[/] at {base}: versions "
+                  + ", ".join(f"{k} {v}" for k, v in st.versions_by_state.items() if v)
+                  + f"; weight-version lag {st.weight_version_lag}")
+    t = Table(title="services")
+    for c in ("service", "name", "up", "age s", "state", "version"):
+        t.add_column(c)
+    for sv in st.services:
+        t.add_row(sv.service, sv.name, "[green]up[/]" if sv.up else "[red]down[/]",
+                  "—" if sv.age_s is None else f"{sv.age_s:.1f}", sv.state, sv.version)
+    console.print(t)
+    d = st.discrepancy.stats
+    if d.count:
+        console.print(f"discrepancy over the last {d.count} tokens: mean |δ| {d.mean_abs:.3g}, "
+                      f"P99 |δ| {d.p99_abs:.3g}, max {d.max_abs:.3g}, clip potential "
+                      f"{100 * (d.clip_potential or 0):.2f}%")
+    g = st.guidance
+    console.print(f"guidance store: {g.versions} versions, {g.rollouts} rollouts, "
+                  f"{g.stored_bytes / 1e6:.1f} MB")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(ctx: typer.Context) -> None:
+    """Run benchmarks from tests/bench (a source checkout): alignd bench [names] [-- options]."""
+    try:
+        from tests.bench.__main__ import main as bench_main
+    except ImportError:
+        typer.echo("error: the benchmarks live in tests/bench of a source checkout; run "
+                   "alignd bench from its root", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(bench_main(list(ctx.args)))
+
+
+@app.command()
 def convert(
     src: Annotated[Path, typer.Argument(help="Hugging Face checkpoint directory (safetensors)")],
     dst: Annotated[Path, typer.Argument(help="output directory; must not exist unless --overwrite")],

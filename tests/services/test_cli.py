@@ -66,3 +66,26 @@ def test_guidance_size_default_and_config(tmp_path):
     assert " 40 " in res.output
     res = runner.invoke(app, ["guidance-size", "--config", str(tmp_path / "missing.json")])
     assert res.exit_code == 2 and "FileNotFoundError" in res.output
+
+
+def test_status_reads_a_running_api(tmp_path):
+    """alignd status renders /v1/status of a live API; an unreachable one exits 2."""
+    from services.cli import _demo_api
+    from services.common.settings import Settings
+
+    settings = Settings(store_dir=tmp_path / "store", dev_mode=True, api_port=0)
+    with _demo_api(True, 0, tmp_path, settings) as url:
+        assert url
+        res = runner.invoke(app, ["status", "--url", url])
+        assert res.exit_code == 0, res.output
+        assert "services" in res.output and "api" in res.output
+        res = runner.invoke(app, ["status", "--url", url, "--json"])
+        assert res.exit_code == 0 and json.loads(res.output)["versions_by_state"] is not None
+    res = runner.invoke(app, ["status", "--url", "http://127.0.0.1:9"])
+    assert res.exit_code == 2 and "error" in res.output
+
+
+def test_serve_refuses_unknown_service():
+    """alignd serve names the services it knows."""
+    res = runner.invoke(app, ["serve", "gateway"])
+    assert res.exit_code == 2 and "api, converter, sampler, learner" in res.output
