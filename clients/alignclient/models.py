@@ -18,6 +18,8 @@ code naming a class of ``libalign.errors``.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -376,3 +378,13 @@ class Status(Reply):
     services: list[ServiceStatus]
     discrepancy: Discrepancy
     guidance: GuidanceSummary
+
+
+def spec_sha256(spec: dict[str, Any]) -> str:
+    """SHA-256 of a numerics spec dict's canonical JSON (sorted keys, no whitespace).
+
+    The daemon hashes ``NumericsSpec.to_dict()`` this way (``GET /v1/spec``); a learner or
+    sampler hashes its own spec the same way and sends it to ``POST /v1/spec/check``.
+    """
+    text = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()

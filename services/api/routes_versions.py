@@ -2,12 +2,16 @@
 
 Publishing is atomic: the registry record and the ``published`` event are written by one
 Redis transaction. The version key is ``WATCH``\\ ed, then ``MULTI`` queues the registry's
-own create script and the ``XADD``, and ``EXEC`` applies both or neither (a concurrent
-publish of the same id aborts the ``EXEC``, which answers 409). So no failure, Redis
-dying included, leaves a record without its event or an event without its record. One
-ambiguity remains, as with any remote write: if the reply to a successful ``EXEC`` is
-lost and the call is retried, the retry answers 409 ``version_exists``; ``GET`` the
-version to see that it was published.
+own create script and the ``XADD``, and ``EXEC`` runs both back to back or, if anything
+touched the version key in between (a concurrent publish of the same id), neither, and
+the call answers 409. A client or connection that dies before ``EXEC`` leaves nothing:
+the server drops an unfinished ``MULTI``. Redis does not roll back a queued command that
+fails when it runs, so the one way the ``XADD`` could fail then, the stream's key
+holding another type, is checked before the transaction (and answered 500
+``invalid_config``). So no failure leaves a record without its event or an event
+without its record. One ambiguity remains, as with any remote write: if the reply to a
+successful ``EXEC`` is lost and the call is retried, the retry answers 409
+``version_exists``; ``GET`` the version to see that it was published.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from alignclient.models import (
 from fastapi import APIRouter, Depends, Query
 from fastapi.security import HTTPBearer
 
-from libalign.errors import StateTransitionError, VersionExistsError, VersionNotFoundError
+from libalign.errors import ConfigError, StateTransitionError, VersionExistsError, VersionNotFoundError
 from services.common.events import PublishedEvent, SyncEvent, check_version_id, sync_stream
 from services.common.published import PublishedVersion
 from services.common.registry import Registry, VersionRecord
@@ -65,6 +69,10 @@ def publish_atomically(registry: Registry, stream: str, event: PublishedEvent,
             pipe.watch(key)
             if pipe.exists(key):
                 raise VersionExistsError(vid)
+            kind = pipe.type(stream)
+            if kind not in ("none", "stream"):
+                raise ConfigError(f"the published stream key {stream!r} holds a {kind}, not a "
+                                  "stream; nothing was published")
             pipe.multi()
             registry._create(keys=[key, hist, index], args=args, client=pipe)
             pipe.xadd(stream, event.to_fields())

@@ -14,13 +14,12 @@ connection pool, so both talk to the same server, sockets or not.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import redis
+from alignclient.models import spec_sha256
 from fastapi import Depends, Request
 
 from libalign.spec import PRESETS
@@ -34,12 +33,6 @@ from services.common.telemetry import Metrics
 
 #: Seconds a request's Redis calls keep retrying before the request answers 503.
 REQUEST_GIVE_UP_S = 2.0
-
-
-def spec_sha256(spec: dict[str, Any]) -> str:
-    """SHA-256 of a spec dict's canonical JSON (sorted keys, no spaces)."""
-    text = json.dumps(spec, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def with_decoding(client: redis.Redis, decode: bool) -> redis.Redis:

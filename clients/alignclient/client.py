@@ -1,0 +1,339 @@
+"""The Python client of the libalign control API: one method per route, sync and async.
+
+Both clients share one description of each call (:class:`Call`: method, path, body,
+how to read the reply, whether it may be retried), built by the methods of
+:class:`_Routes`, which are named after the routes' operation ids. :class:`AlignClient`
+runs a call on an ``httpx.Client`` and returns the result; :class:`AsyncAlignClient` runs
+it on an ``httpx.AsyncClient`` and returns an awaitable of the same result.
+
+Retries. A call is retried, with exponential backoff (``backoff_s``, doubling, at most
+``max_backoff_s``), at most ``retries`` times when the API could not be reached or
+answered 502/503/504 (503 is what the API says when Redis is unreachable), but only
+if the call is idempotent: repeating it cannot apply its effect twice. GETs, the
+guidance PUT (it replaces the record), the read-only POSTs (spec check, guidance batch)
+and leases are idempotent by nature; publishing a version, storing rollouts and scores
+and requesting a sync are idempotent by design: a version id or rollout id is created at
+most once (the repeat answers 409), a score already recorded is not counted again, and
+sync events are delivered at least once anyway. A call that is not idempotent is
+retried only when the connection was never made (nothing reached the server), never
+after a timeout. So a publish retried after a lost reply may answer 409
+``version_exists`` although this very call created the version: ``get_version`` tells.
+
+Errors come back as the daemon's own classes (:mod:`alignclient.errors`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from pydantic import BaseModel
+
+from .errors import ApiUnreachableError, error_from_response
+from .framing import MEDIA_TYPE, decode_frames
+from .models import (
+    DeltaSummary,
+    Discrepancy,
+    GuidancePutResponse,
+    Health,
+    LeaseResponse,
+    PublishResponse,
+    Ready,
+    Rollout,
+    RolloutIds,
+    RolloutList,
+    RolloutPutResponse,
+    Score,
+    SpecCheckResponse,
+    SpecInfo,
+    Status,
+    SyncResponse,
+    VersionDetail,
+    VersionList,
+)
+
+#: HTTP statuses worth another try of an idempotent call.
+RETRY_STATUSES = frozenset({502, 503, 504})
+_NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+
+
+def _seg(value: str) -> str:
+    """A path segment, percent-encoded so that no id can change the path."""
+    return quote(str(value), safe="")
+
+
+def _dump(items: Iterable[BaseModel | Mapping[str, Any]], model: type[BaseModel]) -> list[dict]:
+    """Models or plain dicts as JSON-ready dicts, validated on the way."""
+    return [(x if isinstance(x, model) else model.model_validate(x)).model_dump(mode="json")
+            for x in items]
+
+
+@dataclass
+class Call:
+    """One request and how to read its reply."""
+
+    method: str
+    path: str
+    parse: Callable[[httpx.Response], Any]
+    idempotent: bool
+    json: Any = None
+    content: bytes | None = None
+    params: dict[str, Any] | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    context: dict[str, Any] = field(default_factory=dict)
+
+
+def _model(model: type[BaseModel]) -> Callable[[httpx.Response], Any]:
+    return lambda r: model.model_validate_json(r.content)
+
+
+class _Routes:
+    """The routes as :class:`Call`\\ s; subclasses decide how a call runs (``_do``)."""
+
+    def __init__(self, base_url: str, token: str | None, timeout: float, retries: int,
+                 backoff_s: float, max_backoff_s: float):
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, not {retries}")
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = httpx.Timeout(timeout)
+
+    def _do(self, call: Call) -> Any:
+        raise NotImplementedError
+
+    def _delay(self, attempt: int) -> float:
+        d = min(self.backoff_s * (2 ** attempt), self.max_backoff_s)
+        return d * (0.8 + 0.4 * random.random())
+
+    def _retryable(self, call: Call, attempt: int, *, error: Exception | None = None,
+                   status: int | None = None) -> bool:
+        if attempt >= self.retries:
+            return False
+        if error is not None:
+            return call.idempotent or isinstance(error, _NEVER_SENT)
+        return call.idempotent and status in RETRY_STATUSES
+
+    def _finish(self, call: Call, resp: httpx.Response) -> Any:
+        if resp.is_success:
+            return call.parse(resp)
+        raise error_from_response(resp.status_code, resp.content, method=call.method,
+                                  url=str(resp.request.url), context=call.context)
+
+    def _unreachable(self, call: Call, e: Exception, attempts: int) -> ApiUnreachableError:
+        err = ApiUnreachableError(f"{call.method} {self.base_url}{call.path}: "
+                                  f"{type(e).__name__}: {e} (after {attempts} attempt(s))")
+        err.method, err.url = call.method, self.base_url + call.path
+        return err
+
+    # --- health ---------------------------------------------------------------------------
+
+    def healthz(self) -> Health:
+        """The API process is alive."""
+        return self._do(Call("GET", "/healthz", _model(Health), True))
+
+    def readyz(self) -> Ready:
+        """Redis answers (raises BusUnavailableError if not)."""
+        return self._do(Call("GET", "/readyz", _model(Ready), True))
+
+    def metrics(self) -> str:
+        """Prometheus exposition text."""
+        return self._do(Call("GET", "/metrics", lambda r: r.text, True))
+
+    def status_page(self) -> str:
+        """The HTML status page."""
+        return self._do(Call("GET", "/", lambda r: r.text, True))
+
+    def get_status(self) -> Status:
+        """Versions per state, services, discrepancy and guidance totals."""
+        return self._do(Call("GET", "/v1/status", _model(Status), True))
+
+    # --- versions -------------------------------------------------------------------------
+
+    def publish_version(self, version_id: str, meta: Mapping[str, Any] | None = None,
+                        target_path: str | None = None) -> PublishResponse:
+        """Register a BF16 version already written to the published store."""
+        body = {"version_id": version_id, "meta": dict(meta or {}), "target_path": target_path}
+        return self._do(Call("POST", "/v1/versions", _model(PublishResponse), True, json=body,
+                             context={"version_id": version_id}))
+
+    def list_versions(self, state: str | None = None, limit: int = 100) -> VersionList:
+        """Versions, oldest first (the newest ``limit``), optionally in one state."""
+        params = {"limit": limit, **({"state": state} if state else {})}
+        return self._do(Call("GET", "/v1/versions", _model(VersionList), True, params=params))
+
+    def get_version(self, version_id: str) -> VersionDetail:
+        """A version's record and state history."""
+        return self._do(Call("GET", f"/v1/versions/{_seg(version_id)}", _model(VersionDetail), True,
+                             context={"version_id": version_id}))
+
+    def sync_version(self, version_id: str) -> SyncResponse:
+        """Ask the samplers to load a converted version."""
+        return self._do(Call("POST", "/v1/sync", _model(SyncResponse), True,
+                             json={"version_id": version_id}, context={"version_id": version_id}))
+
+    # --- rollouts, scores, discrepancy ----------------------------------------------------
+
+    def put_rollouts(self, version_id: str,
+                     rollouts: Sequence[Rollout | Mapping[str, Any]]) -> RolloutPutResponse:
+        """Store rollouts of a version, all or none."""
+        body = {"rollouts": _dump(rollouts, Rollout)}
+        return self._do(Call("POST", f"/v1/versions/{_seg(version_id)}/rollouts",
+                             _model(RolloutPutResponse), True, json=body,
+                             context={"version_id": version_id}))
+
+    def get_rollouts(self, version_id: str,
+                     ids: Sequence[str] | None = None) -> RolloutIds | RolloutList:
+        """The version's rollout ids, or (with ``ids``) those rollouts."""
+        params = None if ids is None else {"ids": ",".join(ids)}
+        model = RolloutIds if ids is None else RolloutList
+        return self._do(Call("GET", f"/v1/versions/{_seg(version_id)}/rollouts", _model(model),
+                             True, params=params, context={"version_id": version_id}))
+
+    def put_scores(self, version_id: str,
+                   scores: Sequence[Score | Mapping[str, Any]]) -> DeltaSummary:
+        """Learner log-probs of stored rollouts; the batch's δ statistics."""
+        body = {"scores": _dump(scores, Score)}
+        return self._do(Call("POST", f"/v1/versions/{_seg(version_id)}/scores",
+                             _model(DeltaSummary), True, json=body,
+                             context={"version_id": version_id}))
+
+    def get_discrepancy(self, version: str | None = None,
+                        window_tokens: int | None = None) -> Discrepancy:
+        """δ statistics over the last ``window_tokens`` tokens."""
+        params = {k: v for k, v in (("version", version), ("window_tokens", window_tokens))
+                  if v is not None}
+        return self._do(Call("GET", "/v1/discrepancy", _model(Discrepancy), True, params=params,
+                             context={"version_id": version}))
+
+    # --- guidance -------------------------------------------------------------------------
+
+    def put_guidance(self, version_id: str, rollout_id: str,
+                     record: bytes | bytearray | memoryview) -> GuidancePutResponse:
+        """Store one rollout's guidance record (replaces any previous one)."""
+        return self._do(Call("PUT", f"/v1/guidance/{_seg(version_id)}/{_seg(rollout_id)}",
+                             _model(GuidancePutResponse), True, content=bytes(record),
+                             headers={"Content-Type": MEDIA_TYPE},
+                             context={"version_id": version_id, "rollout_id": rollout_id}))
+
+    def get_guidance(self, version_id: str, rollout_id: str) -> bytes:
+        """One rollout's guidance record."""
+        return self._do(Call("GET", f"/v1/guidance/{_seg(version_id)}/{_seg(rollout_id)}",
+                             lambda r: r.content, True,
+                             context={"version_id": version_id, "rollout_id": rollout_id}))
+
+    def get_guidance_batch(self, version_id: str, rollout_ids: Sequence[str],
+                           missing: str = "raise") -> dict[str, bytes]:
+        """Many records in one reply (``missing="skip"`` leaves absent ones out)."""
+        body = {"rollout_ids": list(rollout_ids), "missing": missing}
+        return self._do(Call("POST", f"/v1/guidance/{_seg(version_id)}:batch",
+                             lambda r: decode_frames(r.content), True, json=body,
+                             context={"version_id": version_id}))
+
+    def acquire_guidance_lease(self, version_id: str, consumer: str,
+                               ttl_s: float) -> LeaseResponse:
+        """Protect a version's guidance from budget eviction for ``ttl_s`` (renewable)."""
+        return self._do(Call("POST", f"/v1/guidance/{_seg(version_id)}/lease",
+                             _model(LeaseResponse), True,
+                             json={"consumer": consumer, "ttl_s": ttl_s},
+                             context={"version_id": version_id}))
+
+    def release_guidance_lease(self, version_id: str, consumer: str) -> LeaseResponse:
+        """Drop a lease; ``held`` says whether it was still held."""
+        return self._do(Call("DELETE", f"/v1/guidance/{_seg(version_id)}/lease",
+                             _model(LeaseResponse), True, params={"consumer": consumer},
+                             context={"version_id": version_id}))
+
+    # --- spec -----------------------------------------------------------------------------
+
+    def get_spec(self) -> SpecInfo:
+        """The daemon's numerics spec, its hash and the two sides' paths."""
+        return self._do(Call("GET", "/v1/spec", _model(SpecInfo), True))
+
+    def check_spec(self, sha256: str) -> SpecCheckResponse:
+        """Compare a spec hash with the daemon's (raises SpecMismatchError if they differ)."""
+        return self._do(Call("POST", "/v1/spec/check", _model(SpecCheckResponse), True,
+                             json={"sha256": sha256}))
+
+
+class AlignClient(_Routes):
+    """Synchronous client (``httpx.Client``); use as a context manager or call ``close()``."""
+
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0,
+                 retries: int = 3, *, backoff_s: float = 0.2, max_backoff_s: float = 5.0,
+                 transport: httpx.BaseTransport | None = None):
+        super().__init__(base_url, token, timeout, retries, backoff_s, max_backoff_s)
+        self._http = httpx.Client(base_url=self.base_url, headers=self._headers,
+                                  timeout=self._timeout, transport=transport)
+
+    def _do(self, call: Call) -> Any:
+        attempt = 0
+        while True:
+            try:
+                resp = self._http.request(call.method, call.path, json=call.json,
+                                          content=call.content, params=call.params,
+                                          headers=call.headers)
+            except httpx.TransportError as e:
+                if not self._retryable(call, attempt, error=e):
+                    raise self._unreachable(call, e, attempt + 1) from e
+            else:
+                if not self._retryable(call, attempt, status=resp.status_code):
+                    return self._finish(call, resp)
+            time.sleep(self._delay(attempt))
+            attempt += 1
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> AlignClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncAlignClient(_Routes):
+    """Asynchronous client (``httpx.AsyncClient``): the same methods, each awaitable."""
+
+    def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0,
+                 retries: int = 3, *, backoff_s: float = 0.2, max_backoff_s: float = 5.0,
+                 transport: httpx.AsyncBaseTransport | None = None):
+        super().__init__(base_url, token, timeout, retries, backoff_s, max_backoff_s)
+        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers,
+                                       timeout=self._timeout, transport=transport)
+
+    async def _do(self, call: Call) -> Any:  # type: ignore[override]
+        attempt = 0
+        while True:
+            try:
+                resp = await self._http.request(call.method, call.path, json=call.json,
+                                                content=call.content, params=call.params,
+                                                headers=call.headers)
+            except httpx.TransportError as e:
+                if not self._retryable(call, attempt, error=e):
+                    raise self._unreachable(call, e, attempt + 1) from e
+            else:
+                if not self._retryable(call, attempt, status=resp.status_code):
+                    return self._finish(call, resp)
+            await asyncio.sleep(self._delay(attempt))
+            attempt += 1
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncAlignClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

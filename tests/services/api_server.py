@@ -1,0 +1,54 @@
+"""Test helpers: the control API on a real port (uvicorn in a thread) and its fixtures' data."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+
+from services.common.published import write_published
+from services.common.settings import Settings
+from tests.services.conftest import free_port, tiny_experts
+
+TOKEN = "test-token-0123456789"
+
+
+def api_settings(redis_url: str | None, store: Path, **kw) -> Settings:
+    """Settings of a test API: small body limits, fast heartbeats, a token."""
+    base = dict(redis_url=redis_url, store_dir=store, api_token=TOKEN, max_body_bytes=64 << 10,
+                max_guidance_body_bytes=32 << 10, service_heartbeat_s=0.2,
+                service_heartbeat_ttl_s=2.0, discrepancy_window_tokens=4096,
+                guidance_budget_bytes=1 << 20)
+    base.update(kw)
+    return Settings(**base)
+
+
+def publish_files(store: Path, version_id: str) -> Path:
+    """Write a tiny BF16 version into the store's published directory (the learner's part)."""
+    return write_published(store / "published", version_id,
+                           tiny_experts(experts=2, rows=16, k=32))
+
+
+@contextlib.contextmanager
+def serve(app: FastAPI) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on a free port in a thread; yields its base URL."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           access_log=False, lifespan="on"))
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
