@@ -33,7 +33,9 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
+
+from libalign.errors import InputError
 
 from .errors import ApiUnreachableError, error_from_response
 from .framing import MEDIA_TYPE, decode_frames
@@ -69,9 +71,17 @@ def _seg(value: str) -> str:
 
 
 def _dump(items: Iterable[BaseModel | Mapping[str, Any]], model: type[BaseModel]) -> list[dict]:
-    """Models or plain dicts as JSON-ready dicts, validated on the way."""
-    return [(x if isinstance(x, model) else model.model_validate(x)).model_dump(mode="json")
-            for x in items]
+    """Models or plain dicts as JSON-ready dicts, validated on the way (InputError if not valid)."""
+    out = []
+    for i, x in enumerate(items):
+        try:
+            m = x if isinstance(x, model) else model.model_validate(x)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or model.__name__}: {err['msg']}"
+                                 for err in e.errors())
+            raise InputError(f"{model.__name__} {i}: {problems}") from e
+        out.append(m.model_dump(mode="json"))
+    return out
 
 
 @dataclass

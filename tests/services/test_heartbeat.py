@@ -1,0 +1,50 @@
+"""Pins service heartbeats: server-time beats, expiry, stopped vs gone, listing."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from libalign.errors import InputError
+from services.common.heartbeat import ServiceHeartbeat, list_heartbeats
+
+
+def test_beats_report_state_version_and_info(redis_url):
+    """A running instance is up with its version and info; stop() reports it stopped (down)."""
+    c = redis.Redis.from_url(redis_url, decode_responses=True)
+    hb = ServiceHeartbeat(c, "sampler", "s-1", period_s=0.05, ttl_s=1.0, prefix="t",
+                          info=lambda: {"version": "v3", "tokens_per_s": 12.5})
+    with hb:
+        time.sleep(0.15)
+        (row,) = list_heartbeats(c, "t", ttl_s=1.0)
+        assert row["service"] == "sampler" and row["name"] == "s-1" and row["up"]
+        assert row["version"] == "v3" and row["info"] == {"tokens_per_s": 12.5}
+        assert row["state"] == "running" and row["age_s"] < 0.5
+        assert hb.beats >= 2
+        assert 0 < c.pttl("t:heartbeat:sampler:s-1") <= 1000
+    (row,) = list_heartbeats(redis.Redis.from_url(redis_url), "t")  # a bytes client works too
+    assert row["state"] == "stopped" and not row["up"]
+
+
+def test_a_dead_instance_expires_and_stays_listed_as_gone(redis_url):
+    """No beat within ttl: the hash expires; the index still lists the instance, down, with its age."""
+    c = redis.Redis.from_url(redis_url, decode_responses=True)
+    hb = ServiceHeartbeat(c, "converter", "c-1", period_s=0.05, ttl_s=0.2, prefix="t")
+    hb.beat()  # one beat, then the "process" dies
+    assert list_heartbeats(c, "t")[0]["up"]
+    time.sleep(0.3)
+    (row,) = list_heartbeats(c, "t")
+    assert not row["up"] and row["state"] == "gone" and row["age_s"] >= 0.25
+
+
+def test_names_and_periods_are_checked(redis_url):
+    """Unknown services, unsafe names and a period not below the ttl are refused."""
+    c = redis.Redis.from_url(redis_url)
+    with pytest.raises(InputError):
+        ServiceHeartbeat(c, "database", "x")
+    with pytest.raises(InputError):
+        ServiceHeartbeat(c, "api", "a:b")
+    with pytest.raises(InputError):
+        ServiceHeartbeat(c, "api", "a", period_s=5, ttl_s=5)
