@@ -35,6 +35,8 @@ case "$cmd" in
   test)  ensure_venv test
          command -v redis-server >/dev/null || apt_install redis-server \
            || echo "dev.sh: no redis-server; the Redis service tests will be skipped" >&2
+         command -v chromium >/dev/null || command -v chromium-browser >/dev/null || apt_install chromium \
+           || echo "dev.sh: no chromium; the status page test will be skipped (in CI it fails)" >&2
          "$VENV/bin/ruff" check .
          exec "$VENV/bin/python" -m pytest "$@" ;;
   bench) ensure_venv test; exec "$VENV/bin/python" -m tests.bench "$@" ;;
