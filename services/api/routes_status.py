@@ -54,11 +54,12 @@ def version_lag(versions: list[VersionRecord]) -> int:
 def _observe_syncs(st: ApiState, versions: list[VersionRecord]) -> None:
     key = f"{st.settings.key_prefix}:api:sync_observed"
     for v in versions:
-        if v.state != "serving":
+        if v.state != "serving" or v.version_id in st.sync_seen:
             continue
         added = st.bus.call("sync observed", lambda v=v: st.text.sadd(key, v.version_id))
         if added:
             st.metrics.observe_sync(sync_stages(st.registry.history(v.version_id)))
+        st.sync_seen.add(v.version_id)  # settled either way: no more round trips for it
 
 
 def _services(st: ApiState) -> list[ServiceStatus]:

@@ -70,6 +70,8 @@ class ApiState:
     heartbeat: ServiceHeartbeat = field(init=False)
     spec: dict[str, Any] = field(init=False)
     spec_sha256: str = field(init=False)
+    #: serving versions whose sync latency this process has settled (observed or seen observed)
+    sync_seen: set[str] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         s, m = self.settings, self.metrics

@@ -34,10 +34,10 @@ learner path)`` is already in ``P:delta:<v>:scored`` is skipped, so sending the 
 twice (a retry after a lost reply) counts its tokens once. Window reads take the last
 ``4N`` bytes of one string in one script, so they always end on a value boundary.
 
-Expiry. Every key of a version expires ``ttl_s`` after the last write to it (the control
-API uses ``guidance_ttl_s``, so a version's rollouts live as long as its guidance).
-``None`` keeps them until deleted. The index forgets versions whose δ string expired when
-it next reads them.
+Expiry. A version's rollout hash expires ``ttl_s`` after the last batch of rollouts, its
+δ keys ``ttl_s`` after the last batch of scores (the control API uses ``guidance_ttl_s``,
+so rollouts live about as long as their guidance records); ``None`` keeps them until
+deleted. The index forgets versions whose δ string expired when it next reads them.
 
 Like the guidance store, the store needs a binary-safe client (``decode_responses=False``)
 and one Redis (standalone or Sentinel), not Redis Cluster.
