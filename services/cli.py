@@ -115,6 +115,7 @@ def demo(
 
     from libalign.errors import AlignError
     from libalign.models import cpu_threads
+    from services.common.telemetry import Metrics
     from services.demo.run import DemoConfig, run_demo
 
     if not _selfcheck_table():
@@ -135,10 +136,11 @@ def demo(
 
     try:
         cfg.check()
-        with cpu_threads(1), _demo_api(api, api_port, out) as url, progress:
+        metrics = Metrics()
+        with cpu_threads(1), _demo_api(api, api_port, out, metrics=metrics) as url, progress:
             if url:
                 console.print(f"status page {url}/  metrics {url}/metrics")
-            report = run_demo(cfg, on_step=on_step)
+            report = run_demo(cfg, on_step=on_step, metrics=metrics)
     except (AlignError, OSError) as e:
         typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
         raise typer.Exit(2) from None
@@ -164,8 +166,9 @@ def demo(
 class _demo_api:
     """Serve the control API in a thread for the demo, when the API package is present."""
 
-    def __init__(self, enabled: bool, port: int, out: Path, settings=None):
+    def __init__(self, enabled: bool, port: int, out: Path, settings=None, metrics=None):
         self.enabled, self.port, self.out, self.settings = enabled, port, out, settings
+        self.metrics = metrics
         self.server = None
         self.thread = None
 
@@ -183,7 +186,7 @@ class _demo_api:
 
         settings = self.settings or Settings(store_dir=self.out / "store", dev_mode=True,
                                              api_port=self.port)
-        app_ = create_app(settings)
+        app_ = create_app(settings, metrics=self.metrics)
         config = uvicorn.Config(app_, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="api", daemon=True)
@@ -268,7 +271,7 @@ def up(
     for t in threads:
         t.start()
     try:
-        with _demo_api(api, settings.api_port, settings.store_dir, settings) as url:
+        with _demo_api(api, settings.api_port, settings.store_dir, settings, metrics) as url:
             console.print(f"alignd up: converter, sampler ({settings.sampler_path})"
                           + (f", API {url}" if url else "")
                           + (" on the embedded Redis" if settings.redis_url is None else ""))
