@@ -20,6 +20,7 @@ import threading
 from pydantic import ValidationError
 
 from libalign.errors import AlignError
+from services.common.heartbeat import ServiceHeartbeat
 from services.common.settings import Settings
 
 log = logging.getLogger("services.learner")
@@ -76,15 +77,25 @@ def main(argv: list[str] | None = None) -> int:
         loop = build_loop(settings, lr=args.lr, use_tis=not args.no_tis,
                           prompts_per_step=args.prompts_per_step,
                           samples_per_prompt=args.samples_per_prompt, run_id=args.run_id)
+        beat = ServiceHeartbeat(loop.bus, "learner", loop.run_id, settings.service_heartbeat_s,
+                                settings.service_heartbeat_ttl_s, prefix=settings.key_prefix,
+                                info=lambda: {"path": loop.engine.path}).start()
+    except AlignError as e:
+        log.error("learner could not start: %s", e)
+        return 1
+    try:
         for step in range(args.steps):
             if stop.is_set():
                 break
             r = loop.iteration(step)
+            beat.set(version=r.version_id)
             print(json.dumps({"step": r.step, "version_id": r.version_id, "reward": r.reward_mean,
                               "delta": r.delta.get("stats"), "seconds": r.seconds}), flush=True)
     except AlignError as e:
         log.error("learner stopped: %s", e)
         return 1
+    finally:
+        beat.stop()
     return 0
 
 

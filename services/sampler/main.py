@@ -4,7 +4,7 @@ Three inputs, polled in turn:
 
 * **converted** versions (``settings.converted_stream``, a consumer group of this sampler's
   own, ``sampler-<name>``, so every sampler sees every version): load it;
-* **sync** requests (:data:`services.common.events.SYNC_STREAM`, read by every sampler): load
+* **sync** requests (:func:`services.common.events.sync_stream`, read by every sampler): load
   the named version if it is not the one served;
 * **rollout requests** (:data:`services.common.work.REQUESTS`, the shared group
   ``samplers``: one sampler per request): generate with the served version (loading the
@@ -37,7 +37,7 @@ from libalign.errors import (
     StateTransitionError,
     StoreError,
 )
-from services.common.events import ConvertedEvent
+from services.common.events import ConvertedEvent, sync_stream
 from services.common.redis_bus import Message, RedisBus
 from services.common.registry import Registry
 from services.common.settings import Settings
@@ -48,10 +48,6 @@ from .engine import SamplerEngine
 
 log = logging.getLogger("services.sampler")
 
-try:  # the sync stream is defined with the API's events
-    from services.common.events import SYNC_STREAM
-except ImportError:  # pragma: no cover - before the API lands
-    SYNC_STREAM = "libalign:events:sync"
 
 LOADABLE = ("converted", "loading", "serving")
 
@@ -71,6 +67,7 @@ class SamplerService:
         self.name = settings.sampler_name
         self.group = f"sampler-{self.name}"
         self._sync_last = "$"
+        self.sync_stream = sync_stream(settings.key_prefix)
         self.load_seconds: dict[str, float] = {}
         self.heartbeat = None  # a ServiceHeartbeat when run as a service
 
@@ -183,7 +180,7 @@ class SamplerService:
 
     def _sync(self) -> int:
         got = self.bus.call("read sync", lambda: self.bus.client.xread(
-            {SYNC_STREAM: self._sync_last}, count=16, block=None))
+            {self.sync_stream: self._sync_last}, count=16, block=None))
         n = 0
         for _stream, entries in got or []:
             for mid, fields in entries:
@@ -196,7 +193,7 @@ class SamplerService:
                     except AlignError as e:
                         log.error("sync to %s: %s", vid, e)
         if self._sync_last == "$":  # pin the position so later entries are not missed
-            last = self.bus.call("sync tail", lambda: self.bus.client.xrevrange(SYNC_STREAM,
+            last = self.bus.call("sync tail", lambda: self.bus.client.xrevrange(self.sync_stream,
                                                                                 count=1))
             self._sync_last = last[0][0] if last else "0-0"
         return n

@@ -45,6 +45,7 @@ class Deployment:
         self.learner_model = copy.deepcopy(base)
         engine = TorchSamplerEngine(base, WeightStore(self.settings.store_dir), sampler_path,
                                     batch_size=16, eos_id=TASK.eos_id, pad_id=TASK.pad_id)
+        self.engine = engine
         self.rollouts = RolloutStore(redis.Redis.from_url(redis_url), self.settings.key_prefix)
         self.guidance = GuidanceStore(redis_url, budget_bytes=1 << 26)
         self.threads = [
@@ -109,3 +110,20 @@ def test_a_failed_version_stops_the_loop_with_its_reason(deploy):
     loop.sampler_path = None  # no target: the converter's preset (minite), not servable by naive
     with pytest.raises(LoopError, match=r"failed: .*needs 'te_expert'"):
         loop.iteration(0)
+
+
+def test_sync_request_switches_the_served_version(deploy):
+    """A sync event (what POST /v1/sync adds) makes the sampler serve the named version."""
+    import time
+
+    from services.common.events import SyncEvent, sync_stream
+
+    d = deploy("nvfp4_minite")
+    results = d.loop("nvfp4_minite").run(2)
+    assert d.engine.version_id == results[1].version_id
+    old = results[0].version_id
+    d.bus.publish(sync_stream(d.settings.key_prefix), SyncEvent(version_id=old).to_fields())
+    deadline = time.monotonic() + 20
+    while d.engine.version_id != old and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert d.engine.version_id == old
