@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's one entry point for set-up and the main jobs.
 #   ./dev.sh demo    main job on the embedded default (no Redis, no GPU)
-#   ./dev.sh test    the whole test suite (ruff + pytest), what CI runs (installs redis-server)
+#   ./dev.sh test    the whole test suite (ruff + pytest), what CI runs (installs redis-server
+#                    and chromium when missing)
 #   ./dev.sh bench   benchmarks under tests/bench (prints ratio tables)
 # It creates .venv (or $ALIGN_VENV) and installs what the job needs on first use.
 set -euo pipefail
