@@ -172,6 +172,18 @@ class Metrics:
             "Seconds a weight version spent per sync stage (convert, load, total), from the "
             "registry's history, observed when it reaches serving.",
             ["stage"], buckets=_STAGE_BUCKETS, registry=r)
+        self.sampler_load_seconds = Histogram(
+            "libalign_sampler_load_seconds",
+            "Seconds a sampler took to verify and switch to a weight version.",
+            buckets=_STAGE_BUCKETS, registry=r)
+        self.sampler_loads = Counter(
+            "libalign_sampler_loads_total",
+            "Weight-version loads a sampler attempted, by outcome (loaded, refused).",
+            ["outcome"], registry=r)
+        self.sampler_requests = Counter(
+            "libalign_sampler_requests_total",
+            "Rollout requests a sampler answered, by outcome (served, error).",
+            ["outcome"], registry=r)
         self.weight_version_lag = Gauge(
             "libalign_weight_version_lag",
             "Versions between the newest one published and the newest one serving, by "
@@ -198,6 +210,10 @@ class Metrics:
             self.versions_failed.labels(reason=reason)
         for in_use in ("true", "false"):
             self.guidance_evictions.labels(in_use=in_use)
+        for outcome in ("loaded", "refused"):
+            self.sampler_loads.labels(outcome=outcome)
+        for outcome in ("served", "error"):
+            self.sampler_requests.labels(outcome=outcome)
 
     def observe_conversion(self, manifest: dict, total_s: float) -> None:
         """Record one successful conversion from its manifest's timings and totals."""

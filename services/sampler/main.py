@@ -93,11 +93,14 @@ class SamplerService:
             self.engine.load(version_id)
         except (InputError, StoreError) as e:
             log.error("version %s cannot be loaded: %s", version_id, e)
+            self.metrics.sampler_loads.labels(outcome="refused").inc()
             if mine:
                 with contextlib.suppress(StateTransitionError):
                     self.registry.fail(version_id, f"{e.code}: {e}", actor=self.name)
             return False
         self.load_seconds[version_id] = time.perf_counter() - t0
+        self.metrics.sampler_loads.labels(outcome="loaded").inc()
+        self.metrics.sampler_load_seconds.observe(self.load_seconds[version_id])
         if self.heartbeat is not None:
             self.heartbeat.set(version=version_id)
         if mine:
@@ -210,6 +213,7 @@ class SamplerService:
         except (AlignError, ValidationError) as e:
             ready = RolloutsReady(request_id=req.request_id, version_id=req.version_id,
                                   sampler=self.name, error=f"{type(e).__name__}: {e}")
+        self.metrics.sampler_requests.labels(outcome="error" if ready.error else "served").inc()
         self.bus.publish(READY, ready.to_fields())
         self.bus.ack(m.stream, SAMPLER_GROUP, m.id)
 
@@ -218,6 +222,7 @@ def run_sampler(settings: Settings, engine: SamplerEngine, stop: threading.Event
                 guidance=None, metrics: Metrics | None = None, bus: RedisBus | None = None) -> None:
     """Serve until ``stop`` is set."""
     from services.common.heartbeat import ServiceHeartbeat
+    from services.common.telemetry import serve_metrics
 
     bus = bus or RedisBus.from_settings(settings, stop_event=stop)
     svc = SamplerService(settings, engine, bus, rollouts=rollouts, guidance=guidance,
@@ -226,6 +231,9 @@ def run_sampler(settings: Settings, engine: SamplerEngine, stop: threading.Event
                                      settings.service_heartbeat_s, settings.service_heartbeat_ttl_s,
                                      info=lambda: {"path": engine.path},
                                      prefix=settings.key_prefix).start()
+    server = None
+    if settings.metrics_port is not None:
+        server = serve_metrics(svc.metrics.registry, settings.metrics_port, settings.metrics_addr)
     try:
         svc.setup()
         while not stop.is_set():
@@ -235,6 +243,9 @@ def run_sampler(settings: Settings, engine: SamplerEngine, stop: threading.Event
             raise
     finally:
         svc.heartbeat.stop()
+        if server is not None:
+            server.shutdown()
+            server.server_close()
 
 
 def main() -> int:  # pragma: no cover - exercised by the integration test as a process
@@ -251,9 +262,12 @@ def main() -> int:  # pragma: no cover - exercised by the integration test as a 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    engine, rollouts, guidance = build_sampler(settings)
+    from services.common.telemetry import Metrics
+
+    metrics = Metrics()
+    engine, rollouts, guidance = build_sampler(settings, metrics=metrics)
     try:
-        run_sampler(settings, engine, stop, rollouts=rollouts, guidance=guidance)
+        run_sampler(settings, engine, stop, rollouts=rollouts, guidance=guidance, metrics=metrics)
     except AlignError as e:
         log.error("sampler stopped: %s", e)
         return 1
