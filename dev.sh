@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The project's one entry point for set-up and the main jobs.
 #   ./dev.sh demo    main job on the embedded default (no Redis, no GPU)
-#   ./dev.sh test    the whole test suite (ruff + pytest), what CI runs (installs redis-server
-#                    and chromium when missing)
+#   ./dev.sh test    the whole test suite (ruff + pytest), what CI runs (installs redis-server,
+#                    chromium and prometheus when missing)
 #   ./dev.sh bench   benchmarks under tests/bench (prints ratio tables)
 # It creates .venv (or $ALIGN_VENV) and installs what the job needs on first use.
 set -euo pipefail
@@ -38,6 +38,8 @@ case "$cmd" in
            || echo "dev.sh: no redis-server; the Redis service tests will be skipped" >&2
          command -v chromium >/dev/null || command -v chromium-browser >/dev/null || apt_install chromium \
            || echo "dev.sh: no chromium; the status page test will be skipped (in CI it fails)" >&2
+         command -v promtool >/dev/null && command -v prometheus >/dev/null || apt_install prometheus \
+           || echo "dev.sh: no prometheus/promtool; the monitoring tests will be skipped (in CI they fail)" >&2
          "$VENV/bin/ruff" check .
          exec "$VENV/bin/python" -m pytest "$@" ;;
   bench) ensure_venv test; exec "$VENV/bin/python" -m tests.bench "$@" ;;
