@@ -16,10 +16,8 @@ successful ``EXEC`` is lost and the call is retried, the retry answers 409
 
 from __future__ import annotations
 
-import json
 from typing import Annotated
 
-import redis
 from alignclient.models import (
     ErrorResponse,
     HistoryEntry,
@@ -34,10 +32,10 @@ from alignclient.models import (
 from fastapi import APIRouter, Depends, Query
 from fastapi.security import HTTPBearer
 
-from libalign.errors import ConfigError, StateTransitionError, VersionExistsError, VersionNotFoundError
+from libalign.errors import StateTransitionError, VersionNotFoundError
 from services.common.events import PublishedEvent, SyncEvent, check_version_id, sync_stream
 from services.common.published import PublishedVersion
-from services.common.registry import Registry, VersionRecord
+from services.common.registry import VersionRecord
 from services.common.weight_store import WeightStore
 
 from .state import State
@@ -57,37 +55,6 @@ def version_info(rec: VersionRecord) -> VersionInfo:
                        updated_at=rec.updated_at, meta=rec.meta)
 
 
-def publish_atomically(registry: Registry, stream: str, event: PublishedEvent,
-                       meta: dict, actor: str) -> tuple[VersionRecord, str]:
-    """Create the registry record and XADD its event in one MULTI/EXEC (see the module doc)."""
-    vid = event.version_id
-    key, hist, index = registry._key(vid), registry._history_key(vid), registry._index_key
-    args = [vid, event.path, actor, json.dumps(meta, sort_keys=True)]
-
-    def attempt() -> tuple[list, str]:
-        with registry.bus.client.pipeline(transaction=True) as pipe:
-            pipe.watch(key)
-            if pipe.exists(key):
-                raise VersionExistsError(vid)
-            kind = pipe.type(stream)
-            if kind not in ("none", "stream"):
-                raise ConfigError(f"the published stream key {stream!r} holds a {kind}, not a "
-                                  "stream; nothing was published")
-            pipe.multi()
-            registry._create(keys=[key, hist, index], args=args, client=pipe)
-            pipe.xadd(stream, event.to_fields())
-            flat, event_id = pipe.execute()
-        return flat, event_id
-
-    try:
-        flat, event_id = registry.bus.call(f"publish {vid}", attempt)
-    except redis.exceptions.WatchError as e:
-        raise VersionExistsError(vid) from e
-    if flat is None:  # cannot happen under WATCH; never report a version that was not made
-        raise VersionExistsError(vid)
-    return VersionRecord.from_hash(dict(zip(flat[::2], flat[1::2], strict=True))), event_id
-
-
 @router.post("/versions", operation_id="publish_version", response_model=PublishResponse,
              status_code=201, responses=ERRORS, dependencies=[Depends(bearer)])
 def publish_version(req: PublishRequest, st: State) -> PublishResponse:
@@ -97,8 +64,12 @@ def publish_version(req: PublishRequest, st: State) -> PublishResponse:
         raise VersionNotFoundError(req.version_id, f"published store ({path})")
     PublishedVersion(path).check_shards()  # LayoutError / MissingShardError: 422
     event = PublishedEvent(version_id=req.version_id, path=str(path), target_path=req.target_path)
-    rec, event_id = publish_atomically(st.registry, st.settings.published_stream, event,
-                                       req.meta, actor="api")
+    meta = dict(req.meta)
+    if req.target_path:
+        meta.setdefault("target_path", req.target_path)
+    rec, event_id = st.registry.create_and_announce(
+        req.version_id, str(path), st.settings.published_stream, event.to_fields(), actor="api",
+        meta=meta)
     return PublishResponse(version=version_info(rec), stream=st.settings.published_stream,
                            event_id=event_id)
 

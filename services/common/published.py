@@ -182,8 +182,7 @@ def publish_version(
     ``target_path`` names the sampler execution path the version is converted for.
     """
     path = write_published(published_root, version_id, tensors, shard_bytes=shard_bytes)
-    registry.create(version_id, str(path), actor=actor,
-                    meta={"target_path": target_path} if target_path else None)
     event = PublishedEvent(version_id=version_id, path=str(path), target_path=target_path)
-    bus.publish(stream, event.to_fields())
+    registry.create_and_announce(version_id, str(path), stream, event.to_fields(), actor=actor,
+                                 meta={"target_path": target_path} if target_path else None)
     return event

@@ -28,7 +28,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from libalign.errors import InputError, StateTransitionError, VersionExistsError, VersionNotFoundError
+import redis
+
+from libalign.errors import (
+    ConfigError,
+    InputError,
+    StateTransitionError,
+    VersionExistsError,
+    VersionNotFoundError,
+)
 
 from .events import check_version_id
 from .redis_bus import RedisBus
@@ -164,6 +172,42 @@ class Registry:
         if flat is None:
             raise VersionExistsError(version_id)
         return VersionRecord.from_hash(_flat_to_dict(flat))
+
+    def create_and_announce(self, version_id: str, path: str, stream: str,
+                            fields: dict[str, str], *, actor: str = "",
+                            meta: dict[str, Any] | None = None) -> tuple[VersionRecord, str]:
+        """:meth:`create` and the ``XADD`` of its event to ``stream`` in one MULTI/EXEC.
+
+        Both happen or neither (a version never exists without its event, nor an event
+        without its version); returns the record and the stream entry id. VersionExistsError
+        if the id is taken (also when another client creates it concurrently).
+        """
+        check_version_id(version_id)
+        keys = [self._key(version_id), self._history_key(version_id), self._index_key]
+        args = [version_id, str(path), actor, json.dumps(meta or {}, sort_keys=True)]
+
+        def attempt() -> tuple[list, str]:
+            with self.bus.client.pipeline(transaction=True) as pipe:
+                pipe.watch(keys[0])
+                if pipe.exists(keys[0]):
+                    raise VersionExistsError(version_id)
+                kind = pipe.type(stream)
+                if kind not in ("none", "stream"):
+                    raise ConfigError(f"the stream key {stream!r} holds a {kind}, not a stream; "
+                                      "nothing was published")
+                pipe.multi()
+                self._create(keys=keys, args=args, client=pipe)
+                pipe.xadd(stream, fields)
+                flat, event_id = pipe.execute()
+            return flat, event_id
+
+        try:
+            flat, event_id = self.bus.call(f"registry publish {version_id}", attempt)
+        except redis.exceptions.WatchError as e:
+            raise VersionExistsError(version_id) from e
+        if flat is None:  # cannot happen under WATCH; never report a version that was not made
+            raise VersionExistsError(version_id)
+        return VersionRecord.from_hash(_flat_to_dict(flat)), event_id
 
     def get(self, version_id: str) -> VersionRecord:
         """The version's record; VersionNotFoundError if unknown."""

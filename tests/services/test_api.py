@@ -125,7 +125,8 @@ def test_publish_registers_and_announces_once(env):
     r = publish(env, meta={"step": 7}, target_path=SAMPLER)
     assert r.status_code == 201, r.text
     body = r.json()
-    assert body["version"]["state"] == "published" and body["version"]["meta"] == {"step": 7}
+    assert body["version"]["state"] == "published"
+    assert body["version"]["meta"] == {"step": 7, "target_path": SAMPLER}
     assert body["stream"] == env.settings.published_stream
     entries = env.raw.xrange(env.settings.published_stream)
     assert len(entries) == 1 and entries[0][0].decode() == body["event_id"]
