@@ -158,7 +158,8 @@ function renderDiscrepancy(d) {
   const s = d.stats;
   kv(document.getElementById("discrepancy"), [
     ["tokens in window", s.count + " / " + d.window_tokens],
-    ["versions", d.versions.length ? d.versions.join(", ") : "\u2013"],
+    ["versions", d.versions.length ? d.versions.slice(0, 3).join(", ") +
+      (d.versions.length > 3 ? " (+" + (d.versions.length - 3) + " more)" : "") : "\u2013"],
     ["mean |\u0394|", fmt(s.mean_abs)], ["P99 |\u0394|", fmt(s.p99_abs)],
     ["max |\u0394|", fmt(s.max_abs)],
     ["clip potential", fmt(s.clip_potential)], ["TIS truncated", fmt(s.tis_truncated_fraction)],
