@@ -1,0 +1,1 @@
+"""Offline validation of the deployment files (compose, Dockerfiles, monitoring)."""
