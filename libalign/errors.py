@@ -329,3 +329,54 @@ class InternalError(AlignError):
 
     code = "internal_error"
     http_status = 500
+
+
+class EngineUnavailableError(AlignError):
+    """A serving engine (an SGLang server) could not be reached, or kept answering 503
+    (still loading), within the adapter's retry deadline."""
+
+    code = "engine_unavailable"
+    http_status = 503
+
+
+class EngineTimeoutError(EngineUnavailableError):
+    """A serving engine took a request but did not answer within the request's timeout
+    (or a condition it waits for, such as its requests draining, did not come in time)."""
+
+    code = "engine_timeout"
+    http_status = 504
+
+
+class EngineRequestError(AlignError):
+    """A serving engine refused a request, aborted it, or answered in a shape the adapter
+    does not understand; the message carries the engine's own words."""
+
+    code = "engine_request_failed"
+    http_status = 502
+
+
+class WeightUpdateError(StoreError):
+    """A serving engine could not load a weight version (it keeps serving the old one).
+
+    A store error because it is a property of the version's files as the engine reads them
+    (a missing shard, a tensor of the wrong shape): the sampler marks the version failed
+    with the engine's message, as it does for a version that fails verification.
+    """
+
+    code = "weight_update_failed"
+    http_status = 502
+
+
+class WeightVersionMismatchError(AlignError):
+    """A serving engine reports a weight version other than the one the adapter loaded
+    (another controller switched it, or an update did not take)."""
+
+    code = "weight_version_mismatch"
+    http_status = 409
+
+
+class GuidanceUnsupportedError(InputError):
+    """Guidance records (TRACE) were asked of an engine that cannot capture them."""
+
+    code = "guidance_unsupported"
+    http_status = 501
