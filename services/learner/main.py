@@ -5,7 +5,9 @@ It warm-starts the tiny Qwen3-MoE (trained on the synthetic task, cached), then 
 Redis and weight store (``ALIGN_*`` settings): ``--steps`` iterations, each publishing a
 version for ``ALIGN_SAMPLER_PATH``, training with ``ALIGN_LEARNER_PATH``. One line of JSON per
 step goes to stdout (step, version, reward, δ statistics, seconds by stage); SIGTERM stops
-after the current step.
+after the current step. With ``ALIGN_METRICS_PORT`` set it serves ``/metrics`` and ``/healthz``:
+the learner reports the scores, so the |δ| histogram (``libalign_logprob_abs_delta``) and the
+guidance reads (hits, misses) are counted here.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pydantic import ValidationError
 from libalign.errors import AlignError
 from services.common.heartbeat import ServiceHeartbeat
 from services.common.settings import Settings
+from services.common.telemetry import Metrics, serve_metrics
 
 log = logging.getLogger("services.learner")
 
@@ -73,16 +76,21 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    metrics = Metrics()
+    server = None
     try:
         loop = build_loop(settings, lr=args.lr, use_tis=not args.no_tis,
                           prompts_per_step=args.prompts_per_step,
-                          samples_per_prompt=args.samples_per_prompt, run_id=args.run_id)
+                          samples_per_prompt=args.samples_per_prompt, run_id=args.run_id,
+                          metrics=metrics)
         beat = ServiceHeartbeat(loop.bus, "learner", loop.run_id, settings.service_heartbeat_s,
                                 settings.service_heartbeat_ttl_s, prefix=settings.key_prefix,
                                 info=lambda: {"path": loop.engine.path}).start()
     except AlignError as e:
         log.error("learner could not start: %s", e)
         return 1
+    if settings.metrics_port is not None:
+        server = serve_metrics(metrics.registry, settings.metrics_port, settings.metrics_addr)
     try:
         for step in range(args.steps):
             if stop.is_set():
@@ -96,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         beat.stop()
+        if server is not None:
+            server.shutdown()
+            server.server_close()
     return 0
 
 
