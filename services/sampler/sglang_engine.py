@@ -72,8 +72,10 @@ Loading a version (the weight-sync flow)
        ``in_place`` keeps their old KV cache);
     4. ``POST /flush_cache`` until it answers 200: SGLang refuses (400) while requests are
        running or waiting, so this waits for the aborted ones to drain (deadline
-       ``flush_deadline_s``). It matters: the scheduler asserts that its own flush after a
-       weight update succeeds;
+       ``flush_deadline_s``). Only the status tells: the plain-text body reads "Cache
+       flushed." either way. It matters: the scheduler asserts that its own flush after a
+       weight update succeeds. (Newer SGLang can defer a flush until idle,
+       ``FlushCacheReqInput.timeout_s``; polling works on every version.);
     5. ``POST /update_weights_from_disk`` ``{"model_path", "load_format", "weight_version":
        version_id, "flush_cache": true, "abort_all_requests": false}``; ``success: false``
        raises :class:`~libalign.errors.WeightUpdateError` with SGLang's message (the server
