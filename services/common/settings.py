@@ -92,6 +92,18 @@ class Settings(BaseSettings):
     sampler_path: str = Field("nvfp4_minite", description="execution path the sampler runs")
     sampler_device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
                                 description="device of the embedded sampler engine")
+    sampler_engine: str = Field("torch", pattern=r"^(torch|sglang)$",
+                                description="sampler engine: the embedded torch one or an SGLang "
+                                "server over HTTP")
+    sglang_url: str | None = Field(None, description="base URL of the SGLang server to drive")
+    sglang_model_dir: Path | None = Field(None, description="the server's base checkpoint "
+                                          "(config, tokenizer) that exports are completed from")
+    sglang_export_dir: Path | None = Field(None, description="where ModelOpt NVFP4 exports for "
+                                           "SGLang are written (default <store>/sglang)")
+    sglang_preset: str = Field("modelopt", description="numerics preset of the SGLang export")
+    sglang_eos_id: int | None = Field(None, ge=0, description="stop token id for SGLang sampling")
+    sglang_load_format: str | None = Field(None, description="load_format of "
+                                           "/update_weights_from_disk (None: the server's)")
     learner_path: str = Field("bf16", description="execution path the learner runs")
     learner_device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
                                 description="device of the embedded learner engine")

@@ -33,9 +33,7 @@ from libalign.errors import (
     AlignError,
     BusUnavailableError,
     EventError,
-    InputError,
     StateTransitionError,
-    StoreError,
 )
 from services.common.events import ConvertedEvent, sync_stream
 from services.common.redis_bus import Message, RedisBus
@@ -91,7 +89,7 @@ class SamplerService:
         t0 = time.perf_counter()
         try:
             self.engine.load(version_id)
-        except (InputError, StoreError) as e:
+        except AlignError as e:  # the version's fault (bad bits, wrong recipe) or the engine's
             log.error("version %s cannot be loaded: %s", version_id, e)
             self.metrics.sampler_loads.labels(outcome="refused").inc()
             if mine:
@@ -265,7 +263,12 @@ def main() -> int:  # pragma: no cover - exercised by the integration test as a 
     from services.common.telemetry import Metrics
 
     metrics = Metrics()
-    engine, rollouts, guidance = build_sampler(settings, metrics=metrics)
+    if settings.sampler_engine == "sglang":
+        from .sglang_sampler import build_sglang_sampler
+
+        engine, rollouts, guidance = build_sglang_sampler(settings, metrics=metrics)
+    else:
+        engine, rollouts, guidance = build_sampler(settings, metrics=metrics)
     try:
         run_sampler(settings, engine, stop, rollouts=rollouts, guidance=guidance, metrics=metrics)
     except AlignError as e:

@@ -50,7 +50,9 @@ def build_sglang_sampler(settings: Settings, base_url: str | None = None, *,
     under the same name. ``guidance`` is None: SGLang captures no guidance records.
     """
     def pick(value, name, default=None):
-        return value if value is not None else getattr(settings, name, default)
+        if value is None:
+            value = getattr(settings, name, None)
+        return default if value is None else value
 
     base_url = pick(base_url, "sglang_url")
     model_dir = pick(model_dir, "sglang_model_dir")
