@@ -1,0 +1,204 @@
+"""Every shim that lets Megatron-core run where it was not written to run, in one place.
+
+Megatron-core is written for CUDA devices with Transformer Engine (TE) installed. Its local
+(pure PyTorch) modules, though, compute everything with ordinary torch ops, so a small GPT
+with MoE layers runs forward and backward on a CPU under a one-process ``gloo`` group once a
+few hard-coded CUDA calls are redirected. This module holds all of those redirections, says
+what each replaces and why, and undoes them on exit. Nothing else in libalign patches
+Megatron.
+
+The shims (found by running a tiny MoE GPT forward and backward on a CPU-only torch build
+with megatron-core 0.16.1 until nothing raised)
+--------------------------------------------------------------------------------------------
+``torch.cuda.current_device`` -> ``torch.device("cpu")``
+    Megatron allocates buffers and moves tensors with ``device=torch.cuda.current_device()``
+    in many places, unconditionally: RoPE moves its inverse frequencies to "the GPU" on the
+    first forward, the router moves its weight, the tensor-parallel gather helpers allocate
+    their output there, GPTModel builds index tensors there. On a CPU-only build the call
+    raises ("Torch not compiled with CUDA enabled"); returning the CPU device makes each of
+    those a no-op move or a CPU allocation.
+A no-op CUDA RNG tracker (``tensor_parallel.random._CUDA_RNG_STATE_TRACKER``)
+    Megatron keeps named CUDA RNG streams (model-parallel, expert-parallel, data-parallel)
+    and *forks* one around every dropout and weight initialization, saving and restoring
+    ``torch.cuda`` RNG state. With no CUDA RNG to fork, the tracker here forks nothing: the
+    ops inside draw from the CPU generator. Dropout is zero in every model libalign builds,
+    and weights are initialized on the CPU (``use_cpu_initialization``), so nothing random
+    depends on it.
+``fused_softmax.get_default_causal_mask`` -> a CPU mask
+    When no attention mask is passed, the unfused softmax builds the causal mask with
+    ``device="cuda"`` hard-coded. The replacement builds the same upper-triangular boolean
+    mask on the CPU (callers that pass a mask, as libalign's engine does, never reach it).
+
+One fix that is not about the CPU
+---------------------------------
+``moe_utils.te_general_gemm`` -> ``None`` when the name is missing
+    megatron-core 0.16 imports ``te_general_gemm`` only when TE is installed but tests it
+    with ``is not None`` in the router's gating GEMM, so without TE the router raises
+    ``NameError`` on any device. 0.19 defines it as ``None``; :func:`fix_missing_te` does the
+    same for 0.16 and is applied on GPUs too (it is idempotent and touches nothing when TE
+    is present).
+
+What is not a shim
+------------------
+Choices made through Megatron's own configuration rather than patches: the *allgather* token
+dispatcher (the all-to-all one creates CUDA streams for device-to-host copies), no fused
+kernels (``bias_activation_fusion``, ``masked_softmax_fusion``, ``bias_dropout_fusion``,
+``gradient_accumulation_fusion``, ``apply_rope_fusion``, ``persist_layer_norm`` all off) and
+``use_cpu_initialization``. :func:`single_process_group` creates the one-process ``gloo``
+group (``nccl`` on a GPU) and Megatron's model-parallel state with every size 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from collections.abc import Iterator
+
+import torch
+
+_LOCK = threading.Lock()
+_DEPTH = 0
+_SAVED: dict[str, object] = {}
+
+
+class NoopRNGTracker:
+    """Stands in for Megatron's ``CudaRNGStatesTracker``: the same methods, no CUDA state."""
+
+    def __init__(self) -> None:
+        self.states_: dict = {}
+        self.seeds_: set = set()
+
+    def is_initialized(self) -> bool:
+        """Always initialized: there is nothing to seed."""
+        return True
+
+    def reset(self) -> None:
+        """Forget the (empty) named states."""
+        self.states_, self.seeds_ = {}, set()
+
+    def get_states(self) -> dict:
+        """No CUDA states to hand out."""
+        return dict(self.states_)
+
+    def set_states(self, states: dict) -> None:
+        """Accept and keep whatever a checkpoint restores."""
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        """Record the name (Megatron seeds a stream per parallel group)."""
+        self.states_[name] = seed
+        self.seeds_.add(seed)
+
+    def fork(self, name: str | None = None) -> contextlib.AbstractContextManager:
+        """A context that changes nothing: the ops inside use the CPU generator."""
+        return contextlib.nullcontext()
+
+
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def fix_missing_te() -> None:
+    """Define ``moe_utils.te_general_gemm = None`` where megatron-core 0.16 left it undefined."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _install() -> None:
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mrandom
+
+    fix_missing_te()
+    _SAVED["current_device"] = torch.cuda.current_device
+    _SAVED["tracker"] = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
+    _SAVED["causal_mask"] = fused_softmax.get_default_causal_mask
+    torch.cuda.current_device = _cpu_device
+    mrandom._CUDA_RNG_STATE_TRACKER = NoopRNGTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    fused_softmax.get_default_causal_mask = _cpu_causal_mask
+
+
+def _uninstall() -> None:
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.cuda.current_device = _SAVED.pop("current_device")
+    mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = _SAVED.pop("tracker")
+    fused_softmax.get_default_causal_mask = _SAVED.pop("causal_mask")
+
+
+def needs_cpu_shims() -> bool:
+    """True on a machine without a usable CUDA device."""
+    return not torch.cuda.is_available()
+
+
+def shims_active() -> bool:
+    """True while some :func:`cpu_shims` block is open."""
+    return _DEPTH > 0
+
+
+@contextlib.contextmanager
+def cpu_shims(enabled: bool | None = None) -> Iterator[None]:
+    """Apply the CPU shims while inside (``enabled=None``: only without CUDA). Blocks nest;
+    the outermost exit restores every patched name. :func:`fix_missing_te` always applies."""
+    global _DEPTH
+    fix_missing_te()
+    if enabled is None:
+        enabled = needs_cpu_shims()
+    if not enabled:
+        yield
+        return
+    with _LOCK:
+        if _DEPTH == 0:
+            _install()
+        _DEPTH += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _DEPTH -= 1
+            if _DEPTH == 0:
+                _uninstall()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def single_process_group(backend: str | None = None, *,
+                         expert_model_parallel_size: int = 1) -> Iterator[None]:
+    """A one-process ``torch.distributed`` group and Megatron's model-parallel state (every
+    parallel size 1), destroyed on exit. ``backend`` defaults to ``nccl`` with CUDA, else
+    ``gloo``. An already initialized process group is used as is and left alone."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    created = False
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, rank=0, world_size=1)
+        created = True
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        expert_model_parallel_size=expert_model_parallel_size)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        if created:
+            dist.destroy_process_group()
