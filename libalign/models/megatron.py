@@ -47,10 +47,13 @@ RMSNorm and QK layernorm (Qwen3's architecture). With ``numerics="qwen3"`` (the 
 also swaps in :class:`Qwen3RMSNorm` (normalize in fp32, round, then scale by the weight, as
 Hugging Face's Qwen3 norm does; torch's fused RMSNorm rounds once after the scale) and
 :class:`SDPACoreAttention` (``torch.nn.functional.scaled_dot_product_attention`` called as
-Hugging Face's ``sdpa`` attention calls it, instead of Megatron's baddbmm/softmax/bmm), so a
-Megatron learner and a Hugging Face sampler with the same weights differ only where their
-kernels must (router softmax order; see the tests for the measured gap). ``numerics="megatron"``
-keeps Megatron's modules.
+Hugging Face's ``sdpa`` attention calls it, instead of Megatron's baddbmm/softmax/bmm). With
+the same weights a Megatron learner then computes the Hugging Face model's logits bit for bit
+on the CPU (the tests pin it on every path). One difference remains in principle: Megatron's
+router takes the softmax over the ``k`` chosen logits, Hugging Face's over all of them and
+renormalizes; the two are equal in exact arithmetic and gave equal bf16 probabilities in every
+test, but could differ by one bf16 ulp. ``numerics="megatron"`` keeps Megatron's modules
+(logits then differ by a few bf16 ulps).
 
 Guided rounding (``nvfp4_trace``)
 ---------------------------------

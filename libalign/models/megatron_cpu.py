@@ -8,8 +8,8 @@ what each replaces and why, and undoes them on exit. Nothing else in libalign pa
 Megatron.
 
 The shims (found by running a tiny MoE GPT forward and backward on a CPU-only torch build
-with megatron-core 0.16.1 until nothing raised)
---------------------------------------------------------------------------------------------
+with megatron-core 0.16.1 until nothing raised; the same set serves 0.19.2)
+-------------------------------------------------------------------------------------------
 ``torch.cuda.current_device`` -> ``torch.device("cpu")``
     Megatron allocates buffers and moves tensors with ``device=torch.cuda.current_device()``
     in many places, unconditionally: RoPE moves its inverse frequencies to "the GPU" on the

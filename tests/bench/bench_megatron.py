@@ -146,8 +146,9 @@ def _run(args) -> dict:
 
         def quantize_all():
             mg.clear_weight_cache(model)
-            for _, lin in mg._linears(model):
-                lin.prepared()
+            for ex in mg.experts_modules(model).values():
+                ex.linear_fc1.prepared()
+                ex.linear_fc2.prepared()
 
         samples = {p: {"model": [], "experts": [], "quantize": []} for p in paths}
         for path in paths:  # warm-up, compile, first quantization; quality check
