@@ -127,6 +127,11 @@ class PublishedVersion:
             self.metadata = {}
         else:
             raise LayoutError(f"{self.path}: neither {INDEX_NAME} nor {SINGLE_NAME}")
+        for shard in set(self.weight_map.values()):  # a shard is a file of this directory
+            if (not isinstance(shard, str) or shard in ("", ".", "..") or "/" in shard
+                    or "\\" in shard or "\x00" in shard):
+                raise LayoutError(f"{index_file}: shard {str(shard)[:200]!r} is not a file name "
+                                  f"inside {self.path}")
 
     def shards(self) -> dict[str, list[str]]:
         """Shard file name -> tensor names it holds, in file order."""
