@@ -117,7 +117,8 @@ class Settings(BaseSettings):
     metrics_addr: str = Field("0.0.0.0", description="address the metrics server binds")
 
     test_step_delay_s: float = Field(
-        0.0, ge=0, description="test hook: sleep after each durable step of a conversion")
+        0.0, ge=0, description="test hook: sleep after each durable step of a conversion "
+        "and after a sampler moves a version to loading")
 
     @field_validator("preset")
     @classmethod

@@ -14,7 +14,11 @@ Three inputs, polled in turn:
 Loading moves the registry's version ``converted -> loading -> serving`` (the first sampler to
 get there does; later ones just load) and, when the store's bits fail verification or do not
 fit the sampler's path, ``-> failed`` with the reason; the engine keeps serving what it had.
-On start the sampler loads the newest version that is converted or beyond.
+On start the sampler loads the newest version that is converted or beyond; one it left
+``loading`` when it was killed mid-load (same sampler name) it loads and moves on to
+``serving``. Handlers are idempotent: a repeated converted or sync event of the version served
+changes nothing, and a repeated rollout request whose rollouts are stored is answered again
+with them (rollouts are write-once).
 """
 
 from __future__ import annotations
@@ -79,13 +83,17 @@ class SamplerService:
         if rec.state not in LOADABLE:
             log.info("version %s is %s; not loadable", version_id, rec.state)
             return False
-        mine = False
+        # a version left ``loading`` under this sampler's name is one a predecessor of ours
+        # (the same sampler, killed mid-load) started: finish its move to ``serving``
+        mine = rec.state == "loading" and rec.owner == self.name
         if rec.state == "converted":
             try:
                 self.registry.transition(version_id, "loading", actor=self.name)
                 mine = True
             except StateTransitionError:
                 pass  # another sampler is loading it; load our copy anyway
+            if mine and self.settings.test_step_delay_s:  # test hook: a slow load
+                time.sleep(self.settings.test_step_delay_s)
         t0 = time.perf_counter()
         try:
             self.engine.load(version_id)
@@ -136,9 +144,14 @@ class SamplerService:
                                  f"(state {self.registry.get(req.version_id).state})")
         prompts = [p for p in req.prompt_list() for _ in range(req.samples_per_prompt)]
         bits = req.guidance_bits or None
+        ids = [f"{req.request_id}-{i:05d}" for i in range(len(prompts))]
+        if self._stored_already(req.version_id, ids):  # a repeated request: announce again
+            log.info("rollout request %s was served before; its rollouts are stored",
+                     req.request_id)
+            return RolloutsReady(**base, rollout_ids=json.dumps(ids), guidance=bits is not None,
+                                 seconds=time.perf_counter() - t0)
         gen = self.engine.generate(prompts, max_new_tokens=req.max_new_tokens,
                                    temperature=req.temperature, seed=req.seed, guidance_bits=bits)
-        ids = [f"{req.request_id}-{i:05d}" for i in range(len(prompts))]
         from services.common.rollouts import Rollout
 
         items = [Rollout(rollout_id=rid, prompt_len=p, tokens=s, logprobs=lp,
@@ -151,6 +164,13 @@ class SamplerService:
         self.rollouts.put_rollouts(req.version_id, items)
         return RolloutsReady(**base, rollout_ids=json.dumps(ids), guidance=bits is not None,
                              seconds=time.perf_counter() - t0)
+
+    def _stored_already(self, version_id: str, ids: list[str]) -> bool:
+        """Whether every rollout of ``ids`` is stored for the version (rollouts are write-once)."""
+        try:
+            return len(self.rollouts.get_rollouts(version_id, ids)) == len(ids)
+        except AlignError:  # RolloutNotFoundError: not (all) stored yet
+            return False
 
     # --- the loop -------------------------------------------------------------------------
 

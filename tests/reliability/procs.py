@@ -1,0 +1,20 @@
+"""Process bodies the fault tests fork (through a ``forkserver`` that preloads this module,
+so a converter process starts in milliseconds and can be SIGKILLed twenty times a test)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from services.common.settings import Settings
+from services.converter.main import run_converter
+
+
+def converter_process(settings_kw: dict, log_path: str) -> None:
+    """``run_converter`` forever with these settings, logging to ``log_path``."""
+    logging.basicConfig(filename=log_path, level=logging.INFO,
+                        format=f"%(asctime)s {settings_kw['consumer_name']} %(levelname)s "
+                               "%(name)s: %(message)s")
+    torch.set_num_threads(1)
+    run_converter(Settings(**settings_kw))
