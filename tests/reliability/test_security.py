@@ -159,7 +159,7 @@ def test_schemathesis_no_server_errors(api, operation_id, token):
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     seen: list[int] = []
 
-    @settings(max_examples=12, derandomize=True, database=None, deadline=None,
+    @settings(max_examples=25, derandomize=True, database=None, deadline=None,
               suppress_health_check=list(HealthCheck), print_blob=True)
     @given(case=st.one_of(strategies))
     def check(case):
