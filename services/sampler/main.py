@@ -40,7 +40,7 @@ from libalign.errors import (
     StateTransitionError,
 )
 from services.common.events import ConvertedEvent, sync_stream
-from services.common.redis_bus import Message, RedisBus
+from services.common.redis_bus import Heartbeat, Message, RedisBus
 from services.common.registry import Registry
 from services.common.settings import Settings
 from services.common.telemetry import Metrics
@@ -72,6 +72,7 @@ class SamplerService:
         self.sync_stream = sync_stream(settings.key_prefix)
         self.load_seconds: dict[str, float] = {}
         self.heartbeat = None  # a ServiceHeartbeat when run as a service
+        self._next_claim = 0.0
 
     # --- loading ------------------------------------------------------------------------
 
@@ -128,10 +129,12 @@ class SamplerService:
         sampler; older ones are never tried (they would be stale)."""
         recs = [r for r in self.registry.list_versions() if r.state in LOADABLE
                 and self.for_me(r.meta.get("target_path"))]
-        if not recs:
-            return None
-        newest = max(recs, key=lambda r: r.created_at).version_id
-        return newest if self.load(newest) else None
+        # newest first; if it cannot be served (corrupt, foreign), fall back to the last good
+        # one, a few versions deep at most (older ones would be stale)
+        for rec in sorted(recs, key=lambda r: r.created_at, reverse=True)[:3]:
+            if self.load(rec.version_id):
+                return rec.version_id
+        return None
 
     # --- rollouts -------------------------------------------------------------------------
 
@@ -194,7 +197,15 @@ class SamplerService:
             self.bus.ack(m.stream, self.group, m.id)
             handled += 1
         handled += self._sync()
-        for m in self.bus.read(REQUESTS, SAMPLER_GROUP, self.name, count=1, block_ms=block_ms):
+        msgs = []
+        now = time.monotonic()
+        if now >= self._next_claim:  # requests a dead sampler took and never answered
+            msgs = self.bus.reclaim(REQUESTS, SAMPLER_GROUP, self.name,
+                                    min_idle_ms=self.settings.claim_idle_ms, limit=1)
+            self._next_claim = now if msgs else now + self.settings.claim_idle_ms / 2000
+        if not msgs:
+            msgs = self.bus.read(REQUESTS, SAMPLER_GROUP, self.name, count=1, block_ms=block_ms)
+        for m in msgs:
             self._request(m)
             handled += 1
         return handled
@@ -227,7 +238,10 @@ class SamplerService:
             self.bus.ack(m.stream, SAMPLER_GROUP, m.id)
             return
         try:
-            ready = self.serve_request(req)
+            # refresh the message while generating, so a slow request is not taken for abandoned
+            with Heartbeat(self.bus, m, SAMPLER_GROUP, self.name,
+                           self.settings.heartbeat_ms / 1000):
+                ready = self.serve_request(req)
         except (AlignError, ValidationError) as e:
             ready = RolloutsReady(request_id=req.request_id, version_id=req.version_id,
                                   sampler=self.name, error=f"{type(e).__name__}: {e}")

@@ -127,3 +127,45 @@ def test_sync_request_switches_the_served_version(deploy):
     while d.engine.version_id != old and time.monotonic() < deadline:
         time.sleep(0.05)
     assert d.engine.version_id == old
+
+
+def test_a_request_a_dead_sampler_took_is_served_by_another(deploy):
+    """A rollout request read by a sampler that died before answering is reclaimed and served."""
+    import json
+    import time
+
+    from services.common.work import READY, REQUESTS, SAMPLER_GROUP, RolloutRequest, RolloutsReady
+
+    d = deploy("nvfp4_minite")
+    vid = d.loop("nvfp4_minite").iteration(0).version_id
+    d.close()  # the first sampler is gone
+    req = RolloutRequest(request_id="orphan", version_id=vid,
+                         prompts=json.dumps(TASK.prompts(2, 9)), samples_per_prompt=2,
+                         max_new_tokens=3)
+    d.bus.publish(REQUESTS, req.to_fields())
+    taken = d.bus.read(REQUESTS, SAMPLER_GROUP, "dead-sampler", count=1, block_ms=100)
+    assert [m.fields["request_id"] for m in taken] == ["orphan"]  # taken, never answered
+    settings = d.settings.model_copy(update={"sampler_name": "s2", "claim_idle_ms": 1000,
+                                             "heartbeat_ms": 100})
+    engine = TorchSamplerEngine(models.build_model(models.tiny_config(num_hidden_layers=2), seed=5),
+                                WeightStore(settings.store_dir), "nvfp4_minite", batch_size=16,
+                                eos_id=TASK.eos_id, pad_id=TASK.pad_id)
+    stop = threading.Event()
+    t = threading.Thread(target=run_sampler, args=(settings, engine, stop),
+                         kwargs=dict(rollouts=d.rollouts, guidance=d.guidance), daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        ready = None
+        while ready is None and time.monotonic() < deadline:
+            for _id, fields in d.bus.client.xrange(READY):
+                ev = RolloutsReady.from_fields(fields)
+                if ev.request_id == "orphan":
+                    ready = ev
+            time.sleep(0.05)
+        assert ready is not None and ready.error is None and ready.sampler == "s2"
+        assert len(ready.ids()) == 4
+        assert d.bus.pending_count(REQUESTS, SAMPLER_GROUP) == 0
+    finally:
+        stop.set()
+        t.join(10)
