@@ -89,3 +89,37 @@ def test_serve_refuses_unknown_service():
     """alignd serve names the services it knows."""
     res = runner.invoke(app, ["serve", "gateway"])
     assert res.exit_code == 2 and "api, converter, sampler, learner" in res.output
+
+
+def test_up_runs_every_service_in_one_process(tmp_path):
+    """alignd up on the embedded default: API answers, one learner step goes through, SIGTERM stops."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from tests.services.conftest import free_port
+
+    port = free_port()
+    env = dict(os.environ, ALIGN_API_PORT=str(port), ALIGN_STORE_DIR=str(tmp_path / "store"),
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("ALIGN_REDIS_URL", None)
+    log = tmp_path / "up.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--learner-steps", "1"],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 240
+            while "step 0" not in log.read_text() and time.monotonic() < deadline:
+                assert proc.poll() is None, log.read_text()[-3000:]
+                time.sleep(0.2)
+            assert "step 0" in log.read_text(), log.read_text()[-3000:]
+            status = httpx.get(f"http://127.0.0.1:{port}/v1/status", timeout=10).json()
+            assert status["versions_by_state"]["serving"] >= 1
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+    assert proc.returncode == 0, log.read_text()[-3000:]
