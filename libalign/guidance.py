@@ -93,6 +93,16 @@ def select_layers(moe_layers: Sequence[int], last: int | None = None) -> list[in
 
 # --- bit planes -------------------------------------------------------------------------------
 
+_WEIGHTS: dict[str, torch.Tensor] = {}
+
+
+def _bit_weights(device) -> torch.Tensor:
+    key = str(device)
+    if key not in _WEIGHTS:
+        _WEIGHTS[key] = (1 << torch.arange(8, dtype=torch.int32, device=device)).to(torch.uint8)
+    return _WEIGHTS[key]
+
+
 def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``bits`` planes of uint8 codes (any shape, numel a multiple of 8): ``[bits, numel/8]``."""
     if bits not in GUIDE_BITS:
@@ -103,43 +113,13 @@ def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         c = codes.reshape(-1).contiguous().numpy()
         return torch.from_numpy(np.stack([np.packbits((c >> j) & 1, bitorder="little")
                                           for j in range(bits)]))
-    return _pack_planes_words(codes, bits)
-
-
-# Eight codes are one little-endian 64-bit word (code i in byte i). Bit j of every byte is
-# isolated with a mask, and one multiplication gathers the eight bits into the top byte
-# (byte i's bit lands on bit 56 + i; no two partial products share a bit, so nothing carries).
-# Unpacking replicates a plane byte into all eight bytes, keeps bit i in byte i, and turns
-# "byte non-zero" into 1 by adding 0x7F per byte and taking bit 7 (no byte overflows).
-_LSB_BYTES = 0x0101010101010101
-_GATHER = 0x0102040810204080
-_SPREAD = 0x8040201008040201 - (1 << 64)  # as a signed 64-bit constant
-_HALF = 0x7F7F7F7F7F7F7F7F
-
-
-def _words(codes: torch.Tensor) -> torch.Tensor:
-    flat = codes.reshape(-1).contiguous()
-    if flat.storage_offset() % 8:
-        flat = flat.clone()
-    return flat.view(torch.int64)
-
-
-def _pack_planes_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """:func:`pack_planes` with 64-bit word arithmetic (one pass per plane; any device)."""
-    x = _words(codes)
-    planes = torch.empty((bits, x.numel()), dtype=torch.uint8, device=codes.device)
+    flat = codes.reshape(-1, 8)
+    w = _bit_weights(codes.device)
+    planes = torch.empty((bits, flat.shape[0]), dtype=torch.uint8, device=codes.device)
     for j in range(bits):
-        planes[j] = (((((x >> j) & _LSB_BYTES) * _GATHER) >> 56) & 0xFF).to(torch.uint8)
+        bit = (flat >> j) & 1 if j else flat & 1
+        planes[j] = (bit * w).sum(-1, dtype=torch.int32).to(torch.uint8)
     return planes
-
-
-def _unpack_planes_words(planes: torch.Tensor, numel: int) -> torch.Tensor:
-    """:func:`unpack_planes` with 64-bit word arithmetic."""
-    out = torch.zeros(planes.shape[1], dtype=torch.int64, device=planes.device)
-    for j in range(planes.shape[0]):
-        rep = (planes[j].to(torch.int64) * _LSB_BYTES) & _SPREAD
-        out |= (((rep + _HALF) >> 7) & _LSB_BYTES) << j
-    return out.view(torch.uint8)[:numel]
 
 
 def unpack_planes(planes: torch.Tensor, numel: int) -> torch.Tensor:
@@ -151,7 +131,12 @@ def unpack_planes(planes: torch.Tensor, numel: int) -> torch.Tensor:
         for j in range(1, bits):
             out |= np.unpackbits(p[j], count=numel, bitorder="little") << j
         return torch.from_numpy(out)
-    return _unpack_planes_words(planes, numel)
+    w = _bit_weights(planes.device)
+    out = torch.zeros(planes.shape[1] * 8, dtype=torch.uint8, device=planes.device)
+    for j in range(bits):
+        b = ((planes[j].unsqueeze(-1) & w) != 0).reshape(-1).to(torch.uint8)
+        out |= b << j if j else b
+    return out[:numel]
 
 
 # --- one site's rows --------------------------------------------------------------------------
