@@ -95,6 +95,36 @@ def _check_batch_size(batch_size: int) -> None:
 
 # --- learner side -----------------------------------------------------------------------------
 
+def right_padded_batch(seqs: Sequence[Sequence[int]], seq_ids: Sequence[int], pad_id: int,
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids, mask, row_keys)`` ``[B, L]`` of right-padded sequences; padding has key -1.
+
+    The keys name every token by sequence id and position (:func:`~libalign.guidance.row_keys`),
+    what guidance capture and lookup need (:func:`~libalign.models.paths.set_row_keys`).
+    """
+    lens = [len(s) for s in seqs]
+    ids = torch.full((len(seqs), max(lens)), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, s in enumerate(seqs):
+        ids[r, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[r, :len(s)] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    pos = torch.arange(ids.shape[1], device=device).expand_as(ids)
+    sid = torch.tensor(list(seq_ids), device=device).unsqueeze(-1)
+    return ids, mask, torch.where(mask.bool(), row_keys(sid, pos), -1)
+
+
+def completion_logprobs(logits: torch.Tensor, ids: torch.Tensor, lens: Sequence[int],
+                        prompt_lens: Sequence[int]) -> list[torch.Tensor]:
+    """fp32 ``log_softmax`` of each row's logits at positions ``p-1 .. n-2``, gathered at the
+    next tokens: the log-prob of every completion token of a right-padded batch."""
+    out = []
+    for r, (n, p) in enumerate(zip(lens, prompt_lens, strict=True)):
+        lp = torch.log_softmax(logits[r, p - 1:n - 1].float(), dim=-1)
+        out.append(lp.gather(-1, ids[r, p:n].unsqueeze(-1)).squeeze(-1))
+    return out
+
+
 def score_sequences(model: nn.Module, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
                     path: PathAssignment, *, batch_size: int = 8, backend: str = "auto",
                     pad_id: int = 0, seq_ids: Sequence[int] | None = None) -> list[torch.Tensor]:
@@ -116,24 +146,15 @@ def score_sequences(model: nn.Module, sequences: Sequence[Sequence[int]], prompt
     with torch.no_grad(), _path_ctx(model, path, backend):
         for start in range(0, len(sequences), batch_size):
             chunk = [list(map(int, s)) for s in sequences[start:start + batch_size]]
-            lens = [len(s) for s in chunk]
-            ids = torch.full((len(chunk), max(lens)), pad_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for r, s in enumerate(chunk):
-                ids[r, :len(s)] = torch.tensor(s, dtype=torch.long)
-                mask[r, :len(s)] = 1
-            ids, mask = ids.to(dev), mask.to(dev)
-            pos = torch.arange(ids.shape[1], device=dev).expand_as(ids)
-            sid = torch.tensor(ids_of[start:start + len(chunk)], device=dev).unsqueeze(-1)
-            set_row_keys(model, torch.where(mask.bool(), row_keys(sid, pos), -1))
+            ids, mask, keys = right_padded_batch(chunk, ids_of[start:start + len(chunk)], pad_id,
+                                                 dev)
+            set_row_keys(model, keys)
             try:
                 logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
             finally:
                 set_row_keys(model, None)
-            for r, s in enumerate(chunk):
-                p, n = prompt_lens[start + r], len(s)
-                logp = torch.log_softmax(logits[r, p - 1:n - 1].float(), dim=-1)
-                out.append(logp.gather(-1, ids[r, p:n].unsqueeze(-1)).squeeze(-1).cpu())
+            out += [t.cpu() for t in completion_logprobs(
+                logits, ids, [len(s) for s in chunk], prompt_lens[start:start + len(chunk)])]
     return out
 
 

@@ -37,8 +37,9 @@ from torch import nn
 
 from libalign import gemm, models
 from libalign.errors import InputError
-from libalign.guidance import GuidanceRecord, GuidanceTable, row_keys
+from libalign.guidance import GuidanceRecord, GuidanceTable
 from libalign.models.paths import set_row_keys
+from libalign.models.scoring import completion_logprobs, right_padded_batch
 
 GUIDED = "nvfp4_trace"
 
@@ -128,16 +129,8 @@ class TorchLearnerEngine:
     def _forward(self, seqs, plens, ids_of, table, grad: bool) -> list[torch.Tensor]:
         """Log-probs of completion tokens for one padded batch (with or without autograd)."""
         dev = next(self.model.parameters()).device
-        lens = [len(s) for s in seqs]
-        ids = torch.full((len(seqs), max(lens)), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, s in enumerate(seqs):
-            ids[r, :len(s)] = torch.tensor(s)
-            mask[r, :len(s)] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = torch.arange(ids.shape[1], device=dev).expand_as(ids)
-        sid = torch.tensor(ids_of, device=dev).unsqueeze(-1)
-        set_row_keys(self.model, torch.where(mask.bool(), row_keys(sid, pos), -1))
+        ids, mask, keys = right_padded_batch(seqs, ids_of, self.pad_id, dev)
+        set_row_keys(self.model, keys)
         try:
             with torch.set_grad_enabled(grad), models.use_path(self.model, self.path), \
                     (models.use_guidance(self.model, table) if table is not None
@@ -145,11 +138,7 @@ class TorchLearnerEngine:
                 logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         finally:
             set_row_keys(self.model, None)
-        out = []
-        for r, (n, p) in enumerate(zip(lens, plens, strict=True)):
-            lp = torch.log_softmax(logits[r, p - 1:n - 1].float(), dim=-1)
-            out.append(lp.gather(-1, ids[r, p:n].unsqueeze(-1)).squeeze(-1))
-        return out
+        return completion_logprobs(logits, ids, [len(s) for s in seqs], plens)
 
     def score(self, sequences, prompt_lens, guidance=None) -> list[list[float]]:
         """Teacher-forced log-probs (the records of ``guidance`` steer ``nvfp4_trace``)."""

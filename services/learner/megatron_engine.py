@@ -29,10 +29,10 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from libalign.guidance import row_keys
 from libalign.models import megatron as mg
 from libalign.models.megatron_cpu import cpu_shims
 from libalign.models.megatron_export import export_hf_state_dict, load_hf_into_megatron
+from libalign.models.scoring import completion_logprobs, right_padded_batch
 
 from .engine import TorchLearnerEngine, TrainBatch
 
@@ -58,16 +58,7 @@ class MegatronLearnerEngine(TorchLearnerEngine):
     def _forward(self, seqs, plens, ids_of, table, grad: bool) -> list[torch.Tensor]:
         """Log-probs of completion tokens for one right-padded batch through the Megatron model."""
         dev = next(self.model.parameters()).device
-        lens = [len(s) for s in seqs]
-        ids = torch.full((len(seqs), max(lens)), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, s in enumerate(seqs):
-            ids[r, :len(s)] = torch.tensor(s)
-            mask[r, :len(s)] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = torch.arange(ids.shape[1], device=dev).expand_as(ids)
-        sid = torch.tensor(ids_of, device=dev).unsqueeze(-1)
-        keys = torch.where(mask.bool(), row_keys(sid, pos), -1)
+        ids, mask, keys = right_padded_batch(seqs, ids_of, self.pad_id, dev)
         mg.set_row_keys(self.model, keys.T)  # Megatron's tokens are [s, b]
         try:
             with torch.set_grad_enabled(grad), mg.use_path(self.model, self.path), \
@@ -75,11 +66,7 @@ class MegatronLearnerEngine(TorchLearnerEngine):
                 logits = mg.gpt_logits(self.model, ids, mask)
         finally:
             mg.set_row_keys(self.model, None)
-        out = []
-        for r, (n, p) in enumerate(zip(lens, plens, strict=True)):
-            lp = torch.log_softmax(logits[r, p - 1:n - 1].float(), dim=-1)
-            out.append(lp.gather(-1, ids[r, p:n].unsqueeze(-1)).squeeze(-1))
-        return out
+        return completion_logprobs(logits, ids, [len(s) for s in seqs], plens)
 
     def score(self, sequences, prompt_lens, guidance=None) -> list[list[float]]:
         """Teacher-forced log-probs (see :meth:`TorchLearnerEngine.score`)."""
