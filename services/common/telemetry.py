@@ -308,3 +308,17 @@ def serve_metrics(registry: CollectorRegistry, port: int = 0, addr: str = "0.0.0
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server
+
+
+def serve_metrics_for(settings, registry: CollectorRegistry) -> Callable[[], None]:
+    """Serve ``registry`` on ``settings.metrics_port`` (if set); returns the function that
+    stops the server again (a no-op when none was started)."""
+    if settings.metrics_port is None:
+        return lambda: None
+    server = serve_metrics(registry, settings.metrics_port, settings.metrics_addr)
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+
+    return stop

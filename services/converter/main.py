@@ -12,18 +12,16 @@ stop.
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 import threading
 import time
 
-from pydantic import ValidationError
-
 from libalign.errors import AlignError, BusUnavailableError
 from services.common.redis_bus import RedisBus
 from services.common.registry import Registry
+from services.common.service_main import start_service
 from services.common.settings import Settings
-from services.common.telemetry import Metrics, serve_metrics
+from services.common.telemetry import Metrics, serve_metrics_for
 from services.common.weight_store import WeightStore
 
 from .worker import ConverterWorker
@@ -46,9 +44,7 @@ def run_converter(settings: Settings, stop_event: threading.Event | None = None,
     beat = ServiceHeartbeat(bus, "converter", me_name(settings), settings.service_heartbeat_s,
                             settings.service_heartbeat_ttl_s, prefix=settings.key_prefix,
                             info=lambda: {"preset": settings.preset}).start()
-    server = None
-    if settings.metrics_port is not None:
-        server = serve_metrics(metrics.registry, settings.metrics_port, settings.metrics_addr)
+    stop_metrics = serve_metrics_for(settings, metrics.registry)
     stream, group, me = settings.published_stream, settings.converter_group, settings.consumer_name
     claim_every_s = settings.claim_idle_ms / 2000
     handled, next_claim = 0, 0.0
@@ -79,9 +75,7 @@ def run_converter(settings: Settings, stop_event: threading.Event | None = None,
             raise
     finally:
         beat.stop()
-        if server is not None:
-            server.shutdown()
-            server.server_close()
+        stop_metrics()
     return handled
 
 
@@ -94,16 +88,10 @@ def me_name(settings: Settings) -> str:
 
 def main() -> int:
     """Entry point: settings from the environment, signals to stop, exit status."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        settings = Settings()
-    except ValidationError as e:
-        log.error("bad settings: %s", e)
+    started = start_service(log)
+    if started is None:
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    settings, stop = started
     try:
         run_converter(settings, stop)
     except AlignError as e:

@@ -15,16 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
-import threading
-
-from pydantic import ValidationError
 
 from libalign.errors import AlignError
 from services.common.heartbeat import ServiceHeartbeat
+from services.common.service_main import start_service
 from services.common.settings import Settings
-from services.common.telemetry import Metrics, serve_metrics
+from services.common.telemetry import Metrics, serve_metrics_for
 
 log = logging.getLogger("services.learner")
 
@@ -66,18 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-tis", action="store_true")
     ap.add_argument("--run-id", default=None)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        settings = Settings()
-    except ValidationError as e:
-        log.error("bad settings: %s", e)
+    started = start_service(log)
+    if started is None:
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    settings, stop = started
     metrics = Metrics()
-    server = None
     try:
         loop = build_loop(settings, lr=args.lr, use_tis=not args.no_tis,
                           prompts_per_step=args.prompts_per_step,
@@ -89,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     except AlignError as e:
         log.error("learner could not start: %s", e)
         return 1
-    if settings.metrics_port is not None:
-        server = serve_metrics(metrics.registry, settings.metrics_port, settings.metrics_addr)
+    stop_metrics = serve_metrics_for(settings, metrics.registry)
     try:
         for step in range(args.steps):
             if stop.is_set():
@@ -104,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         beat.stop()
-        if server is not None:
-            server.shutdown()
-            server.server_close()
+        stop_metrics()
     return 0
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import signal
 import sys
 import threading
 import time
@@ -254,7 +253,7 @@ def run_sampler(settings: Settings, engine: SamplerEngine, stop: threading.Event
                 guidance=None, metrics: Metrics | None = None, bus: RedisBus | None = None) -> None:
     """Serve until ``stop`` is set."""
     from services.common.heartbeat import ServiceHeartbeat
-    from services.common.telemetry import serve_metrics
+    from services.common.telemetry import serve_metrics_for
 
     bus = bus or RedisBus.from_settings(settings, stop_event=stop)
     svc = SamplerService(settings, engine, bus, rollouts=rollouts, guidance=guidance,
@@ -263,9 +262,7 @@ def run_sampler(settings: Settings, engine: SamplerEngine, stop: threading.Event
                                      settings.service_heartbeat_s, settings.service_heartbeat_ttl_s,
                                      info=lambda: {"path": engine.path},
                                      prefix=settings.key_prefix).start()
-    server = None
-    if settings.metrics_port is not None:
-        server = serve_metrics(svc.metrics.registry, settings.metrics_port, settings.metrics_addr)
+    stop_metrics = serve_metrics_for(settings, svc.metrics.registry)
     try:
         svc.setup()
         while not stop.is_set():
@@ -275,25 +272,19 @@ def run_sampler(settings: Settings, engine: SamplerEngine, stop: threading.Event
             raise
     finally:
         svc.heartbeat.stop()
-        if server is not None:
-            server.shutdown()
-            server.server_close()
+        stop_metrics()
 
 
 def main() -> int:  # pragma: no cover - exercised by the integration test as a process
     """Entry point: settings from the environment, the embedded torch engine, signals."""
+    from services.common.service_main import start_service
+
     from .embedded import build_sampler
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        settings = Settings()
-    except ValidationError as e:
-        log.error("bad settings: %s", e)
+    started = start_service(log)
+    if started is None:
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    settings, stop = started
     from services.common.telemetry import Metrics
 
     metrics = Metrics()
