@@ -533,6 +533,14 @@ def _crc_and_copy(buf: bytearray) -> tuple[int, bytes]:
     return zlib.crc32(buf), bytes(buf)
 
 
+def _raise_if_corrupt(version: str, metas: dict[str, _Meta], bad: dict[str, str]) -> None:
+    """GuidanceChecksumError naming the first corrupt record of a read, if there is one."""
+    if bad:
+        r = next(iter(bad))
+        raise GuidanceChecksumError(f"guidance record of rollout {r!r}, weight version "
+                                    f"{version!r} ({metas[r].length} bytes) is corrupt: {bad[r]}")
+
+
 class GuidanceStore:
     """Guidance records in Redis keyed by (weight version, rollout), budgeted and evicted."""
 
@@ -956,11 +964,7 @@ class GuidanceStore:
                 bad[r] = f"crc32 {crc:08x}, the meta records {metas[r].crc:08x}"
             else:
                 out[r] = data
-        if bad:
-            r = next(iter(bad))
-            raise GuidanceChecksumError(f"guidance record of rollout {r!r}, weight version "
-                                        f"{version!r} ({metas[r].length} bytes) is corrupt: "
-                                        f"{bad[r]}")
+        _raise_if_corrupt(version, metas, bad)
         return out, stale
 
     def _read_chunks_pipelined(self, version: str, metas: dict[str, _Meta]
@@ -1001,11 +1005,7 @@ class GuidanceStore:
                     out[r] = data
         if error is not None:
             raise StoreError(f"guidance get {version}: {error}")
-        if bad:
-            r = next(iter(bad))
-            raise GuidanceChecksumError(f"guidance record of rollout {r!r}, weight version "
-                                        f"{version!r} ({metas[r].length} bytes) is corrupt: "
-                                        f"{bad[r]}")
+        _raise_if_corrupt(version, metas, bad)
         return out, stale
 
     def _missing_error(self, version: str, rollout_id: str | None) -> GuidanceNotFoundError:
