@@ -62,6 +62,18 @@ def _layers(model: nn.Module, layers: Iterable[int] | None) -> list[int]:
 
 
 @contextmanager
+def _hooked(model: nn.Module, layers: list[int], hook) -> Iterator[None]:
+    """``hook`` quantizes the expert activations of ``layers`` while inside."""
+    for layer in layers:
+        set_activation_hook(model, layer, hook)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            set_activation_hook(model, layer, None)
+
+
+@contextmanager
 def capture_guidance(model: nn.Module, layers: Iterable[int] | None = None,
                      spec: NumericsSpec | None = None) -> Iterator[GuidanceCapture]:
     """Record the sampler's activation quantization at the given MoE layers while inside."""
@@ -73,13 +85,8 @@ def capture_guidance(model: nn.Module, layers: Iterable[int] | None = None,
         cap.add(layer, site, q, _keys(model, a, token_of, expert_of))
         return q
 
-    for layer in chosen:
-        set_activation_hook(model, layer, hook)
-    try:
+    with _hooked(model, chosen, hook):
         yield cap
-    finally:
-        for layer in chosen:
-            set_activation_hook(model, layer, None)
 
 
 @dataclass
@@ -137,13 +144,8 @@ def use_guidance(model: nn.Module, table: GuidanceTable | None,
             _count(agreement, layer, site, q, keys, reference.lookup(layer, site, keys))
         return q
 
-    for layer in chosen:
-        set_activation_hook(model, layer, hook)
-    try:
+    with _hooked(model, chosen, hook):
         yield table
-    finally:
-        for layer in chosen:
-            set_activation_hook(model, layer, None)
 
 
 def _count(agreement: CodeAgreement, layer, site, q, keys, ref) -> None:
