@@ -24,6 +24,7 @@ Errors come back as the daemon's own classes (:mod:`alignclient.errors`).
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import random
 import time
@@ -103,7 +104,7 @@ def _model(model: type[BaseModel]) -> Callable[[httpx.Response], Any]:
     return lambda r: model.model_validate_json(r.content)
 
 
-class _Routes:
+class _Routes(abc.ABC):
     """The routes as :class:`Call`\\ s; subclasses decide how a call runs (``_do``)."""
 
     def __init__(self, base_url: str, token: str | None, timeout: float, retries: int,
@@ -118,8 +119,9 @@ class _Routes:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = httpx.Timeout(timeout)
 
+    @abc.abstractmethod
     def _do(self, call: Call) -> Any:
-        raise NotImplementedError
+        """Run one call: blocking in :class:`AlignClient`, a coroutine in :class:`AsyncAlignClient`."""
 
     def _delay(self, attempt: int) -> float:
         d = min(self.backoff_s * (2 ** attempt), self.max_backoff_s)
