@@ -32,6 +32,18 @@ is written, then renamed into place (:mod:`services.common.atomic_dir`). A write
 at any moment leaves either the complete version or no version (plus a hidden leftover
 that :meth:`WeightStore.sweep` removes); :meth:`WeightStore.list_versions` ignores
 leftovers. Deletion renames the version away before removing its files.
+
+Sharded versions (:mod:`services.common.sharded_version`): an expert-parallel learner
+writes one *part* per rank, each a complete mini-version in its own subdirectory
+``part-00000-of-00004/``; one rename publishes them all. The merged manifest
+(``format_version`` 2) names files by their path under the version directory
+(``part-00001-of-00004/nvfp4-00001.safetensors``), and a tensor that several ranks hold
+slices of (dim 0, experts ``[e0, e1)``) has one logical entry with its full shape and
+``pieces``: ``[{"start", "stop", "file", "stored"}, ...]`` in row order. The reader
+concatenates each piece's codes, block scales and outer scales along dim 0; an outer
+scale that spans dim 0 (the ``tensor`` domain) is the same in every piece and is kept
+once. So a reader gets the same :class:`NVFP4Tensor` bits from a sharded version as
+from one written whole, and never needs to know how it was written.
 """
 
 from __future__ import annotations
@@ -71,6 +83,8 @@ from .events import check_version_id
 MANIFEST_NAME = "manifest.json"
 FORMAT = "libalign-nvfp4"
 FORMAT_VERSION = 1
+#: format_version of a sharded version's merged manifest (entries may carry ``pieces``)
+SHARDED_FORMAT_VERSION = 2
 DEFAULT_SHARD_BYTES = 1 << 30
 SUFFIXES = {"codes": "", "block_scales": "_scale", "outer_scale": "_scale_2"}
 
@@ -163,6 +177,39 @@ def _stored_tensors(name: str, q: NVFP4Tensor) -> dict[str, tuple[str, torch.Ten
     return {k: (role, t.detach().contiguous().cpu()) for k, (role, t) in out.items()}
 
 
+def scalar_outer(spec: NumericsSpec, ndim: int) -> bool:
+    """True if the spec's outer scale spans dim 0 (one value for all rows of a piece).
+
+    That is the ``tensor`` domain, and the ``expert`` domain of a 2-D tensor (one
+    expert). Pieces of such a tensor must be quantized with the whole tensor's amax.
+    """
+    return spec.outer_domain == "tensor" or (spec.outer_domain == "expert" and ndim == 2)
+
+
+def _join_pieces(version_id: str, name: str, entry: dict[str, Any], manifest: dict[str, Any],
+                 parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Role -> tensor of a pieced entry: dim-0 concatenation in piece order.
+
+    A scalar outer scale (see :func:`scalar_outer`) is the same in every piece, since
+    every piece was quantized with the whole tensor's amax; it is checked and kept once.
+    """
+    scalar = False
+    if entry["kind"] == "nvfp4":
+        scalar = scalar_outer(NumericsSpec.from_dict(manifest["specs"][entry["spec"]]),
+                              len(entry["shape"]))
+    out: dict[str, torch.Tensor] = {}
+    for role in parts[0]:
+        ts = [p[role] for p in parts]
+        if role == "outer_scale" and scalar:
+            if any(not torch.equal(t.view(torch.int32), ts[0].view(torch.int32)) for t in ts[1:]):
+                raise ManifestError(f"weight version {version_id!r}: tensor {name!r} has pieces "
+                                    f"with different {entry['spec']!r} outer scales")
+            out[role] = ts[0]
+        else:
+            out[role] = torch.cat(ts, dim=0)
+    return out
+
+
 class WeightStore:
     """A weight store directory: published BF16 input and NVFP4 versions."""
 
@@ -216,74 +263,106 @@ class WeightStore:
         its name. ``on_step`` is called after each durable step (a shard, the manifest).
         """
         check_version_id(version_id)
+        try:
+            with atomic_directory(self.version_path(version_id), overwrite=overwrite) as tmp:
+                manifest = self._write_into(
+                    tmp, version_id, tensors,
+                    lambda name, value, specs: self._prepare(name, value, spec, select, specs, device),
+                    shard_bytes=shard_bytes, source=source, extra=extra, on_step=on_step)
+        except DestinationExistsError as e:
+            raise VersionExistsError(version_id, "weight store") from e
+        return manifest
+
+    def _write_into(
+        self,
+        out: Path,
+        version_id: str,
+        tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        prepare: Callable[[str, Any, dict[str, dict]],
+                          tuple[dict[str, Any], dict[str, tuple[str, torch.Tensor]]]],
+        *,
+        shard_bytes: int,
+        source: dict[str, Any] | None,
+        extra: dict[str, Any] | None,
+        on_step: Callable[[str], None] | None,
+        fields: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Write shards and ``manifest.json`` of ``tensors`` into the directory ``out``.
+
+        ``prepare(name, value, specs)`` turns one input into its manifest entry (without
+        file and checksums) and its stored tensors (see :meth:`_prepare`). Every file is
+        fsynced as it is written; making ``out`` visible is the caller's business.
+        ``fields`` are added to the manifest's top level.
+        """
         items = iter(tensors.items()) if isinstance(tensors, Mapping) else iter(tensors)
-        final = self.version_path(version_id)
         timer = StageTimer()
         t_start = time.perf_counter()
         entries: dict[str, dict[str, Any]] = {}
         specs: dict[str, dict] = {}
         files: dict[str, dict[str, int]] = {}
         taken: set[str] = set()
-        try:
-            with atomic_directory(final, overwrite=overwrite) as tmp:
-                pending: dict[str, torch.Tensor] = {}
-                owners: list[str] = []
-                size = 0
+        pending: dict[str, torch.Tensor] = {}
+        owners: list[str] = []
+        size = 0
 
-                def flush() -> None:
-                    """Checksum, write and fsync the pending tensors as the next shard."""
-                    nonlocal pending, owners, size
-                    fname = f"nvfp4-{len(files) + 1:05d}.safetensors"
-                    with timer.stage("write"):
-                        for owner in owners:
-                            entries[owner]["file"] = fname
-                            for sn, meta in entries[owner]["stored"].items():
-                                meta["sha256"] = tensor_sha256(pending[sn])
-                        safetensors.torch.save_file(pending, tmp / fname)
-                        fsync_path(tmp / fname)
-                    files[fname] = {"bytes": (tmp / fname).stat().st_size, "tensors": len(pending)}
-                    pending, owners, size = {}, [], 0
-                    if on_step is not None:
-                        on_step(f"shard {fname}")
+        def flush() -> None:
+            """Checksum, write and fsync the pending tensors as the next shard."""
+            nonlocal pending, owners, size
+            fname = f"nvfp4-{len(files) + 1:05d}.safetensors"
+            with timer.stage("write"):
+                for owner in owners:
+                    entries[owner]["file"] = fname
+                    for sn, meta in entries[owner]["stored"].items():
+                        meta["sha256"] = tensor_sha256(pending[sn])
+                safetensors.torch.save_file(pending, out / fname)
+                fsync_path(out / fname)
+            files[fname] = {"bytes": (out / fname).stat().st_size, "tensors": len(pending)}
+            pending, owners, size = {}, [], 0
+            if on_step is not None:
+                on_step(f"shard {fname}")
 
-                for name, value in timer.timed(items):
-                    if name in entries:
-                        raise InputError(f"tensor {name!r} appears twice in version {version_id!r}")
-                    with timer.stage("quantize"):
-                        entry, stored = self._prepare(name, value, spec, select, specs, device)
-                    clash = taken.intersection(stored)
-                    if clash:
-                        raise LayoutError(f"tensor {name!r}: stored name(s) {sorted(clash)} "
-                                          f"already used by another tensor")
-                    nb = sum(t.numel() * t.element_size() for _r, t in stored.values())
-                    if pending and size + nb > shard_bytes:
-                        flush()
-                    entry["stored"] = {sn: {"role": role, "dtype": dtype_name(t.dtype),
-                                            "shape": list(t.shape),
-                                            "bytes": t.numel() * t.element_size()}
-                                       for sn, (role, t) in stored.items()}
-                    entries[name] = entry
-                    taken.update(stored)
-                    pending.update({sn: t for sn, (_r, t) in stored.items()})
-                    owners.append(name)
-                    size += nb
-                if pending or not files:
-                    flush()
-                manifest = self._manifest(version_id, entries, specs, files, timer,
-                                          time.perf_counter() - t_start, source, extra)
-                with timer.stage("write"):
-                    (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
-                    fsync_path(tmp / MANIFEST_NAME)
-                if on_step is not None:
-                    on_step("manifest")
-        except DestinationExistsError as e:
-            raise VersionExistsError(version_id, "weight store") from e
+        for name, value in timer.timed(items):
+            if name in entries:
+                raise InputError(f"tensor {name!r} appears twice in version {version_id!r}")
+            with timer.stage("quantize"):
+                entry, stored = prepare(name, value, specs)
+            clash = taken.intersection(stored)
+            if clash:
+                raise LayoutError(f"tensor {name!r}: stored name(s) {sorted(clash)} "
+                                  f"already used by another tensor")
+            nb = sum(t.numel() * t.element_size() for _r, t in stored.values())
+            if pending and size + nb > shard_bytes:
+                flush()
+            entry["stored"] = {sn: {"role": role, "dtype": dtype_name(t.dtype),
+                                    "shape": list(t.shape),
+                                    "bytes": t.numel() * t.element_size()}
+                               for sn, (role, t) in stored.items()}
+            entries[name] = entry
+            taken.update(stored)
+            pending.update({sn: t for sn, (_r, t) in stored.items()})
+            owners.append(name)
+            size += nb
+        if pending or not files:
+            flush()
+        manifest = self._manifest(version_id, entries, specs, files, timer,
+                                  time.perf_counter() - t_start, source, extra)
+        manifest.update(fields or {})
+        with timer.stage("write"):
+            (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
+            fsync_path(out / MANIFEST_NAME)
+        if on_step is not None:
+            on_step("manifest")
         return manifest
 
     def _prepare(self, name: str, value: Any, spec: NumericsSpec, select: Select | None,
                  specs: dict[str, dict], device: str = "cpu",
+                 outer_amax: torch.Tensor | None = None,
                  ) -> tuple[dict[str, Any], dict[str, tuple[str, torch.Tensor]]]:
-        """Manifest entry (without checksums) and stored tensors of one input tensor."""
+        """Manifest entry (without checksums) and stored tensors of one input tensor.
+
+        ``outer_amax`` is passed to :func:`libalign.ops.quantize` (a slice of a tensor
+        quantized with the whole tensor's outer maximum, see sharded_version).
+        """
         if isinstance(value, NVFP4Tensor):
             q, source_dtype = value, None
         elif isinstance(value, torch.Tensor):
@@ -293,7 +372,7 @@ class WeightStore:
                          "source_bytes": t.numel() * t.element_size()}
                 return entry, {name: ("raw", t)}
             try:
-                q = ops.quantize(value.to(device), spec).to("cpu")
+                q = ops.quantize(value.to(device), spec, outer_amax=outer_amax).to("cpu")
             except AlignError as e:
                 raise named_error(e, name) from e
             source_dtype = dtype_name(value.dtype)
@@ -342,7 +421,8 @@ class WeightStore:
             manifest = json.loads((path / MANIFEST_NAME).read_text())
         except (OSError, ValueError) as e:
             raise ManifestError(f"weight version {version_id!r}: manifest unreadable: {e}") from e
-        if manifest.get("format") != FORMAT or manifest.get("version_id") != version_id:
+        if (manifest.get("format") != FORMAT or manifest.get("version_id") != version_id
+                or manifest.get("format_version") not in (FORMAT_VERSION, SHARDED_FORMAT_VERSION)):
             raise ManifestError(f"weight version {version_id!r}: manifest is not a {FORMAT} "
                                 f"manifest of this version")
         return manifest
@@ -374,13 +454,18 @@ class WeightStore:
 
     @staticmethod
     def _by_file(manifest: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
-        """File name -> stored name -> stored-tensor metadata."""
+        """File name -> stored name -> stored-tensor metadata (pieces included)."""
         out: dict[str, dict[str, dict[str, Any]]] = {f: {} for f in manifest["files"]}
         for name, entry in manifest["tensors"].items():
-            if entry.get("file") not in out:
-                raise ManifestError(f"tensor {name!r} names file {entry.get('file')!r}, which the "
-                                    f"manifest does not list")
-            out[entry["file"]].update(entry["stored"])
+            for loc in entry.get("pieces") or [entry]:
+                if loc.get("file") not in out:
+                    raise ManifestError(f"tensor {name!r} names file {loc.get('file')!r}, which "
+                                        f"the manifest does not list")
+                clash = set(out[loc["file"]]).intersection(loc["stored"])
+                if clash:
+                    raise ManifestError(f"tensor {name!r}: stored name(s) {sorted(clash)} listed "
+                                        f"twice in file {loc['file']}")
+                out[loc["file"]].update(loc["stored"])
         return out
 
     def verify_version(self, version_id: str) -> dict[str, Any]:
@@ -395,20 +480,29 @@ class WeightStore:
         """Load a whole version (NVFP4Tensor or raw tensor per name), checksums verified."""
         manifest = self.read_manifest(version_id)
         path = self.version_path(version_id)
-        loaded: dict[str, torch.Tensor] = {}
+        loaded: dict[str, dict[str, torch.Tensor]] = {}
         for fname, expected in self._by_file(manifest).items():
-            loaded.update(self._load_file(version_id, path, fname, expected, verify))
+            loaded[fname] = self._load_file(version_id, path, fname, expected, verify)
         tensors: dict[str, Item] = {}
         for name, entry in manifest["tensors"].items():
-            roles = {meta["role"]: sn for sn, meta in entry["stored"].items()}
+            if "pieces" in entry:
+                parts = [self._roles(loaded[p["file"]], p["stored"]) for p in entry["pieces"]]
+                roles = _join_pieces(version_id, name, entry, manifest, parts)
+            else:
+                roles = self._roles(loaded[entry["file"]], entry["stored"])
             if entry["kind"] == "raw":
-                tensors[name] = loaded[roles["raw"]]
+                tensors[name] = roles["raw"]
                 continue
             spec = NumericsSpec.from_dict(manifest["specs"][entry["spec"]])
-            outer = loaded[roles["outer_scale"]] if "outer_scale" in roles else None
-            tensors[name] = NVFP4Tensor(loaded[roles["codes"]], loaded[roles["block_scales"]],
-                                        outer, spec, tuple(entry["shape"]))
+            tensors[name] = NVFP4Tensor(roles["codes"], roles["block_scales"],
+                                        roles.get("outer_scale"), spec, tuple(entry["shape"]))
         return StoredVersion(version_id, path, manifest, tensors)
+
+    @staticmethod
+    def _roles(loaded: dict[str, torch.Tensor], stored: dict[str, dict[str, Any]]
+               ) -> dict[str, torch.Tensor]:
+        """Role -> loaded tensor of one stored entry (a whole tensor or one piece)."""
+        return {meta["role"]: loaded[sn] for sn, meta in stored.items()}
 
     def delete_version(self, version_id: str) -> None:
         """Remove a version: renamed out of sight first, then its files deleted."""
