@@ -380,3 +380,11 @@ class GuidanceUnsupportedError(InputError):
 
     code = "guidance_unsupported"
     http_status = 501
+
+
+class DistributedRunError(AlignError):
+    """One or more ranks of a multi-process run failed or died without a result; the message
+    names each failing rank with its error."""
+
+    code = "distributed_run_failed"
+    http_status = 500

@@ -47,6 +47,10 @@ expert-parallel group. ``expert_layout="per_expert"`` writes each local expert u
 global index with the names of the released checkpoints
 (``mlp.experts.{e}.gate_proj.weight``, ``up_proj``, ``down_proj``) and communicates nothing;
 :func:`fuse_experts` stacks the union of all ranks' dicts into the fused layout.
+``expert_layout="local"`` keeps the fused names but only this rank's slice of each stack
+(``[E/P, ...]``, global experts ``ep_rank * E/P ..``); :func:`local_expert_ranges` says which
+slice. A sharded conversion quantizes those slices where they live
+(:mod:`services.learner.sharded_publish`) and communicates nothing.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ from torch import nn
 from ..errors import ConfigError, ShapeError
 from .megatron import _hf_get, moe_layers
 
-EXPERT_LAYOUTS = ("fused", "per_expert")
+EXPERT_LAYOUTS = ("fused", "per_expert", "local")
 _EXTRA = "_extra_state"
 
 
@@ -183,9 +187,10 @@ def export_hf_state_dict(model: nn.Module, hf_config, *, expert_layout: str = "f
     """The Hugging Face Qwen3-MoE state dict of a Megatron GPT MoE model (detached copies).
 
     ``expert_layout``: ``fused`` (transformers 5: ``gate_up_proj``/``down_proj`` stacks of
-    every expert, all-gathered over the expert-parallel group) or ``per_expert`` (this rank's
-    experts under their global indices, as released checkpoints name them). ``dtype`` and
-    ``device`` of the copies (``None`` keeps them).
+    every expert, all-gathered over the expert-parallel group), ``per_expert`` (this rank's
+    experts under their global indices, as released checkpoints name them) or ``local`` (the
+    fused names holding this rank's slice of each stack; see :func:`local_expert_ranges`).
+    ``dtype`` and ``device`` of the copies (``None`` keeps them).
     """
     if expert_layout not in EXPERT_LAYOUTS:
         raise ConfigError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
@@ -224,6 +229,9 @@ def export_hf_state_dict(model: nn.Module, hf_config, *, expert_layout: str = "f
             group = getattr(layer, "ep_group", None)
             out[hp + "mlp.experts.gate_up_proj"] = _gather_experts(fc1, group)
             out[hp + "mlp.experts.down_proj"] = _gather_experts(fc2, group)
+        elif expert_layout == "local":
+            out[hp + "mlp.experts.gate_up_proj"] = fc1
+            out[hp + "mlp.experts.down_proj"] = fc2
         else:
             half = fc1.shape[1] // 2
             for j, e in enumerate(layer.local_expert_indices):
@@ -234,6 +242,24 @@ def export_hf_state_dict(model: nn.Module, hf_config, *, expert_layout: str = "f
     out["model.norm.weight"] = sd["decoder.final_layernorm.weight"]
     out["lm_head.weight"] = sd.get("output_layer.weight", sd["embedding.word_embeddings.weight"])
     return {k: _copy(v, dtype, device) for k, v in out.items()}
+
+
+def local_expert_ranges(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """``{fused Hugging Face name: (first global expert, number of experts)}`` of this rank's
+    slice of every expert stack, as ``export_hf_state_dict(expert_layout="local")`` names them.
+
+    Raises :class:`ConfigError` if a rank's experts are not one contiguous run (Megatron
+    always assigns ``ep_rank * E/P + j``; anything else cannot be written as a slice).
+    """
+    out: dict[str, tuple[int, int]] = {}
+    for i, layer in moe_layers(model).items():
+        ids = [int(e) for e in layer.local_expert_indices]
+        if ids != list(range(ids[0], ids[0] + len(ids))):
+            raise ConfigError(f"layer {i}: local experts {ids[:8]} are not contiguous")
+        total = int(layer.config.num_moe_experts)
+        for stack in ("gate_up_proj", "down_proj"):
+            out[f"model.layers.{i}.mlp.experts.{stack}"] = (ids[0], total)
+    return out
 
 
 def _copy(v: torch.Tensor, dtype, device) -> torch.Tensor:

@@ -1,0 +1,67 @@
+"""Rank bodies for the multi-process expert-parallel tests (spawned by
+:func:`libalign.models.megatron_parallel.launch`, so they live in an importable module)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from libalign.models import megatron as mg
+from libalign.models import megatron_export as mx
+from libalign.models import tiny_config
+from libalign.models.megatron_cpu import cpu_shims
+from libalign.models.megatron_parallel import NO_MULTICAST_ENV
+from libalign.models.train import cpu_threads
+
+CFG_KW = dict(num_hidden_layers=2, vocab_size=48, hidden_size=64, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+              moe_intermediate_size=32)
+
+
+def config():
+    return tiny_config(**CFG_KW)
+
+
+def forward_backward(info, hf_sd, batches, path="bf16", publish=()):
+    """Load ``hf_sd`` into an expert-parallel GPT; run this rank's batch (all batches stacked
+    when the world is one process) forward and backward; export; publish sharded versions
+    (``publish``: ``(store root, version id, spec)`` triples)."""
+    cfg = config()
+    with cpu_shims(), cpu_threads(1):
+        model = mg.build_gpt_model(cfg, path, device="cpu")
+        mx.load_hf_into_megatron(model, hf_sd, cfg)
+        if info.world_size == 1:
+            ids = torch.cat([b[0] for b in batches])
+            mask = torch.cat([b[1] for b in batches])
+        else:
+            ids, mask = batches[info.rank]
+        logits = mg.gpt_logits(model, ids, mask)
+        logits.float()[mask.bool()].logsumexp(-1).sum().backward()
+        grads = {}
+        for i, layer in mg.moe_layers(model).items():
+            ex = layer.experts
+            grads[i] = (int(layer.local_expert_indices[0]), ex.linear_fc1.weight.grad.clone(),
+                        ex.linear_fc2.weight.grad.clone())
+        out = {"rank": info.rank, "ep_rank": info.ep_rank, "ep_size": info.ep_size,
+               "logits": logits.detach().clone(), "expert_grads": grads,
+               "fused": mx.export_hf_state_dict(model, cfg),
+               "local": mx.export_hf_state_dict(model, cfg, expert_layout="local"),
+               "ranges": mx.local_expert_ranges(model),
+               "env": {k: os.environ.get(k) for k in NO_MULTICAST_ENV}}
+        if publish:
+            from services.common.weight_store import WeightStore
+            from services.learner.sharded_publish import publish_sharded
+
+            out["published"] = {}
+            for root, vid, spec in publish:
+                res = publish_sharded(model, cfg, WeightStore(root), vid, spec, shard_bytes=1 << 14)
+                out["published"][vid] = res.committed
+    return out
+
+
+def fail_on_rank_one(info):
+    """Rank 1 raises; rank 0 returns."""
+    if info.rank == 1:
+        raise ValueError("rank one says no")
+    return info.rank

@@ -1,0 +1,130 @@
+"""Expert parallelism across processes: a Megatron GPT MoE over two ``gloo`` ranks on the CPU
+computes what one process computes, exports the same checkpoint, and publishes a sharded NVFP4
+version bit-identical to converting the gathered weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from libalign.errors import ConfigError, DistributedRunError
+from libalign.models import build_model
+from libalign.models.megatron_parallel import NO_MULTICAST_ENV, check_layout, launch
+from libalign.spec import PRESETS
+from services.common.weight_store import WeightStore
+from services.converter.selection import make_select
+from tests.libalign import ep_workers as W
+
+SPECS = {"row": "minite", "tensor": "te"}
+
+
+@pytest.fixture(scope="module")
+def hf_sd():
+    model = build_model(W.config(), seed=1)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _batches():
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _r in range(2):
+        ids = torch.randint(0, W.config().vocab_size, (2, 10), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1, 7:] = 0
+        out.append((ids, mask))
+    return out
+
+
+@pytest.fixture(scope="module", params=["bf16", "nvfp4_minite"])
+def runs(request, hf_sd, tmp_path_factory):
+    """One process with every expert, and two expert-parallel ranks, on the same weights."""
+    path, batches = request.param, _batches()
+    root = tmp_path_factory.mktemp(f"store-{path}")
+    publish = [(str(root), f"v-{kind}", spec) for kind, spec in SPECS.items()]
+    one = launch(W.forward_backward, 1, args=(hf_sd, batches, path), backend="gloo")[0]
+    two = launch(W.forward_backward, 2, args=(hf_sd, batches, path, publish),
+                 expert_model_parallel_size=2, backend="gloo")
+    return path, batches, one, two, WeightStore(root)
+
+
+def test_each_rank_holds_its_half_of_the_experts(runs):
+    _path, _b, _one, two, _store = runs
+    assert [r["ep_rank"] for r in two] == [0, 1] and all(r["ep_size"] == 2 for r in two)
+    for r in two:
+        start = 4 * r["ep_rank"]
+        assert set(r["ranges"].values()) == {(start, 8)}
+        assert r["env"] == NO_MULTICAST_ENV
+
+
+def test_logits_equal_one_process_bitwise(runs):
+    """Each rank's logits for its own batch are the one-process model's logits of that batch."""
+    _path, batches, one, two, _store = runs
+    for r, (_ids, mask) in enumerate(batches):
+        real = mask.bool()
+        assert torch.equal(two[r]["logits"][real], one["logits"][2 * r:2 * r + 2][real])
+
+
+def test_expert_gradients_gather_every_ranks_tokens(runs):
+    """A rank's expert gradients hold both ranks' tokens: they equal the one-process gradient
+    of the summed loss (to fp32 summation order)."""
+    _path, _b, one, two, _store = runs
+    for r in two:
+        for i, (start, g1, g2) in r["expert_grads"].items():
+            _s, ref1, ref2 = one["expert_grads"][i]
+            for got, ref in ((g1, ref1[start:start + 4]), (g2, ref2[start:start + 4])):
+                ref = ref.float()
+                assert ref.norm() > 0
+                assert ((got.float() - ref).norm() / ref.norm()).item() < 1e-6
+
+
+def test_exports_are_the_checkpoint(runs, hf_sd):
+    """Fused export (all-gathered) is the checkpoint bit for bit; the local export is the slice."""
+    _path, _b, _one, two, _store = runs
+    for r in two:
+        assert set(r["fused"]) == set(hf_sd)
+        assert all(torch.equal(r["fused"][k], hf_sd[k]) for k in hf_sd)
+        for name, (start, total) in r["ranges"].items():
+            assert total == hf_sd[name].shape[0]
+            assert torch.equal(r["local"][name], hf_sd[name][start:start + 4])
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+def test_sharded_publish_equals_gathered_conversion(runs, hf_sd, kind, tmp_path):
+    """Two ranks each quantize their own experts; the committed version reads back bit for bit
+    as converting the gathered checkpoint in one process (row domain: independent rows;
+    tensor domain: the all-reduced maximum)."""
+    _path, _b, _one, two, store = runs
+    vid = f"v-{kind}"
+    assert sorted(r["published"][vid] for r in two) == [False, True]  # one rank completed it
+    assert vid in store.list_versions()
+    got = store.read_version(vid)
+    ref_store = WeightStore(tmp_path)
+    ref_store.write_version("ref", hf_sd, PRESETS[SPECS[kind]], select=make_select())
+    ref = ref_store.read_version("ref")
+    assert set(got.tensors) == set(ref.tensors)
+    for name, want in ref.tensors.items():
+        have = got.tensors[name]
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(have, want), name
+            continue
+        assert have.shape == want.shape and have.spec == want.spec, name
+        assert torch.equal(have.codes, want.codes), name
+        assert torch.equal(have.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8))
+        assert torch.equal(have.outer_scale, want.outer_scale), name
+
+
+def test_a_failing_rank_is_reported_by_name():
+    with pytest.raises(DistributedRunError, match="rank 1: ValueError: rank one says no"):
+        launch(W.fail_on_rank_one, 2, backend="gloo", timeout_s=120)
+
+
+def test_impossible_layouts_are_refused_before_starting():
+    with pytest.raises(ConfigError, match="must divide"):
+        check_layout(3, 2, "gloo")
+    with pytest.raises(ConfigError, match="backend"):
+        check_layout(2, 2, "mpi")
+    if torch.cuda.device_count() < 64:
+        with pytest.raises(ConfigError, match="one GPU per rank"):
+            check_layout(64, 2, "nccl")
