@@ -161,7 +161,10 @@ class LibalignGroupedLinear(MegatronModule):
                 init_method(master[e])
         self.weight = nn.Parameter(master.to(device=device, dtype=config.params_dtype))
         # Megatron's DDP reduces expert gradients over the expert-data-parallel group only.
-        self.weight.allreduce = not (is_expert and config.expert_model_parallel_size > 1)
+        # The group decides, not the config field (which a hand-built config may leave at 1).
+        ep = getattr(pg_collection, "ep", None) if pg_collection is not None else None
+        ep_size = max(_pg_size(ep), int(config.expert_model_parallel_size))
+        self.weight.allreduce = not (is_expert and ep_size > 1)
         self._prepared: dict[str, tuple] = {}
 
     def prepared(self, path: PathLike | None = None) -> gemm.ExpertWeights:
@@ -434,6 +437,15 @@ def rope_theta(hf_config) -> float:
     return float(theta if theta is not None else _hf_get(hf_config, "rope_theta", 10000.0))
 
 
+def _parallel_ep_size() -> int:
+    """The expert-parallel size of Megatron's initialized parallel state (else 1)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 1
+    return int(ps.get_expert_model_parallel_world_size())
+
+
 def transformer_config_from_hf(hf_config, *, dtype: torch.dtype = torch.bfloat16,
                                **overrides) -> TransformerConfig:
     """A Megatron ``TransformerConfig`` with a Hugging Face Qwen3-MoE config's architecture.
@@ -441,7 +453,8 @@ def transformer_config_from_hf(hf_config, *, dtype: torch.dtype = torch.bfloat16
     Every layer MoE (``mlp_only_layers`` empty, ``decoder_sparse_step`` 1), no shared experts,
     no biases, top-k softmax routing (renormalized over the chosen experts when
     ``norm_topk_prob``), no router auxiliary loss, the allgather dispatcher, no fused kernels,
-    weights initialized on the CPU. ``overrides`` set any other field.
+    weights initialized on the CPU. ``expert_model_parallel_size`` is the initialized
+    parallel state's (1 without one). ``overrides`` set any other field.
     """
     g = functools.partial(_hf_get, hf_config)
     if g("mlp_only_layers") or int(g("decoder_sparse_step", 1) or 1) != 1:
@@ -466,6 +479,7 @@ def transformer_config_from_hf(hf_config, *, dtype: torch.dtype = torch.bfloat16
         add_bias_linear=False, add_qkv_bias=bool(g("attention_bias", False)),
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=float(g("initializer_range", 0.02)),
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+        expert_model_parallel_size=_parallel_ep_size(),
         use_cpu_initialization=True, bias_activation_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
         apply_rope_fusion=False,

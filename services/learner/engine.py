@@ -160,9 +160,11 @@ class TorchLearnerEngine:
         table = self._table(batch.guidance)
         for p in self.params:
             p.grad = None
-        tokens = sum(len(lp) for lp in batch.sampler_logprobs)
+        local_tokens = sum(len(lp) for lp in batch.sampler_logprobs)
+        tokens = self._global_count(local_tokens)
         loss_sum, truncated, ratios = 0.0, 0, []
         n = len(batch.sequences)
+        self._check_chunks(-(-n // self.batch_size))
         for a in range(0, n, self.batch_size):
             b = min(n, a + self.batch_size)
             lps = self._forward(batch.sequences[a:b], batch.prompt_lens[a:b], list(range(a, b)),
@@ -178,19 +180,42 @@ class TorchLearnerEngine:
             loss = loss / tokens
             loss.backward()
             loss_sum += float(loss.detach())
+        self._sync_grads()
         for p, m in zip(self.params, self.master, strict=True):
             m.grad = None if p.grad is None else p.grad.float()
-        norm = float(torch.nn.utils.clip_grad_norm_(self.master, self.max_grad_norm))
+        norm = self._clip_grads()
         self.opt.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.master, strict=True):
                 p.copy_(m.to(p.dtype))
         self.steps += 1
         r = torch.cat(ratios) if ratios else torch.zeros(0)
+        loss_sum, truncated, r_sum, r_n, reward_sum, n_all = self._global_sums(
+            [loss_sum, truncated, float(r.sum()), r.numel(), float(sum(batch.rewards)), n])
         return {"loss": loss_sum, "grad_norm": norm, "tokens": tokens,
-                "reward_mean": float(sum(batch.rewards) / max(1, n)),
+                "reward_mean": reward_sum / max(1, n_all),
                 "tis_truncated_fraction": truncated / max(1, tokens),
-                "ratio_mean": float(r.mean()) if r.numel() else 1.0}
+                "ratio_mean": r_sum / r_n if r_n else 1.0}
+
+    # --- what a data-parallel subclass distributes (one process: nothing) -----------------
+
+    def _global_count(self, local: int) -> int:
+        """The batch's completion tokens over every rank (the loss's denominator)."""
+        return local
+
+    def _check_chunks(self, chunks: int) -> None:
+        """Refuse a step whose micro-batch count differs between ranks (one process: fine)."""
+
+    def _sync_grads(self) -> None:
+        """Make each gradient the whole batch's (one process: it already is)."""
+
+    def _clip_grads(self) -> float:
+        """Clip the fp32 master gradients to ``max_grad_norm``; return their norm before."""
+        return float(torch.nn.utils.clip_grad_norm_(self.master, self.max_grad_norm))
+
+    def _global_sums(self, values: list[float]) -> list[float]:
+        """Per-step statistics summed over every rank (one process: as they are)."""
+        return values
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """bf16 CPU copies of every tensor of the model's state dict."""

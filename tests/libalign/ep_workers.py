@@ -65,3 +65,50 @@ def fail_on_rank_one(info):
     if info.rank == 1:
         raise ValueError("rank one says no")
     return info.rank
+
+
+def synthetic_batch(n: int = 8, seed: int = 0):
+    """A GRPO batch of ``n`` rollouts in groups of two (no generation needed)."""
+    from services.learner.engine import TrainBatch
+
+    cfg = config()
+    g = torch.Generator().manual_seed(seed)
+    seqs, plens, samp = [], [], []
+    for i in range(n):
+        length = 8 + i % 3
+        seqs.append(torch.randint(1, cfg.vocab_size, (length,), generator=g).tolist())
+        plens.append(3)
+        samp.append((-1.5 + 0.5 * torch.rand(length - 3, generator=g)).tolist())
+    rewards = [float(i % 2) for i in range(n)]
+    return TrainBatch(seqs, plens, samp, rewards, [i // 2 for i in range(n)])
+
+
+def _rank_share(batch, rank: int, world: int):
+    from services.learner.engine import TrainBatch
+
+    per = len(batch.sequences) // world
+    sl = slice(rank * per, (rank + 1) * per)
+    return TrainBatch(batch.sequences[sl], batch.prompt_lens[sl], batch.sampler_logprobs[sl],
+                      batch.rewards[sl], batch.groups[sl])
+
+
+def train_one_step(info, hf_sd, path="bf16", shares=None, batch_size=8):
+    """One GRPO + TIS step of the Megatron engine on this rank's share of the batch; the
+    stats, the exported weights after it, and (with ``shares``) uneven shares to refuse."""
+    from services.learner.engine import TrainBatch
+    from services.learner.megatron_engine import MegatronLearnerEngine
+
+    cfg = config()
+    batch = synthetic_batch()
+    with cpu_shims(), cpu_threads(1):
+        eng = MegatronLearnerEngine.from_hf_state_dict(hf_sd, cfg, path, device="cpu", lr=1e-3,
+                                                       batch_size=batch_size)
+        if shares is not None:
+            lo = sum(shares[:info.rank])
+            sl = slice(lo, lo + shares[info.rank])
+            share = TrainBatch(batch.sequences[sl], batch.prompt_lens[sl],
+                               batch.sampler_logprobs[sl], batch.rewards[sl], batch.groups[sl])
+        else:
+            share = _rank_share(batch, info.rank, info.world_size)
+        stats = eng.train_step(share)
+        return {"stats": stats, "weights": eng.export_weights()}

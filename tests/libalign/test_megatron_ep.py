@@ -128,3 +128,42 @@ def test_impossible_layouts_are_refused_before_starting():
     if torch.cuda.device_count() < 64:
         with pytest.raises(ConfigError, match="one GPU per rank"):
             check_layout(64, 2, "nccl")
+
+
+@pytest.fixture(scope="module")
+def train_runs(hf_sd):
+    path = "nvfp4_minite"
+    one = launch(W.train_one_step, 1, args=(hf_sd, path), backend="gloo")[0]
+    two = launch(W.train_one_step, 2, args=(hf_sd, path), backend="gloo")
+    return one, two
+
+
+def test_a_train_step_on_two_ranks_is_the_one_process_step(train_runs, hf_sd):
+    """Each rank trains on half of the batch; the step is the whole batch's: the same loss,
+    token count and clipping norm, replicated weights still equal across ranks, and the
+    updated weights those of one process on the whole batch (Adam's first step moves each
+    weight by lr * sign(g), so only gradients within rounding of zero may flip)."""
+    one, two = train_runs
+    for r in two:
+        s, ref = r["stats"], one["stats"]
+        assert s["tokens"] == ref["tokens"]
+        assert s["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert s["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+        assert s["ratio_mean"] == pytest.approx(ref["ratio_mean"], rel=1e-6)
+        assert s["reward_mean"] == ref["reward_mean"]
+    assert all(torch.equal(two[0]["weights"][k], two[1]["weights"][k]) for k in hf_sd)
+    for k in hf_sd:
+        got, want = two[0]["weights"][k], one["weights"][k]
+        assert (got != want).float().mean().item() <= 0.01, k
+        assert (got.float() - want.float()).abs().max().item() <= 2.5e-3, k
+        if ".experts." in k:  # the experts' gradients hold every rank's tokens, summed once
+            assert torch.equal(got, want), k
+
+
+def test_ranks_with_different_micro_batch_counts_are_refused():
+    """Every forward is collective: 3 micro-batches on one rank and 1 on the other would hang,
+    so both ranks refuse the step by name."""
+    hf = build_model(W.config(), seed=1)
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    with pytest.raises(DistributedRunError, match="micro-batches"):
+        launch(W.train_one_step, 2, args=(sd, "bf16", [6, 2], 2), backend="gloo", timeout_s=120)
