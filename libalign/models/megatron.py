@@ -63,6 +63,9 @@ low code bits (:func:`libalign.guidance.guided_quantize`). A row is named by its
 token order) and, at FC2, its global expert. The experts module learns which token each
 permuted row came from through its layer's token dispatcher (the *allgather* dispatcher's
 ``local_map``), which :func:`bind_layers` (called by :func:`build_gpt_model`) connects.
+Under expert parallelism the dispatcher gathers every rank's tokens, so the experts module
+gathers their keys the same way (each rank sets the keys of its own tokens; keys must be
+unique across ranks, and every rank's table must hold the records of all of them).
 
 Expert parallelism
 ------------------
@@ -223,6 +226,7 @@ class LibalignGroupedMLP(MegatronModule):
                               "and no moe_apply_probs_on_input")
         self.num_local_experts = num_local_experts
         ep = getattr(pg_collection, "ep", None) if pg_collection is not None else None
+        self.ep_group = ep
         self.ep_rank, self.ep_size = _pg_rank(ep), _pg_size(ep)
         ffn = config.moe_ffn_hidden_size
         make = functools.partial(LibalignGroupedLinear, num_local_experts, config=config,
@@ -265,13 +269,20 @@ class LibalignGroupedMLP(MegatronModule):
             raise SpecError("guided rounding needs row keys for every forward call: "
                             "set_row_keys(model, keys) with keys in Megatron's [s, b] order")
         token_of = local_map.T.nonzero()[:, 1]  # expert-major, token order within an expert
-        if token_of.numel() != sum(counts) or self.row_keys.numel() != local_map.shape[0]:
-            raise SpecError(f"{self.row_keys.numel()} row keys for {local_map.shape[0]} tokens "
+        keys = self.row_keys.to(device)
+        if self.ep_size > 1:  # the dispatcher gathered every rank's tokens: gather their keys
+            import torch.distributed as dist
+
+            every = keys.new_empty((keys.numel() * self.ep_size,))
+            dist.all_gather_into_tensor(every, keys.contiguous(), group=self.ep_group)
+            keys = every
+        if token_of.numel() != sum(counts) or keys.numel() != local_map.shape[0]:
+            raise SpecError(f"{keys.numel()} row keys for {local_map.shape[0]} tokens "
                             f"and {sum(counts)} expert rows")
         expert_of = torch.repeat_interleave(
             torch.arange(self.num_local_experts, device=device) + self.local_expert_offset,
             torch.tensor(counts, device=device))
-        return self.row_keys.to(device)[token_of.to(device)], expert_of
+        return keys[token_of.to(device)], expert_of
 
     def forward(self, x: torch.Tensor, tokens_per_expert, permuted_probs: torch.Tensor, **_unused):
         """Experts forward on expert-sorted rows; see the class docstring."""

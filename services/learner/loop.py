@@ -35,8 +35,10 @@ from services.common.registry import Registry
 from services.common.settings import Settings
 from services.common.weight_store import WeightStore
 from services.common.work import READY, REQUESTS, RolloutRequest, RolloutsReady
+from services.converter.convert import resolve_spec, target_spec
 
 from .engine import GUIDED, LearnerEngine, TrainBatch
+from .sharded_publish import announce_converted
 
 
 class LoopError(AlignError):
@@ -93,8 +95,20 @@ class LearnerLoop:
     # --- stages ---------------------------------------------------------------------------
 
     def publish(self, step: int) -> str:
-        """Write, register and announce the current weights; returns the version id."""
+        """Write, register and announce the current weights; returns the version id.
+
+        An engine that converts its own weights (``publish_converted``: the expert-parallel
+        :class:`~services.learner.ranks.RankGroupEngine`, each rank quantizing its experts)
+        writes the NVFP4 version itself and announces it as converted; any other engine
+        publishes BF16 weights for the converter service.
+        """
         vid = f"{self.run_id}-{step:05d}"
+        if hasattr(self.engine, "publish_converted"):
+            spec, quantize = target_spec(resolve_spec(self.settings.preset), self.sampler_path)
+            self.engine.publish_converted(self.store, vid, spec, quantize=quantize)
+            announce_converted(self.registry, self.bus, self.settings.converted_stream,
+                               self.store, vid, spec.name, target_path=self.sampler_path)
+            return vid
         publish_version(self.store.published_root, self.registry, self.bus,
                         self.settings.published_stream, vid, self.engine.export_weights(),
                         actor="learner", target_path=self.sampler_path)

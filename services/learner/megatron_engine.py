@@ -47,6 +47,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from libalign.errors import ConfigError
@@ -64,6 +65,9 @@ class MegatronLearnerEngine(TorchLearnerEngine):
     def __init__(self, model: nn.Module, hf_config, path: str = "bf16", **kwargs):
         super().__init__(model, path, **kwargs)
         self.hf_config = hf_config
+        # added to in-batch rollout indices to name rows for guidance (a rank's share starts
+        # at its offset in the whole batch; see services.learner.ranks)
+        self.key_offset = 0
         mg.bind_layers(model)
 
     @classmethod
@@ -77,9 +81,22 @@ class MegatronLearnerEngine(TorchLearnerEngine):
         return cls(model, hf_config, path, **kwargs)
 
     def _forward(self, seqs, plens, ids_of, table, grad: bool) -> list[torch.Tensor]:
-        """Log-probs of completion tokens for one right-padded batch through the Megatron model."""
+        """Log-probs of completion tokens for one right-padded batch through the Megatron model.
+
+        With several ranks every rank pads to the longest sequence of any rank (the token
+        dispatcher gathers equal-sized token blocks), and the rows' guidance keys use global
+        rollout indices (``key_offset`` + the index within this rank's share).
+        """
         dev = next(self.model.parameters()).device
+        ids_of = [i + self.key_offset for i in ids_of]
         ids, mask, keys = right_padded_batch(seqs, ids_of, self.pad_id, dev)
+        if self._world() > 1:
+            longest = int(self._all_reduce([float(ids.shape[1])], op=dist.ReduceOp.MAX)[0])
+            extra = longest - ids.shape[1]
+            if extra:
+                ids = F.pad(ids, (0, extra), value=self.pad_id)
+                mask = F.pad(mask, (0, extra), value=0)
+                keys = F.pad(keys, (0, extra), value=-1)
         mg.set_row_keys(self.model, keys.T)  # Megatron's tokens are [s, b]
         try:
             with torch.set_grad_enabled(grad), mg.use_path(self.model, self.path), \

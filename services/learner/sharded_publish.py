@@ -27,8 +27,10 @@ import torch
 from torch import nn
 
 from libalign import spec as spec_mod
-from libalign.models.megatron_export import export_hf_state_dict, local_expert_ranges
 from libalign.spec import NumericsSpec
+from services.common.events import ConvertedEvent
+from services.common.redis_bus import RedisBus
+from services.common.registry import Registry
 from services.common.sharded_version import PartResult, Piece, write_part
 from services.common.weight_store import DEFAULT_SHARD_BYTES, WeightStore
 from services.converter.convert import resolve_spec
@@ -67,6 +69,9 @@ def local_items(model: nn.Module, hf_config, spec: NumericsSpec, *, ep_rank: int
                 ) -> Iterator[tuple[str, torch.Tensor | Piece]]:
     """What this rank writes: its expert slices as :class:`Piece` objects, and (rank 0 only)
     every dense tensor, in the Hugging Face names a sampler loads."""
+    # imported here: the RL loop imports this module without megatron-core installed
+    from libalign.models.megatron_export import export_hf_state_dict, local_expert_ranges
+
     ranges = local_expert_ranges(model)
     # tensors stay on the model's device, so the quantization runs where the experts live
     sd = export_hf_state_dict(model, hf_config, expert_layout="local", device=None)
@@ -81,14 +86,15 @@ def local_items(model: nn.Module, hf_config, spec: NumericsSpec, *, ep_rank: int
 
 def publish_sharded(model: nn.Module, hf_config, store: WeightStore, version_id: str,
                     spec: NumericsSpec | str = "minite", *, all_linear: bool = False,
-                    shard_bytes: int = DEFAULT_SHARD_BYTES, device: str | None = None,
-                    on_step: Callable[[str], None] | None = None,
+                    quantize: bool = True, shard_bytes: int = DEFAULT_SHARD_BYTES,
+                    device: str | None = None, on_step: Callable[[str], None] | None = None,
                     extra: dict[str, Any] | None = None) -> PartResult | None:
     """Convert and write this rank's part of ``version_id``; every expert-parallel rank calls it.
 
     Returns the part's result (``committed`` is True on the rank whose part completed the
     version), or None on an expert-data-parallel replica, which writes nothing. ``device``
-    defaults to the experts' device. Collective only for the ``tensor`` outer domain (the
+    defaults to the experts' device. ``quantize=False`` stores every tensor as it is (a
+    version for a bf16 sampler). Collective only for the ``tensor`` outer domain (the
     all-reduced maxima); otherwise ranks may call it at different times.
     """
     spec = resolve_spec(spec)
@@ -98,7 +104,32 @@ def publish_sharded(model: nn.Module, hf_config, store: WeightStore, version_id:
     if device is None:
         device = str(next(model.parameters()).device)
     items = local_items(model, hf_config, spec, ep_rank=ep_rank, group=group)
-    return write_part(store, version_id, ep_rank, ep_size, items, spec,
-                      select=make_select(all_linear), shard_bytes=shard_bytes, device=device,
-                      on_step=on_step, source={"kind": "megatron", "ep_size": ep_size},
-                      extra={"all_linear": all_linear, "quantized": True, **(extra or {})})
+    select = make_select(all_linear) if quantize else (lambda name, t: False)
+    return write_part(store, version_id, ep_rank, ep_size, items, spec, select=select,
+                      shard_bytes=shard_bytes, device=device, on_step=on_step,
+                      source={"kind": "megatron", "ep_size": ep_size},
+                      extra={"all_linear": all_linear, "quantized": quantize, **(extra or {})})
+
+
+def announce_converted(registry: Registry, bus: RedisBus, stream: str, store: WeightStore,
+                       version_id: str, preset: str, *, target_path: str | None = None,
+                       actor: str = "learner") -> dict[str, Any]:
+    """Register a version the learner converted itself and tell the samplers to load it.
+
+    The registry walks the usual states (``published`` -> ``converting`` -> ``converted``, each
+    with its time, so stage timings read the same as for the converter service), then a
+    ``converted`` event goes to ``stream``. Nothing reaches the converter's stream: there is
+    nothing left to convert. The version must already be committed (checksums verified here).
+    ``preset`` names the spec it was converted with, as the converter's events do.
+    """
+    manifest = store.verify_version(version_id)
+    registry.create(version_id, str(store.version_path(version_id)), actor=actor,
+                    meta={"target_path": target_path, "parts": manifest.get("num_parts", 1)})
+    registry.transition(version_id, "converting", actor=actor)
+    registry.transition(version_id, "converted", actor=actor, expect_owner=actor)
+    event = ConvertedEvent(version_id=version_id, path=str(store.version_path(version_id)),
+                           preset=preset, tensors=manifest["totals"]["tensors"],
+                           stored_bytes=manifest["totals"]["stored_bytes"],
+                           target_path=target_path)
+    bus.publish(stream, event.to_fields())
+    return manifest

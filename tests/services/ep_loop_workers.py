@@ -1,0 +1,49 @@
+"""Rank bodies of the expert-parallel RL loop test (spawned; an importable module)."""
+
+from __future__ import annotations
+
+import redis
+
+from libalign.models.megatron_cpu import cpu_shims
+from libalign.models.task import SyntheticTask
+from libalign.models.train import cpu_threads
+from services.common.guidance_store import GuidanceStore
+from services.common.redis_bus import RedisBus
+from services.common.rollouts import RolloutStore
+from services.common.settings import Settings
+from tests.libalign.ep_workers import config
+
+TASK = SyntheticTask()
+
+
+def settings_for(redis_url: str, store_dir: str, sampler_path: str) -> Settings:
+    return Settings(redis_url=redis_url, store_dir=store_dir, sampler_path=sampler_path,
+                    block_ms=50, heartbeat_ms=100, claim_idle_ms=2000, sampler_name="s1")
+
+
+def learner_ranks(info, hf_sd, redis_url, store_dir, sampler_path, learner_path, steps):
+    """Rank 0 runs the RL loop through a RankGroupEngine; the other ranks follow."""
+    from services.learner.loop import LearnerLoop
+    from services.learner.megatron_engine import MegatronLearnerEngine
+    from services.learner.ranks import RankGroupEngine, follow
+
+    with cpu_shims(), cpu_threads(1):
+        eng = MegatronLearnerEngine.from_hf_state_dict(hf_sd, config(), learner_path, device="cpu",
+                                                       lr=1e-4, pad_id=TASK.pad_id)
+        if info.rank != 0:
+            return {"rank": info.rank, "commands": follow(eng)}
+        group = RankGroupEngine(eng)
+        try:
+            s = settings_for(redis_url, store_dir, sampler_path)
+            loop = LearnerLoop(s, group, RedisBus.from_settings(s),
+                               rollouts=RolloutStore(redis.Redis.from_url(redis_url), s.key_prefix),
+                               guidance=GuidanceStore(redis_url, budget_bytes=1 << 26),
+                               sampler_path=sampler_path, prompts=lambda step: TASK.prompts(2, step),
+                               reward=TASK.verify, prompts_per_step=2, samples_per_prompt=2,
+                               max_new_tokens=4, timeout_s=60)
+            results = loop.run(steps)
+        finally:
+            group.close()
+        return {"rank": 0, "results": [
+            {"version_id": r.version_id, "delta": r.delta, "train": r.train,
+             "seconds": r.seconds, "reward_mean": r.reward_mean} for r in results]}
