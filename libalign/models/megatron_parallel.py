@@ -101,23 +101,42 @@ def check_layout(world_size: int, expert_model_parallel_size: int, backend: str)
                               f"{have} GPU(s) visible")
 
 
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ConfigError(f"${name} must be an integer, got {v!r}") from None
+
+
 @contextlib.contextmanager
-def process_group(rank: int, world_size: int, *, expert_model_parallel_size: int | None = None,
-                  backend: str | None = None, master_addr: str = "127.0.0.1",
-                  master_port: int | None = None, timeout_s: float = 600.0,
-                  device: str | None = None) -> Iterator[RankInfo]:
+def process_group(rank: int | None = None, world_size: int | None = None, *,
+                  expert_model_parallel_size: int | None = None, backend: str | None = None,
+                  master_addr: str | None = None, master_port: int | None = None,
+                  timeout_s: float = 600.0, device: str | None = None) -> Iterator[RankInfo]:
     """Make this process rank ``rank`` of ``world_size`` with Megatron's parallel state.
 
     Tensor and pipeline parallel sizes are 1; the expert-parallel size defaults to the world
-    size. ``device`` is where the rank computes: ``cuda`` (GPU ``rank % device_count``; the
-    default with ``nccl``, which needs a GPU per rank) or ``cpu`` (the default with
-    ``gloo``). ``gloo`` with ``cuda`` lets several ranks share one GPU, communicating through
-    host memory: a functional check, not a speed one. ``master_port`` defaults to
-    ``$MASTER_PORT`` (every rank must use the same one).
+    size. ``device`` is where the rank computes: ``cuda`` (GPU ``$LOCAL_RANK``, else ``rank %
+    device_count``; the default with ``nccl``, which needs a GPU per rank) or ``cpu`` (the
+    default with ``gloo``). ``gloo`` with ``cuda`` lets several ranks share one GPU,
+    communicating through host memory: a functional check, not a speed one.
+
+    Under ``torchrun`` call it with no arguments: ``rank``, ``world_size``, ``master_addr`` and
+    ``master_port`` default to ``$RANK``, ``$WORLD_SIZE``, ``$MASTER_ADDR`` (else 127.0.0.1)
+    and ``$MASTER_PORT`` (every rank must use the same one).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    rank = _env_int("RANK") if rank is None else rank
+    world_size = _env_int("WORLD_SIZE") if world_size is None else world_size
+    if rank is None or world_size is None:
+        raise ConfigError("process_group needs rank and world_size (or $RANK and $WORLD_SIZE, "
+                          "as torchrun sets them)")
+    master_addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
     backend = backend or default_backend()
     ep = world_size if expert_model_parallel_size is None else int(expert_model_parallel_size)
     check_layout(world_size, ep, backend)
@@ -138,7 +157,8 @@ def process_group(rank: int, world_size: int, *, expert_model_parallel_size: int
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError("device 'cuda' asked for, but CUDA is not available")
-        dev = torch.device("cuda", rank % torch.cuda.device_count())
+        local = _env_int("LOCAL_RANK")
+        dev = torch.device("cuda", (rank if local is None else local) % torch.cuda.device_count())
         torch.cuda.set_device(dev)
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))

@@ -4,6 +4,8 @@ version bit-identical to converting the gathered weights."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -167,3 +169,34 @@ def test_ranks_with_different_micro_batch_counts_are_refused():
     sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
     with pytest.raises(DistributedRunError, match="micro-batches"):
         launch(W.train_one_step, 2, args=(sd, "bf16", [6, 2], 2), backend="gloo", timeout_s=120)
+
+
+def test_torchrun_environment_is_read(monkeypatch):
+    """Under torchrun the rank, world and rendezvous come from the environment."""
+    from libalign.models.megatron_parallel import process_group
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match="RANK"), process_group():
+        pass
+    monkeypatch.setenv("RANK", "x")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match="integer"), process_group():
+        pass
+
+
+def test_ranks_started_by_torchrun_join_from_the_environment(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from libalign.models.megatron_parallel import free_port
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()),
+                          str(root / "tests" / "libalign" / "torchrun_probe.py")],
+                         capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    lines = sorted(x for x in out.stdout.splitlines() if x.startswith("probe"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert lines == [f"probe rank={r} world=2 ep={r}/2 sum=3 env=True" for r in (0, 1)]
