@@ -29,24 +29,26 @@ def forward_backward(info, hf_sd, batches, path="bf16", publish=()):
     (``publish``: ``(store root, version id, spec)`` triples)."""
     cfg = config()
     with cpu_shims(), cpu_threads(1):
-        model = mg.build_gpt_model(cfg, path, device="cpu")
+        model = mg.build_gpt_model(cfg, path, device=info.device)
         mx.load_hf_into_megatron(model, hf_sd, cfg)
         if info.world_size == 1:
             ids = torch.cat([b[0] for b in batches])
             mask = torch.cat([b[1] for b in batches])
         else:
             ids, mask = batches[info.rank]
+        ids, mask = ids.to(info.device), mask.to(info.device)
         logits = mg.gpt_logits(model, ids, mask)
         logits.float()[mask.bool()].logsumexp(-1).sum().backward()
         grads = {}
         for i, layer in mg.moe_layers(model).items():
             ex = layer.experts
-            grads[i] = (int(layer.local_expert_indices[0]), ex.linear_fc1.weight.grad.clone(),
-                        ex.linear_fc2.weight.grad.clone())
+            grads[i] = (int(layer.local_expert_indices[0]), ex.linear_fc1.weight.grad.cpu(),
+                        ex.linear_fc2.weight.grad.cpu())
         out = {"rank": info.rank, "ep_rank": info.ep_rank, "ep_size": info.ep_size,
-               "logits": logits.detach().clone(), "expert_grads": grads,
+               "logits": logits.detach().cpu(), "expert_grads": grads,
                "fused": mx.export_hf_state_dict(model, cfg),
-               "local": mx.export_hf_state_dict(model, cfg, expert_layout="local"),
+               "local": mx.export_hf_state_dict(model, cfg, expert_layout="local",
+                                                device="cpu"),
                "ranges": mx.local_expert_ranges(model),
                "env": {k: os.environ.get(k) for k in NO_MULTICAST_ENV}}
         if publish:

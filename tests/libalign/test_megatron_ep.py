@@ -203,3 +203,34 @@ def test_ranks_started_by_torchrun_join_from_the_environment(tmp_path):
                               out.stdout))
     assert out.returncode == 0, out.stderr[-2000:]
     assert lines == [f"probe rank={r} world=2 ep={r}/2 sum=3 env=True" for r in (0, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["bf16", "nvfp4_minite"])
+def test_two_ranks_sharing_one_gpu_compute_the_one_process_logits(hf_sd, path, tmp_path):
+    """The same on a GPU (two ranks share it through ``gloo``; libalign's GPU GEMM backends):
+    logits bit for bit, expert gradients to summation order, and the sharded version converted
+    by the CUDA kernel bit-identical to converting the gathered checkpoint."""
+    batches = _batches()
+    publish = [(str(tmp_path), "v", "minite")]
+    one = launch(W.forward_backward, 1, args=(hf_sd, batches, path), backend="gloo",
+                 device="cuda")[0]
+    two = launch(W.forward_backward, 2, args=(hf_sd, batches, path, publish), backend="gloo",
+                 device="cuda")
+    for r, (_ids, mask) in enumerate(batches):
+        real = mask.bool()
+        assert torch.equal(two[r]["logits"][real], one["logits"][2 * r:2 * r + 2][real])
+        for i, (start, g1, _g2) in two[r]["expert_grads"].items():
+            ref = one["expert_grads"][i][1][start:start + 4].float()
+            assert ((g1.float() - ref).norm() / ref.norm()).item() < 1e-2
+    store = WeightStore(tmp_path)
+    got = store.read_version("v")
+    ref_store = WeightStore(tmp_path / "ref")
+    ref_store.write_version("ref", hf_sd, PRESETS["minite"], select=make_select())
+    for name, want in ref_store.read_version("ref").tensors.items():
+        have = got.tensors[name]
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(have, want), name
+        else:
+            assert torch.equal(have.codes, want.codes) and torch.equal(
+                have.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8)), name
