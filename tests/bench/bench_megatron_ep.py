@@ -129,7 +129,7 @@ def rank_main(info, o: dict) -> dict:
     out: dict = {"rank": info.rank, "ep_rank": info.ep_rank, "device": str(dev),
                  "gpu": torch.cuda.get_device_name(dev) if cuda else "cpu", "paths": {}}
     threads = cpu_threads(1) if not cuda else _null()
-    with cpu_shims(), threads:
+    with cpu_shims(enabled=not cuda), threads:
         model = mg.build_gpt_model(cfg, "bf16", device=dev, seed=o["seed"])
         experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         out["local_expert_params"] = experts

@@ -28,7 +28,7 @@ def forward_backward(info, hf_sd, batches, path="bf16", publish=()):
     when the world is one process) forward and backward; export; publish sharded versions
     (``publish``: ``(store root, version id, spec)`` triples)."""
     cfg = config()
-    with cpu_shims(), cpu_threads(1):
+    with cpu_shims(enabled=info.device.type == "cpu"), cpu_threads(1):
         model = mg.build_gpt_model(cfg, path, device=info.device)
         mx.load_hf_into_megatron(model, hf_sd, cfg)
         if info.world_size == 1:
@@ -102,7 +102,7 @@ def train_one_step(info, hf_sd, path="bf16", shares=None, batch_size=8):
 
     cfg = config()
     batch = synthetic_batch()
-    with cpu_shims(), cpu_threads(1):
+    with cpu_shims(enabled=info.device.type == "cpu"), cpu_threads(1):
         eng = MegatronLearnerEngine.from_hf_state_dict(hf_sd, cfg, path, device="cpu", lr=1e-3,
                                                        batch_size=batch_size)
         if shares is not None:

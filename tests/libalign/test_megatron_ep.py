@@ -193,7 +193,8 @@ def test_ranks_started_by_torchrun_join_from_the_environment(tmp_path):
     from libalign.models.megatron_parallel import free_port
 
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           "--master-port", str(free_port()),
                           str(root / "tests" / "libalign" / "torchrun_probe.py")],

@@ -27,7 +27,7 @@ def learner_ranks(info, hf_sd, redis_url, store_dir, sampler_path, learner_path,
     from services.learner.megatron_engine import MegatronLearnerEngine
     from services.learner.ranks import RankGroupEngine, follow
 
-    with cpu_shims(), cpu_threads(1):
+    with cpu_shims(enabled=info.device.type == "cpu"), cpu_threads(1):
         eng = MegatronLearnerEngine.from_hf_state_dict(hf_sd, config(), learner_path, device="cpu",
                                                        lr=1e-4, pad_id=TASK.pad_id)
         if info.rank != 0:
