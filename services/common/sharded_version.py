@@ -70,6 +70,7 @@ from .weight_store import (
     Select,
     WeightStore,
     _spec_key,
+    manifest_totals,
     scalar_outer,
 )
 
@@ -348,14 +349,7 @@ def merge_part_manifests(version_id: str, num_parts: int,
         "specs": specs,
         "tensors": tensors,
         "files": files,
-        "totals": {
-            "tensors": len(tensors),
-            "nvfp4_tensors": sum(e["kind"] == "nvfp4" for e in tensors.values()),
-            "raw_tensors": sum(e["kind"] == "raw" for e in tensors.values()),
-            "source_bytes": sum(e["source_bytes"] or 0 for e in tensors.values()),
-            "stored_bytes": sum(f["bytes"] for f in files.values()),
-            "files": len(files),
-        },
+        "totals": manifest_totals(tensors, files),
         "timings": timings,
         "parts": [{"part": i, "created_at": m["created_at"], "timings": m["timings"],
                    "totals": m["totals"], "source": m.get("source") or {},

@@ -116,6 +116,19 @@ def named_error(e: AlignError, name: str) -> AlignError:
     return out
 
 
+def manifest_totals(entries: Mapping[str, dict[str, Any]],
+                    files: Mapping[str, dict[str, int]]) -> dict[str, int]:
+    """The ``totals`` block of a manifest: tensor counts by kind, source and stored bytes."""
+    return {
+        "tensors": len(entries),
+        "nvfp4_tensors": sum(e["kind"] == "nvfp4" for e in entries.values()),
+        "raw_tensors": sum(e["kind"] == "raw" for e in entries.values()),
+        "source_bytes": sum(e["source_bytes"] or 0 for e in entries.values()),
+        "stored_bytes": sum(f["bytes"] for f in files.values()),
+        "files": len(files),
+    }
+
+
 class StageTimer:
     """Seconds spent per stage: ``read`` (waiting on the input), ``quantize``, ``write``."""
 
@@ -388,7 +401,6 @@ class WeightStore:
     @staticmethod
     def _manifest(version_id, entries, specs, files, timer, elapsed, source, extra) -> dict[str, Any]:
         """The manifest dict (checksums already filled in)."""
-        stored_bytes = sum(f["bytes"] for f in files.values())
         return {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
@@ -398,14 +410,7 @@ class WeightStore:
             "specs": specs,
             "tensors": entries,
             "files": files,
-            "totals": {
-                "tensors": len(entries),
-                "nvfp4_tensors": sum(e["kind"] == "nvfp4" for e in entries.values()),
-                "raw_tensors": sum(e["kind"] == "raw" for e in entries.values()),
-                "source_bytes": sum(e["source_bytes"] or 0 for e in entries.values()),
-                "stored_bytes": stored_bytes,
-                "files": len(files),
-            },
+            "totals": manifest_totals(entries, files),
             "timings": {**{f"{k}_s": round(v, 6) for k, v in timer.seconds.items()},
                         "total_s": round(elapsed, 6)},
             "source": source or {},

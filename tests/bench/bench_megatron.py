@@ -62,7 +62,7 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-class _Timer:
+class Timer:
     """Milliseconds of a callable: CUDA events on a GPU, perf_counter on a CPU."""
 
     def __init__(self, cuda: bool):
@@ -105,7 +105,7 @@ def _run(args) -> dict:
     batch = max(1, tokens // seq)
     repeats = args.repeats or (2 if args.tiny else 10)
     paths = [p for p in args.paths.split(",") if p]
-    timer = _Timer(cuda)
+    timer = Timer(cuda)
     results: dict = {"config": {
         "hidden": cfg.hidden_size, "experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok,
         "moe_intermediate": cfg.moe_intermediate_size, "layers": cfg.num_hidden_layers,

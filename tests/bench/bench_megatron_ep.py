@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from .bench_megatron import Timer
+
 PATHS = ("bf16", "nvfp4_minite")
 
 
@@ -82,26 +84,6 @@ def _config(o: dict):
     return qwen3_30b_a3b_shaped_config(num_layers=o["layers"], **over)
 
 
-class _Timer:
-    """Milliseconds of a callable: CUDA events on a GPU, perf_counter on a CPU."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-
-    def __call__(self, fn) -> float:
-        if not self.cuda:
-            t = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t) * 1e3
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        return s.elapsed_time(e)
-
-
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -125,7 +107,7 @@ def rank_main(info, o: dict) -> dict:
 
     dev, cuda = info.device, info.device.type == "cuda"
     cfg = _config(o)
-    timer = _Timer(cuda)
+    timer = Timer(cuda)
     out: dict = {"rank": info.rank, "ep_rank": info.ep_rank, "device": str(dev),
                  "gpu": torch.cuda.get_device_name(dev) if cuda else "cpu", "paths": {}}
     threads = cpu_threads(1) if not cuda else _null()
