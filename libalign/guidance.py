@@ -55,7 +55,7 @@ from .constants import BLOCK_SIZE
 from .errors import GuidanceChecksumError, GuidanceRecordError, ShapeError, SpecError
 from .packing import pack_nibbles, unpack_nibbles
 from .rounding import GUIDE_BITS, low_bits, round_e2m1_guided
-from .spec import NumericsSpec, NVFP4Tensor, normalized_with_scales
+from .spec import NumericsSpec, NVFP4Tensor, _check_input, check_finite, normalized_with_scales
 
 SITES = ("fc1", "fc2")
 COMPRESSIONS = ("none", "zlib")
@@ -506,31 +506,42 @@ def guided_quantize(x: torch.Tensor, spec: NumericsSpec, guide: RowGuide | None)
     """
     from .ops import quantize  # the kernel door; the spec on CPU
 
-    own = quantize(x, spec)
     if guide is None:
-        return own
+        return quantize(x, spec)
+    _check_input(x, spec)  # the whole input, as quantize(x) would (dtype, shape, NaN/Inf)
+    if spec.nonfinite == "raise":
+        check_finite(x)
     if spec.outer_domain != "row":
         raise SpecError(f"guided rounding needs row-scaled activations, spec {spec.name!r} has "
                         f"outer domain {spec.outer_domain!r}")
     if x.ndim != 2 or guide.present.shape != (x.shape[0],):
         raise ShapeError(f"guidance for {tuple(guide.present.shape)} rows, activations "
                          f"{tuple(x.shape)}")
-    kp = own.codes.shape[-1] * 2
+    kp = -(-x.shape[-1] // BLOCK_SIZE) * BLOCK_SIZE
     if guide.low.shape[-1] != kp:
         raise GuidanceRecordError(f"records hold rows of {guide.low.shape[-1]} values, the "
                                   f"activations {kp} (K={x.shape[-1]} padded to 16)")
     rows = torch.nonzero(guide.present).squeeze(-1)
     if rows.numel() == 0:
-        return own
+        return quantize(x, spec)
+    # rows are independent under a row-scaled spec: the unguided rows are quantized alone
+    # (same bits as within the whole tensor), the guided ones never go through round-to-nearest
+    others = torch.nonzero(~guide.present).squeeze(-1)
+    t = x.shape[0]
+    out_codes = torch.empty((t, kp // 2), dtype=torch.uint8, device=x.device)
+    out_bs = torch.empty((t, kp // BLOCK_SIZE), dtype=torch.uint8, device=x.device)
+    out_rs = torch.empty((t,), dtype=torch.float32, device=x.device)
+    if others.numel():
+        own = quantize(x[others], spec)
+        out_codes[others] = own.codes
+        out_bs[others] = own.block_scales.view(torch.uint8)
+        out_rs[others] = own.outer_scale.to(torch.float32)
     src = guide.index[rows]
     bs = guide.block_scales[src]
     rs = guide.row_scales[src]
     z = normalized_with_scales(x[rows], bs, rs, spec).flatten(-2)
     codes = round_e2m1_guided(z, guide.low[src], guide.bits, signed_zero=spec.signed_zero)
-    out_codes = own.codes.clone()
     out_codes[rows] = pack_nibbles(codes)
-    out_bs = own.block_scales.view(torch.uint8).clone()
     out_bs[rows] = bs
-    out_rs = own.outer_scale.clone()
-    out_rs[rows] = rs.to(out_rs.dtype)
-    return NVFP4Tensor(out_codes, out_bs.view(torch.float8_e4m3fn), out_rs, spec, own.shape)
+    out_rs[rows] = rs.to(torch.float32)
+    return NVFP4Tensor(out_codes, out_bs.view(torch.float8_e4m3fn), out_rs, spec, tuple(x.shape))
