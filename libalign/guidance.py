@@ -200,20 +200,31 @@ class GuidanceRecord:
 
     def encode(self, compress: str = "none", level: int = 1) -> bytes:
         """The record as bytes (see the module doc), with its CRC-32 at the end."""
-        if compress not in COMPRESSIONS:
-            raise SpecError(f"compress must be one of {COMPRESSIONS}, got {compress!r}")
-        sections, blobs = [], []
-        for (layer, site), rows in sorted(self.sites.items()):
-            raw = b"".join(_section_bytes(rows, site, self.bits))
-            data = zlib.compress(raw, level) if compress == "zlib" else raw
-            sections.append({"layer": layer, "site": site, "rows": rows.rows, "k": rows.k,
-                             "kp": int(rows.codes.shape[-1]), "raw": len(raw), "nbytes": len(data)})
-            blobs.append(data)
-        header = json.dumps({"format": FORMAT, "bits": self.bits, "spec": self.spec,
-                             "compress": compress, "sections": sections},
-                            separators=(",", ":")).encode()
-        body = b"".join([MAGIC, _U32.pack(len(header)), header, *blobs])
-        return body + _U32.pack(zlib.crc32(body))
+        return self.encode_many((compress,), level)[compress]
+
+    def encode_many(self, compressions: Sequence[str], level: int = 1) -> dict[str, bytes]:
+        """The record in several encodings at once (``{compress: bytes}``): the bit planes
+        are laid out once and then stored raw or compressed."""
+        bad = [c for c in compressions if c not in COMPRESSIONS]
+        if bad:
+            raise SpecError(f"compress must be one of {COMPRESSIONS}, got {bad[0]!r}")
+        planes = [(layer, site, rows, b"".join(_section_bytes(rows, site, self.bits)))
+                  for (layer, site), rows in sorted(self.sites.items())]
+        out: dict[str, bytes] = {}
+        for compress in dict.fromkeys(compressions):
+            sections, blobs = [], []
+            for layer, site, rows, raw in planes:
+                data = zlib.compress(raw, level) if compress == "zlib" else raw
+                sections.append({"layer": layer, "site": site, "rows": rows.rows, "k": rows.k,
+                                 "kp": int(rows.codes.shape[-1]), "raw": len(raw),
+                                 "nbytes": len(data)})
+                blobs.append(data)
+            header = json.dumps({"format": FORMAT, "bits": self.bits, "spec": self.spec,
+                                 "compress": compress, "sections": sections},
+                                separators=(",", ":")).encode()
+            body = b"".join([MAGIC, _U32.pack(len(header)), header, *blobs])
+            out[compress] = body + _U32.pack(zlib.crc32(body))
+        return out
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview, device: torch.device | str = "cpu",

@@ -61,9 +61,10 @@ class Guidance:
         tokens = sum(r.sites[(layers[0], "fc1")].rows for r in full.values()
                      if (layers[0], "fc1") in r.sites) if layers else 0
         recs = full if bits == 4 else cap.records(bits, layers)
-        raw = {sid: r.encode() for sid, r in recs.items()}
+        both = {sid: r.encode_many(("none", "zlib")) for sid, r in recs.items()}
+        raw = {sid: b["none"] for sid, b in both.items()}
         self.bytes_raw = sum(len(b) for b in raw.values())
-        self.bytes_zlib = sum(len(r.encode("zlib")) for r in recs.values())
+        self.bytes_zlib = sum(len(b["zlib"]) for b in both.values())
         self.bytes_full = sum(len(r.encode()) for r in full.values()) if bits != 4 else \
             self.bytes_raw
         self.tokens = tokens

@@ -538,3 +538,15 @@ def test_table_refuses_mixed_bits_and_empty_table_finds_nothing():
     assert empty.lookup(4, "fc1", torch.tensor([0, -1])) is None
     with pytest.raises(GuidanceRecordError):
         GuidanceTable({-1: cap.records(2)[3]})
+
+
+def test_encode_many_is_each_encode():
+    """Several encodings at once are byte for byte the single encodings."""
+    rec = GuidanceRecord(3, "minite", {(0, "fc1"): _rows("fc1", 5, 32, 1),
+                                       (1, "fc2"): _rows("fc2", 7, 48, 2)})
+    both = rec.encode_many(("none", "zlib", "none"))
+    assert set(both) == {"none", "zlib"}
+    assert both["none"] == rec.encode() and both["zlib"] == rec.encode("zlib")
+    _assert_decoded_equal(GuidanceRecord.decode(both["zlib"]), rec)
+    with pytest.raises(SpecError):
+        rec.encode_many(("lz4",))
