@@ -37,11 +37,7 @@ from libalign.models import train as train_mod
 TASK = SyntheticTask()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices gain nothing from threads, and spinning OpenMP workers crawl on shared cores."""
-    with train_mod.cpu_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

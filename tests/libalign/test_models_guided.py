@@ -21,16 +21,12 @@ from libalign.models import (
     use_guidance,
     use_path,
 )
-from libalign.models import train as train_mod
 from libalign.models.scoring import KVDecode
 
 TASK = SyntheticTask()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with train_mod.cpu_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,12 @@ pytest.importorskip("transformers")
 
 from libalign import models
 from libalign.errors import InputError
-from libalign.models import train as train_mod
 from services.learner.engine import TorchLearnerEngine, TrainBatch, grpo_advantages
 
 TASK = models.SyntheticTask()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with train_mod.cpu_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(seed=11):

@@ -11,7 +11,6 @@ import redis
 pytest.importorskip("transformers")
 
 from libalign import models
-from libalign.models import train as train_mod
 from services.common.guidance_store import GuidanceStore
 from services.common.redis_bus import RedisBus
 from services.common.rollouts import RolloutStore
@@ -26,10 +25,7 @@ from services.sampler.main import run_sampler
 TASK = models.SyntheticTask()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with train_mod.cpu_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Deployment:

@@ -11,7 +11,6 @@ pytest.importorskip("transformers")
 from libalign import models
 from libalign.errors import ChecksumMismatchError, SpecError
 from libalign.guidance import GuidanceRecord
-from libalign.models import train as train_mod
 from libalign.spec import PRESETS
 from services.common.published import write_published
 from services.common.weight_store import WeightStore
@@ -21,10 +20,7 @@ from services.sampler.engine import TorchSamplerEngine
 TASK = models.SyntheticTask()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with train_mod.cpu_threads(1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
