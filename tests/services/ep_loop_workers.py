@@ -47,3 +47,23 @@ def learner_ranks(info, hf_sd, redis_url, store_dir, sampler_path, learner_path,
         return {"rank": 0, "results": [
             {"version_id": r.version_id, "delta": r.delta, "train": r.train,
              "seconds": r.seconds, "reward_mean": r.reward_mean} for r in results]}
+
+
+def learner_with_dying_follower(info, hf_sd, redis_url, store_dir, sampler_path):
+    """Rank 1 SIGKILLs itself right after the first shard file of its first part; rank 0 runs
+    the loop as usual (it must not hang, and no version may appear)."""
+    import os
+    import signal
+
+    from services.learner import ranks
+    from services.learner.sharded_publish import publish_sharded
+
+    if info.rank == 1:
+        def dying(*args, **kwargs):
+            def on_step(what):
+                if what.startswith("shard"):
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return publish_sharded(*args, **kwargs, shard_bytes=1 << 12, on_step=on_step)
+
+        ranks.publish_sharded = dying
+    return learner_ranks(info, hf_sd, redis_url, store_dir, sampler_path, "nvfp4_minite", 1)

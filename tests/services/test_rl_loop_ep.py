@@ -89,3 +89,30 @@ def test_rollouts_to_score_are_topped_up_to_equal_shares():
     assert shares[1][0] == [seqs[3], seqs[4], seqs[4]] and shares[1][2] == {1: "r4", 2: "r4"}
     one = split_rollouts(seqs[:1], [1], None, 2)
     assert [x[3] for x in one] == [1, 0]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                    reason="CPU-shim test (gloo ranks on the CPU); see tests/libalign/test_megatron_ep.py")
+def test_a_rank_killed_mid_publish_stops_the_group_and_leaves_no_version(redis_url, tmp_path):
+    """A follower SIGKILLed while writing its part: the launcher stops rank 0 instead of letting
+    it wait forever in its next collective, nothing is registered or announced, the store lists
+    no version, and only a hidden staging directory is left for the sweeper."""
+    import time
+
+    from libalign.errors import DistributedRunError
+
+    s = L.settings_for(redis_url, str(tmp_path / "store"), "nvfp4_minite")
+    hf = models.build_model(config(), seed=1)
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    t0 = time.monotonic()
+    with pytest.raises(DistributedRunError, match=r"rank 1: no result \(exit code -9\)"):
+        launch(L.learner_with_dying_follower, 2, args=(sd, redis_url, s.store_dir, "nvfp4_minite"),
+               backend="gloo", timeout_s=240)
+    assert time.monotonic() - t0 < 120
+    store = WeightStore(s.store_dir)
+    assert store.list_versions() == []
+    registry = Registry(RedisBus.from_settings(s), s.key_prefix)
+    assert registry.list_versions() == []
+    left = [p.name for p in store.versions_root.iterdir()]
+    assert left and all(n.startswith(".tmp-") for n in left)
+    assert {p.name for p in store.sweep(min_age_s=0)} == set(left)
