@@ -94,9 +94,10 @@ def _rank_share(batch, rank: int, world: int):
                       batch.rewards[sl], batch.groups[sl])
 
 
-def train_one_step(info, hf_sd, path="bf16", shares=None, batch_size=8):
+def train_one_step(info, hf_sd, path="bf16", shares=None, batch_size=8, publish=None):
     """One GRPO + TIS step of the Megatron engine on this rank's share of the batch; the
-    stats, the exported weights after it, and (with ``shares``) uneven shares to refuse."""
+    stats, the exported weights after it, and (with ``shares``) uneven shares to refuse;
+    ``publish`` ``(store root, version id)`` then writes this rank's part (minite)."""
     from services.learner.engine import TrainBatch
     from services.learner.megatron_engine import MegatronLearnerEngine
 
@@ -113,4 +114,13 @@ def train_one_step(info, hf_sd, path="bf16", shares=None, batch_size=8):
         else:
             share = _rank_share(batch, info.rank, info.world_size)
         stats = eng.train_step(share)
-        return {"stats": stats, "weights": eng.export_weights()}
+        out = {"stats": stats, "weights": eng.export_weights(), "place": None}
+        if publish is not None:
+            from services.common.weight_store import WeightStore
+            from services.learner.sharded_publish import expert_parallel_place, publish_sharded
+
+            out["place"] = expert_parallel_place()[:2] + expert_parallel_place()[3:]
+            res = publish_sharded(eng.model, config(), WeightStore(publish[0]), publish[1],
+                                  "minite")
+            out["published"] = None if res is None else res.committed
+        return out

@@ -249,3 +249,38 @@ def test_two_ranks_sharing_one_gpu_compute_the_one_process_logits(hf_sd, path, t
         else:
             assert torch.equal(have.codes, want.codes) and torch.equal(
                 have.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8)), name
+
+
+@CPU_ONLY
+def test_four_ranks_two_expert_parallel_groups_train_and_publish(train_runs, hf_sd, tmp_path):
+    """World 4, expert parallelism 2: two replicas of each expert half (expert data
+    parallelism 2). The step still equals one process's on the whole batch (expert gradients
+    summed over the replicas, dense ones over all four ranks), and the sharded version has two
+    parts, written by the first replica of each half only, bit-identical to converting the
+    gathered weights."""
+    one, _two = train_runs
+    four = launch(W.train_one_step, 4, args=(hf_sd, "nvfp4_minite", None, 8, (str(tmp_path), "v")),
+                  expert_model_parallel_size=2, backend="gloo", timeout_s=300)
+    assert [r["place"] for r in four] == [(0, 2, True), (1, 2, True), (0, 2, False), (1, 2, False)]
+    assert [r["published"] is None for r in four] == [False, False, True, True]
+    for r in four:
+        s, ref = r["stats"], one["stats"]
+        assert s["tokens"] == ref["tokens"]
+        assert s["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert s["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    for k in hf_sd:
+        assert all(torch.equal(r["weights"][k], four[0]["weights"][k]) for r in four[1:]), k
+        got, want = four[0]["weights"][k], one["weights"][k]
+        assert (got != want).float().mean().item() <= 0.01, k
+        assert (got.float() - want.float()).abs().max().item() <= 2.5e-3, k
+    store = WeightStore(tmp_path)
+    assert store.read_manifest("v")["num_parts"] == 2
+    ref_store = WeightStore(tmp_path / "ref")
+    ref_store.write_version("ref", four[0]["weights"], PRESETS["minite"], select=make_select())
+    got, ref = store.read_version("v"), ref_store.read_version("ref")
+    for name, want in ref.tensors.items():
+        have = got.tensors[name]
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(have, want), name
+        else:
+            assert torch.equal(have.codes, want.codes), name
