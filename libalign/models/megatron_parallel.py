@@ -190,13 +190,18 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, ep: int, backend:
     out.write_bytes(pickle.dumps(result))
 
 
-def _join(procs, timeout_s: float, stop_on_failure: bool) -> str | None:
-    """Wait for every process; stop the rest when one fails (if asked) or time runs out."""
+def _join(procs, timeout_s: float, stop_on_failure: bool, stop=None) -> str | None:
+    """Wait for every process; stop the rest when one fails (if asked) or time runs out;
+    pass a set ``stop`` event on to rank 0 as SIGTERM (once)."""
     from multiprocessing.connection import wait
 
     deadline = time.monotonic() + timeout_s
     why = None
+    forwarded = False
     while any(p.is_alive() for p in procs):
+        if stop is not None and stop.is_set() and not forwarded and procs[0].is_alive():
+            procs[0].terminate()  # SIGTERM: rank 0 finishes its step and releases the others
+            forwarded = True
         left = deadline - time.monotonic()
         if left <= 0:
             why = f"timed out after {timeout_s:g} s"
@@ -219,7 +224,7 @@ def _join(procs, timeout_s: float, stop_on_failure: bool) -> str | None:
 def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
            expert_model_parallel_size: int | None = None, backend: str | None = None,
            device: str | None = None, timeout_s: float = 600.0,
-           stop_on_failure: bool = True) -> list[Any]:
+           stop_on_failure: bool = True, stop=None) -> list[Any]:
     """Run ``fn(rank_info, *args)`` in ``world_size`` fresh processes; return their results.
 
     ``fn`` must be importable by name (a module-level function), and its result picklable.
@@ -227,6 +232,9 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
     the whole call raise :class:`DistributedRunError` naming the ranks and their errors.
     When one rank fails the others are stopped (they would wait forever in their next
     collective), unless ``stop_on_failure`` is False. ``device``: see :func:`process_group`.
+    ``stop`` (a ``threading.Event``, e.g. set by the caller's SIGTERM handler) is passed on to
+    rank 0 as SIGTERM, once: a driving rank 0 can then end cleanly and release the others.
+    ``timeout_s`` bounds the whole run (a long training run wants a large one).
     """
     import torch.multiprocessing as mp
 
@@ -239,7 +247,7 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
         ctx = mp.start_processes(_entry, args=(fn, world_size, ep, backend, device, port,
                                                timeout_s, out_dir, args),
                                  nprocs=world_size, join=False, start_method="spawn")
-        why = _join(ctx.processes, timeout_s + 30.0, stop_on_failure)
+        why = _join(ctx.processes, timeout_s + 30.0, stop_on_failure, stop)
         results, errors = [], []
         for r, p in enumerate(ctx.processes):
             f = Path(out_dir) / f"rank-{r:05d}.pkl"

@@ -28,8 +28,8 @@ log = logging.getLogger("services.learner")
 
 def build_loop(settings: Settings, *, lr: float = 2e-5, use_tis: bool = True,
                prompts_per_step: int = 8, samples_per_prompt: int = 8, metrics=None,
-               run_id: str | None = None):
-    """The embedded learner engine and its loop for ``settings``."""
+               run_id: str | None = None, engine=None):
+    """The embedded learner engine (or ``engine``, e.g. a multi-rank group) and its loop."""
     from libalign import models
     from services.common.guidance_store import GuidanceStore
     from services.common.redis_bus import RedisBus
@@ -39,9 +39,11 @@ def build_loop(settings: Settings, *, lr: float = 2e-5, use_tis: bool = True,
     from .engine import TorchLearnerEngine
     from .loop import LearnerLoop
 
-    model, task = models.trained_tiny_model(device=settings.learner_device)
-    engine = TorchLearnerEngine(model, settings.learner_path, lr=lr, use_tis=use_tis,
-                                pad_id=task.pad_id)
+    task = models.SyntheticTask()
+    if engine is None:
+        model, task = models.trained_tiny_model(device=settings.learner_device)
+        engine = TorchLearnerEngine(model, settings.learner_path, lr=lr, use_tis=use_tis,
+                                    pad_id=task.pad_id)
     bus = RedisBus.from_settings(settings)
     rollouts = RolloutStore(binary_client(settings), settings.key_prefix, metrics=metrics)
     guidance = GuidanceStore.from_settings(settings, metrics=metrics)
@@ -53,8 +55,7 @@ def build_loop(settings: Settings, *, lr: float = 2e-5, use_tis: bool = True,
                        max_new_tokens=task.max_completion_len)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: settings from the environment, ``--steps`` iterations, exit status."""
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="alignd serve learner", description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--prompts-per-step", type=int, default=8)
@@ -62,17 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--no-tis", action="store_true")
     ap.add_argument("--run-id", default=None)
-    args = ap.parse_args(argv)
-    started = start_service(log)
-    if started is None:
-        return 2
-    settings, stop = started
-    metrics = Metrics()
+    ap.add_argument("--engine", choices=("torch", "megatron"), default="torch",
+                    help="torch: the embedded Hugging Face learner; megatron: a Megatron-core "
+                         "GPT over --ep expert-parallel ranks that publishes sharded versions")
+    ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (--engine megatron)")
+    ap.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                    help="process-group backend (default: nccl with CUDA, else gloo)")
+    return ap
+
+
+def run_loop(loop, settings: Settings, stop, steps: int, metrics) -> int:
+    """``steps`` iterations of ``loop`` with a heartbeat and the metrics endpoint; a JSON line
+    per step on stdout; stops after the current step once ``stop`` is set."""
     try:
-        loop = build_loop(settings, lr=args.lr, use_tis=not args.no_tis,
-                          prompts_per_step=args.prompts_per_step,
-                          samples_per_prompt=args.samples_per_prompt, run_id=args.run_id,
-                          metrics=metrics)
         beat = ServiceHeartbeat(loop.bus, "learner", loop.run_id, settings.service_heartbeat_s,
                                 settings.service_heartbeat_ttl_s, prefix=settings.key_prefix,
                                 info=lambda: {"path": loop.engine.path}).start()
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     stop_metrics = serve_metrics_for(settings, metrics.registry)
     try:
-        for step in range(args.steps):
+        for step in range(steps):
             if stop.is_set():
                 break
             r = loop.iteration(step)
@@ -95,6 +98,29 @@ def main(argv: list[str] | None = None) -> int:
         beat.stop()
         stop_metrics()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: settings from the environment, ``--steps`` iterations, exit status."""
+    args = _parser().parse_args(argv)
+    started = start_service(log)
+    if started is None:
+        return 2
+    settings, stop = started
+    if args.engine == "megatron":
+        from .ranked_main import run_ranked
+
+        return run_ranked(args, settings, stop)
+    metrics = Metrics()
+    try:
+        loop = build_loop(settings, lr=args.lr, use_tis=not args.no_tis,
+                          prompts_per_step=args.prompts_per_step,
+                          samples_per_prompt=args.samples_per_prompt, run_id=args.run_id,
+                          metrics=metrics)
+    except AlignError as e:
+        log.error("learner could not start: %s", e)
+        return 1
+    return run_loop(loop, settings, stop, args.steps, metrics)
 
 
 if __name__ == "__main__":  # pragma: no cover

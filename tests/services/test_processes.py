@@ -99,3 +99,48 @@ def test_one_iteration_across_five_processes(private_redis, tmp_path):
             logs[name].close()
     for name in ("converter", "sampler"):
         assert procs[name].returncode == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                    reason="CPU-shim ranks; see tests/libalign/test_megatron_ep.py")
+def test_megatron_learner_over_two_ranks_needs_no_converter(private_redis, tmp_path):
+    """``learner --engine megatron --ep 2``: two rank processes train the tiny model's Megatron
+    twin, each writes its part of every version, and a sampler process serves it with no
+    converter running."""
+    pytest.importorskip("megatron.core")
+    from services.common.redis_bus import RedisBus
+    from services.common.registry import Registry
+    from services.common.settings import Settings
+    from services.common.weight_store import WeightStore
+
+    env = dict(os.environ)
+    env.update({
+        "ALIGN_REDIS_URL": private_redis.url, "ALIGN_STORE_DIR": str(tmp_path / "store"),
+        "ALIGN_SAMPLER_PATH": "nvfp4_minite", "ALIGN_LEARNER_PATH": "nvfp4_minite",
+        "ALIGN_SAMPLER_NAME": "sampler-1", "ALIGN_BLOCK_MS": "100",
+        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+    })
+    with open(tmp_path / "sampler.log", "w") as log:
+        sampler = _spawn("services.sampler.main", env, log)
+        try:
+            learner = subprocess.run(
+                [sys.executable, "-m", "services.learner.main", "--engine", "megatron", "--ep", "2",
+                 "--steps", "2", "--prompts-per-step", "2", "--samples-per-prompt", "2",
+                 "--run-id", "ep"], env=env, capture_output=True, text=True, timeout=300)
+        finally:
+            sampler.send_signal(signal.SIGTERM)
+            try:
+                sampler.wait(20)
+            except subprocess.TimeoutExpired:
+                sampler.kill()
+    assert learner.returncode == 0, learner.stderr[-3000:]
+    steps = [json.loads(x) for x in learner.stdout.splitlines() if x.startswith("{")]
+    assert [s["version_id"] for s in steps] == ["ep-00000", "ep-00001"]
+    assert all(s["delta"]["count"] > 0 for s in steps)
+    settings = Settings(redis_url=private_redis.url, store_dir=tmp_path / "store")
+    registry = Registry(RedisBus.from_settings(settings), settings.key_prefix)
+    store = WeightStore(settings.store_dir)
+    for s in steps:
+        assert registry.state(s["version_id"]) == "serving"
+        assert store.read_manifest(s["version_id"])["num_parts"] == 2
+    assert sampler.returncode == 0, (tmp_path / "sampler.log").read_text()[-3000:]
