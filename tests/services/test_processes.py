@@ -31,6 +31,30 @@ def _spawn(module: str, env: dict, log, *args: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT)
 
 
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid`` (Linux /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(d))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie waiting to be reaped does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _wait_http(url: str, deadline: float) -> None:
     while time.monotonic() < deadline:
         try:
@@ -106,7 +130,8 @@ def test_one_iteration_across_five_processes(private_redis, tmp_path):
 def test_megatron_learner_over_two_ranks_needs_no_converter(private_redis, tmp_path):
     """``learner --engine megatron --ep 2``: two rank processes train the tiny model's Megatron
     twin, each writes its part of every version, and a sampler process serves it with no
-    converter running."""
+    converter running. SIGTERM to the learner ends it after the current step (exit 0), with
+    both rank processes gone."""
     pytest.importorskip("megatron.core")
     from services.common.redis_bus import RedisBus
     from services.common.registry import Registry
@@ -122,20 +147,38 @@ def test_megatron_learner_over_two_ranks_needs_no_converter(private_redis, tmp_p
     })
     with open(tmp_path / "sampler.log", "w") as log:
         sampler = _spawn("services.sampler.main", env, log)
+        learner = subprocess.Popen(
+            [sys.executable, "-m", "services.learner.main", "--engine", "megatron", "--ep", "2",
+             "--steps", "50", "--prompts-per-step", "2", "--samples-per-prompt", "2",
+             "--run-id", "ep"], env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+        lines: list[str] = []
+        ranks: list[int] = []
         try:
-            learner = subprocess.run(
-                [sys.executable, "-m", "services.learner.main", "--engine", "megatron", "--ep", "2",
-                 "--steps", "2", "--prompts-per-step", "2", "--samples-per-prompt", "2",
-                 "--run-id", "ep"], env=env, capture_output=True, text=True, timeout=300)
+            deadline = time.monotonic() + 300
+            while len(lines) < 2 and time.monotonic() < deadline:
+                line = learner.stdout.readline()
+                if not line:
+                    break
+                if line.startswith("{"):
+                    lines.append(line)
+            ranks = _children(learner.pid)
+            learner.send_signal(signal.SIGTERM)
+            rest, _ = learner.communicate(timeout=120)
+            lines += [x for x in rest.splitlines() if x.startswith("{")]
         finally:
-            sampler.send_signal(signal.SIGTERM)
-            try:
-                sampler.wait(20)
-            except subprocess.TimeoutExpired:
-                sampler.kill()
-    assert learner.returncode == 0, learner.stderr[-3000:]
-    steps = [json.loads(x) for x in learner.stdout.splitlines() if x.startswith("{")]
-    assert [s["version_id"] for s in steps] == ["ep-00000", "ep-00001"]
+            for p in (learner, sampler):
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    assert learner.returncode == 0, (tmp_path / "sampler.log").read_text()[-3000:]
+    time.sleep(0.5)
+    assert len(ranks) >= 2 and not any(_alive(pid) for pid in ranks)  # 2 ranks (+ spawn helper)
+    steps = [json.loads(x) for x in lines]
+    assert 2 <= len(steps) < 50
+    assert [s["version_id"] for s in steps[:2]] == ["ep-00000", "ep-00001"]
     assert all(s["delta"]["count"] > 0 for s in steps)
     settings = Settings(redis_url=private_redis.url, store_dir=tmp_path / "store")
     registry = Registry(RedisBus.from_settings(settings), settings.key_prefix)
