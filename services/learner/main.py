@@ -8,6 +8,10 @@ step goes to stdout (step, version, reward, δ statistics, seconds by stage); SI
 after the current step. With ``ALIGN_METRICS_PORT`` set it serves ``/metrics`` and ``/healthz``:
 the learner reports the scores, so the |δ| histogram (``libalign_logprob_abs_delta``) and the
 guidance reads (hits, misses) are counted here.
+
+``--engine megatron --ep P`` runs the same loop with the model's Megatron-core twin over ``P``
+expert-parallel rank processes, each publishing its part of every version
+(:mod:`services.learner.ranked_main`).
 """
 
 from __future__ import annotations
