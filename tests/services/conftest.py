@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -140,3 +141,14 @@ def service_env(tmp_path) -> dict[str, str]:
     env.update({"ALIGN_STORE_DIR": str(tmp_path / "store"), "PYTHONUNBUFFERED": "1",
                 "OMP_NUM_THREADS": "1"})
     return env
+
+
+def stop_process(p: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM ``p`` if it still runs, wait ``grace_s``, then SIGKILL."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import free_port
+from .conftest import free_port, stop_process
 
 pytest.importorskip("transformers")
 
@@ -116,10 +116,7 @@ def test_one_iteration_across_five_processes(private_redis, tmp_path):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         for name, p in procs.items():
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            stop_process(p)
             logs[name].close()
     for name in ("converter", "sampler"):
         assert procs[name].returncode == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
@@ -167,12 +164,7 @@ def test_megatron_learner_over_two_ranks_needs_no_converter(private_redis, tmp_p
             lines += [x for x in rest.splitlines() if x.startswith("{")]
         finally:
             for p in (learner, sampler):
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(20)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+                stop_process(p)
     assert learner.returncode == 0, (tmp_path / "sampler.log").read_text()[-3000:]
     time.sleep(0.5)
     assert len(ranks) >= 2 and not any(_alive(pid) for pid in ranks)  # 2 ranks (+ spawn helper)
