@@ -38,7 +38,7 @@ from services.common.work import READY, REQUESTS, RolloutRequest, RolloutsReady
 from services.converter.main import run_converter
 from services.sampler.engine import TorchSamplerEngine
 from services.sampler.main import SamplerService, run_sampler
-from tests.services.conftest import stop_process, tiny_experts
+from tests.services.conftest import stop_processes, tiny_experts
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -376,7 +376,7 @@ def test_sampler_sigkill_mid_load_restarts_on_the_last_good_version(redis_url, t
         wait_for(ready, "rollouts served after the restart", log=log)
         assert got[0].error is None and got[0].version_id == "a2" and len(got[0].ids()) == 2
     finally:
-        stop_process(proc)
+        stop_processes(proc)
     assert proc.returncode == 0, log.read_text()[-3000:]
 
 

@@ -143,12 +143,14 @@ def service_env(tmp_path) -> dict[str, str]:
     return env
 
 
-def stop_process(p: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """SIGTERM ``p`` if it still runs, wait ``grace_s``, then SIGKILL."""
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-    try:
-        p.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
+def stop_processes(*procs: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM every process that still runs (once), wait ``grace_s`` for each, then SIGKILL."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import free_port, stop_process
+from .conftest import free_port, stop_processes
 
 pytest.importorskip("transformers")
 
@@ -112,12 +112,9 @@ def test_one_iteration_across_five_processes(private_redis, tmp_path):
         r = httpx.post(f"{base}/v1/sync", json={"version_id": "proc-00000"}, timeout=10)
         assert r.status_code == 401 and r.json()["error"]["code"]
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for name, p in procs.items():
-            stop_process(p)
-            logs[name].close()
+        stop_processes(*procs.values())
+        for f in logs.values():
+            f.close()
     for name in ("converter", "sampler"):
         assert procs[name].returncode == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
 
@@ -163,8 +160,7 @@ def test_megatron_learner_over_two_ranks_needs_no_converter(private_redis, tmp_p
             rest, _ = learner.communicate(timeout=120)
             lines += [x for x in rest.splitlines() if x.startswith("{")]
         finally:
-            for p in (learner, sampler):
-                stop_process(p)
+            stop_processes(learner, sampler)
     assert learner.returncode == 0, (tmp_path / "sampler.log").read_text()[-3000:]
     time.sleep(0.5)
     assert len(ranks) >= 2 and not any(_alive(pid) for pid in ranks)  # 2 ranks (+ spawn helper)
