@@ -49,7 +49,8 @@ global index with the names of the released checkpoints
 :func:`fuse_experts` stacks the union of all ranks' dicts into the fused layout.
 ``expert_layout="local"`` keeps the fused names but only this rank's slice of each stack
 (``[E/P, ...]``, global experts ``ep_rank * E/P ..``); :func:`local_expert_ranges` says which
-slice. A sharded conversion quantizes those slices where they live
+slice. ``expert_layout="none"`` leaves the experts out (the dense tensors alone). A sharded
+conversion quantizes :func:`local_expert_stacks` (the slices, not copied) where they live
 (:mod:`services.learner.sharded_publish`) and communicates nothing.
 """
 
@@ -65,7 +66,7 @@ from torch import nn
 from ..errors import ConfigError, ShapeError
 from .megatron import _hf_get, moe_layers
 
-EXPERT_LAYOUTS = ("fused", "per_expert", "local")
+EXPERT_LAYOUTS = ("fused", "per_expert", "local", "none")
 _EXTRA = "_extra_state"
 
 
@@ -189,8 +190,8 @@ def export_hf_state_dict(model: nn.Module, hf_config, *, expert_layout: str = "f
     ``expert_layout``: ``fused`` (transformers 5: ``gate_up_proj``/``down_proj`` stacks of
     every expert, all-gathered over the expert-parallel group), ``per_expert`` (this rank's
     experts under their global indices, as released checkpoints name them) or ``local`` (the
-    fused names holding this rank's slice of each stack; see :func:`local_expert_ranges`).
-    ``dtype`` and ``device`` of the copies (``None`` keeps them).
+    fused names holding this rank's slice of each stack; see :func:`local_expert_ranges`) or
+    ``none`` (no expert tensors). ``dtype`` and ``device`` of the copies (``None`` keeps them).
     """
     if expert_layout not in EXPERT_LAYOUTS:
         raise ConfigError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
@@ -221,6 +222,8 @@ def export_hf_state_dict(model: nn.Module, hf_config, *, expert_layout: str = "f
         if pre + "mlp.router.expert_bias" in sd:
             raise ConfigError("router expert bias has no Qwen3-MoE counterpart")
         out[hp + "mlp.gate.weight"] = sd[pre + "mlp.router.weight"]
+        if expert_layout == "none":
+            continue
         layer = moe[i]
         esd = {k[len(pre + "mlp.experts."):]: v for k, v in sd.items()
                if k.startswith(pre + "mlp.experts.")}
@@ -242,6 +245,20 @@ def export_hf_state_dict(model: nn.Module, hf_config, *, expert_layout: str = "f
     out["model.norm.weight"] = sd["decoder.final_layernorm.weight"]
     out["lm_head.weight"] = sd.get("output_layer.weight", sd["embedding.word_embeddings.weight"])
     return {k: _copy(v, dtype, device) for k, v in out.items()}
+
+
+def local_expert_stacks(model: nn.Module, dtype: torch.dtype = torch.bfloat16,
+                        ) -> dict[str, torch.Tensor]:
+    """This rank's slice of every expert stack under its fused Hugging Face name, where the
+    model holds it: no copy when the weights already are ``dtype`` and in libalign's layout
+    (the other layouts are stacked). Slices as :func:`local_expert_ranges` describes them."""
+    out: dict[str, torch.Tensor] = {}
+    for i, layer in moe_layers(model).items():
+        fc1, fc2 = read_expert_stacks(layer.experts.state_dict(), layer.num_local_experts)
+        hp = f"model.layers.{i}.mlp.experts."
+        out[hp + "gate_up_proj"] = fc1.detach().to(dtype)
+        out[hp + "down_proj"] = fc2.detach().to(dtype)
+    return out
 
 
 def local_expert_ranges(model: nn.Module) -> dict[str, tuple[int, int]]:

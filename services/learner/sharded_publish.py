@@ -70,18 +70,22 @@ def local_items(model: nn.Module, hf_config, spec: NumericsSpec, *, ep_rank: int
     """What this rank writes: its expert slices as :class:`Piece` objects, and (rank 0 only)
     every dense tensor, in the Hugging Face names a sampler loads."""
     # imported here: the RL loop imports this module without megatron-core installed
-    from libalign.models.megatron_export import export_hf_state_dict, local_expert_ranges
+    from libalign.models.megatron_export import (
+        export_hf_state_dict,
+        local_expert_ranges,
+        local_expert_stacks,
+    )
 
+    # the slices stay where the model holds them, so the quantization runs on their device;
+    # only rank 0 exports (copies) the dense tensors, which it alone writes
     ranges = local_expert_ranges(model)
-    # tensors stay on the model's device, so the quantization runs where the experts live
-    sd = export_hf_state_dict(model, hf_config, expert_layout="local", device=None)
-    for name, t in sd.items():
-        if name in ranges:
-            start, total = ranges[name]
-            amax = _global_amax(t, spec, group) if spec.outer_domain == "tensor" else None
-            yield name, Piece(t, start, total, outer_amax=amax)
-        elif ep_rank == 0:
-            yield name, t
+    for name, t in local_expert_stacks(model).items():
+        start, total = ranges[name]
+        amax = _global_amax(t, spec, group) if spec.outer_domain == "tensor" else None
+        yield name, Piece(t, start, total, outer_amax=amax)
+    if ep_rank == 0:
+        yield from export_hf_state_dict(model, hf_config, expert_layout="none",
+                                        device=None).items()
 
 
 def publish_sharded(model: nn.Module, hf_config, store: WeightStore, version_id: str,
