@@ -98,7 +98,7 @@ def rank_main(info, o: dict) -> dict:
     from libalign import ops
     from libalign.models import megatron as mg
     from libalign.models.megatron_cpu import cpu_shims
-    from libalign.models.megatron_export import export_hf_state_dict, local_expert_ranges
+    from libalign.models.megatron_export import export_hf_state_dict, local_expert_stacks
     from libalign.models.train import cpu_threads
     from services.common.weight_store import WeightStore
     from services.converter.convert import resolve_spec
@@ -154,9 +154,7 @@ def rank_main(info, o: dict) -> dict:
 
         # sharded conversion: the kernel alone on this rank's expert slices ...
         spec = resolve_spec(o["spec"])
-        ranges = local_expert_ranges(model)
-        local = export_hf_state_dict(model, cfg, expert_layout="local", device=None)
-        stacks = [local[n] for n in ranges]
+        stacks = list(local_expert_stacks(model).values())
         nbytes = sum(t.numel() * t.element_size() for t in stacks)
         outs = [ops.quantize(s, spec) for s in stacks]  # warm-up; reused outputs below
         kernel_s = math.inf
@@ -171,7 +169,7 @@ def rank_main(info, o: dict) -> dict:
                     ops.quantize(s, spec, out=q)
                 _sync(dev)
                 kernel_s = min(kernel_s, time.perf_counter() - t)
-        del local, stacks, outs
+        del stacks, outs
         # ... and the whole part, written and committed
         store = WeightStore(o["store"])
         dist.barrier()
@@ -294,6 +292,7 @@ def _kill_test(o: dict, parts: int, devices: list[str]) -> dict:
 
 
 def _versions_equal(a, b) -> bool:
+    """Same tensor names; raw tensors equal, NVFP4 ones bit for bit (NVFP4Tensor.bitwise_equal)."""
     if set(a.tensors) != set(b.tensors):
         return False
     for name, x in a.tensors.items():
@@ -301,12 +300,7 @@ def _versions_equal(a, b) -> bool:
         if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
             if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)):
                 return False
-            continue
-        if x.shape != y.shape or not torch.equal(x.codes, y.codes) or \
-                not torch.equal(x.block_scales.view(torch.uint8), y.block_scales.view(torch.uint8)):
-            return False
-        if (x.outer_scale is None) != (y.outer_scale is None) or \
-                (x.outer_scale is not None and not torch.equal(x.outer_scale, y.outer_scale)):
+        elif not x.bitwise_equal(y):
             return False
     return True
 

@@ -29,6 +29,17 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(),
 SPECS = {"row": "minite", "tensor": "te"}
 
 
+def _assert_same_version(got, ref) -> None:
+    """Same tensor names; raw tensors equal; NVFP4 tensors of the same spec, bit for bit."""
+    assert set(got.tensors) == set(ref.tensors)
+    for name, want in ref.tensors.items():
+        have = got.tensors[name]
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(have, want), name
+        else:
+            assert have.spec == want.spec and have.bitwise_equal(want), name
+
+
 @pytest.fixture(scope="module")
 def hf_sd():
     model = build_model(W.config(), seed=1)
@@ -116,17 +127,7 @@ def test_sharded_publish_equals_gathered_conversion(runs, hf_sd, kind, tmp_path)
     got = store.read_version(vid)
     ref_store = WeightStore(tmp_path)
     ref_store.write_version("ref", hf_sd, PRESETS[SPECS[kind]], select=make_select())
-    ref = ref_store.read_version("ref")
-    assert set(got.tensors) == set(ref.tensors)
-    for name, want in ref.tensors.items():
-        have = got.tensors[name]
-        if isinstance(want, torch.Tensor):
-            assert torch.equal(have, want), name
-            continue
-        assert have.shape == want.shape and have.spec == want.spec, name
-        assert torch.equal(have.codes, want.codes), name
-        assert torch.equal(have.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8))
-        assert torch.equal(have.outer_scale, want.outer_scale), name
+    _assert_same_version(got, ref_store.read_version("ref"))
 
 
 @CPU_ONLY
@@ -242,13 +243,7 @@ def test_two_ranks_sharing_one_gpu_compute_the_one_process_logits(hf_sd, path, t
     got = store.read_version("v")
     ref_store = WeightStore(tmp_path / "ref")
     ref_store.write_version("ref", hf_sd, PRESETS["minite"], select=make_select())
-    for name, want in ref_store.read_version("ref").tensors.items():
-        have = got.tensors[name]
-        if isinstance(want, torch.Tensor):
-            assert torch.equal(have, want), name
-        else:
-            assert torch.equal(have.codes, want.codes) and torch.equal(
-                have.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8)), name
+    _assert_same_version(got, ref_store.read_version("ref"))
 
 
 @CPU_ONLY
@@ -277,10 +272,4 @@ def test_four_ranks_two_expert_parallel_groups_train_and_publish(train_runs, hf_
     assert store.read_manifest("v")["num_parts"] == 2
     ref_store = WeightStore(tmp_path / "ref")
     ref_store.write_version("ref", four[0]["weights"], PRESETS["minite"], select=make_select())
-    got, ref = store.read_version("v"), ref_store.read_version("ref")
-    for name, want in ref.tensors.items():
-        have = got.tensors[name]
-        if isinstance(want, torch.Tensor):
-            assert torch.equal(have, want), name
-        else:
-            assert torch.equal(have.codes, want.codes), name
+    _assert_same_version(store.read_version("v"), ref_store.read_version("ref"))
