@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import threading
 from collections.abc import Iterator
 
@@ -169,12 +168,6 @@ def cpu_shims(enabled: bool | None = None) -> Iterator[None]:
                 _uninstall()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def single_process_group(backend: str | None = None, *,
                          expert_model_parallel_size: int = 1) -> Iterator[None]:
@@ -184,10 +177,12 @@ def single_process_group(backend: str | None = None, *,
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from .megatron_parallel import free_port
+
     created = False
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(0)
