@@ -179,10 +179,12 @@ class MegatronLearnerEngine(TorchLearnerEngine):
         if self._world() == 1:
             return super()._clip_grads()
         _dp, ep, _edp = self._groups()
-        dense = sum(float(m.grad.double().square().sum()) for p, m in
-                    zip(self.params, self.master, strict=True) if m.grad is not None and not _is_expert(p))
-        expert = sum(float(m.grad.double().square().sum()) for p, m in
-                     zip(self.params, self.master, strict=True) if m.grad is not None and _is_expert(p))
+        # squared norms summed on the device, read back once (not once per parameter)
+        sq = {False: [], True: []}
+        for p, m in zip(self.params, self.master, strict=True):
+            if m.grad is not None:
+                sq[_is_expert(p)].append(m.grad.double().square().sum())
+        dense, expert = (float(torch.stack(v).sum()) if v else 0.0 for v in (sq[False], sq[True]))
         if ep is not None:
             expert = self._all_reduce([expert], group=ep)[0]
         norm = math.sqrt(dense + expert)
