@@ -17,22 +17,22 @@ apt_install() {
   as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
 }
 
-ensure_venv() {   # $1: pip extra ("" or "test")
+ensure_venv() {   # $1: pip extra of libalign ("demo" or "test"); the client is installed beside it
   local extra="$1" stamp
   if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV" 2>/dev/null || { apt_install python3-venv python3-dev && python3 -m venv "$VENV"; }
   fi
-  stamp="$VENV/.libalign-${extra:-base}-$(sha256sum pyproject.toml | cut -c1-16)"
+  stamp="$VENV/.libalign-${extra:-base}-$(cat pyproject.toml clients/pyproject.toml setup.py | sha256sum | cut -c1-16)"
   [ -f "$stamp" ] && return 0
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/python" -m pip install -q "$TORCH_REQ"
-  "$VENV/bin/python" -m pip install -q -e ".${extra:+[$extra]}"
+  "$VENV/bin/python" -m pip install -q -e ./clients -e ".${extra:+[$extra]}"
   touch "$stamp"
 }
 
 cmd="${1:-demo}"; shift || true
 case "$cmd" in
-  demo)  ensure_venv "";   exec "$VENV/bin/alignd" demo "$@" ;;
+  demo)  ensure_venv demo;   exec "$VENV/bin/alignd" demo "$@" ;;
   test)  ensure_venv test
          command -v redis-server >/dev/null || apt_install redis-server \
            || echo "dev.sh: no redis-server; the Redis service tests will be skipped" >&2

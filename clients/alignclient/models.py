@@ -1,13 +1,13 @@
 """Wire models of the libalign control API, shared by the server and this client.
 
-The API (``services/api``) declares its request and response bodies with these pydantic
+The API (``services/alignd/api``) declares its request and response bodies with these pydantic
 models and the client parses replies into them, so both sides validate the same shapes
 and a field added here appears on both. This module imports nothing from ``services``
 (the client is installed without the daemon) and nothing heavier than pydantic.
 
 Ids. Version ids, rollout ids, consumer names and execution path names become Redis key
 parts and directory names, so they match :data:`ID_PATTERN` (the daemon's
-``services.common.events.VERSION_ID_RE``; a test pins that the two agree).
+``alignd.infra.events.VERSION_ID_RE``; a test pins that the two agree).
 
 Log-probabilities are finite and at most :data:`LOGPROB_MAX` (a probability cannot exceed
 1; rounding may push a certain token a hair above 0), as ``libalign.metrics`` requires.

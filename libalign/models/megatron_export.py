@@ -2,7 +2,7 @@
 
 A learner trains in Megatron's layout; the converter and the samplers read Hugging Face's.
 :func:`export_hf_state_dict` produces the tensors a ``Qwen3MoeForCausalLM`` loads (what
-:meth:`~services.learner.engine.LearnerEngine.export_weights` publishes) and
+:meth:`~alignd.learner.engine.LearnerEngine.export_weights` publishes) and
 :func:`load_hf_into_megatron` goes the other way (tests; starting a learner from a checkpoint).
 
 The name map (``{i}`` a decoder layer, ``d`` the head dimension, ``g`` the query groups)
@@ -51,7 +51,7 @@ global index with the names of the released checkpoints
 (``[E/P, ...]``, global experts ``ep_rank * E/P ..``); :func:`local_expert_ranges` says which
 slice. ``expert_layout="none"`` leaves the experts out (the dense tensors alone). A sharded
 conversion quantizes :func:`local_expert_stacks` (the slices, not copied) where they live
-(:mod:`services.learner.sharded_publish`) and communicates nothing.
+(:mod:`alignd.learner.sharded_publish`) and communicates nothing.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Control API under load: many concurrent clients against one uvicorn process.
 
 The bench starts its own redis-server (no persistence) and the API as a separate process
-(``python -m services.api.main``, one uvicorn worker, so the load generator does not share
+(``python -m alignd.api.main``, one uvicorn worker, so the load generator does not share
 its GIL), registers one tiny published version ``v1``, then runs ``--clients`` concurrent
 ``httpx.AsyncClient`` loops in phases of equal length (``--seconds`` in all), every client
 hitting the phase's endpoint as fast as it answers:
@@ -100,7 +100,7 @@ class _Stack:
                    ALIGN_API_PORT=str(self.api_port), ALIGN_MAX_BODY_BYTES=str(max_body),
                    ALIGN_MAX_GUIDANCE_BODY_BYTES=str(max_body), OMP_NUM_THREADS="1")
         self.api_log = open(self.dir / "api.log", "wb")  # noqa: SIM115 (closed in close())
-        self.api = subprocess.Popen([sys.executable, "-m", "services.api.main"], env=env,
+        self.api = subprocess.Popen([sys.executable, "-m", "alignd.api.main"], env=env,
                                     stdout=self.api_log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.api_port}"
         _wait(lambda: httpx.get(self.url + "/readyz", timeout=1).status_code == 200, self.api,
@@ -197,7 +197,7 @@ async def _phase(url: str, phase: str, clients: int, seconds: float, record: byt
 
 
 def _store(url: str):
-    from services.common.guidance_store import GuidanceStore
+    from alignd.infra.stores.guidance import GuidanceStore
 
     return GuidanceStore(url, prefix="bench", budget_bytes=None, ttl_s=None)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from services.diagnose import DiagnoseConfig, render, run_diagnosis, write_outputs
+from alignd.tools.diagnose import DiagnoseConfig, render, run_diagnosis, write_outputs
 
 
 def main(argv: list[str]) -> int:

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import redis
 
-from services.common.guidance_store import GuidanceStore
+from alignd.infra.stores.guidance import GuidanceStore
 
 TOKEN_BYTES = 1152  # 2048 values x 4.5 bits
 GOAL_VS_RAW = 0.70

@@ -14,7 +14,7 @@ layer, and feeds its own ``--tokens`` tokens. Then, per rank:
    every round started together (a barrier), timed with CUDA events; medians.
 2. **Sharded conversion.** Each rank quantizes its own expert slices on its own GPU (the fused
    kernel behind :func:`libalign.ops.quantize`) and writes its part of one version
-   (:func:`services.learner.sharded_publish.publish_sharded`); the last part to land commits
+   (:func:`alignd.learner.sharded_publish.publish_sharded`); the last part to land commits
    the merged manifest. Per rank: the kernel alone (input GB/s of bf16 weights, best of three,
    into reused outputs; ranks sharing a GPU take turns) and the whole part (device-to-host
    copy, checksums, fsynced files; rank 0 also writes the dense tensors). Baseline in the same run: rank 0
@@ -100,10 +100,10 @@ def rank_main(info, o: dict) -> dict:
     from libalign.models.megatron_cpu import cpu_shims
     from libalign.models.megatron_export import export_hf_state_dict, local_expert_stacks
     from libalign.models.train import cpu_threads
-    from services.common.weight_store import WeightStore
-    from services.converter.convert import resolve_spec
-    from services.converter.selection import make_select
-    from services.learner.sharded_publish import publish_sharded
+    from alignd.formats.weight_store import WeightStore
+    from alignd.formats.convert import resolve_spec
+    from alignd.formats.selection import make_select
+    from alignd.learner.sharded_publish import publish_sharded
 
     dev, cuda = info.device, info.device.type == "cuda"
     cfg = _config(o)
@@ -210,7 +210,7 @@ class _null:
 def _expert_slices(o: dict, part: int, parts: int, device: str):
     """Deterministic expert stacks of the kill test: expert ``e`` of layer ``i`` is drawn from
     its own seed, so a part's slice does not depend on how the experts are split."""
-    from services.common.sharded_version import Piece
+    from alignd.formats.sharded_version import Piece
 
     cfg = _config(o)
     e_all, h, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -229,9 +229,9 @@ def _expert_slices(o: dict, part: int, parts: int, device: str):
 
 def kill_writer(part: int, parts: int, o: dict, vid: str, device: str, kill: bool) -> None:
     """A part writer in a plain process; with ``kill`` it SIGKILLs itself after one shard."""
-    from services.common.sharded_version import write_part
-    from services.common.weight_store import WeightStore
-    from services.converter.convert import resolve_spec
+    from alignd.formats.sharded_version import write_part
+    from alignd.formats.weight_store import WeightStore
+    from alignd.formats.convert import resolve_spec
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -249,9 +249,9 @@ def _kill_test(o: dict, parts: int, devices: list[str]) -> dict:
     import multiprocessing as mp
 
     from libalign.errors import VersionNotFoundError
-    from services.common.sharded_version import part_status
-    from services.common.weight_store import WeightStore
-    from services.converter.convert import resolve_spec
+    from alignd.formats.sharded_version import part_status
+    from alignd.formats.weight_store import WeightStore
+    from alignd.formats.convert import resolve_spec
 
     store, vid, victim = WeightStore(o["store"]), "kill-test", parts - 1
     ctx = mp.get_context("spawn")
@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_megatron_ep: skipped, megatron-core is not installed")
         return 0
     from libalign.models.megatron_parallel import NO_MULTICAST_ENV, launch
-    from services.common.weight_store import WeightStore
+    from alignd.formats.weight_store import WeightStore
 
     gpus = torch.cuda.device_count()
     if args.tiny:

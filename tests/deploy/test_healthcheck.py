@@ -19,8 +19,8 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from services.common.heartbeat import ServiceHeartbeat
-from services.common.telemetry import serve_metrics
+from alignd.infra.liveness import ServiceHeartbeat
+from alignd.infra.telemetry import serve_metrics
 
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "healthcheck.py"
 REDIS_SERVER = shutil.which("redis-server")

@@ -2,12 +2,12 @@
 
 Static checks run ``promtool`` (check config, check rules, the rule unit tests) and read the
 dashboard: fixed uid and title, every panel on the provisioned data source, every metric a
-query names defined in :mod:`services.common.telemetry` (or recorded by a rule).
+query names defined in :mod:`alignd.infra.telemetry` (or recorded by a rule).
 
 The integration test runs the services in this process, each on its own metrics registry
 as in a deployment, over a private redis-server: the control API (uvicorn thread), the
 converter and a sampler (threads serving ``/metrics`` on ``metrics_port``) and the learner's
-real entry point (``services.learner.main.main``, two steps). A real ``prometheus`` built from
+real entry point (``alignd.learner.main.main``, two steps). A real ``prometheus`` built from
 ``deploy/prometheus/prometheus.yml`` (same jobs and rule files, loopback targets, 1 s scrape
 and evaluation intervals) scrapes them; then every dashboard query (Grafana's macros
 substituted) and every recording rule must return finite data, every rule must evaluate
@@ -34,7 +34,7 @@ import httpx
 import pytest
 import yaml
 
-from services.common.telemetry import Metrics
+from alignd.infra.telemetry import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
@@ -290,13 +290,13 @@ def test_live_services_feed_every_query(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     import redis
 
-    from services.cli import _demo_api
-    from services.common.settings import Settings
-    from services.converter.main import run_converter
-    from services.learner import main as learner_main
-    from services.learner.loop import LearnerLoop
-    from services.sampler.embedded import build_sampler
-    from services.sampler.main import run_sampler
+    from alignd.tools.cli import _demo_api
+    from alignd.infra.settings import Settings
+    from alignd.converter.main import run_converter
+    from alignd.learner import main as learner_main
+    from alignd.learner.loop import LearnerLoop
+    from alignd.sampler.embedded import build_sampler
+    from alignd.sampler.main import run_sampler
     from tests.services.conftest import REDIS_SERVER, RedisServer, free_port
 
     if REDIS_SERVER is None:

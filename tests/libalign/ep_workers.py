@@ -52,8 +52,8 @@ def forward_backward(info, hf_sd, batches, path="bf16", publish=()):
                "ranges": mx.local_expert_ranges(model),
                "env": {k: os.environ.get(k) for k in NO_MULTICAST_ENV}}
         if publish:
-            from services.common.weight_store import WeightStore
-            from services.learner.sharded_publish import publish_sharded
+            from alignd.formats.weight_store import WeightStore
+            from alignd.learner.sharded_publish import publish_sharded
 
             out["published"] = {}
             for root, vid, spec in publish:
@@ -71,7 +71,7 @@ def fail_on_rank_one(info):
 
 def synthetic_batch(n: int = 8, seed: int = 0):
     """A GRPO batch of ``n`` rollouts in groups of two (no generation needed)."""
-    from services.learner.engine import TrainBatch
+    from alignd.learner.engine import TrainBatch
 
     cfg = config()
     g = torch.Generator().manual_seed(seed)
@@ -86,7 +86,7 @@ def synthetic_batch(n: int = 8, seed: int = 0):
 
 
 def _rank_share(batch, rank: int, world: int):
-    from services.learner.engine import TrainBatch
+    from alignd.learner.engine import TrainBatch
 
     per = len(batch.sequences) // world
     sl = slice(rank * per, (rank + 1) * per)
@@ -98,8 +98,8 @@ def train_one_step(info, hf_sd, path="bf16", shares=None, batch_size=8, publish=
     """One GRPO + TIS step of the Megatron engine on this rank's share of the batch; the
     stats, the exported weights after it, and (with ``shares``) uneven shares to refuse;
     ``publish`` ``(store root, version id)`` then writes this rank's part (minite)."""
-    from services.learner.engine import TrainBatch
-    from services.learner.megatron_engine import MegatronLearnerEngine
+    from alignd.learner.engine import TrainBatch
+    from alignd.learner.megatron_engine import MegatronLearnerEngine
 
     cfg = config()
     batch = synthetic_batch()
@@ -116,8 +116,8 @@ def train_one_step(info, hf_sd, path="bf16", shares=None, batch_size=8, publish=
         stats = eng.train_step(share)
         out = {"stats": stats, "weights": eng.export_weights(), "place": None}
         if publish is not None:
-            from services.common.weight_store import WeightStore
-            from services.learner.sharded_publish import expert_parallel_place, publish_sharded
+            from alignd.formats.weight_store import WeightStore
+            from alignd.learner.sharded_publish import expert_parallel_place, publish_sharded
 
             out["place"] = expert_parallel_place()[:2] + expert_parallel_place()[3:]
             res = publish_sharded(eng.model, config(), WeightStore(publish[0]), publish[1],

@@ -37,8 +37,8 @@ from libalign.models import megatron_export as mx
 from libalign.models import train as train_mod
 from libalign.models.megatron_cpu import cpu_shims, single_process_group
 from libalign.models.task import SyntheticTask
-from services.learner.engine import TorchLearnerEngine, TrainBatch
-from services.learner.megatron_engine import MegatronLearnerEngine
+from alignd.learner.engine import TorchLearnerEngine, TrainBatch
+from alignd.learner.megatron_engine import MegatronLearnerEngine
 
 # These run Megatron on the CPU through libalign's CPU shims. On a host with CUDA the shimmed
 # ``torch.cuda.current_device`` meets megatron-core's compiled router (torch.compile indexes

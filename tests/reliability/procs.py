@@ -7,8 +7,8 @@ import logging
 
 import torch
 
-from services.common.settings import Settings
-from services.converter.main import run_converter
+from alignd.infra.settings import Settings
+from alignd.converter.main import run_converter
 
 
 def converter_process(settings_kw: dict, log_path: str) -> None:

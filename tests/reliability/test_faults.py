@@ -27,17 +27,17 @@ import torch
 
 from libalign import models
 from libalign.errors import VersionExistsError
-from services.common.events import ConvertedEvent, PublishedEvent, SyncEvent, sync_stream
-from services.common.published import publish_version, write_published
-from services.common.redis_bus import RedisBus
-from services.common.registry import Registry
-from services.common.rollouts import RolloutStore
-from services.common.settings import Settings
-from services.common.weight_store import TMP_PREFIX, WeightStore
-from services.common.work import READY, REQUESTS, RolloutRequest, RolloutsReady
-from services.converter.main import run_converter
-from services.sampler.engine import TorchSamplerEngine
-from services.sampler.main import SamplerService, run_sampler
+from alignd.infra.events import ConvertedEvent, PublishedEvent, SyncEvent, sync_stream
+from alignd.formats.published import publish_version, write_published
+from alignd.infra.bus import RedisBus
+from alignd.infra.registry import Registry
+from alignd.infra.stores.rollouts import RolloutStore
+from alignd.infra.settings import Settings
+from alignd.formats.weight_store import TMP_PREFIX, WeightStore
+from alignd.infra.work import READY, REQUESTS, RolloutRequest, RolloutsReady
+from alignd.converter.main import run_converter
+from alignd.sampler.engine import TorchSamplerEngine
+from alignd.sampler.main import SamplerService, run_sampler
 from tests.services.conftest import stop_processes, tiny_experts
 
 pytest.importorskip("transformers")
@@ -319,7 +319,7 @@ def _heartbeat(client: redis.Redis, name: str) -> dict[str, str]:
 
 
 def test_sampler_sigkill_mid_load_restarts_on_the_last_good_version(redis_url, tmp_path):
-    """Fault: the sampler process (``python -m services.sampler.main``) SIGKILLed while it
+    """Fault: the sampler process (``python -m alignd.sampler.main``) SIGKILLed while it
     loads a new version (the test hook makes the load take 2 s after the registry moved
     the version to ``loading``). Survived: while it is down the registry still shows the old
     version serving and the interrupted one ``loading`` (not failed, bits intact); the
@@ -336,7 +336,7 @@ def test_sampler_sigkill_mid_load_restarts_on_the_last_good_version(redis_url, t
 
     def spawn(**extra: str) -> subprocess.Popen:
         with open(log, "a") as out:
-            return subprocess.Popen([sys.executable, "-m", "services.sampler.main"], cwd=REPO,
+            return subprocess.Popen([sys.executable, "-m", "alignd.sampler.main"], cwd=REPO,
                                     env={**env, **extra}, stdout=out, stderr=subprocess.STDOUT)
 
     rig.publish("a1", model_weights(1))

@@ -45,9 +45,9 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from services.api import middleware
-from services.api.app import create_app
-from services.common.settings import Settings
+from alignd.api import middleware
+from alignd.api.app import create_app
+from alignd.infra.settings import Settings
 from tests.services.api_server import api_settings, publish_files, serve
 from tests.services.conftest import REDIS_SERVER, free_port
 
@@ -422,14 +422,14 @@ def test_secrets_never_logged_in_process(api, caplog, capfd, tmp_path):
 
 
 def test_secrets_never_logged_by_the_api_process(api, tmp_path):
-    """``python -m services.api.main`` (INFO logging, uvicorn) prints neither secret."""
+    """``python -m alignd.api.main`` (INFO logging, uvicorn) prints neither secret."""
     port = free_port()
     env = dict(os.environ, ALIGN_REDIS_URL=api.redis_url, ALIGN_API_TOKEN=TOKEN,
                ALIGN_STORE_DIR=str(api.store), ALIGN_API_PORT=str(port), ALIGN_API_HOST="127.0.0.1",
                ALIGN_MAX_GUIDANCE_BODY_BYTES=str(32 << 10), PYTHONUNBUFFERED="1")
     log = tmp_path / "api.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "services.api.main"], env=env, cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "-m", "alignd.api.main"], env=env, cwd=ROOT,
                                 stdout=f, stderr=subprocess.STDOUT)
     try:
         base = f"http://127.0.0.1:{port}"

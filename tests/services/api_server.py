@@ -11,8 +11,8 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from services.common.published import write_published
-from services.common.settings import Settings
+from alignd.formats.published import write_published
+from alignd.infra.settings import Settings
 from tests.services.conftest import free_port, tiny_experts
 
 TOKEN = "test-token-0123456789"

@@ -7,10 +7,10 @@ import redis
 from libalign.models.megatron_cpu import cpu_shims
 from libalign.models.task import SyntheticTask
 from libalign.models.train import cpu_threads
-from services.common.guidance_store import GuidanceStore
-from services.common.redis_bus import RedisBus
-from services.common.rollouts import RolloutStore
-from services.common.settings import Settings
+from alignd.infra.stores.guidance import GuidanceStore
+from alignd.infra.bus import RedisBus
+from alignd.infra.stores.rollouts import RolloutStore
+from alignd.infra.settings import Settings
 from tests.libalign.ep_workers import config
 
 TASK = SyntheticTask()
@@ -23,9 +23,9 @@ def settings_for(redis_url: str, store_dir: str, sampler_path: str) -> Settings:
 
 def learner_ranks(info, hf_sd, redis_url, store_dir, sampler_path, learner_path, steps):
     """Rank 0 runs the RL loop through a RankGroupEngine; the other ranks follow."""
-    from services.learner.loop import LearnerLoop
-    from services.learner.megatron_engine import MegatronLearnerEngine
-    from services.learner.ranks import RankGroupEngine, follow
+    from alignd.learner.loop import LearnerLoop
+    from alignd.learner.megatron_engine import MegatronLearnerEngine
+    from alignd.learner.ranks import RankGroupEngine, follow
 
     with cpu_shims(enabled=info.device.type == "cpu"), cpu_threads(1):
         eng = MegatronLearnerEngine.from_hf_state_dict(hf_sd, config(), learner_path, device="cpu",
@@ -55,8 +55,8 @@ def learner_with_dying_follower(info, hf_sd, redis_url, store_dir, sampler_path)
     import os
     import signal
 
-    from services.learner import ranks
-    from services.learner.sharded_publish import publish_sharded
+    from alignd.learner import ranks
+    from alignd.learner.sharded_publish import publish_sharded
 
     if info.rank == 1:
         def dying(*args, **kwargs):

@@ -1,6 +1,6 @@
 """A recorded-contract SGLang server: SGLang's HTTP shapes with a deterministic fake model.
 
-The SGLang adapter (``services/sampler/sglang_engine.py``) is tested against this app served by
+The SGLang adapter (``services/alignd/sampler/sglang_engine.py``) is tested against this app served by
 uvicorn on a real port, never a mock transport, so every request crosses HTTP and JSON as it
 would against a real server. It replays the request and answer shapes of these sources of
 sgl-project/sglang (https://github.com/sgl-project/sglang):

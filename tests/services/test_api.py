@@ -19,11 +19,11 @@ from fastapi.testclient import TestClient
 from libalign.errors import ConfigError
 from libalign.metrics import delta_stats, tis_weights
 from libalign.spec import PRESETS
-from services.api.app import create_app
-from services.common.events import PublishedEvent, SyncEvent, sync_stream
-from services.common.redis_bus import RedisBus, connect
-from services.common.registry import Registry
-from services.common.telemetry import Metrics
+from alignd.api.app import create_app
+from alignd.infra.events import PublishedEvent, SyncEvent, sync_stream
+from alignd.infra.bus import RedisBus, connect
+from alignd.infra.registry import Registry
+from alignd.infra.telemetry import Metrics
 from tests.services.api_server import TOKEN, api_settings, publish_files
 from tests.services.conftest import free_port
 

@@ -5,7 +5,7 @@ import json
 from typer.testing import CliRunner
 
 from libalign.selfcheck import run_selfcheck
-from services.cli import app
+from alignd.tools.cli import app
 
 runner = CliRunner()
 
@@ -49,7 +49,7 @@ def test_guidance_size_default_and_config(tmp_path):
     """alignd guidance-size prints bytes per token at 1, 2 and 4 bits and TRACE's accounting."""
     from typer.testing import CliRunner
 
-    from services.cli import app
+    from alignd.tools.cli import app
 
     runner = CliRunner()
     res = runner.invoke(app, ["guidance-size"])
@@ -70,8 +70,8 @@ def test_guidance_size_default_and_config(tmp_path):
 
 def test_status_reads_a_running_api(tmp_path):
     """alignd status renders /v1/status of a live API; an unreachable one exits 2."""
-    from services.cli import _demo_api
-    from services.common.settings import Settings
+    from alignd.tools.cli import _demo_api
+    from alignd.infra.settings import Settings
 
     settings = Settings(store_dir=tmp_path / "store", dev_mode=True, api_port=0)
     with _demo_api(True, 0, tmp_path, settings) as url:
@@ -109,7 +109,7 @@ def test_up_runs_every_service_in_one_process(tmp_path):
     env.pop("ALIGN_REDIS_URL", None)
     log = tmp_path / "up.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--learner-steps", "1"],
+        proc = subprocess.Popen([sys.executable, "-m", "alignd.tools.cli", "up", "--learner-steps", "1"],
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 240

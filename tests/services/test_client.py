@@ -16,10 +16,10 @@ from alignclient.models import ID_PATTERN, LOGPROB_MAX, Rollout, RolloutIds, Rol
 import libalign.errors as E
 from libalign.metrics import LOGPROB_TOLERANCE
 from libalign.spec import PRESETS
-from services.api.app import create_app
-from services.common.events import VERSION_ID_RE
-from services.common.redis_bus import RedisBus, connect
-from services.common.registry import Registry
+from alignd.api.app import create_app
+from alignd.infra.events import VERSION_ID_RE
+from alignd.infra.bus import RedisBus, connect
+from alignd.infra.registry import Registry
 from tests.services.api_server import TOKEN, api_settings, publish_files, serve
 from tests.services.conftest import free_port
 
@@ -246,7 +246,7 @@ def test_async_client(api):
 
 
 def test_client_does_not_import_the_daemon():
-    """alignclient imports nothing from services (it ships without the daemon)."""
+    """alignclient imports nothing from alignd (it ships without the daemon)."""
     import subprocess
     import sys
 

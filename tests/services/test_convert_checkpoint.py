@@ -26,9 +26,9 @@ from libalign.errors import (
     SpecError,
 )
 from libalign.spec import PRESETS, dequantize, quantize, shared_outer_amax
-from services.cli import app
-from services.common.atomic_dir import DestinationExistsError
-from services.converter import checkpoint_export as ce
+from alignd.tools.cli import app
+from alignd.formats.atomic_dir import DestinationExistsError
+from alignd.formats import checkpoint_export as ce
 from tests.libalign import inputs, peers
 
 HIDDEN, INTER, EXPERTS, LAYERS, VOCAB, HEAD_DIM = 64, 32, 4, 2, 96, 16

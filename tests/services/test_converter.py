@@ -13,16 +13,16 @@ import torch
 from libalign.errors import EventError
 from libalign.spec import PRESETS
 from libalign.spec import quantize as spec_quantize
-from services.common.events import ConvertedEvent, PublishedEvent
-from services.common.published import publish_version
-from services.common.redis_bus import RedisBus
-from services.common.registry import Registry
-from services.common.settings import Settings
-from services.common.telemetry import Metrics, serve_metrics
-from services.common.weight_store import WeightStore
-from services.converter.convert import convert_published
-from services.converter.main import run_converter
-from services.converter.selection import is_expert_weight
+from alignd.infra.events import ConvertedEvent, PublishedEvent
+from alignd.formats.published import publish_version
+from alignd.infra.bus import RedisBus
+from alignd.infra.registry import Registry
+from alignd.infra.settings import Settings
+from alignd.infra.telemetry import Metrics, serve_metrics
+from alignd.formats.weight_store import WeightStore
+from alignd.formats.convert import convert_published
+from alignd.converter.main import run_converter
+from alignd.formats.selection import is_expert_weight
 
 from .conftest import tiny_experts
 

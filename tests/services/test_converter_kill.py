@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from libalign.spec import PRESETS
-from services.common.published import publish_version
-from services.common.redis_bus import RedisBus
-from services.common.registry import Registry
-from services.common.settings import Settings
-from services.common.telemetry import Metrics
-from services.common.weight_store import WeightStore
-from services.converter.main import run_converter
+from alignd.formats.published import publish_version
+from alignd.infra.bus import RedisBus
+from alignd.infra.registry import Registry
+from alignd.infra.settings import Settings
+from alignd.infra.telemetry import Metrics
+from alignd.formats.weight_store import WeightStore
+from alignd.converter.main import run_converter
 
 from .conftest import tiny_experts
 from .test_converter import assert_bits_equal_spec
@@ -72,7 +72,7 @@ def test_sigkill_at_any_moment_then_restart(redis_url, service_env, tmp_path):
     for i, (moment, cond) in enumerate(kill_points):
         name = f"conv-{i}"
         with open(log, "a") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "services.converter.main"], cwd=REPO,
+            proc = subprocess.Popen([sys.executable, "-m", "alignd.converter.main"], cwd=REPO,
                                     env={**env, "ALIGN_CONSUMER_NAME": name}, stdout=out,
                                     stderr=subprocess.STDOUT)
         try:
@@ -89,7 +89,7 @@ def test_sigkill_at_any_moment_then_restart(redis_url, service_env, tmp_path):
             committed = store.read_manifest("v")
 
     with open(log, "a") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.converter.main"], cwd=REPO,
+        proc = subprocess.Popen([sys.executable, "-m", "alignd.converter.main"], cwd=REPO,
                                 env={**env, "ALIGN_CONSUMER_NAME": "conv-final"}, stdout=out,
                                 stderr=subprocess.STDOUT)
     try:

@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from libalign import metrics, models
 from libalign.errors import InputError, NonFiniteError, SpecError
-from services.cli import app
-from services.diagnose import inputs, localize, sides, stats
-from services.diagnose.conditions import (
+from alignd.tools.cli import app
+from alignd.tools.diagnose import inputs, localize, sides, stats
+from alignd.tools.diagnose.conditions import (
     DEFAULT_CONDITIONS,
     EXTERNAL,
     Condition,
@@ -25,7 +25,7 @@ from services.diagnose.conditions import (
     parse_layers,
     resolve_conditions,
 )
-from services.diagnose.run import DiagnoseConfig, run_diagnosis, write_outputs
+from alignd.tools.diagnose.run import DiagnoseConfig, run_diagnosis, write_outputs
 
 runner = CliRunner()
 SMALL = ["--model", "tiny-random", "--num-prompts", "8", "--batch-size", "4", "--n-boot", "50",

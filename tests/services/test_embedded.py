@@ -17,18 +17,18 @@ from collections.abc import Iterator
 import pytest
 
 from libalign.errors import GuidanceChecksumError, StateTransitionError, VersionExistsError
-from services.common.guidance_store import GuidanceStore
-from services.common.redis_bus import Heartbeat, RedisBus, connect
-from services.common.redis_clients import (
+from alignd.infra.stores.guidance import GuidanceStore
+from alignd.infra.bus import Heartbeat, RedisBus, connect
+from alignd.infra.redis_clients import (
     binary_client,
     embedded_server,
     is_embedded,
     reset_embedded,
     text_client,
 )
-from services.common.registry import REENTRANT, STATES, TRANSITIONS, Registry
-from services.common.settings import Settings
-from services.common.telemetry import Metrics
+from alignd.infra.registry import REENTRANT, STATES, TRANSITIONS, Registry
+from alignd.infra.settings import Settings
+from alignd.infra.telemetry import Metrics
 from tests.services.test_registry import drive
 
 S, G = "t:stream", "grp"

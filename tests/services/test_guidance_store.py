@@ -37,12 +37,12 @@ from libalign.errors import (
     PayloadTooLargeError,
     StoreError,
 )
-from services.common import guidance_store
-from services.common.guidance_store import GuidanceStore
-from services.common.redis_bus import Backoff
-from services.common.redis_clients import binary_client, reset_embedded
-from services.common.settings import Settings
-from services.common.telemetry import Metrics
+from alignd.infra.stores import guidance as guidance_store
+from alignd.infra.stores.guidance import GuidanceStore
+from alignd.infra.bus import Backoff
+from alignd.infra.redis_clients import binary_client, reset_embedded
+from alignd.infra.settings import Settings
+from alignd.infra.telemetry import Metrics
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -328,7 +328,7 @@ def test_in_use_eviction_is_loud(backend, caplog):
         s.acquire("v1", "learner-0", ttl_s=30)
         s.acquire("v1", "learner-1", ttl_s=30)
         s.acquire("v2", "learner-2", ttl_s=30)
-        with caplog.at_level(logging.WARNING, logger="services.common.guidance_store"):
+        with caplog.at_level(logging.WARNING, logger="alignd.infra.stores.guidance"):
             res = s.put("v3", "r", blob(1000))
         assert [(e.version, e.in_use_by) for e in res.evicted] == [
             ("v1", ("learner-0", "learner-1"))]
@@ -474,7 +474,7 @@ def test_concurrent_puts_keep_accounting_exact(backend):
 
 _WRITER = """
 import random, struct, sys
-from services.common.guidance_store import GuidanceStore
+from alignd.infra.stores.guidance import GuidanceStore
 s = GuidanceStore(sys.argv[1], prefix="t", chunk_bytes=64 * 1024)
 i = 0
 while True:

@@ -8,7 +8,7 @@ import pytest
 import redis
 
 from libalign.errors import InputError
-from services.common.heartbeat import ServiceHeartbeat, list_heartbeats
+from alignd.infra.liveness import ServiceHeartbeat, list_heartbeats
 
 
 def test_beats_report_state_version_and_info(redis_url):

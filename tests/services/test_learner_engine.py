@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 from libalign import models
 from libalign.errors import InputError
-from services.learner.engine import TorchLearnerEngine, TrainBatch, grpo_advantages
+from alignd.learner.engine import TorchLearnerEngine, TrainBatch, grpo_advantages
 
 TASK = models.SyntheticTask()
 

@@ -81,15 +81,15 @@ def test_one_iteration_across_five_processes(private_redis, tmp_path):
     logs = {name: open(tmp_path / f"{name}.log", "w") for name in  # noqa: SIM115 (closed below)
             ("api", "converter", "sampler", "learner")}
     procs = {
-        "api": _spawn("services.api.main", env, logs["api"]),
-        "converter": _spawn("services.converter.main", env, logs["converter"]),
-        "sampler": _spawn("services.sampler.main", env, logs["sampler"]),
+        "api": _spawn("alignd.api.main", env, logs["api"]),
+        "converter": _spawn("alignd.converter.main", env, logs["converter"]),
+        "sampler": _spawn("alignd.sampler.main", env, logs["sampler"]),
     }
     base = f"http://127.0.0.1:{port}"
     try:
         _wait_http(f"{base}/readyz", time.monotonic() + 120)
         learner = subprocess.run(
-            [sys.executable, "-m", "services.learner.main", "--steps", "1",
+            [sys.executable, "-m", "alignd.learner.main", "--steps", "1",
              "--prompts-per-step", "2", "--samples-per-prompt", "2", "--run-id", "proc"],
             env=env, capture_output=True, text=True, timeout=240)
         logs["learner"].write(learner.stdout + learner.stderr)
@@ -127,10 +127,10 @@ def test_megatron_learner_over_two_ranks_needs_no_converter(private_redis, tmp_p
     converter running. SIGTERM to the learner ends it after the current step (exit 0), with
     both rank processes gone."""
     pytest.importorskip("megatron.core")
-    from services.common.redis_bus import RedisBus
-    from services.common.registry import Registry
-    from services.common.settings import Settings
-    from services.common.weight_store import WeightStore
+    from alignd.infra.bus import RedisBus
+    from alignd.infra.registry import Registry
+    from alignd.infra.settings import Settings
+    from alignd.formats.weight_store import WeightStore
 
     env = dict(os.environ)
     env.update({
@@ -140,9 +140,9 @@ def test_megatron_learner_over_two_ranks_needs_no_converter(private_redis, tmp_p
         "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
     })
     with open(tmp_path / "sampler.log", "w") as log:
-        sampler = _spawn("services.sampler.main", env, log)
+        sampler = _spawn("alignd.sampler.main", env, log)
         learner = subprocess.Popen(
-            [sys.executable, "-m", "services.learner.main", "--engine", "megatron", "--ep", "2",
+            [sys.executable, "-m", "alignd.learner.main", "--engine", "megatron", "--ep", "2",
              "--steps", "50", "--prompts-per-step", "2", "--samples-per-prompt", "2",
              "--run-id", "ep"], env=env, stdout=subprocess.PIPE, stderr=log, text=True)
         lines: list[str] = []

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from libalign.errors import BusUnavailableError
-from services.common.events import PublishedEvent
-from services.common.redis_bus import Backoff, Heartbeat, RedisBus, connect
+from alignd.infra.events import PublishedEvent
+from alignd.infra.bus import Backoff, Heartbeat, RedisBus, connect
 
 S, G = "t:stream", "grp"
 

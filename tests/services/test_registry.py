@@ -12,8 +12,8 @@ from libalign.errors import (
     VersionExistsError,
     VersionNotFoundError,
 )
-from services.common.redis_bus import RedisBus, connect
-from services.common.registry import REENTRANT, STATES, TRANSITIONS, Registry
+from alignd.infra.bus import RedisBus, connect
+from alignd.infra.registry import REENTRANT, STATES, TRANSITIONS, Registry
 
 # A legal path from 'published' to each state.
 PATH_TO = {

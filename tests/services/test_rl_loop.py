@@ -11,16 +11,16 @@ import redis
 pytest.importorskip("transformers")
 
 from libalign import models
-from services.common.guidance_store import GuidanceStore
-from services.common.redis_bus import RedisBus
-from services.common.rollouts import RolloutStore
-from services.common.settings import Settings
-from services.common.weight_store import WeightStore
-from services.converter.main import run_converter
-from services.learner.engine import TorchLearnerEngine
-from services.learner.loop import LearnerLoop, LoopError
-from services.sampler.engine import TorchSamplerEngine
-from services.sampler.main import run_sampler
+from alignd.infra.stores.guidance import GuidanceStore
+from alignd.infra.bus import RedisBus
+from alignd.infra.stores.rollouts import RolloutStore
+from alignd.infra.settings import Settings
+from alignd.formats.weight_store import WeightStore
+from alignd.converter.main import run_converter
+from alignd.learner.engine import TorchLearnerEngine
+from alignd.learner.loop import LearnerLoop, LoopError
+from alignd.sampler.engine import TorchSamplerEngine
+from alignd.sampler.main import run_sampler
 
 TASK = models.SyntheticTask()
 
@@ -112,7 +112,7 @@ def test_sync_request_switches_the_served_version(deploy):
     """A sync event (what POST /v1/sync adds) makes the sampler serve the named version."""
     import time
 
-    from services.common.events import SyncEvent, sync_stream
+    from alignd.infra.events import SyncEvent, sync_stream
 
     d = deploy("nvfp4_minite")
     results = d.loop("nvfp4_minite").run(2)
@@ -130,7 +130,7 @@ def test_a_request_a_dead_sampler_took_is_served_by_another(deploy):
     import json
     import time
 
-    from services.common.work import READY, REQUESTS, SAMPLER_GROUP, RolloutRequest, RolloutsReady
+    from alignd.infra.work import READY, REQUESTS, SAMPLER_GROUP, RolloutRequest, RolloutsReady
 
     d = deploy("nvfp4_minite")
     vid = d.loop("nvfp4_minite").iteration(0).version_id

@@ -14,15 +14,15 @@ pytest.importorskip("megatron.core")
 from libalign import models
 from libalign.models.megatron_parallel import launch
 from libalign.models.train import cpu_threads
-from services.common.guidance_store import GuidanceStore
-from services.common.redis_bus import RedisBus
-from services.common.registry import Registry
-from services.common.rollouts import RolloutStore
-from services.common.weight_store import WeightStore
-from services.learner.engine import TrainBatch
-from services.learner.ranks import split_batch, split_rollouts
-from services.sampler.engine import TorchSamplerEngine
-from services.sampler.main import run_sampler
+from alignd.infra.stores.guidance import GuidanceStore
+from alignd.infra.bus import RedisBus
+from alignd.infra.registry import Registry
+from alignd.infra.stores.rollouts import RolloutStore
+from alignd.formats.weight_store import WeightStore
+from alignd.learner.engine import TrainBatch
+from alignd.learner.ranks import split_batch, split_rollouts
+from alignd.sampler.engine import TorchSamplerEngine
+from alignd.sampler.main import run_sampler
 from tests.libalign.ep_workers import config
 from tests.services import ep_loop_workers as L
 

@@ -9,8 +9,8 @@ import torch
 
 from libalign.errors import ConfigError, InputError, RolloutExistsError
 from libalign.metrics import delta_stats
-from services.common.rollouts import Rollout, RolloutStore, Score, summarize
-from services.common.telemetry import ABS_DELTA_BUCKETS, Metrics
+from alignd.infra.stores.rollouts import Rollout, RolloutStore, Score, summarize
+from alignd.infra.telemetry import ABS_DELTA_BUCKETS, Metrics
 
 
 def make(url: str, **kw) -> RolloutStore:

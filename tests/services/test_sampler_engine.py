@@ -12,10 +12,10 @@ from libalign import models
 from libalign.errors import ChecksumMismatchError, SpecError
 from libalign.guidance import GuidanceRecord
 from libalign.spec import PRESETS
-from services.common.published import write_published
-from services.common.weight_store import WeightStore
-from services.converter.convert import convert_published, target_spec
-from services.sampler.engine import TorchSamplerEngine
+from alignd.formats.published import write_published
+from alignd.formats.weight_store import WeightStore
+from alignd.formats.convert import convert_published, target_spec
+from alignd.sampler.engine import TorchSamplerEngine
 
 TASK = models.SyntheticTask()
 

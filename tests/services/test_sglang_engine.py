@@ -23,16 +23,16 @@ from libalign.errors import (
     WeightUpdateError,
     WeightVersionMismatchError,
 )
-from services.common.redis_bus import RedisBus
-from services.common.registry import Registry
-from services.common.rollouts import RolloutStore
-from services.common.settings import Settings
-from services.common.weight_store import WeightStore
-from services.common.work import READY, REQUESTS, RolloutRequest, RolloutsReady
-from services.sampler.main import SamplerService
-from services.sampler.sglang_engine import SGLangSamplerEngine, SGLangTimeouts, row_seed
-from services.sampler.sglang_export import ModelOptExport
-from services.sampler.sglang_sampler import build_sglang_sampler
+from alignd.infra.bus import RedisBus
+from alignd.infra.registry import Registry
+from alignd.infra.stores.rollouts import RolloutStore
+from alignd.infra.settings import Settings
+from alignd.formats.weight_store import WeightStore
+from alignd.infra.work import READY, REQUESTS, RolloutRequest, RolloutsReady
+from alignd.sampler.main import SamplerService
+from alignd.sampler.sglang_engine import SGLangSamplerEngine, SGLangTimeouts, row_seed
+from alignd.sampler.sglang_export import ModelOptExport
+from alignd.sampler.sglang_sampler import build_sglang_sampler
 from tests.services.api_server import publish_files, serve
 from tests.services.conftest import free_port
 from tests.services.sglang_contract import SGLangContract, check_modelopt_dir

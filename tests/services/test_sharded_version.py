@@ -29,8 +29,8 @@ from libalign.errors import (
     VersionNotFoundError,
 )
 from libalign.spec import PRESETS, NVFP4Tensor, shared_outer_amax
-from services.common.atomic_dir import TMP_PREFIX
-from services.common.sharded_version import (
+from alignd.formats.atomic_dir import TMP_PREFIX
+from alignd.formats.sharded_version import (
     Piece,
     commit_version,
     part_dir_name,
@@ -38,7 +38,7 @@ from services.common.sharded_version import (
     staging_path,
     write_part,
 )
-from services.common.weight_store import WeightStore, scalar_outer
+from alignd.formats.weight_store import WeightStore, scalar_outer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -319,8 +319,8 @@ CHILD = textwrap.dedent("""
     import json, os, signal, sys
     import safetensors.torch
     from libalign.spec import PRESETS
-    from services.common.sharded_version import Piece, write_part
-    from services.common.weight_store import WeightStore
+    from alignd.formats.sharded_version import Piece, write_part
+    from alignd.formats.weight_store import WeightStore
     root, vid, part, n, inputs, meta, kill = sys.argv[1:8]
     tensors = safetensors.torch.load_file(inputs)
     meta = json.loads(meta)

@@ -17,7 +17,7 @@ import subprocess
 import pytest
 from fastapi.testclient import TestClient
 
-from services.api.app import create_app
+from alignd.api.app import create_app
 from tests.services.api_server import TOKEN, api_settings, publish_files, serve
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))

@@ -25,10 +25,10 @@ from libalign.errors import (
 )
 from libalign.spec import PRESETS
 from libalign.spec import quantize as spec_quantize
-from services.common.published import INDEX_NAME, PublishedVersion, write_published
-from services.common.weight_store import WeightStore, tensor_sha256
-from services.converter.convert import convert_published
-from services.converter.selection import is_expert_weight
+from alignd.formats.published import INDEX_NAME, PublishedVersion, write_published
+from alignd.formats.weight_store import WeightStore, tensor_sha256
+from alignd.formats.convert import convert_published
+from alignd.formats.selection import is_expert_weight
 
 from .conftest import tiny_experts
 
@@ -141,8 +141,8 @@ def test_killed_writer_leaves_only_hidden_leftovers(tmp_path):
     code = textwrap.dedent(f"""
         import os, signal
         from libalign.spec import PRESETS
-        from services.common.weight_store import WeightStore
-        from services.converter.selection import is_expert_weight
+        from alignd.formats.weight_store import WeightStore
+        from alignd.formats.selection import is_expert_weight
         from tests.services.conftest import tiny_experts
         steps = []
         def on_step(label):

@@ -1,0 +1,76 @@
+"""``create_app``: the control API as a FastAPI application.
+
+What a request meets, outside in: the front door (:mod:`alignd.api.middleware`: route
+template, bearer token on POST/PUT/PATCH/DELETE, body limits, metrics, typed 500s), then
+FastAPI's routing and validation, then a route of one of the ``routes_*`` modules, which
+call the registry, the stores and the streams through :class:`~alignd.api.state.ApiState`.
+Every error leaves through :func:`alignd.api.errors.error_response`.
+
+The API refuses to start without ``api_token`` unless ``dev_mode`` is set: a token-less
+API lets anyone who reaches the port publish versions and overwrite guidance.
+
+While the app runs (its lifespan), it beats as service ``api`` (see
+:mod:`alignd.infra.liveness`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import redis
+from fastapi import FastAPI
+
+from libalign.errors import ConfigError
+from alignd.infra.settings import Settings
+from alignd.infra.telemetry import Metrics
+
+from alignd.api import routes_guidance, routes_health, routes_rollouts, routes_spec, routes_status, routes_versions
+from alignd.api.errors import install_error_handlers
+from alignd.api.middleware import Frontdoor
+from alignd.api.state import REQUEST_GIVE_UP_S, ApiState, with_decoding
+
+log = logging.getLogger(__name__)
+API_VERSION = "1"
+
+
+def create_app(settings: Settings, *, client: redis.Redis | None = None,
+               metrics: Metrics | None = None,
+               redis_give_up_s: float = REQUEST_GIVE_UP_S) -> FastAPI:
+    """The control API for ``settings``; ``client`` overrides the Redis it talks to."""
+    if not settings.api_token and not settings.dev_mode:
+        raise ConfigError("the control API needs a bearer token (ALIGN_API_TOKEN) for its "
+                          "mutating routes; set ALIGN_DEV_MODE=1 to run without one locally")
+    metrics = metrics if metrics is not None else Metrics()
+    if client is None:
+        from alignd.infra.redis_clients import binary_client, text_client
+
+        text, binary, own = text_client(settings), binary_client(settings), True
+    else:
+        text, binary, own = with_decoding(client, True), with_decoding(client, False), False
+    st = ApiState(settings, metrics, text, binary, give_up_s=redis_give_up_s, own_clients=own)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        st.heartbeat.start()
+        try:
+            yield
+        finally:
+            st.close()
+
+    app = FastAPI(title="libalign control API", version=API_VERSION, lifespan=lifespan,
+                  redoc_url=None)
+    app.state.align = st
+    install_error_handlers(app)
+    routers = [m.router for m in (routes_health, routes_status, routes_versions, routes_rollouts,
+                                  routes_guidance, routes_spec)]
+    for router in routers:
+        app.include_router(router)
+    app.add_middleware(Frontdoor, routes=[r for router in routers for r in router.routes],
+                       metrics=metrics, token=settings.api_token,
+                       max_body_bytes=settings.max_body_bytes,
+                       max_streamed_bytes=settings.max_guidance_body_bytes)
+    if settings.dev_mode and not settings.api_token:
+        log.warning("control API without a bearer token (dev mode): mutating routes are open")
+    return app

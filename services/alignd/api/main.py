@@ -1,0 +1,35 @@
+"""Run the control API with uvicorn: ``python -m alignd.api.main``.
+
+Settings come from ``ALIGN_*`` variables (``ALIGN_API_HOST``, ``ALIGN_API_PORT``,
+``ALIGN_API_TOKEN``, ``ALIGN_REDIS_URL``, ...). Without ``ALIGN_REDIS_URL`` the API talks
+to the embedded in-process Redis, which only threads of this same process can share.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+import uvicorn
+
+from alignd.infra.settings import Settings
+
+from alignd.api.app import create_app
+
+
+def serve(settings: Settings | None = None, *, client: redis.Redis | None = None) -> None:
+    """Serve the API on ``settings.api_host:api_port`` until interrupted."""
+    settings = settings or Settings()
+    app = create_app(settings, client=client)
+    uvicorn.run(app, host=settings.api_host, port=settings.api_port, log_level="info",
+                access_log=False)
+
+
+def main() -> None:
+    """Entry point of ``python -m alignd.api.main``."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Guidance records over HTTP: raw bytes in, raw bytes out, a binary framing for batches.
+
+Uploads are ``application/octet-stream`` bodies read chunk by chunk (the front door
+refuses them past ``max_guidance_body_bytes`` while they arrive); the store itself
+(:class:`~alignd.infra.stores.guidance.GuidanceStore`) applies its record limit, byte
+budget, TTL and leases. A batched fetch answers in the framing of
+:mod:`alignclient.framing`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from alignclient.framing import MEDIA_TYPE, iter_frames
+from alignclient.models import (
+    ErrorResponse,
+    GuidanceBatchRequest,
+    GuidancePutResponse,
+    LeaseRequest,
+    LeaseResponse,
+)
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import Response, StreamingResponse
+from fastapi.security import HTTPBearer
+
+from libalign.errors import InputError
+from alignd.infra.events import check_version_id
+
+from alignd.api.middleware import streamed_body
+from alignd.api.state import ApiState, State
+
+router = APIRouter(prefix="/v1/guidance", tags=["guidance"])
+bearer = HTTPBearer(auto_error=False)
+ERRORS = {c: {"model": ErrorResponse} for c in (401, 403, 404, 410, 413, 422, 503, 507)}
+BINARY = {"content": {MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}
+
+
+def _known(st: ApiState, version_id: str) -> None:
+    check_version_id(version_id)
+    st.registry.get(version_id)
+
+
+@router.put("/{version_id}/{rollout_id}", operation_id="put_guidance",
+            response_model=GuidancePutResponse, responses=ERRORS, dependencies=[Depends(bearer)],
+            openapi_extra={"requestBody": {"required": True, **BINARY}})
+@streamed_body
+async def put_guidance(version_id: str, rollout_id: str, request: Request,
+                       st: State) -> GuidancePutResponse:
+    """Store one rollout's guidance record (octet-stream body), replacing any previous one."""
+    await run_in_threadpool(_known, st, version_id)
+    declared = request.headers.get("content-length")
+    buf = bytearray()
+    if declared is not None and declared.isdigit():
+        buf = bytearray(int(declared))  # filled in place: no second copy of a large record
+        view, off = memoryview(buf), 0
+        async for chunk in request.stream():
+            if off + len(chunk) > len(buf):
+                raise InputError(f"body is longer than its Content-Length of {len(buf)} bytes")
+            view[off : off + len(chunk)] = chunk
+            off += len(chunk)
+        view.release()
+        if off != len(buf):
+            raise InputError(f"body ended after {off} of {len(buf)} declared bytes")
+    else:
+        async for chunk in request.stream():
+            buf += chunk
+    res = await run_in_threadpool(st.guidance.put, version_id, rollout_id, buf)
+    return GuidancePutResponse(version_id=version_id, rollout_id=rollout_id, bytes=res.bytes,
+                               total_bytes=res.total_bytes,
+                               evicted=[e.version for e in res.evicted])
+
+
+@router.get("/{version_id}/{rollout_id}", operation_id="get_guidance", response_class=Response,
+            responses={200: BINARY, **ERRORS})
+def get_guidance(version_id: str, rollout_id: str, st: State) -> Response:
+    """One rollout's guidance record as octet-stream."""
+    return Response(st.guidance.get(version_id, rollout_id), media_type=MEDIA_TYPE)
+
+
+@router.post("/{version_id}:batch", operation_id="get_guidance_batch", response_class=Response,
+             responses={200: BINARY, **ERRORS})
+def get_guidance_batch(version_id: str, req: GuidanceBatchRequest,
+                       st: State) -> StreamingResponse:
+    """Many rollouts' records in one length-prefixed binary body (alignclient.framing)."""
+    records = st.guidance.get_many(version_id, req.rollout_ids, missing=req.missing)
+    pieces = list(iter_frames(records))
+    size = sum(len(p) for p in pieces)
+    return StreamingResponse(iter(pieces), media_type=MEDIA_TYPE,
+                             headers={"Content-Length": str(size)})
+
+
+@router.post("/{version_id}/lease", operation_id="acquire_guidance_lease",
+             response_model=LeaseResponse, responses=ERRORS, dependencies=[Depends(bearer)])
+def acquire_guidance_lease(version_id: str, req: LeaseRequest,
+                           st: State) -> LeaseResponse:
+    """Protect a version's guidance from budget eviction for ``ttl_s`` (renewable)."""
+    st.guidance.acquire(version_id, req.consumer, req.ttl_s)
+    return LeaseResponse(version_id=version_id, consumer=req.consumer, ttl_s=req.ttl_s, held=True)
+
+
+@router.delete("/{version_id}/lease", operation_id="release_guidance_lease",
+               response_model=LeaseResponse, responses=ERRORS, dependencies=[Depends(bearer)])
+def release_guidance_lease(version_id: str, st: State,
+                           consumer: Annotated[str, Query(min_length=1)]) -> LeaseResponse:
+    """Drop a consumer's lease; ``held`` says whether it still had one."""
+    held = st.guidance.release(version_id, consumer)
+    return LeaseResponse(version_id=version_id, consumer=consumer, held=held)

@@ -1,0 +1,110 @@
+"""Weight versions: publish, list, inspect, and ask samplers to load one.
+
+Publishing is atomic: the registry record and the ``published`` event are written by one
+Redis transaction. The version key is ``WATCH``\\ ed, then ``MULTI`` queues the registry's
+own create script and the ``XADD``, and ``EXEC`` runs both back to back or, if anything
+touched the version key in between (a concurrent publish of the same id), neither, and
+the call answers 409. A client or connection that dies before ``EXEC`` leaves nothing:
+the server drops an unfinished ``MULTI``. Redis does not roll back a queued command that
+fails when it runs, so the one way the ``XADD`` could fail then, the stream's key
+holding another type, is checked before the transaction (and answered 500
+``invalid_config``). So no failure leaves a record without its event or an event
+without its record. One ambiguity remains, as with any remote write: if the reply to a
+successful ``EXEC`` is lost and the call is retried, the retry answers 409
+``version_exists``; ``GET`` the version to see that it was published.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from alignclient.models import (
+    ErrorResponse,
+    HistoryEntry,
+    PublishRequest,
+    PublishResponse,
+    SyncRequest,
+    SyncResponse,
+    VersionDetail,
+    VersionInfo,
+    VersionList,
+)
+from fastapi import APIRouter, Depends, Query
+from fastapi.security import HTTPBearer
+
+from libalign.errors import StateTransitionError, VersionNotFoundError
+from alignd.infra.events import PublishedEvent, SyncEvent, check_version_id, sync_stream
+from alignd.formats.published import PublishedVersion
+from alignd.infra.registry import VersionRecord
+from alignd.formats.weight_store import WeightStore
+
+from alignd.api.state import State
+
+router = APIRouter(prefix="/v1", tags=["versions"])
+bearer = HTTPBearer(auto_error=False)  # documents the scheme; the front door enforces it
+ERRORS = {c: {"model": ErrorResponse} for c in (401, 403, 404, 409, 413, 422, 503)}
+STATE_PATTERN = "^(published|converting|converted|loading|serving|failed)$"
+#: States from which samplers may load a version.
+SYNCABLE = ("converted", "loading", "serving")
+
+
+def version_info(rec: VersionRecord) -> VersionInfo:
+    """The wire form of a registry record."""
+    return VersionInfo(version_id=rec.version_id, state=rec.state, path=rec.path,
+                       reason=rec.reason, owner=rec.owner, created_at=rec.created_at,
+                       updated_at=rec.updated_at, meta=rec.meta)
+
+
+@router.post("/versions", operation_id="publish_version", response_model=PublishResponse,
+             status_code=201, responses=ERRORS, dependencies=[Depends(bearer)])
+def publish_version(req: PublishRequest, st: State) -> PublishResponse:
+    """Register a BF16 version already written to the published store and announce it."""
+    path = WeightStore(st.settings.store_dir).published_path(req.version_id)
+    if not path.is_dir():
+        raise VersionNotFoundError(req.version_id, f"published store ({path})")
+    PublishedVersion(path).check_shards()  # LayoutError / MissingShardError: 422
+    event = PublishedEvent(version_id=req.version_id, path=str(path), target_path=req.target_path)
+    meta = dict(req.meta)
+    if req.target_path:
+        meta.setdefault("target_path", req.target_path)
+    rec, event_id = st.registry.create_and_announce(
+        req.version_id, str(path), st.settings.published_stream, event.to_fields(), actor="api",
+        meta=meta)
+    return PublishResponse(version=version_info(rec), stream=st.settings.published_stream,
+                           event_id=event_id)
+
+
+@router.get("/versions", operation_id="list_versions", response_model=VersionList,
+            responses=ERRORS)
+def list_versions(st: State,
+                  state: Annotated[str | None, Query(pattern=STATE_PATTERN)] = None,
+                  limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> VersionList:
+    """Versions, oldest first (the newest ``limit``), optionally in one state."""
+    recs = st.registry.list_versions(state)
+    return VersionList(versions=[version_info(r) for r in recs[-limit:]])
+
+
+@router.get("/versions/{version_id}", operation_id="get_version", response_model=VersionDetail,
+            responses=ERRORS)
+def get_version(version_id: str, st: State) -> VersionDetail:
+    """One version's record and its state history."""
+    check_version_id(version_id)
+    rec = st.registry.get(version_id)
+    hist = [HistoryEntry(from_state=h.from_state, to_state=h.to_state, at=h.at, reason=h.reason,
+                         actor=h.actor) for h in st.registry.history(version_id)]
+    return VersionDetail(version=version_info(rec), history=hist)
+
+
+@router.post("/sync", operation_id="sync_version", response_model=SyncResponse, status_code=202,
+             responses=ERRORS, dependencies=[Depends(bearer)])
+def sync_version(req: SyncRequest, st: State) -> SyncResponse:
+    """Ask the samplers to load a converted version (a ``sync`` event)."""
+    rec = st.registry.get(req.version_id)
+    if rec.state not in SYNCABLE:
+        raise StateTransitionError(req.version_id, rec.state, "loading",
+                                   "samplers load only a converted version")
+    event = SyncEvent(version_id=req.version_id)
+    stream = sync_stream(st.settings.key_prefix)
+    event_id = st.bus.publish(stream, event.to_fields())
+    return SyncResponse(version_id=req.version_id, state=rec.state, stream=stream,
+                        event_id=event_id, requested_at=event.requested_at)

@@ -1,0 +1,104 @@
+"""The converter service's top-level loop: ``python -m alignd.converter.main``.
+
+It joins the converter consumer group on the ``published`` stream and, forever: takes
+over messages that a dead consumer left pending (``XAUTOCLAIM``, on start and then every
+half ``claim_idle_ms``), reads new ones (``XREADGROUP``), and hands each to
+:class:`~alignd.converter.worker.ConverterWorker`, which acks it when its outcome is
+recorded. Configuration comes from :class:`~alignd.infra.settings.Settings`
+(``ALIGN_*`` environment variables); SIGTERM or SIGINT finish the current message and
+stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+
+from libalign.errors import AlignError, BusUnavailableError
+from alignd.infra.bus import RedisBus
+from alignd.infra.registry import Registry
+from alignd.infra.service_main import start_service
+from alignd.infra.settings import Settings
+from alignd.infra.telemetry import Metrics, serve_metrics_for
+from alignd.formats.weight_store import WeightStore
+
+from alignd.converter.worker import ConverterWorker
+
+log = logging.getLogger("alignd.converter")
+
+
+def run_converter(settings: Settings, stop_event: threading.Event | None = None,
+                  max_messages: int | None = None, *, metrics: Metrics | None = None) -> int:
+    """Consume ``published`` events until stopped (or ``max_messages``); return how many."""
+    stop = stop_event if stop_event is not None else threading.Event()
+    metrics = metrics if metrics is not None else Metrics()
+    bus = RedisBus.from_settings(settings, stop_event=stop,
+                                 on_retry=lambda _what, _e: metrics.redis_retries.inc())
+    store = WeightStore(settings.store_dir)
+    store.sweep(settings.sweep_stale_s)
+    worker = ConverterWorker(settings, bus, Registry(bus, settings.key_prefix), store, metrics)
+    from alignd.infra.liveness import ServiceHeartbeat
+
+    beat = ServiceHeartbeat(bus, "converter", me_name(settings), settings.service_heartbeat_s,
+                            settings.service_heartbeat_ttl_s, prefix=settings.key_prefix,
+                            info=lambda: {"preset": settings.preset}).start()
+    stop_metrics = serve_metrics_for(settings, metrics.registry)
+    stream, group, me = settings.published_stream, settings.converter_group, settings.consumer_name
+    claim_every_s = settings.claim_idle_ms / 2000
+    handled, next_claim = 0, 0.0
+    log.info("converter %s: %s -> %s, preset %s, store %s", me, stream, settings.converted_stream,
+             settings.preset, settings.store_dir)
+    try:
+        bus.ensure_group(stream, group)
+        while not stop.is_set() and (max_messages is None or handled < max_messages):
+            msgs = []
+            now = time.monotonic()
+            if now >= next_claim:
+                msgs = bus.reclaim(stream, group, me, min_idle_ms=settings.claim_idle_ms, limit=1)
+                metrics.messages_reclaimed.inc(len(msgs))
+                # keep claiming at once while there is a backlog of abandoned messages
+                next_claim = now if msgs else now + claim_every_s
+            if not msgs:
+                wait_ms = max(1, min(settings.block_ms, int((next_claim - now) * 1000)))
+                msgs = bus.read(stream, group, me, count=1, block_ms=wait_ms)
+            for m in msgs:
+                if stop.is_set() or (max_messages is not None and handled >= max_messages):
+                    break  # unhandled messages stay pending and are reclaimed later
+                outcome = worker.handle(m)
+                handled += 1
+                log.debug("message %s (%s delivery %d): %s", m.id,
+                          "reclaimed" if m.reclaimed else "new", m.deliveries, outcome)
+    except BusUnavailableError:
+        if not stop.is_set():
+            raise
+    finally:
+        beat.stop()
+        stop_metrics()
+    return handled
+
+
+def me_name(settings: Settings) -> str:
+    """The converter's heartbeat name: its consumer name, made a safe key part."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9._-]", "-", settings.consumer_name)[:128] or "converter"
+
+
+def main() -> int:
+    """Entry point: settings from the environment, signals to stop, exit status."""
+    started = start_service(log)
+    if started is None:
+        return 2
+    settings, stop = started
+    try:
+        run_converter(settings, stop)
+    except AlignError as e:
+        log.error("converter stopped: %s", e)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Handling of one ``published`` message, idempotently, with ack only when done.
+
+Delivery is at least once, so the same version may arrive twice, or arrive after a
+converter died half-way. What a message leads to depends on the version's state:
+
+==============  ==============================================================
+``published``   claim (-> ``converting``), convert, -> ``converted``, announce
+``converting``  if the message was reclaimed from a dead consumer: re-enter
+                ``converting`` under this consumer's name and finish the work;
+                otherwise another consumer holds it: skip
+``converted``   a predecessor died between recording and acking: announce again
+``loading``,    nothing left to do
+``serving``,
+``failed``
+==============  ==============================================================
+
+Finishing reuses a complete store version if one verifies (the predecessor died after
+the rename), and otherwise writes it atomically. Bad input (NaN/Inf, wrong dtype, wrong
+shape, missing shard) moves the version to ``failed`` with a reason naming the tensor or
+shard; the message is acked and the service goes on. An unexpected error leaves the
+message pending, to be reclaimed and tried again, at most ``max_deliveries`` times.
+The message is acked only after the version's outcome is recorded in the registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from libalign.errors import (
+    BusUnavailableError,
+    EventError,
+    InputError,
+    StateTransitionError,
+    StoreError,
+    VersionExistsError,
+    VersionNotFoundError,
+)
+from alignd.infra.events import ConvertedEvent, PublishedEvent
+from alignd.infra.bus import Heartbeat, Message, RedisBus
+from alignd.infra.registry import Registry
+from alignd.infra.settings import Settings
+from alignd.infra.telemetry import Metrics
+from alignd.formats.weight_store import WeightStore
+
+from alignd.formats.convert import convert_published, resolve_spec, target_spec
+
+log = logging.getLogger(__name__)
+
+# Outcomes of handle(); every one but RETRY acks the message.
+CONVERTED, FAILED, SKIPPED, DROPPED, RETRY = "converted", "failed", "skipped", "dropped", "retry"
+
+
+class ConverterWorker:
+    """Turns ``published`` messages into converted (or failed) versions."""
+
+    def __init__(self, settings: Settings, bus: RedisBus, registry: Registry, store: WeightStore,
+                 metrics: Metrics):
+        self.settings = settings
+        self.bus = bus
+        self.registry = registry
+        self.store = store
+        self.metrics = metrics
+        self.spec = resolve_spec(settings.preset)
+        self.me = settings.consumer_name
+
+    def handle(self, msg: Message) -> str:
+        """Process one message; ack it unless the outcome is RETRY. Returns the outcome."""
+        try:
+            outcome = self._process(msg)
+        except BusUnavailableError:
+            raise
+        except Exception:
+            log.exception("message %s: unexpected error; left pending for a retry", msg.id)
+            return RETRY
+        self.bus.ack(msg.stream, self.settings.converter_group, msg.id)
+        return outcome
+
+    def _process(self, msg: Message) -> str:
+        """Decide by the version's state what the message still needs."""
+        try:
+            event = PublishedEvent.from_fields(msg.fields)
+        except (EventError, InputError) as e:
+            log.error("message %s dropped: %s", msg.id, e)
+            self.metrics.observe_failure(e)
+            return DROPPED
+        vid = event.version_id
+        try:
+            rec = self.registry.get(vid)
+        except VersionNotFoundError as e:
+            log.error("message %s dropped: %s", msg.id, e)
+            self.metrics.observe_failure(e)
+            return DROPPED
+        if rec.state == "converted":
+            try:
+                self._announce(vid, target_path=event.target_path)
+            except (VersionNotFoundError, StoreError) as e:  # store copy deleted since
+                log.error("version %s is converted but cannot be announced: %s", vid, e)
+            return SKIPPED
+        if rec.state not in ("published", "converting"):
+            log.info("version %s is %s already; nothing to do", vid, rec.state)
+            return SKIPPED
+        if msg.deliveries > self.settings.max_deliveries:
+            return self._fail(vid, "too_many_deliveries",
+                              f"gave up after {msg.deliveries - 1} deliveries", fence=False)
+        try:
+            self.registry.transition(vid, "converting", actor=self.me, reclaim=msg.reclaimed)
+        except StateTransitionError as e:
+            log.info("version %s: %s; another consumer holds it", vid, e)
+            return SKIPPED
+        t0 = time.perf_counter()
+        self.metrics.converter_busy.set(1)
+        try:
+            with Heartbeat(self.bus, msg, self.settings.converter_group, self.me,
+                           self.settings.heartbeat_ms / 1000):
+                manifest = self._convert(vid, rec.path or event.path, event.target_path)
+        except (InputError, StoreError) as e:
+            return self._fail(vid, e.code, str(e), err=e)
+        finally:
+            self.metrics.converter_busy.set(0)
+        try:
+            self.registry.transition(vid, "converted", actor=self.me, expect_owner=self.me)
+        except StateTransitionError as e:
+            log.warning("version %s: %s; another consumer finished it", vid, e)
+            return SKIPPED
+        self.metrics.observe_conversion(manifest, time.perf_counter() - t0)
+        self._announce(vid, manifest, event.target_path)
+        log.info("version %s converted: %d tensors, %d bytes, %.2fs", vid,
+                 manifest["totals"]["tensors"], manifest["totals"]["stored_bytes"],
+                 time.perf_counter() - t0)
+        return CONVERTED
+
+    def _convert(self, vid: str, src: str, target_path: str | None = None) -> dict[str, Any]:
+        """The store version of ``vid``: reused if complete and verified, else written."""
+        spec, quantize = target_spec(self.spec, target_path)
+        overwrite = False
+        if self.store.has_version(vid):
+            try:
+                manifest = self.store.verify_version(vid)
+                log.info("version %s: reusing the verified store version", vid)
+                return manifest
+            except StoreError as e:
+                log.warning("version %s: store copy is bad (%s); rewriting it", vid, e)
+                overwrite = True
+        try:
+            manifest = convert_published(
+                src, self.store, vid, spec, all_linear=self.settings.convert_all_linear,
+                quantize=quantize,
+                device=self.settings.converter_device,
+                shard_bytes=self.settings.store_shard_bytes, overwrite=overwrite, on_step=self._step)
+        except VersionExistsError:  # a concurrent converter committed first
+            manifest = self.store.verify_version(vid)
+        self._step("committed")
+        return manifest
+
+    def _step(self, label: str) -> None:
+        """After each durable step: log, and apply the test hook's delay."""
+        log.debug("step: %s", label)
+        if self.settings.test_step_delay_s:
+            time.sleep(self.settings.test_step_delay_s)
+
+    def _fail(self, vid: str, code: str, detail: str, *, err: BaseException | None = None,
+              fence: bool = True) -> str:
+        """Record ``failed`` with a reason; count it. SKIPPED if another consumer took over."""
+        reason = f"{code}: {detail}"
+        try:
+            self.registry.fail(vid, reason, actor=self.me, expect_owner=self.me if fence else None)
+        except StateTransitionError as e:
+            log.warning("version %s: could not record failure (%s)", vid, e)
+            return SKIPPED
+        self.metrics.observe_failure(err if err is not None else code)
+        log.error("version %s failed: %s", vid, reason)
+        return FAILED
+
+    def _announce(self, vid: str, manifest: dict[str, Any] | None = None,
+                  target_path: str | None = None) -> None:
+        """Put a ``converted`` event for ``vid`` on the converted stream."""
+        manifest = manifest if manifest is not None else self.store.read_manifest(vid)
+        spec, _ = target_spec(self.spec, target_path)
+        event = ConvertedEvent(
+            version_id=vid, path=str(self.store.version_path(vid)), preset=spec.name,
+            tensors=manifest["totals"]["tensors"], stored_bytes=manifest["totals"]["stored_bytes"],
+            target_path=target_path)
+        self.bus.publish(self.settings.converted_stream, event.to_fields())

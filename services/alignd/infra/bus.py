@@ -1,0 +1,269 @@
+"""Events on Redis Streams with consumer groups: at-least-once, never lost.
+
+A stream is an append-only log (``XADD``). A consumer group remembers, per message,
+which consumer it was delivered to and whether that consumer has acknowledged it. The
+pattern the services follow:
+
+1. ``XGROUP CREATE ... MKSTREAM`` once (idempotent here);
+2. ``XREADGROUP ... >`` hands each new message to exactly one consumer of the group and
+   puts it in the group's pending entries list (PEL);
+3. the consumer does the work, makes its result durable, and only then ``XACK``s, which
+   removes the message from the PEL. A consumer that dies before the ack leaves the
+   message pending;
+4. a live consumer periodically runs ``XAUTOCLAIM`` for messages idle longer than
+   ``claim_idle_ms`` and takes them over, so work a dead consumer started is finished.
+   While working, a consumer refreshes its message (:meth:`RedisBus.touch`) so that a
+   slow but alive consumer is not mistaken for a dead one.
+
+Delivery is therefore at least once: handlers must be idempotent. Every Redis call goes
+through :meth:`RedisBus.call`, which retries connection errors with exponential backoff
+(a restarting Redis answers ``LOADING`` or refuses connections for a while), and
+recreates the group if Redis came back empty (``NOGROUP``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+import redis
+
+from libalign.errors import BusUnavailableError
+
+from alignd.infra.redis_clients import client_for, text_client
+from alignd.infra.settings import Settings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: Errors after which the same call may simply be tried again.
+RETRYABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+#: Error replies that mean "the consumer group (or its whole stream) is gone". Redis says
+#: NOGROUP; the embedded server answers XREADGROUP on a missing stream with XGROUP's
+#: "requires the key to exist" instead, which Redis never sends for the calls we guard.
+_NOGROUP = ("NOGROUP", "requires the key to exist")
+
+# Refresh a pending message's idle time only if this consumer still owns it.
+_TOUCH_LUA = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID')
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff: ``initial_s``, times ``factor`` per try, at most ``max_s``."""
+
+    initial_s: float = 0.05
+    max_s: float = 2.0
+    factor: float = 2.0
+    give_up_after_s: float | None = None
+
+    def delays(self) -> Iterator[float]:
+        """Successive sleep lengths (endless)."""
+        d = self.initial_s
+        while True:
+            yield d
+            d = min(d * self.factor, self.max_s)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One stream entry as a consumer sees it."""
+
+    stream: str
+    id: str
+    fields: dict[str, str]
+    deliveries: int = 1
+    reclaimed: bool = False
+
+
+def connect(url: str | None, *, socket_timeout_s: float = 10.0) -> redis.Redis:
+    """A client for ``url`` with string replies and no hidden retries (we retry ourselves).
+
+    ``url=None`` gives a client of the embedded in-process server
+    (see ``services/alignd/infra/redis_clients.py``).
+    """
+    return client_for(url, decode_responses=True, socket_timeout_s=socket_timeout_s)
+
+
+class RedisBus:
+    """Streams, consumer groups and retries over one Redis client."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        backoff: Backoff | None = None,
+        stop_event: threading.Event | None = None,
+        on_retry: Callable[[str, Exception], None] | None = None,
+    ):
+        self.client = client
+        self.backoff = backoff or Backoff()
+        self.stop_event = stop_event
+        self.on_retry = on_retry
+        self._touch = client.register_script(_TOUCH_LUA)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, **kw) -> RedisBus:
+        """A bus on ``settings.redis_url`` (None: embedded) that gives up after
+        ``settings.redis_retry_s``."""
+        timeout = settings.block_ms / 1000 + 10.0
+        backoff = Backoff(give_up_after_s=settings.redis_retry_s)
+        return cls(text_client(settings, socket_timeout_s=timeout), backoff=backoff, **kw)
+
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn``, retrying connection errors with backoff; raise BusUnavailableError."""
+        start = time.monotonic()
+        delays = self.backoff.delays()
+        while True:
+            try:
+                return fn()
+            except RETRYABLE as e:
+                waited = time.monotonic() - start
+                limit = self.backoff.give_up_after_s
+                stopping = self.stop_event is not None and self.stop_event.is_set()
+                if stopping or (limit is not None and waited >= limit):
+                    raise BusUnavailableError(f"{what}: Redis unreachable for {waited:.1f}s: "
+                                              f"{e}") from e
+                if self.on_retry is not None:
+                    self.on_retry(what, e)
+                delay = next(delays)
+                log.warning("%s: %s; retrying in %.2fs", what, e, delay)
+                if self.stop_event is not None:
+                    self.stop_event.wait(delay)
+                else:
+                    time.sleep(delay)
+
+    def ensure_group(self, stream: str, group: str, start_id: str = "0") -> bool:
+        """Create ``group`` on ``stream`` (and the stream); False if it already existed."""
+        def create() -> bool:
+            try:
+                self.client.xgroup_create(stream, group, id=start_id, mkstream=True)
+                return True
+            except redis.exceptions.ResponseError as e:
+                if "BUSYGROUP" in str(e):
+                    return False
+                raise
+        return self.call(f"XGROUP CREATE {stream} {group}", create)
+
+    def _grouped(self, stream: str, group: str, what: str, fn: Callable[[], T]) -> T:
+        """``call`` that recreates a group lost to a Redis restart without persistence."""
+        def attempt() -> T:
+            try:
+                return fn()
+            except redis.exceptions.ResponseError as e:
+                if not any(m in str(e) for m in _NOGROUP):
+                    raise
+                log.warning("%s: group %s vanished (Redis restarted empty?); recreating",
+                            what, group)
+                self.client.xgroup_create(stream, group, id="0", mkstream=True)
+                return fn()
+        return self.call(what, attempt)
+
+    def publish(self, stream: str, fields: Mapping[str, str], *, maxlen: int | None = None) -> str:
+        """XADD one event; returns its id. A retried XADD may duplicate, never lose, it."""
+        data = {k: str(v) for k, v in fields.items()}
+        return self.call(f"XADD {stream}", lambda: self.client.xadd(
+            stream, data, maxlen=maxlen, approximate=maxlen is not None))
+
+    def read(self, stream: str, group: str, consumer: str, *, count: int = 1,
+             block_ms: int = 1000) -> list[Message]:
+        """XREADGROUP new messages (``>``) for ``consumer``, waiting up to ``block_ms``."""
+        reply = self._grouped(stream, group, f"XREADGROUP {stream}", lambda: self.client.xreadgroup(
+            group, consumer, {stream: ">"}, count=count, block=block_ms))
+        out: list[Message] = []
+        for _name, entries in reply or []:
+            for msg_id, fields in entries:
+                if fields is not None:
+                    out.append(Message(stream, msg_id, dict(fields)))
+        return out
+
+    def reclaim(self, stream: str, group: str, consumer: str, *, min_idle_ms: int,
+                count: int = 100, limit: int | None = None) -> list[Message]:
+        """XAUTOCLAIM messages idle at least ``min_idle_ms`` (at most ``limit``); trimmed ones are acked.
+
+        Claim only what you will work on next: a claimed message waits in this consumer's
+        name, and other consumers leave it alone until it is idle again.
+        """
+        out: list[Message] = []
+        cursor = "0-0"
+        if limit is not None:
+            count = min(count, limit)
+        while limit is None or len(out) < limit:
+            reply = self._grouped(stream, group, f"XAUTOCLAIM {stream}", lambda c=cursor:
+                                  self.client.xautoclaim(stream, group, consumer, min_idle_ms,
+                                                         start_id=c, count=count))
+            cursor, entries = reply[0], reply[1]
+            deleted = reply[2] if len(reply) > 2 else []
+            for msg_id, fields in entries:
+                if fields is None:
+                    continue
+                n = self.deliveries(stream, group, msg_id)
+                out.append(Message(stream, msg_id, dict(fields), deliveries=n, reclaimed=True))
+            for msg_id in deleted:  # entry trimmed away: nothing left to do, drop it from the PEL
+                self.ack(stream, group, msg_id)
+            if cursor in ("0-0", "0"):
+                break
+        return out
+
+    def deliveries(self, stream: str, group: str, msg_id: str) -> int:
+        """How many times the group has delivered ``msg_id`` (0 if no longer pending)."""
+        rows = self._grouped(stream, group, f"XPENDING {stream}", lambda: self.client.xpending_range(
+            stream, group, min=msg_id, max=msg_id, count=1))
+        return int(rows[0]["times_delivered"]) if rows else 0
+
+    def touch(self, stream: str, group: str, consumer: str, msg_id: str, *,
+              retry: bool = True) -> bool:
+        """Reset ``msg_id``'s idle time if ``consumer`` still owns it; False if it does not."""
+        def once() -> bool:
+            return bool(self._touch(keys=[stream], args=[group, consumer, msg_id]))
+        return self._grouped(stream, group, f"touch {stream}", once) if retry else once()
+
+    def ack(self, stream: str, group: str, msg_id: str) -> int:
+        """XACK: the work for ``msg_id`` is durably done. Idempotent."""
+        return int(self.call(f"XACK {stream}", lambda: self.client.xack(stream, group, msg_id)))
+
+    def pending_count(self, stream: str, group: str) -> int:
+        """Messages delivered to the group and not yet acknowledged."""
+        info = self._grouped(stream, group, f"XPENDING {stream}",
+                             lambda: self.client.xpending(stream, group))
+        return int(info["pending"])
+
+
+class Heartbeat:
+    """Context manager that touches one in-flight message every ``period_s`` in a thread."""
+
+    def __init__(self, bus: RedisBus, msg: Message, group: str, consumer: str, period_s: float):
+        self.bus, self.msg, self.group, self.consumer = bus, msg, group, consumer
+        self.period_s = period_s
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{msg.id}", daemon=True)
+
+    def _run(self) -> None:
+        """Touch until stopped; a failed touch is logged, never raised."""
+        while not self._stop.wait(self.period_s):
+            try:
+                if not self.bus.touch(self.msg.stream, self.group, self.consumer, self.msg.id,
+                                      retry=False):
+                    self.lost = True
+                    log.warning("message %s was claimed by another consumer", self.msg.id)
+                    return
+            except Exception as e:  # Redis down: the work goes on, the next touch may succeed
+                log.warning("heartbeat for %s failed: %s", self.msg.id, e)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()

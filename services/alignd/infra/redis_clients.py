@@ -1,0 +1,123 @@
+"""Redis clients from Settings: a real server at ``redis_url``, or the embedded one.
+
+Every service reaches Redis through a client made here, so there is exactly one answer
+to "which Redis, with which options". Two flavours exist because Redis replies are
+bytes and the callers want different things:
+
+* :func:`text_client` decodes replies to ``str`` (``decode_responses=True``). The event
+  bus (:class:`~alignd.infra.bus.RedisBus`) and the version registry use it:
+  they only handle ids, JSON and stream fields.
+* :func:`binary_client` returns raw ``bytes`` (``decode_responses=False``). The guidance
+  store needs it: its records are arbitrary bytes that no codec may touch.
+
+With ``settings.redis_url`` set, a client connects to that server with short connect
+timeouts and no retries hidden inside redis-py: :meth:`RedisBus.call` retries
+connection errors itself, with backoff, a give-up budget and metrics, and a second,
+invisible retry layer underneath would only multiply waits and duplicate writes.
+
+With ``redis_url`` unset (``None``, the default) the clients talk to the **embedded**
+server: one in-process, Redis-compatible server (``fakeredis.FakeServer``) per Python
+process, created on first use and shared by every client made here afterwards. It
+speaks the commands the daemon uses (strings, hashes, sets, sorted sets, Streams with
+consumer groups and ``XAUTOCLAIM``, ``MULTI``/``EXEC``, Lua with ``cjson``, key expiry),
+so the same code path runs with zero setup.
+
+What the embedded mode is for: the README's zero-setup path, where ``alignd`` runs the
+API, converter, sampler and learner as threads of *one* process on a laptop, and quick
+experiments and tests of logic that does not care where Redis lives.
+
+What it is not:
+
+* not persistent: everything is gone when the process exits;
+* not shared across processes: a second process (another ``alignd``, a converter
+  started on its own, ``redis-cli``) gets its own, empty server and sees none of the
+  first one's versions, events or guidance. Run services as separate processes only
+  with ``ALIGN_REDIS_URL`` pointing at a real Redis;
+* not for fault tests: it cannot be stopped, restarted, lose its data or its
+  connections the way a real server can, and nothing crosses a socket. Tests of
+  retries, crashes and restarts run against a real ``redis-server``;
+* not a server to measure speed on: its commands run in Python, one at a time under
+  one lock. That is plenty for one process's control traffic and guidance records
+  (hundreds of MB/s for MB-sized records, tens of MB/s for 10 KB ones), but it says
+  nothing about a deployment.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from alignd.infra.settings import Settings
+
+if TYPE_CHECKING:  # fakeredis is imported on first use: a deployment never pays for it
+    import fakeredis
+
+#: Socket timeout of text clients (the bus adds its own longest blocking read).
+TEXT_TIMEOUT_S = 10.0
+#: Socket timeout of binary clients: a 256 MB guidance record takes a while to move.
+BINARY_TIMEOUT_S = 30.0
+
+_lock = threading.Lock()
+_server: fakeredis.FakeServer | None = None
+
+
+def embedded_server() -> fakeredis.FakeServer:
+    """The process-wide embedded server, created on the first call (thread-safe)."""
+    global _server
+    with _lock:
+        if _server is None:
+            import fakeredis
+
+            _server = fakeredis.FakeServer()
+        return _server
+
+
+def reset_embedded() -> None:
+    """Forget the embedded server; the next client gets a new, empty one (for tests).
+
+    Clients made before keep talking to the old server until they are dropped.
+    """
+    global _server
+    with _lock:
+        _server = None
+
+
+def client_for(url: str | None, *, decode_responses: bool,
+               socket_timeout_s: float) -> redis.Redis:
+    """A client for ``url`` (None: the embedded server), with no hidden retries.
+
+    ``socket_timeout_s`` bounds every read from a real server (and connecting to it, at
+    most 2 s); the embedded server has no sockets and ignores it.
+    """
+    if url is None:
+        import fakeredis
+
+        return fakeredis.FakeRedis(server=embedded_server(), decode_responses=decode_responses,
+                                   retry=Retry(NoBackoff(), 0))
+    return redis.Redis.from_url(
+        url, decode_responses=decode_responses, socket_timeout=socket_timeout_s,
+        socket_connect_timeout=min(2.0, socket_timeout_s), retry=Retry(NoBackoff(), 0),
+    )
+
+
+def text_client(settings: Settings, *, socket_timeout_s: float = TEXT_TIMEOUT_S) -> redis.Redis:
+    """A client whose replies are ``str``: for the bus, the registry and other metadata."""
+    return client_for(settings.redis_url, decode_responses=True,
+                      socket_timeout_s=socket_timeout_s)
+
+
+def binary_client(settings: Settings, *,
+                  socket_timeout_s: float = BINARY_TIMEOUT_S) -> redis.Redis:
+    """A client whose replies are ``bytes``: for the guidance store's records."""
+    return client_for(settings.redis_url, decode_responses=False,
+                      socket_timeout_s=socket_timeout_s)
+
+
+def is_embedded(client: redis.Redis) -> bool:
+    """True if ``client`` talks to an in-process fakeredis server, not over a socket."""
+    cls = client.connection_pool.connection_class
+    return getattr(cls, "__module__", "").startswith("fakeredis")

@@ -1,0 +1,286 @@
+"""The weight-version registry: one state machine per version, kept in Redis.
+
+A version moves along ``published -> converting -> converted -> loading -> serving``;
+from any state before ``serving`` it may instead go to ``failed`` with a reason.
+``serving`` and ``failed`` are terminal. One self-loop is legal, ``converting ->
+converting``, and only when the caller says it reclaimed the work (``reclaim=True``): a
+converter that crashed mid-way left the version in ``converting``, and the consumer that
+takes over its message re-enters the state under its own name. Without the flag a second
+``published -> converting`` loses: of two clients racing for the same transition
+exactly one wins, the other gets :class:`StateTransitionError`.
+
+Every transition is one Lua script, so the check of the current state and the write of
+the new one are atomic on the server. Each change appends ``{from, to, at, reason,
+actor}`` to the version's history; timestamps come from the Redis server's clock, so
+entries written by different hosts are ordered consistently. A transition carries a
+random token: if a reply is lost and the client retries, the script recognises its own
+completed write and reports success instead of an illegal ``X -> X``.
+
+Keys (``P`` is the key prefix): ``P:version:<id>`` (hash: state, path, reason, owner,
+created_at, updated_at, meta), ``P:version:<id>:history`` (list of JSON) and
+``P:versions`` (sorted set of ids by creation time).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from libalign.errors import (
+    ConfigError,
+    InputError,
+    StateTransitionError,
+    VersionExistsError,
+    VersionNotFoundError,
+)
+
+from alignd.infra.events import check_version_id
+from alignd.infra.bus import RedisBus
+
+STATES = ("published", "converting", "converted", "loading", "serving", "failed")
+
+#: Legal moves; the single source of truth the Lua scripts are fed from.
+TRANSITIONS: dict[str, frozenset[str]] = {
+    "published": frozenset({"converting", "failed"}),
+    "converting": frozenset({"converting", "converted", "failed"}),
+    "converted": frozenset({"loading", "failed"}),
+    "loading": frozenset({"serving", "failed"}),
+    "serving": frozenset(),
+    "failed": frozenset(),
+}
+#: Self-loops that are legal only for a reclaimed piece of work.
+REENTRANT = frozenset({"converting"})
+MAX_REASON = 2000
+
+_CREATE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return nil end
+local t = redis.call('TIME')
+local now = string.format('%d.%06d', t[1], t[2])
+redis.call('HSET', KEYS[1], 'version_id', ARGV[1], 'state', 'published', 'path', ARGV[2],
+           'reason', '', 'owner', ARGV[3], 'meta', ARGV[4], 'created_at', now, 'updated_at', now)
+redis.call('RPUSH', KEYS[2], cjson.encode({['from']='', to='published', at=now, reason='',
+                                           actor=ARGV[3]}))
+redis.call('ZADD', KEYS[3], tonumber(t[1]) + tonumber(t[2]) / 1e6, ARGV[1])
+return redis.call('HGETALL', KEYS[1])
+"""
+
+# ARGV: target, token, reason, actor, allowed-from (comma list), expected owner ('' = any)
+_TRANSITION_LUA = """
+local cur = redis.call('HGET', KEYS[1], 'state')
+if not cur then return {'missing'} end
+if redis.call('HGET', KEYS[1], 'last_token') == ARGV[2] and cur == ARGV[1] then
+  return {'ok', redis.call('HGETALL', KEYS[1])}
+end
+local allowed = false
+for s in string.gmatch(ARGV[5], '[^,]+') do
+  if s == cur then allowed = true end
+end
+if not allowed then return {'illegal', cur} end
+local owner = redis.call('HGET', KEYS[1], 'owner') or ''
+if ARGV[6] ~= '' and owner ~= ARGV[6] then return {'owner', cur, owner} end
+local t = redis.call('TIME')
+local now = string.format('%d.%06d', t[1], t[2])
+redis.call('HSET', KEYS[1], 'state', ARGV[1], 'updated_at', now, 'last_token', ARGV[2],
+           'owner', ARGV[4])
+if ARGV[1] == 'failed' then redis.call('HSET', KEYS[1], 'reason', ARGV[3]) end
+redis.call('RPUSH', KEYS[2], cjson.encode({['from']=cur, to=ARGV[1], at=now, reason=ARGV[3],
+                                           actor=ARGV[4]}))
+return {'ok', redis.call('HGETALL', KEYS[1])}
+"""
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    """A version as the registry holds it."""
+
+    version_id: str
+    state: str
+    path: str
+    reason: str
+    owner: str
+    created_at: float
+    updated_at: float
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_hash(cls, h: dict[str, str]) -> VersionRecord:
+        """Build from the Redis hash."""
+        return cls(
+            version_id=h["version_id"], state=h["state"], path=h.get("path", ""),
+            reason=h.get("reason", ""), owner=h.get("owner", ""),
+            created_at=float(h["created_at"]), updated_at=float(h["updated_at"]),
+            meta=json.loads(h.get("meta") or "{}"),
+        )
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One state change: from, to, server time, reason and who made it."""
+
+    from_state: str
+    to_state: str
+    at: float
+    reason: str
+    actor: str
+
+
+def _flat_to_dict(flat: list[str]) -> dict[str, str]:
+    """HGETALL's flat [k1, v1, k2, v2, ...] reply as a dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
+def allowed_sources(target: str, *, reclaim: bool = False) -> frozenset[str]:
+    """States from which ``target`` may be entered (self-loops only with ``reclaim``)."""
+    if target not in TRANSITIONS:
+        raise InputError(f"unknown version state {target!r}; states are {STATES}")
+    srcs = {s for s, nxt in TRANSITIONS.items() if target in nxt}
+    if target in REENTRANT and not reclaim:
+        srcs.discard(target)
+    return frozenset(srcs)
+
+
+class Registry:
+    """Create, move and inspect weight versions in Redis."""
+
+    def __init__(self, bus: RedisBus, prefix: str = "libalign"):
+        self.bus = bus
+        self.prefix = prefix
+        self._create = bus.client.register_script(_CREATE_LUA)
+        self._transition = bus.client.register_script(_TRANSITION_LUA)
+
+    def _key(self, version_id: str) -> str:
+        return f"{self.prefix}:version:{check_version_id(version_id)}"
+
+    def _history_key(self, version_id: str) -> str:
+        return f"{self._key(version_id)}:history"
+
+    @property
+    def _index_key(self) -> str:
+        return f"{self.prefix}:versions"
+
+    def create(self, version_id: str, path: str, *, actor: str = "",
+               meta: dict[str, Any] | None = None) -> VersionRecord:
+        """Register a new version in state ``published``; VersionExistsError if known."""
+        keys = [self._key(version_id), self._history_key(version_id), self._index_key]
+        args = [version_id, str(path), actor, json.dumps(meta or {}, sort_keys=True)]
+        flat = self.bus.call(f"registry create {version_id}",
+                             lambda: self._create(keys=keys, args=args))
+        if flat is None:
+            raise VersionExistsError(version_id)
+        return VersionRecord.from_hash(_flat_to_dict(flat))
+
+    def create_and_announce(self, version_id: str, path: str, stream: str,
+                            fields: dict[str, str], *, actor: str = "",
+                            meta: dict[str, Any] | None = None) -> tuple[VersionRecord, str]:
+        """:meth:`create` and the ``XADD`` of its event to ``stream`` in one MULTI/EXEC.
+
+        Both happen or neither (a version never exists without its event, nor an event
+        without its version); returns the record and the stream entry id. VersionExistsError
+        if the id is taken (also when another client creates it concurrently).
+        """
+        check_version_id(version_id)
+        keys = [self._key(version_id), self._history_key(version_id), self._index_key]
+        args = [version_id, str(path), actor, json.dumps(meta or {}, sort_keys=True)]
+
+        def attempt() -> tuple[list, str]:
+            with self.bus.client.pipeline(transaction=True) as pipe:
+                pipe.watch(keys[0])
+                if pipe.exists(keys[0]):
+                    raise VersionExistsError(version_id)
+                kind = pipe.type(stream)
+                if kind not in ("none", "stream"):
+                    raise ConfigError(f"the stream key {stream!r} holds a {kind}, not a stream; "
+                                      "nothing was published")
+                pipe.multi()
+                self._create(keys=keys, args=args, client=pipe)
+                pipe.xadd(stream, fields)
+                flat, event_id = pipe.execute()
+            return flat, event_id
+
+        try:
+            flat, event_id = self.bus.call(f"registry publish {version_id}", attempt)
+        except redis.exceptions.WatchError as e:
+            raise VersionExistsError(version_id) from e
+        if flat is None:  # cannot happen under WATCH; never report a version that was not made
+            raise VersionExistsError(version_id)
+        return VersionRecord.from_hash(_flat_to_dict(flat)), event_id
+
+    def get(self, version_id: str) -> VersionRecord:
+        """The version's record; VersionNotFoundError if unknown."""
+        key = self._key(version_id)
+        h = self.bus.call(f"registry get {version_id}", lambda: self.bus.client.hgetall(key))
+        if not h:
+            raise VersionNotFoundError(version_id)
+        return VersionRecord.from_hash(h)
+
+    def state(self, version_id: str) -> str:
+        """The version's current state."""
+        return self.get(version_id).state
+
+    def transition(self, version_id: str, target: str, *, actor: str = "", reason: str = "",
+                   reclaim: bool = False, expect_owner: str | None = None) -> VersionRecord:
+        """Move a version to ``target`` atomically, or raise StateTransitionError.
+
+        ``reclaim`` allows the ``converting -> converting`` re-entry; ``expect_owner``
+        makes the move conditional on the last actor (a fence for work another consumer
+        may have taken over). ``failed`` needs a reason.
+        """
+        srcs = allowed_sources(target, reclaim=reclaim)
+        if target == "failed" and not reason:
+            raise InputError("a version moves to 'failed' only with a reason")
+        keys = [self._key(version_id), self._history_key(version_id)]
+        token = uuid.uuid4().hex
+        args = [target, token, reason[:MAX_REASON], actor, ",".join(sorted(srcs)) or "-",
+                expect_owner or ""]
+        reply = self.bus.call(f"registry {version_id} -> {target}",
+                              lambda: self._transition(keys=keys, args=args))
+        status = reply[0]
+        if status == "ok":
+            return VersionRecord.from_hash(_flat_to_dict(reply[1]))
+        if status == "missing":
+            raise VersionNotFoundError(version_id)
+        current = reply[1]
+        if status == "owner":
+            raise StateTransitionError(version_id, current, target,
+                                       f"owned by {reply[2]!r}, not {expect_owner!r}")
+        reentry = current == target and target in REENTRANT
+        detail = "re-entry needs reclaim=True" if reentry else ""
+        raise StateTransitionError(version_id, current, target, detail)
+
+    def fail(self, version_id: str, reason: str, *, actor: str = "",
+             expect_owner: str | None = None) -> VersionRecord:
+        """Move a version to ``failed`` with ``reason``."""
+        return self.transition(version_id, "failed", actor=actor, reason=reason,
+                               expect_owner=expect_owner)
+
+    def history(self, version_id: str) -> list[HistoryEntry]:
+        """Every state change of the version, oldest first."""
+        key = self._history_key(version_id)
+        rows = self.bus.call(f"registry history {version_id}",
+                             lambda: self.bus.client.lrange(key, 0, -1))
+        if not rows:
+            self.get(version_id)  # raises VersionNotFoundError for an unknown id
+        out = []
+        for r in rows:
+            d = json.loads(r)
+            out.append(HistoryEntry(d["from"], d["to"], float(d["at"]), d.get("reason", ""),
+                                    d.get("actor", "")))
+        return out
+
+    def list_versions(self, state: str | None = None) -> list[VersionRecord]:
+        """All versions, oldest first, optionally only those in ``state``."""
+        ids = self.bus.call("registry list",
+                            lambda: self.bus.client.zrange(self._index_key, 0, -1))
+        out = []
+        for vid in ids:
+            try:
+                rec = self.get(vid)
+            except VersionNotFoundError:
+                continue
+            if state is None or rec.state == state:
+                out.append(rec)
+        return out

@@ -1,0 +1,367 @@
+"""Rollouts and the learner–sampler discrepancy, kept in Redis per weight version.
+
+The loop this module serves. A sampler generates a rollout with weight version ``v`` and
+reports its tokens and the log-probability it gave each completion token
+(:meth:`RolloutStore.put_rollouts`). The learner later scores the same tokens with the same
+version and reports its own log-probabilities (:meth:`RolloutStore.put_scores`). Pairing
+the two gives, per completion token, the execution gap
+
+    δ = log p_learner − log p_sampler   (nats)
+
+which :mod:`libalign.metrics` summarizes: mean and quantiles of |δ|, clip potential, TIS
+truncation, k3. This module stores δ, not just its summary, so that any window of recent
+tokens can be summarized again later (:meth:`RolloutStore.discrepancy`).
+
+Keys (``P`` is the key prefix, ``v`` a version id, ``lp``/``sp`` learner/sampler path names)::
+
+    P:rollouts:<v>               hash    rollout id -> the rollout as JSON (write-once)
+    P:delta:<v>                  string  δ of every scored token of v, float32, appended
+    P:delta:<v>:<lp>:<sp>        string  the same, only the tokens of one path pair
+    P:delta:<v>:pairs            set     "<lp>:<sp>" pairs that have a δ string
+    P:delta:<v>:scored           set     "<rollout id>:<lp>" already scored (idempotence)
+    P:delta:index                zset    v -> server time of its latest score
+
+Why float32 strings. ``APPEND`` adds a batch's δ values to the end of a string in one
+command, and ``GETRANGE`` reads the last N of them without touching the rest: a window
+read costs 4N bytes, whatever the version holds. float32 keeps |δ| to 7 significant
+digits, far below the 1e-4 nats the histograms resolve.
+
+Atomicity. :meth:`~RolloutStore.put_rollouts` is one Lua script: it refuses the whole
+batch if any id is already stored (:class:`~libalign.errors.RolloutExistsError`), else
+writes all of it, so a batch is never half stored. :meth:`~RolloutStore.put_scores`
+computes δ in Python, then one Lua script appends it: a score whose ``(rollout id,
+learner path)`` is already in ``P:delta:<v>:scored`` is skipped, so sending the same batch
+twice (a retry after a lost reply) counts its tokens once. Window reads take the last
+``4N`` bytes of one string in one script, so they always end on a value boundary.
+
+Expiry. A version's rollout hash expires ``ttl_s`` after the last batch of rollouts, its
+δ keys ``ttl_s`` after the last batch of scores (the control API uses ``guidance_ttl_s``,
+so rollouts live about as long as their guidance records); ``None`` keeps them until
+deleted. The index forgets versions whose δ string expired when it next reads them.
+
+Like the guidance store, the store needs a binary-safe client (``decode_responses=False``)
+and one Redis (standalone or Sentinel), not Redis Cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import redis
+import torch
+from alignclient.models import (
+    DeltaStats,
+    DeltaSummary,
+    Discrepancy,
+    PathDiscrepancy,
+    Rollout,
+    Score,
+)
+
+from libalign.errors import (
+    ConfigError,
+    InputError,
+    RolloutExistsError,
+    RolloutNotFoundError,
+    ShapeError,
+)
+from libalign.metrics import DEFAULT_TIS_CAP, delta_stats, tis_weights, token_deltas
+
+from alignd.infra.events import check_version_id
+from alignd.infra.bus import Backoff, RedisBus
+from alignd.infra.telemetry import Metrics
+
+__all__ = ["DEFAULT_TTL_S", "DeltaSummary", "Discrepancy", "Rollout", "RolloutStore", "Score",
+           "summarize"]
+
+#: Expiry of a version's keys after their last write when none is given (one day).
+DEFAULT_TTL_S = 86_400.0
+#: At most this many versions are read to fill a window that spans versions.
+MAX_WINDOW_VERSIONS = 64
+
+# KEYS[1] rollouts hash. ARGV: ttl_ms, then id, json pairs. Returns the ids already there.
+_PUT_ROLLOUTS_LUA = """
+local dup = {}
+for i = 2, #ARGV, 2 do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 then dup[#dup + 1] = ARGV[i] end
+end
+if #dup > 0 then return dup end
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if tonumber(ARGV[1]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return dup
+"""
+
+# KEYS: delta, pairs, scored, index, then one key per path pair.
+# ARGV: ttl_ms, version, then per score: scored member, pair key index, pair name, bytes.
+# Returns one flag per score: 1 recorded now, 0 recorded before.
+_PUT_SCORES_LUA = """
+local ttl = tonumber(ARGV[1])
+local flags, added = {}, 0
+for i = 3, #ARGV, 4 do
+  if redis.call('SADD', KEYS[3], ARGV[i]) == 1 then
+    redis.call('APPEND', KEYS[1], ARGV[i + 3])
+    redis.call('APPEND', KEYS[tonumber(ARGV[i + 1])], ARGV[i + 3])
+    redis.call('SADD', KEYS[2], ARGV[i + 2])
+    flags[#flags + 1] = 1
+    added = added + 1
+  else
+    flags[#flags + 1] = 0
+  end
+end
+if added > 0 then
+  local t = redis.call('TIME')
+  redis.call('ZADD', KEYS[4], tonumber(t[1]) + tonumber(t[2]) / 1e6, ARGV[2])
+end
+if ttl > 0 then
+  for k = 1, #KEYS do
+    if k ~= 4 and redis.call('EXISTS', KEYS[k]) == 1 then redis.call('PEXPIRE', KEYS[k], ttl) end
+  end
+end
+return flags
+"""
+
+# KEYS[1] a δ string; ARGV[1] bytes wanted. The last ARGV[1] bytes (all if fewer).
+_TAIL_LUA = """
+local n = redis.call('STRLEN', KEYS[1])
+if n == 0 then return '' end
+local start = n - tonumber(ARGV[1])
+if start < 0 then start = 0 end
+return redis.call('GETRANGE', KEYS[1], start, n - 1)
+"""
+
+
+def summarize(delta: np.ndarray | torch.Tensor) -> DeltaStats:
+    """Statistics of a flat δ vector with libalign.metrics (all None for no tokens)."""
+    d = torch.as_tensor(np.asarray(delta, dtype=np.float64))
+    if d.numel() == 0:
+        return DeltaStats()
+    s = delta_stats(d).to_dict()
+    tis = tis_weights(d, cap=DEFAULT_TIS_CAP, level="token")
+    return DeltaStats(**s, tis_cap=DEFAULT_TIS_CAP, tis_truncated_fraction=tis.truncated_fraction)
+
+
+@dataclass(frozen=True)
+class _Scored:
+    score: Score
+    rollout: Rollout
+    delta: np.ndarray  # float64
+
+
+class RolloutStore:
+    """Rollouts, learner scores and the δ they give, per weight version, in Redis."""
+
+    def __init__(self, client: redis.Redis, prefix: str = "libalign", metrics: Metrics | None = None,
+                 *, ttl_s: float | None = DEFAULT_TTL_S, backoff: Backoff | None = None):
+        if client.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ConfigError("the rollout store needs a binary-safe client (decode_responses=False)")
+        if ttl_s is not None and not ttl_s > 0:
+            raise ConfigError(f"ttl_s must be positive (or None), not {ttl_s}")
+        self.client = client
+        self.prefix = prefix
+        self.metrics = metrics
+        self.ttl_ms = 0 if ttl_s is None else max(1, round(ttl_s * 1000))
+        on_retry = (lambda what, e: metrics.redis_retries.inc()) if metrics is not None else None
+        self.bus = RedisBus(client, backoff=backoff, on_retry=on_retry)
+        self._put_rollouts = client.register_script(_PUT_ROLLOUTS_LUA)
+        self._put_scores = client.register_script(_PUT_SCORES_LUA)
+        self._tail = client.register_script(_TAIL_LUA)
+
+    # --- keys -------------------------------------------------------------------------
+
+    def _rollouts_key(self, version: str) -> str:
+        return f"{self.prefix}:rollouts:{check_version_id(version)}"
+
+    def _delta_key(self, version: str, pair: str | None = None) -> str:
+        base = f"{self.prefix}:delta:{check_version_id(version)}"
+        return base if pair is None else f"{base}:{pair}"
+
+    @property
+    def _index_key(self) -> str:
+        return f"{self.prefix}:delta:index"
+
+    # --- rollouts -----------------------------------------------------------------------
+
+    def put_rollouts(self, version: str, rollouts: Sequence[Rollout]) -> int:
+        """Store a batch of rollouts, all or none; returns their completion tokens."""
+        key = self._rollouts_key(version)
+        if not rollouts:
+            raise InputError("put_rollouts needs at least one rollout")
+        seen: set[str] = set()
+        args: list[object] = [self.ttl_ms]
+        for r in rollouts:
+            if not isinstance(r, Rollout):
+                raise InputError(f"expected a Rollout, got {type(r).__name__}")
+            if r.rollout_id in seen:
+                raise InputError(f"rollout {r.rollout_id!r} appears twice in the batch")
+            seen.add(r.rollout_id)
+            args += [r.rollout_id, r.model_dump_json()]
+        dup = self.bus.call(f"rollouts put {version}",
+                            lambda: self._put_rollouts(keys=[key], args=args))
+        if dup:
+            raise RolloutExistsError(version, [d.decode() for d in dup])
+        tokens = sum(r.completion_tokens for r in rollouts)
+        if self.metrics is not None:
+            from alignd.infra.telemetry import path_label
+
+            for r in rollouts:
+                self.metrics.rollout_tokens.labels(sampler_path=path_label(r.path)).inc(
+                    r.completion_tokens)
+        return tokens
+
+    def get_rollouts(self, version: str, ids: Iterable[str] | None = None) -> list[Rollout]:
+        """The stored rollouts (all, sorted by id, or those of ``ids`` in that order)."""
+        key = self._rollouts_key(version)
+        if ids is None:
+            raw = self.bus.call(f"rollouts get {version}", lambda: self.client.hgetall(key))
+            return [Rollout.model_validate_json(raw[k]) for k in sorted(raw)]
+        wanted = list(dict.fromkeys(ids))
+        if not wanted:
+            return []
+        rows = self.bus.call(f"rollouts get {version}", lambda: self.client.hmget(key, wanted))
+        out = []
+        for rid, row in zip(wanted, rows, strict=True):
+            if row is None:
+                raise RolloutNotFoundError(version, rid)
+            out.append(Rollout.model_validate_json(row))
+        return out
+
+    def list_rollout_ids(self, version: str) -> list[str]:
+        """Ids of the rollouts stored for ``version``, sorted."""
+        key = self._rollouts_key(version)
+        return sorted(k.decode() for k in self.bus.call(f"rollouts ids {version}",
+                                                         lambda: self.client.hkeys(key)))
+
+    # --- scores -------------------------------------------------------------------------
+
+    def _pair(self, scores: Sequence[Score], version: str) -> list[_Scored]:
+        """Each score with its stored rollout and δ; typed errors for what does not fit."""
+        seen: set[tuple[str, str]] = set()
+        for s in scores:
+            if not isinstance(s, Score):
+                raise InputError(f"expected a Score, got {type(s).__name__}")
+            if (s.rollout_id, s.path) in seen:
+                raise InputError(f"rollout {s.rollout_id!r} is scored twice by path {s.path!r} "
+                                 "in the batch")
+            seen.add((s.rollout_id, s.path))
+        rollouts = {r.rollout_id: r for r in self.get_rollouts(version, [s.rollout_id for s in scores])}
+        learner, sampler = [], []
+        for s in scores:
+            r = rollouts[s.rollout_id]
+            if len(s.logprobs) != r.completion_tokens:
+                raise ShapeError(f"score of rollout {s.rollout_id!r} has {len(s.logprobs)} "
+                                 f"log-probs; the rollout has {r.completion_tokens} completion "
+                                 "tokens")
+            learner.append(torch.tensor(s.logprobs, dtype=torch.float64))
+            sampler.append(torch.tensor(r.logprobs, dtype=torch.float64))
+        deltas = token_deltas(learner, sampler)
+        return [_Scored(s, rollouts[s.rollout_id], d.numpy())
+                for s, d in zip(scores, deltas, strict=True)]
+
+    def put_scores(self, version: str, scores: Sequence[Score]) -> DeltaSummary:
+        """Pair learner scores with stored rollouts, record δ, return the batch's statistics.
+
+        A score already recorded (same rollout and learner path) is not counted again; the
+        statistics returned cover the whole batch either way.
+        """
+        if not scores:
+            raise InputError("put_scores needs at least one score")
+        scored = self._pair(scores, version)
+        pairs: dict[str, int] = {}
+        keys = [self._delta_key(version), self._delta_key(version, "pairs"),
+                self._delta_key(version, "scored"), self._index_key]
+        args: list[object] = [self.ttl_ms, version]
+        for x in scored:
+            pair = f"{x.score.path}:{x.rollout.path}"
+            if pair not in pairs:
+                keys.append(self._delta_key(version, pair))
+                pairs[pair] = len(keys)  # Lua indexes KEYS from 1
+            args += [f"{x.score.rollout_id}:{x.score.path}", pairs[pair], pair,
+                     x.delta.astype("<f4").tobytes()]
+        flags = self.bus.call(f"scores put {version}",
+                              lambda: self._put_scores(keys=keys, args=args))
+        fresh = [x for x, new in zip(scored, flags, strict=True) if int(new)]
+        dups = len(scored) - len(fresh)
+        if self.metrics is not None:
+            for (lp, sp), d in _by_pair(fresh).items():
+                self.metrics.observe_abs_deltas(lp, sp, np.abs(d))
+        all_d = np.concatenate([x.delta for x in scored])
+        return DeltaSummary(
+            version_id=version, rollouts=len(scored), tokens=int(all_d.size), duplicates=dups,
+            stats=summarize(all_d),
+            by_path=[PathDiscrepancy(learner_path=lp, sampler_path=sp, stats=summarize(d))
+                     for (lp, sp), d in sorted(_by_pair(scored).items())])
+
+    # --- discrepancy --------------------------------------------------------------------
+
+    def _tail_values(self, key: str, n: int) -> np.ndarray:
+        """The last ``n`` float32 δ values of one string, as float64."""
+        raw = self.bus.call(f"delta tail {key}", lambda: self._tail(keys=[key], args=[4 * n]))
+        return np.frombuffer(raw or b"", dtype="<f4").astype(np.float64)
+
+    def _pairs(self, version: str) -> list[str]:
+        key = self._delta_key(version, "pairs")
+        return sorted(p.decode() for p in self.bus.call(f"delta pairs {version}",
+                                                         lambda: self.client.smembers(key)))
+
+    def recent_versions(self) -> list[str]:
+        """Versions with δ recorded, most recently scored first (expired ones are dropped)."""
+        ids = self.bus.call("delta index", lambda: self.client.zrevrange(
+            self._index_key, 0, MAX_WINDOW_VERSIONS - 1))
+        out = []
+        for raw in ids:
+            v = raw.decode()
+            if self.bus.call(f"delta exists {v}", lambda v=v: self.client.exists(self._delta_key(v))):
+                out.append(v)
+            else:
+                self.bus.call(f"delta forget {v}", lambda v=v: self.client.zrem(self._index_key, v))
+        return out
+
+    def _window(self, versions: list[str], n: int, pair: str | None) -> tuple[np.ndarray, list[str]]:
+        """The last ``n`` values across ``versions`` (newest first), and the versions used."""
+        parts, used, left = [], [], n
+        for v in versions:
+            if left <= 0:
+                break
+            d = self._tail_values(self._delta_key(v, pair), left)
+            if d.size:
+                parts.append(d)
+                used.append(v)
+                left -= d.size
+        parts.reverse()  # oldest first, like the strings themselves
+        return (np.concatenate(parts) if parts else np.zeros(0)), used
+
+    def discrepancy(self, version: str | None = None, window_tokens: int = 65_536) -> Discrepancy:
+        """δ statistics of the last ``window_tokens`` tokens of ``version`` (None: recent versions).
+
+        Without a version the window spans the most recently scored versions, newest
+        first, until it holds ``window_tokens`` tokens; each path pair gets its own window
+        of that size. With metrics, the recent window (no version) sets the discrepancy
+        gauges.
+        """
+        if not isinstance(window_tokens, int) or window_tokens < 1:
+            raise InputError(f"window_tokens must be a positive integer, not {window_tokens!r}")
+        versions = [check_version_id(version)] if version is not None else self.recent_versions()
+        d, used = self._window(versions, window_tokens, None)
+        pairs = sorted({p for v in used for p in self._pairs(v)})
+        by_path = []
+        for pair in pairs:
+            lp, sp = pair.split(":", 1)
+            pd, _ = self._window(versions, window_tokens, pair)
+            stats = summarize(pd)
+            by_path.append(PathDiscrepancy(learner_path=lp, sampler_path=sp, stats=stats))
+            if self.metrics is not None and version is None and stats.count:
+                self.metrics.set_discrepancy(
+                    lp, sp, mean_abs=stats.mean_abs, p99_abs=stats.p99_abs,
+                    clip_potential=stats.clip_potential, tis_truncated=stats.tis_truncated_fraction)
+        return Discrepancy(version_id=version, versions=used, window_tokens=window_tokens,
+                           stats=summarize(d), by_path=by_path)
+
+
+def _by_pair(scored: list[_Scored]) -> dict[tuple[str, str], np.ndarray]:
+    """δ grouped by (learner path, sampler path), in batch order."""
+    groups: dict[tuple[str, str], list[np.ndarray]] = {}
+    for x in scored:
+        groups.setdefault((x.score.path, x.rollout.path), []).append(x.delta)
+    return {k: np.concatenate(v) for k, v in groups.items()}

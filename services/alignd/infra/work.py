@@ -1,0 +1,79 @@
+"""Rollout work between a trainer and the samplers: requests and completions on Redis Streams.
+
+A trainer (the embedded learner, or a user's RL loop through the API) asks for rollouts by
+adding a :class:`RolloutRequest` to :data:`REQUESTS` (``<prefix>:events:rollout_requests``).
+Samplers share the consumer group :data:`SAMPLER_GROUP`, so each request is served by exactly
+one sampler (and re-served by another if that one dies before acknowledging it). The sampler
+generates, stores the rollouts (token ids and its log-probs) in the rollout store and, when
+asked, their guidance records in the guidance store, then adds a :class:`RolloutsReady` to
+:data:`READY` naming the rollout ids, or the error that stopped it. Tokens travel as JSON in
+the request because prompts are short; rollouts themselves never ride on a stream.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import ClassVar
+
+from pydantic import Field, field_validator
+
+from alignd.infra.events import Event, VersionId
+
+REQUESTS = "libalign:events:rollout_requests"
+READY = "libalign:events:rollouts_ready"
+SAMPLER_GROUP = "samplers"
+MAX_PROMPTS = 4096
+MAX_PROMPT_TOKENS = 4096
+
+
+class RolloutRequest(Event):
+    """Generate ``samples_per_prompt`` completions of each prompt with version ``version_id``."""
+
+    kind: ClassVar[str] = "rollout_request"
+    request_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    version_id: VersionId
+    prompts: str  # JSON list of token-id lists
+    samples_per_prompt: int = Field(1, ge=1, le=256)
+    max_new_tokens: int = Field(ge=1, le=8192)
+    temperature: float = Field(1.0, ge=0)
+    seed: int = 0
+    guidance_bits: int = Field(0, ge=0, le=4)  # 0: no guidance records
+    requested_at: float = Field(default_factory=time.time)
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompts(cls, v: str) -> str:
+        """A JSON list of non-empty lists of non-negative ints, within the limits."""
+        try:
+            data = json.loads(v)
+        except ValueError as e:
+            raise ValueError(f"prompts are not JSON: {e}") from None
+        if not isinstance(data, list) or not 1 <= len(data) <= MAX_PROMPTS:
+            raise ValueError(f"prompts must be a list of 1..{MAX_PROMPTS} token lists")
+        for i, p in enumerate(data):
+            if (not isinstance(p, list) or not 1 <= len(p) <= MAX_PROMPT_TOKENS
+                    or not all(isinstance(t, int) and t >= 0 for t in p)):
+                raise ValueError(f"prompt {i} must be 1..{MAX_PROMPT_TOKENS} non-negative ints")
+        return v
+
+    def prompt_list(self) -> list[list[int]]:
+        """The prompts as token lists."""
+        return json.loads(self.prompts)
+
+
+class RolloutsReady(Event):
+    """The rollouts of request ``request_id`` are stored (or ``error`` says why not)."""
+
+    kind: ClassVar[str] = "rollouts_ready"
+    request_id: str
+    version_id: VersionId
+    rollout_ids: str = "[]"  # JSON list, in prompt order, samples of a prompt adjacent
+    sampler: str = ""
+    guidance: bool = False
+    error: str | None = None
+    seconds: float = 0.0
+
+    def ids(self) -> list[str]:
+        """The rollout ids."""
+        return json.loads(self.rollout_ids)

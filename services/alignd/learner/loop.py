@@ -1,0 +1,205 @@
+"""The learner's RL loop through the services: publish, wait for serving, roll out, score, train.
+
+One iteration of :class:`LearnerLoop` is one policy version's round trip:
+
+1. **publish**: the engine's BF16 weights are written to the weight store's published
+   directory, registered and announced (``published``), for the sampler's execution path;
+2. **convert** and **load** happen in the converter and the samplers; the loop waits until the
+   registry says ``serving`` (or ``failed``: an error naming the reason);
+3. **roll out**: a :class:`~alignd.infra.work.RolloutRequest` (prompts of the task, a group
+   of samples per prompt, guidance records when the learner runs ``nvfp4_trace``) goes to the
+   samplers; the loop waits for its :class:`~alignd.infra.work.RolloutsReady`;
+4. **score**: rollouts (and guidance records) are read back, the learner scores them
+   teacher-forced, the scores are reported to the rollout store (which turns them into δ
+   statistics and metrics);
+5. **train**: rewards from the task's verifier, GRPO advantages, truncated importance weights
+   against the sampler's log-probs, one optimizer step.
+
+The seconds of each stage are measured (publish, convert, load from the registry's history;
+rollout, score, train here) and returned with the statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from libalign.errors import AlignError
+from libalign.guidance import GuidanceRecord
+from alignd.formats.published import publish_version
+from alignd.infra.bus import RedisBus
+from alignd.infra.registry import Registry
+from alignd.infra.settings import Settings
+from alignd.formats.weight_store import WeightStore
+from alignd.infra.work import READY, REQUESTS, RolloutRequest, RolloutsReady
+from alignd.formats.convert import resolve_spec, target_spec
+
+from alignd.learner.engine import GUIDED, LearnerEngine, TrainBatch
+from alignd.learner.sharded_publish import announce_converted
+
+
+class LoopError(AlignError):
+    """A stage of the RL loop did not complete (a failed version, a sampler error, a timeout)."""
+
+    code = "loop_error"
+    http_status = 502
+
+
+@dataclass
+class IterationResult:
+    """What one iteration did and measured."""
+
+    step: int
+    version_id: str
+    reward_mean: float
+    delta: dict
+    train: dict
+    seconds: dict[str, float] = field(default_factory=dict)
+    deltas: list[float] = field(default_factory=list)
+    """δ = learner − sampler of every scored token, rollout after rollout."""
+
+
+class LearnerLoop:
+    """Drives iterations against the services over one Redis and one weight store."""
+
+    def __init__(self, settings: Settings, engine: LearnerEngine, bus: RedisBus, *, rollouts,
+                 guidance=None, sampler_path: str, prompts: Callable[[int], list[list[int]]],
+                 reward: Callable[[list[int], list[int]], float], run_id: str | None = None,
+                 prompts_per_step: int = 8, samples_per_prompt: int = 8,
+                 max_new_tokens: int = 8, temperature: float = 1.0, timeout_s: float = 300.0):
+        self.settings = settings
+        self.engine = engine
+        self.bus = bus
+        self.registry = Registry(bus, settings.key_prefix)
+        self.store = WeightStore(settings.store_dir)
+        self.rollouts = rollouts
+        self.guidance = guidance
+        self.sampler_path = sampler_path
+        self.prompts = prompts
+        self.reward = reward
+        self.run_id = run_id or uuid.uuid4().hex[:8]
+        self.prompts_per_step = prompts_per_step
+        self.samples_per_prompt = samples_per_prompt
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.timeout_s = timeout_s
+        self._ready_last = self._tail(READY)
+
+    def _tail(self, stream: str) -> str:
+        last = self.bus.call("tail", lambda: self.bus.client.xrevrange(stream, count=1))
+        return last[0][0] if last else "0-0"
+
+    # --- stages ---------------------------------------------------------------------------
+
+    def publish(self, step: int) -> str:
+        """Write, register and announce the current weights; returns the version id.
+
+        An engine that converts its own weights (``publish_converted``: the expert-parallel
+        :class:`~alignd.learner.ranks.RankGroupEngine`, each rank quantizing its experts)
+        writes the NVFP4 version itself and announces it as converted; any other engine
+        publishes BF16 weights for the converter service.
+        """
+        vid = f"{self.run_id}-{step:05d}"
+        if hasattr(self.engine, "publish_converted"):
+            spec, quantize = target_spec(resolve_spec(self.settings.preset), self.sampler_path)
+            self.engine.publish_converted(self.store, vid, spec, quantize=quantize)
+            announce_converted(self.registry, self.bus, self.settings.converted_stream,
+                               self.store, vid, spec.name, target_path=self.sampler_path)
+            return vid
+        publish_version(self.store.published_root, self.registry, self.bus,
+                        self.settings.published_stream, vid, self.engine.export_weights(),
+                        actor="learner", target_path=self.sampler_path)
+        return vid
+
+    def wait_serving(self, vid: str) -> dict[str, float]:
+        """Block until ``vid`` serves; seconds per stage from the registry's history."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            rec = self.registry.get(vid)
+            if rec.state == "serving":
+                break
+            if rec.state == "failed":
+                raise LoopError(f"version {vid} failed: {rec.reason}")
+            if time.monotonic() > deadline:
+                raise LoopError(f"version {vid} not serving after {self.timeout_s:.0f}s "
+                                f"(state {rec.state})")
+            time.sleep(0.01)
+        at = {h.to_state: h.at for h in self.registry.history(vid)}
+        return {"convert": at["converted"] - at["published"],
+                "load": at["serving"] - at["converted"],
+                "sync": at["serving"] - at["published"]}
+
+    def rollout(self, vid: str, step: int) -> RolloutsReady:
+        """Ask the samplers for a group of rollouts per prompt and wait for them."""
+        rid = f"{self.run_id}-{step:05d}-r"
+        req = RolloutRequest(request_id=rid, version_id=vid,
+                             prompts=json.dumps(self.prompts(step)),
+                             samples_per_prompt=self.samples_per_prompt,
+                             max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                             seed=step, guidance_bits=self.settings.guidance_bits
+                             if self.engine.path == GUIDED else 0)
+        self.bus.publish(REQUESTS, req.to_fields())
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            got = self.bus.call("wait ready", lambda: self.bus.client.xread(
+                {READY: self._ready_last}, count=64, block=200))
+            for _stream, entries in got or []:
+                for mid, fields in entries:
+                    self._ready_last = mid
+                    ev = RolloutsReady.from_fields(fields)
+                    if ev.request_id != rid:
+                        continue
+                    if ev.error:
+                        raise LoopError(f"sampler {ev.sampler} could not serve {rid}: {ev.error}")
+                    return ev
+        raise LoopError(f"no rollouts for request {rid} after {self.timeout_s:.0f}s")
+
+    def iteration(self, step: int) -> IterationResult:
+        """One version's round trip (see the module doc)."""
+        sec: dict[str, float] = {}
+        t = time.perf_counter()
+        vid = self.publish(step)
+        sec["publish"] = time.perf_counter() - t
+        sec.update(self.wait_serving(vid))
+        t = time.perf_counter()
+        ready = self.rollout(vid, step)
+        sec["rollout"] = time.perf_counter() - t
+        t = time.perf_counter()
+        ids = ready.ids()
+        items = self.rollouts.get_rollouts(vid, ids)
+        seqs = [list(r.tokens) for r in items]
+        plens = [r.prompt_len for r in items]
+        samp = [list(r.logprobs) for r in items]
+        recs = None
+        if ready.guidance and self.guidance is not None:
+            blobs = self.guidance.get_many(vid, ids)
+            recs = {i: GuidanceRecord.decode(blobs[r]) for i, r in enumerate(ids)}
+        mine = self.engine.score(seqs, plens, recs)
+        from alignd.infra.stores.rollouts import Score
+
+        delta = self.rollouts.put_scores(vid, [Score(rollout_id=r, logprobs=lp,
+                                                     path=self.engine.path)
+                                               for r, lp in zip(ids, mine, strict=True)])
+        sec["score"] = time.perf_counter() - t
+        t = time.perf_counter()
+        rewards = [float(self.reward(s[:p], s[p:])) for s, p in zip(seqs, plens, strict=True)]
+        groups = [i // self.samples_per_prompt for i in range(len(seqs))]
+        train = self.engine.train_step(TrainBatch(seqs, plens, samp, rewards, groups, recs))
+        sec["train"] = time.perf_counter() - t
+        summary = delta.model_dump() if hasattr(delta, "model_dump") else dict(delta)
+        flat = [a - b for x, y in zip(mine, samp, strict=True) for a, b in zip(x, y, strict=True)]
+        return IterationResult(step, vid, sum(rewards) / len(rewards), summary, train, sec, flat)
+
+    def run(self, steps: int, start: int = 0,
+            on_step: Callable[[IterationResult], None] | None = None) -> list[IterationResult]:
+        """``steps`` iterations; ``on_step`` sees each result."""
+        out = []
+        for s in range(start, start + steps):
+            r = self.iteration(s)
+            out.append(r)
+            if on_step:
+                on_step(r)
+        return out

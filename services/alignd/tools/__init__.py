@@ -1,0 +1,1 @@
+"""alignd/tools."""

@@ -1,0 +1,516 @@
+"""``alignd``: the command line of the libalign daemon."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from libalign.selfcheck import run_selfcheck
+from libalign.spec import PRESETS
+
+app = typer.Typer(add_completion=False, help="libalign: learner-sampler alignment for NVFP4 RL.")
+console = Console()
+
+
+def _selfcheck_table() -> bool:
+    results = run_selfcheck()
+    t = Table(title="NVFP4 spec self-check")
+    for col in ("check", "result", "detail"):
+        t.add_column(col)
+    for r in results:
+        t.add_row(r.name, "[green]pass[/]" if r.passed else "[red]FAIL[/]", r.detail)
+    console.print(t)
+    return all(r.passed for r in results)
+
+
+@app.command()
+def selfcheck() -> None:
+    """Verify the format tables, rounding, layouts and row-scaling guarantee."""
+    raise typer.Exit(0 if _selfcheck_table() else 1)
+
+
+@app.command()
+def presets(as_json: bool = typer.Option(False, "--json", help="print the specs as JSON")) -> None:
+    """List the numerics presets and every choice each one makes."""
+    if as_json:
+        console.print_json(json.dumps({k: v.to_dict() for k, v in PRESETS.items()}))
+        return
+    fields = [f for f in next(iter(PRESETS.values())).to_dict() if f not in ("name", "hadamard_signs")]
+    t = Table(title="numerics presets")
+    t.add_column("field")
+    for name in PRESETS:
+        t.add_column(name)
+    for f in fields:
+        t.add_row(f, *[str(PRESETS[n].to_dict()[f]) for n in PRESETS])
+    console.print(t)
+
+
+@app.command("guidance-size")
+def guidance_size(
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="a Hugging Face config.json (or its checkpoint directory); default: "
+        "Qwen3-30B-A3B's shapes (48 layers)")] = None,
+    last_layers: int | None = typer.Option(None, help="record only the last N MoE layers"),
+    sites: str = typer.Option("fc1,fc2", help="captured sites: fc1, fc2 or both"),
+    kv: bool = typer.Option(False, "--kv/--no-kv", help="also count K and V (a later site)"),
+    tokens: int = typer.Option(256 * 1024, help="tokens per trajectory, for the per-step total"),
+    trajectories: int = typer.Option(4096, help="trajectories per RL step"),
+) -> None:
+    """Bytes of guidance records per token (and per RL step) for a model, at 1, 2 and 4 bits."""
+    from libalign.errors import AlignError
+    from libalign.guidance import size_for_config, trace_reference_size
+
+    try:
+        if config is None:
+            from libalign.models import qwen3_30b_a3b_shaped_config
+            cfg, name = qwen3_30b_a3b_shaped_config(48), "Qwen3-30B-A3B shapes"
+        else:
+            path = config / "config.json" if config.is_dir() else config
+            cfg, name = json.loads(path.read_text()), str(path)
+        chosen = [s.strip() for s in sites.split(",") if s.strip()]
+        rows = {b: size_for_config(cfg, bits=b, last_layers=last_layers, sites=chosen, kv=kv)
+                for b in (1, 2, 4)}
+    except (AlignError, OSError, ValueError, KeyError, TypeError) as e:
+        typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
+        raise typer.Exit(2) from None
+    t = Table(title=f"guidance bytes per token: {name}, sites {','.join(chosen)}"
+              f"{' + kv' if kv else ''}, layers {'all' if last_layers is None else f'last {last_layers}'}"
+              f"; a step is {trajectories} trajectories x {tokens} tokens")
+    for c in ("bits", "codes", "scales", "row scales", "index", "kv", "B/token", "TiB/step",
+              "vs 4 bits"):
+        t.add_column(c, justify="right")
+    for b, r in rows.items():
+        t.add_row(str(b), f"{r['code_bits']:.0f}", f"{r['block_scales']:.0f}",
+                  f"{r['row_scales']:.0f}", f"{r['index']:.0f}", f"{r['kv']:.0f}",
+                  f"{r['total']:.0f}", f"{r['total'] * tokens * trajectories / 2**40:.2f}",
+                  f"{r['total'] / rows[4]['total']:.3f}")
+    console.print(t)
+    ref = trace_reference_size(4, tokens, trajectories)
+    console.print(f"TRACE's accounting (35B MoE: hidden 2048, 40 layers, 256 KV values a layer, "
+                  f"4.5 bits a value): {ref['activation_bytes'] / 1024:.1f} KiB activations + "
+                  f"{ref['kv_bytes'] / 1024:.2f} KiB KV = {ref['per_token_bytes'] / 1024:.1f} KiB "
+                  f"per token, {ref['per_step_bytes'] / 2**40:.1f} TiB per step")
+
+
+@app.command()
+def demo(
+    steps: int = typer.Option(30, help="RL steps per configuration"),
+    configs: str = typer.Option("bf16,nvfp4_naive,nvfp4_minite,nvfp4_trace",
+                                help="configurations to run, comma-separated"),
+    prompts_per_step: int = typer.Option(8, help="prompts per step"),
+    samples_per_prompt: int = typer.Option(8, help="rollouts per prompt (one GRPO group)"),
+    out: Annotated[Path, typer.Option("--out", help="directory for the report, figure and "
+                                      "weight store")] = Path("align-demo"),
+    api: bool = typer.Option(True, "--api/--no-api", help="serve the control API, /metrics and "
+                             "the status page while the demo runs"),
+    api_port: int = typer.Option(8000, help="port of the API (0: any free port)"),
+) -> None:
+    """Main job on the embedded default: RL of the tiny MoE through the services, four paths."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from libalign.errors import AlignError
+    from libalign.models import cpu_threads
+    from alignd.infra.telemetry import Metrics
+    from alignd.tools.demo.run import DemoConfig, run_demo
+
+    if not _selfcheck_table():
+        raise typer.Exit(1)
+    names = [c.strip() for c in configs.split(",") if c.strip()]
+    cfg = DemoConfig(configs=tuple(names), steps=steps, prompts_per_step=prompts_per_step,
+                     samples_per_prompt=samples_per_prompt, out_dir=out)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
+    tasks: dict[str, int] = {}
+
+    def on_step(name, r) -> None:
+        if name not in tasks:
+            tasks[name] = progress.add_task(f"{name:>13}", total=steps, info="")
+        mean = sum(abs(x) for x in r.deltas) / max(1, len(r.deltas))
+        progress.update(tasks[name], advance=1,
+                        info=f"reward {r.reward_mean:.3f}  mean|δ| {mean:.2e}")
+
+    try:
+        cfg.check()
+        metrics = Metrics()
+        with cpu_threads(1), _demo_api(api, api_port, out, metrics=metrics) as url, progress:
+            if url:
+                console.print(f"status page {url}/  metrics {url}/metrics")
+            report = run_demo(cfg, on_step=on_step, metrics=metrics)
+    except (AlignError, OSError) as e:
+        typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
+        raise typer.Exit(2) from None
+    t = Table(title=f"alignd demo: {steps} GRPO steps per configuration, "
+              f"{prompts_per_step} prompts x {samples_per_prompt} samples")
+    for c in ("configuration", "sampler / learner", "TIS", "reward first", "reward (last 1/4)",
+              "mean |δ|", "P99 |δ|", "clip potential", "convert s", "load s", "rollout s",
+              "train s"):
+        t.add_column(c, justify="left" if c in ("configuration", "sampler / learner") else "right")
+    for c in report["configs"]:
+        sm = c["summary"]
+        sec = sm["seconds_by_stage"]
+        t.add_row(c["name"], f"{c['sampler_path']} / {c['learner_path']}", "yes" if c["tis"] else "no",
+                  f"{sm['reward_first']:.3f}", f"{sm['reward_last_quarter']:.3f}",
+                  f"{sm['mean_abs_delta']:.2e}", f"{sm['p99_abs_delta']:.3g}",
+                  f"{100 * sm['clip_potential']:.2f}%", f"{sec['convert']:.3f}",
+                  f"{sec['load']:.3f}", f"{sec['rollout']:.3f}", f"{sec['train']:.3f}")
+    Console(width=max(console.width, 160)).print(t)
+    for k, v in report["outputs"].items():
+        console.print(f"{k}: {v}")
+
+
+class _demo_api:
+    """Serve the control API in a thread for the demo, when the API package is present."""
+
+    def __init__(self, enabled: bool, port: int, out: Path, settings=None, metrics=None):
+        self.enabled, self.port, self.out, self.settings = enabled, port, out, settings
+        self.metrics = metrics
+        self.server = None
+        self.thread = None
+
+    def __enter__(self) -> str | None:
+        if not self.enabled:
+            return None
+        try:
+            import uvicorn
+
+            from alignd.api.app import create_app
+            from alignd.infra.settings import Settings
+        except ImportError:
+            return None
+        import threading
+
+        settings = self.settings or Settings(store_dir=self.out / "store", dev_mode=True,
+                                             api_port=self.port)
+        app_ = create_app(settings, metrics=self.metrics)
+        config = uvicorn.Config(app_, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="api", daemon=True)
+        self.thread.start()
+        import time
+
+        deadline = time.monotonic() + 10
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not self.server.started:
+            console.print("[yellow]the API could not start (port taken?); continuing without it[/]")
+            return None
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+            if self.thread is not None:
+                self.thread.join(10)
+
+
+SERVICES = ("api", "converter", "sampler", "learner")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(
+    ctx: typer.Context,
+    service: Annotated[str, typer.Argument(help="api, converter, sampler or learner")],
+) -> None:
+    """Run one service in this process (settings from ALIGN_* variables)."""
+    import importlib
+
+    if service not in SERVICES:
+        typer.echo(f"error: unknown service {service!r}; choose one of {', '.join(SERVICES)}",
+                   err=True)
+        raise typer.Exit(2)
+    mod = importlib.import_module(f"services.{service}.main")
+    argv = list(ctx.args)
+    raise typer.Exit(mod.main(argv) if service == "learner" else mod.main())
+
+
+@app.command()
+def up(
+    learner_steps: int = typer.Option(0, help="also run the embedded learner for N steps"),
+    api: bool = typer.Option(True, "--api/--no-api", help="serve the control API"),
+) -> None:
+    """All services in one process (embedded Redis unless ALIGN_REDIS_URL is set) until Ctrl-C."""
+    import logging
+    import signal
+    import threading
+
+    from pydantic import ValidationError
+
+    from libalign.errors import AlignError
+    from alignd.infra.settings import Settings
+    from alignd.infra.telemetry import Metrics
+    from alignd.converter.main import run_converter
+    from alignd.sampler.embedded import build_sampler
+    from alignd.sampler.main import run_sampler
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = Settings()
+    except ValidationError as e:
+        typer.echo(f"error: bad settings: {e}", err=True)
+        raise typer.Exit(2) from None
+    if settings.redis_url is None:
+        settings = settings.model_copy(update={"dev_mode": True})
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    metrics = Metrics()
+    engine, rollouts, guidance = build_sampler(settings, metrics=metrics)
+    threads = [
+        threading.Thread(target=run_converter, args=(settings, stop), kwargs=dict(metrics=metrics),
+                         name="converter", daemon=True),
+        threading.Thread(target=run_sampler, args=(settings, engine, stop),
+                         kwargs=dict(rollouts=rollouts, guidance=guidance, metrics=metrics),
+                         name="sampler", daemon=True),
+    ]
+    for t in threads:
+        t.start()
+    try:
+        with _demo_api(api, settings.api_port, settings.store_dir, settings, metrics) as url:
+            console.print(f"alignd up: converter, sampler ({settings.sampler_path})"
+                          + (f", API {url}" if url else "")
+                          + (" on the embedded Redis" if settings.redis_url is None else ""))
+            if learner_steps:
+                from alignd.learner.main import build_loop
+
+                loop = build_loop(settings, metrics=metrics)
+                for step in range(learner_steps):
+                    if stop.is_set():
+                        break
+                    r = loop.iteration(step)
+                    console.print(f"step {r.step} {r.version_id}: reward {r.reward_mean:.3f}")
+            while not stop.is_set():
+                stop.wait(0.5)
+    except AlignError as e:
+        typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+
+
+@app.command()
+def status(
+    url: str | None = typer.Option(None, help="API base URL (default: ALIGN_API_URL or "
+                                   "http://127.0.0.1:8000)"),
+    as_json: bool = typer.Option(False, "--json", help="print the status JSON"),
+) -> None:
+    """Versions, services and the current discrepancy, from a running API."""
+    from alignclient import AlignClient
+
+    from libalign.errors import AlignError
+    from alignd.infra.settings import Settings
+
+    base = url or Settings().resolved_api_url
+    try:
+        with AlignClient(base, retries=0, timeout=10) as client:
+            st = client.get_status()
+    except AlignError as e:
+        typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(st.model_dump_json(indent=2))
+        return
+    console.print(f"[bold]libalign[/] at {base}: versions "
+                  + ", ".join(f"{k} {v}" for k, v in st.versions_by_state.items() if v)
+                  + f"; weight-version lag {st.weight_version_lag}")
+    t = Table(title="services")
+    for c in ("service", "name", "up", "age s", "state", "version"):
+        t.add_column(c)
+    for sv in st.services:
+        t.add_row(sv.service, sv.name, "[green]up[/]" if sv.up else "[red]down[/]",
+                  "—" if sv.age_s is None else f"{sv.age_s:.1f}", sv.state, sv.version)
+    console.print(t)
+    d = st.discrepancy.stats
+    if d.count:
+        console.print(f"discrepancy over the last {d.count} tokens: mean |δ| {d.mean_abs:.3g}, "
+                      f"P99 |δ| {d.p99_abs:.3g}, max {d.max_abs:.3g}, clip potential "
+                      f"{100 * (d.clip_potential or 0):.2f}%")
+    g = st.guidance
+    console.print(f"guidance store: {g.versions} versions, {g.rollouts} rollouts, "
+                  f"{g.stored_bytes / 1e6:.1f} MB")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(ctx: typer.Context) -> None:
+    """Run benchmarks from tests/bench (a source checkout): alignd bench [names] [-- options]."""
+    try:
+        from tests.bench.__main__ import main as bench_main
+    except ImportError:
+        typer.echo("error: the benchmarks live in tests/bench of a source checkout; run "
+                   "alignd bench from its root", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(bench_main(list(ctx.args)))
+
+
+@app.command()
+def convert(
+    src: Annotated[Path, typer.Argument(help="Hugging Face checkpoint directory (safetensors)")],
+    dst: Annotated[Path, typer.Argument(help="output directory; must not exist unless --overwrite")],
+    preset: str = typer.Option("minite", help="numerics preset: minite, modelopt, "
+                               "compressed_tensors, torchao or te"),
+    fmt: str = typer.Option("modelopt", "--format", help="modelopt or compressed-tensors"),
+    all_linear: bool = typer.Option(False, "--all-linear", help="also every linear layer except "
+                                    "embeddings, lm_head, norms and routers"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing DST"),
+    device: str = typer.Option("cpu", help="device that quantizes (cpu, cuda); same bits"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar, no summary"),
+) -> None:
+    """Convert a checkpoint's expert weights to NVFP4 safetensors, atomically."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    from libalign.errors import AlignError
+    from alignd.formats.atomic_dir import DestinationExistsError
+    from alignd.formats.checkpoint_export import convert_checkpoint
+
+    err = Console(stderr=True)
+    bar = Progress(TextColumn("{task.description}", style="cyan"), BarColumn(), DownloadColumn(),
+                   TransferSpeedColumn(), TimeRemainingColumn(), console=err,
+                   disable=quiet or not err.is_terminal, transient=True)
+    task = bar.add_task("convert", total=None)
+
+    def progress(done: int, total: int, what: str) -> None:
+        bar.update(task, completed=done, total=total, description=what[-48:])
+
+    try:
+        with bar:
+            result = convert_checkpoint(src, dst, preset=preset, fmt=fmt, all_linear=all_linear,
+                                        overwrite=overwrite, device=device, progress=progress)
+    except (AlignError, DestinationExistsError, OSError) as e:
+        msg = " ".join(str(e).split())
+        if isinstance(e, DestinationExistsError) and "--overwrite" not in msg:
+            msg += " (pass --overwrite to replace it)"
+        typer.echo(f"error: {type(e).__name__}: {msg}", err=True)
+        raise typer.Exit(1) from None
+    if not quiet:
+        t = result.manifest["totals"]
+        console.print(f"wrote {result.dst}: {t['tensors_converted']} tensors to NVFP4 "
+                      f"({preset}, {fmt}), {t['bytes_in'] / 1e6:.1f} MB -> "
+                      f"{t['bytes_out'] / 1e6:.1f} MB in "
+                      f"{result.manifest['timings_seconds']['total']:.1f} s")
+
+
+@app.command()
+def diagnose(
+    checkpoint: Annotated[Path | None, typer.Option(
+        "--checkpoint", help="Hugging Face Qwen3-MoE checkpoint directory (tokenizer used if "
+        "present)")] = None,
+    model: str = typer.Option("tiny", help="built-in model when no --checkpoint: tiny (trained "
+                              "on the synthetic task, cached), tiny-random, qwen3-30b-a3b-shaped"),
+    num_layers: int = typer.Option(2, help="decoder layers of the qwen3-30b-a3b-shaped model"),
+    prompts: Annotated[Path | None, typer.Option(
+        "--prompts", help="JSONL: {\"prompt\": text} or {\"tokens\": list of ids} per line")] = None,
+    sequences: Annotated[Path | None, typer.Option(
+        "--sequences", help="JSONL of pre-generated sequences: tokens, prompt_len, optional "
+        "sampler_logprobs")] = None,
+    num_prompts: int = typer.Option(2048, help="prompts drawn from the task (or random ids) when "
+                                    "no file is given"),
+    prompt_len: int = typer.Option(32, help="length of random-id prompts (models without a "
+                                   "tokenizer or task)"),
+    max_new_tokens: int | None = typer.Option(None, help="completion limit (default: the task's "
+                                              "longest answer; 32 otherwise)"),
+    batch_size: int = typer.Option(64, help="sequences per batch, the same on every path"),
+    conditions: str | None = typer.Option(None, help="learner/sampler pairs, e.g. "
+                                          "bf16/bf16,bf16/nvfp4_naive"),
+    learner_paths: str | None = typer.Option(None, help="comma list; crossed with --sampler-paths"),
+    sampler_paths: str | None = typer.Option(None, help="comma list; crossed with --learner-paths"),
+    floor: str = typer.Option("bf16/bf16", help="the cross-path floor every condition is compared to"),
+    generate_path: str | None = typer.Option(None, help="sampler path that generates the shared "
+                                             "tokens (default: the floor's sampler)"),
+    on_policy: bool = typer.Option(True, "--on-policy/--no-on-policy", help="also generate on "
+                                   "every sampler path and report δ on its own rollouts"),
+    layers: str = typer.Option("all", help="layers to localize: all, none or e.g. 0,3"),
+    replay_layers: str = typer.Option("0,-1", help="layers of the 2x2 replay (none to skip)"),
+    conditioned: bool = typer.Option(True, "--conditioned/--no-conditioned",
+                                     help="routing-conditioned FC1/FC2 variant"),
+    localize_sequences: int = typer.Option(256, help="shared sequences used for localization, "
+                                           "replay and the context swap"),
+    context_swap: bool = typer.Option(True, "--context-swap/--no-context-swap",
+                                      help="batch-composition check per path"),
+    clip_low: float = typer.Option(0.8, help="lower clip bound of exp(δ)"),
+    clip_high: float = typer.Option(1.28, help="upper clip bound of exp(δ)"),
+    tis_cap: float = typer.Option(2.0, help="TIS truncation C"),
+    n_boot: int = typer.Option(1000, help="bootstrap resamples"),
+    level: float = typer.Option(0.95, help="confidence level"),
+    trace_bits: int = typer.Option(1, help="bits a value kept in the sampler's guidance records "
+                                   "(1, 2, 3 or 4) for nvfp4_trace conditions"),
+    trace_layers: int | None = typer.Option(None, help="record only the last N MoE layers "
+                                            "(default: all)"),
+    seed: int = typer.Option(0, help="seed of prompts, sampling and bootstrap"),
+    device: str = typer.Option("cpu", help="cpu or cuda[:N]"),
+    backend: str = typer.Option("auto", help="W4A4 GEMM backend: auto, torch, reference, triton"),
+    threads: int | None = typer.Option(None, help="CPU intra-op threads (default: 1 for the tiny "
+                                       "models on the CPU, else PyTorch's default)"),
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="directory for report.json and the PNGs")] = None,
+    as_json: bool = typer.Option(False, "--json", help="print the report JSON only"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bars"),
+) -> None:
+    """Measure and localize the learner-sampler execution gap (teacher-forced, frozen policy)."""
+    from libalign.errors import AlignError
+    from alignd.tools.diagnose import render
+    from alignd.tools.diagnose.run import DiagnoseConfig, run_diagnosis, write_outputs
+
+    cfg = DiagnoseConfig(
+        model=model, checkpoint=None if checkpoint is None else str(checkpoint), num_layers=num_layers,
+        prompts_file=None if prompts is None else str(prompts),
+        sequences_file=None if sequences is None else str(sequences), num_prompts=num_prompts,
+        prompt_len=prompt_len, max_new_tokens=max_new_tokens, batch_size=batch_size,
+        conditions=conditions, learner_paths=learner_paths, sampler_paths=sampler_paths, floor=floor,
+        generate_path=generate_path, on_policy=on_policy, layers=layers, replay_layers=replay_layers,
+        conditioned=conditioned, localize_sequences=localize_sequences, context_swap=context_swap,
+        clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, n_boot=n_boot, level=level,
+        trace_bits=trace_bits, trace_layers=trace_layers, seed=seed, device=device,
+        backend=backend, threads=threads)
+    err = Console(stderr=True)
+    try:
+        with _DiagnoseProgress(err, disable=quiet or as_json or not err.is_terminal) as progress:
+            report = run_diagnosis(cfg, progress)
+        if out is not None:
+            write_outputs(report, out)
+    except (AlignError, OSError) as e:
+        typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(render.to_json(report))
+        return
+    render.render_report(report, Console(width=max(console.width, 170)))
+
+
+class _DiagnoseProgress:
+    """rich progress bars for the diagnosis stages (one bar per stage)."""
+
+    def __init__(self, console: Console, disable: bool):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn("{task.description}", style="cyan"), BarColumn(),
+                            MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                            disable=disable, transient=True)
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
+
+    def task(self, description: str, total: int):
+        task_id = self.bar.add_task(description, total=total)
+        return lambda n: self.bar.advance(task_id, n)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,20 @@
+"""Package layout of the libalign distribution (metadata lives in pyproject.toml).
+
+The repository keeps the product's top-level folders; the wheel installs only align-named
+import packages: ``libalign`` (the numerical core, from ``libalign/``), ``alignd`` (the
+daemon and its tools, from ``services/alignd/``) and ``libalign.csrc`` (the kernel sources
+of ``csrc/``, which ``libalign._native`` compiles on first use). ``alignclient`` is its own
+distribution (``clients/``).
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    packages=[
+        *find_packages(".", include=["libalign", "libalign.*"]),
+        *find_packages("services", include=["alignd", "alignd.*"]),
+        "libalign.csrc",
+    ],
+    package_dir={"alignd": "services/alignd", "libalign.csrc": "csrc"},
+    package_data={"libalign.csrc": ["*.h", "*.cpp", "*.cu"], "alignd": ["**/*.lua", "**/*.html"]},
+)
