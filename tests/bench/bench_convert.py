@@ -320,10 +320,10 @@ def sync_cpu(args) -> dict:
     (a store version with nothing selected for quantization); the NVFP4 path quantizes
     them with the minite preset on the way (``convert_published``).
     """
-    from alignd.formats.published import PublishedVersion, write_published
-    from alignd.formats.weight_store import WeightStore
     from alignd.formats.convert import convert_published
+    from alignd.formats.published import PublishedVersion, write_published
     from alignd.formats.selection import is_expert_weight
+    from alignd.formats.weight_store import WeightStore
 
     tensors = {}
     for layer in range(args.layers):

@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 
 import torch
-from rich.console import Console
-
 from alignd.tools.diagnose import DiagnoseConfig, render, run_diagnosis, write_outputs
+from rich.console import Console
 
 
 def main(argv: list[str]) -> int:

@@ -43,7 +43,6 @@ from typing import Any
 
 import numpy as np
 import redis
-
 from alignd.infra.stores.guidance import GuidanceStore
 
 TOKEN_BYTES = 1152  # 2048 values x 4.5 bits

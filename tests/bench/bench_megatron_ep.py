@@ -94,16 +94,16 @@ def _sync(dev: torch.device) -> None:
 def rank_main(info, o: dict) -> dict:
     """One rank: step times per path, then its part of the sharded conversion."""
     import torch.distributed as dist
+    from alignd.formats.convert import resolve_spec
+    from alignd.formats.selection import make_select
+    from alignd.formats.weight_store import WeightStore
+    from alignd.learner.sharded_publish import publish_sharded
 
     from libalign import ops
     from libalign.models import megatron as mg
     from libalign.models.megatron_cpu import cpu_shims
     from libalign.models.megatron_export import export_hf_state_dict, local_expert_stacks
     from libalign.models.train import cpu_threads
-    from alignd.formats.weight_store import WeightStore
-    from alignd.formats.convert import resolve_spec
-    from alignd.formats.selection import make_select
-    from alignd.learner.sharded_publish import publish_sharded
 
     dev, cuda = info.device, info.device.type == "cuda"
     cfg = _config(o)
@@ -229,9 +229,9 @@ def _expert_slices(o: dict, part: int, parts: int, device: str):
 
 def kill_writer(part: int, parts: int, o: dict, vid: str, device: str, kill: bool) -> None:
     """A part writer in a plain process; with ``kill`` it SIGKILLs itself after one shard."""
+    from alignd.formats.convert import resolve_spec
     from alignd.formats.sharded_version import write_part
     from alignd.formats.weight_store import WeightStore
-    from alignd.formats.convert import resolve_spec
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -248,10 +248,11 @@ def kill_writer(part: int, parts: int, o: dict, vid: str, device: str, kill: boo
 def _kill_test(o: dict, parts: int, devices: list[str]) -> dict:
     import multiprocessing as mp
 
-    from libalign.errors import VersionNotFoundError
+    from alignd.formats.convert import resolve_spec
     from alignd.formats.sharded_version import part_status
     from alignd.formats.weight_store import WeightStore
-    from alignd.formats.convert import resolve_spec
+
+    from libalign.errors import VersionNotFoundError
 
     store, vid, victim = WeightStore(o["store"]), "kill-test", parts - 1
     ctx = mp.get_context("spawn")
@@ -363,8 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("bench_megatron_ep: skipped, megatron-core is not installed")
         return 0
-    from libalign.models.megatron_parallel import NO_MULTICAST_ENV, launch
     from alignd.formats.weight_store import WeightStore
+
+    from libalign.models.megatron_parallel import NO_MULTICAST_ENV, launch
 
     gpus = torch.cuda.device_count()
     if args.tiny:

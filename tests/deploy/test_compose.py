@@ -20,9 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-from alignd.tools.cli import SERVICES
 from alignd.infra.settings import Settings
+from alignd.tools.cli import SERVICES
 
 tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ (tomllib) reads pyproject.toml")
 
@@ -142,7 +141,7 @@ def test_profiles_select_the_engines(compose):
 
 def test_every_service_has_a_healthcheck(services):
     """Each service is checked by a real command (never disabled, never `NONE`)."""
-    for name, svc in alignd.items():
+    for name, svc in services.items():
         hc = svc.get("healthcheck")
         assert hc and not hc.get("disable"), name
         assert hc["test"][0] in ("CMD", "CMD-SHELL") and len(hc["test"]) > 1, (name, hc)
@@ -169,7 +168,7 @@ def test_healthchecks_probe_each_services_own_endpoint(services):
 def test_dependencies_wait_for_health(services):
     """Every libalign service waits for a healthy Redis, the engines for a healthy API too;
     every dependency anywhere is on health, not on mere start."""
-    for name, svc in alignd.items():
+    for name, svc in services.items():
         for dep, spec in (svc.get("depends_on") or {}).items():
             assert spec["condition"] == "service_healthy", (name, dep)
             assert dep in services, (name, dep)
@@ -237,7 +236,7 @@ def test_the_weight_store_volume_is_shared(rendered, services):
 def test_samplers_can_be_scaled(services):
     """No fixed container name anywhere and no host port on a sampler, so --scale sampler=N works;
     the sampler's name is left to its default (host name and pid)."""
-    for name, svc in alignd.items():
+    for name, svc in services.items():
         assert "container_name" not in svc, name
     for name in ("sampler", "sampler-cpu"):
         assert not services[name].get("ports"), name
@@ -248,7 +247,7 @@ def test_samplers_can_be_scaled(services):
 def test_published_ports(services):
     """Host ports: api 8000, converter 9101, prometheus 9090, grafana 3000 and nothing else."""
     published = {name: sorted((int(p["target"]), int(p["published"])) for p in svc.get("ports", []))
-                 for name, svc in alignd.items() if svc.get("ports")}
+                 for name, svc in services.items() if svc.get("ports")}
     assert published == {"api": [(8000, 8000)], "converter": [(9101, 9101)],
                          "prometheus": [(9090, 9090)], "grafana": [(3000, 3000)]}
     assert _env(services["api"])["ALIGN_API_HOST"] == "0.0.0.0"
@@ -263,7 +262,7 @@ def test_serve_commands_name_real_services_and_options(services, capsys):
     assert e.value.code == 0
     learner_help = capsys.readouterr().out
     seen = set()
-    for name, svc in alignd.items():
+    for name, svc in services.items():
         cmd = svc.get("command") or []
         if name in ALIGN:
             assert cmd[0] == "serve", name
@@ -378,7 +377,7 @@ def test_monitoring_configs_fit_the_compose_file(services):
 
 
 def test_every_build_points_at_a_dockerfile_in_the_repo(services):
-    for name, svc in alignd.items():
+    for name, svc in services.items():
         if "build" in svc:
             assert Path(svc["build"]["context"]) == ROOT, name
             assert (ROOT / svc["build"]["dockerfile"]).is_file(), name

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 import redis
-from prometheus_client import CollectorRegistry
-
 from alignd.infra.liveness import ServiceHeartbeat
 from alignd.infra.telemetry import serve_metrics
+from prometheus_client import CollectorRegistry
 
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "healthcheck.py"
 REDIS_SERVER = shutil.which("redis-server")

@@ -33,7 +33,6 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
 from alignd.infra.telemetry import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -289,14 +288,14 @@ def test_live_services_feed_every_query(tmp_path, monkeypatch):
     _needs_tools()
     pytest.importorskip("transformers")
     import redis
-
-    from alignd.tools.cli import _demo_api
-    from alignd.infra.settings import Settings
     from alignd.converter.main import run_converter
+    from alignd.infra.settings import Settings
     from alignd.learner import main as learner_main
     from alignd.learner.loop import LearnerLoop
     from alignd.sampler.embedded import build_sampler
     from alignd.sampler.main import run_sampler
+    from alignd.tools.cli import _demo_api
+
     from tests.services.conftest import REDIS_SERVER, RedisServer, free_port
 
     if REDIS_SERVER is None:

@@ -29,6 +29,9 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
+from alignd.learner.engine import TorchLearnerEngine, TrainBatch
+from alignd.learner.megatron_engine import MegatronLearnerEngine
+
 from libalign import gemm
 from libalign.errors import ConfigError, SpecError
 from libalign.models import build_model, capture_guidance, generate, tiny_config, use_path
@@ -37,8 +40,6 @@ from libalign.models import megatron_export as mx
 from libalign.models import train as train_mod
 from libalign.models.megatron_cpu import cpu_shims, single_process_group
 from libalign.models.task import SyntheticTask
-from alignd.learner.engine import TorchLearnerEngine, TrainBatch
-from alignd.learner.megatron_engine import MegatronLearnerEngine
 
 # These run Megatron on the CPU through libalign's CPU shims. On a host with CUDA the shimmed
 # ``torch.cuda.current_device`` meets megatron-core's compiled router (torch.compile indexes

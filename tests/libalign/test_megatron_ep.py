@@ -12,12 +12,13 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from alignd.formats.selection import make_select
+from alignd.formats.weight_store import WeightStore
+
 from libalign.errors import ConfigError, DistributedRunError
 from libalign.models import build_model
 from libalign.models.megatron_parallel import NO_MULTICAST_ENV, check_layout, launch
 from libalign.spec import PRESETS
-from alignd.formats.weight_store import WeightStore
-from alignd.formats.selection import make_select
 from tests.libalign import ep_workers as W
 
 # These run Megatron on the CPU through libalign's CPU shims. On a host with CUDA the shimmed

@@ -6,9 +6,8 @@ from __future__ import annotations
 import logging
 
 import torch
-
-from alignd.infra.settings import Settings
 from alignd.converter.main import run_converter
+from alignd.infra.settings import Settings
 
 
 def converter_process(settings_kw: dict, log_path: str) -> None:

@@ -24,20 +24,20 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from alignd.converter.main import run_converter
+from alignd.formats.published import publish_version, write_published
+from alignd.formats.weight_store import TMP_PREFIX, WeightStore
+from alignd.infra.bus import RedisBus
+from alignd.infra.events import ConvertedEvent, PublishedEvent, SyncEvent, sync_stream
+from alignd.infra.registry import Registry
+from alignd.infra.settings import Settings
+from alignd.infra.stores.rollouts import RolloutStore
+from alignd.infra.work import READY, REQUESTS, RolloutRequest, RolloutsReady
+from alignd.sampler.engine import TorchSamplerEngine
+from alignd.sampler.main import SamplerService, run_sampler
 
 from libalign import models
 from libalign.errors import VersionExistsError
-from alignd.infra.events import ConvertedEvent, PublishedEvent, SyncEvent, sync_stream
-from alignd.formats.published import publish_version, write_published
-from alignd.infra.bus import RedisBus
-from alignd.infra.registry import Registry
-from alignd.infra.stores.rollouts import RolloutStore
-from alignd.infra.settings import Settings
-from alignd.formats.weight_store import TMP_PREFIX, WeightStore
-from alignd.infra.work import READY, REQUESTS, RolloutRequest, RolloutsReady
-from alignd.converter.main import run_converter
-from alignd.sampler.engine import TorchSamplerEngine
-from alignd.sampler.main import SamplerService, run_sampler
 from tests.services.conftest import stop_processes, tiny_experts
 
 pytest.importorskip("transformers")

@@ -39,15 +39,15 @@ import pytest
 import redis
 import schemathesis
 import yaml
+from alignd.api import middleware
+from alignd.api.app import create_app
+from alignd.infra.settings import Settings
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from alignd.api import middleware
-from alignd.api.app import create_app
-from alignd.infra.settings import Settings
 from tests.services.api_server import api_settings, publish_files, serve
 from tests.services.conftest import REDIS_SERVER, free_port
 

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI
-
 from alignd.formats.published import write_published
 from alignd.infra.settings import Settings
+from fastapi import FastAPI
+
 from tests.services.conftest import free_port, tiny_experts
 
 TOKEN = "test-token-0123456789"

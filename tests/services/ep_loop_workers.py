@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import redis
+from alignd.infra.bus import RedisBus
+from alignd.infra.settings import Settings
+from alignd.infra.stores.guidance import GuidanceStore
+from alignd.infra.stores.rollouts import RolloutStore
 
 from libalign.models.megatron_cpu import cpu_shims
 from libalign.models.task import SyntheticTask
 from libalign.models.train import cpu_threads
-from alignd.infra.stores.guidance import GuidanceStore
-from alignd.infra.bus import RedisBus
-from alignd.infra.stores.rollouts import RolloutStore
-from alignd.infra.settings import Settings
 from tests.libalign.ep_workers import config
 
 TASK = SyntheticTask()

@@ -14,16 +14,16 @@ import redis
 import torch
 from alignclient.framing import decode_frames
 from alignclient.models import spec_sha256
+from alignd.api.app import create_app
+from alignd.infra.bus import RedisBus, connect
+from alignd.infra.events import PublishedEvent, SyncEvent, sync_stream
+from alignd.infra.registry import Registry
+from alignd.infra.telemetry import Metrics
 from fastapi.testclient import TestClient
 
 from libalign.errors import ConfigError
 from libalign.metrics import delta_stats, tis_weights
 from libalign.spec import PRESETS
-from alignd.api.app import create_app
-from alignd.infra.events import PublishedEvent, SyncEvent, sync_stream
-from alignd.infra.bus import RedisBus, connect
-from alignd.infra.registry import Registry
-from alignd.infra.telemetry import Metrics
 from tests.services.api_server import TOKEN, api_settings, publish_files
 from tests.services.conftest import free_port
 

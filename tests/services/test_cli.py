@@ -2,10 +2,10 @@
 
 import json
 
+from alignd.tools.cli import app
 from typer.testing import CliRunner
 
 from libalign.selfcheck import run_selfcheck
-from alignd.tools.cli import app
 
 runner = CliRunner()
 
@@ -47,9 +47,8 @@ def test_presets_json_lists_every_field():
 
 def test_guidance_size_default_and_config(tmp_path):
     """alignd guidance-size prints bytes per token at 1, 2 and 4 bits and TRACE's accounting."""
-    from typer.testing import CliRunner
-
     from alignd.tools.cli import app
+    from typer.testing import CliRunner
 
     runner = CliRunner()
     res = runner.invoke(app, ["guidance-size"])
@@ -70,8 +69,8 @@ def test_guidance_size_default_and_config(tmp_path):
 
 def test_status_reads_a_running_api(tmp_path):
     """alignd status renders /v1/status of a live API; an unreachable one exits 2."""
-    from alignd.tools.cli import _demo_api
     from alignd.infra.settings import Settings
+    from alignd.tools.cli import _demo_api
 
     settings = Settings(store_dir=tmp_path / "store", dev_mode=True, api_port=0)
     with _demo_api(True, 0, tmp_path, settings) as url:

@@ -12,14 +12,14 @@ from alignclient import AlignClient, ApiUnreachableError, AsyncAlignClient, Remo
 from alignclient.client import Call
 from alignclient.errors import error_classes, error_from_response
 from alignclient.models import ID_PATTERN, LOGPROB_MAX, Rollout, RolloutIds, RolloutList, Score
+from alignd.api.app import create_app
+from alignd.infra.bus import RedisBus, connect
+from alignd.infra.events import VERSION_ID_RE
+from alignd.infra.registry import Registry
 
 import libalign.errors as E
 from libalign.metrics import LOGPROB_TOLERANCE
 from libalign.spec import PRESETS
-from alignd.api.app import create_app
-from alignd.infra.events import VERSION_ID_RE
-from alignd.infra.bus import RedisBus, connect
-from alignd.infra.registry import Registry
 from tests.services.api_server import TOKEN, api_settings, publish_files, serve
 from tests.services.conftest import free_port
 

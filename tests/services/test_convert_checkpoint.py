@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from alignd.formats import checkpoint_export as ce
+from alignd.formats.atomic_dir import DestinationExistsError
+from alignd.tools.cli import app
 from safetensors import safe_open
 from safetensors.torch import save_file
 from typer.testing import CliRunner
@@ -26,9 +29,6 @@ from libalign.errors import (
     SpecError,
 )
 from libalign.spec import PRESETS, dequantize, quantize, shared_outer_amax
-from alignd.tools.cli import app
-from alignd.formats.atomic_dir import DestinationExistsError
-from alignd.formats import checkpoint_export as ce
 from tests.libalign import inputs, peers
 
 HIDDEN, INTER, EXPERTS, LAYERS, VOCAB, HEAD_DIM = 64, 32, 4, 2, 96, 16

@@ -9,20 +9,20 @@ import urllib.request
 
 import pytest
 import torch
+from alignd.converter.main import run_converter
+from alignd.formats.convert import convert_published
+from alignd.formats.published import publish_version
+from alignd.formats.selection import is_expert_weight
+from alignd.formats.weight_store import WeightStore
+from alignd.infra.bus import RedisBus
+from alignd.infra.events import ConvertedEvent, PublishedEvent
+from alignd.infra.registry import Registry
+from alignd.infra.settings import Settings
+from alignd.infra.telemetry import Metrics, serve_metrics
 
 from libalign.errors import EventError
 from libalign.spec import PRESETS
 from libalign.spec import quantize as spec_quantize
-from alignd.infra.events import ConvertedEvent, PublishedEvent
-from alignd.formats.published import publish_version
-from alignd.infra.bus import RedisBus
-from alignd.infra.registry import Registry
-from alignd.infra.settings import Settings
-from alignd.infra.telemetry import Metrics, serve_metrics
-from alignd.formats.weight_store import WeightStore
-from alignd.formats.convert import convert_published
-from alignd.converter.main import run_converter
-from alignd.formats.selection import is_expert_weight
 
 from .conftest import tiny_experts
 

@@ -12,15 +12,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-from libalign.spec import PRESETS
+from alignd.converter.main import run_converter
 from alignd.formats.published import publish_version
+from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.registry import Registry
 from alignd.infra.settings import Settings
 from alignd.infra.telemetry import Metrics
-from alignd.formats.weight_store import WeightStore
-from alignd.converter.main import run_converter
+
+from libalign.spec import PRESETS
 
 from .conftest import tiny_experts
 from .test_converter import assert_bits_equal_spec

@@ -11,10 +11,6 @@ import math
 
 import pytest
 import torch
-from typer.testing import CliRunner
-
-from libalign import metrics, models
-from libalign.errors import InputError, NonFiniteError, SpecError
 from alignd.tools.cli import app
 from alignd.tools.diagnose import inputs, localize, sides, stats
 from alignd.tools.diagnose.conditions import (
@@ -26,6 +22,10 @@ from alignd.tools.diagnose.conditions import (
     resolve_conditions,
 )
 from alignd.tools.diagnose.run import DiagnoseConfig, run_diagnosis, write_outputs
+from typer.testing import CliRunner
+
+from libalign import metrics, models
+from libalign.errors import InputError, NonFiniteError, SpecError
 
 runner = CliRunner()
 SMALL = ["--model", "tiny-random", "--num-prompts", "8", "--batch-size", "4", "--n-boot", "50",

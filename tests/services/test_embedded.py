@@ -15,9 +15,6 @@ import time
 from collections.abc import Iterator
 
 import pytest
-
-from libalign.errors import GuidanceChecksumError, StateTransitionError, VersionExistsError
-from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.bus import Heartbeat, RedisBus, connect
 from alignd.infra.redis_clients import (
     binary_client,
@@ -28,7 +25,10 @@ from alignd.infra.redis_clients import (
 )
 from alignd.infra.registry import REENTRANT, STATES, TRANSITIONS, Registry
 from alignd.infra.settings import Settings
+from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.telemetry import Metrics
+
+from libalign.errors import GuidanceChecksumError, StateTransitionError, VersionExistsError
 from tests.services.test_registry import drive
 
 S, G = "t:stream", "grp"

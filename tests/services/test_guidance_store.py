@@ -22,6 +22,12 @@ from pathlib import Path
 
 import pytest
 import redis
+from alignd.infra.bus import Backoff
+from alignd.infra.redis_clients import binary_client, reset_embedded
+from alignd.infra.settings import Settings
+from alignd.infra.stores import guidance as guidance_store
+from alignd.infra.stores.guidance import GuidanceStore
+from alignd.infra.telemetry import Metrics
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
@@ -37,12 +43,6 @@ from libalign.errors import (
     PayloadTooLargeError,
     StoreError,
 )
-from alignd.infra.stores import guidance as guidance_store
-from alignd.infra.stores.guidance import GuidanceStore
-from alignd.infra.bus import Backoff
-from alignd.infra.redis_clients import binary_client, reset_embedded
-from alignd.infra.settings import Settings
-from alignd.infra.telemetry import Metrics
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,9 +6,9 @@ import time
 
 import pytest
 import redis
+from alignd.infra.liveness import ServiceHeartbeat, list_heartbeats
 
 from libalign.errors import InputError
-from alignd.infra.liveness import ServiceHeartbeat, list_heartbeats
 
 
 def test_beats_report_state_version_and_info(redis_url):

@@ -127,10 +127,10 @@ def test_megatron_learner_over_two_ranks_needs_no_converter(private_redis, tmp_p
     converter running. SIGTERM to the learner ends it after the current step (exit 0), with
     both rank processes gone."""
     pytest.importorskip("megatron.core")
+    from alignd.formats.weight_store import WeightStore
     from alignd.infra.bus import RedisBus
     from alignd.infra.registry import Registry
     from alignd.infra.settings import Settings
-    from alignd.formats.weight_store import WeightStore
 
     env = dict(os.environ)
     env.update({

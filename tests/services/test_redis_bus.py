@@ -8,10 +8,10 @@ import threading
 import time
 
 import pytest
+from alignd.infra.bus import Backoff, Heartbeat, RedisBus, connect
+from alignd.infra.events import PublishedEvent
 
 from libalign.errors import BusUnavailableError
-from alignd.infra.events import PublishedEvent
-from alignd.infra.bus import Backoff, Heartbeat, RedisBus, connect
 
 S, G = "t:stream", "grp"
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 
 import pytest
+from alignd.infra.bus import RedisBus, connect
+from alignd.infra.registry import REENTRANT, STATES, TRANSITIONS, Registry
 
 from libalign.errors import (
     InputError,
@@ -12,8 +14,6 @@ from libalign.errors import (
     VersionExistsError,
     VersionNotFoundError,
 )
-from alignd.infra.bus import RedisBus, connect
-from alignd.infra.registry import REENTRANT, STATES, TRANSITIONS, Registry
 
 # A legal path from 'published' to each state.
 PATH_TO = {

@@ -10,17 +10,18 @@ import redis
 
 pytest.importorskip("transformers")
 
-from libalign import models
-from alignd.infra.stores.guidance import GuidanceStore
-from alignd.infra.bus import RedisBus
-from alignd.infra.stores.rollouts import RolloutStore
-from alignd.infra.settings import Settings
-from alignd.formats.weight_store import WeightStore
 from alignd.converter.main import run_converter
+from alignd.formats.weight_store import WeightStore
+from alignd.infra.bus import RedisBus
+from alignd.infra.settings import Settings
+from alignd.infra.stores.guidance import GuidanceStore
+from alignd.infra.stores.rollouts import RolloutStore
 from alignd.learner.engine import TorchLearnerEngine
 from alignd.learner.loop import LearnerLoop, LoopError
 from alignd.sampler.engine import TorchSamplerEngine
 from alignd.sampler.main import run_sampler
+
+from libalign import models
 
 TASK = models.SyntheticTask()
 

@@ -11,18 +11,19 @@ import redis
 
 pytest.importorskip("megatron.core")
 
-from libalign import models
-from libalign.models.megatron_parallel import launch
-from libalign.models.train import cpu_threads
-from alignd.infra.stores.guidance import GuidanceStore
+from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.registry import Registry
+from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.stores.rollouts import RolloutStore
-from alignd.formats.weight_store import WeightStore
 from alignd.learner.engine import TrainBatch
 from alignd.learner.ranks import split_batch, split_rollouts
 from alignd.sampler.engine import TorchSamplerEngine
 from alignd.sampler.main import run_sampler
+
+from libalign import models
+from libalign.models.megatron_parallel import launch
+from libalign.models.train import cpu_threads
 from tests.libalign.ep_workers import config
 from tests.services import ep_loop_workers as L
 

@@ -8,14 +8,15 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from alignd.formats.convert import convert_published, target_spec
+from alignd.formats.published import write_published
+from alignd.formats.weight_store import WeightStore
+from alignd.sampler.engine import TorchSamplerEngine
+
 from libalign import models
 from libalign.errors import ChecksumMismatchError, SpecError
 from libalign.guidance import GuidanceRecord
 from libalign.spec import PRESETS
-from alignd.formats.published import write_published
-from alignd.formats.weight_store import WeightStore
-from alignd.formats.convert import convert_published, target_spec
-from alignd.sampler.engine import TorchSamplerEngine
 
 TASK = models.SyntheticTask()
 

@@ -12,6 +12,16 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from alignd.formats.weight_store import WeightStore
+from alignd.infra.bus import RedisBus
+from alignd.infra.registry import Registry
+from alignd.infra.settings import Settings
+from alignd.infra.stores.rollouts import RolloutStore
+from alignd.infra.work import READY, REQUESTS, RolloutRequest, RolloutsReady
+from alignd.sampler.main import SamplerService
+from alignd.sampler.sglang_engine import SGLangSamplerEngine, SGLangTimeouts, row_seed
+from alignd.sampler.sglang_export import ModelOptExport
+from alignd.sampler.sglang_sampler import build_sglang_sampler
 
 from libalign.errors import (
     ConfigError,
@@ -23,16 +33,6 @@ from libalign.errors import (
     WeightUpdateError,
     WeightVersionMismatchError,
 )
-from alignd.infra.bus import RedisBus
-from alignd.infra.registry import Registry
-from alignd.infra.stores.rollouts import RolloutStore
-from alignd.infra.settings import Settings
-from alignd.formats.weight_store import WeightStore
-from alignd.infra.work import READY, REQUESTS, RolloutRequest, RolloutsReady
-from alignd.sampler.main import SamplerService
-from alignd.sampler.sglang_engine import SGLangSamplerEngine, SGLangTimeouts, row_seed
-from alignd.sampler.sglang_export import ModelOptExport
-from alignd.sampler.sglang_sampler import build_sglang_sampler
 from tests.services.api_server import publish_files, serve
 from tests.services.conftest import free_port
 from tests.services.sglang_contract import SGLangContract, check_modelopt_dir

@@ -18,6 +18,16 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from alignd.formats.atomic_dir import TMP_PREFIX
+from alignd.formats.sharded_version import (
+    Piece,
+    commit_version,
+    part_dir_name,
+    part_status,
+    staging_path,
+    write_part,
+)
+from alignd.formats.weight_store import WeightStore, scalar_outer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,16 +39,6 @@ from libalign.errors import (
     VersionNotFoundError,
 )
 from libalign.spec import PRESETS, NVFP4Tensor, shared_outer_amax
-from alignd.formats.atomic_dir import TMP_PREFIX
-from alignd.formats.sharded_version import (
-    Piece,
-    commit_version,
-    part_dir_name,
-    part_status,
-    staging_path,
-    write_part,
-)
-from alignd.formats.weight_store import WeightStore, scalar_outer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -15,9 +15,9 @@ import shutil
 import subprocess
 
 import pytest
+from alignd.api.app import create_app
 from fastapi.testclient import TestClient
 
-from alignd.api.app import create_app
 from tests.services.api_server import TOKEN, api_settings, publish_files, serve
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))

@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from alignd.formats.convert import convert_published
+from alignd.formats.published import INDEX_NAME, PublishedVersion, write_published
+from alignd.formats.selection import is_expert_weight
+from alignd.formats.weight_store import WeightStore, tensor_sha256
 
 from libalign.errors import (
     ChecksumMismatchError,
@@ -25,10 +29,6 @@ from libalign.errors import (
 )
 from libalign.spec import PRESETS
 from libalign.spec import quantize as spec_quantize
-from alignd.formats.published import INDEX_NAME, PublishedVersion, write_published
-from alignd.formats.weight_store import WeightStore, tensor_sha256
-from alignd.formats.convert import convert_published
-from alignd.formats.selection import is_expert_weight
 
 from .conftest import tiny_experts
 

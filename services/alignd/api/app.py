@@ -22,14 +22,20 @@ from contextlib import asynccontextmanager
 import redis
 from fastapi import FastAPI
 
-from libalign.errors import ConfigError
-from alignd.infra.settings import Settings
-from alignd.infra.telemetry import Metrics
-
-from alignd.api import routes_guidance, routes_health, routes_rollouts, routes_spec, routes_status, routes_versions
+from alignd.api import (
+    routes_guidance,
+    routes_health,
+    routes_rollouts,
+    routes_spec,
+    routes_status,
+    routes_versions,
+)
 from alignd.api.errors import install_error_handlers
 from alignd.api.middleware import Frontdoor
 from alignd.api.state import REQUEST_GIVE_UP_S, ApiState, with_decoding
+from alignd.infra.settings import Settings
+from alignd.infra.telemetry import Metrics
+from libalign.errors import ConfigError
 
 log = logging.getLogger(__name__)
 API_VERSION = "1"

@@ -12,9 +12,8 @@ import logging
 import redis
 import uvicorn
 
-from alignd.infra.settings import Settings
-
 from alignd.api.app import create_app
+from alignd.infra.settings import Settings
 
 
 def serve(settings: Settings | None = None, *, client: redis.Redis | None = None) -> None:

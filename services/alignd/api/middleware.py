@@ -34,6 +34,8 @@ from typing import Any
 from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from alignd.api.errors import error_response, unexpected_error
+from alignd.infra.telemetry import Metrics
 from libalign.errors import (
     AlignError,
     ForbiddenError,
@@ -41,9 +43,6 @@ from libalign.errors import (
     PayloadTooLargeError,
     UnauthorizedError,
 )
-from alignd.infra.telemetry import Metrics
-
-from alignd.api.errors import error_response, unexpected_error
 
 log = logging.getLogger(__name__)
 

@@ -24,11 +24,10 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 from fastapi.security import HTTPBearer
 
-from libalign.errors import InputError
-from alignd.infra.events import check_version_id
-
 from alignd.api.middleware import streamed_body
 from alignd.api.state import ApiState, State
+from alignd.infra.events import check_version_id
+from libalign.errors import InputError
 
 router = APIRouter(prefix="/v1/guidance", tags=["guidance"])
 bearer = HTTPBearer(auto_error=False)

@@ -10,11 +10,10 @@ from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.exposition import generate_latest
 
-from libalign.errors import AlignError, BusUnavailableError
-
 from alignd.api.page import STATUS_PAGE
 from alignd.api.routes_status import refresh_metrics
 from alignd.api.state import State
+from libalign.errors import AlignError, BusUnavailableError
 
 log = logging.getLogger(__name__)
 router = APIRouter()

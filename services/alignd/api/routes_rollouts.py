@@ -20,10 +20,9 @@ from alignclient.models import (
 from fastapi import APIRouter, Depends, Query
 from fastapi.security import HTTPBearer
 
-from libalign.errors import InputError
-from alignd.infra.events import check_version_id
-
 from alignd.api.state import ApiState, State
+from alignd.infra.events import check_version_id
+from libalign.errors import InputError
 
 router = APIRouter(prefix="/v1", tags=["rollouts"])
 bearer = HTTPBearer(auto_error=False)

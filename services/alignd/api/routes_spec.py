@@ -9,9 +9,8 @@ from __future__ import annotations
 from alignclient.models import ErrorResponse, SpecCheckRequest, SpecCheckResponse, SpecInfo
 from fastapi import APIRouter
 
-from libalign.errors import SpecMismatchError
-
 from alignd.api.state import State
+from libalign.errors import SpecMismatchError
 
 router = APIRouter(prefix="/v1", tags=["spec"])
 

@@ -17,11 +17,10 @@ import time
 from alignclient.models import Discrepancy, GuidanceSummary, ServiceStatus, Status
 from fastapi import APIRouter
 
+from alignd.api.state import ApiState, State
 from alignd.infra.liveness import list_heartbeats
 from alignd.infra.registry import STATES, HistoryEntry, VersionRecord
 from alignd.infra.telemetry import SERVICES
-
-from alignd.api.state import ApiState, State
 
 router = APIRouter(prefix="/v1", tags=["status"])
 

@@ -32,13 +32,12 @@ from alignclient.models import (
 from fastapi import APIRouter, Depends, Query
 from fastapi.security import HTTPBearer
 
-from libalign.errors import StateTransitionError, VersionNotFoundError
-from alignd.infra.events import PublishedEvent, SyncEvent, check_version_id, sync_stream
-from alignd.formats.published import PublishedVersion
-from alignd.infra.registry import VersionRecord
-from alignd.formats.weight_store import WeightStore
-
 from alignd.api.state import State
+from alignd.formats.published import PublishedVersion
+from alignd.formats.weight_store import WeightStore
+from alignd.infra.events import PublishedEvent, SyncEvent, check_version_id, sync_stream
+from alignd.infra.registry import VersionRecord
+from libalign.errors import StateTransitionError, VersionNotFoundError
 
 router = APIRouter(prefix="/v1", tags=["versions"])
 bearer = HTTPBearer(auto_error=False)  # documents the scheme; the front door enforces it

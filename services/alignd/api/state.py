@@ -22,14 +22,14 @@ import redis
 from alignclient.models import spec_sha256
 from fastapi import Depends, Request
 
-from libalign.spec import PRESETS
-from alignd.infra.stores.guidance import GuidanceStore
-from alignd.infra.liveness import ServiceHeartbeat
 from alignd.infra.bus import Backoff, RedisBus
+from alignd.infra.liveness import ServiceHeartbeat
 from alignd.infra.registry import Registry
-from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.settings import Settings
+from alignd.infra.stores.guidance import GuidanceStore
+from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.telemetry import Metrics
+from libalign.spec import PRESETS
 
 #: Seconds a request's Redis calls keep retrying before the request answers 503.
 REQUEST_GIVE_UP_S = 2.0

@@ -77,6 +77,7 @@ import torch
 from safetensors import safe_open
 
 import libalign
+from alignd.formats.atomic_dir import DestinationExistsError, atomic_directory, sha256_file
 from libalign import ops
 from libalign.checkpoint import FORMATS, stored_layout, to_format
 from libalign.errors import (
@@ -90,7 +91,6 @@ from libalign.errors import (
     SpecError,
 )
 from libalign.spec import PRESETS, NumericsSpec, NVFP4Tensor, check_finite, shared_outer_amax
-from alignd.formats.atomic_dir import DestinationExistsError, atomic_directory, sha256_file
 
 #: Presets that make sense for a stored checkpoint (``te_row`` is an activation variant).
 CHECKPOINT_PRESETS = ("minite", "modelopt", "compressed_tensors", "torchao", "te")

@@ -26,10 +26,9 @@ import safetensors.torch
 import torch
 from safetensors import safe_open
 
-from libalign.errors import InputError, LayoutError, MissingShardError, VersionExistsError
-
 from alignd.formats.atomic_dir import DestinationExistsError, atomic_directory
 from alignd.infra.events import PublishedEvent, check_version_id
+from libalign.errors import InputError, LayoutError, MissingShardError, VersionExistsError
 
 if TYPE_CHECKING:
     from alignd.infra.bus import RedisBus

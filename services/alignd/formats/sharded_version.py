@@ -56,11 +56,7 @@ from typing import Any
 
 import torch
 
-from libalign.errors import InputError, ManifestError, VersionExistsError
-from libalign.spec import NumericsSpec, NVFP4Tensor
-
 from alignd.formats.atomic_dir import TMP_PREFIX, DestinationExistsError, atomic_directory, fsync_path
-from alignd.infra.events import check_version_id
 from alignd.formats.weight_store import (
     DEFAULT_SHARD_BYTES,
     FORMAT,
@@ -73,6 +69,9 @@ from alignd.formats.weight_store import (
     manifest_totals,
     scalar_outer,
 )
+from alignd.infra.events import check_version_id
+from libalign.errors import InputError, ManifestError, VersionExistsError
+from libalign.spec import NumericsSpec, NVFP4Tensor
 
 __all__ = [
     "PartResult",

@@ -64,6 +64,14 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from alignd.formats.atomic_dir import (
+    TMP_PREFIX,
+    DestinationExistsError,
+    atomic_directory,
+    fsync_path,
+    sweep_stale,
+)
+from alignd.infra.events import check_version_id
 from libalign import ops
 from libalign.errors import (
     AlignError,
@@ -76,9 +84,6 @@ from libalign.errors import (
     VersionNotFoundError,
 )
 from libalign.spec import NumericsSpec, NVFP4Tensor
-
-from alignd.formats.atomic_dir import TMP_PREFIX, DestinationExistsError, atomic_directory, fsync_path, sweep_stale
-from alignd.infra.events import check_version_id
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "libalign-nvfp4"

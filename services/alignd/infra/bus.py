@@ -32,10 +32,9 @@ from typing import TypeVar
 
 import redis
 
-from libalign.errors import BusUnavailableError
-
 from alignd.infra.redis_clients import client_for, text_client
 from alignd.infra.settings import Settings
+from libalign.errors import BusUnavailableError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -34,10 +34,9 @@ from typing import Any
 
 import redis
 
-from libalign.errors import InputError
-
-from alignd.infra.events import check_version_id
 from alignd.infra.bus import Backoff, RedisBus
+from alignd.infra.events import check_version_id
+from libalign.errors import InputError
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import redis
 
+from alignd.infra.bus import RedisBus
+from alignd.infra.events import check_version_id
 from libalign.errors import (
     ConfigError,
     InputError,
@@ -37,9 +39,6 @@ from libalign.errors import (
     VersionExistsError,
     VersionNotFoundError,
 )
-
-from alignd.infra.events import check_version_id
-from alignd.infra.bus import RedisBus
 
 STATES = ("published", "converting", "converted", "loading", "serving", "failed")
 

@@ -27,18 +27,17 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from libalign.errors import AlignError
-from libalign.guidance import GuidanceRecord
+from alignd.formats.convert import resolve_spec, target_spec
 from alignd.formats.published import publish_version
+from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.registry import Registry
 from alignd.infra.settings import Settings
-from alignd.formats.weight_store import WeightStore
 from alignd.infra.work import READY, REQUESTS, RolloutRequest, RolloutsReady
-from alignd.formats.convert import resolve_spec, target_spec
-
 from alignd.learner.engine import GUIDED, LearnerEngine, TrainBatch
 from alignd.learner.sharded_publish import announce_converted
+from libalign.errors import AlignError
+from libalign.guidance import GuidanceRecord
 
 
 class LoopError(AlignError):

@@ -21,11 +21,11 @@ import json
 import logging
 import sys
 
-from libalign.errors import AlignError
 from alignd.infra.liveness import ServiceHeartbeat
 from alignd.infra.service_main import start_service
 from alignd.infra.settings import Settings
 from alignd.infra.telemetry import Metrics, serve_metrics_for
+from libalign.errors import AlignError
 
 log = logging.getLogger("alignd.learner")
 
@@ -34,14 +34,13 @@ def build_loop(settings: Settings, *, lr: float = 2e-5, use_tis: bool = True,
                prompts_per_step: int = 8, samples_per_prompt: int = 8, metrics=None,
                run_id: str | None = None, engine=None):
     """The embedded learner engine (or ``engine``, e.g. a multi-rank group) and its loop."""
-    from libalign import models
-    from alignd.infra.stores.guidance import GuidanceStore
     from alignd.infra.bus import RedisBus
     from alignd.infra.redis_clients import binary_client
+    from alignd.infra.stores.guidance import GuidanceStore
     from alignd.infra.stores.rollouts import RolloutStore
-
     from alignd.learner.engine import TorchLearnerEngine
     from alignd.learner.loop import LearnerLoop
+    from libalign import models
 
     task = models.SyntheticTask()
     if engine is None:

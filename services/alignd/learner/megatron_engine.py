@@ -50,13 +50,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from alignd.learner.engine import TorchLearnerEngine, TrainBatch
 from libalign.errors import ConfigError
 from libalign.models import megatron as mg
 from libalign.models.megatron_cpu import cpu_shims
 from libalign.models.megatron_export import export_hf_state_dict, load_hf_into_megatron
 from libalign.models.scoring import completion_logprobs, right_padded_batch
-
-from alignd.learner.engine import TorchLearnerEngine, TrainBatch
 
 
 class MegatronLearnerEngine(TorchLearnerEngine):

@@ -20,21 +20,20 @@ import logging
 import signal
 import threading
 
-from libalign.errors import AlignError
 from alignd.infra.settings import Settings
 from alignd.infra.telemetry import Metrics
+from libalign.errors import AlignError
 
 log = logging.getLogger("alignd.learner")
 
 
 def rank_main(info, opts: dict) -> int:
     """One rank of the learner: rank 0 drives the RL loop, the others follow it."""
-    from libalign.models import trained_tiny_model
-    from libalign.models.megatron_cpu import cpu_shims
-
     from alignd.learner.main import build_loop, run_loop
     from alignd.learner.megatron_engine import MegatronLearnerEngine
     from alignd.learner.ranks import RankGroupEngine, follow
+    from libalign.models import trained_tiny_model
+    from libalign.models.megatron_cpu import cpu_shims
 
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s rank{info.rank} %(name)s %(levelname)s %(message)s")

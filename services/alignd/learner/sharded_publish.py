@@ -26,15 +26,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from libalign import spec as spec_mod
-from libalign.spec import NumericsSpec
-from alignd.infra.events import ConvertedEvent
-from alignd.infra.bus import RedisBus
-from alignd.infra.registry import Registry
-from alignd.formats.sharded_version import PartResult, Piece, write_part
-from alignd.formats.weight_store import DEFAULT_SHARD_BYTES, WeightStore
 from alignd.formats.convert import resolve_spec
 from alignd.formats.selection import make_select
+from alignd.formats.sharded_version import PartResult, Piece, write_part
+from alignd.formats.weight_store import DEFAULT_SHARD_BYTES, WeightStore
+from alignd.infra.bus import RedisBus
+from alignd.infra.events import ConvertedEvent
+from alignd.infra.registry import Registry
+from libalign import spec as spec_mod
+from libalign.spec import NumericsSpec
 
 
 def expert_parallel_place() -> tuple[int, int, object | None, bool]:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from libalign import models
-from alignd.infra.stores.guidance import GuidanceStore
+from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.redis_clients import binary_client
-from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.settings import Settings
+from alignd.infra.stores.guidance import GuidanceStore
+from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.telemetry import Metrics
-from alignd.formats.weight_store import WeightStore
-
 from alignd.sampler.engine import TorchSamplerEngine
+from libalign import models
 
 
 def build_sampler(settings: Settings, *, bus: RedisBus | None = None,

@@ -32,11 +32,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from alignd.formats.weight_store import WeightStore
 from libalign import gemm, models
 from libalign.errors import ManifestError, ShapeError, SpecError
 from libalign.guidance import GuidanceRecord, select_layers
 from libalign.spec import NVFP4Tensor
-from alignd.formats.weight_store import WeightStore
 
 
 @dataclass

@@ -32,20 +32,19 @@ import time
 
 from pydantic import ValidationError
 
+from alignd.infra.bus import Heartbeat, Message, RedisBus
+from alignd.infra.events import ConvertedEvent, sync_stream
+from alignd.infra.registry import Registry
+from alignd.infra.settings import Settings
+from alignd.infra.telemetry import Metrics
+from alignd.infra.work import READY, REQUESTS, SAMPLER_GROUP, RolloutRequest, RolloutsReady
+from alignd.sampler.engine import SamplerEngine
 from libalign.errors import (
     AlignError,
     BusUnavailableError,
     EventError,
     StateTransitionError,
 )
-from alignd.infra.events import ConvertedEvent, sync_stream
-from alignd.infra.bus import Heartbeat, Message, RedisBus
-from alignd.infra.registry import Registry
-from alignd.infra.settings import Settings
-from alignd.infra.telemetry import Metrics
-from alignd.infra.work import READY, REQUESTS, SAMPLER_GROUP, RolloutRequest, RolloutsReady
-
-from alignd.sampler.engine import SamplerEngine
 
 log = logging.getLogger("alignd.sampler")
 
@@ -278,7 +277,6 @@ def run_sampler(settings: Settings, engine: SamplerEngine, stop: threading.Event
 def main() -> int:  # pragma: no cover - exercised by the integration test as a process
     """Entry point: settings from the environment, the embedded torch engine, signals."""
     from alignd.infra.service_main import start_service
-
     from alignd.sampler.embedded import build_sampler
 
     started = start_service(log)

@@ -126,6 +126,7 @@ from typing import Any
 
 import httpx
 
+from alignd.sampler.engine import Generation
 from libalign import gemm
 from libalign.errors import (
     AlignError,
@@ -138,8 +139,6 @@ from libalign.errors import (
     WeightUpdateError,
     WeightVersionMismatchError,
 )
-
-from alignd.sampler.engine import Generation
 
 log = logging.getLogger("alignd.sampler.sglang")
 

@@ -56,10 +56,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from libalign.errors import ConfigError, StoreError
-from libalign.spec import PRESETS
 from alignd.formats.atomic_dir import TMP_PREFIX, DestinationExistsError
-from alignd.formats.weight_store import WeightStore
 from alignd.formats.checkpoint_export import (
     CHECKPOINT_PRESETS,
     HF_QUANT_CONFIG,
@@ -67,6 +64,9 @@ from alignd.formats.checkpoint_export import (
     MANIFEST_NAME,
     convert_checkpoint,
 )
+from alignd.formats.weight_store import WeightStore
+from libalign.errors import ConfigError, StoreError
+from libalign.spec import PRESETS
 
 log = logging.getLogger("alignd.sampler.sglang")
 

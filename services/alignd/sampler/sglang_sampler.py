@@ -12,16 +12,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from libalign import gemm
-from libalign.errors import ConfigError
-from alignd.infra.redis_clients import binary_client
-from alignd.infra.stores.rollouts import RolloutStore
-from alignd.infra.settings import Settings
-from alignd.infra.telemetry import Metrics
 from alignd.formats.weight_store import WeightStore
-
+from alignd.infra.redis_clients import binary_client
+from alignd.infra.settings import Settings
+from alignd.infra.stores.rollouts import RolloutStore
+from alignd.infra.telemetry import Metrics
 from alignd.sampler.sglang_engine import SGLangSamplerEngine, SGLangTimeouts
 from alignd.sampler.sglang_export import ModelOptExport
+from libalign import gemm
+from libalign.errors import ConfigError
 
 DEFAULT_PATH = "nvfp4_naive"
 

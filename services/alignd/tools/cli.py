@@ -113,10 +113,10 @@ def demo(
     """Main job on the embedded default: RL of the tiny MoE through the services, four paths."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from libalign.errors import AlignError
-    from libalign.models import cpu_threads
     from alignd.infra.telemetry import Metrics
     from alignd.tools.demo.run import DemoConfig, run_demo
+    from libalign.errors import AlignError
+    from libalign.models import cpu_threads
 
     if not _selfcheck_table():
         raise typer.Exit(1)
@@ -241,12 +241,12 @@ def up(
 
     from pydantic import ValidationError
 
-    from libalign.errors import AlignError
+    from alignd.converter.main import run_converter
     from alignd.infra.settings import Settings
     from alignd.infra.telemetry import Metrics
-    from alignd.converter.main import run_converter
     from alignd.sampler.embedded import build_sampler
     from alignd.sampler.main import run_sampler
+    from libalign.errors import AlignError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -304,8 +304,8 @@ def status(
     """Versions, services and the current discrepancy, from a running API."""
     from alignclient import AlignClient
 
-    from libalign.errors import AlignError
     from alignd.infra.settings import Settings
+    from libalign.errors import AlignError
 
     base = url or Settings().resolved_api_url
     try:
@@ -372,9 +372,9 @@ def convert(
         TransferSpeedColumn,
     )
 
-    from libalign.errors import AlignError
     from alignd.formats.atomic_dir import DestinationExistsError
     from alignd.formats.checkpoint_export import convert_checkpoint
+    from libalign.errors import AlignError
 
     err = Console(stderr=True)
     bar = Progress(TextColumn("{task.description}", style="cyan"), BarColumn(), DownloadColumn(),
@@ -460,9 +460,9 @@ def diagnose(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bars"),
 ) -> None:
     """Measure and localize the learner-sampler execution gap (teacher-forced, frozen policy)."""
-    from libalign.errors import AlignError
     from alignd.tools.diagnose import render
     from alignd.tools.diagnose.run import DiagnoseConfig, run_diagnosis, write_outputs
+    from libalign.errors import AlignError
 
     cfg = DiagnoseConfig(
         model=model, checkpoint=None if checkpoint is None else str(checkpoint), num_layers=num_layers,

@@ -84,6 +84,10 @@ from typing import Any, Literal, NamedTuple
 
 import redis
 
+from alignd.infra.bus import Backoff, RedisBus
+from alignd.infra.redis_clients import BINARY_TIMEOUT_S, binary_client, client_for, is_embedded
+from alignd.infra.settings import Settings
+from alignd.infra.telemetry import Metrics
 from libalign.errors import (
     ConfigError,
     GuidanceBudgetError,
@@ -94,11 +98,6 @@ from libalign.errors import (
     PayloadTooLargeError,
     StoreError,
 )
-
-from alignd.infra.bus import Backoff, RedisBus
-from alignd.infra.redis_clients import BINARY_TIMEOUT_S, binary_client, client_for, is_embedded
-from alignd.infra.settings import Settings
-from alignd.infra.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -60,6 +60,9 @@ from alignclient.models import (
     Score,
 )
 
+from alignd.infra.bus import Backoff, RedisBus
+from alignd.infra.events import check_version_id
+from alignd.infra.telemetry import Metrics
 from libalign.errors import (
     ConfigError,
     InputError,
@@ -68,10 +71,6 @@ from libalign.errors import (
     ShapeError,
 )
 from libalign.metrics import DEFAULT_TIS_CAP, delta_stats, tis_weights, token_deltas
-
-from alignd.infra.events import check_version_id
-from alignd.infra.bus import Backoff, RedisBus
-from alignd.infra.telemetry import Metrics
 
 __all__ = ["DEFAULT_TTL_S", "DeltaSummary", "Discrepancy", "Rollout", "RolloutStore", "Score",
            "summarize"]

@@ -40,21 +40,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from libalign import metrics as lm
-from libalign import models
-from libalign.errors import InputError
-from alignd.infra.stores.guidance import GuidanceStore
+from alignd.converter.main import run_converter
+from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.redis_clients import binary_client
-from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.settings import Settings
+from alignd.infra.stores.guidance import GuidanceStore
+from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.telemetry import Metrics
-from alignd.formats.weight_store import WeightStore
-from alignd.converter.main import run_converter
 from alignd.learner.engine import TorchLearnerEngine
 from alignd.learner.loop import IterationResult, LearnerLoop
 from alignd.sampler.engine import TorchSamplerEngine
 from alignd.sampler.main import run_sampler
+from libalign import metrics as lm
+from libalign import models
+from libalign.errors import InputError
 
 #: configuration -> (sampler path, learner path, TIS)
 CONFIGS: dict[str, tuple[str, str, bool]] = {

@@ -19,13 +19,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from alignd.tools.diagnose import sides
+from alignd.tools.diagnose.conditions import GUIDED, Condition
 from libalign import models
 from libalign.errors import SpecError
 from libalign.gemm import PATHS
 from libalign.guidance import GuidanceCapture, GuidanceRecord, GuidanceTable, select_layers
-
-from alignd.tools.diagnose import sides
-from alignd.tools.diagnose.conditions import GUIDED, Condition
 
 
 def guided_conditions(conds: Sequence[Condition]) -> list[Condition]:

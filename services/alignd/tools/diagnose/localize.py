@@ -76,12 +76,11 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
+from alignd.tools.diagnose.conditions import Condition
 from libalign import metrics, models
 from libalign.context import context_swap
 from libalign.errors import NonFiniteError
 from libalign.gemm import get_path
-
-from alignd.tools.diagnose.conditions import Condition
 
 Progress = Callable[[int], None]
 

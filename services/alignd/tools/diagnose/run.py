@@ -52,12 +52,18 @@ from pathlib import Path
 import torch
 
 import libalign
+from alignd.tools.diagnose import guided, inputs, localize, sides, stats
+from alignd.tools.diagnose.conditions import (
+    EXTERNAL,
+    Condition,
+    check_path,
+    parse_layers,
+    paths_of,
+    resolve_conditions,
+)
 from libalign import models
 from libalign.errors import ConfigError, InputError
 from libalign.rounding import GUIDE_BITS
-
-from alignd.tools.diagnose import guided, inputs, localize, sides, stats
-from alignd.tools.diagnose.conditions import EXTERNAL, Condition, check_path, parse_layers, paths_of, resolve_conditions
 
 MODELS = ("tiny", "tiny-random", "qwen3-30b-a3b-shaped")
 
