@@ -1,390 +1,67 @@
-"""One tree of typed errors for the whole project.
+"""The errors the numerical core raises, and why they live in the wire contract.
 
-Every error libalign raises derives from :class:`AlignError`. Each class carries a stable
-machine-readable ``code`` and the HTTP status the API maps it to (the services translate
-with one helper, the client maps the code back to the class), so a caller can catch
-exactly what went wrong: a wrong dtype is not a wrong shape, and neither is a NaN.
+libalign refuses bad input with typed errors, so a caller can catch exactly what went
+wrong: a wrong dtype (:class:`DTypeError`) is not a wrong shape (:class:`ShapeError`), and
+neither is a NaN (:class:`NonFiniteError`, which also says how many and where). Each class
+has a stable ``code``; the input errors also derive from the builtin they refine
+(``ValueError`` or ``TypeError``), so code written against plain Python conventions keeps
+working.
 
-The input errors also derive from the builtin they refine (``ValueError`` or
-``TypeError``), so code written against plain Python conventions keeps working.
+The core's errors are the contract's classes, so one class is raised in-process and by
+the client. They are defined once, in ``alignclient.errors`` (the wire contract, a
+standard-library-only module that ships without torch), and this module re-exports the
+ones the core itself raises. A ``ShapeError`` raised by :func:`libalign.spec.quantize` in a
+trainer and a ``ShapeError`` the daemon answered over HTTP and the client raised again are
+the same class; ``except libalign.errors.ShapeError`` catches both.
+
+What the core does *not* know: the service errors (versions, stores, the API), and how any
+error is reported over a transport. The HTTP status of each class lives with the API
+(``alignd.api.errors``).
+
+The classes the core raises::
+
+    AlignError                        base of every error
+    ├── InputError (ValueError)       an argument libalign cannot accept
+    │   ├── DTypeError (TypeError)    a tensor's dtype
+    │   ├── ShapeError                a tensor's rank or shape
+    │   ├── NonFiniteError            NaN/Inf where the spec refuses them
+    │   ├── SpecError                 a numerics spec that is inconsistent or unknown
+    │   ├── UndefinedScaleError       a preset's arithmetic gives no scale for this input
+    │   ├── LayoutError               a packed payload or scale layout that does not fit
+    │   └── GuidanceRecordError       a malformed guidance record
+    │       └── GuidanceChecksumError its bytes do not match its checksum
+    ├── ConfigError                   a setting missing, inconsistent or unavailable here
+    └── DistributedRunError           ranks of a multi-process run failed
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-
-class AlignError(Exception):
-    """Base of every libalign error."""
-
-    code: str = "align_error"
-    http_status: int = 500
-
-    def to_dict(self) -> dict:
-        """Wire form: the code, the class name and the message."""
-        return {"code": self.code, "type": type(self).__name__, "message": str(self)}
-
-
-class InputError(AlignError, ValueError):
-    """The caller passed something libalign cannot accept."""
-
-    code = "invalid_input"
-    http_status = 422
-
-
-class DTypeError(InputError, TypeError):
-    """A tensor has a dtype the operation does not accept."""
-
-    code = "invalid_dtype"
-
-
-class ShapeError(InputError):
-    """A tensor has the wrong rank or shape."""
-
-    code = "invalid_shape"
-
-
-class NonFiniteError(InputError):
-    """A tensor holds NaN or Inf where the numerics spec refuses them.
-
-    ``count`` is how many elements are non-finite, ``nan``/``inf`` split that count and
-    ``first_indices`` lists the multi-indices of the first few offenders.
-    """
-
-    code = "non_finite"
-
-    def __init__(
-        self,
-        what: str,
-        count: int,
-        nan: int,
-        inf: int,
-        first_indices: Sequence[tuple[int, ...]],
-    ):
-        self.count = count
-        self.nan = nan
-        self.inf = inf
-        self.first_indices = [tuple(int(i) for i in ix) for ix in first_indices]
-        shown = ", ".join(str(ix) for ix in self.first_indices)
-        super().__init__(
-            f"{what}: {count} non-finite element(s) ({nan} NaN, {inf} Inf), "
-            f"first at {shown}"
-        )
-
-
-class SpecError(InputError):
-    """A numerics spec is inconsistent, unknown, or cannot express the request."""
-
-    code = "invalid_spec"
-
-
-class UndefinedScaleError(InputError):
-    """The chosen preset's arithmetic produces no defined scale for this input.
-
-    Raised, for example, by the ``torchao`` and ``modelopt`` presets on an all-zero
-    tensor, where those libraries divide zero by zero and emit NaN block scales.
-    """
-
-    code = "undefined_scale"
-
-
-class LayoutError(InputError):
-    """A packed payload, scale layout or checkpoint dict does not fit its description."""
-
-    code = "invalid_layout"
-
-
-class ConfigError(AlignError):
-    """A setting is missing or inconsistent, or asks for something not available here."""
-
-    code = "invalid_config"
-    http_status = 500
-
-
-class MissingShardError(InputError):
-    """A published weight version names a shard file that is not there.
-
-    ``shard`` is the missing file name and ``tensors`` the tensors the index puts in it.
-    """
-
-    code = "missing_shard"
-
-    def __init__(self, shard: str, tensors: Sequence[str], where: str = ""):
-        self.shard = shard
-        self.tensors = list(tensors)
-        first = ", ".join(self.tensors[:3]) + (" ..." if len(self.tensors) > 3 else "")
-        at = f" in {where}" if where else ""
-        super().__init__(f"shard {shard!r}{at} is missing; it holds {len(self.tensors)} "
-                         f"tensor(s): {first}")
-
-
-class EventError(InputError):
-    """An event on a Redis stream lacks a field or holds one that does not parse."""
-
-    code = "invalid_event"
-
-
-class VersionNotFoundError(AlignError, LookupError):
-    """No weight version with this id exists (in the registry or in the store)."""
-
-    code = "version_not_found"
-    http_status = 404
-
-    def __init__(self, version_id: str, where: str = "registry"):
-        self.version_id = version_id
-        super().__init__(f"weight version {version_id!r} not found in the {where}")
-
-
-class VersionExistsError(AlignError):
-    """A weight version with this id already exists and may not be created again."""
-
-    code = "version_exists"
-    http_status = 409
-
-    def __init__(self, version_id: str, where: str = "registry"):
-        self.version_id = version_id
-        super().__init__(f"weight version {version_id!r} already exists in the {where}")
-
-
-class StateTransitionError(AlignError):
-    """A weight version cannot move from its current state to the one asked for."""
-
-    code = "illegal_transition"
-    http_status = 409
-
-    def __init__(self, version_id: str, current: str, target: str, detail: str = ""):
-        self.version_id = version_id
-        self.current = current
-        self.target = target
-        extra = f" ({detail})" if detail else ""
-        super().__init__(f"weight version {version_id!r}: {current} -> {target} is not "
-                         f"allowed{extra}")
-
-
-class StoreError(AlignError):
-    """The weight store holds something unreadable or inconsistent."""
-
-    code = "store_error"
-    http_status = 500
-
-
-class ChecksumMismatchError(StoreError):
-    """A stored tensor's bytes do not match the SHA-256 its manifest records."""
-
-    code = "checksum_mismatch"
-
-    def __init__(self, version_id: str, tensor: str, expected: str, actual: str):
-        self.version_id = version_id
-        self.tensor = tensor
-        self.expected = expected
-        self.actual = actual
-        super().__init__(f"weight version {version_id!r}: tensor {tensor!r} has sha256 "
-                         f"{actual[:16]}..., the manifest says {expected[:16]}...")
-
-
-class ManifestError(StoreError):
-    """A stored version's manifest is missing, unparsable or disagrees with its files."""
-
-    code = "invalid_manifest"
-
-
-class BusUnavailableError(AlignError):
-    """Redis could not be reached within the retry budget."""
-
-    code = "bus_unavailable"
-    http_status = 503
-
-
-class PayloadTooLargeError(InputError):
-    """A request body, record or value is larger than the configured limit."""
-
-    code = "payload_too_large"
-    http_status = 413
-
-    def __init__(self, what: str, size: int, limit: int):
-        self.what = what
-        self.size = size
-        self.limit = limit
-        super().__init__(f"{what} is {size} bytes, more than the limit of {limit} bytes")
-
-
-class GuidanceRecordError(InputError):
-    """A guidance record is malformed or does not fit the activation it should guide."""
-
-    code = "invalid_guidance"
-
-
-class GuidanceChecksumError(GuidanceRecordError):
-    """A guidance record's bytes do not match the checksum it carries (corrupt record)."""
-
-    code = "guidance_checksum"
-
-
-class GuidanceNotFoundError(AlignError, LookupError):
-    """The guidance store holds no record for this weight version (or this rollout)."""
-
-    code = "guidance_not_found"
-    http_status = 404
-
-    def __init__(self, version_id: str, rollout_id: str | None = None, detail: str = ""):
-        self.version_id = version_id
-        self.rollout_id = rollout_id
-        what = (f"rollout {rollout_id!r} of weight version {version_id!r}" if rollout_id
-                is not None else f"weight version {version_id!r}")
-        super().__init__(f"no guidance for {what}" + (f" ({detail})" if detail else ""))
-
-
-class GuidanceEvictedError(GuidanceNotFoundError):
-    """The version's guidance existed but was evicted (budget or TTL); the message says why."""
-
-    code = "guidance_evicted"
-    http_status = 410
-
-
-class GuidanceBudgetError(AlignError):
-    """A put would exceed the guidance store's byte budget and nothing may be evicted."""
-
-    code = "guidance_budget"
-    http_status = 507
-
-
-class RolloutExistsError(AlignError):
-    """A rollout with this id is already stored for the weight version; rollouts are write-once."""
-
-    code = "rollout_exists"
-    http_status = 409
-
-    def __init__(self, version_id: str, rollout_ids: Sequence[str]):
-        self.version_id = version_id
-        self.rollout_ids = list(rollout_ids)
-        shown = ", ".join(repr(r) for r in self.rollout_ids[:5])
-        more = f" and {len(self.rollout_ids) - 5} more" if len(self.rollout_ids) > 5 else ""
-        super().__init__(f"weight version {version_id!r} already holds rollout(s) {shown}{more}; "
-                         "nothing of this batch was stored")
-
-
-class RolloutNotFoundError(AlignError, LookupError):
-    """No rollout with this id is stored for the weight version (never put, or expired)."""
-
-    code = "rollout_not_found"
-    http_status = 404
-
-    def __init__(self, version_id: str, rollout_id: str):
-        self.version_id = version_id
-        self.rollout_id = rollout_id
-        super().__init__(f"rollout {rollout_id!r} of weight version {version_id!r} not found "
-                         "(never stored, or expired)")
-
-
-class MalformedBodyError(InputError):
-    """A request body is not parsable at all (broken JSON), as opposed to parsable but invalid."""
-
-    code = "malformed_body"
-    http_status = 400
-
-
-class UnauthorizedError(AlignError):
-    """A mutating request came without a bearer token."""
-
-    code = "unauthorized"
-    http_status = 401
-
-
-class ForbiddenError(AlignError):
-    """A mutating request came with a bearer token that is not the configured one."""
-
-    code = "forbidden"
-    http_status = 403
-
-
-class RouteNotFoundError(AlignError, LookupError):
-    """No API route has this path."""
-
-    code = "route_not_found"
-    http_status = 404
-
-
-class MethodNotAllowedError(AlignError):
-    """The API route exists but does not accept this HTTP method."""
-
-    code = "method_not_allowed"
-    http_status = 405
-
-
-class SpecMismatchError(AlignError):
-    """The caller's numerics spec hash differs from the one the daemon runs with."""
-
-    code = "spec_mismatch"
-    http_status = 409
-
-    def __init__(self, server_sha256: str, client_sha256: str):
-        self.server_sha256 = server_sha256
-        self.client_sha256 = client_sha256
-        super().__init__(f"numerics spec mismatch: the daemon runs sha256 {server_sha256}, the "
-                         f"caller has {client_sha256}")
-
-
-class InternalError(AlignError):
-    """Something failed inside the daemon that no more specific error describes."""
-
-    code = "internal_error"
-    http_status = 500
-
-
-class EngineUnavailableError(AlignError):
-    """A serving engine (an SGLang server) could not be reached, or kept answering 503
-    (still loading), within the adapter's retry deadline."""
-
-    code = "engine_unavailable"
-    http_status = 503
-
-
-class EngineTimeoutError(EngineUnavailableError):
-    """A serving engine took a request but did not answer within the request's timeout
-    (or a condition it waits for, such as its requests draining, did not come in time)."""
-
-    code = "engine_timeout"
-    http_status = 504
-
-
-class EngineRequestError(AlignError):
-    """A serving engine refused a request, aborted it, or answered in a shape the adapter
-    does not understand; the message carries the engine's own words."""
-
-    code = "engine_request_failed"
-    http_status = 502
-
-
-class WeightUpdateError(StoreError):
-    """A serving engine could not load a weight version (it keeps serving the old one).
-
-    A store error because it is a property of the version's files as the engine reads them
-    (a missing shard, a tensor of the wrong shape): the sampler marks the version failed
-    with the engine's message, as it does for a version that fails verification.
-    """
-
-    code = "weight_update_failed"
-    http_status = 502
-
-
-class WeightVersionMismatchError(AlignError):
-    """A serving engine reports a weight version other than the one the adapter loaded
-    (another controller switched it, or an update did not take)."""
-
-    code = "weight_version_mismatch"
-    http_status = 409
-
-
-class GuidanceUnsupportedError(InputError):
-    """Guidance records (TRACE) were asked of an engine that cannot capture them."""
-
-    code = "guidance_unsupported"
-    http_status = 501
-
-
-class DistributedRunError(AlignError):
-    """One or more ranks of a multi-process run failed or died without a result; the message
-    names each failing rank with its error."""
-
-    code = "distributed_run_failed"
-    http_status = 500
+from alignclient.errors import (
+    AlignError,
+    ConfigError,
+    DistributedRunError,
+    DTypeError,
+    GuidanceChecksumError,
+    GuidanceRecordError,
+    InputError,
+    LayoutError,
+    NonFiniteError,
+    ShapeError,
+    SpecError,
+    UndefinedScaleError,
+)
+
+__all__ = [
+    "AlignError",
+    "ConfigError",
+    "DTypeError",
+    "DistributedRunError",
+    "GuidanceChecksumError",
+    "GuidanceRecordError",
+    "InputError",
+    "LayoutError",
+    "NonFiniteError",
+    "ShapeError",
+    "SpecError",
+    "UndefinedScaleError",
+]

@@ -19,7 +19,7 @@ retried only when the connection was never made (nothing reached the server), ne
 after a timeout. So a publish retried after a lost reply may answer 409
 ``version_exists`` although this very call created the version: ``get_version`` tells.
 
-Errors come back as the daemon's own classes (:mod:`alignclient.errors`).
+Errors come back as the contract's classes (:mod:`alignclient.errors`), the ones the daemon raises.
 """
 
 from __future__ import annotations
@@ -36,9 +36,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from libalign.errors import InputError
-
-from .errors import ApiUnreachableError, error_from_response
+from .errors import ApiUnreachableError, InputError, error_from_response
 from .framing import MEDIA_TYPE, decode_frames
 from .models import (
     DeltaSummary,

@@ -24,15 +24,13 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator, Mapping
 
+from .errors import FramingError
+
 MAGIC = b"LAGB"
 _HEADER = struct.Struct("<4sI")
 _ID_LEN = struct.Struct("<H")
 _SIZE = struct.Struct("<Q")
 MEDIA_TYPE = "application/octet-stream"
-
-
-class FramingError(ValueError):
-    """A batch body does not follow the framing."""
 
 
 def iter_frames(records: Mapping[str, bytes | memoryview]) -> Iterator[bytes | memoryview]:

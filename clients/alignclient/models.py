@@ -13,7 +13,7 @@ Log-probabilities are finite and at most :data:`LOGPROB_MAX` (a probability cann
 1; rounding may push a certain token a hair above 0), as ``libalign.metrics`` requires.
 
 Errors travel as ``{"error": {"code", "type", "message"}}`` (:class:`ErrorResponse`), the
-code naming a class of ``libalign.errors``.
+code naming a class of :mod:`alignclient.errors`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Reply(BaseModel):
 
 
 class ErrorBody(Reply):
-    """A typed error: ``code`` names a libalign.errors class, ``type`` its class name."""
+    """A typed error: ``code`` names an alignclient.errors class, ``type`` its class name."""
 
     code: str
     type: str

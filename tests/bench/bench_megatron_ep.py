@@ -248,11 +248,10 @@ def kill_writer(part: int, parts: int, o: dict, vid: str, device: str, kill: boo
 def _kill_test(o: dict, parts: int, devices: list[str]) -> dict:
     import multiprocessing as mp
 
+    from alignclient.errors import VersionNotFoundError
     from alignd.formats.convert import resolve_spec
     from alignd.formats.sharded_version import part_status
     from alignd.formats.weight_store import WeightStore
-
-    from libalign.errors import VersionNotFoundError
 
     store, vid, victim = WeightStore(o["store"]), "kill-test", parts - 1
     ctx = mp.get_context("spawn")

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from alignclient.errors import DTypeError, LayoutError, NonFiniteError, ShapeError
 
 from libalign.checkpoint import (
     from_compressed_tensors,
@@ -9,7 +10,6 @@ from libalign.checkpoint import (
     to_compressed_tensors,
     to_modelopt,
 )
-from libalign.errors import DTypeError, LayoutError, NonFiniteError, ShapeError
 from libalign.spec import PRESETS, dequantize, quantize
 from tests.libalign import inputs, peers
 

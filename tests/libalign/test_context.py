@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from alignclient.errors import ShapeError
 
 from libalign.context import CONTEXTS, context_swap
-from libalign.errors import ShapeError
 from libalign.spec import PRESETS
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from alignclient.errors import DTypeError, NonFiniteError, ShapeError, SpecError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from libalign import gemm
-from libalign.errors import DTypeError, NonFiniteError, ShapeError, SpecError
 from libalign.spec import PRESETS, dequantize, quantize
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from alignclient.errors import NonFiniteError
 
 from libalign import gemm, ops
-from libalign.errors import NonFiniteError
 from libalign.spec import PRESETS, quantize
 
 pytestmark = pytest.mark.gpu

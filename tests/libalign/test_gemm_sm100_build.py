@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from alignclient.errors import DTypeError, ShapeError, SpecError
 
 from libalign import _cutlass, _native, ops
-from libalign.errors import DTypeError, ShapeError, SpecError
 from libalign.packing import swizzle_scales, swizzled_size, unswizzle_scales
 
 ARCH, SHAPE = 1, 2  # NV_GEMM_ERR_ARCH, NV_GEMM_ERR_SHAPE in csrc/gemm_abi.h

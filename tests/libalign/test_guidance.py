@@ -7,17 +7,17 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from hypothesis.extra.numpy import arrays
-
-from libalign.errors import (
+from alignclient.errors import (
     GuidanceChecksumError,
     GuidanceRecordError,
     NonFiniteError,
     ShapeError,
     SpecError,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
 from libalign.guidance import (
     GuidanceCapture,
     GuidanceRecord,

@@ -6,11 +6,11 @@ from fractions import Fraction
 
 import pytest
 import torch
+from alignclient.errors import SpecError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from libalign.constants import E2M1_MAGNITUDES, E2M1_MIDPOINTS, E2M1_VALUES
-from libalign.errors import SpecError
 from libalign.guidance import RowGuide, guided_quantize
 from libalign.packing import unpack_nibbles
 from libalign.rounding import (

@@ -29,11 +29,11 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
+from alignclient.errors import ConfigError, SpecError
 from alignd.learner.engine import TorchLearnerEngine, TrainBatch
 from alignd.learner.megatron_engine import MegatronLearnerEngine
 
 from libalign import gemm
-from libalign.errors import ConfigError, SpecError
 from libalign.models import build_model, capture_guidance, generate, tiny_config, use_path
 from libalign.models import megatron as mg
 from libalign.models import megatron_export as mx

@@ -12,10 +12,10 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from alignclient.errors import ConfigError, DistributedRunError
 from alignd.formats.selection import make_select
 from alignd.formats.weight_store import WeightStore
 
-from libalign.errors import ConfigError, DistributedRunError
 from libalign.models import build_model
 from libalign.models.megatron_parallel import NO_MULTICAST_ENV, check_layout, launch
 from libalign.spec import PRESETS

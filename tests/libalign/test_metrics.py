@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
+from alignclient.errors import DTypeError, InputError, NonFiniteError, ShapeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from libalign.errors import DTypeError, InputError, NonFiniteError, ShapeError
 from libalign.metrics import (
     BootstrapCI,
     bootstrap_ci,

@@ -11,8 +11,9 @@ import torch
 
 pytest.importorskip("transformers")
 
+from alignclient.errors import InputError, ShapeError, SpecError
+
 from libalign import gemm
-from libalign.errors import InputError, ShapeError, SpecError
 from libalign.models import (
     SyntheticTask,
     build_model,

@@ -7,8 +7,9 @@ import torch
 
 pytest.importorskip("transformers")
 
+from alignclient.errors import SpecError
+
 from libalign import gemm
-from libalign.errors import SpecError
 from libalign.guidance import GuidanceRecord, GuidanceTable
 from libalign.models import (
     CodeAgreement,

@@ -48,7 +48,7 @@ def test_missing_compiler_falls_back_to_spec_with_one_warning(fresh_native, monk
 
 def test_kernel_backend_refused_when_build_impossible(fresh_native, monkeypatch):
     """backend='kernel' with no buildable kernel is a SpecError, not a silent spec run."""
-    from libalign.errors import SpecError
+    from alignclient.errors import SpecError
 
     monkeypatch.setenv("CXX", "no-such-compiler-xyz")
     with pytest.raises(SpecError, match="kernel unavailable"):

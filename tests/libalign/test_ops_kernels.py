@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from alignclient.errors import NonFiniteError, SpecError, UndefinedScaleError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from libalign import _native, ops
-from libalign.errors import NonFiniteError, SpecError, UndefinedScaleError
 from libalign.packing import swizzle_scales
 from libalign.spec import PRESETS, quantize, shared_outer_amax
 from tests.libalign import inputs

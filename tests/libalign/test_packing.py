@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from alignclient.errors import DTypeError, LayoutError, ShapeError
 
-from libalign.errors import DTypeError, LayoutError, ShapeError
 from libalign.packing import (
     pack_nibbles,
     swizzle_scales,

@@ -2,12 +2,12 @@
 
 import numpy as np
 import torch
+from alignclient.errors import UndefinedScaleError
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from libalign.constants import E2M1_MAGNITUDES
-from libalign.errors import UndefinedScaleError
 from libalign.packing import pack_nibbles, unpack_nibbles
 from libalign.rounding import (
     e2m1_code_values,

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from alignclient.errors import VersionExistsError
 from alignd.converter.main import run_converter
 from alignd.formats.published import publish_version, write_published
 from alignd.formats.weight_store import TMP_PREFIX, WeightStore
@@ -37,7 +38,6 @@ from alignd.sampler.engine import TorchSamplerEngine
 from alignd.sampler.main import SamplerService, run_sampler
 
 from libalign import models
-from libalign.errors import VersionExistsError
 from tests.services.conftest import stop_processes, tiny_experts
 
 pytest.importorskip("transformers")

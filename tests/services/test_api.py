@@ -12,6 +12,7 @@ import time
 import pytest
 import redis
 import torch
+from alignclient.errors import ConfigError
 from alignclient.framing import decode_frames
 from alignclient.models import spec_sha256
 from alignd.api.app import create_app
@@ -21,7 +22,6 @@ from alignd.infra.registry import Registry
 from alignd.infra.telemetry import Metrics
 from fastapi.testclient import TestClient
 
-from libalign.errors import ConfigError
 from libalign.metrics import delta_stats, tis_weights
 from libalign.spec import PRESETS
 from tests.services.api_server import TOKEN, api_settings, publish_files

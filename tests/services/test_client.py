@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 
+import alignclient.errors as E
 import pytest
 from alignclient import AlignClient, ApiUnreachableError, AsyncAlignClient, RemoteError, spec_sha256
 from alignclient.client import Call
@@ -17,7 +18,6 @@ from alignd.infra.bus import RedisBus, connect
 from alignd.infra.events import VERSION_ID_RE
 from alignd.infra.registry import Registry
 
-import libalign.errors as E
 from libalign.metrics import LOGPROB_TOLERANCE
 from libalign.spec import PRESETS
 from tests.services.api_server import TOKEN, api_settings, publish_files, serve

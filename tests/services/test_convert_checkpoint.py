@@ -11,15 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from alignd.formats import checkpoint_export as ce
-from alignd.formats.atomic_dir import DestinationExistsError
-from alignd.tools.cli import app
-from safetensors import safe_open
-from safetensors.torch import save_file
-from typer.testing import CliRunner
-
-from libalign.checkpoint import from_compressed_tensors, from_modelopt, stored_layout, to_format
-from libalign.errors import (
+from alignclient.errors import (
     DTypeError,
     InputError,
     LayoutError,
@@ -28,6 +20,14 @@ from libalign.errors import (
     ShapeError,
     SpecError,
 )
+from alignd.formats import checkpoint_export as ce
+from alignd.formats.atomic_dir import DestinationExistsError
+from alignd.tools.cli import app
+from safetensors import safe_open
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from libalign.checkpoint import from_compressed_tensors, from_modelopt, stored_layout, to_format
 from libalign.spec import PRESETS, dequantize, quantize, shared_outer_amax
 from tests.libalign import inputs, peers
 

@@ -9,6 +9,7 @@ import urllib.request
 
 import pytest
 import torch
+from alignclient.errors import EventError
 from alignd.converter.main import run_converter
 from alignd.formats.convert import convert_published
 from alignd.formats.published import publish_version
@@ -20,7 +21,6 @@ from alignd.infra.registry import Registry
 from alignd.infra.settings import Settings
 from alignd.infra.telemetry import Metrics, serve_metrics
 
-from libalign.errors import EventError
 from libalign.spec import PRESETS
 from libalign.spec import quantize as spec_quantize
 

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from alignclient.errors import InputError, NonFiniteError, SpecError
 from alignd.tools.cli import app
 from alignd.tools.diagnose import inputs, localize, sides, stats
 from alignd.tools.diagnose.conditions import (
@@ -25,7 +26,6 @@ from alignd.tools.diagnose.run import DiagnoseConfig, run_diagnosis, write_outpu
 from typer.testing import CliRunner
 
 from libalign import metrics, models
-from libalign.errors import InputError, NonFiniteError, SpecError
 
 runner = CliRunner()
 SMALL = ["--model", "tiny-random", "--num-prompts", "8", "--batch-size", "4", "--n-boot", "50",

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from alignclient.errors import GuidanceChecksumError, StateTransitionError, VersionExistsError
 from alignd.infra.bus import Heartbeat, RedisBus, connect
 from alignd.infra.redis_clients import (
     binary_client,
@@ -28,7 +29,6 @@ from alignd.infra.settings import Settings
 from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.telemetry import Metrics
 
-from libalign.errors import GuidanceChecksumError, StateTransitionError, VersionExistsError
 from tests.services.test_registry import drive
 
 S, G = "t:stream", "grp"

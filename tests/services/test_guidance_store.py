@@ -22,17 +22,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from alignd.infra.bus import Backoff
-from alignd.infra.redis_clients import binary_client, reset_embedded
-from alignd.infra.settings import Settings
-from alignd.infra.stores import guidance as guidance_store
-from alignd.infra.stores.guidance import GuidanceStore
-from alignd.infra.telemetry import Metrics
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from pydantic import ValidationError
-
-from libalign.errors import (
+from alignclient.errors import (
     BusUnavailableError,
     ConfigError,
     GuidanceBudgetError,
@@ -43,6 +33,16 @@ from libalign.errors import (
     PayloadTooLargeError,
     StoreError,
 )
+from alignd.api.errors import status_for
+from alignd.infra.bus import Backoff
+from alignd.infra.redis_clients import binary_client, reset_embedded
+from alignd.infra.settings import Settings
+from alignd.infra.stores import guidance as guidance_store
+from alignd.infra.stores.guidance import GuidanceStore
+from alignd.infra.telemetry import Metrics
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -337,7 +337,7 @@ def test_in_use_eviction_is_loud(backend, caplog):
         with pytest.raises(GuidanceEvictedError) as e:
             s.get("v1", "r")
         assert "evicted while in use by learner-0, learner-1" in str(e.value)
-        assert e.value.code == "guidance_evicted" and e.value.http_status == 410
+        assert e.value.code == "guidance_evicted" and status_for(e.value) == 410
 
 
 def test_in_use_refuse_writes_nothing(backend):

@@ -6,9 +6,8 @@ import time
 
 import pytest
 import redis
+from alignclient.errors import InputError
 from alignd.infra.liveness import ServiceHeartbeat, list_heartbeats
-
-from libalign.errors import InputError
 
 
 def test_beats_report_state_version_and_info(redis_url):

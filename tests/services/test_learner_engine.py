@@ -7,10 +7,10 @@ import torch
 
 pytest.importorskip("transformers")
 
+from alignclient.errors import InputError
 from alignd.learner.engine import TorchLearnerEngine, TrainBatch, grpo_advantages
 
 from libalign import models
-from libalign.errors import InputError
 
 TASK = models.SyntheticTask()
 

@@ -100,7 +100,7 @@ def test_a_rank_killed_mid_publish_stops_the_group_and_leaves_no_version(redis_u
     no version, and only a hidden staging directory is left for the sweeper."""
     import time
 
-    from libalign.errors import DistributedRunError
+    from alignclient.errors import DistributedRunError
 
     s = L.settings_for(redis_url, str(tmp_path / "store"), "nvfp4_minite")
     hf = models.build_model(config(), seed=1)

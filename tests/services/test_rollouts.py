@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import redis
 import torch
+from alignclient.errors import ConfigError, InputError, RolloutExistsError
 from alignd.infra.stores.rollouts import Rollout, RolloutStore, Score, summarize
 from alignd.infra.telemetry import ABS_DELTA_BUCKETS, Metrics
 
-from libalign.errors import ConfigError, InputError, RolloutExistsError
 from libalign.metrics import delta_stats
 
 

@@ -8,13 +8,13 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from alignclient.errors import ChecksumMismatchError, SpecError
 from alignd.formats.convert import convert_published, target_spec
 from alignd.formats.published import write_published
 from alignd.formats.weight_store import WeightStore
 from alignd.sampler.engine import TorchSamplerEngine
 
 from libalign import models
-from libalign.errors import ChecksumMismatchError, SpecError
 from libalign.guidance import GuidanceRecord
 from libalign.spec import PRESETS
 

@@ -12,6 +12,16 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from alignclient.errors import (
+    ConfigError,
+    EngineRequestError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+    GuidanceUnsupportedError,
+    SpecError,
+    WeightUpdateError,
+    WeightVersionMismatchError,
+)
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.registry import Registry
@@ -23,16 +33,6 @@ from alignd.sampler.sglang_engine import SGLangSamplerEngine, SGLangTimeouts, ro
 from alignd.sampler.sglang_export import ModelOptExport
 from alignd.sampler.sglang_sampler import build_sglang_sampler
 
-from libalign.errors import (
-    ConfigError,
-    EngineRequestError,
-    EngineTimeoutError,
-    EngineUnavailableError,
-    GuidanceUnsupportedError,
-    SpecError,
-    WeightUpdateError,
-    WeightVersionMismatchError,
-)
 from tests.services.api_server import publish_files, serve
 from tests.services.conftest import free_port
 from tests.services.sglang_contract import SGLangContract, check_modelopt_dir

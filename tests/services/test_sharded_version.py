@@ -18,6 +18,13 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from alignclient.errors import (
+    InputError,
+    ManifestError,
+    NonFiniteError,
+    VersionExistsError,
+    VersionNotFoundError,
+)
 from alignd.formats.atomic_dir import TMP_PREFIX
 from alignd.formats.sharded_version import (
     Piece,
@@ -31,13 +38,6 @@ from alignd.formats.weight_store import WeightStore, scalar_outer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from libalign.errors import (
-    InputError,
-    ManifestError,
-    NonFiniteError,
-    VersionExistsError,
-    VersionNotFoundError,
-)
 from libalign.spec import PRESETS, NVFP4Tensor, shared_outer_amax
 
 REPO = Path(__file__).resolve().parents[2]

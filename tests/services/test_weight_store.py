@@ -12,12 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from alignd.formats.convert import convert_published
-from alignd.formats.published import INDEX_NAME, PublishedVersion, write_published
-from alignd.formats.selection import is_expert_weight
-from alignd.formats.weight_store import WeightStore, tensor_sha256
-
-from libalign.errors import (
+from alignclient.errors import (
     ChecksumMismatchError,
     DTypeError,
     InputError,
@@ -27,6 +22,12 @@ from libalign.errors import (
     VersionExistsError,
     VersionNotFoundError,
 )
+from alignd.api.errors import status_for
+from alignd.formats.convert import convert_published
+from alignd.formats.published import INDEX_NAME, PublishedVersion, write_published
+from alignd.formats.selection import is_expert_weight
+from alignd.formats.weight_store import WeightStore, tensor_sha256
+
 from libalign.spec import PRESETS
 from libalign.spec import quantize as spec_quantize
 
@@ -172,7 +173,7 @@ def test_exists_overwrite_and_delete(tmp_path):
     store.write_version("v", sd, PRESETS["minite"])
     with pytest.raises(VersionExistsError) as ei:
         store.write_version("v", sd, PRESETS["te"])
-    assert ei.value.http_status == 409
+    assert status_for(ei.value) == 409
     m = store.write_version("v", sd, PRESETS["te"], overwrite=True)
     assert "te" in m["specs"] and store.read_version("v").manifest == m
     store.delete_version("v")

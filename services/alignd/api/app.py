@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import redis
+from alignclient.errors import ConfigError
 from fastapi import FastAPI
 
 from alignd.api import (
@@ -35,7 +36,6 @@ from alignd.api.middleware import Frontdoor
 from alignd.api.state import REQUEST_GIVE_UP_S, ApiState, with_decoding
 from alignd.infra.settings import Settings
 from alignd.infra.telemetry import Metrics
-from libalign.errors import ConfigError
 
 log = logging.getLogger(__name__)
 API_VERSION = "1"

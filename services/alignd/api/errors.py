@@ -1,15 +1,18 @@
-"""How the API reports errors: one typed JSON shape, one mapping from exceptions to it.
+"""How the API reports errors: one typed JSON shape, one table from error classes to HTTP statuses.
 
-Every error response is ``{"error": {"code", "type", "message"}}`` with the HTTP status the
-error class declares (``libalign.errors``: each class has a ``code`` and an
-``http_status``), so a client maps the code back to the class. :func:`error_response` is
-the one helper that does this; the handlers below only turn other exceptions into
-``AlignError``\\ s first:
+Every error response is ``{"error": {"code", "type", "message"}}`` (the error's
+``to_dict()``); a client maps the ``code`` back to the class (``alignclient.errors``). The
+classes say what went wrong and carry no transport; the HTTP status of each is
+:data:`HTTP_STATUS`, here, looked up along the class's MRO by :func:`status_for`, so a
+subclass answers its nearest listed ancestor's status unless it is listed itself.
+:func:`error_response` is the one helper that builds a response; the handlers below only
+turn other exceptions into ``AlignError``\\ s first:
 
 * pydantic/FastAPI validation errors: 422 ``invalid_input`` whose message names each
   field path (``body.rollouts.0.logprobs.3: ...``); a body that is not JSON at all: 400
   ``malformed_body``;
-* Starlette's own HTTP errors: 404 ``route_not_found``, 405 ``method_not_allowed``;
+* Starlette's own HTTP errors: 404 ``route_not_found``, 405 ``method_not_allowed``, any
+  other with Starlette's status;
 * a Redis connection error that escaped the bus's retries: 503 ``bus_unavailable``;
 * anything else: 500 ``internal_error`` with the exception's class name only; the
   traceback goes to the log, never into the body.
@@ -20,20 +23,40 @@ from __future__ import annotations
 import logging
 
 import redis
+from alignclient.errors import (
+    AlignError,
+    ApiUnreachableError,
+    BusUnavailableError,
+    EngineRequestError,
+    EngineTimeoutError,
+    EngineUnavailableError,
+    ForbiddenError,
+    GuidanceBudgetError,
+    GuidanceEvictedError,
+    GuidanceNotFoundError,
+    GuidanceUnsupportedError,
+    InputError,
+    InternalError,
+    LoopError,
+    MalformedBodyError,
+    MethodNotAllowedError,
+    PayloadTooLargeError,
+    RemoteError,
+    RolloutExistsError,
+    RolloutNotFoundError,
+    RouteNotFoundError,
+    SpecMismatchError,
+    StateTransitionError,
+    UnauthorizedError,
+    VersionExistsError,
+    VersionNotFoundError,
+    WeightUpdateError,
+    WeightVersionMismatchError,
+)
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from libalign.errors import (
-    AlignError,
-    BusUnavailableError,
-    InputError,
-    InternalError,
-    MalformedBodyError,
-    MethodNotAllowedError,
-    RouteNotFoundError,
-)
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +64,61 @@ log = logging.getLogger(__name__)
 MAX_LISTED = 5
 
 
-def error_response(err: AlignError, headers: dict[str, str] | None = None) -> JSONResponse:
-    """The response for a typed error: its wire form under ``error``, its HTTP status."""
-    return JSONResponse({"error": err.to_dict()}, status_code=err.http_status, headers=headers)
+#: HTTP status of each error class. A class not listed answers the status of its nearest
+#: listed ancestor (:func:`status_for`): every input error is a 422, every store error a 500.
+HTTP_STATUS: dict[type[AlignError], int] = {
+    AlignError: 500,
+    InputError: 422,
+    MalformedBodyError: 400,
+    UnauthorizedError: 401,
+    ForbiddenError: 403,
+    VersionNotFoundError: 404,
+    GuidanceNotFoundError: 404,
+    RolloutNotFoundError: 404,
+    RouteNotFoundError: 404,
+    MethodNotAllowedError: 405,
+    VersionExistsError: 409,
+    StateTransitionError: 409,
+    RolloutExistsError: 409,
+    SpecMismatchError: 409,
+    WeightVersionMismatchError: 409,
+    GuidanceEvictedError: 410,
+    PayloadTooLargeError: 413,
+    InternalError: 500,
+    GuidanceUnsupportedError: 501,
+    EngineRequestError: 502,
+    WeightUpdateError: 502,
+    LoopError: 502,
+    BusUnavailableError: 503,
+    EngineUnavailableError: 503,
+    ApiUnreachableError: 503,
+    EngineTimeoutError: 504,
+    GuidanceBudgetError: 507,
+}
+
+
+def status_for(err: AlignError | type[AlignError]) -> int:
+    """The HTTP status the API answers ``err`` (an error or its class) with.
+
+    A :class:`~alignclient.errors.RemoteError` passed on from another API keeps the status
+    it came with.
+    """
+    if isinstance(err, RemoteError) and err.status is not None:
+        return err.status
+    cls = err if isinstance(err, type) else type(err)
+    for base in cls.__mro__:
+        if base in HTTP_STATUS:
+            return HTTP_STATUS[base]
+    raise TypeError(f"{cls.__name__} is not an AlignError")
+
+
+def error_response(err: AlignError, headers: dict[str, str] | None = None, *,
+                   status: int | None = None) -> JSONResponse:
+    """The response for a typed error: its wire form under ``error``, its HTTP status
+    (``status`` overrides the class's, for an error that came with one)."""
+    return JSONResponse({"error": err.to_dict()},
+                        status_code=status if status is not None else status_for(err),
+                        headers=headers)
 
 
 def _loc(loc: tuple) -> str:
@@ -64,7 +139,8 @@ def validation_error(exc: RequestValidationError) -> AlignError:
 
 
 def http_error(exc: StarletteHTTPException) -> AlignError:
-    """A typed error for an HTTP error raised by Starlette or FastAPI themselves."""
+    """A typed error for an HTTP error raised by Starlette or FastAPI themselves (answered
+    with Starlette's own status, see :func:`install_error_handlers`)."""
     if exc.status_code == 404:
         return RouteNotFoundError(f"no route {exc.detail}" if exc.detail != "Not Found"
                                   else "no such route")
@@ -72,9 +148,7 @@ def http_error(exc: StarletteHTTPException) -> AlignError:
         return MethodNotAllowedError("method not allowed on this route")
     if exc.status_code == 400:
         return MalformedBodyError(f"request body could not be read: {exc.detail}")
-    err = InputError(str(exc.detail)) if exc.status_code < 500 else InternalError(str(exc.detail))
-    err.http_status = exc.status_code
-    return err
+    return InputError(str(exc.detail)) if exc.status_code < 500 else InternalError(str(exc.detail))
 
 
 def unexpected_error(exc: BaseException) -> AlignError:
@@ -86,7 +160,7 @@ def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers that route every exception through :func:`error_response`."""
 
     async def on_align(request: Request, exc: AlignError) -> JSONResponse:
-        if exc.http_status >= 500:
+        if status_for(exc) >= 500:
             log.warning("%s %s: %s", request.method, request.url.path, exc)
         return error_response(exc)
 
@@ -94,7 +168,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(validation_error(exc))
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(http_error(exc), headers=getattr(exc, "headers", None))
+        return error_response(http_error(exc), headers=getattr(exc, "headers", None),
+                              status=exc.status_code)
 
     async def on_redis(request: Request, exc: redis.exceptions.RedisError) -> JSONResponse:
         if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):

@@ -16,7 +16,7 @@ In this order, before any route code runs or any body byte is parsed:
    here, up to ``max_body_bytes``, and replayed to the route. Routes that stream their
    body themselves (marked with :func:`streamed_body`: guidance uploads) get
    ``max_guidance_body_bytes`` and a ``receive`` that raises
-   :class:`~libalign.errors.PayloadTooLargeError` once the limit is passed, so the body is
+   :class:`~alignclient.errors.PayloadTooLargeError` once the limit is passed, so the body is
    never held twice.
 4. **Metrics and last resort.** Latency and status class are recorded per route template;
    an exception no handler took becomes a typed 500 ``internal_error`` (traceback in the
@@ -31,18 +31,18 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from starlette.routing import compile_path
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from alignd.api.errors import error_response, unexpected_error
-from alignd.infra.telemetry import Metrics
-from libalign.errors import (
+from alignclient.errors import (
     AlignError,
     ForbiddenError,
     MalformedBodyError,
     PayloadTooLargeError,
     UnauthorizedError,
 )
+from starlette.routing import compile_path
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from alignd.api.errors import error_response, unexpected_error
+from alignd.infra.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 

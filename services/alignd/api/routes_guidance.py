@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
+from alignclient.errors import InputError
 from alignclient.framing import MEDIA_TYPE, iter_frames
 from alignclient.models import (
     ErrorResponse,
@@ -27,7 +28,6 @@ from fastapi.security import HTTPBearer
 from alignd.api.middleware import streamed_body
 from alignd.api.state import ApiState, State
 from alignd.infra.events import check_version_id
-from libalign.errors import InputError
 
 router = APIRouter(prefix="/v1/guidance", tags=["guidance"])
 bearer = HTTPBearer(auto_error=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from alignclient.errors import AlignError, BusUnavailableError
 from alignclient.models import ErrorResponse, Health, Ready
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, Response
@@ -13,7 +14,6 @@ from prometheus_client.exposition import generate_latest
 from alignd.api.page import STATUS_PAGE
 from alignd.api.routes_status import refresh_metrics
 from alignd.api.state import State
-from libalign.errors import AlignError, BusUnavailableError
 
 log = logging.getLogger(__name__)
 router = APIRouter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
+from alignclient.errors import InputError
 from alignclient.models import (
     ID_PATTERN,
     MAX_BATCH,
@@ -22,7 +23,6 @@ from fastapi.security import HTTPBearer
 
 from alignd.api.state import ApiState, State
 from alignd.infra.events import check_version_id
-from libalign.errors import InputError
 
 router = APIRouter(prefix="/v1", tags=["rollouts"])
 bearer = HTTPBearer(auto_error=False)

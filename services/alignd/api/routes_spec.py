@@ -6,11 +6,11 @@ keys, no whitespace); ``alignclient.spec_sha256`` computes the same from a dict.
 
 from __future__ import annotations
 
+from alignclient.errors import SpecMismatchError
 from alignclient.models import ErrorResponse, SpecCheckRequest, SpecCheckResponse, SpecInfo
 from fastapi import APIRouter
 
 from alignd.api.state import State
-from libalign.errors import SpecMismatchError
 
 router = APIRouter(prefix="/v1", tags=["spec"])
 

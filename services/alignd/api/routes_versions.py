@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
+from alignclient.errors import StateTransitionError, VersionNotFoundError
 from alignclient.models import (
     ErrorResponse,
     HistoryEntry,
@@ -37,7 +38,6 @@ from alignd.formats.published import PublishedVersion
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.events import PublishedEvent, SyncEvent, check_version_id, sync_stream
 from alignd.infra.registry import VersionRecord
-from libalign.errors import StateTransitionError, VersionNotFoundError
 
 router = APIRouter(prefix="/v1", tags=["versions"])
 bearer = HTTPBearer(auto_error=False)  # documents the scheme; the front door enforces it

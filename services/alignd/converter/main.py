@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 
+from alignclient.errors import AlignError, BusUnavailableError
+
 from alignd.converter.worker import ConverterWorker
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
@@ -23,7 +25,6 @@ from alignd.infra.registry import Registry
 from alignd.infra.service_main import start_service
 from alignd.infra.settings import Settings
 from alignd.infra.telemetry import Metrics, serve_metrics_for
-from libalign.errors import AlignError, BusUnavailableError
 
 log = logging.getLogger("alignd.converter")
 

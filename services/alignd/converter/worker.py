@@ -28,14 +28,7 @@ import logging
 import time
 from typing import Any
 
-from alignd.formats.convert import convert_published, resolve_spec, target_spec
-from alignd.formats.weight_store import WeightStore
-from alignd.infra.bus import Heartbeat, Message, RedisBus
-from alignd.infra.events import ConvertedEvent, PublishedEvent
-from alignd.infra.registry import Registry
-from alignd.infra.settings import Settings
-from alignd.infra.telemetry import Metrics
-from libalign.errors import (
+from alignclient.errors import (
     BusUnavailableError,
     EventError,
     InputError,
@@ -44,6 +37,14 @@ from libalign.errors import (
     VersionExistsError,
     VersionNotFoundError,
 )
+
+from alignd.formats.convert import convert_published, resolve_spec, target_spec
+from alignd.formats.weight_store import WeightStore
+from alignd.infra.bus import Heartbeat, Message, RedisBus
+from alignd.infra.events import ConvertedEvent, PublishedEvent
+from alignd.infra.registry import Registry
+from alignd.infra.settings import Settings
+from alignd.infra.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -74,13 +74,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-
-import libalign
-from alignd.formats.atomic_dir import DestinationExistsError, atomic_directory, sha256_file
-from libalign import ops
-from libalign.checkpoint import FORMATS, stored_layout, to_format
-from libalign.errors import (
+from alignclient.errors import (
     AlignError,
     DTypeError,
     InputError,
@@ -90,6 +84,12 @@ from libalign.errors import (
     ShapeError,
     SpecError,
 )
+from safetensors import safe_open
+
+import libalign
+from alignd.formats.atomic_dir import DestinationExistsError, atomic_directory, sha256_file
+from libalign import ops
+from libalign.checkpoint import FORMATS, stored_layout, to_format
 from libalign.spec import PRESETS, NumericsSpec, NVFP4Tensor, check_finite, shared_outer_amax
 
 #: Presets that make sense for a stored checkpoint (``te_row`` is an activation variant).

@@ -12,10 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from alignclient.errors import SpecError
+
 from alignd.formats.published import PublishedVersion
 from alignd.formats.selection import make_select
 from alignd.formats.weight_store import DEFAULT_SHARD_BYTES, WeightStore
-from libalign.errors import SpecError
 from libalign.spec import PRESETS, NumericsSpec
 
 

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 
 import safetensors.torch
 import torch
+from alignclient.errors import InputError, LayoutError, MissingShardError, VersionExistsError
 from safetensors import safe_open
 
 from alignd.formats.atomic_dir import DestinationExistsError, atomic_directory
 from alignd.infra.events import PublishedEvent, check_version_id
-from libalign.errors import InputError, LayoutError, MissingShardError, VersionExistsError
 
 if TYPE_CHECKING:
     from alignd.infra.bus import RedisBus

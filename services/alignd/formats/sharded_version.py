@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from alignclient.errors import InputError, ManifestError, VersionExistsError
 
 from alignd.formats.atomic_dir import TMP_PREFIX, DestinationExistsError, atomic_directory, fsync_path
 from alignd.formats.weight_store import (
@@ -70,7 +71,6 @@ from alignd.formats.weight_store import (
     scalar_outer,
 )
 from alignd.infra.events import check_version_id
-from libalign.errors import InputError, ManifestError, VersionExistsError
 from libalign.spec import NumericsSpec, NVFP4Tensor
 
 __all__ = [

@@ -63,6 +63,16 @@ from typing import Any
 
 import safetensors.torch
 import torch
+from alignclient.errors import (
+    AlignError,
+    ChecksumMismatchError,
+    InputError,
+    LayoutError,
+    ManifestError,
+    NonFiniteError,
+    VersionExistsError,
+    VersionNotFoundError,
+)
 
 from alignd.formats.atomic_dir import (
     TMP_PREFIX,
@@ -73,16 +83,6 @@ from alignd.formats.atomic_dir import (
 )
 from alignd.infra.events import check_version_id
 from libalign import ops
-from libalign.errors import (
-    AlignError,
-    ChecksumMismatchError,
-    InputError,
-    LayoutError,
-    ManifestError,
-    NonFiniteError,
-    VersionExistsError,
-    VersionNotFoundError,
-)
 from libalign.spec import NumericsSpec, NVFP4Tensor
 
 MANIFEST_NAME = "manifest.json"

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import redis
+from alignclient.errors import BusUnavailableError
 
 from alignd.infra.redis_clients import client_for, text_client
 from alignd.infra.settings import Settings
-from libalign.errors import BusUnavailableError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -21,9 +21,8 @@ import re
 import time
 from typing import Annotated, ClassVar
 
+from alignclient.errors import EventError, InputError
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
-
-from libalign.errors import EventError, InputError
 
 #: The stream of sync requests under the default key prefix ``libalign``.
 SYNC_STREAM = "libalign:events:sync"

@@ -33,10 +33,10 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+from alignclient.errors import InputError
 
 from alignd.infra.bus import Backoff, RedisBus
 from alignd.infra.events import check_version_id
-from libalign.errors import InputError
 
 log = logging.getLogger(__name__)
 

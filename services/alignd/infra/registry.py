@@ -29,16 +29,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-
-from alignd.infra.bus import RedisBus
-from alignd.infra.events import check_version_id
-from libalign.errors import (
+from alignclient.errors import (
     ConfigError,
     InputError,
     StateTransitionError,
     VersionExistsError,
     VersionNotFoundError,
 )
+
+from alignd.infra.bus import RedisBus
+from alignd.infra.events import check_version_id
 
 STATES = ("published", "converting", "converted", "loading", "serving", "failed")
 

@@ -32,10 +32,9 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from alignclient.errors import AlignError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
-
-from libalign.errors import AlignError
 
 #: Conversion stages, the values of the ``stage`` label.
 STAGES = ("read", "quantize", "write")

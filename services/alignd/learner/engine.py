@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from alignclient.errors import InputError
 from torch import nn
 
 from libalign import gemm, models
-from libalign.errors import InputError
 from libalign.guidance import GuidanceRecord, GuidanceTable
 from libalign.models.paths import set_row_keys
 from libalign.models.scoring import completion_logprobs, right_padded_batch

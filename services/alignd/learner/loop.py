@@ -27,6 +27,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from alignclient.errors import LoopError
+
 from alignd.formats.convert import resolve_spec, target_spec
 from alignd.formats.published import publish_version
 from alignd.formats.weight_store import WeightStore
@@ -36,15 +38,7 @@ from alignd.infra.settings import Settings
 from alignd.infra.work import READY, REQUESTS, RolloutRequest, RolloutsReady
 from alignd.learner.engine import GUIDED, LearnerEngine, TrainBatch
 from alignd.learner.sharded_publish import announce_converted
-from libalign.errors import AlignError
 from libalign.guidance import GuidanceRecord
-
-
-class LoopError(AlignError):
-    """A stage of the RL loop did not complete (a failed version, a sampler error, a timeout)."""
-
-    code = "loop_error"
-    http_status = 502
 
 
 @dataclass

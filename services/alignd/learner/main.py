@@ -21,11 +21,12 @@ import json
 import logging
 import sys
 
+from alignclient.errors import AlignError
+
 from alignd.infra.liveness import ServiceHeartbeat
 from alignd.infra.service_main import start_service
 from alignd.infra.settings import Settings
 from alignd.infra.telemetry import Metrics, serve_metrics_for
-from libalign.errors import AlignError
 
 log = logging.getLogger("alignd.learner")
 

@@ -48,10 +48,10 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from alignclient.errors import ConfigError
 from torch import nn
 
 from alignd.learner.engine import TorchLearnerEngine, TrainBatch
-from libalign.errors import ConfigError
 from libalign.models import megatron as mg
 from libalign.models.megatron_cpu import cpu_shims
 from libalign.models.megatron_export import export_hf_state_dict, load_hf_into_megatron

@@ -20,9 +20,10 @@ import logging
 import signal
 import threading
 
+from alignclient.errors import AlignError
+
 from alignd.infra.settings import Settings
 from alignd.infra.telemetry import Metrics
-from libalign.errors import AlignError
 
 log = logging.getLogger("alignd.learner")
 

@@ -35,12 +35,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
+from alignclient.errors import ConfigError, InputError
 
 from alignd.formats.weight_store import WeightStore
 from alignd.learner.engine import TrainBatch
 from alignd.learner.megatron_engine import MegatronLearnerEngine
 from alignd.learner.sharded_publish import publish_sharded
-from libalign.errors import ConfigError, InputError
 
 STOP = "stop"
 

@@ -18,7 +18,7 @@ A sampler engine serves one weight version at a time. It can
 the GEMMs multiply exactly the codes the converter stored (installed with
 :func:`libalign.models.install_prepared_weights`, never re-quantized). A version must have
 been converted for the engine's path (its weight spec), or loading refuses it with a
-:class:`~libalign.errors.SpecError`. The SGLang adapter (a later issue) implements the same
+:class:`~alignclient.errors.SpecError`. The SGLang adapter (a later issue) implements the same
 protocol over HTTP.
 """
 
@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from alignclient.errors import ManifestError, ShapeError, SpecError
 from torch import nn
 
 from alignd.formats.weight_store import WeightStore
 from libalign import gemm, models
-from libalign.errors import ManifestError, ShapeError, SpecError
 from libalign.guidance import GuidanceRecord, select_layers
 from libalign.spec import NVFP4Tensor
 

@@ -30,6 +30,12 @@ import sys
 import threading
 import time
 
+from alignclient.errors import (
+    AlignError,
+    BusUnavailableError,
+    EventError,
+    StateTransitionError,
+)
 from pydantic import ValidationError
 
 from alignd.infra.bus import Heartbeat, Message, RedisBus
@@ -39,12 +45,6 @@ from alignd.infra.settings import Settings
 from alignd.infra.telemetry import Metrics
 from alignd.infra.work import READY, REQUESTS, SAMPLER_GROUP, RolloutRequest, RolloutsReady
 from alignd.sampler.engine import SamplerEngine
-from libalign.errors import (
-    AlignError,
-    BusUnavailableError,
-    EventError,
-    StateTransitionError,
-)
 
 log = logging.getLogger("alignd.sampler")
 

@@ -43,7 +43,7 @@ Generating
     (answers are matched by ``meta_info.id``). A completion's tokens and log-probs are the
     ``output_token_logprobs`` triples; ``finished`` is ``finish_reason.type == "stop"`` (the
     completion ended on a stop token, as the torch engine's ``finished`` means ended on eos);
-    an ``abort`` is an :class:`~libalign.errors.EngineRequestError`. Rows of one request
+    an ``abort`` is an :class:`~alignclient.errors.EngineRequestError`. Rows of one request
     repeat prompts (``samples_per_prompt``), so each row gets its own seed, derived from the
     request's seed and the row index. SGLang reproduces a seeded non-greedy sample only in
     its deterministic-inference mode (``--enable-deterministic-inference``).
@@ -78,7 +78,7 @@ Loading a version (the weight-sync flow)
        ``FlushCacheReqInput.timeout_s``; polling works on every version.);
     5. ``POST /update_weights_from_disk`` ``{"model_path", "load_format", "weight_version":
        version_id, "flush_cache": true, "abort_all_requests": false}``; ``success: false``
-       raises :class:`~libalign.errors.WeightUpdateError` with SGLang's message (the server
+       raises :class:`~alignclient.errors.WeightUpdateError` with SGLang's message (the server
        rolls back and keeps serving the old weights);
     6. ``GET /get_model_info``: the server must report ``weight_version == version_id``;
     7. ``POST /continue_generation``, always, also after a failure in 4-6;
@@ -90,14 +90,14 @@ Loading a version (the weight-sync flow)
 The served version
     Every answer's ``meta_info.weight_version`` is checked: all rows of a call must report the
     same one, and it must be the version this engine loaded (with ``strict_version``), else
-    :class:`~libalign.errors.WeightVersionMismatchError`; it is what
+    :class:`~alignclient.errors.WeightVersionMismatchError`; it is what
     :attr:`Generation.version_id` says. A server whose answers carry no ``weight_version``
     (older SGLang) is stamped with the engine's own record.
 
 Guidance records
     SGLang's kernels round activations inside fused CUDA code; there is no hook through which
     the FP4 codes at a captured site could be recorded, so asking for guidance (TRACE) raises
-    :class:`~libalign.errors.GuidanceUnsupportedError`. Run an ``nvfp4_trace`` learner against
+    :class:`~alignclient.errors.GuidanceUnsupportedError`. Run an ``nvfp4_trace`` learner against
     the embedded torch sampler, or without records (round-to-nearest where none is attached).
 
 Failures
@@ -107,9 +107,9 @@ Failures
     (``GET`` routes, pause, continue, flush) are also retried after a read timeout or a broken
     connection, while ``/generate`` and ``/update_weights_from_disk`` are not (they may still
     be running). What is left when the deadline passes is
-    :class:`~libalign.errors.EngineUnavailableError` (could not connect, or 503) or
-    :class:`~libalign.errors.EngineTimeoutError`; any other refusal (400, 500, an answer of an
-    unexpected shape) is :class:`~libalign.errors.EngineRequestError` with SGLang's message.
+    :class:`~alignclient.errors.EngineUnavailableError` (could not connect, or 503) or
+    :class:`~alignclient.errors.EngineTimeoutError`; any other refusal (400, 500, an answer of an
+    unexpected shape) is :class:`~alignclient.errors.EngineRequestError` with SGLang's message.
 """
 
 from __future__ import annotations
@@ -125,10 +125,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-from alignd.sampler.engine import Generation
-from libalign import gemm
-from libalign.errors import (
+from alignclient.errors import (
     AlignError,
     EngineRequestError,
     EngineTimeoutError,
@@ -139,6 +136,9 @@ from libalign.errors import (
     WeightUpdateError,
     WeightVersionMismatchError,
 )
+
+from alignd.sampler.engine import Generation
+from libalign import gemm
 
 log = logging.getLogger("alignd.sampler.sglang")
 

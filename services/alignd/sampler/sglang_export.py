@@ -27,7 +27,7 @@ What SGLang needs, and what this module therefore refuses
     default, ``te``, ``torchao``, ``compressed_tensors``); the converter shares one outer
     scale across fused siblings for them. The row-scaled ``minite`` preset keeps a scale per
     output row, which stock SGLang cannot load: :class:`ModelOptExport` refuses it when it
-    is built (:class:`~libalign.errors.ConfigError`), before any server is touched.
+    is built (:class:`~alignclient.errors.ConfigError`), before any server is touched.
 
     The export carries no ``input_scale`` (a weight converter sees no activations). SGLang
     builds that include sgl-project/sglang#33115 default a missing ``input_scale`` to 1.0,
@@ -56,6 +56,8 @@ import shutil
 import uuid
 from pathlib import Path
 
+from alignclient.errors import ConfigError, StoreError
+
 from alignd.formats.atomic_dir import TMP_PREFIX, DestinationExistsError
 from alignd.formats.checkpoint_export import (
     CHECKPOINT_PRESETS,
@@ -65,7 +67,6 @@ from alignd.formats.checkpoint_export import (
     convert_checkpoint,
 )
 from alignd.formats.weight_store import WeightStore
-from libalign.errors import ConfigError, StoreError
 from libalign.spec import PRESETS
 
 log = logging.getLogger("alignd.sampler.sglang")

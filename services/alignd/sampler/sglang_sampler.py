@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from alignclient.errors import ConfigError
+
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.redis_clients import binary_client
 from alignd.infra.settings import Settings
@@ -20,7 +22,6 @@ from alignd.infra.telemetry import Metrics
 from alignd.sampler.sglang_engine import SGLangSamplerEngine, SGLangTimeouts
 from alignd.sampler.sglang_export import ModelOptExport
 from libalign import gemm
-from libalign.errors import ConfigError
 
 DEFAULT_PATH = "nvfp4_naive"
 

@@ -62,7 +62,8 @@ def guidance_size(
     trajectories: int = typer.Option(4096, help="trajectories per RL step"),
 ) -> None:
     """Bytes of guidance records per token (and per RL step) for a model, at 1, 2 and 4 bits."""
-    from libalign.errors import AlignError
+    from alignclient.errors import AlignError
+
     from libalign.guidance import size_for_config, trace_reference_size
 
     try:
@@ -111,11 +112,11 @@ def demo(
     api_port: int = typer.Option(8000, help="port of the API (0: any free port)"),
 ) -> None:
     """Main job on the embedded default: RL of the tiny MoE through the services, four paths."""
+    from alignclient.errors import AlignError
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from alignd.infra.telemetry import Metrics
     from alignd.tools.demo.run import DemoConfig, run_demo
-    from libalign.errors import AlignError
     from libalign.models import cpu_threads
 
     if not _selfcheck_table():
@@ -239,6 +240,7 @@ def up(
     import signal
     import threading
 
+    from alignclient.errors import AlignError
     from pydantic import ValidationError
 
     from alignd.converter.main import run_converter
@@ -246,7 +248,6 @@ def up(
     from alignd.infra.telemetry import Metrics
     from alignd.sampler.embedded import build_sampler
     from alignd.sampler.main import run_sampler
-    from libalign.errors import AlignError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -303,9 +304,9 @@ def status(
 ) -> None:
     """Versions, services and the current discrepancy, from a running API."""
     from alignclient import AlignClient
+    from alignclient.errors import AlignError
 
     from alignd.infra.settings import Settings
-    from libalign.errors import AlignError
 
     base = url or Settings().resolved_api_url
     try:
@@ -363,6 +364,7 @@ def convert(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar, no summary"),
 ) -> None:
     """Convert a checkpoint's expert weights to NVFP4 safetensors, atomically."""
+    from alignclient.errors import AlignError
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -374,7 +376,6 @@ def convert(
 
     from alignd.formats.atomic_dir import DestinationExistsError
     from alignd.formats.checkpoint_export import convert_checkpoint
-    from libalign.errors import AlignError
 
     err = Console(stderr=True)
     bar = Progress(TextColumn("{task.description}", style="cyan"), BarColumn(), DownloadColumn(),
@@ -460,9 +461,10 @@ def diagnose(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bars"),
 ) -> None:
     """Measure and localize the learner-sampler execution gap (teacher-forced, frozen policy)."""
+    from alignclient.errors import AlignError
+
     from alignd.tools.diagnose import render
     from alignd.tools.diagnose.run import DiagnoseConfig, run_diagnosis, write_outputs
-    from libalign.errors import AlignError
 
     cfg = DiagnoseConfig(
         model=model, checkpoint=None if checkpoint is None else str(checkpoint), num_layers=num_layers,

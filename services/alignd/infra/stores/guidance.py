@@ -83,12 +83,7 @@ from datetime import datetime, timezone
 from typing import Any, Literal, NamedTuple
 
 import redis
-
-from alignd.infra.bus import Backoff, RedisBus
-from alignd.infra.redis_clients import BINARY_TIMEOUT_S, binary_client, client_for, is_embedded
-from alignd.infra.settings import Settings
-from alignd.infra.telemetry import Metrics
-from libalign.errors import (
+from alignclient.errors import (
     ConfigError,
     GuidanceBudgetError,
     GuidanceChecksumError,
@@ -98,6 +93,11 @@ from libalign.errors import (
     PayloadTooLargeError,
     StoreError,
 )
+
+from alignd.infra.bus import Backoff, RedisBus
+from alignd.infra.redis_clients import BINARY_TIMEOUT_S, binary_client, client_for, is_embedded
+from alignd.infra.settings import Settings
+from alignd.infra.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ read costs 4N bytes, whatever the version holds. float32 keeps |δ| to 7 signifi
 digits, far below the 1e-4 nats the histograms resolve.
 
 Atomicity. :meth:`~RolloutStore.put_rollouts` is one Lua script: it refuses the whole
-batch if any id is already stored (:class:`~libalign.errors.RolloutExistsError`), else
+batch if any id is already stored (:class:`~alignclient.errors.RolloutExistsError`), else
 writes all of it, so a batch is never half stored. :meth:`~RolloutStore.put_scores`
 computes δ in Python, then one Lua script appends it: a score whose ``(rollout id,
 learner path)`` is already in ``P:delta:<v>:scored`` is skipped, so sending the same batch
@@ -51,6 +51,13 @@ from dataclasses import dataclass
 import numpy as np
 import redis
 import torch
+from alignclient.errors import (
+    ConfigError,
+    InputError,
+    RolloutExistsError,
+    RolloutNotFoundError,
+    ShapeError,
+)
 from alignclient.models import (
     DeltaStats,
     DeltaSummary,
@@ -63,13 +70,6 @@ from alignclient.models import (
 from alignd.infra.bus import Backoff, RedisBus
 from alignd.infra.events import check_version_id
 from alignd.infra.telemetry import Metrics
-from libalign.errors import (
-    ConfigError,
-    InputError,
-    RolloutExistsError,
-    RolloutNotFoundError,
-    ShapeError,
-)
 from libalign.metrics import DEFAULT_TIS_CAP, delta_stats, tis_weights, token_deltas
 
 __all__ = ["DEFAULT_TTL_S", "DeltaSummary", "Discrepancy", "Rollout", "RolloutStore", "Score",

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from alignclient.errors import InputError
 
 from alignd.converter.main import run_converter
 from alignd.formats.weight_store import WeightStore
@@ -54,7 +55,6 @@ from alignd.sampler.engine import TorchSamplerEngine
 from alignd.sampler.main import run_sampler
 from libalign import metrics as lm
 from libalign import models
-from libalign.errors import InputError
 
 #: configuration -> (sampler path, learner path, TIS)
 CONFIGS: dict[str, tuple[str, str, bool]] = {

@@ -15,7 +15,7 @@ comparison needs:
   activations as the sampler's guidance records say (:mod:`alignd.tools.diagnose.guided`).
 
 Path names are checked against :data:`libalign.gemm.PATHS`; an unknown one is a
-:class:`~libalign.errors.SpecError` naming it and the condition it came from.
+:class:`~alignclient.errors.SpecError` naming it and the condition it came from.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from libalign.errors import InputError, SpecError
+from alignclient.errors import InputError, SpecError
+
 from libalign.gemm import PATHS
 
 DEFAULT_CONDITIONS = ("bf16/bf16", "bf16/nvfp4_naive", "bf16/nvfp4_minite",

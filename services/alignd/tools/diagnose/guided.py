@@ -17,12 +17,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from alignclient.errors import SpecError
 from torch import nn
 
 from alignd.tools.diagnose import sides
 from alignd.tools.diagnose.conditions import GUIDED, Condition
 from libalign import models
-from libalign.errors import SpecError
 from libalign.gemm import PATHS
 from libalign.guidance import GuidanceCapture, GuidanceRecord, GuidanceTable, select_layers
 

@@ -8,7 +8,7 @@ Two JSON Lines formats are accepted (one JSON object a line; blank lines are ski
   ``"sampler_logprobs": [...]``, one float per completion token (``len(tokens) - prompt_len``
   of them), the log-probabilities an external sampler reported while generating.
 
-Every problem is an :class:`~libalign.errors.InputError` that names the file, the line and the
+Every problem is an :class:`~alignclient.errors.InputError` that names the file, the line and the
 item (``prompt 3``, ``sequence 7``) and says what is wrong, so a bad record is found without a
 debugger: an empty prompt, a sequence without completion tokens, a token id outside the
 vocabulary, a log-prob list whose length differs from the completion, a NaN/Inf or positive
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from libalign.errors import InputError, NonFiniteError
+from alignclient.errors import InputError, NonFiniteError
 
 
 @dataclass(frozen=True)

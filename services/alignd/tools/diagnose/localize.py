@@ -74,12 +74,12 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 
 import torch
+from alignclient.errors import NonFiniteError
 from torch import nn
 
 from alignd.tools.diagnose.conditions import Condition
 from libalign import metrics, models
 from libalign.context import context_swap
-from libalign.errors import NonFiniteError
 from libalign.gemm import get_path
 
 Progress = Callable[[int], None]

@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from alignclient.errors import ConfigError, InputError
 
 import libalign
 from alignd.tools.diagnose import guided, inputs, localize, sides, stats
@@ -62,7 +63,6 @@ from alignd.tools.diagnose.conditions import (
     resolve_conditions,
 )
 from libalign import models
-from libalign.errors import ConfigError, InputError
 from libalign.rounding import GUIDE_BITS
 
 MODELS = ("tiny", "tiny-random", "qwen3-30b-a3b-shaped")

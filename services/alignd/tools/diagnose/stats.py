@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from alignclient.errors import ShapeError
 
 from libalign import metrics
-from libalign.errors import ShapeError
 
 YES, NO, INCONCLUSIVE = "yes", "no", "inconclusive"
 
