@@ -418,6 +418,7 @@ class RemoteError(AlignError):
     """
 
     code = "remote_error"
+    status: int | None = None
 
     def __init__(self, message: str, *, status: int | None = None, code: str | None = None):
         super().__init__(message)
