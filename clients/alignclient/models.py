@@ -6,8 +6,8 @@ and a field added here appears on both. This module imports nothing from ``servi
 (the client is installed without the daemon) and nothing heavier than pydantic.
 
 Ids. Version ids, rollout ids, consumer names and execution path names become Redis key
-parts and directory names, so they match :data:`ID_PATTERN` (the daemon's
-``alignd.infra.events.VERSION_ID_RE``; a test pins that the two agree).
+parts and directory names, so they follow the id rule of :mod:`alignclient.ids`
+(:data:`~alignclient.ids.ID_PATTERN`), the one the daemon checks them with.
 
 Log-probabilities are finite and at most :data:`LOGPROB_MAX` (a probability cannot exceed
 1; rounding may push a certain token a hair above 0), as ``libalign.metrics`` requires.
@@ -24,8 +24,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-#: Safe ids: Redis key parts and directory names.
-ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+from .ids import ID_PATTERN
+
 #: Largest log-probability accepted (libalign.metrics.LOGPROB_TOLERANCE).
 LOGPROB_MAX = 1e-6
 #: Most tokens (prompt and completion) of one rollout.

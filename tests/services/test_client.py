@@ -12,10 +12,11 @@ import pytest
 from alignclient import AlignClient, ApiUnreachableError, AsyncAlignClient, RemoteError, spec_sha256
 from alignclient.client import Call
 from alignclient.errors import error_classes, error_from_response
-from alignclient.models import ID_PATTERN, LOGPROB_MAX, Rollout, RolloutIds, RolloutList, Score
+from alignclient.ids import ID_PATTERN, ID_RE, check_version_id, is_safe_id
+from alignclient.models import LOGPROB_MAX, PublishRequest, Rollout, RolloutIds, RolloutList, Score
 from alignd.api.app import create_app
 from alignd.infra.bus import RedisBus, connect
-from alignd.infra.events import VERSION_ID_RE
+from alignd.infra.events import PublishedEvent
 from alignd.infra.registry import Registry
 
 from libalign.metrics import LOGPROB_TOLERANCE
@@ -41,9 +42,30 @@ def api(redis_url, tmp_path):
                                    registry=Registry(RedisBus(connect(redis_url)), "libalign")))
 
 
+#: Ids on both sides of the rule's edges.
+ID_SAMPLES = ["v1", "step-000123", "a.b_c-d", "0", "x" * 128, "x" * 129, "", ".hidden", "-x",
+              "_x", "a/b", "a:b", "a b", "v1\n", "\nv1", "é", "a..b"]
+
+
+def _accepts(fn) -> bool:
+    try:
+        fn()
+    except ValueError:  # InputError, EventError and pydantic's ValidationError are ValueErrors
+        return False
+    return True
+
+
 def test_wire_constants_match_the_daemon():
-    """The client's id pattern and log-prob bound are the daemon's; every error code is unique."""
-    assert f"^{VERSION_ID_RE.pattern}$" == ID_PATTERN
+    """The client's schemas and the daemon's checks apply the one id rule alike; the log-prob
+    bound is the daemon's; every error code is unique."""
+    assert f"^{ID_RE.pattern}$" == ID_PATTERN
+    for s in ID_SAMPLES:
+        ok = ID_RE.fullmatch(s) is not None
+        assert ok == (s in ("v1", "step-000123", "a.b_c-d", "0", "x" * 128, "a..b")), s
+        assert is_safe_id(s) == ok, s
+        assert _accepts(lambda s=s: check_version_id(s)) == ok, s
+        assert _accepts(lambda s=s: PublishRequest(version_id=s)) == ok, s
+        assert _accepts(lambda s=s: PublishedEvent(version_id=s, path="p")) == ok, s
     assert LOGPROB_MAX == LOGPROB_TOLERANCE
     codes = [c.code for c in vars(E).values()
              if isinstance(c, type) and issubclass(c, E.AlignError) and c.__module__ == E.__name__]

@@ -13,6 +13,7 @@ from typing import Annotated
 
 from alignclient.errors import InputError
 from alignclient.framing import MEDIA_TYPE, iter_frames
+from alignclient.ids import check_version_id
 from alignclient.models import (
     ErrorResponse,
     GuidanceBatchRequest,
@@ -27,7 +28,6 @@ from fastapi.security import HTTPBearer
 
 from alignd.api.middleware import streamed_body
 from alignd.api.state import ApiState, State
-from alignd.infra.events import check_version_id
 
 router = APIRouter(prefix="/v1/guidance", tags=["guidance"])
 bearer = HTTPBearer(auto_error=False)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from typing import Annotated
 
 from alignclient.errors import InputError
+from alignclient.ids import ID_PATTERN, check_rollout_id, check_version_id
 from alignclient.models import (
-    ID_PATTERN,
     MAX_BATCH,
     DeltaSummary,
     Discrepancy,
@@ -22,7 +21,6 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.security import HTTPBearer
 
 from alignd.api.state import ApiState, State
-from alignd.infra.events import check_version_id
 
 router = APIRouter(prefix="/v1", tags=["rollouts"])
 bearer = HTTPBearer(auto_error=False)
@@ -62,9 +60,8 @@ def get_rollouts(version_id: str, st: State, ids: IdsQuery = None) -> RolloutIds
     wanted = [i for i in ids.split(",") if i]
     if not wanted or len(wanted) > MAX_BATCH:
         raise InputError(f"ids must name 1 to {MAX_BATCH} rollouts, got {len(wanted)}")
-    bad = [i for i in wanted if not re.fullmatch(ID_PATTERN, i)]
-    if bad:
-        raise InputError(f"rollout id {bad[0]!r} must match {ID_PATTERN}")
+    for rollout_id in wanted:
+        check_rollout_id(rollout_id)
     return RolloutList(version_id=version_id, rollouts=st.rollouts.get_rollouts(version_id, wanted))
 
 

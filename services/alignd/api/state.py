@@ -14,11 +14,11 @@ connection pool, so both talk to the same server, sockets or not.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import redis
+from alignclient.ids import safe_id
 from alignclient.models import spec_sha256
 from fastapi import Depends, Request
 
@@ -49,8 +49,7 @@ def with_decoding(client: redis.Redis, decode: bool) -> redis.Redis:
 
 def instance_name(settings: Settings) -> str:
     """This API process's heartbeat name: the consumer name in the safe id alphabet."""
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", settings.consumer_name).lstrip("._-")[:128]
-    return name or "api"
+    return safe_id(settings.consumer_name, "api")
 
 
 @dataclass

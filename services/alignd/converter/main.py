@@ -17,6 +17,7 @@ import threading
 import time
 
 from alignclient.errors import AlignError, BusUnavailableError
+from alignclient.ids import safe_id
 
 from alignd.converter.worker import ConverterWorker
 from alignd.formats.weight_store import WeightStore
@@ -81,9 +82,7 @@ def run_converter(settings: Settings, stop_event: threading.Event | None = None,
 
 def me_name(settings: Settings) -> str:
     """The converter's heartbeat name: its consumer name, made a safe key part."""
-    import re
-
-    return re.sub(r"[^A-Za-z0-9._-]", "-", settings.consumer_name)[:128] or "converter"
+    return safe_id(settings.consumer_name, "converter")
 
 
 def main() -> int:

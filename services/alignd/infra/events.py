@@ -1,4 +1,4 @@
-"""Wire schemas of the events on the Redis streams, and the rule for version ids.
+"""Wire schemas of the events on the Redis streams.
 
 A stream entry is a flat map of strings, so each event is a small pydantic model that
 turns into such a map (:meth:`Event.to_fields`) and is parsed back with validation
@@ -6,8 +6,8 @@ turns into such a map (:meth:`Event.to_fields`) and is parsed back with validati
 ``KeyError`` deep inside a handler. Events carry ids and paths, never tensor bytes:
 weights live in the weight store directory.
 
-Version ids become directory names and Redis key parts, so they are restricted to
-``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``.
+Version ids follow the contract's id rule (:mod:`alignclient.ids`): they become
+directory names and Redis key parts.
 
 Streams: ``published`` and ``converted`` events travel on the streams that settings name;
 ``sync`` requests (the control API asks samplers to load a version) travel on
@@ -17,11 +17,11 @@ with the default prefix).
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Annotated, ClassVar
 
-from alignclient.errors import EventError, InputError
+from alignclient.errors import EventError
+from alignclient.ids import check_version_id
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 #: The stream of sync requests under the default key prefix ``libalign``.
@@ -31,16 +31,6 @@ SYNC_STREAM = "libalign:events:sync"
 def sync_stream(key_prefix: str = "libalign") -> str:
     """Name of the sync-request stream for a key prefix (``SYNC_STREAM`` for the default)."""
     return f"{key_prefix}:events:sync"
-
-
-VERSION_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-
-
-def check_version_id(version_id: str) -> str:
-    """Return ``version_id`` if it is a safe directory name and key part, else raise."""
-    if not isinstance(version_id, str) or not VERSION_ID_RE.fullmatch(version_id):
-        raise InputError(f"version id {version_id!r} must match {VERSION_ID_RE.pattern}")
-    return version_id
 
 
 VersionId = Annotated[str, AfterValidator(check_version_id)]

@@ -34,9 +34,9 @@ from typing import Any
 
 import redis
 from alignclient.errors import InputError
+from alignclient.ids import check_id
 
 from alignd.infra.bus import Backoff, RedisBus
-from alignd.infra.events import check_version_id
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class ServiceHeartbeat:
                  info: Callable[[], dict[str, Any]] | None = None, *, prefix: str = "libalign"):
         if service not in SERVICES:
             raise InputError(f"service must be one of {SERVICES}, not {service!r}")
-        check_version_id(name)  # the same safe alphabet: a key part
+        check_id(name, "instance name")  # a key part
         if not 0 < period_s < ttl_s:
             raise InputError(f"need 0 < period_s < ttl_s, got period_s={period_s}, ttl_s={ttl_s}")
         client = bus_or_client.client if isinstance(bus_or_client, RedisBus) else bus_or_client

@@ -36,9 +36,9 @@ from alignclient.errors import (
     VersionExistsError,
     VersionNotFoundError,
 )
+from alignclient.ids import check_version_id
 
 from alignd.infra.bus import RedisBus
-from alignd.infra.events import check_version_id
 
 STATES = ("published", "converting", "converted", "loading", "serving", "failed")
 

@@ -16,6 +16,7 @@ import json
 import time
 from typing import ClassVar
 
+from alignclient.ids import ID_PATTERN
 from pydantic import Field, field_validator
 
 from alignd.infra.events import Event, VersionId
@@ -31,7 +32,7 @@ class RolloutRequest(Event):
     """Generate ``samples_per_prompt`` completions of each prompt with version ``version_id``."""
 
     kind: ClassVar[str] = "rollout_request"
-    request_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    request_id: str = Field(pattern=ID_PATTERN)
     version_id: VersionId
     prompts: str  # JSON list of token-id lists
     samples_per_prompt: int = Field(1, ge=1, le=256)

@@ -58,6 +58,7 @@ from alignclient.errors import (
     RolloutNotFoundError,
     ShapeError,
 )
+from alignclient.ids import check_version_id
 from alignclient.models import (
     DeltaStats,
     DeltaSummary,
@@ -68,7 +69,6 @@ from alignclient.models import (
 )
 
 from alignd.infra.bus import Backoff, RedisBus
-from alignd.infra.events import check_version_id
 from alignd.infra.telemetry import Metrics
 from libalign.metrics import DEFAULT_TIS_CAP, delta_stats, tis_weights, token_deltas
 
