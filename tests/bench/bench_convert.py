@@ -321,7 +321,8 @@ def sync_cpu(args) -> dict:
     them with the minite preset on the way (``convert_published``).
     """
     from alignd.formats.convert import convert_published
-    from alignd.formats.published import PublishedVersion, write_published
+    from alignd.formats.hf_checkpoint import HFCheckpoint
+    from alignd.formats.published import write_published
     from alignd.formats.selection import is_expert_weight
     from alignd.formats.weight_store import WeightStore
 
@@ -352,7 +353,7 @@ def sync_cpu(args) -> dict:
         for i in range(args.sync_repeats):
             def via_service_bf16(i=i):
                 src = write_published(pub, f"b{i}", tensors)
-                store.write_version(f"b{i}", PublishedVersion(src).iter_tensors(), spec, select=keep)
+                store.write_version(f"b{i}", HFCheckpoint(src).iter_tensors(), spec, select=keep)
                 return store.read_version(f"b{i}", verify=True)
 
             def via_service_nvfp4(i=i):

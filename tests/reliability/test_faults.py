@@ -26,10 +26,11 @@ import redis
 import torch
 from alignclient.errors import VersionExistsError
 from alignd.converter.main import run_converter
-from alignd.formats.published import publish_version, write_published
+from alignd.formats.published import write_published
 from alignd.formats.weight_store import TMP_PREFIX, WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.events import ConvertedEvent, PublishedEvent, SyncEvent, sync_stream
+from alignd.infra.publish import publish_version
 from alignd.infra.registry import Registry
 from alignd.infra.settings import Settings
 from alignd.infra.stores.rollouts import RolloutStore

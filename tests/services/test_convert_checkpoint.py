@@ -20,7 +20,10 @@ from alignclient.errors import (
     ShapeError,
     SpecError,
 )
-from alignd.formats import checkpoint_export as ce
+from alignd.formats import export as ce
+from alignd.formats import export_plan
+from alignd.formats import hf_checkpoint as hfc
+from alignd.formats import selection as sel
 from alignd.formats.atomic_dir import DestinationExistsError
 from alignd.tools.cli import app
 from safetensors import safe_open
@@ -85,7 +88,7 @@ def write_checkpoint(root: Path, tensors: dict[str, torch.Tensor],
         save_file({n: t for n, t in tensors.items() if where[n] == shard}, str(root / shard),
                   metadata={"format": "pt"})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (root / ce.INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
+    (root / hfc.INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
                                                   "weight_map": where}))
     cfg = config or {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
                      "hidden_size": HIDDEN, "moe_intermediate_size": INTER,
@@ -128,7 +131,7 @@ def export(tmp_path_factory, ckpt):
 
 def load_all(root: Path) -> dict[str, torch.Tensor]:
     """Every tensor of an exported checkpoint, through its index and safetensors."""
-    index = json.loads((root / ce.INDEX_NAME).read_text())
+    index = json.loads((root / hfc.INDEX_NAME).read_text())
     out = {}
     for shard in sorted(set(index["weight_map"].values())):
         with safe_open(root / shard, framework="pt") as f:
@@ -185,30 +188,30 @@ def test_row_scaled_needs_asking_for():
 
 def test_selection_names():
     """Which names are expert weights, never quantized, or fused siblings."""
-    assert ce.is_expert_weight("model.layers.3.mlp.experts.17.down_proj.weight")
-    assert ce.is_expert_weight("model.layers.0.block_sparse_moe.experts.2.w3.weight")
-    assert not ce.is_expert_weight("model.layers.3.mlp.shared_expert.gate_proj.weight")
-    assert not ce.is_expert_weight("model.layers.3.mlp.experts.17.down_proj.bias")
+    assert sel.is_expert_weight("model.layers.3.mlp.experts.17.down_proj.weight")
+    assert sel.is_expert_weight("model.layers.0.block_sparse_moe.experts.2.w3.weight")
+    assert not sel.is_expert_weight("model.layers.3.mlp.shared_expert.gate_proj.weight")
+    assert not sel.is_expert_weight("model.layers.3.mlp.experts.17.down_proj.bias")
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.gate.weight",
                  "model.layers.0.input_layernorm.weight", "model.layers.0.mlp.shared_expert_gate.weight",
                  "model.layers.0.block_sparse_moe.router.weight"):
-        assert ce.is_never_quantized(name), name
-    assert not ce.is_never_quantized("model.layers.0.mlp.gate_proj.weight")
+        assert sel.is_never_quantized(name), name
+    assert not sel.is_never_quantized("model.layers.0.mlp.gate_proj.weight")
     names = ["a.experts.0.w1.weight", "a.experts.0.w3.weight", "a.experts.0.w2.weight",
              "m.self_attn.q_proj.weight", "m.self_attn.k_proj.weight", "m.self_attn.v_proj.weight"]
-    assert ce.fused_groups(names) == {"a.experts.0:gate_up": names[:2], "m.self_attn:qkv": sorted(names[3:])}
+    assert sel.fused_groups(names) == {"a.experts.0:gate_up": names[:2], "m.self_attn:qkv": sorted(names[3:])}
 
 
 def test_single_file_checkpoint(tmp_path, src_tensors):
     """A checkpoint without an index (one model.safetensors) converts and gains an index."""
     src = tmp_path / "src"
     src.mkdir()
-    save_file(src_tensors, str(src / ce.SINGLE_NAME), metadata={"format": "pt"})
+    save_file(src_tensors, str(src / hfc.SINGLE_NAME), metadata={"format": "pt"})
     (src / "config.json").write_text('{"model_type": "qwen3_moe"}')
     dst = tmp_path / "dst"
     ce.convert_checkpoint(src, dst, preset="compressed_tensors", fmt="compressed-tensors")
-    index = json.loads((dst / ce.INDEX_NAME).read_text())
-    assert set(index["weight_map"].values()) == {ce.SINGLE_NAME}
+    index = json.loads((dst / hfc.INDEX_NAME).read_text())
+    assert set(index["weight_map"].values()) == {hfc.SINGLE_NAME}
     out = load_all(dst)
     name = "model.layers.1.mlp.experts.2.down_proj"
     q = quantize(src_tensors[f"{name}.weight"], PRESETS["compressed_tensors"])
@@ -226,7 +229,7 @@ def test_refuses_already_quantized_source(tmp_path, src_tensors):
 
 def test_fixture_has_pairs_straddling_shards(ckpt):
     """The tiny checkpoint puts some gate/up pairs in different shards (both directions)."""
-    plan = ce.plan_export(ckpt, "modelopt")
+    plan = export_plan.plan_export(ckpt, "modelopt")
     assert len(plan.straddling) == 3
     assert plan.converted == EXPERT_WEIGHTS
 
@@ -287,7 +290,7 @@ def test_minite_stores_one_decode_scale_per_row(export, src_tensors):
     cfg = json.loads((export("minite") / "config.json").read_text())["quantization_config"]
     assert cfg["libalign"]["outer_scale"] == "per_row"
     assert "expect a scalar" in cfg["libalign"]["weight_scale_2_layout"]
-    manifest = json.loads((export("minite") / ce.MANIFEST_NAME).read_text())
+    manifest = json.loads((export("minite") / hfc.MANIFEST_NAME).read_text())
     assert manifest["outer_scale"] == "per_row"
     assert any("expect a scalar" in n for n in manifest["notes"])
 
@@ -349,7 +352,7 @@ def test_modelopt_config_is_what_modelopt_writes(export):
     from modelopt.torch.export.convert_hf_config import convert_hf_quant_config_format
 
     root = export("modelopt")
-    hf = json.loads((root / ce.HF_QUANT_CONFIG).read_text())
+    hf = json.loads((root / hfc.HF_QUANT_CONFIG).read_text())
     assert hf["quantization"]["quant_algo"] == "NVFP4" and hf["quantization"]["group_size"] == 16
     qc = json.loads((root / "config.json").read_text())["quantization_config"]
     note = qc.pop("libalign")
@@ -398,9 +401,9 @@ def test_index_manifest_and_copied_files(export, ckpt, src_tensors):
     """Index, manifest checksums/totals/timings and non-weight files describe the export exactly."""
     root = export("modelopt")
     out = load_all(root)
-    index = json.loads((root / ce.INDEX_NAME).read_text())
+    index = json.loads((root / hfc.INDEX_NAME).read_text())
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in out.values())
-    manifest = json.loads((root / ce.MANIFEST_NAME).read_text())
+    manifest = json.loads((root / hfc.MANIFEST_NAME).read_text())
     raw = {**_raw_sha256(root / SHARD_A), **_raw_sha256(root / SHARD_B)}
     assert {r["name"] for r in manifest["tensors"]} == set(out) == set(raw)
     for r in manifest["tensors"]:
@@ -424,7 +427,7 @@ def test_index_manifest_and_copied_files(export, ckpt, src_tensors):
     for f in copied:
         assert (root / f).read_bytes() == (ckpt / f).read_bytes()
     assert {f["path"] for f in manifest["files_copied"]} == copied
-    assert set(manifest["files_skipped"]) == {SHARD_A, SHARD_B, ce.INDEX_NAME, "config.json"}
+    assert set(manifest["files_skipped"]) == {SHARD_A, SHARD_B, hfc.INDEX_NAME, "config.json"}
     cfg_in = json.loads((ckpt / "config.json").read_text())
     cfg_out = json.loads((root / "config.json").read_text())
     assert {k: v for k, v in cfg_out.items() if k != "quantization_config"} == cfg_in
@@ -434,14 +437,14 @@ def test_all_linear_converts_attention_and_fuses_qkv(export, src_tensors):
     """--all-linear converts q/k/v/o (q/k/v share one scale) and keeps embeddings, lm_head, norms, router."""
     root = export("modelopt", "modelopt", True)
     out = load_all(root)
-    manifest = json.loads((root / ce.MANIFEST_NAME).read_text())
+    manifest = json.loads((root / hfc.MANIFEST_NAME).read_text())
     converted = {c["source"] for c in manifest["converted"]}
     attn = {f"model.layers.{li}.self_attn.{a}.weight" for li in range(LAYERS) for a in ATTN}
     assert converted == set(EXPERT_WEIGHTS) | attn
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
                  "model.layers.0.mlp.gate.weight", "model.layers.1.self_attn.q_norm.weight"):
         assert torch.equal(bits(out[name]), bits(src_tensors[name])), name
-    hf = json.loads((root / ce.HF_QUANT_CONFIG).read_text())
+    hf = json.loads((root / hfc.HF_QUANT_CONFIG).read_text())
     assert set(hf["quantization"]["exclude_modules"]) == {"lm_head", "model.layers.0.mlp.gate",
                                                           "model.layers.1.mlp.gate"}
     for li in range(LAYERS):
@@ -485,9 +488,9 @@ def test_missing_shard_and_wrong_dtype_leave_nothing(tmp_path, src_tensors):
         ce.convert_checkpoint(src, dst)
     _assert_nothing_at(dst)
 
-    index = json.loads((src / ce.INDEX_NAME).read_text())
+    index = json.loads((src / hfc.INDEX_NAME).read_text())
     index["weight_map"] = {n: "../" + SHARD_A for n in index["weight_map"]}
-    (src / ce.INDEX_NAME).write_text(json.dumps(index))
+    (src / hfc.INDEX_NAME).write_text(json.dumps(index))
     with pytest.raises(LayoutError, match="relative"):
         ce.convert_checkpoint(src, dst)
     _assert_nothing_at(dst)
@@ -510,7 +513,7 @@ def test_refuses_existing_dst_unless_overwrite(tmp_path, ckpt):
         ce.convert_checkpoint(ckpt, dst, preset="modelopt")
     assert (dst / "marker").read_text() == "keep"
     ce.convert_checkpoint(ckpt, dst, preset="modelopt", overwrite=True)
-    assert not (dst / "marker").exists() and (dst / ce.MANIFEST_NAME).is_file()
+    assert not (dst / "marker").exists() and (dst / hfc.MANIFEST_NAME).is_file()
 
 
 def test_refuses_dst_inside_src_and_row_scaled_compressed_tensors(tmp_path, ckpt):
@@ -530,7 +533,7 @@ class _Tracker:
         self.peak = 0
         self.largest = 0
         self.events: list[tuple[str, str, str]] = []
-        real_open, real_close = ce.safe_open, ce.ShardWriter.close
+        real_open, real_close = ce.safe_open, hfc.ShardWriter.close
         tracker = self
 
         class Handle:
@@ -563,7 +566,7 @@ class _Tracker:
             return real_close(writer)
 
         monkeypatch.setattr(ce, "safe_open", Handle)
-        monkeypatch.setattr(ce.ShardWriter, "close", close)
+        monkeypatch.setattr(hfc.ShardWriter, "close", close)
 
     def _free(self, n):
         self.live -= n
@@ -574,12 +577,12 @@ def test_memory_is_bounded_by_one_fused_group_not_a_shard(tmp_path, ckpt, src_te
     tr = _Tracker(monkeypatch)
     ce.convert_checkpoint(ckpt, tmp_path / "out" / "dst", preset="modelopt")
     pair = 2 * INTER * HIDDEN * 2
-    where = json.loads((ckpt / ce.INDEX_NAME).read_text())["weight_map"]
+    where = json.loads((ckpt / hfc.INDEX_NAME).read_text())["weight_map"]
     shard_a = sum(t.numel() * t.element_size() for n, t in src_tensors.items() if where[n] == SHARD_A)
     assert tr.largest == VOCAB * HIDDEN * 2  # the tracker sees real reads
     assert tr.peak <= max(pair, tr.largest) < shard_a / 4
     assert tr.live == 0
-    plan = ce.plan_export(ckpt, "modelopt")
+    plan = export_plan.plan_export(ckpt, "modelopt")
     prescanned = [n for k in plan.straddling for n in plan.groups[k]]
     reads = [e for e in tr.events if e[0] == "read"]
     assert [e[2] for e in reads[:len(prescanned)]] == prescanned
@@ -607,8 +610,8 @@ def test_cli_convert_success_and_one_line_failures(tmp_path, ckpt, src_tensors):
     dst = tmp_path / "dst"
     res = runner.invoke(app, ["convert", str(ckpt), str(dst), "--preset", "modelopt", "--quiet"])
     assert res.exit_code == 0, res.output
-    assert (dst / ce.MANIFEST_NAME).is_file() and res.output == ""
-    assert json.loads((dst / ce.MANIFEST_NAME).read_text())["preset"] == "modelopt"
+    assert (dst / hfc.MANIFEST_NAME).is_file() and res.output == ""
+    assert json.loads((dst / hfc.MANIFEST_NAME).read_text())["preset"] == "modelopt"
 
     res = runner.invoke(app, ["convert", str(ckpt), str(dst)])
     assert res.exit_code == 1 and "--overwrite" in res.output
@@ -617,7 +620,7 @@ def test_cli_convert_success_and_one_line_failures(tmp_path, ckpt, src_tensors):
     res = runner.invoke(app, ["convert", str(ckpt), str(dst), "--overwrite", "--format",
                               "compressed-tensors", "--preset", "compressed_tensors"])
     assert res.exit_code == 0, res.output
-    assert "weight_packed" in json.dumps(json.loads((dst / ce.INDEX_NAME).read_text()))
+    assert "weight_packed" in json.dumps(json.loads((dst / hfc.INDEX_NAME).read_text()))
 
     t = dict(src_tensors)
     bad = "model.layers.0.mlp.experts.0.gate_proj.weight"

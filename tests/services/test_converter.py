@@ -12,11 +12,11 @@ import torch
 from alignclient.errors import EventError
 from alignd.converter.main import run_converter
 from alignd.formats.convert import convert_published
-from alignd.formats.published import publish_version
 from alignd.formats.selection import is_expert_weight
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.events import ConvertedEvent, PublishedEvent
+from alignd.infra.publish import publish_version
 from alignd.infra.registry import Registry
 from alignd.infra.settings import Settings
 from alignd.infra.telemetry import Metrics, serve_metrics

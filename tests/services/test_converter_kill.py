@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 from alignd.converter.main import run_converter
-from alignd.formats.published import publish_version
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
+from alignd.infra.publish import publish_version
 from alignd.infra.registry import Registry
 from alignd.infra.settings import Settings
 from alignd.infra.telemetry import Metrics

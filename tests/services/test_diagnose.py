@@ -26,6 +26,7 @@ from alignd.tools.diagnose.run import DiagnoseConfig, run_diagnosis, write_outpu
 from typer.testing import CliRunner
 
 from libalign import metrics, models
+from libalign.models.replay import replay_decode
 
 runner = CliRunner()
 SMALL = ["--model", "tiny-random", "--num-prompts", "8", "--batch-size", "4", "--n-boot", "50",
@@ -153,7 +154,7 @@ def test_replay_decode_reproduces_the_generator(tiny, path):
     prompts = task.prompts(6, seed=3)
     g = sides.sample(model, prompts, path, max_new_tokens=5, temperature=1.0, seed=1, batch_size=3,
                      eos_id=task.eos_id, pad_id=task.pad_id, backend="auto")
-    r = sides.replay_decode(model, g.sequences, g.prompt_lens, path, batch_size=3, pad_id=task.pad_id,
+    r = replay_decode(model, g.sequences, g.prompt_lens, path, batch_size=3, pad_id=task.pad_id,
                             backend="auto")
     assert all(torch.equal(a, b) for a, b in zip(r, g.logprobs, strict=True))
 

@@ -24,7 +24,8 @@ from alignclient.errors import (
 )
 from alignd.api.errors import status_for
 from alignd.formats.convert import convert_published
-from alignd.formats.published import INDEX_NAME, PublishedVersion, write_published
+from alignd.formats.hf_checkpoint import INDEX_NAME, HFCheckpoint
+from alignd.formats.published import write_published
 from alignd.formats.selection import is_expert_weight
 from alignd.formats.weight_store import WeightStore, tensor_sha256
 
@@ -197,7 +198,7 @@ def test_published_round_trip_and_missing_shard(tmp_path):
     """Published shards read back equal; a missing shard names itself and its tensors."""
     sd = tiny_experts(experts=2)
     path = write_published(tmp_path / "published", "v1", sd, shard_bytes=20_000)
-    pub = PublishedVersion(path)
+    pub = HFCheckpoint(path)
     assert len(pub.shards()) > 2 and pub.total_bytes == sum(t.numel() * 2 for t in sd.values())
     got = dict(pub.iter_tensors())
     assert list(got) != [] and all(torch.equal(got[n], sd[n]) for n in sd) and set(got) == set(sd)
@@ -207,7 +208,7 @@ def test_published_round_trip_and_missing_shard(tmp_path):
     shard, names = list(pub.shards().items())[1]
     (path / shard).unlink()
     with pytest.raises(MissingShardError) as ei:
-        PublishedVersion(path).check_shards()
+        HFCheckpoint(path).check_shards()
     assert ei.value.shard == shard and ei.value.tensors == names and names[0] in str(ei.value)
 
 
@@ -218,7 +219,7 @@ def test_index_naming_an_absent_tensor(tmp_path):
     index["weight_map"]["b.weight"] = index["weight_map"]["a.weight"]
     (path / INDEX_NAME).write_text(json.dumps(index))
     with pytest.raises(LayoutError, match=r"b\.weight"):
-        list(PublishedVersion(path).iter_tensors())
+        list(HFCheckpoint(path).iter_tensors())
 
 
 def test_convert_published_selection_and_dtype(tmp_path):
@@ -246,15 +247,15 @@ def test_convert_published_selection_and_dtype(tmp_path):
 def test_unreadable_published_input(tmp_path):
     """A truncated shard, a missing directory and a directory without index are LayoutErrors."""
     path = write_published(tmp_path, "v", tiny_experts(experts=2), shard_bytes=20_000)
-    shard = next(iter(PublishedVersion(path).shards()))
+    shard = next(iter(HFCheckpoint(path).shards()))
     (path / shard).write_bytes((path / shard).read_bytes()[:100])
     with pytest.raises(LayoutError, match=shard):
-        list(PublishedVersion(path).iter_tensors())
+        list(HFCheckpoint(path).iter_tensors())
     with pytest.raises(LayoutError, match="does not exist"):
-        PublishedVersion(tmp_path / "nope")
+        HFCheckpoint(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(LayoutError, match="neither"):
-        PublishedVersion(tmp_path / "empty")
+        HFCheckpoint(tmp_path / "empty")
 
 
 @pytest.mark.gpu

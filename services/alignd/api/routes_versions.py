@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from alignclient.errors import StateTransitionError, VersionNotFoundError
+from alignclient.ids import check_version_id
 from alignclient.models import (
     ErrorResponse,
     HistoryEntry,
@@ -34,9 +35,9 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.security import HTTPBearer
 
 from alignd.api.state import State
-from alignd.formats.published import PublishedVersion
+from alignd.formats.hf_checkpoint import HFCheckpoint
 from alignd.formats.weight_store import WeightStore
-from alignd.infra.events import PublishedEvent, SyncEvent, check_version_id, sync_stream
+from alignd.infra.events import PublishedEvent, SyncEvent, sync_stream
 from alignd.infra.registry import VersionRecord
 
 router = APIRouter(prefix="/v1", tags=["versions"])
@@ -61,7 +62,7 @@ def publish_version(req: PublishRequest, st: State) -> PublishResponse:
     path = WeightStore(st.settings.store_dir).published_path(req.version_id)
     if not path.is_dir():
         raise VersionNotFoundError(req.version_id, f"published store ({path})")
-    PublishedVersion(path).check_shards()  # LayoutError / MissingShardError: 422
+    HFCheckpoint(path).check_shards()  # LayoutError / MissingShardError: 422
     event = PublishedEvent(version_id=req.version_id, path=str(path), target_path=req.target_path)
     meta = dict(req.meta)
     if req.target_path:

@@ -5,7 +5,8 @@ see half of one, whatever kills the writer. The recipe: write everything into a 
 temporary sibling (same filesystem), fsync every file and the directory, then
 ``os.rename`` it onto the final name (atomic on POSIX) and fsync the parent so the
 rename itself is durable. A crash before the rename leaves only a ``.tmp-*`` sibling,
-which :func:`sweep_stale` removes on the next start.
+which :func:`sweep_stale` removes on the next start. Removal runs the recipe backwards
+(:func:`discard_directory`): rename out of sight first, then delete.
 """
 
 from __future__ import annotations
@@ -84,6 +85,25 @@ def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def discard_directory(path: Path) -> bool:
+    """Remove a published directory without readers ever seeing part of it; False if absent.
+
+    The directory is first renamed out of sight to a ``.tmp-*`` sibling (atomic, durable
+    with the parent's fsync), then its files are deleted: a reader finds it whole or not at
+    all, and a crash mid-delete leaves a leftover for :func:`sweep_stale`. Another process
+    removing it at the same moment is not an error (False: it was gone).
+    """
+    path = Path(path)
+    gone = path.with_name(f"{TMP_PREFIX}{path.name}.deleted.{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(path, gone)
+    except FileNotFoundError:
+        return False
+    fsync_path(path.parent)
+    shutil.rmtree(gone, ignore_errors=True)
+    return True
 
 
 def sweep_stale(parent: Path, min_age_s: float = 600.0) -> list[Path]:

@@ -14,9 +14,10 @@ from typing import Any
 
 from alignclient.errors import SpecError
 
-from alignd.formats.published import PublishedVersion
+from alignd.formats.hf_checkpoint import HFCheckpoint
 from alignd.formats.selection import make_select
 from alignd.formats.weight_store import DEFAULT_SHARD_BYTES, WeightStore
+from libalign.gemm import get_path
 from libalign.spec import PRESETS, NumericsSpec
 
 
@@ -38,8 +39,6 @@ def target_spec(default: NumericsSpec, target_path: str | None) -> tuple[Numeric
     """
     if target_path is None:
         return default, True
-    from libalign.gemm import get_path
-
     path = get_path(target_path)
     if not path.quantized:
         return default, False
@@ -65,7 +64,7 @@ def convert_published(
     ``quantize=False`` stores every tensor unquantized (a version for a bf16 sampler).
     """
     spec = resolve_spec(spec)
-    pub = PublishedVersion(Path(src_dir))
+    pub = HFCheckpoint(Path(src_dir))
     pub.check_shards()
     source = {"path": str(pub.path), "tensors": len(pub.weight_map), "bytes": pub.total_bytes}
     extra = {"all_linear": all_linear, "quantized": quantize}

@@ -56,21 +56,21 @@ from typing import Any
 
 import torch
 from alignclient.errors import InputError, ManifestError, VersionExistsError
+from alignclient.ids import check_version_id
 
 from alignd.formats.atomic_dir import TMP_PREFIX, DestinationExistsError, atomic_directory, fsync_path
+from alignd.formats.hf_checkpoint import MANIFEST_NAME
+from alignd.formats.selection import Select
 from alignd.formats.weight_store import (
     DEFAULT_SHARD_BYTES,
     FORMAT,
-    MANIFEST_NAME,
     SHARDED_FORMAT_VERSION,
     SUFFIXES,
-    Select,
     WeightStore,
-    _spec_key,
     manifest_totals,
     scalar_outer,
+    spec_key,
 )
-from alignd.infra.events import check_version_id
 from libalign.spec import NumericsSpec, NVFP4Tensor
 
 __all__ = [
@@ -179,7 +179,7 @@ def write_part(
 
     def prepare(name: str, value: Any, specs: dict[str, dict]):
         if not isinstance(value, Piece):
-            return store._prepare(name, value, spec, select, specs, device)
+            return store.prepare_entry(name, value, spec, select, specs, device)
         _check_piece(version_id, part, name, value)
         t = value.tensor
         if (t.is_floating_point() and (select is None or select(name, t))
@@ -188,7 +188,7 @@ def write_part(
                 f"version {version_id!r} part {part}: tensor {name!r} is a Piece without "
                 f"outer_amax, but spec {spec.name!r} ({spec.outer_domain} outer domain) has one "
                 f"outer scale for the whole tensor; pass the whole tensor's amax")
-        entry, stored = store._prepare(name, t, spec, select, specs, device,
+        entry, stored = store.prepare_entry(name, t, spec, select, specs, device,
                                        outer_amax=value.outer_amax)
         entry["piece"] = {"start": value.start, "stop": value.start + t.shape[0],
                           "total": value.total}
@@ -204,7 +204,7 @@ def write_part(
 
     try:
         with atomic_directory(pdir) as tmp:
-            manifest = store._write_into(
+            manifest = store.write_into(
                 tmp, version_id, tensors, prepare, shard_bytes=shard_bytes, source=source,
                 extra=extra, on_step=step, fields={"part": {"index": part, "num_parts": num_parts}})
     except DestinationExistsError as e:
@@ -307,7 +307,7 @@ def merge_part_manifests(version_id: str, num_parts: int,
         for name, e in m["tensors"].items():
             e = dict(e)
             if e.get("spec") is not None:
-                e["spec"] = _spec_key(NumericsSpec.from_dict(m["specs"][e["spec"]]), specs)
+                e["spec"] = spec_key(NumericsSpec.from_dict(m["specs"][e["spec"]]), specs)
             e["file"] = f"{prefix}/{e['file']}"
             for sn in e["stored"]:
                 if owner.setdefault(sn, name) != name:

@@ -52,10 +52,7 @@ import contextlib
 import hashlib
 import json
 import math
-import os
-import shutil
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,19 +70,21 @@ from alignclient.errors import (
     VersionExistsError,
     VersionNotFoundError,
 )
+from alignclient.ids import check_version_id
 
 from alignd.formats.atomic_dir import (
     TMP_PREFIX,
     DestinationExistsError,
     atomic_directory,
+    discard_directory,
     fsync_path,
     sweep_stale,
 )
-from alignd.infra.events import check_version_id
+from alignd.formats.hf_checkpoint import MANIFEST_NAME, items
+from alignd.formats.selection import Select
 from libalign import ops
 from libalign.spec import NumericsSpec, NVFP4Tensor
 
-MANIFEST_NAME = "manifest.json"
 FORMAT = "libalign-nvfp4"
 FORMAT_VERSION = 1
 #: format_version of a sharded version's merged manifest (entries may carry ``pieces``)
@@ -94,7 +93,6 @@ DEFAULT_SHARD_BYTES = 1 << 30
 SUFFIXES = {"codes": "", "block_scales": "_scale", "outer_scale": "_scale_2"}
 
 Item = torch.Tensor | NVFP4Tensor
-Select = Callable[[str, torch.Tensor], bool]
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -173,7 +171,7 @@ class StoredVersion:
         return self.tensors[name]
 
 
-def _spec_key(spec: NumericsSpec, specs: dict[str, dict]) -> str:
+def spec_key(spec: NumericsSpec, specs: dict[str, dict]) -> str:
     """Key of ``spec`` in the manifest's spec table (its name unless that is taken)."""
     d = spec.to_dict()
     if specs.get(spec.name, d) == d:
@@ -283,15 +281,15 @@ class WeightStore:
         check_version_id(version_id)
         try:
             with atomic_directory(self.version_path(version_id), overwrite=overwrite) as tmp:
-                manifest = self._write_into(
+                manifest = self.write_into(
                     tmp, version_id, tensors,
-                    lambda name, value, specs: self._prepare(name, value, spec, select, specs, device),
+                    lambda name, value, specs: self.prepare_entry(name, value, spec, select, specs, device),
                     shard_bytes=shard_bytes, source=source, extra=extra, on_step=on_step)
         except DestinationExistsError as e:
             raise VersionExistsError(version_id, "weight store") from e
         return manifest
 
-    def _write_into(
+    def write_into(
         self,
         out: Path,
         version_id: str,
@@ -308,11 +306,11 @@ class WeightStore:
         """Write shards and ``manifest.json`` of ``tensors`` into the directory ``out``.
 
         ``prepare(name, value, specs)`` turns one input into its manifest entry (without
-        file and checksums) and its stored tensors (see :meth:`_prepare`). Every file is
+        file and checksums) and its stored tensors (see :meth:`prepare_entry`). Every file is
         fsynced as it is written; making ``out`` visible is the caller's business.
         ``fields`` are added to the manifest's top level.
         """
-        items = iter(tensors.items()) if isinstance(tensors, Mapping) else iter(tensors)
+        pairs = items(tensors)
         timer = StageTimer()
         t_start = time.perf_counter()
         entries: dict[str, dict[str, Any]] = {}
@@ -339,7 +337,7 @@ class WeightStore:
             if on_step is not None:
                 on_step(f"shard {fname}")
 
-        for name, value in timer.timed(items):
+        for name, value in timer.timed(pairs):
             if name in entries:
                 raise InputError(f"tensor {name!r} appears twice in version {version_id!r}")
             with timer.stage("quantize"):
@@ -372,7 +370,7 @@ class WeightStore:
             on_step("manifest")
         return manifest
 
-    def _prepare(self, name: str, value: Any, spec: NumericsSpec, select: Select | None,
+    def prepare_entry(self, name: str, value: Any, spec: NumericsSpec, select: Select | None,
                  specs: dict[str, dict], device: str = "cpu",
                  outer_amax: torch.Tensor | None = None,
                  ) -> tuple[dict[str, Any], dict[str, tuple[str, torch.Tensor]]]:
@@ -398,7 +396,7 @@ class WeightStore:
             raise InputError(f"tensor {name!r} is a {type(value).__name__}, "
                              f"not a torch.Tensor or NVFP4Tensor")
         entry = {"kind": "nvfp4", "shape": list(q.shape), "dtype": source_dtype,
-                 "spec": _spec_key(q.spec, specs),
+                 "spec": spec_key(q.spec, specs),
                  "source_bytes": (math.prod(q.shape) * value.element_size()
                                   if isinstance(value, torch.Tensor) else None)}
         return entry, _stored_tensors(name, q)
@@ -517,12 +515,8 @@ class WeightStore:
     def delete_version(self, version_id: str) -> None:
         """Remove a version: renamed out of sight first, then its files deleted."""
         path = self.version_path(version_id)
-        if not path.is_dir():
+        if not path.is_dir() or not discard_directory(path):
             raise VersionNotFoundError(version_id, "weight store")
-        gone = path.with_name(f"{TMP_PREFIX}{path.name}.deleted.{uuid.uuid4().hex[:8]}")
-        os.rename(path, gone)
-        fsync_path(path.parent)
-        shutil.rmtree(gone, ignore_errors=True)
 
     def sweep(self, min_age_s: float = 600.0) -> list[Path]:
         """Remove temporary leftovers of killed writers older than ``min_age_s``."""

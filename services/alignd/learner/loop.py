@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from alignclient.errors import LoopError
 
 from alignd.formats.convert import resolve_spec, target_spec
-from alignd.formats.published import publish_version
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
+from alignd.infra.publish import publish_version
 from alignd.infra.registry import Registry
 from alignd.infra.settings import Settings
 from alignd.infra.work import READY, REQUESTS, RolloutRequest, RolloutsReady

@@ -36,6 +36,7 @@ from torch import nn
 from alignd.formats.weight_store import WeightStore
 from libalign import gemm, models
 from libalign.guidance import GuidanceRecord, select_layers
+from libalign.models.replay import replay_decode
 from libalign.spec import NVFP4Tensor
 
 
@@ -180,8 +181,6 @@ class TorchSamplerEngine:
 
     def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> list[list[float]]:
         """Teacher-forced KV decode of given tokens (what this sampler reports for them)."""
-        from alignd.tools.diagnose.sides import replay_decode
-
         with self._lock:
             out = replay_decode(self.model, sequences, prompt_lens, self.path,
                                 batch_size=self.batch_size, pad_id=self.pad_id, backend="auto")

@@ -6,7 +6,7 @@ safetensors shards, an index), either when it starts (``--model-path``) or when 
 its own checksummed layout, which SGLang does not read, so the SGLang sampler first makes an
 export of the version: the learner's published BF16 weights
 (``<store>/published/<version_id>/``, Hugging Face names and shards) run through
-:func:`alignd.formats.checkpoint_export.convert_checkpoint`, the same converter as
+:func:`alignd.formats.export.convert_checkpoint`, the same converter as
 ``alignd convert``, into the ModelOpt NVFP4 layout SGLang's ``modelopt_fp4`` quantization
 reads:
 
@@ -48,7 +48,6 @@ Where and when
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -58,14 +57,10 @@ from pathlib import Path
 
 from alignclient.errors import ConfigError, StoreError
 
-from alignd.formats.atomic_dir import TMP_PREFIX, DestinationExistsError
-from alignd.formats.checkpoint_export import (
-    CHECKPOINT_PRESETS,
-    HF_QUANT_CONFIG,
-    INDEX_NAME,
-    MANIFEST_NAME,
-    convert_checkpoint,
-)
+from alignd.formats.atomic_dir import TMP_PREFIX, DestinationExistsError, discard_directory
+from alignd.formats.export import convert_checkpoint
+from alignd.formats.export_plan import CHECKPOINT_PRESETS
+from alignd.formats.hf_checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, INDEX_NAME, MANIFEST_NAME
 from alignd.formats.weight_store import WeightStore
 from libalign.spec import PRESETS
 
@@ -94,7 +89,7 @@ class ModelOptExport:
                               "per weight (a scalar weight_scale_2): choose a tensor- or "
                               "expert-scaled preset such as 'modelopt'")
         self.model_dir = Path(model_dir)
-        if not (self.model_dir / "config.json").is_file():
+        if not (self.model_dir / CONFIG_NAME).is_file():
             raise ConfigError(f"model_dir {self.model_dir} has no config.json; it must be the "
                               "Hugging Face directory the SGLang server was started from")
         self.store = store
@@ -147,7 +142,7 @@ class ModelOptExport:
             if (not p.is_file() or name.startswith(".") or name.endswith(WEIGHT_SUFFIXES)
                     or name in NOT_FROM_MODEL_DIR or (staging / name).exists()):
                 continue
-            if name == "config.json":
+            if name == CONFIG_NAME:
                 config = json.loads(p.read_text())
                 config.pop("quantization_config", None)  # the export writes its own
                 (staging / name).write_text(json.dumps(config, indent=2) + "\n")
@@ -168,9 +163,6 @@ class ModelOptExport:
         for d in done[max(keep, 0):]:
             if d.name in protect:
                 continue
-            aside = d.with_name(f"{TMP_PREFIX}{d.name}.old.{uuid.uuid4().hex[:8]}")
-            with contextlib.suppress(FileNotFoundError):
-                os.rename(d, aside)  # out of sight first, as the weight store deletes
-                shutil.rmtree(aside, ignore_errors=True)
+            if discard_directory(d):  # out of sight first, as the weight store deletes
                 removed.append(d.name)
         return removed

@@ -375,7 +375,7 @@ def convert(
     )
 
     from alignd.formats.atomic_dir import DestinationExistsError
-    from alignd.formats.checkpoint_export import convert_checkpoint
+    from alignd.formats.export import convert_checkpoint
 
     err = Console(stderr=True)
     bar = Progress(TextColumn("{task.description}", style="cyan"), BarColumn(), DownloadColumn(),

@@ -25,6 +25,7 @@ from alignd.tools.diagnose.conditions import GUIDED, Condition
 from libalign import models
 from libalign.gemm import PATHS
 from libalign.guidance import GuidanceCapture, GuidanceRecord, GuidanceTable, select_layers
+from libalign.models.replay import replay_decode
 
 
 def guided_conditions(conds: Sequence[Condition]) -> list[Condition]:
@@ -85,7 +86,7 @@ def replay_with_capture(model, tokens, prompt_lens, sampler: str, layers: list[i
                         progress=None, **common) -> tuple[list[torch.Tensor], GuidanceCapture]:
     """The sampler's teacher-forced decode while its activations are recorded."""
     with models.capture_guidance(model, layers, capture_spec(sampler)) as cap:
-        lp = sides.replay_decode(model, tokens, prompt_lens, sampler, progress=progress, **common)
+        lp = replay_decode(model, tokens, prompt_lens, sampler, progress=progress, **common)
     return lp, cap
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from alignclient.errors import InputError, NonFiniteError
 
 
@@ -222,8 +223,6 @@ def check_side_logprobs(name: str, side: str, logps: Sequence, completion_lens: 
     Raises naming the condition, the side and the sequence, so a scorer that drops or adds a
     token, or produces NaN, is caught before any statistic is computed.
     """
-    import torch
-
     if len(logps) != len(completion_lens):
         raise InputError(f"{name}: {side} returned log-probs for {len(logps)} sequences, "
                          f"expected {len(completion_lens)}")

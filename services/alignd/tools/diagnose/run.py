@@ -17,7 +17,7 @@ cancels in a paired resample. So the primary measurement is:
 1. **Shared tokens.** Rollouts are generated once, by the generating sampler (``--generate-path``,
    by default the floor's sampler, bf16), seeded, at temperature 1, in fixed batches.
 2. Every sampler path reports its log-probs on those tokens by the same KV-cached decode,
-   teacher-forced (:func:`alignd.tools.diagnose.sides.replay_decode`); for the generating path this
+   teacher-forced (:func:`libalign.models.replay.replay_decode`); for the generating path this
    reproduces the generator's own log-probs (checked and reported).
 3. Every learner path scores those tokens teacher-forced.
 4. Every condition therefore has δ on identical tokens, and ``stat(condition) − stat(floor)``
@@ -53,7 +53,7 @@ import torch
 from alignclient.errors import ConfigError, InputError
 
 import libalign
-from alignd.tools.diagnose import guided, inputs, localize, sides, stats
+from alignd.tools.diagnose import guided, inputs, localize, render, sides, stats
 from alignd.tools.diagnose.conditions import (
     EXTERNAL,
     Condition,
@@ -63,6 +63,7 @@ from alignd.tools.diagnose.conditions import (
     resolve_conditions,
 )
 from libalign import models
+from libalign.models.replay import replay_decode
 from libalign.rounding import GUIDE_BITS
 
 MODELS = ("tiny", "tiny-random", "qwen3-30b-a3b-shaped")
@@ -376,9 +377,9 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
     for p in samplers:
         with clock.stage(f"sampler_replay[{p}]"), _capture_if(
                 model, p in recorders, trace_layers, p) as cap:
-            sampler_lp[p] = sides.replay_decode(model, shared.tokens, shared.prompt_lens, p,
-                                                progress=rep.task(f"replay decode {p}", len(shared)),
-                                                **common)
+            sampler_lp[p] = replay_decode(model, shared.tokens, shared.prompt_lens, p,
+                                          progress=rep.task(f"replay decode {p}", len(shared)),
+                                          **common)
         if cap is not None:
             with clock.stage(f"guidance_records[{p}]"):
                 shared_guidance[p] = guided.Guidance(cap, cfg.trace_bits, trace_layers,
@@ -503,7 +504,7 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
 
 def write_outputs(report: dict, out_dir: Path) -> dict:
     """``report.json`` and the PNGs into ``out_dir`` (created); returns ``{name: path}``."""
-    from alignd.tools.diagnose import plots, render
+    from alignd.tools.diagnose import plots  # matplotlib: the demo extra, only when drawing
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
