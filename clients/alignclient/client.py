@@ -6,9 +6,10 @@ how to read the reply, whether it may be retried), built by the methods of
 runs a call on an ``httpx.Client`` and returns the result; :class:`AsyncAlignClient` runs
 it on an ``httpx.AsyncClient`` and returns an awaitable of the same result.
 
-Retries. A call is retried, with exponential backoff (``backoff_s``, doubling, at most
-``max_backoff_s``), at most ``retries`` times when the API could not be reached or
-answered 502/503/504 (503 is what the API says when Redis is unreachable), but only
+Retries. A call is retried by the contract's one retry policy
+(:class:`~alignclient.retry.RetryPolicy`: backoff from ``backoff_s``, doubling, at most
+``max_backoff_s``, with jitter), at most ``retries`` times when the API could not be reached
+or answered 502/503/504 (503 is what the API says when Redis is unreachable), but only
 if the call is idempotent: repeating it cannot apply its effect twice. GETs, the
 guidance PUT (it replaces the record), the read-only POSTs (spec check, guidance batch)
 and leases are idempotent by nature; publishing a version, storing rollouts and scores
@@ -25,9 +26,6 @@ Errors come back as the contract's classes (:mod:`alignclient.errors`), the ones
 from __future__ import annotations
 
 import abc
-import asyncio
-import random
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,10 +56,7 @@ from .models import (
     VersionDetail,
     VersionList,
 )
-
-#: HTTP statuses worth another try of an idempotent call.
-RETRY_STATUSES = frozenset({502, 503, 504})
-_NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+from .retry import RETRY_STATUSES, RetryPolicy, http_transient
 
 
 def _seg(value: str) -> str:
@@ -108,12 +103,13 @@ class _Routes(abc.ABC):
     def __init__(self, base_url: str, token: str | None, timeout: float, retries: int,
                  backoff_s: float, max_backoff_s: float):
         if retries < 0:
-            raise ValueError(f"retries must be >= 0, not {retries}")
+            raise InputError(f"retries must be >= 0, not {retries}")
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.retry = RetryPolicy(initial_s=backoff_s, max_s=max_backoff_s, attempts=retries + 1)
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = httpx.Timeout(timeout)
 
@@ -121,17 +117,12 @@ class _Routes(abc.ABC):
     def _do(self, call: Call) -> Any:
         """Run one call: blocking in :class:`AlignClient`, a coroutine in :class:`AsyncAlignClient`."""
 
-    def _delay(self, attempt: int) -> float:
-        d = min(self.backoff_s * (2 ** attempt), self.max_backoff_s)
-        return d * (0.8 + 0.4 * random.random())
-
-    def _retryable(self, call: Call, attempt: int, *, error: Exception | None = None,
-                   status: int | None = None) -> bool:
-        if attempt >= self.retries:
-            return False
-        if error is not None:
-            return call.idempotent or isinstance(error, _NEVER_SENT)
-        return call.idempotent and status in RETRY_STATUSES
+    @staticmethod
+    def _retry_when(call: Call) -> dict[str, Callable]:
+        """What :attr:`retry` repeats for ``call``: transport errors, and for an idempotent
+        call the statuses of :data:`~alignclient.retry.RETRY_STATUSES`."""
+        return {"transient": lambda e: http_transient(e, idempotent=call.idempotent),
+                "again": lambda r: call.idempotent and r.status_code in RETRY_STATUSES}
 
     def _finish(self, call: Call, resp: httpx.Response) -> Any:
         if resp.is_success:
@@ -286,20 +277,20 @@ class AlignClient(_Routes):
                                   timeout=self._timeout, transport=transport)
 
     def _do(self, call: Call) -> Any:
-        attempt = 0
-        while True:
-            try:
-                resp = self._http.request(call.method, call.path, json=call.json,
-                                          content=call.content, params=call.params,
-                                          headers=call.headers)
-            except httpx.TransportError as e:
-                if not self._retryable(call, attempt, error=e):
-                    raise self._unreachable(call, e, attempt + 1) from e
-            else:
-                if not self._retryable(call, attempt, status=resp.status_code):
-                    return self._finish(call, resp)
-            time.sleep(self._delay(attempt))
-            attempt += 1
+        attempts = 0
+
+        def once() -> httpx.Response:
+            nonlocal attempts
+            attempts += 1
+            return self._http.request(call.method, call.path, json=call.json,
+                                      content=call.content, params=call.params,
+                                      headers=call.headers)
+
+        try:
+            resp = self.retry.call(once, **self._retry_when(call))
+        except httpx.TransportError as e:
+            raise self._unreachable(call, e, attempts) from e
+        return self._finish(call, resp)
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -323,20 +314,20 @@ class AsyncAlignClient(_Routes):
                                        timeout=self._timeout, transport=transport)
 
     async def _do(self, call: Call) -> Any:  # type: ignore[override]
-        attempt = 0
-        while True:
-            try:
-                resp = await self._http.request(call.method, call.path, json=call.json,
-                                                content=call.content, params=call.params,
-                                                headers=call.headers)
-            except httpx.TransportError as e:
-                if not self._retryable(call, attempt, error=e):
-                    raise self._unreachable(call, e, attempt + 1) from e
-            else:
-                if not self._retryable(call, attempt, status=resp.status_code):
-                    return self._finish(call, resp)
-            await asyncio.sleep(self._delay(attempt))
-            attempt += 1
+        attempts = 0
+
+        async def once() -> httpx.Response:
+            nonlocal attempts
+            attempts += 1
+            return await self._http.request(call.method, call.path, json=call.json,
+                                            content=call.content, params=call.params,
+                                            headers=call.headers)
+
+        try:
+            resp = await self.retry.acall(once, **self._retry_when(call))
+        except httpx.TransportError as e:
+            raise self._unreachable(call, e, attempts) from e
+        return self._finish(call, resp)
 
     async def aclose(self) -> None:
         """Close the connection pool."""

@@ -9,8 +9,9 @@ import time
 
 import pytest
 from alignclient.errors import BusUnavailableError
+from alignclient.retry import RetryPolicy
 from alignd.api.errors import status_for
-from alignd.infra.bus import Backoff, Heartbeat, RedisBus, connect
+from alignd.infra.bus import Heartbeat, RedisBus, connect
 from alignd.infra.events import PublishedEvent
 
 S, G = "t:stream", "grp"
@@ -99,7 +100,7 @@ def test_group_recreated_after_redis_lost_it(redis_url):
 def test_calls_wait_for_redis_to_come_back(private_redis):
     """A publish while Redis is down retries with backoff and lands once it restarts."""
     retries: list[str] = []
-    bus = bus_for(private_redis.url, backoff=Backoff(initial_s=0.02, max_s=0.1),
+    bus = bus_for(private_redis.url, retry=RetryPolicy(initial_s=0.02, max_s=0.1),
                   on_retry=lambda what, e: retries.append(what))
     bus.ensure_group(S, G)
     bus.publish(S, {"n": "0"})
@@ -115,7 +116,7 @@ def test_calls_wait_for_redis_to_come_back(private_redis):
 
 def test_gives_up_with_typed_error(private_redis):
     """With a retry budget, an unreachable Redis raises BusUnavailableError (503)."""
-    bus = bus_for(private_redis.url, backoff=Backoff(initial_s=0.02, give_up_after_s=0.3))
+    bus = bus_for(private_redis.url, retry=RetryPolicy(initial_s=0.02, deadline_s=0.3))
     private_redis.stop()
     t0 = time.monotonic()
     with pytest.raises(BusUnavailableError) as ei:

@@ -16,9 +16,10 @@ pattern the services follow:
    slow but alive consumer is not mistaken for a dead one.
 
 Delivery is therefore at least once: handlers must be idempotent. Every Redis call goes
-through :meth:`RedisBus.call`, which retries connection errors with exponential backoff
-(a restarting Redis answers ``LOADING`` or refuses connections for a while), and
-recreates the group if Redis came back empty (``NOGROUP``).
+through :meth:`RedisBus.call`, which retries connection errors and timeouts (a restarting
+Redis answers ``LOADING`` or refuses connections for a while) with the project's one retry
+policy (:class:`alignclient.retry.RetryPolicy`: jittered exponential backoff, a deadline),
+and recreates the group if Redis came back empty (``NOGROUP``).
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
 import redis
 from alignclient.errors import BusUnavailableError
+from alignclient.retry import RetryPolicy
 
 from alignd.infra.redis_clients import client_for, text_client
 from alignd.infra.settings import Settings
@@ -41,6 +43,11 @@ T = TypeVar("T")
 
 #: Errors after which the same call may simply be tried again.
 RETRYABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+def redis_transient(error: BaseException) -> bool:
+    """Whether a Redis call that raised ``error`` may be tried again (:data:`RETRYABLE`)."""
+    return isinstance(error, RETRYABLE)
 
 #: Error replies that mean "the consumer group (or its whole stream) is gone". Redis says
 #: NOGROUP; the embedded server answers XREADGROUP on a missing stream with XGROUP's
@@ -56,21 +63,12 @@ return 1
 """
 
 
-@dataclass(frozen=True)
-class Backoff:
-    """Exponential backoff: ``initial_s``, times ``factor`` per try, at most ``max_s``."""
-
-    initial_s: float = 0.05
-    max_s: float = 2.0
-    factor: float = 2.0
-    give_up_after_s: float | None = None
-
-    def delays(self) -> Iterator[float]:
-        """Successive sleep lengths (endless)."""
-        d = self.initial_s
-        while True:
-            yield d
-            d = min(d * self.factor, self.max_s)
+def Backoff(initial_s: float = 0.05, max_s: float = 2.0, factor: float = 2.0,
+            give_up_after_s: float | None = None) -> RetryPolicy:
+    """Former name of the bus's retry settings: a :class:`RetryPolicy` whose deadline is
+    ``give_up_after_s``. Kept for callers not yet moved to ``RetryPolicy(deadline_s=...)``."""
+    return RetryPolicy(initial_s=initial_s, max_s=max_s, factor=factor,
+                       deadline_s=give_up_after_s)
 
 
 @dataclass(frozen=True)
@@ -94,18 +92,24 @@ def connect(url: str | None, *, socket_timeout_s: float = 10.0) -> redis.Redis:
 
 
 class RedisBus:
-    """Streams, consumer groups and retries over one Redis client."""
+    """Streams, consumer groups and retries over one Redis client.
+
+    ``retry`` is how connection errors are retried (default: backoff from 50 ms to 2 s, no
+    deadline); ``stop_event`` ends the retrying at once; ``on_retry(what, error)`` runs
+    before each wait (a metric). ``backoff`` is the former name of ``retry``.
+    """
 
     def __init__(
         self,
         client: redis.Redis,
         *,
-        backoff: Backoff | None = None,
+        retry: RetryPolicy | None = None,
         stop_event: threading.Event | None = None,
         on_retry: Callable[[str, Exception], None] | None = None,
+        backoff: RetryPolicy | None = None,
     ):
         self.client = client
-        self.backoff = backoff or Backoff()
+        self.retry = retry or backoff or RetryPolicy()
         self.stop_event = stop_event
         self.on_retry = on_retry
         self._touch = client.register_script(_TOUCH_LUA)
@@ -115,31 +119,24 @@ class RedisBus:
         """A bus on ``settings.redis_url`` (None: embedded) that gives up after
         ``settings.redis_retry_s``."""
         timeout = settings.block_ms / 1000 + 10.0
-        backoff = Backoff(give_up_after_s=settings.redis_retry_s)
-        return cls(text_client(settings, socket_timeout_s=timeout), backoff=backoff, **kw)
+        retry = RetryPolicy(deadline_s=settings.redis_retry_s)
+        return cls(text_client(settings, socket_timeout_s=timeout), retry=retry, **kw)
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn``, retrying connection errors with backoff; raise BusUnavailableError."""
+        """Run ``fn``, retrying connection errors by :attr:`retry`; raise BusUnavailableError."""
         start = time.monotonic()
-        delays = self.backoff.delays()
-        while True:
-            try:
-                return fn()
-            except RETRYABLE as e:
-                waited = time.monotonic() - start
-                limit = self.backoff.give_up_after_s
-                stopping = self.stop_event is not None and self.stop_event.is_set()
-                if stopping or (limit is not None and waited >= limit):
-                    raise BusUnavailableError(f"{what}: Redis unreachable for {waited:.1f}s: "
-                                              f"{e}") from e
-                if self.on_retry is not None:
-                    self.on_retry(what, e)
-                delay = next(delays)
-                log.warning("%s: %s; retrying in %.2fs", what, e, delay)
-                if self.stop_event is not None:
-                    self.stop_event.wait(delay)
-                else:
-                    time.sleep(delay)
+
+        def on_retry(_attempt: int, wait_s: float, error: BaseException | None) -> None:
+            if self.on_retry is not None:
+                self.on_retry(what, error)
+            log.warning("%s: %s; retrying in %.2fs", what, error, wait_s)
+
+        try:
+            return self.retry.call(fn, transient=redis_transient, stop_event=self.stop_event,
+                                   on_retry=on_retry)
+        except RETRYABLE as e:
+            waited = time.monotonic() - start
+            raise BusUnavailableError(f"{what}: Redis unreachable for {waited:.1f}s: {e}") from e
 
     def ensure_group(self, stream: str, group: str, start_id: str = "0") -> bool:
         """Create ``group`` on ``stream`` (and the stream); False if it already existed."""

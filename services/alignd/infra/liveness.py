@@ -35,8 +35,9 @@ from typing import Any
 import redis
 from alignclient.errors import InputError
 from alignclient.ids import check_id
+from alignclient.retry import RetryPolicy
 
-from alignd.infra.bus import Backoff, RedisBus
+from alignd.infra.bus import RedisBus
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class ServiceHeartbeat:
         client = bus_or_client.client if isinstance(bus_or_client, RedisBus) else bus_or_client
         self._stop = threading.Event()
         # a beat gives up after one period (the next one tries again) and at once on stop()
-        self.bus = RedisBus(client, backoff=Backoff(give_up_after_s=period_s),
+        self.bus = RedisBus(client, retry=RetryPolicy(deadline_s=period_s),
                             stop_event=self._stop)
         self.service, self.name = service, name
         self.period_s, self.ttl_s = period_s, ttl_s

@@ -102,7 +102,9 @@ Guidance records
 
 Failures
     Each call has a timeout (``connect_s``; ``control_s`` for control routes, ``generate_s``,
-    ``update_s``). Calls are retried with exponential backoff until ``retry_deadline_s`` when
+    ``update_s``). Calls are retried by the project's one retry policy
+    (:class:`alignclient.retry.RetryPolicy`: jittered exponential backoff from
+    ``backoff_initial_s`` to ``backoff_max_s``) until ``retry_deadline_s`` when
     the server could not be reached or answered 503 (SGLang starting); idempotent calls
     (``GET`` routes, pause, continue, flush) are also retried after a read timeout or a broken
     connection, while ``/generate`` and ``/update_weights_from_disk`` are not (they may still
@@ -119,7 +121,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,6 +138,7 @@ from alignclient.errors import (
     WeightUpdateError,
     WeightVersionMismatchError,
 )
+from alignclient.retry import NEVER_SENT, RetryPolicy, http_transient
 
 from alignd.sampler.engine import Generation
 from libalign import gemm
@@ -162,13 +165,6 @@ class SGLangTimeouts:
     """how long ``/flush_cache`` is retried while requests drain"""
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 2.0
-
-
-def _backoff(t: SGLangTimeouts) -> Iterator[float]:
-    delay = t.backoff_initial_s
-    while True:
-        yield delay
-        delay = min(delay * 2, t.backoff_max_s)
 
 
 def row_seed(seed: int, row: int) -> int:
@@ -372,26 +368,31 @@ class SGLangSamplerEngine:
             raise EngineRequestError(f"GET /health at {self.base_url} answered "
                                      f"{r.status_code}: {_message(r)}")
 
+    def _retry(self, deadline_s: float) -> RetryPolicy:
+        t = self.timeouts
+        return RetryPolicy(initial_s=t.backoff_initial_s, max_s=t.backoff_max_s,
+                           deadline_s=deadline_s)
+
     def _flush_until_drained(self) -> None:
-        deadline = time.monotonic() + self.timeouts.flush_deadline_s
-        delays = _backoff(self.timeouts)
         attempts = 0
-        while True:
-            r = self._request("POST", "/flush_cache", None, timeout=self.timeouts.control_s,
-                              idempotent=True)
+
+        def flush() -> httpx.Response:
+            nonlocal attempts
             attempts += 1
-            if r.status_code == 200:
-                return
-            if r.status_code != 400:
-                raise EngineRequestError(f"POST /flush_cache answered {r.status_code}: "
-                                         f"{_message(r)}")
-            delay = next(delays)
-            if time.monotonic() + delay > deadline:
-                raise EngineTimeoutError(
-                    f"the server at {self.base_url} still had running or waiting requests "
-                    f"after {self.timeouts.flush_deadline_s:.0f}s ({attempts} /flush_cache "
-                    "attempts); generation was paused and is being continued")
-            time.sleep(delay)
+            return self._request("POST", "/flush_cache", None, timeout=self.timeouts.control_s,
+                                 idempotent=True)
+
+        # 400: requests are still running or waiting; asked again until they drained
+        r = self._retry(self.timeouts.flush_deadline_s).call(
+            flush, transient=lambda e: False, again=lambda r: r.status_code == 400)
+        if r.status_code == 400:
+            raise EngineTimeoutError(
+                f"the server at {self.base_url} still had running or waiting requests "
+                f"after {self.timeouts.flush_deadline_s:.0f}s ({attempts} /flush_cache "
+                "attempts); generation was paused and is being continued")
+        if r.status_code != 200:
+            raise EngineRequestError(f"POST /flush_cache answered {r.status_code}: "
+                                     f"{_message(r)}")
 
     def _update(self, version_id: str, model_path: str) -> dict:
         body: dict[str, Any] = {"model_path": model_path, "weight_version": version_id,
@@ -520,33 +521,30 @@ class SGLangSamplerEngine:
 
     def _request(self, method: str, route: str, body: Any, *, timeout: float,
                  idempotent: bool) -> httpx.Response:
-        """One call, retried with backoff (see the module doc, Failures) until the deadline."""
+        """One call, retried (see the module doc, Failures) until the deadline."""
         t = self.timeouts
-        deadline = time.monotonic() + t.retry_deadline_s
-        delays = _backoff(t)
+
+        def once() -> httpx.Response:
+            return self._client.request(method, route, json=body,
+                                        timeout=httpx.Timeout(timeout, connect=t.connect_s))
+
+        try:
+            r = self._retry(t.retry_deadline_s).call(
+                once, transient=lambda e: http_transient(e, idempotent=idempotent),
+                again=lambda r: r.status_code == 503)
+        except httpx.TransportError as e:
+            raise self._engine_error(method, route, timeout, e) from None
+        if r.status_code == 503:
+            raise EngineUnavailableError(f"{method} {route} at {self.base_url}: 503 (the server "
+                                         f"is starting or loading) for {t.retry_deadline_s:g}s")
+        return r
+
+    def _engine_error(self, method: str, route: str, timeout: float,
+                      e: httpx.TransportError) -> AlignError:
+        """The typed error for a transport failure that was not (or no longer) retried."""
         where = f"{method} {route} at {self.base_url}"
-        while True:
-            try:
-                r = self._client.request(method, route, json=body,
-                                         timeout=httpx.Timeout(timeout, connect=t.connect_s))
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-                last: AlignError = EngineUnavailableError(f"{where}: cannot connect ({e})")
-            except httpx.TimeoutException as e:
-                err = EngineTimeoutError(f"{where}: no answer within {timeout:g}s ({type(e).__name__})")
-                if not idempotent:
-                    raise err from None
-                last = err
-            except httpx.TransportError as e:
-                err = EngineUnavailableError(f"{where}: connection failed ({type(e).__name__}: {e})")
-                if not idempotent:
-                    raise err from None
-                last = err
-            else:
-                if r.status_code != 503:
-                    return r
-                last = EngineUnavailableError(f"{where}: 503 (the server is starting or "
-                                              f"loading) for {t.retry_deadline_s:g}s")
-            delay = next(delays)
-            if time.monotonic() + delay > deadline:
-                raise last
-            time.sleep(delay)
+        if isinstance(e, NEVER_SENT):
+            return EngineUnavailableError(f"{where}: cannot connect ({e})")
+        if isinstance(e, httpx.TimeoutException):
+            return EngineTimeoutError(f"{where}: no answer within {timeout:g}s ({type(e).__name__})")
+        return EngineUnavailableError(f"{where}: connection failed ({type(e).__name__}: {e})")

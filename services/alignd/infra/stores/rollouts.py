@@ -67,8 +67,9 @@ from alignclient.models import (
     Rollout,
     Score,
 )
+from alignclient.retry import RetryPolicy
 
-from alignd.infra.bus import Backoff, RedisBus
+from alignd.infra.bus import RedisBus
 from alignd.infra.telemetry import Metrics
 from libalign.metrics import DEFAULT_TIS_CAP, delta_stats, tis_weights, token_deltas
 
@@ -152,7 +153,7 @@ class RolloutStore:
     """Rollouts, learner scores and the δ they give, per weight version, in Redis."""
 
     def __init__(self, client: redis.Redis, prefix: str = "libalign", metrics: Metrics | None = None,
-                 *, ttl_s: float | None = DEFAULT_TTL_S, backoff: Backoff | None = None):
+                 *, ttl_s: float | None = DEFAULT_TTL_S, retry: RetryPolicy | None = None):
         if client.connection_pool.connection_kwargs.get("decode_responses"):
             raise ConfigError("the rollout store needs a binary-safe client (decode_responses=False)")
         if ttl_s is not None and not ttl_s > 0:
@@ -162,7 +163,7 @@ class RolloutStore:
         self.metrics = metrics
         self.ttl_ms = 0 if ttl_s is None else max(1, round(ttl_s * 1000))
         on_retry = (lambda what, e: metrics.redis_retries.inc()) if metrics is not None else None
-        self.bus = RedisBus(client, backoff=backoff, on_retry=on_retry)
+        self.bus = RedisBus(client, retry=retry, on_retry=on_retry)
         self._put_rollouts = client.register_script(_PUT_ROLLOUTS_LUA)
         self._put_scores = client.register_script(_PUT_SCORES_LUA)
         self._tail = client.register_script(_TAIL_LUA)
@@ -336,8 +337,8 @@ class RolloutStore:
 
         Without a version the window spans the most recently scored versions, newest
         first, until it holds ``window_tokens`` tokens; each path pair gets its own window
-        of that size. With metrics, the recent window (no version) sets the discrepancy
-        gauges.
+        of that size. (The control API exposes the recent window's statistics as gauges,
+        read at every scrape: :class:`alignd.infra.telemetry.ClusterGauges`.)
         """
         if not isinstance(window_tokens, int) or window_tokens < 1:
             raise InputError(f"window_tokens must be a positive integer, not {window_tokens!r}")
@@ -350,10 +351,6 @@ class RolloutStore:
             pd, _ = self._window(versions, window_tokens, pair)
             stats = summarize(pd)
             by_path.append(PathDiscrepancy(learner_path=lp, sampler_path=sp, stats=stats))
-            if self.metrics is not None and version is None and stats.count:
-                self.metrics.set_discrepancy(
-                    lp, sp, mean_abs=stats.mean_abs, p99_abs=stats.p99_abs,
-                    clip_potential=stats.clip_potential, tis_truncated=stats.tis_truncated_fraction)
         return Discrepancy(version_id=version, versions=used, window_tokens=window_tokens,
                            stats=summarize(d), by_path=by_path)
 
