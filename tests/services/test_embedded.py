@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 from alignclient.errors import GuidanceChecksumError, StateTransitionError, VersionExistsError
-from alignd.infra.bus import Heartbeat, RedisBus, connect
+from alignd.infra.bus import ClaimKeeper, RedisBus, connect
 from alignd.infra.redis_clients import (
     binary_client,
     embedded_server,
@@ -187,15 +187,15 @@ def test_bus_blocking_read_wakes_on_publish(cfg):
     assert msg.fields == {"n": "1"} and time.monotonic() - t0 < 2.0
 
 
-def test_bus_reclaim_and_heartbeat(cfg):
+def test_bus_reclaim_and_claim_keeper(cfg):
     """A message left by a consumer is reclaimed once idle, with its delivery counted; a
-    heartbeat keeps a live consumer's message from being reclaimed; trimmed entries are
+    ClaimKeeper keeps a live consumer's message from being reclaimed; trimmed entries are
     dropped; a group lost with the data is recreated."""
     bus = RedisBus.from_settings(cfg)
     bus.ensure_group(S, G)
     ids = [bus.publish(S, {"n": str(i)}) for i in range(2)]
     dead, alive = bus.read(S, G, "dead", count=2, block_ms=50)
-    with Heartbeat(bus, alive, G, "dead", period_s=0.03) as hb:
+    with ClaimKeeper(bus, alive, G, "dead", period_s=0.03) as hb:
         time.sleep(0.25)
         [got] = bus.reclaim(S, G, "rescuer", min_idle_ms=150)
     assert not hb.lost

@@ -1,4 +1,4 @@
-"""Pins the stream bus: ack semantics, reclaim after a consumer dies, heartbeats, retries."""
+"""Pins the stream bus: ack semantics, reclaim after a consumer dies, claims kept while working, retries."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from alignclient.errors import BusUnavailableError
 from alignclient.retry import RetryPolicy
 from alignd.api.errors import status_for
-from alignd.infra.bus import Heartbeat, RedisBus, connect
+from alignd.infra.bus import ClaimKeeper, RedisBus, connect
 from alignd.infra.events import PublishedEvent
 
 S, G = "t:stream", "grp"
@@ -60,13 +60,13 @@ def test_reclaim_after_consumer_process_is_killed(redis_url):
     assert bus.pending_count(S, G) == 0
 
 
-def test_heartbeat_keeps_message_from_reclaim(redis_url):
+def test_claim_keeper_keeps_message_from_reclaim(redis_url):
     """A touched message is not idle; touching someone else's message fails."""
     bus = bus_for(redis_url)
     bus.ensure_group(S, G)
     bus.publish(S, {"x": "1"})
     [msg] = bus.read(S, G, "worker", block_ms=100)
-    with Heartbeat(bus, msg, G, "worker", period_s=0.05) as hb:
+    with ClaimKeeper(bus, msg, G, "worker", period_s=0.05) as hb:
         time.sleep(0.4)
         assert bus.reclaim(S, G, "thief", min_idle_ms=200) == []
     assert not hb.lost

@@ -36,7 +36,7 @@ from alignclient.errors import BusUnavailableError
 from alignclient.retry import RetryPolicy
 
 from alignd.infra.redis_clients import client_for, text_client
-from alignd.infra.settings import Settings
+from alignd.infra.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -115,7 +115,7 @@ class RedisBus:
         self._touch = client.register_script(_TOUCH_LUA)
 
     @classmethod
-    def from_settings(cls, settings: Settings, **kw) -> RedisBus:
+    def from_settings(cls, settings: ServiceSettings, **kw) -> RedisBus:
         """A bus on ``settings.redis_url`` (None: embedded) that gives up after
         ``settings.redis_retry_s``."""
         timeout = settings.block_ms / 1000 + 10.0
@@ -234,15 +234,22 @@ class RedisBus:
         return int(info["pending"])
 
 
-class Heartbeat:
-    """Context manager that touches one in-flight message every ``period_s`` in a thread."""
+class ClaimKeeper:
+    """Keeps this consumer's claim on one in-flight message: touches it every ``period_s``.
+
+    A context manager around the work on ``msg``: a thread resets the message's idle time
+    (:meth:`RedisBus.touch`) so that other consumers' ``XAUTOCLAIM`` does not take a message
+    whose consumer is slow but alive. ``lost`` turns True (and the touching stops) if another
+    consumer claimed it anyway. This is about one message;
+    whether a *service* is alive is :mod:`alignd.infra.liveness`'s ``ServiceHeartbeat``.
+    """
 
     def __init__(self, bus: RedisBus, msg: Message, group: str, consumer: str, period_s: float):
         self.bus, self.msg, self.group, self.consumer = bus, msg, group, consumer
         self.period_s = period_s
         self.lost = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"heartbeat-{msg.id}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"claim-{msg.id}", daemon=True)
 
     def _run(self) -> None:
         """Touch until stopped; a failed touch is logged, never raised."""
@@ -254,9 +261,9 @@ class Heartbeat:
                     log.warning("message %s was claimed by another consumer", self.msg.id)
                     return
             except Exception as e:  # Redis down: the work goes on, the next touch may succeed
-                log.warning("heartbeat for %s failed: %s", self.msg.id, e)
+                log.warning("touching in-flight message %s failed: %s", self.msg.id, e)
 
-    def __enter__(self) -> Heartbeat:
+    def __enter__(self) -> ClaimKeeper:
         self._thread.start()
         return self
 
