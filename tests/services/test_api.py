@@ -500,6 +500,18 @@ def test_status_and_metrics_follow_versions_to_serving(env):
     assert env.metrics.value("libalign_sync_stage_seconds_count", {"stage": "total"}) == 2
 
 
+def test_a_scrape_alone_reads_the_shared_state(env):
+    """Without /v1/status: one /metrics reads Redis and carries the new sync, lag and services."""
+    assert publish(env, "v1").status_code == 201
+    drive(env, "v1", "converting", "converted", "loading", "serving")
+    text = env.http.get("/metrics").text
+    assert 'libalign_sync_stage_seconds_count{stage="total"} 1.0' in text
+    assert "libalign_weight_version_lag 0.0" in text
+    assert 'libalign_service_up{service="api"} 1.0' in text
+    assert 'libalign_service_up{service="converter"} 0.0' in text
+    assert 'libalign_sync_stage_seconds_count{stage="total"} 1.0' in env.http.get("/metrics").text
+
+
 def test_status_page_is_served_self_contained(env):
     """GET / is one HTML page with inline script and style, no external resources."""
     r = env.http.get("/")

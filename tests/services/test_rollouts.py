@@ -8,7 +8,6 @@ import redis
 import torch
 from alignclient.errors import ConfigError, InputError, RolloutExistsError
 from alignd.infra.stores.rollouts import Rollout, RolloutStore, Score, summarize
-from alignd.infra.telemetry import ABS_DELTA_BUCKETS, Metrics
 
 from libalign.metrics import delta_stats
 
@@ -77,25 +76,3 @@ def test_expired_versions_leave_the_window(redis_url):
     s.client.delete("t:delta:v1")
     assert s.recent_versions() == []
     assert s.client.zcard("t:delta:index") == 0
-
-
-def test_bulk_histogram_matches_observe():
-    """observe_abs_deltas fills the same buckets and sum as one observe() per value."""
-    rng = np.random.default_rng(0)
-    x = np.abs(rng.standard_normal(2000)) * rng.choice([1e-4, 1e-2, 1.0, 5.0], 2000)
-    x[:len(ABS_DELTA_BUCKETS)] = ABS_DELTA_BUCKETS  # values exactly on the bounds
-    a, b = Metrics(), Metrics()
-    a.observe_abs_deltas("bf16", "nvfp4_minite", x)
-    child = b.logprob_abs_delta.labels(learner_path="bf16", sampler_path="nvfp4_minite")
-    for v in x:
-        child.observe(float(v))
-    for le in [*map(str, ABS_DELTA_BUCKETS), "+Inf"]:
-        labels = {"learner_path": "bf16", "sampler_path": "nvfp4_minite", "le": le}
-        assert a.value("libalign_logprob_abs_delta_bucket", labels) == \
-            b.value("libalign_logprob_abs_delta_bucket", labels), le
-    labels = {"learner_path": "bf16", "sampler_path": "nvfp4_minite"}
-    assert a.value("libalign_logprob_abs_delta_sum", labels) == pytest.approx(
-        b.value("libalign_logprob_abs_delta_sum", labels))
-    a.observe_abs_deltas("someone-elses-path", "x", [0.1])
-    assert a.value("libalign_logprob_abs_delta_count",
-                   {"learner_path": "other", "sampler_path": "other"}) == 1

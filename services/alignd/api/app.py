@@ -10,7 +10,9 @@ The API refuses to start without ``api_token`` unless ``dev_mode`` is set: a tok
 API lets anyone who reaches the port publish versions and overwrite guidance.
 
 While the app runs (its lifespan), it beats as service ``api`` (see
-:mod:`alignd.infra.liveness`).
+:mod:`alignd.infra.liveness`) and its metrics read the shared state from Redis at every
+scrape (:func:`alignd.api.routes_status.cluster_state` of
+:func:`~alignd.api.routes_status.collect_status`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from alignd.api import (
 )
 from alignd.api.errors import install_error_handlers
 from alignd.api.middleware import Frontdoor
+from alignd.api.routes_status import cluster_state, collect_status
 from alignd.api.state import REQUEST_GIVE_UP_S, ApiState, with_decoding
+from alignd.infra.redis_clients import binary_client, text_client
 from alignd.infra.settings import Settings
 from alignd.infra.telemetry import Metrics
 
@@ -50,8 +54,6 @@ def create_app(settings: Settings, *, client: redis.Redis | None = None,
                           "mutating routes; set ALIGN_DEV_MODE=1 to run without one locally")
     metrics = metrics if metrics is not None else Metrics()
     if client is None:
-        from alignd.infra.redis_clients import binary_client, text_client
-
         text, binary, own = text_client(settings), binary_client(settings), True
     else:
         text, binary, own = with_decoding(client, True), with_decoding(client, False), False
@@ -60,9 +62,11 @@ def create_app(settings: Settings, *, client: redis.Redis | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         st.heartbeat.start()
+        metrics.watch_cluster(lambda: cluster_state(collect_status(st)))
         try:
             yield
         finally:
+            metrics.watch_cluster(None)
             st.close()
 
     app = FastAPI(title="libalign control API", version=API_VERSION, lifespan=lifespan,

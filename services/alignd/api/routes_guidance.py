@@ -13,57 +13,53 @@ from typing import Annotated
 
 from alignclient.errors import InputError
 from alignclient.framing import MEDIA_TYPE, iter_frames
-from alignclient.ids import check_version_id
 from alignclient.models import (
-    ErrorResponse,
     GuidanceBatchRequest,
     GuidancePutResponse,
     LeaseRequest,
     LeaseResponse,
 )
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
-from fastapi.security import HTTPBearer
 
 from alignd.api.middleware import streamed_body
-from alignd.api.state import ApiState, State
+from alignd.api.state import BEARER, KnownVersion, State, error_responses
 
 router = APIRouter(prefix="/v1/guidance", tags=["guidance"])
-bearer = HTTPBearer(auto_error=False)
-ERRORS = {c: {"model": ErrorResponse} for c in (401, 403, 404, 410, 413, 422, 503, 507)}
+ERRORS = error_responses(401, 403, 404, 410, 413, 422, 503, 507)
 BINARY = {"content": {MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}
 
 
-def _known(st: ApiState, version_id: str) -> None:
-    check_version_id(version_id)
-    st.registry.get(version_id)
+async def read_body(request: Request) -> bytearray:
+    """The request's whole body, read chunk by chunk; exactly as long as a Content-Length."""
+    declared = request.headers.get("content-length")
+    if declared is None or not declared.isdigit():
+        buf = bytearray()
+        async for chunk in request.stream():
+            buf += chunk
+        return buf
+    buf = bytearray(int(declared))  # filled in place: no second copy of a large record
+    view, off = memoryview(buf), 0
+    async for chunk in request.stream():
+        if off + len(chunk) > len(buf):
+            raise InputError(f"body is longer than its Content-Length of {len(buf)} bytes")
+        view[off : off + len(chunk)] = chunk
+        off += len(chunk)
+    view.release()
+    if off != len(buf):
+        raise InputError(f"body ended after {off} of {len(buf)} declared bytes")
+    return buf
 
 
 @router.put("/{version_id}/{rollout_id}", operation_id="put_guidance",
-            response_model=GuidancePutResponse, responses=ERRORS, dependencies=[Depends(bearer)],
+            response_model=GuidancePutResponse, responses=ERRORS, dependencies=BEARER,
             openapi_extra={"requestBody": {"required": True, **BINARY}})
 @streamed_body
-async def put_guidance(version_id: str, rollout_id: str, request: Request,
-                       st: State) -> GuidancePutResponse:
+async def put_guidance(version_id: str, rollout_id: str, request: Request, st: State,
+                       _known: KnownVersion) -> GuidancePutResponse:
     """Store one rollout's guidance record (octet-stream body), replacing any previous one."""
-    await run_in_threadpool(_known, st, version_id)
-    declared = request.headers.get("content-length")
-    buf = bytearray()
-    if declared is not None and declared.isdigit():
-        buf = bytearray(int(declared))  # filled in place: no second copy of a large record
-        view, off = memoryview(buf), 0
-        async for chunk in request.stream():
-            if off + len(chunk) > len(buf):
-                raise InputError(f"body is longer than its Content-Length of {len(buf)} bytes")
-            view[off : off + len(chunk)] = chunk
-            off += len(chunk)
-        view.release()
-        if off != len(buf):
-            raise InputError(f"body ended after {off} of {len(buf)} declared bytes")
-    else:
-        async for chunk in request.stream():
-            buf += chunk
+    buf = await read_body(request)
     res = await run_in_threadpool(st.guidance.put, version_id, rollout_id, buf)
     return GuidancePutResponse(version_id=version_id, rollout_id=rollout_id, bytes=res.bytes,
                                total_bytes=res.total_bytes,
@@ -90,7 +86,7 @@ def get_guidance_batch(version_id: str, req: GuidanceBatchRequest,
 
 
 @router.post("/{version_id}/lease", operation_id="acquire_guidance_lease",
-             response_model=LeaseResponse, responses=ERRORS, dependencies=[Depends(bearer)])
+             response_model=LeaseResponse, responses=ERRORS, dependencies=BEARER)
 def acquire_guidance_lease(version_id: str, req: LeaseRequest,
                            st: State) -> LeaseResponse:
     """Protect a version's guidance from budget eviction for ``ttl_s`` (renewable)."""
@@ -99,7 +95,7 @@ def acquire_guidance_lease(version_id: str, req: LeaseRequest,
 
 
 @router.delete("/{version_id}/lease", operation_id="release_guidance_lease",
-               response_model=LeaseResponse, responses=ERRORS, dependencies=[Depends(bearer)])
+               response_model=LeaseResponse, responses=ERRORS, dependencies=BEARER)
 def release_guidance_lease(version_id: str, st: State,
                            consumer: Annotated[str, Query(min_length=1)]) -> LeaseResponse:
     """Drop a consumer's lease; ``held`` says whether it still had one."""

@@ -1,21 +1,26 @@
-"""Liveness, readiness, Prometheus exposition and the status page."""
+"""Liveness, readiness, Prometheus exposition and the status page.
+
+The status page is one self-contained HTML file, ``alignd/api/static/status.html`` (package
+data, read through :mod:`importlib.resources` when this module loads, so a missing file stops
+the API at start, not at the first visit).
+"""
 
 from __future__ import annotations
 
-import logging
+from importlib import resources
 
 from alignclient.errors import AlignError, BusUnavailableError
-from alignclient.models import ErrorResponse, Health, Ready
+from alignclient.models import Health, Ready
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.exposition import generate_latest
 
-from alignd.api.page import STATUS_PAGE
-from alignd.api.routes_status import refresh_metrics
-from alignd.api.state import State
+from alignd.api.state import State, error_responses
 
-log = logging.getLogger(__name__)
+#: The HTML of the status page served at ``/``.
+STATUS_PAGE = resources.files("alignd.api").joinpath("static", "status.html").read_text("utf-8")
+
 router = APIRouter()
 
 
@@ -26,7 +31,7 @@ def healthz() -> Health:
 
 
 @router.get("/readyz", operation_id="readyz", response_model=Ready, tags=["health"],
-            responses={503: {"model": ErrorResponse}})
+            responses=error_responses(503))
 def readyz(st: State) -> Ready:
     """Redis answers (503 bus_unavailable if not)."""
     try:
@@ -40,11 +45,7 @@ def readyz(st: State) -> Ready:
 
 @router.get("/metrics", operation_id="metrics", tags=["health"], include_in_schema=False)
 def metrics(st: State) -> Response:
-    """Prometheus exposition of the API's metrics (gauges refreshed from Redis first)."""
-    try:
-        refresh_metrics(st)
-    except Exception as e:  # stale gauges beat no metrics: Prometheus still gets the counters
-        log.warning("metrics refresh failed: %s", e)
+    """Prometheus exposition of the API's metrics (the shared-state gauges read from Redis)."""
     return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

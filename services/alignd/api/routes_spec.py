@@ -7,10 +7,10 @@ keys, no whitespace); ``alignclient.spec_sha256`` computes the same from a dict.
 from __future__ import annotations
 
 from alignclient.errors import SpecMismatchError
-from alignclient.models import ErrorResponse, SpecCheckRequest, SpecCheckResponse, SpecInfo
+from alignclient.models import SpecCheckRequest, SpecCheckResponse, SpecInfo
 from fastapi import APIRouter
 
-from alignd.api.state import State
+from alignd.api.state import State, error_responses
 
 router = APIRouter(prefix="/v1", tags=["spec"])
 
@@ -23,7 +23,7 @@ def get_spec(st: State) -> SpecInfo:
 
 
 @router.post("/spec/check", operation_id="check_spec", response_model=SpecCheckResponse,
-             responses={409: {"model": ErrorResponse}, 422: {"model": ErrorResponse}})
+             responses=error_responses(409, 422))
 def check_spec(req: SpecCheckRequest, st: State) -> SpecCheckResponse:
     """200 if the caller's spec hash matches the daemon's, else 409 spec_mismatch."""
     if req.sha256 != st.spec_sha256:

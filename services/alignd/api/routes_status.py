@@ -1,8 +1,10 @@
-"""``/v1/status`` and the gauges derived from Redis state (refreshed on status and scrape).
+"""``/v1/status``, and the same snapshot as gauges at every scrape of ``/metrics``.
 
-Gauges that describe shared state (services up, weight-version lag, the windowed
-discrepancy, guidance bytes) are recomputed from Redis when ``/v1/status`` or ``/metrics``
-is asked for, so an idle API costs nothing and a scrape is never staler than Redis.
+:func:`collect_status` reads the shared state from Redis (versions, heartbeats, the
+windowed discrepancy, guidance totals). The app hands :func:`cluster_state` of it to
+:meth:`Metrics.watch_cluster <alignd.infra.telemetry.Metrics.watch_cluster>`, so the gauges
+of shared state are read when Prometheus scrapes: an idle API costs nothing and a scrape is
+never staler than Redis.
 
 Sync stage latencies are observed once per version: when a version is first seen in
 ``serving``, its id is added to ``P:api:sync_observed`` (a Redis set) and only the API
@@ -20,7 +22,7 @@ from fastapi import APIRouter
 from alignd.api.state import ApiState, State
 from alignd.infra.liveness import list_heartbeats
 from alignd.infra.registry import STATES, HistoryEntry, VersionRecord
-from alignd.infra.telemetry import SERVICES
+from alignd.infra.telemetry import ClusterState, PathGap
 
 router = APIRouter(prefix="/v1", tags=["status"])
 
@@ -63,11 +65,7 @@ def _observe_syncs(st: ApiState, versions: list[VersionRecord]) -> None:
 
 def _services(st: ApiState) -> list[ServiceStatus]:
     rows = list_heartbeats(st.bus, st.settings.key_prefix, ttl_s=st.settings.service_heartbeat_ttl_s)
-    out = [ServiceStatus(**r) for r in rows]
-    for svc in SERVICES:
-        st.metrics.service_up.labels(service=svc).set(
-            1.0 if any(s.up for s in out if s.service == svc) else 0.0)
-    return out
+    return [ServiceStatus(**r) for r in rows]
 
 
 def _guidance(st: ApiState) -> GuidanceSummary:
@@ -76,11 +74,14 @@ def _guidance(st: ApiState) -> GuidanceSummary:
 
 
 def collect_status(st: ApiState) -> Status:
-    """Versions, services, discrepancy and guidance in one snapshot; updates the gauges."""
+    """Versions, services, discrepancy and guidance in one snapshot.
+
+    Reading it observes the sync latencies of versions newly serving and refreshes the
+    guidance store's byte gauge.
+    """
     versions = st.registry.list_versions()
     _observe_syncs(st, versions)
     lag = version_lag(versions)
-    st.metrics.weight_version_lag.set(lag)
     by_state = {s: 0 for s in STATES}
     latest: dict[str, str | None] = {s: None for s in STATES}
     for v in versions:  # oldest first: the last one seen per state is the newest
@@ -92,9 +93,16 @@ def collect_status(st: ApiState) -> Status:
                   guidance=_guidance(st))
 
 
-def refresh_metrics(st: ApiState) -> None:
-    """Recompute the Redis-derived gauges (what ``collect_status`` does, without the reply)."""
-    collect_status(st)
+def cluster_state(status: Status) -> ClusterState:
+    """The gauges' view of a status snapshot (path pairs with tokens in the window)."""
+    up: dict[str, bool] = {}
+    for s in status.services:
+        up[s.service] = up.get(s.service, False) or s.up
+    gaps = [PathGap(p.learner_path, p.sampler_path, mean_abs=p.stats.mean_abs,
+                    p99_abs=p.stats.p99_abs, clip_potential=p.stats.clip_potential,
+                    tis_truncated=p.stats.tis_truncated_fraction)
+            for p in status.discrepancy.by_path if p.stats.count]
+    return ClusterState(services_up=up, weight_version_lag=status.weight_version_lag, gaps=gaps)
 
 
 @router.get("/status", operation_id="get_status", response_model=Status)

@@ -19,9 +19,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from alignclient.errors import StateTransitionError, VersionNotFoundError
-from alignclient.ids import check_version_id
 from alignclient.models import (
-    ErrorResponse,
     HistoryEntry,
     PublishRequest,
     PublishResponse,
@@ -31,19 +29,17 @@ from alignclient.models import (
     VersionInfo,
     VersionList,
 )
-from fastapi import APIRouter, Depends, Query
-from fastapi.security import HTTPBearer
+from fastapi import APIRouter, Query
 
-from alignd.api.state import State
+from alignd.api.state import BEARER, KnownVersion, State, error_responses
 from alignd.formats.hf_checkpoint import HFCheckpoint
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.events import PublishedEvent, SyncEvent, sync_stream
-from alignd.infra.registry import VersionRecord
+from alignd.infra.registry import STATES, VersionRecord
 
 router = APIRouter(prefix="/v1", tags=["versions"])
-bearer = HTTPBearer(auto_error=False)  # documents the scheme; the front door enforces it
-ERRORS = {c: {"model": ErrorResponse} for c in (401, 403, 404, 409, 413, 422, 503)}
-STATE_PATTERN = "^(published|converting|converted|loading|serving|failed)$"
+ERRORS = error_responses(401, 403, 404, 409, 413, 422, 503)
+STATE_PATTERN = f"^({'|'.join(STATES)})$"
 #: States from which samplers may load a version.
 SYNCABLE = ("converted", "loading", "serving")
 
@@ -56,7 +52,7 @@ def version_info(rec: VersionRecord) -> VersionInfo:
 
 
 @router.post("/versions", operation_id="publish_version", response_model=PublishResponse,
-             status_code=201, responses=ERRORS, dependencies=[Depends(bearer)])
+             status_code=201, responses=ERRORS, dependencies=BEARER)
 def publish_version(req: PublishRequest, st: State) -> PublishResponse:
     """Register a BF16 version already written to the published store and announce it."""
     path = WeightStore(st.settings.store_dir).published_path(req.version_id)
@@ -86,17 +82,15 @@ def list_versions(st: State,
 
 @router.get("/versions/{version_id}", operation_id="get_version", response_model=VersionDetail,
             responses=ERRORS)
-def get_version(version_id: str, st: State) -> VersionDetail:
+def get_version(version_id: str, st: State, rec: KnownVersion) -> VersionDetail:
     """One version's record and its state history."""
-    check_version_id(version_id)
-    rec = st.registry.get(version_id)
     hist = [HistoryEntry(from_state=h.from_state, to_state=h.to_state, at=h.at, reason=h.reason,
                          actor=h.actor) for h in st.registry.history(version_id)]
     return VersionDetail(version=version_info(rec), history=hist)
 
 
 @router.post("/sync", operation_id="sync_version", response_model=SyncResponse, status_code=202,
-             responses=ERRORS, dependencies=[Depends(bearer)])
+             responses=ERRORS, dependencies=BEARER)
 def sync_version(req: SyncRequest, st: State) -> SyncResponse:
     """Ask the samplers to load a converted version (a ``sync`` event)."""
     rec = st.registry.get(req.version_id)

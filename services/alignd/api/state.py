@@ -1,7 +1,9 @@
 """What the API's routes share: Redis clients, the stores built on them, settings, metrics.
 
 One :class:`ApiState` lives on ``app.state.align``; routes receive it through the
-:func:`get_state` dependency. Redis calls made while a request waits give up after
+:data:`State` dependency, the record of the version their path names through
+:data:`KnownVersion`, and declare their error answers with :func:`error_responses` and
+their bearer scheme with :data:`BEARER`. Redis calls made while a request waits give up after
 :data:`REQUEST_GIVE_UP_S` (the bus's backoff budget) and the request answers 503
 ``bus_unavailable``: a caller retries a request, the API does not keep it hanging.
 
@@ -19,12 +21,14 @@ from typing import Annotated, Any
 
 import redis
 from alignclient.ids import safe_id
-from alignclient.models import spec_sha256
+from alignclient.models import ErrorResponse, spec_sha256
+from alignclient.retry import RetryPolicy
 from fastapi import Depends, Request
+from fastapi.security import HTTPBearer
 
-from alignd.infra.bus import Backoff, RedisBus
+from alignd.infra.bus import RedisBus
 from alignd.infra.liveness import ServiceHeartbeat
-from alignd.infra.registry import Registry
+from alignd.infra.registry import Registry, VersionRecord
 from alignd.infra.settings import Settings
 from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.stores.rollouts import RolloutStore
@@ -74,17 +78,17 @@ class ApiState:
 
     def __post_init__(self) -> None:
         s, m = self.settings, self.metrics
-        backoff = Backoff(initial_s=0.05, max_s=0.5, give_up_after_s=self.give_up_s)
-        self.bus = RedisBus(self.text, backoff=backoff,
+        retry = RetryPolicy(initial_s=0.05, max_s=0.5, deadline_s=self.give_up_s)
+        self.bus = RedisBus(self.text, retry=retry,
                             on_retry=lambda what, e: m.redis_retries.inc())
         self.registry = Registry(self.bus, s.key_prefix)
         self.rollouts = RolloutStore(self.binary, s.key_prefix, m, ttl_s=s.guidance_ttl_s,
-                                     backoff=backoff)
+                                     retry=retry)
         self.guidance = GuidanceStore(
             self.binary, prefix=s.key_prefix, budget_bytes=s.guidance_budget_bytes,
             ttl_s=s.guidance_ttl_s, chunk_bytes=s.guidance_chunk_bytes,
             max_record_bytes=s.guidance_max_record_bytes, on_in_use=s.guidance_on_in_use,
-            backoff=backoff, metrics=m)
+            backoff=retry, metrics=m)
         self.heartbeat = ServiceHeartbeat(
             self.text, "api", instance_name(s), period_s=s.service_heartbeat_s,
             ttl_s=max(s.service_heartbeat_ttl_s, 2 * s.service_heartbeat_s),
@@ -108,3 +112,21 @@ def get_state(request: Request) -> ApiState:
 
 #: A route parameter receiving the shared state.
 State = Annotated[ApiState, Depends(get_state)]
+
+
+def known_version(version_id: str, st: State) -> VersionRecord:
+    """The registry's record of the path's ``version_id`` (404 version_not_found if unknown)."""
+    return st.registry.get(version_id)
+
+
+#: A route parameter receiving the record of the version the path names (it must exist).
+KnownVersion = Annotated[VersionRecord, Depends(known_version)]
+
+#: ``dependencies=`` of a mutating route: documents the bearer scheme in OpenAPI (the front
+#: door, :mod:`alignd.api.middleware`, enforces the token).
+BEARER = [Depends(HTTPBearer(auto_error=False))]
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """A route's ``responses=``: the error envelope for each of ``statuses``."""
+    return {s: {"model": ErrorResponse} for s in statuses}

@@ -8,33 +8,61 @@ free text: a version id as a label would create one time series per version.
 :class:`Metrics` registers everything on its own :class:`CollectorRegistry` (a fresh one
 unless given), never on prometheus_client's global default, so several services or
 tests in one process do not collide. :func:`serve_metrics` exposes a registry on
-``/metrics`` (and ``/healthz``) from a background HTTP server.
+``/metrics`` (and ``/healthz``) from a background HTTP server. Only prometheus_client's
+public API is used: its metric classes for what a process counts itself, and two custom
+collectors (``collect()`` yielding metric families) where the ready-made classes do not fit.
 
 The execution gap. ``libalign_logprob_abs_delta`` is a histogram of |δ| = |log p_learner −
 log p_sampler| per scored token, by ``learner_path`` and ``sampler_path``; its buckets span
 1e-4 to 2 nats on a 1-2.5-5 grid, the range between "bit-identical but for reduction order"
 and "a different token distribution". Scoring a batch adds tens of thousands of tokens at
-once, so :meth:`Metrics.observe_abs_deltas` counts them per bucket in one vectorized pass
-instead of calling ``observe`` per token. The gauges ``libalign_discrepancy_*`` hold the
-windowed statistics (the last ``discrepancy_window_tokens`` tokens) that the control API
-recomputes from Redis. Path labels are execution path names (:data:`libalign.gemm.PATHS`);
-any other name is counted as ``other``, so a client cannot grow the label set.
+once, and prometheus_client's ``Histogram`` takes one value per call, so this histogram is a
+:class:`BatchHistogram`: it counts a whole array per bucket in one vectorized pass. Path
+labels are execution path names (:data:`libalign.gemm.PATHS`); any other name is counted as
+``other``, so a client cannot grow the label set.
+
+Shared state, read from Redis when scraped. Whether each service has a live heartbeat
+(``libalign_service_up``), the weight-version lag and the windowed discrepancy
+(``libalign_discrepancy_*``, ``libalign_clip_potential_ratio``,
+``libalign_tis_truncated_ratio``: the last ``discrepancy_window_tokens`` scored tokens)
+describe Redis, not the process. :class:`ClusterGauges` yields them from a
+:class:`ClusterState` that the control API reads at every scrape
+(:meth:`Metrics.watch_cluster`); other processes expose these families without samples.
 
 Weight sync. ``libalign_sync_stage_seconds`` is observed once per version when it reaches
 ``serving``, from the registry's history timestamps (server clock): ``convert`` from the
 first ``converting`` to ``converted``, ``load`` from ``loading`` to ``serving``, ``total``
 from ``published`` to ``serving``.
+
+Kernels. ``libalign_kernel_backend_info{device, backend}`` is 1 for the implementation that
+serves NVFP4 quantization on each device type of the process: the compiled kernel (``cpu``,
+``cuda``) or ``spec``, the reference implementation that a missing or failed kernel build
+falls back to (same bits, about 20x slower). A service reports it when it starts
+(:meth:`Metrics.report_kernel_backends`), so a fallback shows in ``/metrics``, not only in a
+warning in its log.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
+import torch
 from alignclient.errors import AlignError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from libalign.gemm import PATHS
+from libalign.ops import backend_for
+
+log = logging.getLogger(__name__)
 
 #: Conversion stages, the values of the ``stage`` label.
 STAGES = ("read", "quantize", "write")
@@ -76,8 +104,6 @@ def failure_reason(err: BaseException | str) -> str:
 
 def path_label(name: str) -> str:
     """Bounded ``learner_path``/``sampler_path`` label: a known execution path, else ``other``."""
-    from libalign.gemm import PATHS  # torch-heavy: imported when a path is first labelled
-
     return name if name in PATHS else "other"
 
 
@@ -87,12 +113,171 @@ def status_class(status: int) -> str:
     return cls if cls in STATUS_CLASSES else "5xx"
 
 
+def kernel_backends() -> dict[str, str]:
+    """Which implementation serves NVFP4 quantization on each device type of this process.
+
+    ``cpu`` always and ``cuda`` where torch sees a GPU, each mapped to what
+    :func:`libalign.ops.backend_for` answers for a bf16 tensor on it: the device's compiled
+    kernel (``cpu``, ``cuda``; loading it builds it on first use) or ``spec``.
+    """
+    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    return {d: backend_for(torch.zeros(16, dtype=torch.bfloat16, device=d)) for d in devices}
+
+
+class BatchHistogram(Collector):
+    """A labelled histogram that takes a whole array of observations in one call.
+
+    It exposes what a prometheus_client ``Histogram`` with the same name, labels and buckets
+    would after one ``observe`` per value: a value lands in the first bucket whose upper
+    bound is >= it (``searchsorted(side="left")``), ``_count`` is the ``+Inf`` bucket.
+    """
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 buckets: Sequence[float]):
+        self.name, self.documentation = name, documentation
+        self.labelnames = tuple(labelnames)
+        self.bounds = np.asarray(sorted(buckets), dtype=np.float64)
+        self.le = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, ...], np.ndarray] = {}  # per bucket, not cumulative
+        self._sums: dict[tuple[str, ...], float] = {}
+
+    def observe_many(self, label_values: Sequence[str], values) -> None:
+        """Add every value of ``values`` (any array-like) under ``label_values``."""
+        key = tuple(label_values)
+        if len(key) != len(self.labelnames):
+            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {key}")
+        x = np.asarray(values, dtype=np.float64).ravel()
+        if x.size == 0:
+            return
+        counts = np.bincount(np.searchsorted(self.bounds, x, side="left"),
+                             minlength=len(self.le))
+        total = float(x.sum())
+        with self._lock:
+            if key in self._counts:
+                self._counts[key] += counts
+                self._sums[key] += total
+            else:
+                self._counts[key], self._sums[key] = counts, total
+
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        """The family's name and type, so the registry can refuse a duplicate."""
+        yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        """Cumulative buckets and the sum of every label set observed so far."""
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        with self._lock:
+            rows = [(k, np.cumsum(c), self._sums[k]) for k, c in self._counts.items()]
+        for key, cumulative, total in rows:
+            family.add_metric(list(key), list(zip(self.le, cumulative.tolist(), strict=True)),
+                              total)
+        yield family
+
+
+@dataclass(frozen=True)
+class PathGap:
+    """Windowed discrepancy statistics of one (learner path, sampler path) pair."""
+
+    learner_path: str
+    sampler_path: str
+    mean_abs: float
+    p99_abs: float
+    clip_potential: float
+    tis_truncated: float
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """What :class:`ClusterGauges` exposes: shared state as read from Redis."""
+
+    services_up: Mapping[str, bool]
+    weight_version_lag: int
+    gaps: Sequence[PathGap] = ()
+
+
+#: name, help and labels of each gauge of :class:`ClusterGauges`.
+CLUSTER_GAUGES = (
+    ("libalign_service_up",
+     "1 if at least one instance of the service has a live heartbeat, else 0.", ("service",)),
+    ("libalign_weight_version_lag",
+     "Versions between the newest one published and the newest one serving, by position in "
+     "the registry's creation order.", ()),
+    ("libalign_discrepancy_p99_abs",
+     "P99 of |delta log p| over the discrepancy window (last N scored tokens), nats.",
+     ("learner_path", "sampler_path")),
+    ("libalign_discrepancy_mean_abs", "Mean |delta log p| over the discrepancy window, nats.",
+     ("learner_path", "sampler_path")),
+    ("libalign_clip_potential_ratio",
+     "Fraction of window tokens whose ratio exp(delta) lies outside the clip band "
+     "[0.8, 1.28] before any update.", ("learner_path", "sampler_path")),
+    ("libalign_tis_truncated_ratio",
+     "Fraction of window tokens whose token-level TIS weight is truncated at C=2.",
+     ("learner_path", "sampler_path")),
+)
+
+
+class ClusterGauges(Collector):
+    """The gauges of shared state, from a :class:`ClusterState` read at every scrape.
+
+    Without a reader (every process but the control API) the families have no samples. A
+    failed read is logged and the last state read is served again: stale gauges beat a
+    failed scrape, which would drop the counters too. :class:`Metrics` registers this
+    collector first, so whatever reading the state records in other metrics of the same
+    registry (the API observes a version's sync latencies when it first sees it serving and
+    refreshes the guidance byte gauge) is in the same scrape.
+    """
+
+    def __init__(self) -> None:
+        self._read: Callable[[], ClusterState] | None = None
+        self._last: ClusterState | None = None
+
+    def watch(self, read: Callable[[], ClusterState] | None) -> None:
+        """Read the state with ``read`` at every scrape from now on (None: stop)."""
+        self._read, self._last = read, None
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        """The families' names and types, so the registry can refuse a duplicate."""
+        return self._families(None)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """The gauges of the state read now (or of the last one read, if this read fails)."""
+        read, state = self._read, self._last
+        if read is not None:
+            try:
+                state = self._last = read()
+            except Exception as e:  # any failure: serve the last state
+                log.warning("reading the cluster state for /metrics failed, serving the "
+                            "last one read: %s", e)
+        return self._families(state)
+
+    @staticmethod
+    def _families(state: ClusterState | None) -> Iterator[GaugeMetricFamily]:
+        fams = {name: GaugeMetricFamily(name, doc, labels=labels)
+                for name, doc, labels in CLUSTER_GAUGES}
+        if state is not None:
+            for svc in SERVICES:
+                fams["libalign_service_up"].add_metric(
+                    [svc], 1.0 if state.services_up.get(svc) else 0.0)
+            fams["libalign_weight_version_lag"].add_metric([], float(state.weight_version_lag))
+            gaps = {(path_label(g.learner_path), path_label(g.sampler_path)): g
+                    for g in state.gaps}  # two unknown pairs are both other/other: one series
+            for pair, g in gaps.items():
+                fams["libalign_discrepancy_p99_abs"].add_metric(list(pair), g.p99_abs)
+                fams["libalign_discrepancy_mean_abs"].add_metric(list(pair), g.mean_abs)
+                fams["libalign_clip_potential_ratio"].add_metric(list(pair), g.clip_potential)
+                fams["libalign_tis_truncated_ratio"].add_metric(list(pair), g.tis_truncated)
+        return iter(fams.values())
+
+
 class Metrics:
     """The metric objects, registered on one (private by default) registry."""
 
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        self.cluster = ClusterGauges()
+        r.register(self.cluster)  # first: see ClusterGauges
         self.conversion_stage_seconds = Histogram(
             "libalign_conversion_stage_seconds",
             "Seconds one version's conversion spent per stage (read, quantize, write).",
@@ -142,26 +327,11 @@ class Metrics:
         self.guidance_refused_puts = Counter(
             "libalign_guidance_refused_puts_total",
             "Guidance puts refused because the byte budget had no room.", registry=r)
-        self.logprob_abs_delta = Histogram(
+        self.logprob_abs_delta = BatchHistogram(
             "libalign_logprob_abs_delta",
             "|log p_learner - log p_sampler| per scored token, nats.",
-            ["learner_path", "sampler_path"], buckets=ABS_DELTA_BUCKETS, registry=r)
-        self.discrepancy_p99_abs = Gauge(
-            "libalign_discrepancy_p99_abs",
-            "P99 of |delta log p| over the discrepancy window (last N scored tokens), nats.",
-            ["learner_path", "sampler_path"], registry=r)
-        self.discrepancy_mean_abs = Gauge(
-            "libalign_discrepancy_mean_abs",
-            "Mean |delta log p| over the discrepancy window, nats.",
-            ["learner_path", "sampler_path"], registry=r)
-        self.clip_potential = Gauge(
-            "libalign_clip_potential_ratio",
-            "Fraction of window tokens whose ratio exp(delta) lies outside the clip band "
-            "[0.8, 1.28] before any update.", ["learner_path", "sampler_path"], registry=r)
-        self.tis_truncated = Gauge(
-            "libalign_tis_truncated_ratio",
-            "Fraction of window tokens whose token-level TIS weight is truncated at C=2.",
-            ["learner_path", "sampler_path"], registry=r)
+            ["learner_path", "sampler_path"], ABS_DELTA_BUCKETS)
+        r.register(self.logprob_abs_delta)
         self.rollout_tokens = Counter(
             "libalign_rollout_tokens_total",
             "Generated (non-prompt) tokens of the rollouts stored, by sampler path.",
@@ -183,14 +353,11 @@ class Metrics:
             "libalign_sampler_requests_total",
             "Rollout requests a sampler answered, by outcome (served, error).",
             ["outcome"], registry=r)
-        self.weight_version_lag = Gauge(
-            "libalign_weight_version_lag",
-            "Versions between the newest one published and the newest one serving, by "
-            "position in the registry's creation order.", registry=r)
-        self.service_up = Gauge(
-            "libalign_service_up",
-            "1 if at least one instance of the service has a live heartbeat, else 0.",
-            ["service"], registry=r)
+        self.kernel_backend = Gauge(
+            "libalign_kernel_backend_info",
+            "1 for the implementation serving NVFP4 quantization on each device type of the "
+            "process: its compiled kernel (cpu, cuda) or spec (the reference fallback).",
+            ["device", "backend"], registry=r)
         self.api_requests = Counter(
             "libalign_api_requests_total",
             "Control API requests answered, by route template and status class.",
@@ -203,8 +370,6 @@ class Metrics:
             self.conversion_stage_seconds.labels(stage=s)
         for s in SYNC_STAGES:
             self.sync_stage_seconds.labels(stage=s)
-        for svc in SERVICES:
-            self.service_up.labels(service=svc)
         for reason in FAILURE_REASONS:
             self.versions_failed.labels(reason=reason)
         for in_use in ("true", "false"):
@@ -230,37 +395,21 @@ class Metrics:
         self.versions_failed.labels(reason=failure_reason(err)).inc()
 
     def observe_abs_deltas(self, learner_path: str, sampler_path: str, abs_delta) -> None:
-        """Add many |δ| values (any 1-D array-like) to the histogram in one pass."""
-        import numpy as np
+        """Add many |δ| values (any array-like) to the histogram in one pass."""
+        self.logprob_abs_delta.observe_many([path_label(learner_path), path_label(sampler_path)],
+                                            abs_delta)
 
-        x = np.asarray(abs_delta, dtype=np.float64).ravel()
-        if x.size == 0:
-            return
-        child = self.logprob_abs_delta.labels(learner_path=path_label(learner_path),
-                                              sampler_path=path_label(sampler_path))
-        bounds = getattr(child, "_upper_bounds", None)
-        buckets = getattr(child, "_buckets", None)
-        if bounds is None or buckets is None or len(bounds) != len(buckets):
-            for v in x:  # prometheus_client changed its internals: the slow, public way
-                child.observe(float(v))
-            return
-        # observe() puts v in the first bucket whose upper bound is >= v: searchsorted left
-        counts = np.bincount(np.searchsorted(np.asarray(bounds), x, side="left"),
-                             minlength=len(bounds))
-        for i, n in enumerate(counts.tolist()):
-            if n:
-                buckets[i].inc(n)
-        child._sum.inc(float(x.sum()))
+    def watch_cluster(self, read: Callable[[], ClusterState] | None) -> None:
+        """Expose the shared-state gauges from ``read()`` at every scrape (None: stop)."""
+        self.cluster.watch(read)
 
-    def set_discrepancy(self, learner_path: str, sampler_path: str, *, mean_abs: float,
-                        p99_abs: float, clip_potential: float, tis_truncated: float) -> None:
-        """Set the windowed discrepancy gauges of one (learner, sampler) path pair."""
-        labels = {"learner_path": path_label(learner_path),
-                  "sampler_path": path_label(sampler_path)}
-        self.discrepancy_mean_abs.labels(**labels).set(mean_abs)
-        self.discrepancy_p99_abs.labels(**labels).set(p99_abs)
-        self.clip_potential.labels(**labels).set(clip_potential)
-        self.tis_truncated.labels(**labels).set(tis_truncated)
+    def report_kernel_backends(self, backends: Mapping[str, str] | None = None) -> dict[str, str]:
+        """Set ``libalign_kernel_backend_info`` (default: :func:`kernel_backends` probed now)."""
+        backends = dict(kernel_backends() if backends is None else backends)
+        self.kernel_backend.clear()
+        for device, backend in backends.items():
+            self.kernel_backend.labels(device=device, backend=backend).set(1)
+        return backends
 
     def observe_sync(self, stages: dict[str, float]) -> None:
         """Record one version's sync stage durations (keys from ``SYNC_STAGES``)."""
@@ -309,12 +458,16 @@ def serve_metrics(registry: CollectorRegistry, port: int = 0, addr: str = "0.0.0
     return server
 
 
-def serve_metrics_for(settings, registry: CollectorRegistry) -> Callable[[], None]:
-    """Serve ``registry`` on ``settings.metrics_port`` (if set); returns the function that
+def serve_metrics_for(settings, metrics: Metrics) -> Callable[[], None]:
+    """What a service does with its metrics when it starts: report its kernel backends and
+    serve the registry on ``settings.metrics_port`` (if set); returns the function that
     stops the server again (a no-op when none was started)."""
+    backends = metrics.report_kernel_backends()
+    log.info("NVFP4 quantization backends: %s",
+             ", ".join(f"{d} -> {b}" for d, b in backends.items()))
     if settings.metrics_port is None:
         return lambda: None
-    server = serve_metrics(registry, settings.metrics_port, settings.metrics_addr)
+    server = serve_metrics(metrics.registry, settings.metrics_port, settings.metrics_addr)
 
     def stop() -> None:
         server.shutdown()

@@ -86,7 +86,7 @@ def run_loop(loop, settings: Settings, stop, steps: int, metrics) -> int:
     except AlignError as e:
         log.error("learner could not start: %s", e)
         return 1
-    stop_metrics = serve_metrics_for(settings, metrics.registry)
+    stop_metrics = serve_metrics_for(settings, metrics)
     try:
         for step in range(steps):
             if stop.is_set():

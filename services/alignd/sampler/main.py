@@ -261,7 +261,7 @@ def run_sampler(settings: Settings, engine: SamplerEngine, stop: threading.Event
                                      settings.service_heartbeat_s, settings.service_heartbeat_ttl_s,
                                      info=lambda: {"path": engine.path},
                                      prefix=settings.key_prefix).start()
-    stop_metrics = serve_metrics_for(settings, svc.metrics.registry)
+    stop_metrics = serve_metrics_for(settings, svc.metrics)
     try:
         svc.setup()
         while not stop.is_set():
