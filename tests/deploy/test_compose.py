@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from alignd.infra.settings import Settings
+from alignd.infra.settings import AllInOneSettings
 from alignd.tools.cli import SERVICES
 
 tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ (tomllib) reads pyproject.toml")
@@ -280,7 +280,7 @@ def test_serve_commands_name_real_services_and_options(services, capsys):
 
 def _check_align_env(env: dict[str, str], where: str) -> None:
     """Every ALIGN_* key is a Settings field or read by libalign directly; Settings accepts them."""
-    fields = set(Settings.model_fields)
+    fields = set(AllInOneSettings.model_fields)
     for key in env:
         if not key.startswith("ALIGN_"):
             continue
@@ -292,7 +292,7 @@ def _check_align_env(env: dict[str, str], where: str) -> None:
     old = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("ALIGN_")}
     try:
         os.environ.update(settings_env)
-        s = Settings()
+        s = AllInOneSettings()
     finally:
         for k in settings_env:
             os.environ.pop(k, None)

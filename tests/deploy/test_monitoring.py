@@ -289,12 +289,12 @@ def test_live_services_feed_every_query(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     import redis
     from alignd.converter.main import run_converter
-    from alignd.infra.settings import Settings
+    from alignd.infra.settings import AllInOneSettings
     from alignd.learner import main as learner_main
     from alignd.learner.loop import LearnerLoop
     from alignd.sampler.embedded import build_sampler
     from alignd.sampler.main import run_sampler
-    from alignd.tools.cli import _demo_api
+    from alignd.tools.in_process import ApiThread
 
     from tests.services.conftest import REDIS_SERVER, RedisServer, free_port
 
@@ -317,8 +317,8 @@ def test_live_services_feed_every_query(tmp_path, monkeypatch):
     try:
         with cpu_threads(1):
             # converter and sampler: their service loops, each with its own registry and server
-            conv = Settings(**base, consumer_name="converter-1", metrics_port=ports["converter"])
-            samp = Settings(**base, sampler_name="sampler-1", metrics_port=ports["sampler"])
+            conv = AllInOneSettings(**base, consumer_name="converter-1", metrics_port=ports["converter"])
+            samp = AllInOneSettings(**base, sampler_name="sampler-1", metrics_port=ports["sampler"])
             samp_metrics = Metrics()
             engine, rollouts, guidance = build_sampler(samp, metrics=samp_metrics)
             threads = [
@@ -329,9 +329,9 @@ def test_live_services_feed_every_query(tmp_path, monkeypatch):
                                              metrics=samp_metrics), daemon=True)]
             for t in threads:
                 t.start()
-            api_settings = Settings(**base, api_token=TOKEN, api_port=ports["api"],
-                                    consumer_name="api-1")
-            api = _demo_api(True, ports["api"], tmp_path, api_settings, Metrics())
+            api_settings = AllInOneSettings(**base, api_token=TOKEN, api_port=ports["api"],
+                                            consumer_name="api-1")
+            api = ApiThread(api_settings, Metrics())
             assert api.__enter__() is not None, "the API did not start"
 
             # prometheus: the repository's config, its jobs pointed at loopback

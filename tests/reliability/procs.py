@@ -7,13 +7,16 @@ import logging
 
 import torch
 from alignd.converter.main import run_converter
-from alignd.infra.settings import Settings
+from alignd.infra.settings import ConverterSettings
+
+from tests.services.slow_services import sleeper
 
 
-def converter_process(settings_kw: dict, log_path: str) -> None:
-    """``run_converter`` forever with these settings, logging to ``log_path``."""
+def converter_process(settings_kw: dict, log_path: str, step_delay_s: float = 0.0) -> None:
+    """``run_converter`` forever with these settings, logging to ``log_path``, sleeping
+    ``step_delay_s`` after each durable step of a conversion."""
     logging.basicConfig(filename=log_path, level=logging.INFO,
                         format=f"%(asctime)s {settings_kw['consumer_name']} %(levelname)s "
                                "%(name)s: %(message)s")
     torch.set_num_threads(1)
-    run_converter(Settings(**settings_kw))
+    run_converter(ConverterSettings(**settings_kw), on_step=sleeper(step_delay_s))

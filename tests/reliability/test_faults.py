@@ -32,14 +32,16 @@ from alignd.infra.bus import RedisBus
 from alignd.infra.events import ConvertedEvent, PublishedEvent, SyncEvent, sync_stream
 from alignd.infra.publish import publish_version
 from alignd.infra.registry import Registry
-from alignd.infra.settings import Settings
+from alignd.infra.settings import AllInOneSettings
 from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.work import READY, REQUESTS, RolloutRequest, RolloutsReady
 from alignd.sampler.engine import TorchSamplerEngine
-from alignd.sampler.main import SamplerService, run_sampler
+from alignd.sampler.main import run_sampler
+from alignd.sampler.service import SamplerService
 
 from libalign import models
 from tests.services.conftest import stop_processes, tiny_experts
+from tests.services.slow_services import sleeper
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -108,7 +110,7 @@ class Rig:
         defaults = dict(redis_url=url, store_dir=tmp_path / "store", consumer_name="conv",
                         sampler_name="s1", sampler_path=PATH, heartbeat_ms=100,
                         claim_idle_ms=1000, block_ms=50)
-        self.settings = Settings(**{**defaults, **kw})
+        self.settings = AllInOneSettings(**{**defaults, **kw})
         self.bus = RedisBus.from_settings(self.settings)
         self.reg = Registry(self.bus, self.settings.key_prefix)
         self.store = WeightStore(self.settings.store_dir)
@@ -150,7 +152,8 @@ def test_converter_sigkill_at_20_points_never_tears_a_version(redis_url, tmp_pat
     log = tmp_path / "converter.log"
     child_kw = dict(redis_url=redis_url, store_dir=str(store.root), heartbeat_ms=100,
                     claim_idle_ms=300, block_ms=50, max_deliveries=1000,
-                    store_shard_bytes=80_000, test_step_delay_s=0.05)
+                    store_shard_bytes=80_000)
+    step_delay_s = 0.05
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["tests.reliability.procs"])
     from tests.reliability.procs import converter_process
@@ -206,7 +209,7 @@ def test_converter_sigkill_at_20_points_never_tears_a_version(redis_url, tmp_pat
                 return store.has_version(vid)  # renamed into place, not yet recorded
 
             proc = ctx.Process(target=converter_process,
-                               args=({**child_kw, "consumer_name": name}, str(log)))
+                               args=({**child_kw, "consumer_name": name}, str(log), step_delay_s))
             proc.start()
             wait_for(reached, f"kill {i}: {point}", timeout=30, log=log)
             vid = owned(name) or "?"
@@ -220,7 +223,8 @@ def test_converter_sigkill_at_20_points_never_tears_a_version(redis_url, tmp_pat
         assert any(list(store.versions_root.glob(f"{TMP_PREFIX}*"))), "no kill hit a write"
 
         proc = ctx.Process(target=converter_process,
-                           args=({**child_kw, "consumer_name": "conv-final"}, str(log)))
+                           args=({**child_kw, "consumer_name": "conv-final"}, str(log),
+                                 step_delay_s))
         proc.start()
         wait_for(lambda: all(reg.state(v) == "converted" for v in vids), "all converted",
                  log=log)
@@ -247,7 +251,7 @@ def test_redis_restart_mid_run_loses_nothing(private_redis, tmp_path):
     Survived: every one of the 6 versions is published once, converted exactly once
     (registry history), announced, loaded by the sampler (which serves the last one), no
     message is left pending in any group, and nothing is failed or stuck in ``loading``."""
-    rig = Rig(private_redis.url, tmp_path, store_shard_bytes=400_000, test_step_delay_s=0.1)
+    rig = Rig(private_redis.url, tmp_path, store_shard_bytes=400_000)
     s = rig.settings
     retries = Counter()
     pub_bus = RedisBus.from_settings(s, on_retry=lambda what, _e: retries.update([what]))
@@ -266,9 +270,9 @@ def test_redis_restart_mid_run_loses_nothing(private_redis, tmp_path):
     stop = threading.Event()
     engine = sampler_engine(s.store_dir)
     rollouts = RolloutStore(redis.Redis.from_url(private_redis.url), s.key_prefix)
-    sampler_settings = s.model_copy(update={"test_step_delay_s": 0.0})
-    threads = [threading.Thread(target=run_converter, args=(s, stop), daemon=True),
-               threading.Thread(target=run_sampler, args=(sampler_settings, engine, stop),
+    threads = [threading.Thread(target=run_converter, args=(s, stop),
+                                kwargs=dict(on_step=sleeper(0.1)), daemon=True),
+               threading.Thread(target=run_sampler, args=(s, engine, stop),
                                 kwargs=dict(rollouts=rollouts), daemon=True)]
     vids = [f"r{i}" for i in range(6)]
     try:
@@ -320,13 +324,13 @@ def _heartbeat(client: redis.Redis, name: str) -> dict[str, str]:
 
 
 def test_sampler_sigkill_mid_load_restarts_on_the_last_good_version(redis_url, tmp_path):
-    """Fault: the sampler process (``python -m alignd.sampler.main``) SIGKILLed while it
-    loads a new version (the test hook makes the load take 2 s after the registry moved
-    the version to ``loading``). Survived: while it is down the registry still shows the old
-    version serving and the interrupted one ``loading`` (not failed, bits intact); the
-    restarted sampler comes up serving the newest loadable version, which is the
-    interrupted one: it loads it, finishes its move to ``serving``, reports it in its
-    heartbeat, and serves a rollout request with it."""
+    """Fault: the sampler process (``python -m alignd.sampler.main``; the first one from
+    ``tests.services.slow_services``, whose loads take 2 s longer) SIGKILLed while it loads a
+    new version, after the registry moved it to ``loading``. Survived: while it is down the
+    registry still shows the old version serving and the interrupted one ``loading`` (not
+    failed, bits intact); the restarted sampler comes up serving the newest loadable
+    version, which is the interrupted one: it loads it, finishes its move to ``serving``,
+    reports it in its heartbeat, and serves a rollout request with it."""
     rig = Rig(redis_url, tmp_path)
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     log = tmp_path / "sampler.log"
@@ -335,14 +339,16 @@ def test_sampler_sigkill_mid_load_restarts_on_the_last_good_version(redis_url, t
            "ALIGN_SERVICE_HEARTBEAT_S": "0.2", "ALIGN_SERVICE_HEARTBEAT_TTL_S": "30",
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
-    def spawn(**extra: str) -> subprocess.Popen:
+    def spawn(load_delay_s: float | None = None) -> subprocess.Popen:
+        cmd = ["-m", "alignd.sampler.main"] if load_delay_s is None else \
+            ["-m", "tests.services.slow_services", "sampler", str(load_delay_s)]
         with open(log, "a") as out:
-            return subprocess.Popen([sys.executable, "-m", "alignd.sampler.main"], cwd=REPO,
-                                    env={**env, **extra}, stdout=out, stderr=subprocess.STDOUT)
+            return subprocess.Popen([sys.executable, *cmd], cwd=REPO, env=env, stdout=out,
+                                    stderr=subprocess.STDOUT)
 
     rig.publish("a1", model_weights(1))
     rig.convert(1)
-    proc = spawn(ALIGN_TEST_STEP_DELAY_S="2")
+    proc = spawn(load_delay_s=2)
     try:
         wait_for(lambda: _heartbeat(client, "s1").get("version") == "a1", "a1 loaded", log=log)
         assert rig.reg.state("a1") == "serving"

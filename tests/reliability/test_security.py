@@ -41,7 +41,7 @@ import schemathesis
 import yaml
 from alignd.api import middleware
 from alignd.api.app import create_app
-from alignd.infra.settings import Settings
+from alignd.infra.settings import ApiSettings
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -64,8 +64,8 @@ pytestmark = needs_redis
 
 def _schema() -> dict:
     """The API's OpenAPI schema (building the app connects to nothing)."""
-    app = create_app(Settings(redis_url="redis://127.0.0.1:1/0", api_token="x",
-                              store_dir=Path("unused")))
+    app = create_app(ApiSettings(redis_url="redis://127.0.0.1:1/0", api_token="x",
+                                 store_dir=Path("unused")))
     return app.openapi()
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import uvicorn
 from alignd.formats.published import write_published
-from alignd.infra.settings import Settings
+from alignd.infra.settings import ApiSettings
 from fastapi import FastAPI
 
 from tests.services.conftest import free_port, tiny_experts
@@ -18,14 +18,14 @@ from tests.services.conftest import free_port, tiny_experts
 TOKEN = "test-token-0123456789"
 
 
-def api_settings(redis_url: str | None, store: Path, **kw) -> Settings:
+def api_settings(redis_url: str | None, store: Path, **kw) -> ApiSettings:
     """Settings of a test API: small body limits, fast heartbeats, a token."""
     base = dict(redis_url=redis_url, store_dir=store, api_token=TOKEN, max_body_bytes=64 << 10,
                 max_guidance_body_bytes=32 << 10, service_heartbeat_s=0.2,
                 service_heartbeat_ttl_s=2.0, discrepancy_window_tokens=4096,
                 guidance_budget_bytes=1 << 20)
     base.update(kw)
-    return Settings(**base)
+    return ApiSettings(**base)
 
 
 def publish_files(store: Path, version_id: str) -> Path:

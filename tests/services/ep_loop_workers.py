@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis
 from alignd.infra.bus import RedisBus
-from alignd.infra.settings import Settings
+from alignd.infra.settings import AllInOneSettings
 from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.stores.rollouts import RolloutStore
 
@@ -16,9 +16,10 @@ from tests.libalign.ep_workers import config
 TASK = SyntheticTask()
 
 
-def settings_for(redis_url: str, store_dir: str, sampler_path: str) -> Settings:
-    return Settings(redis_url=redis_url, store_dir=store_dir, sampler_path=sampler_path,
-                    block_ms=50, heartbeat_ms=100, claim_idle_ms=2000, sampler_name="s1")
+def settings_for(redis_url: str, store_dir: str, sampler_path: str) -> AllInOneSettings:
+    return AllInOneSettings(redis_url=redis_url, store_dir=store_dir, sampler_path=sampler_path,
+                            block_ms=50, heartbeat_ms=100, claim_idle_ms=2000,
+                            sampler_name="s1")
 
 
 def learner_ranks(info, hf_sd, redis_url, store_dir, sampler_path, learner_path, steps):

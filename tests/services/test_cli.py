@@ -1,7 +1,9 @@
 """Pins the alignd command line: the demo main job, the self-check and the preset table."""
 
 import json
+import signal
 
+import pytest
 from alignd.tools.cli import app
 from typer.testing import CliRunner
 
@@ -69,11 +71,11 @@ def test_guidance_size_default_and_config(tmp_path):
 
 def test_status_reads_a_running_api(tmp_path):
     """alignd status renders /v1/status of a live API; an unreachable one exits 2."""
-    from alignd.infra.settings import Settings
-    from alignd.tools.cli import _demo_api
+    from alignd.infra.settings import ApiSettings
+    from alignd.tools.in_process import ApiThread
 
-    settings = Settings(store_dir=tmp_path / "store", dev_mode=True, api_port=0)
-    with _demo_api(True, 0, tmp_path, settings) as url:
+    settings = ApiSettings(store_dir=tmp_path / "store", dev_mode=True, api_port=0)
+    with ApiThread(settings) as url:
         assert url
         res = runner.invoke(app, ["status", "--url", url])
         assert res.exit_code == 0, res.output
@@ -88,6 +90,27 @@ def test_serve_refuses_unknown_service():
     """alignd serve names the services it knows."""
     res = runner.invoke(app, ["serve", "gateway"])
     assert res.exit_code == 2 and "api, converter, sampler, learner" in res.output
+
+
+@pytest.mark.parametrize("service, variable, bad", [
+    ("converter", "ALIGN_CONVERTER_DEVICE", "gpu"),
+    ("sampler", "ALIGN_SAMPLER_ENGINE", "vllm"),
+    ("learner", "ALIGN_GUIDANCE_BITS", "9"),
+])
+def test_serve_runs_the_service_and_refuses_bad_settings(service, variable, bad, monkeypatch,
+                                                          caplog):
+    """alignd serve <service> starts that service's main, which reads its own settings and
+    exits 2 on a bad one, naming it, before anything starts."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setenv(variable, bad)
+    try:
+        res = runner.invoke(app, ["serve", service])
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert res.exit_code == 2, res.output
+    assert "bad settings" in caplog.text
+    assert variable.removeprefix("ALIGN_").lower() in caplog.text
 
 
 def test_up_runs_every_service_in_one_process(tmp_path):

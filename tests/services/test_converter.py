@@ -18,7 +18,7 @@ from alignd.infra.bus import RedisBus
 from alignd.infra.events import ConvertedEvent, PublishedEvent
 from alignd.infra.publish import publish_version
 from alignd.infra.registry import Registry
-from alignd.infra.settings import Settings
+from alignd.infra.settings import ConverterSettings
 from alignd.infra.telemetry import Metrics, serve_metrics
 
 from libalign.spec import PRESETS
@@ -30,8 +30,9 @@ from .conftest import tiny_experts
 @pytest.fixture
 def env(redis_url, tmp_path):
     """Settings, bus, registry and store of one converter deployment."""
-    settings = Settings(redis_url=redis_url, store_dir=tmp_path / "store", consumer_name="conv-1",
-                        heartbeat_ms=50, claim_idle_ms=300, block_ms=100)
+    settings = ConverterSettings(redis_url=redis_url, store_dir=tmp_path / "store",
+                                 consumer_name="conv-1", heartbeat_ms=50, claim_idle_ms=300,
+                                 block_ms=100)
     bus = RedisBus.from_settings(settings)
     reg = Registry(bus, settings.key_prefix)
     store = WeightStore(settings.store_dir)
@@ -83,6 +84,18 @@ def test_happy_path(env):
     assert metrics.value("libalign_conversion_stage_seconds_count", {"stage": "quantize"}) == 1
     assert metrics.value("libalign_conversion_input_bytes_total") == sum(t.numel() * 2 for t in sd.values())
     assert metrics.value("libalign_conversion_output_bytes_total") == ev.stored_bytes
+
+
+def test_on_step_hears_every_durable_step(env):
+    """run_converter's on_step gets each shard, the manifest and the commit, in order."""
+    settings, _bus, _reg, store = env
+    publish(env, "v1", tiny_experts(experts=4, rows=64, k=128))
+    steps: list[str] = []
+    assert run_converter(settings.model_copy(update={"store_shard_bytes": 20_000}),
+                         max_messages=1, on_step=steps.append) == 1
+    shards = sorted(p.name for p in store.version_path("v1").glob("*.safetensors"))
+    assert len(shards) > 1
+    assert steps == [f"shard {name}" for name in shards] + ["manifest", "committed"]
 
 
 def test_other_preset_and_all_linear(env):
@@ -257,24 +270,6 @@ def test_metrics_endpoint(tmp_path):
         server.shutdown()
         server.server_close()
     assert Metrics().value("libalign_versions_failed_total", {"reason": "other"}) == 0
-
-
-def test_settings_from_environment(monkeypatch, tmp_path):
-    """ALIGN_* variables configure Settings; bad presets and timings are refused."""
-    monkeypatch.setenv("ALIGN_REDIS_URL", "redis://h:1/2")
-    monkeypatch.setenv("ALIGN_STORE_DIR", str(tmp_path))
-    monkeypatch.setenv("ALIGN_PRESET", "te")
-    monkeypatch.setenv("ALIGN_CLAIM_IDLE_MS", "4000")
-    monkeypatch.setenv("ALIGN_HEARTBEAT_MS", "1000")
-    s = Settings()
-    assert (s.redis_url, s.store_dir, s.preset, s.claim_idle_ms) == ("redis://h:1/2", tmp_path, "te", 4000)
-    monkeypatch.setenv("ALIGN_PRESET", "fp8")
-    with pytest.raises(ValueError, match="unknown preset"):
-        Settings()
-    monkeypatch.setenv("ALIGN_PRESET", "minite")
-    monkeypatch.setenv("ALIGN_HEARTBEAT_MS", "3000")
-    with pytest.raises(ValueError, match="heartbeat_ms"):
-        Settings()
 
 
 def test_published_event_validation():

@@ -17,12 +17,13 @@ from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.publish import publish_version
 from alignd.infra.registry import Registry
-from alignd.infra.settings import Settings
+from alignd.infra.settings import ConverterSettings
 from alignd.infra.telemetry import Metrics
 
 from libalign.spec import PRESETS
 
 from .conftest import tiny_experts
+from .slow_services import sleeper
 from .test_converter import assert_bits_equal_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,7 +54,7 @@ def assert_no_partial_version(store: WeightStore, vid: str) -> None:
 def test_sigkill_at_any_moment_then_restart(redis_url, service_env, tmp_path):
     """Kill after the claim, mid-write and after the rename; each restart reclaims the
     message; the version ends converted, verified, bit-exact, announced once."""
-    settings = Settings(redis_url=redis_url, store_dir=tmp_path / "store")
+    settings = ConverterSettings(redis_url=redis_url, store_dir=tmp_path / "store")
     bus = RedisBus.from_settings(settings)
     reg = Registry(bus, settings.key_prefix)
     store = WeightStore(settings.store_dir)
@@ -61,7 +62,8 @@ def test_sigkill_at_any_moment_then_restart(redis_url, service_env, tmp_path):
     publish_version(store.published_root, reg, bus, settings.published_stream, "v", sd)
     env = {**service_env, "ALIGN_REDIS_URL": redis_url, "ALIGN_HEARTBEAT_MS": "100",
            "ALIGN_CLAIM_IDLE_MS": "400", "ALIGN_BLOCK_MS": "100",
-           "ALIGN_STORE_SHARD_BYTES": "40000", "ALIGN_TEST_STEP_DELAY_S": "0.15"}
+           "ALIGN_STORE_SHARD_BYTES": "40000"}
+    slow_converter = [sys.executable, "-m", "tests.services.slow_services", "converter", "0.15"]
     tmp_shards = lambda: list(store.versions_root.glob(".tmp-v.*/nvfp4-*.safetensors"))  # noqa: E731
     kill_points = [
         ("claimed", lambda: reg.state("v") == "converting" and reg.get("v").owner == name),
@@ -72,7 +74,7 @@ def test_sigkill_at_any_moment_then_restart(redis_url, service_env, tmp_path):
     for i, (moment, cond) in enumerate(kill_points):
         name = f"conv-{i}"
         with open(log, "a") as out:
-            proc = subprocess.Popen([sys.executable, "-m", "alignd.converter.main"], cwd=REPO,
+            proc = subprocess.Popen(slow_converter, cwd=REPO,
                                     env={**env, "ALIGN_CONSUMER_NAME": name}, stdout=out,
                                     stderr=subprocess.STDOUT)
         try:
@@ -89,7 +91,7 @@ def test_sigkill_at_any_moment_then_restart(redis_url, service_env, tmp_path):
             committed = store.read_manifest("v")
 
     with open(log, "a") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "alignd.converter.main"], cwd=REPO,
+        proc = subprocess.Popen(slow_converter, cwd=REPO,
                                 env={**env, "ALIGN_CONSUMER_NAME": "conv-final"}, stdout=out,
                                 stderr=subprocess.STDOUT)
     try:
@@ -112,9 +114,9 @@ def test_sigkill_at_any_moment_then_restart(redis_url, service_env, tmp_path):
 
 def test_redis_restart_while_converting(private_redis, tmp_path):
     """Redis stopped mid-conversion and while idle: the converter reconnects and finishes."""
-    settings = Settings(redis_url=private_redis.url, store_dir=tmp_path / "store",
-                        consumer_name="conv", heartbeat_ms=100, claim_idle_ms=5000, block_ms=100,
-                        store_shard_bytes=40_000, test_step_delay_s=0.1)
+    settings = ConverterSettings(redis_url=private_redis.url, store_dir=tmp_path / "store",
+                                 consumer_name="conv", heartbeat_ms=100, claim_idle_ms=5000,
+                                 block_ms=100, store_shard_bytes=40_000)
     bus = RedisBus.from_settings(settings)
     reg = Registry(bus, settings.key_prefix)
     store = WeightStore(settings.store_dir)
@@ -123,7 +125,7 @@ def test_redis_restart_while_converting(private_redis, tmp_path):
     stop, metrics = threading.Event(), Metrics()
     result: list[object] = []
     worker = threading.Thread(target=lambda: result.append(
-        run_converter(settings, stop_event=stop, metrics=metrics)))
+        run_converter(settings, stop_event=stop, metrics=metrics, on_step=sleeper(0.1))))
     worker.start()
     try:
         wait_for(lambda: len(list(store.versions_root.glob(".tmp-v1.*/*.safetensors"))) >= 2,

@@ -25,7 +25,7 @@ from alignd.infra.redis_clients import (
     text_client,
 )
 from alignd.infra.registry import REENTRANT, STATES, TRANSITIONS, Registry
-from alignd.infra.settings import Settings
+from alignd.infra.settings import AllInOneSettings
 from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.telemetry import Metrics
 
@@ -35,11 +35,11 @@ S, G = "t:stream", "grp"
 
 
 @pytest.fixture
-def cfg() -> Iterator[Settings]:
+def cfg() -> Iterator[AllInOneSettings]:
     """Settings of the embedded default, on a fresh embedded server."""
     reset_embedded()
-    yield Settings(redis_url=None, key_prefix="t", guidance_chunk_bytes=1000,
-                   guidance_budget_bytes=10_000, guidance_ttl_s=None)
+    yield AllInOneSettings(redis_url=None, key_prefix="t", guidance_chunk_bytes=1000,
+                           guidance_budget_bytes=10_000, guidance_ttl_s=None)
     reset_embedded()
 
 

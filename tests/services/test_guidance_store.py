@@ -36,7 +36,7 @@ from alignclient.errors import (
 from alignd.api.errors import status_for
 from alignd.infra.bus import Backoff
 from alignd.infra.redis_clients import binary_client, reset_embedded
-from alignd.infra.settings import Settings
+from alignd.infra.settings import GuidanceStoreSettings
 from alignd.infra.stores import guidance as guidance_store
 from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.telemetry import Metrics
@@ -64,7 +64,7 @@ def backend(request) -> Iterator[Callable[..., GuidanceStore]]:
         yield lambda **kw: store_for(url, payload_path=path, **kw)
         return
     reset_embedded()
-    client = binary_client(Settings(redis_url=None))
+    client = binary_client(GuidanceStoreSettings(redis_url=None))
     yield lambda **kw: store_for(client, **kw)
     client.close()
     reset_embedded()
@@ -428,9 +428,9 @@ def test_versions_delete_and_stats(backend):
 def test_metrics_and_settings(redis_url):
     """Hits, misses and bytes are counted; from_settings applies the guidance_* fields."""
     m = Metrics()
-    cfg = Settings(redis_url=redis_url, key_prefix="t", guidance_budget_bytes=5000,
-                   guidance_ttl_s=60, guidance_chunk_bytes=128, guidance_max_record_bytes=4000,
-                   guidance_on_in_use="refuse")
+    cfg = GuidanceStoreSettings(redis_url=redis_url, key_prefix="t", guidance_budget_bytes=5000,
+                                guidance_ttl_s=60, guidance_chunk_bytes=128,
+                                guidance_max_record_bytes=4000, guidance_on_in_use="refuse")
     with GuidanceStore.from_settings(cfg, metrics=m) as s:
         assert (s.budget_bytes, s.ttl_s, s.chunk_bytes, s.max_record_bytes, s.on_in_use) == (
             5000, 60, 128, 4000, "refuse")
@@ -443,7 +443,7 @@ def test_metrics_and_settings(redis_url):
         assert m.value("libalign_guidance_stored_bytes") == 1300
         assert 0 < s.client.pttl("t:guidance:v:v") <= 60_000
     with pytest.raises(ValidationError):
-        Settings(guidance_on_in_use="drop")
+        GuidanceStoreSettings(guidance_on_in_use="drop")
 
 
 def test_concurrent_puts_keep_accounting_exact(backend):

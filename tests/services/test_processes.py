@@ -130,7 +130,7 @@ def test_megatron_learner_over_two_ranks_needs_no_converter(private_redis, tmp_p
     from alignd.formats.weight_store import WeightStore
     from alignd.infra.bus import RedisBus
     from alignd.infra.registry import Registry
-    from alignd.infra.settings import Settings
+    from alignd.infra.settings import ServiceSettings
 
     env = dict(os.environ)
     env.update({
@@ -168,7 +168,7 @@ def test_megatron_learner_over_two_ranks_needs_no_converter(private_redis, tmp_p
     assert 2 <= len(steps) < 50
     assert [s["version_id"] for s in steps[:2]] == ["ep-00000", "ep-00001"]
     assert all(s["delta"]["count"] > 0 for s in steps)
-    settings = Settings(redis_url=private_redis.url, store_dir=tmp_path / "store")
+    settings = ServiceSettings(redis_url=private_redis.url, store_dir=tmp_path / "store")
     registry = Registry(RedisBus.from_settings(settings), settings.key_prefix)
     store = WeightStore(settings.store_dir)
     for s in steps:

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from alignd.converter.main import run_converter
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
-from alignd.infra.settings import Settings
+from alignd.infra.settings import AllInOneSettings
 from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.stores.rollouts import RolloutStore
 from alignd.learner.engine import TorchLearnerEngine
@@ -33,9 +33,10 @@ class Deployment:
     """Converter and sampler threads over one Redis and store; the loop runs in the test."""
 
     def __init__(self, redis_url, tmp_path, sampler_path):
-        self.settings = Settings(redis_url=redis_url, store_dir=tmp_path / "store",
-                                 sampler_path=sampler_path, block_ms=50, heartbeat_ms=100,
-                                 claim_idle_ms=2000, consumer_name="conv", sampler_name="s1")
+        self.settings = AllInOneSettings(redis_url=redis_url, store_dir=tmp_path / "store",
+                                         sampler_path=sampler_path, block_ms=50,
+                                         heartbeat_ms=100, claim_idle_ms=2000,
+                                         consumer_name="conv", sampler_name="s1")
         self.stop = threading.Event()
         self.bus = RedisBus.from_settings(self.settings)
         base = models.build_model(models.tiny_config(num_hidden_layers=2), seed=5)

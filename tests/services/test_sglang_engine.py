@@ -25,10 +25,10 @@ from alignclient.errors import (
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.registry import Registry
-from alignd.infra.settings import Settings
+from alignd.infra.settings import SamplerSettings
 from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.work import READY, REQUESTS, RolloutRequest, RolloutsReady
-from alignd.sampler.main import SamplerService
+from alignd.sampler.service import SamplerService
 from alignd.sampler.sglang_engine import SGLangSamplerEngine, SGLangTimeouts, row_seed
 from alignd.sampler.sglang_export import ModelOptExport
 from alignd.sampler.sglang_sampler import build_sglang_sampler
@@ -306,8 +306,8 @@ def test_the_contract_validates_fields_like_sglang_and_stricter(rig):
 def test_sampler_service_serves_a_rollout_request_through_sglang(rig, redis_url, tmp_path):
     """The sampler loop, a real redis-server, the SGLang engine: load, roll out, store, announce."""
     r = rig()
-    settings = Settings(redis_url=redis_url, store_dir=r.store, sampler_name="sgl-1",
-                        block_ms=50)
+    settings = SamplerSettings(redis_url=redis_url, store_dir=r.store, sampler_name="sgl-1",
+                               block_ms=50)
     bus = RedisBus.from_settings(settings)
     registry = Registry(bus, settings.key_prefix)
     registry.create("v1", str(r.store / "published" / "v1"))
@@ -345,7 +345,7 @@ def test_sampler_service_serves_a_rollout_request_through_sglang(rig, redis_url,
 
 def test_build_sglang_sampler_from_settings(tmp_path):
     """The factory: a naive-path engine exporting under the store; a row-scaled path refused."""
-    settings = Settings(store_dir=tmp_path / "store", sampler_path="nvfp4_naive")
+    settings = SamplerSettings(store_dir=tmp_path / "store", sampler_path="nvfp4_naive")
     engine, rollouts, guidance = build_sglang_sampler(settings, "http://sglang:30000",
                                                       model_dir=model_dir(tmp_path), eos_id=EOS)
     with engine:
@@ -353,7 +353,7 @@ def test_build_sglang_sampler_from_settings(tmp_path):
         assert engine.exporter.path("v1") == tmp_path / "store" / "sglang" / "modelopt" / "v1"
         assert isinstance(rollouts, RolloutStore)
     with pytest.raises(ConfigError, match="nvfp4_naive"):
-        build_sglang_sampler(Settings(store_dir=tmp_path / "store"), "http://sglang:30000",
+        build_sglang_sampler(SamplerSettings(store_dir=tmp_path / "store"), "http://sglang:30000",
                              model_dir=tmp_path / "model")
     with pytest.raises(ConfigError, match="sglang_model_dir"):
         build_sglang_sampler(settings, "http://sglang:30000")

@@ -13,12 +13,12 @@ import redis
 import uvicorn
 
 from alignd.api.app import create_app
-from alignd.infra.settings import Settings
+from alignd.infra.settings import ApiSettings
 
 
-def serve(settings: Settings | None = None, *, client: redis.Redis | None = None) -> None:
+def serve(settings: ApiSettings | None = None, *, client: redis.Redis | None = None) -> None:
     """Serve the API on ``settings.api_host:api_port`` until interrupted."""
-    settings = settings or Settings()
+    settings = settings or ApiSettings()
     app = create_app(settings, client=client)
     uvicorn.run(app, host=settings.api_host, port=settings.api_port, log_level="info",
                 access_log=False)

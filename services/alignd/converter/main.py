@@ -1,12 +1,11 @@
 """The converter service's top-level loop: ``python -m alignd.converter.main``.
 
-It joins the converter consumer group on the ``published`` stream and, forever: takes
+It joins the converter consumer group on the ``published`` stream and, until stopped: takes
 over messages that a dead consumer left pending (``XAUTOCLAIM``, on start and then every
 half ``claim_idle_ms``), reads new ones (``XREADGROUP``), and hands each to
 :class:`~alignd.converter.worker.ConverterWorker`, which acks it when its outcome is
-recorded. Configuration comes from :class:`~alignd.infra.settings.Settings`
-(``ALIGN_*`` environment variables); SIGTERM or SIGINT finish the current message and
-stop.
+recorded. Configuration is :class:`~alignd.infra.settings.ConverterSettings` (``ALIGN_*``
+variables); SIGTERM or SIGINT finish the current message and stop.
 """
 
 from __future__ import annotations
@@ -15,35 +14,42 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 
-from alignclient.errors import AlignError, BusUnavailableError
+from alignclient.errors import BusUnavailableError
 from alignclient.ids import safe_id
 
 from alignd.converter.worker import ConverterWorker
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
+from alignd.infra.liveness import ServiceHeartbeat
 from alignd.infra.registry import Registry
-from alignd.infra.service_main import start_service
-from alignd.infra.settings import Settings
+from alignd.infra.service_main import run_service
+from alignd.infra.settings import ConverterSettings
 from alignd.infra.telemetry import Metrics, serve_metrics_for
 
 log = logging.getLogger("alignd.converter")
 
 
-def run_converter(settings: Settings, stop_event: threading.Event | None = None,
-                  max_messages: int | None = None, *, metrics: Metrics | None = None) -> int:
-    """Consume ``published`` events until stopped (or ``max_messages``); return how many."""
+def run_converter(settings: ConverterSettings, stop_event: threading.Event | None = None,
+                  max_messages: int | None = None, *, metrics: Metrics | None = None,
+                  on_step: Callable[[str], None] | None = None) -> int:
+    """Consume ``published`` events until stopped (or ``max_messages``); return how many.
+
+    ``on_step`` is told each durable step of a conversion (see
+    :class:`~alignd.converter.worker.ConverterWorker`).
+    """
     stop = stop_event if stop_event is not None else threading.Event()
     metrics = metrics if metrics is not None else Metrics()
     bus = RedisBus.from_settings(settings, stop_event=stop,
                                  on_retry=lambda _what, _e: metrics.redis_retries.inc())
     store = WeightStore(settings.store_dir)
     store.sweep(settings.sweep_stale_s)
-    worker = ConverterWorker(settings, bus, Registry(bus, settings.key_prefix), store, metrics)
-    from alignd.infra.liveness import ServiceHeartbeat
-
-    beat = ServiceHeartbeat(bus, "converter", me_name(settings), settings.service_heartbeat_s,
-                            settings.service_heartbeat_ttl_s, prefix=settings.key_prefix,
+    worker = ConverterWorker(settings, bus, Registry(bus, settings.key_prefix), store, metrics,
+                             on_step=on_step)
+    beat = ServiceHeartbeat(bus, "converter", safe_id(settings.consumer_name, "converter"),
+                            settings.service_heartbeat_s, settings.service_heartbeat_ttl_s,
+                            prefix=settings.key_prefix,
                             info=lambda: {"preset": settings.preset}).start()
     stop_metrics = serve_metrics_for(settings, metrics)
     stream, group, me = settings.published_stream, settings.converter_group, settings.consumer_name
@@ -80,23 +86,14 @@ def run_converter(settings: Settings, stop_event: threading.Event | None = None,
     return handled
 
 
-def me_name(settings: Settings) -> str:
-    """The converter's heartbeat name: its consumer name, made a safe key part."""
-    return safe_id(settings.consumer_name, "converter")
+def serve(settings: ConverterSettings, stop: threading.Event) -> None:
+    """The converter process's work: :func:`run_converter` until ``stop``."""
+    run_converter(settings, stop)
 
 
 def main() -> int:
-    """Entry point: settings from the environment, signals to stop, exit status."""
-    started = start_service(log)
-    if started is None:
-        return 2
-    settings, stop = started
-    try:
-        run_converter(settings, stop)
-    except AlignError as e:
-        log.error("converter stopped: %s", e)
-        return 1
-    return 0
+    """Entry point: settings from the environment, the loop until a signal, exit status."""
+    return run_service(log, ConverterSettings, serve)
 
 
 if __name__ == "__main__":

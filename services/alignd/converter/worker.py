@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from alignclient.errors import (
@@ -40,10 +41,10 @@ from alignclient.errors import (
 
 from alignd.formats.convert import convert_published, resolve_spec, target_spec
 from alignd.formats.weight_store import WeightStore
-from alignd.infra.bus import Heartbeat, Message, RedisBus
+from alignd.infra.bus import ClaimKeeper, Message, RedisBus
 from alignd.infra.events import ConvertedEvent, PublishedEvent
 from alignd.infra.registry import Registry
-from alignd.infra.settings import Settings
+from alignd.infra.settings import ConverterSettings
 from alignd.infra.telemetry import Metrics
 
 log = logging.getLogger(__name__)
@@ -53,11 +54,17 @@ CONVERTED, FAILED, SKIPPED, DROPPED, RETRY = "converted", "failed", "skipped", "
 
 
 class ConverterWorker:
-    """Turns ``published`` messages into converted (or failed) versions."""
+    """Turns ``published`` messages into converted (or failed) versions.
 
-    def __init__(self, settings: Settings, bus: RedisBus, registry: Registry, store: WeightStore,
-                 metrics: Metrics):
+    ``on_step`` is called with a label after each durable step of a conversion (a shard
+    written, the manifest, the rename, the commit), in the thread that converts.
+    """
+
+    def __init__(self, settings: ConverterSettings, bus: RedisBus, registry: Registry,
+                 store: WeightStore, metrics: Metrics, *,
+                 on_step: Callable[[str], None] | None = None):
         self.settings = settings
+        self.on_step = on_step
         self.bus = bus
         self.registry = registry
         self.store = store
@@ -112,7 +119,7 @@ class ConverterWorker:
         t0 = time.perf_counter()
         self.metrics.converter_busy.set(1)
         try:
-            with Heartbeat(self.bus, msg, self.settings.converter_group, self.me,
+            with ClaimKeeper(self.bus, msg, self.settings.converter_group, self.me,
                            self.settings.heartbeat_ms / 1000):
                 manifest = self._convert(vid, rec.path or event.path, event.target_path)
         except (InputError, StoreError) as e:
@@ -155,10 +162,10 @@ class ConverterWorker:
         return manifest
 
     def _step(self, label: str) -> None:
-        """After each durable step: log, and apply the test hook's delay."""
+        """After each durable step of a conversion: log it, tell ``on_step``."""
         log.debug("step: %s", label)
-        if self.settings.test_step_delay_s:
-            time.sleep(self.settings.test_step_delay_s)
+        if self.on_step is not None:
+            self.on_step(label)
 
     def _fail(self, vid: str, code: str, detail: str, *, err: BaseException | None = None,
               fence: bool = True) -> str:

@@ -1,9 +1,14 @@
-"""What every service's ``main()`` does first: logging, settings from the environment, signals.
+"""What every service process does around its loop: logging, its settings, signals, exit status.
 
-A service process logs to stderr, reads :class:`~alignd.infra.settings.Settings` from its
-``ALIGN_*`` variables (a bad value is logged and the process exits 2, before anything
-starts), and turns SIGTERM and SIGINT into a :class:`threading.Event` its loop watches, so it
-finishes the work in hand and stops cleanly.
+A service's ``main()`` is one call, ``run_service(log, ConverterSettings, run)``:
+
+1. log lines go to stderr (from ``INFO``, then from the settings' ``log_level``);
+2. the service's settings class is read from its ``ALIGN_*`` variables; a bad value is logged
+   and the process exits 2, before anything starts;
+3. SIGTERM and SIGINT set a :class:`threading.Event` that ``run`` watches, so the service
+   finishes the work in hand and stops cleanly;
+4. ``run(settings, stop)`` builds the service and runs it; it returns the exit status (None
+   means 0), and an :class:`~alignclient.errors.AlignError` escaping it is logged and exits 1.
 """
 
 from __future__ import annotations
@@ -12,23 +17,40 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
+from alignclient.errors import AlignError
 from pydantic import ValidationError
 
-from alignd.infra.settings import Settings
+from alignd.infra.settings import ServiceSettings
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
+S = TypeVar("S", bound=ServiceSettings)
 
-def start_service(log: logging.Logger) -> tuple[Settings, threading.Event] | None:
-    """``(settings, stop)`` for a service process, or None after logging bad settings."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=LOG_FORMAT)
-    try:
-        settings = Settings()
-    except ValidationError as e:
-        log.error("bad settings: %s", e)
-        return None
+
+def stop_on_signals(*, ignore: bool = False) -> threading.Event:
+    """An event SIGTERM and SIGINT set (``ignore``: both are ignored and it is never set)."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    return settings, stop
+        signal.signal(sig, signal.SIG_IGN if ignore else (lambda *_: stop.set()))
+    return stop
+
+
+def run_service(log: logging.Logger, settings_cls: type[S],
+                run: Callable[[S, threading.Event], int | None]) -> int:
+    """The exit status of a service process whose settings are ``settings_cls`` (see module doc)."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=LOG_FORMAT)
+    try:
+        settings = settings_cls()
+    except ValidationError as e:
+        log.error("bad settings: %s", e)
+        return 2
+    logging.getLogger().setLevel(settings.log_level)
+    stop = stop_on_signals()
+    try:
+        return run(settings, stop) or 0
+    except AlignError as e:
+        log.error("stopped: %s", e)
+        return 1

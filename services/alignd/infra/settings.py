@@ -1,65 +1,109 @@
-"""Settings of every libalign service, read from ``ALIGN_*`` environment variables.
+"""Settings of the libalign services, one class per service, read from ``ALIGN_*`` variables.
 
-One flat :class:`Settings` object configures the daemon: where Redis is, where the weight
-store lives, which numerics preset conversion uses, the names of the streams and consumer
-groups that carry events, and the timing knobs of at-least-once delivery. Every field
-maps to an environment variable with the ``ALIGN_`` prefix (``store_dir`` is
-``ALIGN_STORE_DIR``), so a container is configured without code.
+Every field maps to an environment variable with the ``ALIGN_`` prefix (``store_dir`` is
+``ALIGN_STORE_DIR``), so a container is configured without code. A service builds its class
+once, when it starts (:func:`alignd.infra.service_main.run_service`): a bad value stops it
+there with a message naming the field, before it touches Redis or the store.
+
+Each class holds what its service reads and nothing else; the classes share parts:
+
+=============================  ===============================================================
+:class:`ServiceSettings`       every service: Redis, key prefix, event streams, weight store,
+                               liveness heartbeats, ``/metrics``, log level
+:class:`GuidanceStoreSettings` + the guidance store's budget, TTL and chunking (the services
+                               that read or write guidance: sampler, learner, API)
+:class:`DeliverySettings`      + at-least-once delivery timing (the consumers that take over
+                               abandoned messages: converter, sampler)
+:class:`ConverterSettings`     + the conversion: preset, device, shard size, consumer group
+:class:`SamplerSettings`       + the sampler's engine (embedded torch or an SGLang server)
+:class:`LearnerSettings`       + the learner's path and device, what it asks samplers for
+:class:`ApiSettings`           + the control API: token, body limits, the status window; where
+                               it listens is :class:`ApiAddress` (also what ``alignd status``
+                               reads to find it)
+:class:`AllInOneSettings`      every service in one process (``alignd up``, the demo)
+=============================  ===============================================================
+
+One variable means the same to every service that reads it (``ALIGN_PRESET`` to the
+converter, the learner and the API), so a field several classes hold is declared once, as a
+type (:data:`Preset`, :data:`SamplerPath`, :data:`LearnerPath`, :data:`ConsumerName`).
 
 Delivery timing, in short: a consumer that is working on a message refreshes it every
 ``heartbeat_ms``; a message nobody refreshed for ``claim_idle_ms`` is taken over
 (``XAUTOCLAIM``) by a live consumer. ``heartbeat_ms`` must therefore be well below
-``claim_idle_ms``.
-
-The ``guidance_*`` fields configure the guidance store (budget, TTL, chunking, what to
-do when only versions in use are left to evict); see ``services/alignd/infra/stores/guidance.py``.
+``claim_idle_ms``. The ``guidance_*`` fields configure the guidance store (see
+:mod:`alignd.infra.stores.guidance`).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import warnings
 from pathlib import Path
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from libalign.spec import PRESETS
 
+#: ``cpu``, ``cuda`` or ``cuda:N``: where a service runs its torch work.
+DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
 
-def _default_consumer() -> str:
+
+def default_process_name() -> str:
     """Host name and process id: unique per running process, stable in its logs."""
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class Settings(BaseSettings):
-    """Configuration of the libalign services (environment prefix ``ALIGN_``)."""
+def known_preset(name: str) -> str:
+    """``name`` if :data:`libalign.spec.PRESETS` defines it; ValueError listing them otherwise."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return name
 
-    model_config = SettingsConfigDict(env_prefix="ALIGN_", extra="ignore", frozen=True)
+
+# --- fields several services read, declared once ----------------------------------------------
+
+Preset = Annotated[str, AfterValidator(known_preset),
+                   Field("minite", description="numerics preset conversion quantizes with")]
+SamplerPath = Annotated[str, Field("nvfp4_minite", description="execution path the sampler runs")]
+LearnerPath = Annotated[str, Field("bf16", description="execution path the learner runs")]
+ConsumerName = Annotated[str, Field(default_factory=default_process_name,
+                                    description="this process's name in consumer groups and "
+                                    "heartbeats")]
+Device = Annotated[str, Field(pattern=DEVICE_PATTERN)]
+
+
+class AlignSettings(BaseSettings):
+    """Read from ``ALIGN_<FIELD>`` variables; immutable; an unknown keyword is an error."""
+
+    model_config = SettingsConfigDict(env_prefix="ALIGN_", extra="forbid", frozen=True)
+
+
+class ServiceSettings(AlignSettings):
+    """What every service reads: where Redis and the store are, the streams, liveness, metrics."""
 
     redis_url: str | None = Field(
         None, description="redis://host:port/db; None selects the embedded single-process default")
-    store_dir: Path = Field(Path("align-store"), description="root of the weight store directory")
-    preset: str = Field("minite", description="numerics preset conversion quantizes with")
-    key_prefix: str = Field("libalign", description="prefix of every Redis key the daemon owns")
-
-    published_stream: str = Field("libalign:events:published", description="learner -> converter")
-    converted_stream: str = Field("libalign:events:converted", description="converter -> samplers")
-    converter_group: str = Field("converter", description="consumer group of the converters")
-    consumer_name: str = Field(default_factory=_default_consumer, description="this consumer")
-
-    heartbeat_ms: int = Field(5_000, gt=0, description="refresh period of an in-flight message")
-    claim_idle_ms: int = Field(60_000, gt=0, description="idle time after which others reclaim")
-    block_ms: int = Field(1_000, gt=0, description="longest wait of one XREADGROUP")
-    max_deliveries: int = Field(5, ge=1, description="deliveries before a version is failed")
     redis_retry_s: float | None = Field(
         None, description="give up on an unreachable Redis after this long (None: retry forever)")
+    block_ms: int = Field(1_000, gt=0, description="longest wait of one blocking stream read")
+    key_prefix: str = Field("libalign", description="prefix of every Redis key the daemon owns")
+    store_dir: Path = Field(Path("align-store"), description="root of the weight store directory")
+    published_stream: str = Field("libalign:events:published", description="learner -> converter")
+    converted_stream: str = Field("libalign:events:converted", description="converter -> samplers")
+    service_heartbeat_s: float = Field(2.0, gt=0, description="period of a service's heartbeat")
+    service_heartbeat_ttl_s: float = Field(10.0, gt=0,
+                                           description="a heartbeat older than this means down")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve /metrics (0: any)")
+    metrics_addr: str = Field("0.0.0.0", description="address the metrics server binds")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="lowest level of the log lines a service writes to stderr")
 
-    convert_all_linear: bool = Field(False, description="also quantize every 2-D linear weight")
-    store_shard_bytes: int = Field(1 << 30, gt=0, description="largest output safetensors shard")
-    converter_device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
-                                  description="where the converter quantizes (cpu or cuda[:N])")
-    sweep_stale_s: float = Field(3_600.0, ge=0, description="age of .tmp-* leftovers to delete")
+
+class GuidanceStoreSettings(ServiceSettings):
+    """A service that reads or writes guidance records: the store's limits."""
 
     guidance_budget_bytes: int | None = Field(
         4 << 30, gt=0, description="payload bytes the guidance store may hold (None: no limit)")
@@ -69,64 +113,77 @@ class Settings(BaseSettings):
                                       description="records are split into Redis values this large")
     guidance_max_record_bytes: int = Field(256 << 20, gt=0,
                                            description="largest guidance record accepted")
-    guidance_on_in_use: str = Field(
-        "evict", pattern=r"^(evict|refuse)$",
-        description="budget full and only leased versions left: evict them (loudly) or refuse")
+    guidance_on_in_use: Literal["evict", "refuse"] = Field(
+        "evict", description="budget full and only leased versions left: evict them (loudly) or "
+        "refuse")
 
-    # --- control API -----------------------------------------------------------------------
-    api_host: str = Field("127.0.0.1", description="address the REST control API binds")
-    api_port: int = Field(8000, ge=0, le=65535, description="port of the REST control API (0: any)")
-    api_url: str | None = Field(None, description="where clients and services reach the API "
-                                "(default http://<api_host>:<api_port>)")
-    api_token: str | None = Field(None, description="bearer token every mutating route requires")
-    dev_mode: bool = Field(False, description="allow running the API without a token (local use)")
-    max_body_bytes: int = Field(16 << 20, gt=0, description="largest JSON request body accepted")
-    max_guidance_body_bytes: int = Field(256 << 20, gt=0,
-                                         description="largest guidance record upload accepted")
 
-    # --- services' liveness and the sampler/learner engines ------------------------------------
-    service_heartbeat_s: float = Field(2.0, gt=0, description="period of a service's heartbeat")
-    service_heartbeat_ttl_s: float = Field(10.0, gt=0,
-                                           description="a heartbeat older than this means down")
-    sampler_name: str = Field(default_factory=_default_consumer, description="this sampler")
-    sampler_path: str = Field("nvfp4_minite", description="execution path the sampler runs")
-    sampler_device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
-                                description="device of the embedded sampler engine")
-    sampler_engine: str = Field("torch", pattern=r"^(torch|sglang)$",
-                                description="sampler engine: the embedded torch one or an SGLang "
-                                "server over HTTP")
+class DeliverySettings(ServiceSettings):
+    """A consumer that refreshes the message it works on and takes over abandoned ones."""
+
+    heartbeat_ms: int = Field(5_000, gt=0, description="refresh period of an in-flight message")
+    claim_idle_ms: int = Field(60_000, gt=0, description="idle time after which others reclaim")
+
+    @model_validator(mode="after")
+    def _heartbeat_below_claim(self) -> DeliverySettings:
+        """A busy consumer must refresh its message before others may reclaim it."""
+        if self.heartbeat_ms * 2 > self.claim_idle_ms:
+            raise ValueError(f"heartbeat_ms={self.heartbeat_ms} must be at most half of "
+                             f"claim_idle_ms={self.claim_idle_ms}")
+        return self
+
+
+class ConverterSettings(DeliverySettings):
+    """The converter: published BF16 versions in, NVFP4 store versions out."""
+
+    preset: Preset
+    consumer_name: ConsumerName
+    converter_group: str = Field("converter", description="consumer group of the converters")
+    max_deliveries: int = Field(5, ge=1, description="deliveries before a version is failed")
+    convert_all_linear: bool = Field(False, description="also quantize every 2-D linear weight")
+    store_shard_bytes: int = Field(1 << 30, gt=0, description="largest output safetensors shard")
+    converter_device: Device = Field("cpu", description="where the converter quantizes")
+    sweep_stale_s: float = Field(3_600.0, ge=0, description="age of .tmp-* leftovers to delete")
+
+
+class SamplerSettings(DeliverySettings, GuidanceStoreSettings):
+    """A sampler: loads converted versions, answers rollout requests, records guidance."""
+
+    sampler_name: ConsumerName
+    sampler_path: SamplerPath
+    sampler_device: Device = Field("cpu", description="device of the embedded sampler engine")
+    sampler_engine: Literal["torch", "sglang"] = Field(
+        "torch", description="sampler engine: the embedded torch one or an SGLang server over HTTP")
+    guidance_last_layers: int | None = Field(None, ge=1,
+                                             description="record only the last N MoE layers")
     sglang_url: str | None = Field(None, description="base URL of the SGLang server to drive")
     sglang_model_dir: Path | None = Field(None, description="the server's base checkpoint "
                                           "(config, tokenizer) that exports are completed from")
     sglang_export_dir: Path | None = Field(None, description="where ModelOpt NVFP4 exports for "
                                            "SGLang are written (default <store>/sglang)")
-    sglang_preset: str = Field("modelopt", description="numerics preset of the SGLang export")
+    sglang_preset: Preset = Field("modelopt", description="numerics preset of the SGLang export")
     sglang_eos_id: int | None = Field(None, ge=0, description="stop token id for SGLang sampling")
     sglang_load_format: str | None = Field(None, description="load_format of "
                                            "/update_weights_from_disk (None: the server's)")
-    learner_path: str = Field("bf16", description="execution path the learner runs")
-    learner_device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$",
-                                description="device of the embedded learner engine")
+
+
+class LearnerSettings(GuidanceStoreSettings):
+    """The learner: trains on one path, publishes versions for the samplers' path."""
+
+    preset: Preset
+    learner_path: LearnerPath
+    learner_device: Device = Field("cpu", description="device of the embedded learner engine")
+    sampler_path: SamplerPath
     guidance_bits: int = Field(1, ge=1, le=4, description="bits a value kept in guidance records")
-    guidance_last_layers: int | None = Field(None, ge=1,
-                                             description="record only the last N MoE layers")
-    discrepancy_window_tokens: int = Field(
-        65_536, gt=0, description="tokens the status and metrics discrepancy statistics cover")
 
-    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve /metrics (0: any)")
-    metrics_addr: str = Field("0.0.0.0", description="address the metrics server binds")
 
-    test_step_delay_s: float = Field(
-        0.0, ge=0, description="test hook: sleep after each durable step of a conversion "
-        "and after a sampler moves a version to loading")
+class ApiAddress(AlignSettings):
+    """Where the control API listens, and where clients and services reach it."""
 
-    @field_validator("preset")
-    @classmethod
-    def _known_preset(cls, v: str) -> str:
-        """Refuse a preset name libalign.spec does not define."""
-        if v not in PRESETS:
-            raise ValueError(f"unknown preset {v!r}; choose one of {sorted(PRESETS)}")
-        return v
+    api_host: str = Field("127.0.0.1", description="address the REST control API binds")
+    api_port: int = Field(8000, ge=0, le=65535, description="port of the REST control API (0: any)")
+    api_url: str | None = Field(None, description="where clients and services reach the API "
+                                "(default http://<api_host>:<api_port>)")
 
     @property
     def resolved_api_url(self) -> str:
@@ -136,10 +193,32 @@ class Settings(BaseSettings):
         host = "127.0.0.1" if self.api_host in ("0.0.0.0", "::") else self.api_host
         return f"http://{host}:{self.api_port}"
 
-    @model_validator(mode="after")
-    def _heartbeat_below_claim(self) -> Settings:
-        """A busy consumer must refresh its message before others may reclaim it."""
-        if self.heartbeat_ms * 2 > self.claim_idle_ms:
-            raise ValueError(f"heartbeat_ms={self.heartbeat_ms} must be at most half of "
-                             f"claim_idle_ms={self.claim_idle_ms}")
-        return self
+
+class ApiSettings(GuidanceStoreSettings, ApiAddress):
+    """The control API: its door (token, body limits) and what its routes report."""
+
+    api_token: str | None = Field(None, description="bearer token every mutating route requires")
+    dev_mode: bool = Field(False, description="allow running the API without a token (local use)")
+    max_body_bytes: int = Field(16 << 20, gt=0, description="largest JSON request body accepted")
+    max_guidance_body_bytes: int = Field(256 << 20, gt=0,
+                                         description="largest guidance record upload accepted")
+    discrepancy_window_tokens: int = Field(
+        65_536, gt=0, description="tokens the status and metrics discrepancy statistics cover")
+    consumer_name: ConsumerName
+    preset: Preset
+    sampler_path: SamplerPath
+    learner_path: LearnerPath
+
+
+class AllInOneSettings(ApiSettings, ConverterSettings, SamplerSettings, LearnerSettings):
+    """Every service in one process (``alignd up``, the demo): the union of their settings."""
+
+
+def __getattr__(name: str):
+    """``Settings``, the one class every service once shared, is :class:`AllInOneSettings`."""
+    if name == "Settings":
+        warnings.warn("alignd.infra.settings.Settings is deprecated: use the service's own class "
+                      "(ConverterSettings, SamplerSettings, LearnerSettings, ApiSettings) or "
+                      "AllInOneSettings", DeprecationWarning, stacklevel=2)
+        return AllInOneSettings
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -34,7 +34,8 @@ from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.publish import publish_version
 from alignd.infra.registry import Registry
-from alignd.infra.settings import Settings
+from alignd.infra.settings import LearnerSettings
+from alignd.infra.stores.rollouts import Score
 from alignd.infra.work import READY, REQUESTS, RolloutRequest, RolloutsReady
 from alignd.learner.engine import GUIDED, LearnerEngine, TrainBatch
 from alignd.learner.sharded_publish import announce_converted
@@ -58,7 +59,7 @@ class IterationResult:
 class LearnerLoop:
     """Drives iterations against the services over one Redis and one weight store."""
 
-    def __init__(self, settings: Settings, engine: LearnerEngine, bus: RedisBus, *, rollouts,
+    def __init__(self, settings: LearnerSettings, engine: LearnerEngine, bus: RedisBus, *, rollouts,
                  guidance=None, sampler_path: str, prompts: Callable[[int], list[list[int]]],
                  reward: Callable[[list[int], list[int]], float], run_id: str | None = None,
                  prompts_per_step: int = 8, samples_per_prompt: int = 8,
@@ -171,8 +172,6 @@ class LearnerLoop:
             blobs = self.guidance.get_many(vid, ids)
             recs = {i: GuidanceRecord.decode(blobs[r]) for i, r in enumerate(ids)}
         mine = self.engine.score(seqs, plens, recs)
-        from alignd.infra.stores.rollouts import Score
-
         delta = self.rollouts.put_scores(vid, [Score(rollout_id=r, logprobs=lp,
                                                      path=self.engine.path)
                                                for r, lp in zip(ids, mine, strict=True)])

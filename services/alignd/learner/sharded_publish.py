@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from alignd.formats.convert import resolve_spec
@@ -59,8 +60,6 @@ def _global_amax(t: torch.Tensor, spec: NumericsSpec, group) -> torch.Tensor:
     """The whole stack's tensor-domain outer maximum from this rank's slice (all-reduce MAX)."""
     amax = spec_mod.shared_outer_amax([t], spec).to(torch.float32)
     if group is not None:
-        import torch.distributed as dist
-
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
 
@@ -69,7 +68,8 @@ def local_items(model: nn.Module, hf_config, spec: NumericsSpec, *, ep_rank: int
                 ) -> Iterator[tuple[str, torch.Tensor | Piece]]:
     """What this rank writes: its expert slices as :class:`Piece` objects, and (rank 0 only)
     every dense tensor, in the Hugging Face names a sampler loads."""
-    # imported here: the RL loop imports this module without megatron-core installed
+    # imported here: megatron_export pulls in megatron-core, an optional engine the RL loop
+    # (which imports this module) does not need
     from libalign.models.megatron_export import (
         export_hf_state_dict,
         local_expert_ranges,

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from alignd.formats.weight_store import WeightStore
-from alignd.infra.bus import RedisBus
 from alignd.infra.redis_clients import binary_client
-from alignd.infra.settings import Settings
+from alignd.infra.settings import SamplerSettings
 from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.telemetry import Metrics
@@ -13,8 +12,7 @@ from alignd.sampler.engine import TorchSamplerEngine
 from libalign import models
 
 
-def build_sampler(settings: Settings, *, bus: RedisBus | None = None,
-                  metrics: Metrics | None = None):
+def build_sampler(settings: SamplerSettings, *, metrics: Metrics | None = None):
     """``(engine, rollouts, guidance)`` for ``settings`` (the model's weights come from loads)."""
     task = models.SyntheticTask()
     model = models.build_model(models.tiny_config(vocab_size=task.vocab_size), seed=0)

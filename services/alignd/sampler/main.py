@@ -1,259 +1,37 @@
-"""The sampler service's loop: ``python -m alignd.sampler.main`` (or ``alignd serve sampler``).
+"""The sampler service: ``python -m alignd.sampler.main`` (or ``alignd serve sampler``).
 
-Three inputs, polled in turn:
-
-* **converted** versions (``settings.converted_stream``, a consumer group of this sampler's
-  own, ``sampler-<name>``, so every sampler sees every version): load it;
-* **sync** requests (:func:`alignd.infra.events.sync_stream`, read by every sampler): load
-  the named version if it is not the one served;
-* **rollout requests** (:data:`alignd.infra.work.REQUESTS`, the shared group
-  ``samplers``: one sampler per request): generate with the served version (loading the
-  requested one first if needed), store rollouts and guidance records, announce them on
-  :data:`alignd.infra.work.READY`, acknowledge.
-
-Loading moves the registry's version ``converted -> loading -> serving`` (the first sampler to
-get there does; later ones just load) and, when the store's bits fail verification or do not
-fit the sampler's path, ``-> failed`` with the reason; the engine keeps serving what it had.
-On start the sampler loads the newest version that is converted or beyond; one it left
-``loading`` when it was killed mid-load (same sampler name) it loads and moves on to
-``serving``. Handlers are idempotent: a repeated converted or sync event of the version served
-changes nothing, and a repeated rollout request whose rollouts are stored is answered again
-with them (rollouts are write-once).
+Built from :class:`~alignd.infra.settings.SamplerSettings`: the engine
+(``ALIGN_SAMPLER_ENGINE``: the embedded torch one, :mod:`alignd.sampler.embedded`, or an SGLang
+server, :mod:`alignd.sampler.sglang_sampler`) with its rollout and guidance stores, then a
+:class:`~alignd.sampler.service.SamplerService` polled until SIGTERM or SIGINT, beating as
+service ``sampler`` and serving ``/metrics`` when ``ALIGN_METRICS_PORT`` is set.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import sys
 import threading
-import time
 
-from alignclient.errors import (
-    AlignError,
-    BusUnavailableError,
-    EventError,
-    StateTransitionError,
-)
-from pydantic import ValidationError
+from alignclient.errors import BusUnavailableError
 
-from alignd.infra.bus import Heartbeat, Message, RedisBus
-from alignd.infra.events import ConvertedEvent, sync_stream
-from alignd.infra.registry import Registry
-from alignd.infra.settings import Settings
-from alignd.infra.telemetry import Metrics
-from alignd.infra.work import READY, REQUESTS, SAMPLER_GROUP, RolloutRequest, RolloutsReady
+from alignd.infra.bus import RedisBus
+from alignd.infra.liveness import ServiceHeartbeat
+from alignd.infra.service_main import run_service
+from alignd.infra.settings import SamplerSettings
+from alignd.infra.telemetry import Metrics, serve_metrics_for
+from alignd.sampler.embedded import build_sampler
 from alignd.sampler.engine import SamplerEngine
+from alignd.sampler.service import SamplerService
+from alignd.sampler.sglang_sampler import build_sglang_sampler
 
 log = logging.getLogger("alignd.sampler")
 
 
-LOADABLE = ("converted", "loading", "serving")
-
-
-class SamplerService:
-    """One sampler: an engine plus the Redis plumbing around it."""
-
-    def __init__(self, settings: Settings, engine: SamplerEngine, bus: RedisBus, *,
-                 rollouts, guidance=None, metrics: Metrics | None = None):
-        self.settings = settings
-        self.engine = engine
-        self.bus = bus
-        self.registry = Registry(bus, settings.key_prefix)
-        self.rollouts = rollouts
-        self.guidance = guidance
-        self.metrics = metrics if metrics is not None else Metrics()
-        self.name = settings.sampler_name
-        self.group = f"sampler-{self.name}"
-        self._sync_last = "$"
-        self.sync_stream = sync_stream(settings.key_prefix)
-        self.load_seconds: dict[str, float] = {}
-        self.heartbeat = None  # a ServiceHeartbeat when run as a service
-        self._next_claim = 0.0
-
-    # --- loading ------------------------------------------------------------------------
-
-    def load(self, version_id: str) -> bool:
-        """Load ``version_id`` through the registry's states; False if it cannot be served."""
-        if self.engine.version_id == version_id:
-            return True
-        rec = self.registry.get(version_id)
-        if rec.state not in LOADABLE:
-            log.info("version %s is %s; not loadable", version_id, rec.state)
-            return False
-        # a version left ``loading`` under this sampler's name is one a predecessor of ours
-        # (the same sampler, killed mid-load) started: finish its move to ``serving``
-        mine = rec.state == "loading" and rec.owner == self.name
-        if rec.state == "converted":
-            try:
-                self.registry.transition(version_id, "loading", actor=self.name)
-                mine = True
-            except StateTransitionError:
-                pass  # another sampler is loading it; load our copy anyway
-            if mine and self.settings.test_step_delay_s:  # test hook: a slow load
-                time.sleep(self.settings.test_step_delay_s)
-        t0 = time.perf_counter()
-        try:
-            self.engine.load(version_id)
-        except AlignError as e:  # the version's fault (bad bits, wrong recipe) or the engine's
-            log.error("version %s cannot be loaded: %s", version_id, e)
-            self.metrics.sampler_loads.labels(outcome="refused").inc()
-            if mine:
-                with contextlib.suppress(StateTransitionError):
-                    self.registry.fail(version_id, f"{e.code}: {e}", actor=self.name)
-            return False
-        self.load_seconds[version_id] = time.perf_counter() - t0
-        self.metrics.sampler_loads.labels(outcome="loaded").inc()
-        self.metrics.sampler_load_seconds.observe(self.load_seconds[version_id])
-        if self.heartbeat is not None:
-            self.heartbeat.set(version=version_id)
-        if mine:
-            try:
-                self.registry.transition(version_id, "serving", actor=self.name,
-                                         expect_owner=self.name)
-            except StateTransitionError as e:
-                log.warning("version %s: %s", version_id, e)
-        log.info("serving %s (loaded in %.2fs)", version_id, self.load_seconds[version_id])
-        return True
-
-    def for_me(self, target_path: str | None) -> bool:
-        """Whether a version converted for ``target_path`` (None: the default preset) fits this
-        sampler's path; samplers of other paths may share the streams."""
-        return target_path is None or target_path == self.engine.path
-
-    def load_latest(self) -> str | None:
-        """Load the newest version that is converted or beyond (on start), if it fits this
-        sampler; older ones are never tried (they would be stale)."""
-        recs = [r for r in self.registry.list_versions() if r.state in LOADABLE
-                and self.for_me(r.meta.get("target_path"))]
-        # newest first; if it cannot be served (corrupt, foreign), fall back to the last good
-        # one, a few versions deep at most (older ones would be stale)
-        for rec in sorted(recs, key=lambda r: r.created_at, reverse=True)[:3]:
-            if self.load(rec.version_id):
-                return rec.version_id
-        return None
-
-    # --- rollouts -------------------------------------------------------------------------
-
-    def serve_request(self, req: RolloutRequest) -> RolloutsReady:
-        """Generate and store the rollouts of one request; the ready event says what happened."""
-        t0 = time.perf_counter()
-        base = dict(request_id=req.request_id, version_id=req.version_id, sampler=self.name)
-        if not self.load(req.version_id):
-            return RolloutsReady(**base, error=f"version {req.version_id!r} cannot be served "
-                                 f"(state {self.registry.get(req.version_id).state})")
-        prompts = [p for p in req.prompt_list() for _ in range(req.samples_per_prompt)]
-        bits = req.guidance_bits or None
-        ids = [f"{req.request_id}-{i:05d}" for i in range(len(prompts))]
-        if self._stored_already(req.version_id, ids):  # a repeated request: announce again
-            log.info("rollout request %s was served before; its rollouts are stored",
-                     req.request_id)
-            return RolloutsReady(**base, rollout_ids=json.dumps(ids), guidance=bits is not None,
-                                 seconds=time.perf_counter() - t0)
-        gen = self.engine.generate(prompts, max_new_tokens=req.max_new_tokens,
-                                   temperature=req.temperature, seed=req.seed, guidance_bits=bits)
-        from alignd.infra.stores.rollouts import Rollout
-
-        items = [Rollout(rollout_id=rid, prompt_len=p, tokens=s, logprobs=lp,
-                         path=self.engine.path, guidance=bits is not None)
-                 for rid, s, p, lp in zip(ids, gen.sequences, gen.prompt_lens, gen.logprobs,
-                                          strict=True)]
-        if bits is not None and self.guidance is not None:
-            self.guidance.put_many(req.version_id, {ids[i]: rec.encode()
-                                                    for i, rec in gen.guidance.items()})
-        self.rollouts.put_rollouts(req.version_id, items)
-        return RolloutsReady(**base, rollout_ids=json.dumps(ids), guidance=bits is not None,
-                             seconds=time.perf_counter() - t0)
-
-    def _stored_already(self, version_id: str, ids: list[str]) -> bool:
-        """Whether every rollout of ``ids`` is stored for the version (rollouts are write-once)."""
-        try:
-            return len(self.rollouts.get_rollouts(version_id, ids)) == len(ids)
-        except AlignError:  # RolloutNotFoundError: not (all) stored yet
-            return False
-
-    # --- the loop -------------------------------------------------------------------------
-
-    def setup(self) -> None:
-        """Consumer groups, then the newest loadable version."""
-        self.bus.ensure_group(self.settings.converted_stream, self.group, start_id="$")
-        self.bus.ensure_group(REQUESTS, SAMPLER_GROUP)
-        self.load_latest()
-
-    def step(self, block_ms: int = 100) -> int:
-        """Poll each input once; returns how many messages were handled."""
-        handled = 0
-        for m in self.bus.read(self.settings.converted_stream, self.group, self.name, count=8,
-                               block_ms=1):
-            try:
-                ev = ConvertedEvent.from_fields(m.fields)
-                if self.for_me(ev.target_path):
-                    self.load(ev.version_id)
-            except (EventError, AlignError) as e:
-                log.error("converted event %s: %s", m.id, e)
-            self.bus.ack(m.stream, self.group, m.id)
-            handled += 1
-        handled += self._sync()
-        msgs = []
-        now = time.monotonic()
-        if now >= self._next_claim:  # requests a dead sampler took and never answered
-            msgs = self.bus.reclaim(REQUESTS, SAMPLER_GROUP, self.name,
-                                    min_idle_ms=self.settings.claim_idle_ms, limit=1)
-            self._next_claim = now if msgs else now + self.settings.claim_idle_ms / 2000
-        if not msgs:
-            msgs = self.bus.read(REQUESTS, SAMPLER_GROUP, self.name, count=1, block_ms=block_ms)
-        for m in msgs:
-            self._request(m)
-            handled += 1
-        return handled
-
-    def _sync(self) -> int:
-        got = self.bus.call("read sync", lambda: self.bus.client.xread(
-            {self.sync_stream: self._sync_last}, count=16, block=None))
-        n = 0
-        for _stream, entries in got or []:
-            for mid, fields in entries:
-                self._sync_last = mid
-                n += 1
-                vid = fields.get("version_id")
-                if vid:
-                    try:
-                        self.load(vid)
-                    except AlignError as e:
-                        log.error("sync to %s: %s", vid, e)
-        if self._sync_last == "$":  # pin the position so later entries are not missed
-            last = self.bus.call("sync tail", lambda: self.bus.client.xrevrange(self.sync_stream,
-                                                                                count=1))
-            self._sync_last = last[0][0] if last else "0-0"
-        return n
-
-    def _request(self, m: Message) -> None:
-        try:
-            req = RolloutRequest.from_fields(m.fields)
-        except EventError as e:
-            log.error("rollout request %s dropped: %s", m.id, e)
-            self.bus.ack(m.stream, SAMPLER_GROUP, m.id)
-            return
-        try:
-            # refresh the message while generating, so a slow request is not taken for abandoned
-            with Heartbeat(self.bus, m, SAMPLER_GROUP, self.name,
-                           self.settings.heartbeat_ms / 1000):
-                ready = self.serve_request(req)
-        except (AlignError, ValidationError) as e:
-            ready = RolloutsReady(request_id=req.request_id, version_id=req.version_id,
-                                  sampler=self.name, error=f"{type(e).__name__}: {e}")
-        self.metrics.sampler_requests.labels(outcome="error" if ready.error else "served").inc()
-        self.bus.publish(READY, ready.to_fields())
-        self.bus.ack(m.stream, SAMPLER_GROUP, m.id)
-
-
-def run_sampler(settings: Settings, engine: SamplerEngine, stop: threading.Event, *, rollouts,
-                guidance=None, metrics: Metrics | None = None, bus: RedisBus | None = None) -> None:
-    """Serve until ``stop`` is set."""
-    from alignd.infra.liveness import ServiceHeartbeat
-    from alignd.infra.telemetry import serve_metrics_for
-
+def run_sampler(settings: SamplerSettings, engine: SamplerEngine, stop: threading.Event, *,
+                rollouts, guidance=None, metrics: Metrics | None = None,
+                bus: RedisBus | None = None) -> None:
+    """Serve with ``engine`` until ``stop`` is set."""
     bus = bus or RedisBus.from_settings(settings, stop_event=stop)
     svc = SamplerService(settings, engine, bus, rollouts=rollouts, guidance=guidance,
                          metrics=metrics)
@@ -274,30 +52,17 @@ def run_sampler(settings: Settings, engine: SamplerEngine, stop: threading.Event
         stop_metrics()
 
 
-def main() -> int:  # pragma: no cover - exercised by the integration test as a process
-    """Entry point: settings from the environment, the embedded torch engine, signals."""
-    from alignd.infra.service_main import start_service
-    from alignd.sampler.embedded import build_sampler
-
-    started = start_service(log)
-    if started is None:
-        return 2
-    settings, stop = started
-    from alignd.infra.telemetry import Metrics
-
+def serve(settings: SamplerSettings, stop: threading.Event) -> None:
+    """The sampler process's work: its engine and stores from ``settings``, served until ``stop``."""
     metrics = Metrics()
-    if settings.sampler_engine == "sglang":
-        from alignd.sampler.sglang_sampler import build_sglang_sampler
+    build = build_sglang_sampler if settings.sampler_engine == "sglang" else build_sampler
+    engine, rollouts, guidance = build(settings, metrics=metrics)
+    run_sampler(settings, engine, stop, rollouts=rollouts, guidance=guidance, metrics=metrics)
 
-        engine, rollouts, guidance = build_sglang_sampler(settings, metrics=metrics)
-    else:
-        engine, rollouts, guidance = build_sampler(settings, metrics=metrics)
-    try:
-        run_sampler(settings, engine, stop, rollouts=rollouts, guidance=guidance, metrics=metrics)
-    except AlignError as e:
-        log.error("sampler stopped: %s", e)
-        return 1
-    return 0
+
+def main() -> int:  # pragma: no cover - exercised by the integration test as a process
+    """Entry point: settings from the environment, the loop until a signal, exit status."""
+    return run_service(log, SamplerSettings, serve)
 
 
 if __name__ == "__main__":  # pragma: no cover

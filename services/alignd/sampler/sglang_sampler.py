@@ -3,9 +3,8 @@
 The counterpart of :mod:`alignd.sampler.embedded` for running at scale: the model lives in an
 SGLang server (started separately, see the README, "Running at scale — SGLang sampler") and this
 process is the thin sampler around it, taking rollout requests from Redis, driving the server,
-storing rollouts. :func:`build_sglang_sampler` reads what it needs from ``settings`` where the
-settings hold it (``sglang_*`` fields, when present) and from its keyword arguments otherwise,
-so it works whatever the settings module defines; the keyword arguments win.
+storing rollouts. :func:`build_sglang_sampler` reads the ``sglang_*`` fields of
+:class:`~alignd.infra.settings.SamplerSettings`; a keyword argument given overrides its field.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from alignclient.errors import ConfigError
 
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.redis_clients import binary_client
-from alignd.infra.settings import Settings
+from alignd.infra.settings import SamplerSettings
 from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.telemetry import Metrics
 from alignd.sampler.sglang_engine import SGLangSamplerEngine, SGLangTimeouts
@@ -37,7 +36,7 @@ def sglang_path(name: str | None) -> str:
     return path.name
 
 
-def build_sglang_sampler(settings: Settings, base_url: str | None = None, *,
+def build_sglang_sampler(settings: SamplerSettings, base_url: str | None = None, *,
                          model_dir: Path | str | None = None,
                          export_dir: Path | str | None = None, preset: str | None = None,
                          path: str | None = None, eos_id: int | None = None,
@@ -49,10 +48,8 @@ def build_sglang_sampler(settings: Settings, base_url: str | None = None, *,
     tokenizer); ``export_dir`` (default ``<store>/sglang``) must be a path the server sees
     under the same name. ``guidance`` is None: SGLang captures no guidance records.
     """
-    def pick(value, name, default=None):
-        if value is None:
-            value = getattr(settings, name, None)
-        return default if value is None else value
+    def pick(value, field: str):
+        return getattr(settings, field) if value is None else value
 
     base_url = pick(base_url, "sglang_url")
     model_dir = pick(model_dir, "sglang_model_dir")
@@ -61,8 +58,8 @@ def build_sglang_sampler(settings: Settings, base_url: str | None = None, *,
                           "was started from (sglang_url, sglang_model_dir)")
     store = WeightStore(settings.store_dir)
     exporter = ModelOptExport(store, model_dir,
-                              pick(export_dir, "sglang_export_dir", Path(settings.store_dir) / "sglang"),
-                              preset=pick(preset, "sglang_preset", "modelopt"))
+                              pick(export_dir, "sglang_export_dir") or settings.store_dir / "sglang",
+                              preset=pick(preset, "sglang_preset"))
     engine = SGLangSamplerEngine(
         base_url, exporter, path=sglang_path(pick(path, "sampler_path")),
         eos_id=pick(eos_id, "sglang_eos_id"), load_format=pick(load_format, "sglang_load_format"),

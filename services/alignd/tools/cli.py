@@ -2,19 +2,42 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import logging
+import threading
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from alignclient import AlignClient
+from alignclient.errors import AlignError
+from pydantic import ValidationError
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 
+from alignd.formats.atomic_dir import DestinationExistsError
+from alignd.formats.export import convert_checkpoint
+from alignd.infra.service_main import run_service
+from alignd.infra.settings import AllInOneSettings, ApiAddress, ApiSettings
+from alignd.infra.telemetry import Metrics
+from libalign.guidance import size_for_config, trace_reference_size
 from libalign.selfcheck import run_selfcheck
 from libalign.spec import PRESETS
 
 app = typer.Typer(add_completion=False, help="libalign: learner-sampler alignment for NVFP4 RL.")
 console = Console()
+log = logging.getLogger("alignd")
 
 
 def _selfcheck_table() -> bool:
@@ -62,13 +85,11 @@ def guidance_size(
     trajectories: int = typer.Option(4096, help="trajectories per RL step"),
 ) -> None:
     """Bytes of guidance records per token (and per RL step) for a model, at 1, 2 and 4 bits."""
-    from alignclient.errors import AlignError
-
-    from libalign.guidance import size_for_config, trace_reference_size
-
     try:
         if config is None:
+            # libalign.models needs transformers (the models extra)
             from libalign.models import qwen3_30b_a3b_shaped_config
+
             cfg, name = qwen3_30b_a3b_shaped_config(48), "Qwen3-30B-A3B shapes"
         else:
             path = config / "config.json" if config.is_dir() else config
@@ -112,11 +133,9 @@ def demo(
     api_port: int = typer.Option(8000, help="port of the API (0: any free port)"),
 ) -> None:
     """Main job on the embedded default: RL of the tiny MoE through the services, four paths."""
-    from alignclient.errors import AlignError
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from alignd.infra.telemetry import Metrics
+    # the demo runs the tiny model (transformers, the models extra) and plots (matplotlib)
     from alignd.tools.demo.run import DemoConfig, run_demo
+    from alignd.tools.in_process import ApiThread
     from libalign.models import cpu_threads
 
     if not _selfcheck_table():
@@ -138,11 +157,15 @@ def demo(
     try:
         cfg.check()
         metrics = Metrics()
-        with cpu_threads(1), _demo_api(api, api_port, out, metrics=metrics) as url, progress:
+        api_settings = ApiSettings(store_dir=out / "store", dev_mode=True, api_port=api_port)
+        with cpu_threads(1), ApiThread(api_settings, metrics, enabled=api) as url, progress:
             if url:
                 console.print(f"status page {url}/  metrics {url}/metrics")
+            elif api:
+                console.print("[yellow]the API could not start (port taken?); continuing "
+                              "without it[/]")
             report = run_demo(cfg, on_step=on_step, metrics=metrics)
-    except (AlignError, OSError) as e:
+    except (AlignError, OSError, ValidationError) as e:
         typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
         raise typer.Exit(2) from None
     t = Table(title=f"alignd demo: {steps} GRPO steps per configuration, "
@@ -164,52 +187,6 @@ def demo(
         console.print(f"{k}: {v}")
 
 
-class _demo_api:
-    """Serve the control API in a thread for the demo, when the API package is present."""
-
-    def __init__(self, enabled: bool, port: int, out: Path, settings=None, metrics=None):
-        self.enabled, self.port, self.out, self.settings = enabled, port, out, settings
-        self.metrics = metrics
-        self.server = None
-        self.thread = None
-
-    def __enter__(self) -> str | None:
-        if not self.enabled:
-            return None
-        try:
-            import uvicorn
-
-            from alignd.api.app import create_app
-            from alignd.infra.settings import Settings
-        except ImportError:
-            return None
-        import threading
-
-        settings = self.settings or Settings(store_dir=self.out / "store", dev_mode=True,
-                                             api_port=self.port)
-        app_ = create_app(settings, metrics=self.metrics)
-        config = uvicorn.Config(app_, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="api", daemon=True)
-        self.thread.start()
-        import time
-
-        deadline = time.monotonic() + 10
-        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not self.server.started:
-            console.print("[yellow]the API could not start (port taken?); continuing without it[/]")
-            return None
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        return f"http://127.0.0.1:{port}"
-
-    def __exit__(self, *exc) -> None:
-        if self.server is not None:
-            self.server.should_exit = True
-            if self.thread is not None:
-                self.thread.join(10)
-
-
 SERVICES = ("api", "converter", "sampler", "learner")
 
 
@@ -219,13 +196,12 @@ def serve(
     service: Annotated[str, typer.Argument(help="api, converter, sampler or learner")],
 ) -> None:
     """Run one service in this process (settings from ALIGN_* variables)."""
-    import importlib
-
     if service not in SERVICES:
         typer.echo(f"error: unknown service {service!r}; choose one of {', '.join(SERVICES)}",
                    err=True)
         raise typer.Exit(2)
-    mod = importlib.import_module(f"services.{service}.main")
+    # by name: each service needs only its own dependencies (the sampler: transformers)
+    mod = importlib.import_module(f"alignd.{service}.main")
     argv = list(ctx.args)
     raise typer.Exit(mod.main(argv) if service == "learner" else mod.main())
 
@@ -236,49 +212,23 @@ def up(
     api: bool = typer.Option(True, "--api/--no-api", help="serve the control API"),
 ) -> None:
     """All services in one process (embedded Redis unless ALIGN_REDIS_URL is set) until Ctrl-C."""
-    import logging
-    import signal
-    import threading
-
-    from alignclient.errors import AlignError
-    from pydantic import ValidationError
-
-    from alignd.converter.main import run_converter
-    from alignd.infra.settings import Settings
-    from alignd.infra.telemetry import Metrics
+    # the sampler and the learner run the tiny model (transformers, the models extra)
+    from alignd.learner.service import build_loop
     from alignd.sampler.embedded import build_sampler
-    from alignd.sampler.main import run_sampler
+    from alignd.tools.in_process import ApiThread, ServiceThreads
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        settings = Settings()
-    except ValidationError as e:
-        typer.echo(f"error: bad settings: {e}", err=True)
-        raise typer.Exit(2) from None
-    if settings.redis_url is None:
-        settings = settings.model_copy(update={"dev_mode": True})
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    metrics = Metrics()
-    engine, rollouts, guidance = build_sampler(settings, metrics=metrics)
-    threads = [
-        threading.Thread(target=run_converter, args=(settings, stop), kwargs=dict(metrics=metrics),
-                         name="converter", daemon=True),
-        threading.Thread(target=run_sampler, args=(settings, engine, stop),
-                         kwargs=dict(rollouts=rollouts, guidance=guidance, metrics=metrics),
-                         name="sampler", daemon=True),
-    ]
-    for t in threads:
-        t.start()
-    try:
-        with _demo_api(api, settings.api_port, settings.store_dir, settings, metrics) as url:
+    def run(settings: AllInOneSettings, stop: threading.Event) -> None:
+        if settings.redis_url is None:
+            settings = settings.model_copy(update={"dev_mode": True})
+        metrics = Metrics()
+        engine, rollouts, guidance = build_sampler(settings, metrics=metrics)
+        with ServiceThreads(settings, engine, rollouts=rollouts, guidance=guidance,
+                            metrics=metrics, stop=stop), \
+                ApiThread(settings, metrics, enabled=api) as url:
             console.print(f"alignd up: converter, sampler ({settings.sampler_path})"
                           + (f", API {url}" if url else "")
                           + (" on the embedded Redis" if settings.redis_url is None else ""))
             if learner_steps:
-                from alignd.learner.main import build_loop
-
                 loop = build_loop(settings, metrics=metrics)
                 for step in range(learner_steps):
                     if stop.is_set():
@@ -287,13 +237,8 @@ def up(
                     console.print(f"step {r.step} {r.version_id}: reward {r.reward_mean:.3f}")
             while not stop.is_set():
                 stop.wait(0.5)
-    except AlignError as e:
-        typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
-        raise typer.Exit(1) from None
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(10)
+
+    raise typer.Exit(run_service(log, AllInOneSettings, run))
 
 
 @app.command()
@@ -303,12 +248,7 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="print the status JSON"),
 ) -> None:
     """Versions, services and the current discrepancy, from a running API."""
-    from alignclient import AlignClient
-    from alignclient.errors import AlignError
-
-    from alignd.infra.settings import Settings
-
-    base = url or Settings().resolved_api_url
+    base = url or ApiAddress().resolved_api_url
     try:
         with AlignClient(base, retries=0, timeout=10) as client:
             st = client.get_status()
@@ -364,19 +304,6 @@ def convert(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar, no summary"),
 ) -> None:
     """Convert a checkpoint's expert weights to NVFP4 safetensors, atomically."""
-    from alignclient.errors import AlignError
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    from alignd.formats.atomic_dir import DestinationExistsError
-    from alignd.formats.export import convert_checkpoint
-
     err = Console(stderr=True)
     bar = Progress(TextColumn("{task.description}", style="cyan"), BarColumn(), DownloadColumn(),
                    TransferSpeedColumn(), TimeRemainingColumn(), console=err,
@@ -461,8 +388,7 @@ def diagnose(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bars"),
 ) -> None:
     """Measure and localize the learner-sampler execution gap (teacher-forced, frozen policy)."""
-    from alignclient.errors import AlignError
-
+    # the diagnosis runs models (transformers, the models extra) and plots (matplotlib)
     from alignd.tools.diagnose import render
     from alignd.tools.diagnose.run import DiagnoseConfig, run_diagnosis, write_outputs
 
@@ -496,8 +422,6 @@ class _DiagnoseProgress:
     """rich progress bars for the diagnosis stages (one bar per stage)."""
 
     def __init__(self, console: Console, disable: bool):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
         self.bar = Progress(TextColumn("{task.description}", style="cyan"), BarColumn(),
                             MofNCompleteColumn(), TimeElapsedColumn(), console=console,
                             disable=disable, transient=True)

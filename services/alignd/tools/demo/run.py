@@ -41,18 +41,17 @@ import numpy as np
 import torch
 from alignclient.errors import InputError
 
-from alignd.converter.main import run_converter
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.redis_clients import binary_client
-from alignd.infra.settings import Settings
+from alignd.infra.settings import AllInOneSettings
 from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.telemetry import Metrics
 from alignd.learner.engine import TorchLearnerEngine
 from alignd.learner.loop import IterationResult, LearnerLoop
 from alignd.sampler.engine import TorchSamplerEngine
-from alignd.sampler.main import run_sampler
+from alignd.tools.in_process import ServiceThreads
 from libalign import metrics as lm
 from libalign import models
 
@@ -115,10 +114,10 @@ def moving_average(x: Sequence[float], window: int = 21) -> np.ndarray:
 
 
 class Services:
-    """Converter and sampler threads (and the API, if it can be served) for one sampler path."""
+    """Converter and sampler threads (:class:`~alignd.tools.in_process.ServiceThreads`) for one
+    configuration, a sampler engine on ``model``, and the stores and bus the learner loop uses."""
 
-    def __init__(self, settings: Settings, model, task, metrics: Metrics):
-        self.settings = settings
+    def __init__(self, settings: AllInOneSettings, model, task, metrics: Metrics):
         self.stop = threading.Event()
         self.bus = RedisBus.from_settings(settings, stop_event=self.stop)
         self.rollouts = RolloutStore(binary_client(settings), settings.key_prefix, metrics=metrics)
@@ -126,21 +125,12 @@ class Services:
         engine = TorchSamplerEngine(model, WeightStore(settings.store_dir), settings.sampler_path,
                                     eos_id=task.eos_id, pad_id=task.pad_id,
                                     guidance_last_layers=settings.guidance_last_layers)
-        self.threads = [
-            threading.Thread(target=run_converter, args=(settings, self.stop),
-                             kwargs=dict(metrics=metrics), name="converter", daemon=True),
-            threading.Thread(target=run_sampler, args=(settings, engine, self.stop),
-                             kwargs=dict(rollouts=self.rollouts, guidance=self.guidance,
-                                         metrics=metrics), name="sampler", daemon=True),
-        ]
-        for t in self.threads:
-            t.start()
+        self.threads = ServiceThreads(settings, engine, rollouts=self.rollouts,
+                                      guidance=self.guidance, metrics=metrics, stop=self.stop)
 
     def close(self) -> None:
         """Stop the threads and wait for them."""
-        self.stop.set()
-        for t in self.threads:
-            t.join(30)
+        self.threads.close()
 
 
 def _summary(deltas: list[np.ndarray], results: list[IterationResult]) -> dict:
@@ -164,13 +154,13 @@ def _summary(deltas: list[np.ndarray], results: list[IterationResult]) -> dict:
 
 
 def run_demo(cfg: DemoConfig, *, on_step: Callable[[str, IterationResult], None] | None = None,
-             settings: Settings | None = None, metrics: Metrics | None = None) -> dict:
+             settings: AllInOneSettings | None = None, metrics: Metrics | None = None) -> dict:
     """Run every configuration; returns the report (also written to ``out_dir``)."""
     cfg.check()
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     metrics = metrics or Metrics()
     base_model, task = models.trained_tiny_model()
-    base = settings or Settings(store_dir=cfg.out_dir / "store", dev_mode=True)
+    base = settings or AllInOneSettings(store_dir=cfg.out_dir / "store", dev_mode=True)
     report = {"configs": [], "started_unix": time.time(), "options": {
         k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
         for k, v in asdict(cfg).items()}}
