@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 import redis
+from alignd.infra.redis_clients import reply_parser
 from alignd.infra.stores.guidance import GuidanceStore
 
 TOKEN_BYTES = 1152  # 2048 values x 4.5 bits
@@ -191,6 +192,7 @@ def measure(url: str, rollouts: list[bytes], batch: int, repeats: int,
     store.close()
     r.close()
     best["store"]["stored_bytes"] = stats["stored_bytes"]
+    best["store"]["payload_path"] = store.payload_path
     return best
 
 
@@ -285,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
           f"one-round-trip on {one['keys']} keys; "
           f"1-min load {load_before:.2f} before, {os.getloadavg()[0]:.2f} after; "
           f"redis {server.version}, {os.cpu_count()} CPUs)")
+    print(f"(replies parsed by {reply_parser()}; the store's payload path: {store['payload_path']})")
     for goal, ok in goals.items():
         print(f"  {'PASS' if ok else 'MISS'}  {goal}")
     for line in stricter:
@@ -301,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             "results_MBps": res, "ratios": ratios,
             "goals": {k: bool(v) for k, v in goals.items()},
             "redis_version": server.version, "cpu_count": os.cpu_count(),
+            "reply_parser": reply_parser(),
             "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],
             "platform": platform.platform(), "python": platform.python_version(),
         }

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -200,6 +201,35 @@ def test_replace_with_fewer_chunks_leaves_no_orphans(backend):
         assert len(list(s.client.scan_iter(match="t:guidance:v:v:c:r:*"))) == 2
         assert assert_consistent(s)[("v", "r")] == blob(1500, 3)
         assert s.versions()[0][:3] == ("v", 1510, 2)
+
+
+def test_stored_format_reads_and_is_written(backend):
+    """The key layout and meta fields (guidance_scripts) are the stored format: a record laid
+    out by hand, as earlier releases wrote it, reads back; a put writes that same layout."""
+    data = b"0123456789"
+    with backend(chunk_bytes=4) as s:
+        r, p = s.client, s.prefix
+        r.hset(f"{p}:v:old", mapping={"created": "1700000000.000000", "seq": 1, "deadline_ms": 0})
+        r.zadd(f"{p}:index", {"old": 1})
+        r.set(f"{p}:seq", 1)
+        r.hset(f"{p}:bytes", "old", 10)
+        r.set(f"{p}:total", 10)
+        r.sadd(f"{p}:v:old:rollouts", "r0")
+        r.hset(f"{p}:v:old:r:r0", mapping={"len": 10, "n": 3, "cs": 4, "gen": "g1",
+                                            "crc": zlib.crc32(data), "created": "1700000000.0"})
+        for i in range(3):
+            r.set(f"{p}:v:old:c:r0:g1:{i}", data[4 * i : 4 * i + 4])
+        assert s.get("old", "r0") == data
+        assert s.versions()[0][:4] == ("old", 10, 1, 1700000000.0)
+        s.put("new", "r1", data)
+        meta = r.hgetall(f"{p}:v:new:r:r1")
+        assert {k: meta[k] for k in (b"len", b"n", b"cs", b"crc")} == {
+            b"len": b"10", b"n": b"3", b"cs": b"4", b"crc": str(zlib.crc32(data)).encode()}
+        gen = meta[b"gen"].decode()
+        assert [r.get(f"{p}:v:new:c:r1:{gen}:{i}") for i in range(3)] == [
+            data[:4], data[4:8], data[8:]]
+        assert int(r.zscore(f"{p}:index", "new")) == 2 and int(r.get(f"{p}:total")) == 20
+        assert assert_consistent(s) == {("old", "r0"): data, ("new", "r1"): data}
 
 
 # --- misses and bad input ------------------------------------------------------------

@@ -10,6 +10,10 @@ bytes and the callers want different things:
 * :func:`binary_client` returns raw ``bytes`` (``decode_responses=False``). The guidance
   store needs it: its records are arbitrary bytes that no codec may touch.
 
+redis-py parses replies with ``hiredis`` (a C parser, in the ``daemon`` extra) whenever it
+is installed; :func:`reply_parser` says which parser is in use. For multi-megabyte
+guidance records it is what keeps the store close to the server's own speed.
+
 With ``settings.redis_url`` set, a client connects to that server with short connect
 timeouts and no retries hidden inside redis-py: :meth:`RedisBus.call` retries
 connection errors itself, with backoff, a give-up budget and metrics, and a second,
@@ -50,6 +54,7 @@ from typing import TYPE_CHECKING
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redis.utils import HIREDIS_AVAILABLE
 
 from alignd.infra.settings import Settings
 
@@ -121,3 +126,23 @@ def is_embedded(client: redis.Redis) -> bool:
     """True if ``client`` talks to an in-process fakeredis server, not over a socket."""
     cls = client.connection_pool.connection_class
     return getattr(cls, "__module__", "").startswith("fakeredis")
+
+
+def reply_parser() -> str:
+    """``"hiredis"`` when redis-py parses replies with hiredis (it is installed), else ``"python"``."""
+    return "hiredis" if HIREDIS_AVAILABLE else "python"
+
+
+def payload_pool(client: redis.Redis) -> redis.ConnectionPool:
+    """A second connection pool to ``client``'s server, with the same connection options.
+
+    For exchanges that hold a connection while megabytes move (the guidance store's
+    payloads), kept apart from the client's own connections. The options come from the
+    public ``connection_kwargs``, less the entries a pool adds there for connections of its
+    own (found by asking a bare pool of the same connection class): the new pool adds its own.
+    """
+    pool = client.connection_pool
+    cls = pool.connection_class
+    own = redis.ConnectionPool(connection_class=cls).connection_kwargs
+    return redis.ConnectionPool(connection_class=cls, **{
+        k: v for k, v in pool.connection_kwargs.items() if k not in own})
