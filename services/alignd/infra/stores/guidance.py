@@ -42,7 +42,9 @@ Payload path. ``"socket"`` (a real Redis) streams chunks on connections of the s
 own and overlaps checksums with the transfer; ``"pipeline"`` (the embedded in-process
 server, ``services/alignd/infra/redis_clients.py``) sends the same commands as redis-py
 pipelines. ``"auto"`` picks by the client. Same keys, scripts, checks and errors either way.
-Every Redis call is retried on connection errors by the bus's retry policy.
+Every Redis call is retried on connection errors by the project's one retry policy
+(:class:`alignclient.retry.RetryPolicy`, through :meth:`RedisBus.call`); a put retried
+after a lost connection writes a fresh generation, so it never meets its own chunks.
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ from alignclient.errors import (
     PayloadTooLargeError,
 )
 from alignclient.ids import check_id, check_rollout_id, check_version_id
+from alignclient.retry import RetryPolicy
 
-from alignd.infra.bus import Backoff, RedisBus
+from alignd.infra.bus import RedisBus
 from alignd.infra.redis_clients import (
     BINARY_TIMEOUT_S,
     binary_client,
@@ -161,11 +164,15 @@ class GuidanceStore:
         max_record_bytes: int = 256 << 20,
         on_in_use: Literal["evict", "refuse"] = "evict",
         tombstone_ttl_s: int = _TOMBSTONE_TTL_S,
-        backoff: Backoff | None = None,
+        retry: RetryPolicy | None = None,
         metrics: Metrics | None = None,
         socket_timeout_s: float = BINARY_TIMEOUT_S,
         payload_path: Literal["auto", "socket", "pipeline"] = "auto",
+        backoff: RetryPolicy | None = None,
     ):
+        """``retry``: how connection errors are retried (None: the bus's default; ``backoff``
+        is its former name); ``socket_timeout_s`` applies to a client made from a URL;
+        ``payload_path``: see the module docstring."""
         if on_in_use not in ("evict", "refuse"):
             raise ConfigError(f"on_in_use must be 'evict' or 'refuse', not {on_in_use!r}")
         if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
@@ -187,7 +194,7 @@ class GuidanceStore:
                               "(decode_responses=False)")
         self.client = client
         on_retry = (lambda what, e: metrics.redis_retries.inc()) if metrics is not None else None
-        self.bus = RedisBus(client, backoff=backoff, on_retry=on_retry)
+        self.bus = RedisBus(client, retry=retry or backoff, on_retry=on_retry)
         self.prefix = f"{prefix}:guidance"
         self.keys = GuidanceKeys(self.prefix)
         self.budget_bytes = budget_bytes
@@ -206,15 +213,16 @@ class GuidanceStore:
         self._scripts = {name: client.register_script(source(name)) for name in _SCRIPTS}
 
     @classmethod
-    def from_settings(cls, settings: GuidanceStoreSettings, metrics: Metrics | None = None) -> GuidanceStore:
+    def from_settings(cls, settings: GuidanceStoreSettings,
+                      metrics: Metrics | None = None) -> GuidanceStore:
         """A store on ``settings.redis_url`` (None: embedded) with the ``guidance_*``
-        settings; it owns (and closes) its client."""
-        backoff = Backoff(give_up_after_s=settings.redis_retry_s)
+        settings, giving up on Redis after ``redis_retry_s``; it owns (and closes) its client."""
+        retry = RetryPolicy(deadline_s=settings.redis_retry_s)
         store = cls(binary_client(settings), prefix=settings.key_prefix,
                     budget_bytes=settings.guidance_budget_bytes, ttl_s=settings.guidance_ttl_s,
                     chunk_bytes=settings.guidance_chunk_bytes,
                     max_record_bytes=settings.guidance_max_record_bytes,
-                    on_in_use=settings.guidance_on_in_use, backoff=backoff, metrics=metrics)
+                    on_in_use=settings.guidance_on_in_use, retry=retry, metrics=metrics)
         store._own_client = True
         return store
 
