@@ -38,14 +38,14 @@ from alignd.api.middleware import Frontdoor
 from alignd.api.routes_status import cluster_state, collect_status
 from alignd.api.state import REQUEST_GIVE_UP_S, ApiState, with_decoding
 from alignd.infra.redis_clients import binary_client, text_client
-from alignd.infra.settings import Settings
+from alignd.infra.settings import ApiSettings
 from alignd.infra.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 API_VERSION = "1"
 
 
-def create_app(settings: Settings, *, client: redis.Redis | None = None,
+def create_app(settings: ApiSettings, *, client: redis.Redis | None = None,
                metrics: Metrics | None = None,
                redis_give_up_s: float = REQUEST_GIVE_UP_S) -> FastAPI:
     """The control API for ``settings``; ``client`` overrides the Redis it talks to."""

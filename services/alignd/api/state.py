@@ -29,7 +29,7 @@ from fastapi.security import HTTPBearer
 from alignd.infra.bus import RedisBus
 from alignd.infra.liveness import ServiceHeartbeat
 from alignd.infra.registry import Registry, VersionRecord
-from alignd.infra.settings import Settings
+from alignd.infra.settings import ApiSettings
 from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.telemetry import Metrics
@@ -51,7 +51,7 @@ def with_decoding(client: redis.Redis, decode: bool) -> redis.Redis:
         connection_class=pool.connection_class, **kwargs))
 
 
-def instance_name(settings: Settings) -> str:
+def instance_name(settings: ApiSettings) -> str:
     """This API process's heartbeat name: the consumer name in the safe id alphabet."""
     return safe_id(settings.consumer_name, "api")
 
@@ -60,7 +60,7 @@ def instance_name(settings: Settings) -> str:
 class ApiState:
     """Everything a route needs, built once per app."""
 
-    settings: Settings
+    settings: ApiSettings
     metrics: Metrics
     text: redis.Redis
     binary: redis.Redis

@@ -59,6 +59,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFam
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from alignd.infra.settings import ServiceSettings
 from libalign.gemm import PATHS
 from libalign.ops import backend_for
 
@@ -458,7 +459,7 @@ def serve_metrics(registry: CollectorRegistry, port: int = 0, addr: str = "0.0.0
     return server
 
 
-def serve_metrics_for(settings, metrics: Metrics) -> Callable[[], None]:
+def serve_metrics_for(settings: ServiceSettings, metrics: Metrics) -> Callable[[], None]:
     """What a service does with its metrics when it starts: report its kernel backends and
     serve the registry on ``settings.metrics_port`` (if set); returns the function that
     stops the server again (a no-op when none was started)."""
