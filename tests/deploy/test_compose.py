@@ -10,6 +10,7 @@ fail them in CI.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -20,8 +21,12 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from alignd.infra.settings import AllInOneSettings
 from alignd.tools.cli import SERVICES
+
+import libalign
+import libalign._native as native
 
 tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ (tomllib) reads pyproject.toml")
 
@@ -342,10 +347,6 @@ def test_monitoring_configs_fit_the_compose_file(services):
     """Once deploy/prometheus and deploy/grafana exist: Prometheus' rule files resolve inside
     its mount and it scrapes each libalign service on the port that service serves; Grafana's
     dashboard provider reads the directory compose mounts."""
-    import glob
-
-    import yaml
-
     cfg_path = ROOT / "deploy" / "prometheus" / "prometheus.yml"
     if not cfg_path.is_file():
         pytest.skip("deploy/prometheus/prometheus.yml is not written yet")
@@ -542,9 +543,6 @@ def test_gpu_image_is_cuda_based():
 def test_kernel_sources_go_where_libalign_looks(kind):
     """The images copy csrc/ into site-packages beside libalign, which is where
     libalign._native.CSRC points for an installed (non-editable) package."""
-    import libalign
-    import libalign._native as native
-
     assert Path(libalign.__file__).resolve().parent.parent / "csrc" == native.CSRC
     runs = " ".join(" ".join(c.value) for c in _parse(DOCKERFILES[kind]) if c.cmd == "RUN")
     assert 'cp -r csrc "$SITE/csrc"' in runs and "sysconfig.get_paths()[\"purelib\"]" in runs

@@ -7,6 +7,7 @@ ServiceHeartbeat (live, another service, stopped, wrong password).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import socket
@@ -56,8 +57,6 @@ def metrics_server():
 
 def test_default_url_follows_the_services_settings():
     """ALIGN_METRICS_PORT set: its /healthz; else the API's /readyz on ALIGN_API_PORT (8000)."""
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("align_healthcheck", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -32,8 +32,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 import yaml
+from alignd.converter.main import run_converter
+from alignd.infra.settings import AllInOneSettings
 from alignd.infra.telemetry import Metrics
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.services.conftest import REDIS_SERVER, RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
@@ -273,8 +279,6 @@ def _wait(what: str, cond, timeout_s: float = 20.0) -> None:
 
 
 def _sample_sum(text: str, name: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                if s.name == name)
 
@@ -287,21 +291,18 @@ def test_live_services_feed_every_query(tmp_path, monkeypatch):
     """Real prometheus over live services: every dashboard query and recording rule has data."""
     _needs_tools()
     pytest.importorskip("transformers")
-    import redis
-    from alignd.converter.main import run_converter
-    from alignd.infra.settings import AllInOneSettings
+    # the learner, the sampler and the model zoo import transformers: only past the skip
     from alignd.learner import main as learner_main
     from alignd.learner.loop import LearnerLoop
     from alignd.sampler.embedded import build_sampler
     from alignd.sampler.main import run_sampler
     from alignd.tools.in_process import ApiThread
 
-    from tests.services.conftest import REDIS_SERVER, RedisServer, free_port
+    from libalign import models
+    from libalign.models.train import cpu_threads
 
     if REDIS_SERVER is None:
         pytest.skip("redis-server is not installed (./dev.sh test installs it)")
-    from libalign import models
-    from libalign.models.train import cpu_threads
 
     ports = {job: free_port() for job in JOBS}
     redis_srv = RedisServer(tmp_path / "redis")
