@@ -107,7 +107,7 @@ def test_client_installs_without_torch(wheels, tmp_path):
         from alignclient import errors, ids, models
         assert importlib.util.find_spec("torch") is None
         assert not any(m.split(".")[0] in {"torch", "libalign", "alignd"} for m in sys.modules)
-        assert errors.error_class("version_not_found") is errors.VersionNotFoundError
+        assert errors.error_classes()["version_not_found"] is errors.VersionNotFoundError
         assert issubclass(errors.ShapeError, ValueError)
         ids.check_version_id("run7-00042")
         try:
