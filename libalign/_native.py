@@ -1,4 +1,5 @@
-"""Building and loading the compiled kernels in ``csrc/`` (used only by :mod:`libalign.ops`).
+"""Building and loading the compiled kernels in ``csrc/`` (for :mod:`libalign.ops` and
+:mod:`libalign.gemm_cutlass`).
 
 The kernels export a plain C ABI (``csrc/nvfp4_abi.h``) and are loaded with ctypes, so a
 build is a single ``g++`` or ``nvcc`` call with no Python or PyTorch headers: seconds for
@@ -6,27 +7,64 @@ the CPU library, about half a minute for the CUDA one. Builds are cached under
 ``$ALIGN_KERNEL_CACHE`` (default ``~/.cache/libalign/kernels``) in a file named by a hash
 of the sources, the compiler's version, the flags and (for ``-march=native``) the CPU's
 feature flags, and written by rename so concurrent first uses are safe. When a compiler is
-missing or a build fails, :func:`load` returns ``None`` and warns once; the caller then
+missing or a build fails, :func:`load` returns ``None``, warns once and keeps the reason
+(:func:`unavailable_reason`, what :func:`libalign.ops.backends` reports); the caller then
 uses the spec. ``ALIGN_KERNELS=spec`` disables the compiled kernels altogether.
 
+Where the sources are (:data:`CSRC`): an installed wheel carries them as the package
+``libalign.csrc`` (``site-packages/libalign/csrc/``); in a checkout (also an editable install)
+they are the repository's ``csrc/`` beside the ``libalign/`` folder.
+
 The native Blackwell grouped GEMM (kind ``gemm_sm100``, ``csrc/gemm_abi.h``) also needs the
-CUTLASS headers (:mod:`libalign._cutlass`), is built for sm_100a only (about a minute) and
-has no spec to fall back on: :func:`load_or_raise` returns it or says why it cannot.
+CUTLASS headers (see :func:`find_cutlass` below), is built for sm_100a only (about a minute)
+and has no spec to fall back on: :func:`load_or_raise` returns it or says why it cannot.
+
+Where the CUTLASS headers come from
+-----------------------------------
+CUTLASS is header-only, so building ``csrc/gemm_nvfp4_sm100.cu`` needs nothing but two
+include folders: ``include`` (``cute/`` and ``cutlass/``) and ``tools/util/include``
+(``cutlass/util/``). :func:`find_cutlass` looks, in this order:
+
+1. ``$ALIGN_CUTLASS_DIR``: the root of a CUTLASS source tree (a git checkout, or the
+   ``source`` folder of the wheel) holding both folders. When it is set it must be right:
+   a wrong path is an error, not a silent fallback to another copy.
+2. The installed ``nvidia-cutlass`` PyPI package (the ``gpu`` / ``cutlass`` extras), whose
+   ``cutlass_library`` package carries the headers under ``cutlass_library/source``. It is
+   located without being imported.
+
+Anything else raises :class:`KernelBuildError` saying how to get them. The version is read
+from ``cutlass/version.h``; the kernel is written against the 4.x block-scaled grouped API
+and is tested to compile with :data:`CUTLASS_MIN_VERSION`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import tempfile
 import threading
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+import torch
+
+
+def _find_csrc() -> Path:
+    """The kernel sources: ``libalign/csrc`` of an installed wheel, else the checkout's ``csrc/``."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "csrc", package.parent / "csrc"):
+        if (candidate / "nvfp4_abi.h").is_file():
+            return candidate
+    return package / "csrc"  # neither holds them: build() says which file is missing
+
+
+CSRC = _find_csrc()
 HEADERS = ("nvfp4_abi.h", "nvfp4_math.h")
 SOURCES = {"cpu": "quantize_cpu.cpp", "cuda": "quantize_cuda.cu",
            "gemm_sm100": "gemm_nvfp4_sm100.cu"}
@@ -68,9 +106,104 @@ class KernelBuildError(RuntimeError):
     """A kernel library could not be built or loaded (the spec is used instead)."""
 
 
+# --- the CUTLASS headers (the native Blackwell GEMM only) --------------------------------------
+
+CUTLASS_ENV = "ALIGN_CUTLASS_DIR"
+CUTLASS_MIN_VERSION = (4, 2)
+
+
+@dataclass(frozen=True)
+class CutlassHeaders:
+    """The two include folders of one CUTLASS copy and its version."""
+
+    root: Path
+    include: Path
+    util_include: Path
+    version: tuple[int, int, int]
+
+    def flags(self) -> list[str]:
+        """``-I`` flags for a compiler."""
+        return [f"-I{self.include}", f"-I{self.util_include}"]
+
+    def version_header(self) -> Path:
+        """``cutlass/version.h`` (its bytes go into the build cache key)."""
+        return self.include / "cutlass" / "version.h"
+
+
+def _version(include: Path) -> tuple[int, int, int] | None:
+    try:
+        text = (include / "cutlass" / "version.h").read_text()
+    except OSError:
+        return None
+    parts = [re.search(rf"#define\s+CUTLASS_{name}\s+(\d+)", text) for name in
+             ("MAJOR", "MINOR", "PATCH")]
+    if not all(parts):
+        return None
+    return tuple(int(p.group(1)) for p in parts)  # type: ignore[union-attr, return-value]
+
+
+def _at(root: Path) -> CutlassHeaders | str:
+    """The headers under ``root``, or why ``root`` does not hold them."""
+    include, util = root / "include", root / "tools" / "util" / "include"
+    if not (include / "cutlass" / "cutlass.h").is_file():
+        return f"{include}/cutlass/cutlass.h is missing"
+    if not (include / "cute" / "tensor.hpp").is_file():
+        return f"{include}/cute/tensor.hpp is missing"
+    if not (util / "cutlass" / "util" / "packed_stride.hpp").is_file():
+        return f"{util}/cutlass/util/packed_stride.hpp is missing"
+    version = _version(include)
+    if version is None:
+        return f"{include}/cutlass/version.h has no readable version"
+    return CutlassHeaders(root, include, util, version)
+
+
+def cutlass_package_root() -> Path | None:
+    """``cutlass_library/source`` of the installed ``nvidia-cutlass`` package, or None."""
+    try:
+        spec = importlib.util.find_spec("cutlass_library")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "source"
+
+
+def find_cutlass() -> CutlassHeaders:
+    """The CUTLASS headers to build with; raise KernelBuildError when there are none."""
+    env = os.environ.get(CUTLASS_ENV, "").strip()
+    if env:
+        root = Path(env).expanduser()
+        found = _at(root)
+        if isinstance(found, str) and (root / "source").is_dir():
+            found = _at(root / "source")  # the cutlass_library package folder itself
+        if isinstance(found, str):
+            raise KernelBuildError(f"{CUTLASS_ENV}={env} holds no CUTLASS headers: {found}")
+    else:
+        root = cutlass_package_root()
+        if root is None:
+            raise KernelBuildError(
+                "the CUTLASS headers were not found: install the PyPI package nvidia-cutlass "
+                f"(pip install 'libalign[cutlass]') or set {CUTLASS_ENV} to a CUTLASS source tree")
+        found = _at(root)
+        if isinstance(found, str):
+            raise KernelBuildError(f"the installed nvidia-cutlass package ({root}) lacks its "
+                                   f"C++ headers: {found}")
+    if found.version[:2] < CUTLASS_MIN_VERSION:
+        have = ".".join(map(str, found.version))
+        need = ".".join(map(str, CUTLASS_MIN_VERSION))
+        raise KernelBuildError(f"CUTLASS {have} at {found.root} is too old: the sm_100a "
+                               f"grouped NVFP4 GEMM needs {need} or newer")
+    return found
+
+
+# --- the build cache ------------------------------------------------------------------------
+
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
+_reasons: dict[str, str] = {}
 _warned: set[str] = set()
+_strict: dict[str, ctypes.CDLL | KernelBuildError] = {}
+DISABLED = "compiled kernels are disabled (ALIGN_KERNELS=spec)"
 
 
 def cache_dir() -> Path:
@@ -79,7 +212,9 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "libalign" / "kernels"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The ``flags`` line of ``/proc/cpuinfo`` (empty where there is none): the CPU features
+    ``-march=native`` compiles for, part of the CPU library's cache key."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -97,7 +232,8 @@ def _compiler_version(cmd: str) -> str:
         return ""
 
 
-def _nvcc_archs(nvcc: str) -> list[str]:
+def nvcc_archs(nvcc: str) -> list[str]:
+    """The virtual architectures ``nvcc`` can target (``compute_90``, ...); empty if it fails."""
     try:
         return subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True,
                               timeout=30).stdout.split()
@@ -116,14 +252,12 @@ def cuda_archs(nvcc: str) -> list[str]:
     want = os.environ.get("ALIGN_CUDA_ARCHS", "native").strip().lower()
     if want == "native":
         try:
-            import torch
-
             major, minor = torch.cuda.get_device_capability()
             want = f"{major}{minor}" + ("a" if major >= 10 else "")
         except Exception:  # no device visible: build the portable set
             want = "all"
     if want == "all":
-        want = "90,100a" if "compute_100" in _nvcc_archs(nvcc) else "90"
+        want = "90,100a" if "compute_100" in nvcc_archs(nvcc) else "90"
         want += ",ptx90"
     flags = []
     for arch in (a.strip() for a in want.split(",") if a.strip()):
@@ -138,12 +272,10 @@ def build_command(kind: str, src: Path, out: Path) -> list[str]:
     """The compiler invocation for ``kind`` ('cpu', 'cuda' or 'gemm_sm100')."""
     inc = f"-I{CSRC}"
     if kind == "gemm_sm100":  # Blackwell only (sm_100a), CUTLASS headers, no other arch
-        from . import _cutlass
-
         nvcc = os.environ.get("NVCC", "nvcc")
         return [nvcc, "-O3", "-std=c++17", "-fmad=false", "--expt-relaxed-constexpr",
                 "-DNDEBUG", "-Xcompiler", "-fPIC", "-shared",
-                "-gencode=arch=compute_100a,code=sm_100a", inc, *_cutlass.find().flags(),
+                "-gencode=arch=compute_100a,code=sm_100a", inc, *find_cutlass().flags(),
                 str(src), "-o", str(out)]
     if kind == "cpu":
         cxx = os.environ.get("CXX", "g++")
@@ -160,13 +292,11 @@ def _key(kind: str, cmd: list[str]) -> str:
     for name in (*HEADERS, *KIND_HEADERS.get(kind, ()), SOURCES[kind]):
         h.update((CSRC / name).read_bytes())
     if kind == "gemm_sm100":  # the CUTLASS copy's version, also when it is upgraded in place
-        from . import _cutlass
-
-        h.update(_cutlass.find().version_header().read_bytes())
+        h.update(find_cutlass().version_header().read_bytes())
     h.update(" ".join(cmd[1:]).replace(str(CSRC), "CSRC").encode())
     h.update(_compiler_version(cmd[0]).encode())
     if kind == "cpu":
-        h.update(_cpu_flags().encode())
+        h.update(cpu_flags().encode())
     return h.hexdigest()[:16]
 
 
@@ -180,7 +310,7 @@ def build(kind: str) -> Path:
         raise KernelBuildError(f"compiler {compiler!r} not found on PATH")
     if kind == "cuda" and not os.environ.get("NVCC") and shutil.which("nvcc") is None:
         raise KernelBuildError("nvcc not found on PATH")
-    if kind == "gemm_sm100" and "compute_100" not in _nvcc_archs(compiler):
+    if kind == "gemm_sm100" and "compute_100" not in nvcc_archs(compiler):
         raise KernelBuildError(f"{compiler} cannot target sm_100a (CUDA 12.8 or newer needed)")
     probe = build_command(kind, src, Path("OUT"))
     target = cache_dir() / f"libnvfp4_{kind}-{_key(kind, probe)}.so"
@@ -202,7 +332,8 @@ def build(kind: str) -> Path:
     return target
 
 
-def _declare(lib: ctypes.CDLL, kind: str) -> None:
+def declare(lib: ctypes.CDLL, kind: str) -> None:
+    """Give ctypes the argument and result types of ``kind``'s C ABI (``csrc/*_abi.h``)."""
     p, f, i, vp = ctypes.c_void_p, ctypes.POINTER(NvParams), ctypes.c_int, ctypes.c_void_p
     if kind == "gemm_sm100":
         g = ctypes.POINTER(GemmSm100Args)
@@ -230,9 +361,40 @@ def _declare(lib: ctypes.CDLL, kind: str) -> None:
         lib.nvfp4_amax_cuda.restype = i
 
 
+def disabled() -> bool:
+    """True when ``$ALIGN_KERNELS`` is ``spec``: every call is served by the reference."""
+    return os.environ.get("ALIGN_KERNELS", "").lower() == "spec"
+
+
+def unavailable_reason(kind: str) -> str | None:
+    """Why :func:`load` returned None for ``kind`` (the build or load error), or None when it
+    has not (the library is loaded, or was never asked for)."""
+    if disabled():
+        return DISABLED
+    with _lock:
+        return _reasons.get(kind) if kind in _libs and _libs[kind] is None else None
+
+
+def attempted(kind: str) -> bool:
+    """True once this process has tried to build or load ``kind`` (until :func:`forget`)."""
+    with _lock:
+        return kind in _libs or kind in _strict
+
+
+def forget() -> None:
+    """Drop every loaded library and remembered failure (not the on-disk cache): the next
+    use builds or finds them again, e.g. after ``$ALIGN_KERNEL_CACHE``, ``CXX`` or ``NVCC``
+    changed. A warning already given for a kind is given again on its next failure."""
+    with _lock:
+        _libs.clear()
+        _reasons.clear()
+        _warned.clear()
+        _strict.clear()
+
+
 def load(kind: str) -> ctypes.CDLL | None:
     """The loaded library for ``kind``, building it on first use; None (warned once) if not."""
-    if os.environ.get("ALIGN_KERNELS", "").lower() == "spec":
+    if disabled():
         return None
     with _lock:
         if kind in _libs:
@@ -240,8 +402,9 @@ def load(kind: str) -> ctypes.CDLL | None:
         lib = None
         try:
             lib = ctypes.CDLL(str(build(kind)))
-            _declare(lib, kind)
+            declare(lib, kind)
         except (KernelBuildError, OSError, subprocess.SubprocessError) as exc:
+            _reasons[kind] = str(exc)
             if kind not in _warned:
                 _warned.add(kind)
                 warnings.warn(f"libalign: the {kind} NVFP4 kernel is unavailable, using the "
@@ -252,23 +415,20 @@ def load(kind: str) -> ctypes.CDLL | None:
         return lib
 
 
-_strict: dict[str, ctypes.CDLL | KernelBuildError] = {}
-
-
 def load_or_raise(kind: str) -> ctypes.CDLL:
     """The loaded library for ``kind``, built on first use; KernelBuildError (why) if not.
 
     For kernels that have no spec fallback (the native GEMM): no warning, and a failed
     build is remembered for the process, so a missing compiler costs one attempt.
     """
-    if os.environ.get("ALIGN_KERNELS", "").lower() == "spec":
-        raise KernelBuildError("compiled kernels are disabled (ALIGN_KERNELS=spec)")
+    if disabled():
+        raise KernelBuildError(DISABLED)
     with _lock:
         got = _strict.get(kind)
         if got is None:
             try:
                 got = ctypes.CDLL(str(build(kind)))
-                _declare(got, kind)
+                declare(got, kind)
             except KernelBuildError as exc:
                 got = exc
             except (OSError, subprocess.SubprocessError) as exc:

@@ -1,6 +1,6 @@
 """Triton kernels of the emulated W4A4 expert GEMM on GPUs without FP4 tensor cores (Hopper).
 
-Reached only through :mod:`libalign.ops`. Two kernels implement :mod:`libalign.gemm`'s three
+Reached only through :mod:`libalign.gemm_triton`. Two kernels implement :mod:`libalign.gemm`'s three
 steps:
 
 ``act_qdq``

@@ -26,10 +26,16 @@ rounding of a small fraction of outputs by one bf16 ulp (the tests pin that boun
 
 **Grouped over experts.** A mixture-of-experts layer multiplies each expert's rows of a
 token-permuted activation matrix by that expert's weights. Rows arrive sorted by expert with
-``counts[e]`` rows for expert ``e`` (zero allowed). :class:`GroupLayout` pads each expert's
-rows to a multiple of 64 or 128 so that a GEMM tile never straddles two experts; padding rows
-are zero, which changes no outer maximum (a zero row quantizes to zero codes), so padding is
-invisible in the result.
+``counts[e]`` rows for expert ``e`` (zero allowed). :class:`GroupLayout`
+(:mod:`libalign.gemm_layout`) pads each expert's rows to a multiple of 64 or 128 so that a
+GEMM tile never straddles two experts; padding rows are zero, which changes no outer maximum
+(a zero row quantizes to zero codes), so padding is invisible in the result.
+
+**Backends.** This module defines the product, runs the reference and CPU backends, and
+chooses one (:func:`grouped_linear`); the GPU backends live beside it:
+:mod:`libalign.gemm_triton` (Hopper, Triton kernels on bf16 tensor cores) and
+:mod:`libalign.gemm_cutlass` (Blackwell FP4 tensor cores through CUTLASS). Operands are
+quantized through the kernel door, :mod:`libalign.ops`.
 
 **Execution paths.** :data:`PATHS` names what a learner or a sampler can run: ``bf16`` (no
 quantization), ``nvfp4_naive`` (per-tensor activation scale, per-expert weight scale: the
@@ -44,18 +50,32 @@ path fixes one :class:`~libalign.spec.NumericsSpec` for each operand.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from . import ops
 from .errors import DTypeError, ShapeError, SpecError
+from .gemm_cutlass import grouped_activation_scales, native_grouped_gemm, native_grouped_gemm_gap
+from .gemm_layout import PAD_CHOICES, GroupLayout, group_layout
+from .gemm_triton import (
+    triton_act_gap,
+    triton_gemm_available,
+    triton_k_gap,
+    w4a4_grouped_triton,
+    w4a4_grouped_triton_quantized,
+)
 from .packing import unpack_nibbles
 from .rounding import e2m1_code_values, e4m3_bits_to_float
 from .spec import PRESETS, NumericsSpec, NVFP4Tensor, check_finite
 
 BACKENDS = ("auto", "reference", "torch", "triton", "native")
-PAD_CHOICES = (1, 64, 128)
+__all__ = [  # GroupLayout, group_layout and PAD_CHOICES are gemm_layout's, re-exported
+    "BACKENDS", "PAD_CHOICES", "PATHS", "ActivationHook", "ExecutionPath", "ExpertWeights",
+    "GroupLayout", "Observer", "epilogue", "get_path", "group_layout", "grouped_linear",
+    "inner_values", "moe_experts_forward", "prepare_weights", "quantize_activations",
+    "register_path", "row_decode_scales", "take_rows", "w4a4_reference", "weights_from_quantized",
+]
 
 
 # --- execution paths --------------------------------------------------------------------------
@@ -167,97 +187,6 @@ def w4a4_reference(a: NVFP4Tensor, w: NVFP4Tensor, dtype: torch.dtype = torch.bf
     return epilogue(acc, row_decode_scales(a), row_decode_scales(w), dtype)
 
 
-# --- group layout -----------------------------------------------------------------------------
-
-@dataclass(frozen=True, eq=False)
-class GroupLayout:
-    """Rows sorted by expert, ``counts[e]`` of them for expert ``e``, padded per expert.
-
-    ``padded_counts[e]`` rounds ``counts[e]`` up to ``pad_to``; ``rows`` maps each unpadded row
-    to its position in the padded layout; ``tile_expert`` gives the expert of each ``pad_to``
-    row tile (what a GEMM kernel reads to pick the weights of a tile).
-    """
-
-    counts: tuple[int, ...]
-    pad_to: int
-    padded_counts: tuple[int, ...]
-    rows: torch.Tensor = field(repr=False)
-    _cache: dict = field(default_factory=dict, repr=False, compare=False)
-
-    @property
-    def experts(self) -> int:
-        """Number of experts (groups)."""
-        return len(self.counts)
-
-    @property
-    def total(self) -> int:
-        """Unpadded rows."""
-        return sum(self.counts)
-
-    @property
-    def padded_total(self) -> int:
-        """Rows after padding."""
-        return sum(self.padded_counts)
-
-    def offsets(self, padded: bool = True) -> list[int]:
-        """Start row of each expert (``E + 1`` entries, the last is the total)."""
-        out, acc = [0], 0
-        for c in self.padded_counts if padded else self.counts:
-            acc += c
-            out.append(acc)
-        return out
-
-    def tile_expert(self, tile: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """int32 expert index of each ``tile``-row tile of the padded layout."""
-        if self.pad_to % tile and tile % self.pad_to:
-            raise ShapeError(f"tile {tile} and padding {self.pad_to} do not nest")
-        if tile > self.pad_to:
-            raise ShapeError(f"tile {tile} is larger than the padding {self.pad_to}")
-        key = (tile, str(device))
-        hit = self._cache.get(key)
-        if hit is None:
-            per = torch.tensor([c // tile for c in self.padded_counts], dtype=torch.int64)
-            hit = torch.repeat_interleave(torch.arange(self.experts, dtype=torch.int32), per).to(device)
-            self._cache[key] = hit
-        return hit
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[total, ...]`` in the padded layout, padding rows zero."""
-        if x.shape[0] != self.total:
-            raise ShapeError(f"layout holds {self.total} rows, tensor has {x.shape[0]}")
-        if self.padded_total == self.total:
-            return x
-        out = x.new_zeros((self.padded_total, *x.shape[1:]))
-        out[self._rows_on(x.device)] = x
-        return out
-
-    def unpad(self, y: torch.Tensor) -> torch.Tensor:
-        """The rows of a padded-layout tensor that belong to real tokens."""
-        if self.padded_total == self.total:
-            return y
-        return y[self._rows_on(y.device)]
-
-    def _rows_on(self, device: torch.device) -> torch.Tensor:
-        key = ("rows", str(device))
-        if key not in self._cache:
-            self._cache[key] = self.rows.to(device)
-        return self._cache[key]
-
-
-def group_layout(counts: torch.Tensor | list[int] | tuple[int, ...], pad_to: int = 1) -> GroupLayout:
-    """The :class:`GroupLayout` of rows sorted by expert with these per-expert counts."""
-    if pad_to not in PAD_CHOICES:
-        raise SpecError(f"pad_to must be one of {PAD_CHOICES}, got {pad_to}")
-    c = [int(v) for v in (counts.tolist() if isinstance(counts, torch.Tensor) else counts)]
-    if not c or any(v < 0 for v in c):
-        raise ShapeError(f"counts must be a non-empty list of non-negative ints, got {c[:8]}")
-    padded = [-(-v // pad_to) * pad_to for v in c]
-    ct, pt = torch.tensor(c, dtype=torch.int64), torch.tensor(padded, dtype=torch.int64)
-    shift = (pt.cumsum(0) - pt) - (ct.cumsum(0) - ct)  # padded start minus unpadded start
-    rows = torch.arange(sum(c), dtype=torch.int64) + torch.repeat_interleave(shift, ct)
-    return GroupLayout(tuple(c), pad_to, tuple(padded), rows)
-
-
 # --- prepared weights -------------------------------------------------------------------------
 
 @dataclass(frozen=True, eq=False)
@@ -309,7 +238,7 @@ def prepare_weights(weight: torch.Tensor, path: str | ExecutionPath, *,
     q = ops.quantize(w, p.weight_spec, outer_amax=outer_amax)
     native = w.is_cuda and _device_kernels(w.device)[0]
     return ExpertWeights(p, weight, q, inner_values(q, _inner_dtype(w.device)), row_decode_scales(q),
-                         ops._as_gemm_operand(q) if native else None)
+                         ops.as_gemm_operand(q) if native else None)
 
 
 def weights_from_quantized(q: NVFP4Tensor, path: str | ExecutionPath,
@@ -333,7 +262,7 @@ def weights_from_quantized(q: NVFP4Tensor, path: str | ExecutionPath,
         weight = q.dequantize(torch.float32).to(torch.bfloat16)
     native = q.codes.is_cuda and _device_kernels(dev)[0]
     return ExpertWeights(p, weight, q, inner_values(q, _inner_dtype(dev)), row_decode_scales(q),
-                         ops._as_gemm_operand(q) if native else None)
+                         ops.as_gemm_operand(q) if native else None)
 
 
 # --- activations ------------------------------------------------------------------------------
@@ -369,14 +298,14 @@ def _resolve_backend(backend: str, device: torch.device, path: ExecutionPath, k:
     if backend not in BACKENDS:
         raise SpecError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton":
-        if not ops.triton_gemm_available(device):
+        if not triton_gemm_available(device):
             raise SpecError(f"the triton W4A4 backend needs a CUDA device with Triton, got {device}")
-        gap = ops.triton_act_gap(path.act_spec) if path.quantized else "the bf16 path"
-        gap = gap or (None if k % 16 == 0 else f"K={k} is not a multiple of 16")
+        gap = triton_act_gap(path.act_spec) if path.quantized else "the bf16 path"
+        gap = gap or triton_k_gap(k)
         if gap is not None:
             raise SpecError(f"the triton W4A4 backend cannot serve path {path.name!r}: {gap}")
     if backend == "native":
-        gap = ops.native_grouped_gemm_gap(device) if path.quantized else "the bf16 path"
+        gap = native_grouped_gemm_gap(device) if path.quantized else "the bf16 path"
         if gap is not None:
             raise SpecError(f"the native Blackwell W4A4 backend cannot serve this call: {gap}")
     if backend != "auto":
@@ -386,7 +315,7 @@ def _resolve_backend(backend: str, device: torch.device, path: ExecutionPath, k:
     native, triton = _device_kernels(device)
     if native:
         return "native"
-    if triton and k % 16 == 0 and ops.triton_act_gap(path.act_spec) is None:
+    if triton and triton_k_gap(k) is None and triton_act_gap(path.act_spec) is None:
         return "triton"
     return "torch"
 
@@ -398,8 +327,8 @@ def _device_kernels(device: torch.device) -> tuple[bool, bool]:
     """(native Blackwell GEMM, Triton GEMM) availability per device, asked once per process."""
     key = str(device)
     if key not in _DEVICE_KERNELS:
-        _DEVICE_KERNELS[key] = (ops.native_grouped_gemm_available(device),
-                                ops.triton_gemm_available(device))
+        _DEVICE_KERNELS[key] = (native_grouped_gemm_gap(device) is None,
+                                triton_gemm_available(device))
     return _DEVICE_KERNELS[key]
 
 
@@ -427,10 +356,10 @@ def _quantized_grouped(a: torch.Tensor, w: ExpertWeights, layout: GroupLayout,
     out_dtype = a.dtype if a.dtype != torch.float32 else torch.bfloat16
     if backend == "triton":
         if act_q is not None:
-            return ops.w4a4_grouped_triton_quantized(
+            return w4a4_grouped_triton_quantized(
                 inner_values(act_q, torch.bfloat16), row_decode_scales(act_q), w.inner, w.dec,
                 layout, out_dtype)
-        return ops.w4a4_grouped_triton(a, spec, w.inner, w.dec, layout, out_dtype)
+        return w4a4_grouped_triton(a, spec, w.inner, w.dec, layout, out_dtype)
     if act_q is None:
         check_finite(a, "activations")
     if backend == "native":  # Blackwell FP4 tensor cores (compiled for sm_100a, never run here)
@@ -438,7 +367,7 @@ def _quantized_grouped(a: torch.Tensor, w: ExpertWeights, layout: GroupLayout,
             raise SpecError("these weights were not prepared on a device with the native GEMM")
         qa = act_q if act_q is not None else ops.quantize(a.detach(), spec)
         offs = layout.offsets(padded=False)
-        return ops.native_grouped_gemm(qa.codes, ops.grouped_activation_scales(qa.block_scales, offs),
+        return native_grouped_gemm(qa.codes, grouped_activation_scales(qa.block_scales, offs),
                                        row_decode_scales(qa), offs, w.operand.codes,
                                        w.operand.block_scales, w.dec)
     if act_q is not None:

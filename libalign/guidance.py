@@ -53,9 +53,10 @@ import torch
 
 from .constants import BLOCK_SIZE
 from .errors import GuidanceChecksumError, GuidanceRecordError, ShapeError, SpecError
+from .ops import quantize  # the kernel door (the spec where no kernel serves)
 from .packing import pack_nibbles, unpack_nibbles
 from .rounding import GUIDE_BITS, low_bits, round_e2m1_guided
-from .spec import NumericsSpec, NVFP4Tensor, _check_input, check_finite, normalized_with_scales
+from .spec import NumericsSpec, NVFP4Tensor, check_finite, check_input, normalized_with_scales
 
 SITES = ("fc1", "fc2")
 COMPRESSIONS = ("none", "zlib")
@@ -515,11 +516,9 @@ def guided_quantize(x: torch.Tensor, spec: NumericsSpec, guide: RowGuide | None)
     Guided rows take the sampler's block and row scales and :func:`round_e2m1_guided` codes of
     ``x`` normalized by them; with the sampler's own input this reproduces its bits exactly.
     """
-    from .ops import quantize  # the kernel door; the spec on CPU
-
     if guide is None:
         return quantize(x, spec)
-    _check_input(x, spec)  # the whole input, as quantize(x) would (dtype, shape, NaN/Inf)
+    check_input(x, spec)  # the whole input, as quantize(x) would (dtype, shape, NaN/Inf)
     if spec.nonfinite == "raise":
         check_finite(x)
     if spec.outer_domain != "row":

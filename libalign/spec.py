@@ -20,60 +20,26 @@ spec says otherwise:
 7. nibble packing.
 
 Kernels (CUDA, CPU) are tested against this module bit for bit; quality against BF16 is
-a separate question. The presets reproduce public quantizers exactly on finite inputs:
-
-``minite`` (default)
-    Row-scaled outer scale (one per activation row / weight output row), TE's fp32
-    order, row maximum floored as ``max(a, 1e-12)``, and a block whose decoded E4M3 scale
-    is zero gets a zero encoding multiplier, so its codes are zero. No scale floor, so
-    tiny blocks keep their own scale. Any zero magnitude is stored as code 0x0.
-``te``
-    TransformerEngine's NVFP4 reference (bit-exact to its kernels): per-tensor amax,
-    no floors, a zero-scale block is encoded with multiplier FLT_MAX (its non-zero
-    elements saturate to +-6), -0.0 -> 0x0 but tiny negatives -> 0x8. Stores the amax.
-    ``te_row`` is TE's ``row_scaled_nvfp4`` activation variant.
-``torchao``
-    ``torchao.prototype.mx_formats.nvfp4_tensor.nvfp4_quantize`` with
-    ``per_tensor_scale = amax / 2688`` (per expert for 3-D): block scales floored at
-    2^-6 (an all-zero block stores 0x08), encode ``x * ((1/g) / s)``, sign bit copied
-    from the input (-0.0 -> 0x8). PyTorch on CPU divides ``v / 6`` exactly; on CUDA it
-    multiplies by a rounded reciprocal, so torchao's own bits differ across devices:
-    this preset follows its CPU bits.
-``modelopt``
-    ``NVFP4QTensor.quantize`` (per-tensor ``weight_scale_2 = amax / 2688``): a zero fp32
-    block scale becomes 1.0 (0x38), floor 2^-9, encode ``x / (s * g)``, zero-padded K.
-``compressed_tensors``
-    compressed-tensors' NVFP4 (``generate_gparam``, ``calculate_qparams``,
-    ``quantize_and_pack_fp4``): global scale and ``v / 6`` in the model dtype, a block
-    scale that rounds to zero becomes 0.125 (0x20), encode ``x / (s / gs)``, K must be
-    a multiple of 16. Stores the encode-convention global scale.
-
-The ``torchao`` and ``modelopt`` presets raise :class:`UndefinedScaleError` on an
-all-zero tensor, where both libraries compute 0/0 and emit NaN block scales.
+a separate question. :class:`NumericsSpec` and the presets that reproduce public quantizers
+(``minite``, ``te``, ``torchao``, ``modelopt``, ``compressed_tensors``) are defined in
+:mod:`libalign.numerics` and importable from here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import scale_math
-from .constants import (
-    BLOCK_SIZE,
-    E2M1_MAX,
-    FLT_MAX,
-    HADAMARD_SIGNS,
-    MINITE_AMAX_FLOOR,
-)
+from .constants import BLOCK_SIZE, E2M1_MAX, FLT_MAX
 from .errors import DTypeError, NonFiniteError, ShapeError, SpecError, UndefinedScaleError
 from .hadamard import rht16, rht16_inverse
+from .numerics import OUTER_CONVENTIONS, OUTER_DOMAINS, PRESETS, NumericsSpec
 from .packing import pack_nibbles, swizzle_scales, unpack_nibbles
 from .rounding import (
-    SIGNED_ZERO_POLICIES,
     canonical_zero,
     e2m1_code_values,
     e4m3_bits_to_float,
@@ -83,141 +49,14 @@ from .rounding import (
     saturate_e4m3,
 )
 
-OUTER_DOMAINS = ("none", "tensor", "expert", "row")
-OUTER_CONVENTIONS = ("amax", "enc", "dec")
+__all__ = [
+    "CHUNK_BLOCKS", "INPUT_DTYPES", "OUTER_CONVENTIONS", "OUTER_DOMAINS", "PRESETS", "NVFP4Tensor",
+    "NumericsSpec", "check_finite", "check_input", "checked_outer_amax", "dequantize",
+    "encode_with_scales", "normalized_with_scales", "quantize", "roundtrip_codes",
+    "shared_outer_amax",
+]
+
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class NumericsSpec:
-    """Every choice an NVFP4 bit depends on. Frozen; derive variants with :meth:`replace`.
-
-    Attributes:
-        name: preset name (informational; equality compares every field).
-        outer_domain: ``none`` (block scales only), ``tensor``, ``expert`` (one per
-            leading index of a 3-D stack; a 2-D tensor is one expert) or ``row``.
-        op_order: fp32 operation order of outer scale, block scale and element encode
-            (``te``, ``torchao``, ``modelopt``, ``compressed_tensors``; see scale_math).
-        amax_floor: the outer maximum is replaced by ``max(A, amax_floor)`` (in fp32).
-        block_scale_floor: lower clamp of the fp32 block scale before the E4M3 cast.
-        zero_prescale_to: value substituted for an fp32 block scale that is exactly zero,
-            before the clamp (ModelOpt: 1.0).
-        zero_scale_to: value substituted for an E4M3 block scale that rounded to zero,
-            after the cast (compressed-tensors: 0.125). Must be E4M3-representable.
-        zero_scale_encode: multiplier of a block whose final scale is still zero:
-            ``zero`` (codes become zero) or ``saturate`` (FLT_MAX: non-zero elements go
-            to +-6, TE's behaviour).
-        signed_zero: code of values whose magnitude rounds to zero: ``positive`` (0x0
-            always), ``sign_of_input`` (IEEE sign bit, -0.0 -> 0x8) or
-            ``sign_of_nonzero`` (-0.0 -> 0x0, -0.1 -> 0x8).
-        nonfinite: ``raise`` a :class:`NonFiniteError`, or ``saturate`` (NaN -> 0,
-            +-Inf -> the input dtype's largest finite value) before quantizing.
-        k_remainder: K not a multiple of 16: ``pad`` with zeros or ``refuse``.
-        hadamard: rotate each block with the fixed 16-point Hadamard transform first.
-        hadamard_signs: its fixed sign mask.
-        stochastic_rounding: E2M1 rounding draws from an explicit generator.
-        outer_convention: what ``NVFP4Tensor.outer_scale`` stores: ``amax``, ``enc``
-            (2688 / amax) or ``dec`` (amax / 2688), as this order computes them.
-        scale_math_dtype: ``float32``, or ``input`` for the steps compressed-tensors
-            computes in the model dtype.
-    """
-
-    name: str = "custom"
-    outer_domain: str = "row"
-    op_order: str = "te"
-    amax_floor: float | None = MINITE_AMAX_FLOOR
-    block_scale_floor: float | None = None
-    zero_prescale_to: float | None = None
-    zero_scale_to: float | None = None
-    zero_scale_encode: str = "zero"
-    signed_zero: str = "positive"
-    nonfinite: str = "raise"
-    k_remainder: str = "pad"
-    hadamard: bool = False
-    hadamard_signs: tuple[int, ...] = HADAMARD_SIGNS
-    stochastic_rounding: bool = False
-    outer_convention: str = "dec"
-    scale_math_dtype: str = "float32"
-    block_size: int = field(default=BLOCK_SIZE)
-
-    def __post_init__(self) -> None:
-        choices = {
-            "outer_domain": OUTER_DOMAINS,
-            "op_order": scale_math.OP_ORDERS,
-            "zero_scale_encode": ("zero", "saturate"),
-            "signed_zero": SIGNED_ZERO_POLICIES,
-            "nonfinite": ("raise", "saturate"),
-            "k_remainder": ("pad", "refuse"),
-            "outer_convention": OUTER_CONVENTIONS,
-            "scale_math_dtype": ("float32", "input"),
-        }
-        for attr, allowed in choices.items():
-            if getattr(self, attr) not in allowed:
-                raise SpecError(f"{attr} must be one of {allowed}, got {getattr(self, attr)!r}")
-        if self.block_size != BLOCK_SIZE:
-            raise SpecError(f"NVFP4 blocks have {BLOCK_SIZE} elements, got {self.block_size}")
-        if len(self.hadamard_signs) != 16 or any(s not in (1, -1) for s in self.hadamard_signs):
-            raise SpecError("hadamard_signs must be 16 values of +1 or -1")
-        for attr in ("amax_floor", "block_scale_floor", "zero_prescale_to", "zero_scale_to"):
-            v = getattr(self, attr)
-            if v is not None and not (v > 0 and v < FLT_MAX):
-                raise SpecError(f"{attr} must be a positive finite number or None, got {v!r}")
-        if self.zero_scale_to is not None:
-            t = torch.tensor([self.zero_scale_to], dtype=torch.float32)
-            if e4m3_bits_to_float(round_e4m3_bits(saturate_e4m3(t))).item() != self.zero_scale_to:
-                raise SpecError(f"zero_scale_to={self.zero_scale_to} is not an E4M3 value")
-        if self.outer_domain == "none" and self.outer_convention != "dec":
-            raise SpecError("outer_domain 'none' stores no outer scale; use outer_convention 'dec'")
-
-    def replace(self, **changes: Any) -> NumericsSpec:
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict (for manifests and the wire)."""
-        d = dataclasses.asdict(self)
-        d["hadamard_signs"] = list(self.hadamard_signs)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> NumericsSpec:
-        """Inverse of :meth:`to_dict`; unknown keys are an error."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise SpecError(f"unknown numerics spec field(s): {sorted(unknown)}")
-        d = dict(d)
-        if "hadamard_signs" in d:
-            d["hadamard_signs"] = tuple(d["hadamard_signs"])
-        return cls(**d)
-
-
-PRESETS: dict[str, NumericsSpec] = {
-    "minite": NumericsSpec(name="minite"),
-    "te": NumericsSpec(
-        name="te", outer_domain="tensor", amax_floor=None, zero_scale_encode="saturate",
-        signed_zero="sign_of_nonzero", outer_convention="amax",
-    ),
-    "te_row": NumericsSpec(
-        name="te_row", outer_domain="row", amax_floor=None, zero_scale_encode="saturate",
-        signed_zero="sign_of_nonzero", outer_convention="amax",
-    ),
-    "torchao": NumericsSpec(
-        name="torchao", outer_domain="expert", op_order="torchao", amax_floor=None,
-        block_scale_floor=2.0**-6, signed_zero="sign_of_input", k_remainder="refuse",
-        outer_convention="dec",
-    ),
-    "modelopt": NumericsSpec(
-        name="modelopt", outer_domain="tensor", op_order="modelopt", amax_floor=None,
-        block_scale_floor=2.0**-9, zero_prescale_to=1.0, signed_zero="sign_of_nonzero",
-        outer_convention="dec",
-    ),
-    "compressed_tensors": NumericsSpec(
-        name="compressed_tensors", outer_domain="tensor", op_order="compressed_tensors",
-        amax_floor=None, zero_scale_to=0.125, signed_zero="sign_of_nonzero",
-        k_remainder="refuse", outer_convention="enc", scale_math_dtype="input",
-    ),
-}
 
 
 @dataclass(frozen=True, eq=False)
@@ -332,7 +171,13 @@ def _math_dtype(spec: NumericsSpec, input_dtype: torch.dtype) -> torch.dtype:
     return input_dtype if spec.scale_math_dtype == "input" else torch.float32
 
 
-def _check_input(x: Any, spec: NumericsSpec) -> None:
+def check_input(x: Any, spec: NumericsSpec) -> None:
+    """Refuse what no quantizer accepts: a non-tensor, a dtype other than fp32/bf16/fp16, a
+    rank other than 2 or 3, or K not a multiple of 16 under a spec that refuses to pad.
+
+    Raises :class:`DTypeError` or :class:`ShapeError`; every quantize path (the spec, the
+    kernels, guided rounding) checks its input here first, so all refuse alike.
+    """
     if not isinstance(x, torch.Tensor):
         raise DTypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in INPUT_DTYPES:
@@ -441,7 +286,7 @@ def quantize(
     the gate and up projections they fuse (see :func:`shared_outer_amax`).
     """
     spec = PRESETS["minite"] if spec is None else spec
-    _check_input(x, spec)
+    check_input(x, spec)
     if spec.stochastic_rounding and generator is None:
         raise SpecError("stochastic rounding needs an explicit torch.Generator")
     shape = tuple(x.shape)
@@ -456,7 +301,7 @@ def quantize(
     else:
         amax = _outer_amax(vmax, spec.outer_domain)
         if outer_amax is not None:
-            amax = _checked_outer_amax(outer_amax, amax)
+            amax = checked_outer_amax(outer_amax, amax)
         if spec.amax_floor is not None:
             amax = torch.clamp(amax, min=amax.new_tensor(spec.amax_floor))
         outer = scale_math.outer_from_amax(amax, spec.op_order, math_dtype)
@@ -478,8 +323,9 @@ def quantize(
     )
 
 
-def _checked_outer_amax(given: torch.Tensor, computed: torch.Tensor) -> torch.Tensor:
-    """``given`` as fp32 on the input's device, refused unless it fits the outer domain."""
+def checked_outer_amax(given: torch.Tensor, computed: torch.Tensor) -> torch.Tensor:
+    """A caller's ``outer_amax`` as fp32 on the device of ``computed`` (the maxima this input
+    would give), refused unless it has their shape and is finite and non-negative."""
     if not isinstance(given, torch.Tensor):
         raise DTypeError(f"outer_amax must be a torch.Tensor, got {type(given).__name__}")
     if tuple(given.shape) != tuple(computed.shape):
@@ -506,7 +352,7 @@ def shared_outer_amax(tensors: list[torch.Tensor], spec: NumericsSpec) -> torch.
                         f"preset {spec.name!r} has {spec.outer_domain!r}")
     out = None
     for t in tensors:
-        _check_input(t, spec)
+        check_input(t, spec)
         # the same preparation and maxima quantize() computes (NaN/Inf policy, padding,
         # rotation), so the shared value is exactly what each tensor would have used
         a = _outer_amax(_block_maxima(_prepared_blocks(t, spec)), spec.outer_domain)

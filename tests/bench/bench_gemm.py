@@ -28,7 +28,8 @@ import statistics
 
 import torch
 
-from libalign import gemm, ops
+from libalign import gemm
+from libalign.gemm_triton import triton_gemm_available, w4a4_grouped_triton
 
 CELLS = [("FC1", 2048, 1536), ("FC2", 768, 2048)]
 ROWS = (256, 1024, 4096, 8192)
@@ -121,11 +122,11 @@ def _cell(name, k, n, rows, args, w, ew, ew_naive, tk) -> dict:
     runs = {
         "bf16": lambda: torch._grouped_mm(a, wt, offs=offs),
         "minite": lambda: gemm.grouped_linear(a, ew, lay, backend="triton"),
-        "nocheck": lambda: ops.w4a4_grouped_triton(a, spec, ew.inner, ew.dec, lay, check_finite=False),
+        "nocheck": lambda: w4a4_grouped_triton(a, spec, ew.inner, ew.dec, lay, check_finite=False),
         "naive": lambda: gemm.grouped_linear(a, ew_naive, lay, backend="triton"),
         "gemm": lambda: tk.grouped_gemm(inner, dec, ew.inner, ew.dec, tiles, 128),
-        "serial": lambda: ops.w4a4_grouped_triton(a, spec, ew.inner, ew.dec, lay, check_finite=False,
-                                                  chunks=1),
+        "serial": lambda: w4a4_grouped_triton(a, spec, ew.inner, ew.dec, lay, check_finite=False,
+                                          chunks=1),
     }
     runs["qdq"] = lambda: tk.act_qdq(a, amax_floor=spec.amax_floor, tensor_amax=None)
     with torch.no_grad():
@@ -165,7 +166,7 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("bench gemm needs a CUDA device; skipped")
         return 0
-    if not ops.triton_gemm_available("cuda"):
+    if not triton_gemm_available("cuda"):
         print("bench gemm: Triton W4A4 kernels unavailable on this device")
         return 1
     from libalign import _triton_w4a4 as tk

@@ -11,7 +11,7 @@ import pytest
 import torch
 from alignclient.errors import NonFiniteError
 
-from libalign import gemm, ops
+from libalign import gemm, gemm_triton
 from libalign.spec import PRESETS, quantize
 
 pytestmark = pytest.mark.gpu
@@ -20,7 +20,7 @@ CUDA = "cuda"
 
 
 def _need_triton():
-    if not torch.cuda.is_available() or not ops.triton_gemm_available(CUDA):
+    if not torch.cuda.is_available() or not gemm_triton.triton_gemm_available(CUDA):
         pytest.skip("needs a CUDA device of sm_90+ with Triton")
 
 
@@ -140,9 +140,9 @@ def test_pipelined_chunks_give_the_same_bits():
     a = _acts(sum(counts), 256, seed=11)
     ew = gemm.prepare_weights(w, "nvfp4_minite")
     lay = gemm.group_layout(counts, 128)
-    one = ops.w4a4_grouped_triton(a, ew.path.act_spec, ew.inner, ew.dec, lay, chunks=1)
+    one = gemm_triton.w4a4_grouped_triton(a, ew.path.act_spec, ew.inner, ew.dec, lay, chunks=1)
     for chunks in (2, 3, 7):
-        many = ops.w4a4_grouped_triton(a, ew.path.act_spec, ew.inner, ew.dec, lay, chunks=chunks)
+        many = gemm_triton.w4a4_grouped_triton(a, ew.path.act_spec, ew.inner, ew.dec, lay, chunks=chunks)
         assert torch.equal(one, many)
 
 

@@ -22,15 +22,15 @@ import pytest
 import torch
 from alignclient.errors import DTypeError, ShapeError, SpecError
 
-from libalign import _cutlass, _native, ops
+from libalign import _native, gemm_cutlass
 from libalign.packing import swizzle_scales, swizzled_size, unswizzle_scales
 
 ARCH, SHAPE = 1, 2  # NV_GEMM_ERR_ARCH, NV_GEMM_ERR_SHAPE in csrc/gemm_abi.h
 
 
-def _headers_or_skip() -> _cutlass.CutlassHeaders:
+def _headers_or_skip() -> _native.CutlassHeaders:
     try:
-        return _cutlass.find()
+        return _native.find_cutlass()
     except _native.KernelBuildError as exc:
         pytest.skip(f"CUTLASS headers absent: {exc}")
 
@@ -39,7 +39,7 @@ def _nvcc_sm100_or_skip() -> str:
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not installed")
-    if "compute_100" not in _native._nvcc_archs(nvcc):
+    if "compute_100" not in _native.nvcc_archs(nvcc):
         pytest.skip("this nvcc cannot target sm_100a")
     return nvcc
 
@@ -48,11 +48,9 @@ def _nvcc_sm100_or_skip() -> str:
 def fresh_native(tmp_path, monkeypatch):
     """An empty kernel cache and no loaded libraries, restored afterwards."""
     monkeypatch.setenv("ALIGN_KERNEL_CACHE", str(tmp_path / "cache"))
-    saved = dict(_native._strict)
-    _native._strict.clear()
+    _native.forget()
     yield tmp_path / "cache"
-    _native._strict.clear()
-    _native._strict.update(saved)
+    _native.forget()
 
 
 def _valid_args(**over) -> _native.GemmSm100Args:
@@ -86,7 +84,7 @@ def _compile_variant(tmp_path: Path, arch_flag: str, *extra: str) -> ctypes.CDLL
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lib = ctypes.CDLL(str(out))
-    _native._declare(lib, "gemm_sm100")
+    _native.declare(lib, "gemm_sm100")
     return lib
 
 
@@ -136,26 +134,26 @@ def test_stub_build_answers_unsupported_architecture(tmp_path):
 
 def test_cutlass_dir_env_must_hold_headers(tmp_path, monkeypatch):
     """A wrong ALIGN_CUTLASS_DIR is a KernelBuildError naming it, not a silent fallback."""
-    monkeypatch.setenv(_cutlass.ENV_VAR, str(tmp_path / "nowhere"))
+    monkeypatch.setenv(_native.CUTLASS_ENV, str(tmp_path / "nowhere"))
     with pytest.raises(_native.KernelBuildError, match=r"ALIGN_CUTLASS_DIR=.*nowhere"):
-        _cutlass.find()
+        _native.find_cutlass()
 
 
 def test_missing_cutlass_package_says_how_to_get_it(monkeypatch):
     """No env var and no nvidia-cutlass: the error names the package and the env var."""
-    monkeypatch.delenv(_cutlass.ENV_VAR, raising=False)
-    monkeypatch.setattr(_cutlass, "_package_root", lambda: None)
+    monkeypatch.delenv(_native.CUTLASS_ENV, raising=False)
+    monkeypatch.setattr(_native, "cutlass_package_root", lambda: None)
     with pytest.raises(_native.KernelBuildError, match=r"nvidia-cutlass.*ALIGN_CUTLASS_DIR"):
-        _cutlass.find()
+        _native.find_cutlass()
 
 
 def test_cutlass_dir_env_accepts_a_source_tree(monkeypatch):
     """ALIGN_CUTLASS_DIR may name the package folder or its source/ tree; the version is read."""
     headers = _headers_or_skip()
     for root in (headers.root, headers.root.parent):
-        monkeypatch.setenv(_cutlass.ENV_VAR, str(root))
-        found = _cutlass.find()
-        assert found.include == headers.include and found.version >= (*_cutlass.MIN_VERSION, 0)
+        monkeypatch.setenv(_native.CUTLASS_ENV, str(root))
+        found = _native.find_cutlass()
+        assert found.include == headers.include and found.version >= (*_native.CUTLASS_MIN_VERSION, 0)
 
 
 def test_too_old_cutlass_is_refused(tmp_path, monkeypatch):
@@ -170,9 +168,9 @@ def test_too_old_cutlass_is_refused(tmp_path, monkeypatch):
     util = tmp_path / "tools" / "util" / "include" / "cutlass" / "util"
     util.mkdir(parents=True)
     (util / "packed_stride.hpp").write_text("")
-    monkeypatch.setenv(_cutlass.ENV_VAR, str(tmp_path))
+    monkeypatch.setenv(_native.CUTLASS_ENV, str(tmp_path))
     with pytest.raises(_native.KernelBuildError, match=r"3\.5\.0 .* too old"):
-        _cutlass.find()
+        _native.find_cutlass()
 
 
 def test_strict_load_refuses_when_kernels_disabled(fresh_native, monkeypatch):
@@ -183,7 +181,7 @@ def test_strict_load_refuses_when_kernels_disabled(fresh_native, monkeypatch):
     assert not fresh_native.exists()
 
 
-# ---- the ops API on a machine without Blackwell ------------------------------------------
+# ---- the gemm_cutlass API on a machine without Blackwell ------------------------------------------
 
 def _operands(counts=(3, 0, 130), n=16, k=64, device="cpu"):
     """Valid operands (random bits) for experts with ``counts`` rows each."""
@@ -196,7 +194,7 @@ def _operands(counts=(3, 0, 130), n=16, k=64, device="cpu"):
     w_lin = torch.randint(0, 127, (e, n, k16), generator=g, dtype=torch.uint8)
     return dict(
         a_codes=torch.randint(0, 256, (m, k // 2), generator=g, dtype=torch.uint8),
-        a_scales=ops.grouped_activation_scales(a_lin.view(torch.float8_e4m3fn), offsets),
+        a_scales=gemm_cutlass.grouped_activation_scales(a_lin.view(torch.float8_e4m3fn), offsets),
         a_dec=torch.rand(m, generator=g),
         row_offsets=offsets,
         w_codes=torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.uint8),
@@ -207,20 +205,20 @@ def _operands(counts=(3, 0, 130), n=16, k=64, device="cpu"):
 
 def test_unavailable_on_cpu_without_building(fresh_native):
     """On a CPU device (or with no CUDA at all) the answer is False, and nothing is built."""
-    assert ops.native_grouped_gemm_available("cpu") is False
-    assert "not a CUDA device" in ops.native_grouped_gemm_gap("cpu")
+    assert gemm_cutlass.native_grouped_gemm_available("cpu") is False
+    assert "not a CUDA device" in gemm_cutlass.native_grouped_gemm_gap("cpu")
     if not torch.cuda.is_available():
-        assert ops.native_grouped_gemm_available() is False
-        assert ops.native_grouped_gemm_gap("cuda") == "no CUDA device is visible"
+        assert gemm_cutlass.native_grouped_gemm_available() is False
+        assert gemm_cutlass.native_grouped_gemm_gap("cuda") == "no CUDA device is visible"
     elif torch.cuda.get_device_capability()[0] != 10:
-        assert ops.native_grouped_gemm_available("cuda") is False
-    assert "gemm_sm100" not in _native._strict and not fresh_native.exists()
+        assert gemm_cutlass.native_grouped_gemm_available("cuda") is False
+    assert not _native.attempted("gemm_sm100") and not fresh_native.exists()
 
 
 def test_call_on_cpu_raises_spec_error():
     """Well-formed operands on a device without the kernel: SpecError saying why."""
     with pytest.raises(SpecError, match="no native grouped GEMM serves this call: device cpu"):
-        ops.native_grouped_gemm(**_operands())
+        gemm_cutlass.native_grouped_gemm(**_operands())
 
 
 @pytest.mark.parametrize("change, error, match", [
@@ -244,7 +242,7 @@ def test_bad_operands_raise_typed_errors(change, error, match):
     operands = _operands()
     change(operands)
     with pytest.raises(error, match=match):
-        ops.native_grouped_gemm(**operands)
+        gemm_cutlass.native_grouped_gemm(**operands)
 
 
 def test_scalar_and_per_expert_decode_scales_are_accepted():
@@ -253,7 +251,7 @@ def test_scalar_and_per_expert_decode_scales_are_accepted():
     for a_dec, w_dec in ((torch.ones(1), torch.ones(3)), (torch.ones(()), torch.ones(1))):
         operands.update(a_dec=a_dec, w_dec=w_dec)
         with pytest.raises(SpecError):
-            ops.native_grouped_gemm(**operands)
+            gemm_cutlass.native_grouped_gemm(**operands)
 
 
 def test_grouped_activation_scales_are_per_expert_swizzles_back_to_back():
@@ -261,7 +259,7 @@ def test_grouped_activation_scales_are_per_expert_swizzles_back_to_back():
     counts, k16 = (3, 0, 130, 128), 6
     offsets = [0, 3, 3, 133, 261]
     lin = torch.randint(0, 127, (sum(counts), k16), dtype=torch.uint8).view(torch.float8_e4m3fn)
-    flat = ops.grouped_activation_scales(lin, torch.tensor(offsets))
+    flat = gemm_cutlass.grouped_activation_scales(lin, torch.tensor(offsets))
     cols = -(-k16 // 4) * 4
     assert flat.dtype == torch.float8_e4m3fn
     assert flat.numel() == sum(-(-c // 128) * 128 for c in counts) * cols

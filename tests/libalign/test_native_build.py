@@ -22,14 +22,9 @@ from libalign.spec import PRESETS, quantize
 def fresh_native(tmp_path, monkeypatch):
     """An empty kernel cache and no loaded libraries, restored afterwards."""
     monkeypatch.setenv("ALIGN_KERNEL_CACHE", str(tmp_path / "cache"))
-    saved_libs, saved_warned = dict(_native._libs), set(_native._warned)
-    _native._libs.clear()
-    _native._warned.clear()
+    _native.forget()
     yield tmp_path / "cache"
-    _native._libs.clear()
-    _native._libs.update(saved_libs)
-    _native._warned.clear()
-    _native._warned.update(saved_warned)
+    _native.forget()
 
 
 def test_missing_compiler_falls_back_to_spec_with_one_warning(fresh_native, monkeypatch):
@@ -46,12 +41,32 @@ def test_missing_compiler_falls_back_to_spec_with_one_warning(fresh_native, monk
     assert ops.backend_for(x) == "spec"
 
 
+def test_backends_name_the_serving_kernel_or_the_build_error(fresh_native, monkeypatch):
+    """ops.backends() says per device what serves quantize: the compiled kernel, or the spec
+    with the build error (a fallback visible without reading warnings)."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    served = ops.backends()
+    assert served["cpu"].backend == "cpu" and not served["cpu"].fallback
+    assert served["cpu"].reason.startswith("compiled C++ kernel")
+    assert ("cuda" in served) == torch.cuda.is_available()
+    _native.forget()
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cpu = ops.backends()["cpu"]
+    assert cpu.backend == "spec" and cpu.fallback
+    assert "compiler 'no-such-compiler-xyz' not found" in cpu.reason
+    monkeypatch.setenv("ALIGN_KERNELS", "spec")
+    assert "ALIGN_KERNELS=spec" in ops.backends()["cpu"].reason
+
+
 def test_kernel_backend_refused_when_build_impossible(fresh_native, monkeypatch):
     """backend='kernel' with no buildable kernel is a SpecError, not a silent spec run."""
     from alignclient.errors import SpecError
 
     monkeypatch.setenv("CXX", "no-such-compiler-xyz")
-    with pytest.raises(SpecError, match="kernel unavailable"):
+    with pytest.raises(SpecError, match="kernel unavailable: compiler 'no-such-compiler-xyz'"):
         ops.quantize(torch.randn(8, 32), PRESETS["minite"], backend="kernel")
 
 
@@ -77,7 +92,7 @@ def test_cuda_source_compiles_for_hopper_and_blackwell(fresh_native, monkeypatch
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc not installed")
-    archs = "90,100a" if "compute_100" in _native._nvcc_archs(nvcc) else "90"
+    archs = "90,100a" if "compute_100" in _native.nvcc_archs(nvcc) else "90"
     monkeypatch.setenv("ALIGN_CUDA_ARCHS", archs)
     flags = _native.cuda_archs(nvcc)
     assert "-gencode=arch=compute_90,code=sm_90" in flags

@@ -170,7 +170,7 @@ def test_cpu_kernel_is_vectorized_on_this_machine():
     """The AVX-512 path is compiled in where the CPU has it (else both paths are scalar)."""
     lib = _native.load("cpu")
     assert lib is not None
-    flags = _native._cpu_flags()
+    flags = _native.cpu_flags()
     if " avx512f " in flags + " " and " avx512bw " in flags + " " and " avx512vl " in flags + " ":
         assert lib.nvfp4_cpu_has_simd() == 1
 

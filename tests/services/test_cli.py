@@ -18,6 +18,16 @@ def test_selfcheck_all_pass():
     assert results and all(r.passed for r in results), [r for r in results if not r.passed]
 
 
+def test_selfcheck_says_which_kernel_serves_each_device():
+    """alignd selfcheck names the backend of each device; a spec fallback shows with its reason."""
+    res = runner.invoke(app, ["selfcheck"], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "quantize kernels" in res.output and "compiled C++ kernel" in res.output
+    res = runner.invoke(app, ["selfcheck"], env={"ALIGN_KERNELS": "spec"}, terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "spec (fallback)" in res.output and "ALIGN_KERNELS=spec" in res.output
+
+
 def test_demo_runs_every_configuration_through_the_services(tmp_path):
     """alignd demo: self-check, then RL steps per configuration, a summary table and a figure."""
     res = runner.invoke(app, ["demo", "--steps", "2", "--configs", "bf16,nvfp4_trace",

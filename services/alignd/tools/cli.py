@@ -6,6 +6,7 @@ import importlib
 import json
 import logging
 import threading
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -32,6 +33,7 @@ from alignd.infra.service_main import run_service
 from alignd.infra.settings import AllInOneSettings, ApiAddress, ApiSettings
 from alignd.infra.telemetry import Metrics
 from libalign.guidance import size_for_config, trace_reference_size
+from libalign.ops import backends
 from libalign.selfcheck import run_selfcheck
 from libalign.spec import PRESETS
 
@@ -51,10 +53,26 @@ def _selfcheck_table() -> bool:
     return all(r.passed for r in results)
 
 
+def _backends_table() -> None:
+    """Which quantize implementation serves each device: a compiled kernel, or the spec and why."""
+    with warnings.catch_warnings():  # a fallback is shown in the table, with its reason
+        warnings.simplefilter("ignore", RuntimeWarning)
+        served = backends()
+    t = Table(title="quantize kernels (libalign.ops.backends)")
+    for col in ("device", "backend", "why"):
+        t.add_column(col)
+    for b in served.values():
+        shown = "[yellow]spec (fallback)[/]" if b.fallback else f"[green]{b.backend} kernel[/]"
+        t.add_row(b.device, shown, b.reason)
+    console.print(t)
+
+
 @app.command()
 def selfcheck() -> None:
-    """Verify the format tables, rounding, layouts and row-scaling guarantee."""
-    raise typer.Exit(0 if _selfcheck_table() else 1)
+    """Verify the format tables, rounding, layouts and row scaling; show each device's kernel."""
+    passed = _selfcheck_table()
+    _backends_table()
+    raise typer.Exit(0 if passed else 1)
 
 
 @app.command()

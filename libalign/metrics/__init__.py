@@ -1,0 +1,55 @@
+"""Statistics of the learner–sampler execution gap: Δ log p, clip potential, TIS, CIs, L2, routing.
+
+One door, four rooms; every name is importable from ``libalign.metrics``:
+
+* :mod:`~libalign.metrics.deltas` – the per-token gap ``δ = log p_learner − log p_sampler``
+  (:func:`token_deltas`), its summary (:func:`delta_stats`: mean, |δ| quantiles, clip
+  potential, the k3 KL estimate) and truncated importance-sampling weights
+  (:func:`tis_weights`), on padded-and-masked or per-sequence inputs;
+* :mod:`~libalign.metrics.bootstrap` – percentile confidence intervals, paired across two
+  conditions on the same tokens and clustered by sequence (:func:`paired_bootstrap_ci`,
+  :func:`bootstrap_ci`) over statistics in the resample-counts form (:func:`quantile_stat`);
+* :mod:`~libalign.metrics.distance` – how far apart two activation tensors are
+  (:func:`relative_l2`, :func:`symmetric_relative_l2`);
+* :mod:`~libalign.metrics.routing` – how two paths' top-k expert choices agree
+  (:func:`routing_agreement`).
+
+Each module's docstring states its definitions (quantile rule, clipping band, estimators),
+so a number on a dashboard can be traced to one formula. Inputs are validated and refused
+with typed errors (:mod:`libalign.errors`) naming the argument and, for NaN/Inf, where.
+"""
+
+from .bootstrap import (
+    BootstrapCI,
+    WeightedStat,
+    bootstrap_ci,
+    clip_potential_stat,
+    from_unweighted,
+    mean_stat,
+    paired_bootstrap_ci,
+    quantile_stat,
+)
+from .deltas import (
+    DEFAULT_CLIP_BOUNDS,
+    DEFAULT_TIS_CAP,
+    LOGPROB_TOLERANCE,
+    QUANTILES,
+    TIS_LEVELS,
+    DeltaStats,
+    TISWeights,
+    TokenInput,
+    delta_stats,
+    flatten_tokens,
+    tis_weights,
+    token_deltas,
+)
+from .distance import relative_l2, symmetric_relative_l2
+from .routing import RoutingAgreement, routing_agreement, routing_agreement_by_layer
+
+__all__ = [
+    "DEFAULT_CLIP_BOUNDS", "DEFAULT_TIS_CAP", "LOGPROB_TOLERANCE", "QUANTILES", "TIS_LEVELS",
+    "BootstrapCI", "DeltaStats", "RoutingAgreement", "TISWeights", "TokenInput", "WeightedStat",
+    "bootstrap_ci", "clip_potential_stat", "delta_stats", "flatten_tokens", "from_unweighted",
+    "mean_stat", "paired_bootstrap_ci", "quantile_stat", "relative_l2", "routing_agreement",
+    "routing_agreement_by_layer", "symmetric_relative_l2", "tis_weights", "token_deltas",
+]
