@@ -7,14 +7,17 @@ of ``csrc/``, which ``libalign._native`` compiles on first use). ``alignclient``
 distribution (``clients/``).
 """
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, find_packages, setup
 
 setup(
     packages=[
         *find_packages(".", include=["libalign", "libalign.*"]),
-        *find_packages("services", include=["alignd", "alignd.*"]),
+        # namespace discovery: data folders (the status page's static/) are packages too
+        *find_namespace_packages("services", include=["alignd", "alignd.*"],
+                                 exclude=["*.__pycache__"]),
         "libalign.csrc",
     ],
     package_dir={"alignd": "services/alignd", "libalign.csrc": "csrc"},
-    package_data={"libalign.csrc": ["*.h", "*.cpp", "*.cu"], "alignd": ["**/*.lua", "**/*.html"]},
+    package_data={"libalign.csrc": ["*.h", "*.cpp", "*.cu"],
+                  "alignd": ["**/*.lua", "**/*.html", "**/*.js", "**/*.css"]},
 )
