@@ -3,6 +3,7 @@ Histogram, the shared-state gauges read at scrape time, and the kernel-backend i
 
 from __future__ import annotations
 
+import logging
 import types
 
 import httpx
@@ -15,12 +16,12 @@ from alignd.infra.telemetry import (
     ClusterState,
     Metrics,
     PathGap,
-    kernel_backends,
     serve_metrics_for,
 )
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.exposition import generate_latest
 
+from libalign.ops import DeviceBackend
 from tests.services.conftest import free_port
 
 PAIR = {"learner_path": "bf16", "sampler_path": "nvfp4_minite"}
@@ -122,24 +123,32 @@ def test_kernel_backends_are_reported_per_device(monkeypatch):
     m = Metrics()
     got = m.report_kernel_backends()
     assert set(got) == want
-    assert got["cpu"] in ("cpu", "spec") and got.get("cuda", "cuda") in ("cuda", "spec")
-    for device, backend in got.items():
-        assert m.value("libalign_kernel_backend_info", {"device": device, "backend": backend}) == 1
+    for device, b in got.items():
+        assert b.backend in (device, "spec")
+        assert m.value("libalign_kernel_backend_info", {"device": device, "backend": b.backend}) == 1
     monkeypatch.setenv("ALIGN_KERNELS", "spec")  # the compiled kernels switched off
-    assert kernel_backends() == dict.fromkeys(want, "spec")
     m.report_kernel_backends()
     assert samples(m.registry, "libalign_kernel_backend_info") == {
         (("backend", "spec"), ("device", d)): 1.0 for d in want}  # the old series are gone
+    m.report_kernel_backends({"cpu": DeviceBackend("cpu", "cpu", "compiled C++ kernel"),
+                              "cuda": DeviceBackend("cuda", "spec", "nvcc not found")})
+    assert samples(m.registry, "libalign_kernel_backend_info") == {
+        (("backend", "cpu"), ("device", "cpu")): 1.0,
+        (("backend", "spec"), ("device", "cuda")): 1.0}
 
 
-def test_a_service_reports_its_backends_on_its_metrics_port(monkeypatch):
-    """serve_metrics_for reports the kernel backends and serves them on /metrics."""
+def test_a_service_reports_its_backends_on_its_metrics_port(monkeypatch, caplog):
+    """serve_metrics_for reports the kernel backends, serves them on /metrics and logs why."""
     monkeypatch.setenv("ALIGN_KERNELS", "spec")
     port = free_port()
     settings = types.SimpleNamespace(metrics_port=port, metrics_addr="127.0.0.1")
-    stop = serve_metrics_for(settings, Metrics())
+    with caplog.at_level(logging.INFO, logger="alignd.infra.telemetry"):
+        stop = serve_metrics_for(settings, Metrics())
     try:
         text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     finally:
         stop()
     assert 'libalign_kernel_backend_info{backend="spec",device="cpu"} 1.0' in text
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                  and "on cpu falls back to the reference spec" in r.getMessage()]
+    assert "ALIGN_KERNELS" in warning

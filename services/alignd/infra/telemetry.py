@@ -37,9 +37,9 @@ from ``published`` to ``serving``.
 Kernels. ``libalign_kernel_backend_info{device, backend}`` is 1 for the implementation that
 serves NVFP4 quantization on each device type of the process: the compiled kernel (``cpu``,
 ``cuda``) or ``spec``, the reference implementation that a missing or failed kernel build
-falls back to (same bits, about 20x slower). A service reports it when it starts
-(:meth:`Metrics.report_kernel_backends`), so a fallback shows in ``/metrics``, not only in a
-warning in its log.
+falls back to (same bits, about 20x slower), as :func:`libalign.ops.backends` finds them. A
+service reports it when it starts (:func:`serve_metrics_for`), so a fallback shows in
+``/metrics``, not only in a warning; its log says why (the build or load error).
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
-import torch
 from alignclient.errors import AlignError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
@@ -61,7 +60,7 @@ from prometheus_client.utils import floatToGoString
 
 from alignd.infra.settings import ServiceSettings
 from libalign.gemm import PATHS
-from libalign.ops import backend_for
+from libalign.ops import DeviceBackend, backends
 
 log = logging.getLogger(__name__)
 
@@ -112,17 +111,6 @@ def status_class(status: int) -> str:
     """``2xx`` .. ``5xx`` for an HTTP status (1xx and odd values count as ``5xx``)."""
     cls = f"{status // 100}xx"
     return cls if cls in STATUS_CLASSES else "5xx"
-
-
-def kernel_backends() -> dict[str, str]:
-    """Which implementation serves NVFP4 quantization on each device type of this process.
-
-    ``cpu`` always and ``cuda`` where torch sees a GPU, each mapped to what
-    :func:`libalign.ops.backend_for` answers for a bf16 tensor on it: the device's compiled
-    kernel (``cpu``, ``cuda``; loading it builds it on first use) or ``spec``.
-    """
-    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-    return {d: backend_for(torch.zeros(16, dtype=torch.bfloat16, device=d)) for d in devices}
 
 
 class BatchHistogram(Collector):
@@ -404,13 +392,15 @@ class Metrics:
         """Expose the shared-state gauges from ``read()`` at every scrape (None: stop)."""
         self.cluster.watch(read)
 
-    def report_kernel_backends(self, backends: Mapping[str, str] | None = None) -> dict[str, str]:
-        """Set ``libalign_kernel_backend_info`` (default: :func:`kernel_backends` probed now)."""
-        backends = dict(kernel_backends() if backends is None else backends)
+    def report_kernel_backends(self, found: Mapping[str, DeviceBackend] | None = None
+                               ) -> dict[str, DeviceBackend]:
+        """Set ``libalign_kernel_backend_info`` from ``found`` (default: :func:`libalign.ops.backends`,
+        which builds or loads the kernels now)."""
+        found = dict(backends() if found is None else found)
         self.kernel_backend.clear()
-        for device, backend in backends.items():
-            self.kernel_backend.labels(device=device, backend=backend).set(1)
-        return backends
+        for device, b in found.items():
+            self.kernel_backend.labels(device=device, backend=b.backend).set(1)
+        return found
 
     def observe_sync(self, stages: dict[str, float]) -> None:
         """Record one version's sync stage durations (keys from ``SYNC_STAGES``)."""
@@ -463,9 +453,12 @@ def serve_metrics_for(settings: ServiceSettings, metrics: Metrics) -> Callable[[
     """What a service does with its metrics when it starts: report its kernel backends and
     serve the registry on ``settings.metrics_port`` (if set); returns the function that
     stops the server again (a no-op when none was started)."""
-    backends = metrics.report_kernel_backends()
-    log.info("NVFP4 quantization backends: %s",
-             ", ".join(f"{d} -> {b}" for d, b in backends.items()))
+    for device, b in metrics.report_kernel_backends().items():
+        if b.fallback:
+            log.warning("NVFP4 quantization on %s falls back to the reference spec: %s", device,
+                        b.reason)
+        else:
+            log.info("NVFP4 quantization on %s: %s", device, b.reason)
     if settings.metrics_port is None:
         return lambda: None
     server = serve_metrics(metrics.registry, settings.metrics_port, settings.metrics_addr)
