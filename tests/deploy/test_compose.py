@@ -479,8 +479,8 @@ def test_copy_sources_exist_in_the_build_context(kind):
                     assert not _ignored(rel, pats), f"{kind}: {rel} is excluded by .dockerignore"
     # what `pip install .` needs: the project file, its readme and every package root
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    needed = {"pyproject.toml", project["project"]["readme"], "libalign/", "services/",
-              "clients/", "csrc/", "deploy/healthcheck.py"}
+    needed = {"pyproject.toml", "setup.py", project["project"]["readme"], "libalign/",
+              "services/", "clients/", "csrc/", "deploy/healthcheck.py"}
     assert needed <= set(sources), needed - set(sources)
 
 
@@ -520,15 +520,26 @@ def test_image_runs_unprivileged_with_store_and_healthcheck(kind):
 
 
 def test_cpu_image_installs_cpu_torch_then_the_project():
-    """deploy/Dockerfile: CPU torch from the PyTorch CPU index first, then `pip install .`."""
+    """deploy/Dockerfile: CPU torch from the PyTorch CPU index first, then the project."""
     cmds = _parse(DOCKERFILES["Dockerfile"])
     args = dict(c.value[0].split("=", 1) for c in cmds if c.cmd == "ARG" and "=" in c.value[0])
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     assert args["PYTHON_IMAGE"].startswith("python:3.11-slim")
     runs = [" ".join(c.value) for c in cmds if c.cmd == "RUN"]
     torch_at = next(i for i, r in enumerate(runs) if '--index-url "${TORCH_INDEX_URL}"' in r)
-    project_at = next(i for i, r in enumerate(runs) if "pip install ." in r)
+    project_at = next(i for i, r in enumerate(runs) if "pip install ./clients" in r)
     assert torch_at < project_at
+
+
+@pytest.mark.parametrize("kind", sorted(DOCKERFILES))
+def test_image_installs_the_contract_and_the_daemon(kind):
+    """`pip install ./clients ".[demo]"`: the wire contract from its own distribution (the
+    project pins it) and every extra the image's commands need (daemon, models, embedded Redis)."""
+    runs = [" ".join(c.value) for c in _parse(DOCKERFILES[kind]) if c.cmd == "RUN"]
+    (install,) = [r for r in runs if "pip install ./clients" in r]
+    assert 'pip install ./clients ".[demo]"' in install
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "libalign[daemon,models]" in extras["demo"]
 
 
 def test_gpu_image_is_cuda_based():
@@ -541,8 +552,12 @@ def test_gpu_image_is_cuda_based():
 
 @pytest.mark.parametrize("kind", sorted(DOCKERFILES))
 def test_kernel_sources_go_where_libalign_looks(kind):
-    """The images copy csrc/ into site-packages beside libalign, which is where
-    libalign._native.CSRC points for an installed (non-editable) package."""
+    """The wheel carries csrc/ as libalign/csrc (setup.py), where libalign._native.CSRC looks
+    first; the image build fails unless the installed CSRC is that folder and holds the
+    sources. (In the checkout CSRC is the top-level csrc/.)"""
     assert Path(libalign.__file__).resolve().parent.parent / "csrc" == native.CSRC
+    setup = (ROOT / "setup.py").read_text()
+    assert '"libalign.csrc": "csrc"' in setup and '"libalign.csrc"' in setup.split("package_dir")[0]
     runs = " ".join(" ".join(c.value) for c in _parse(DOCKERFILES[kind]) if c.cmd == "RUN")
-    assert 'cp -r csrc "$SITE/csrc"' in runs and "sysconfig.get_paths()[\"purelib\"]" in runs
+    assert "n.CSRC == pathlib.Path(libalign.__file__).parent / 'csrc'" in runs
+    assert "(n.CSRC / " in runs and "cp -r csrc" not in runs
