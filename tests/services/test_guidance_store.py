@@ -34,8 +34,8 @@ from alignclient.errors import (
     PayloadTooLargeError,
     StoreError,
 )
+from alignclient.retry import RetryPolicy
 from alignd.api.errors import status_for
-from alignd.infra.bus import Backoff
 from alignd.infra.redis_clients import binary_client, reset_embedded
 from alignd.infra.settings import GuidanceStoreSettings
 from alignd.infra.stores import guidance as guidance_store
@@ -554,7 +554,7 @@ def test_redis_stopped_mid_put(private_redis):
     """Redis dies under a stream of large puts: the writer gets BusUnavailableError
     after its short give-up budget; after the restart every record is whole."""
     s = store_for(private_redis.url, chunk_bytes=1 << 20,
-                  backoff=Backoff(initial_s=0.02, max_s=0.1, give_up_after_s=0.5))
+                  retry=RetryPolicy(initial_s=0.02, max_s=0.1, deadline_s=0.5))
     outcome: list = []
     done = threading.Event()
 

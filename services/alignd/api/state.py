@@ -88,7 +88,7 @@ class ApiState:
             self.binary, prefix=s.key_prefix, budget_bytes=s.guidance_budget_bytes,
             ttl_s=s.guidance_ttl_s, chunk_bytes=s.guidance_chunk_bytes,
             max_record_bytes=s.guidance_max_record_bytes, on_in_use=s.guidance_on_in_use,
-            backoff=retry, metrics=m)
+            retry=retry, metrics=m)
         self.heartbeat = ServiceHeartbeat(
             self.text, "api", instance_name(s), period_s=s.service_heartbeat_s,
             ttl_s=max(s.service_heartbeat_ttl_s, 2 * s.service_heartbeat_s),

@@ -63,14 +63,6 @@ return 1
 """
 
 
-def Backoff(initial_s: float = 0.05, max_s: float = 2.0, factor: float = 2.0,
-            give_up_after_s: float | None = None) -> RetryPolicy:
-    """Former name of the bus's retry settings: a :class:`RetryPolicy` whose deadline is
-    ``give_up_after_s``. Kept for callers not yet moved to ``RetryPolicy(deadline_s=...)``."""
-    return RetryPolicy(initial_s=initial_s, max_s=max_s, factor=factor,
-                       deadline_s=give_up_after_s)
-
-
 @dataclass(frozen=True)
 class Message:
     """One stream entry as a consumer sees it."""
@@ -96,7 +88,7 @@ class RedisBus:
 
     ``retry`` is how connection errors are retried (default: backoff from 50 ms to 2 s, no
     deadline); ``stop_event`` ends the retrying at once; ``on_retry(what, error)`` runs
-    before each wait (a metric). ``backoff`` is the former name of ``retry``.
+    before each wait (a metric).
     """
 
     def __init__(
@@ -106,10 +98,9 @@ class RedisBus:
         retry: RetryPolicy | None = None,
         stop_event: threading.Event | None = None,
         on_retry: Callable[[str, Exception], None] | None = None,
-        backoff: RetryPolicy | None = None,
     ):
         self.client = client
-        self.retry = retry or backoff or RetryPolicy()
+        self.retry = retry or RetryPolicy()
         self.stop_event = stop_event
         self.on_retry = on_retry
         self._touch = client.register_script(_TOUCH_LUA)

@@ -168,10 +168,9 @@ class GuidanceStore:
         metrics: Metrics | None = None,
         socket_timeout_s: float = BINARY_TIMEOUT_S,
         payload_path: Literal["auto", "socket", "pipeline"] = "auto",
-        backoff: RetryPolicy | None = None,
     ):
-        """``retry``: how connection errors are retried (None: the bus's default; ``backoff``
-        is its former name); ``socket_timeout_s`` applies to a client made from a URL;
+        """``retry``: how connection errors are retried (None: the bus's default);
+        ``socket_timeout_s`` applies to a client made from a URL;
         ``payload_path``: see the module docstring."""
         if on_in_use not in ("evict", "refuse"):
             raise ConfigError(f"on_in_use must be 'evict' or 'refuse', not {on_in_use!r}")
@@ -194,7 +193,7 @@ class GuidanceStore:
                               "(decode_responses=False)")
         self.client = client
         on_retry = (lambda what, e: metrics.redis_retries.inc()) if metrics is not None else None
-        self.bus = RedisBus(client, retry=retry or backoff, on_retry=on_retry)
+        self.bus = RedisBus(client, retry=retry, on_retry=on_retry)
         self.prefix = f"{prefix}:guidance"
         self.keys = GuidanceKeys(self.prefix)
         self.budget_bytes = budget_bytes
