@@ -1,4 +1,4 @@
-"""Redis clients from Settings: a real server at ``redis_url``, or the embedded one.
+"""Redis clients from service settings: a real server at ``redis_url``, or the embedded one.
 
 Every service reaches Redis through a client made here, so there is exactly one answer
 to "which Redis, with which options". Two flavours exist because Redis replies are
@@ -56,7 +56,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.utils import HIREDIS_AVAILABLE
 
-from alignd.infra.settings import Settings
+from alignd.infra.settings import ServiceSettings
 
 if TYPE_CHECKING:  # fakeredis is imported on first use: a deployment never pays for it
     import fakeredis
@@ -109,13 +109,13 @@ def client_for(url: str | None, *, decode_responses: bool,
     )
 
 
-def text_client(settings: Settings, *, socket_timeout_s: float = TEXT_TIMEOUT_S) -> redis.Redis:
+def text_client(settings: ServiceSettings, *, socket_timeout_s: float = TEXT_TIMEOUT_S) -> redis.Redis:
     """A client whose replies are ``str``: for the bus, the registry and other metadata."""
     return client_for(settings.redis_url, decode_responses=True,
                       socket_timeout_s=socket_timeout_s)
 
 
-def binary_client(settings: Settings, *,
+def binary_client(settings: ServiceSettings, *,
                   socket_timeout_s: float = BINARY_TIMEOUT_S) -> redis.Redis:
     """A client whose replies are ``bytes``: for the guidance store's records."""
     return client_for(settings.redis_url, decode_responses=False,
