@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from ..errors import ShapeError, SpecError
-from .paths import _MISSING, add_observer, decoder_layers, experts_module
+from .paths import add_observer, decoder_layers, experts_module
 
 TOKEN_ORDER_ROWS = ("fc1_out", "fc2_in", "fc2_out")
 
@@ -186,14 +186,14 @@ def force_routing(model: nn.Module, routing: Mapping[int, RoutingSpec]) -> Itera
     saved = []
     try:
         for layer, router, index, weights in plan:
-            before = router.__dict__.get("forward", _MISSING)
+            before = router.__dict__.get("forward")  # None: the class's forward serves
             original = router.forward
             router.forward = _forced_forward(router, original, index, weights, layer)
             saved.append((router, before))
         yield model
     finally:
         for router, before in reversed(saved):
-            if before is _MISSING:
+            if before is None:
                 router.__dict__.pop("forward", None)
             else:
                 router.forward = before

@@ -56,6 +56,9 @@ import threading
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
+
+from .megatron_parallel import free_port
 
 _LOCK = threading.Lock()
 _DEPTH = 0
@@ -174,10 +177,7 @@ def single_process_group(backend: str | None = None, *,
     """A one-process ``torch.distributed`` group and Megatron's model-parallel state (every
     parallel size 1), destroyed on exit. ``backend`` defaults to ``nccl`` with CUDA, else
     ``gloo``. An already initialized process group is used as is and left alone."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
-
-    from .megatron_parallel import free_port
 
     created = False
     if not dist.is_initialized():

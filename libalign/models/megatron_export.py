@@ -64,7 +64,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError, ShapeError
-from .megatron import _hf_get, moe_layers
+from .megatron import hf_config_value, moe_layers
 
 EXPERT_LAYOUTS = ("fused", "per_expert", "local", "none")
 _EXTRA = "_extra_state"
@@ -73,9 +73,9 @@ _EXTRA = "_extra_state"
 # --- attention --------------------------------------------------------------------------------
 
 def _attn_shape(hf_config) -> tuple[int, int, int]:
-    heads = int(_hf_get(hf_config, "num_attention_heads"))
-    groups = int(_hf_get(hf_config, "num_key_value_heads") or heads)
-    d = int(_hf_get(hf_config, "head_dim") or int(_hf_get(hf_config, "hidden_size")) // heads)
+    heads = int(hf_config_value(hf_config, "num_attention_heads"))
+    groups = int(hf_config_value(hf_config, "num_key_value_heads") or heads)
+    d = int(hf_config_value(hf_config, "head_dim") or int(hf_config_value(hf_config, "hidden_size")) // heads)
     return heads, groups, d
 
 

@@ -16,9 +16,16 @@ What this module provides
 -------------------------
 :func:`process_group` turns the current process into rank ``r`` of ``N``: ``torch.distributed``
 (``nccl`` with one GPU per rank, ``gloo`` on CPUs) plus Megatron's model-parallel state with the
-requested expert-parallel size, torn down on exit. :func:`launch` starts ``N`` such processes
-(``spawn``: no state is inherited), runs a module-level function in each and returns what each
-returned, or raises :class:`DistributedRunError` with the failing ranks' tracebacks.
+requested expert-parallel size, torn down on exit. Under ``torchrun`` it reads everything from
+the environment torchrun sets.
+
+:func:`launch` is the same from Python: it starts ``N`` ranks on this host with torch's own
+launcher, the elastic agent behind ``torchrun`` (``torch.distributed.launcher.api.
+elastic_launch``: a c10d rendezvous on 127.0.0.1, ``spawn``ed workers, no restarts), runs a
+module-level function in each inside :func:`process_group`, and returns what each returned in
+rank order. When a rank fails the agent stops the others (they would wait forever in their
+next collective) and :func:`launch` raises :class:`DistributedRunError` naming every failed
+rank with its error and traceback, or its exit code when it died without one.
 
 NVLink multicast stays off
 --------------------------
@@ -33,17 +40,23 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import pickle
+import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ..errors import ConfigError, DistributedRunError
 
@@ -128,7 +141,6 @@ def process_group(rank: int | None = None, world_size: int | None = None, *,
     ``master_port`` default to ``$RANK``, ``$WORLD_SIZE``, ``$MASTER_ADDR`` (else 127.0.0.1)
     and ``$MASTER_PORT`` (every rank must use the same one).
     """
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     rank = _env_int("RANK") if rank is None else rank
@@ -175,91 +187,148 @@ def process_group(rank: int | None = None, world_size: int | None = None, *,
         dist.destroy_process_group()
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, ep: int, backend: str,
-           device: str | None, port: int, timeout_s: float, out_dir: str, args: tuple) -> None:
-    """What each spawned rank runs: join the group, call ``fn``, leave its result on disk."""
-    out = Path(out_dir) / f"rank-{rank:05d}.pkl"
+#: Signals the elastic agent turns into a clean stop of every rank (torchrun's default set).
+#: With a ``stop`` event, SIGTERM and SIGINT stay the caller's: its handler sets the event.
+AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+#: Seconds a rank has to exit after SIGTERM before it is killed.
+SHUTDOWN_GRACE_S = 10
+
+
+def _rank_entry(fn: Callable[..., Any], ep: int, backend: str, device: str | None,
+                timeout_s: float, run_dir: str, args: tuple) -> Any:
+    """What each rank runs: join the group from the agent's environment, call ``fn``.
+
+    The rank's pid goes to ``run_dir`` first (for :func:`launch`'s stop and timeout), and an
+    error with its traceback before the exception propagates (for :class:`DistributedRunError`).
+    """
+    rank = int(os.environ["RANK"])
+    (Path(run_dir) / f"rank-{rank:05d}.pid").write_text(str(os.getpid()))
     try:
-        with process_group(rank, world_size, expert_model_parallel_size=ep, backend=backend,
-                           master_port=port, timeout_s=timeout_s, device=device) as info:
-            result = ("ok", fn(info, *args))
+        with process_group(expert_model_parallel_size=ep, backend=backend, timeout_s=timeout_s,
+                           device=device) as info:
+            return fn(info, *args)
     except BaseException as e:
-        result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-        out.write_bytes(pickle.dumps(result))
+        (Path(run_dir) / f"rank-{rank:05d}.err").write_text(
+            f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         raise
-    out.write_bytes(pickle.dumps(result))
 
 
-def _join(procs, timeout_s: float, stop_on_failure: bool, stop=None) -> str | None:
-    """Wait for every process; stop the rest when one fails (if asked) or time runs out;
-    pass a set ``stop`` event on to rank 0 as SIGTERM (once)."""
-    from multiprocessing.connection import wait
+class _Watch(threading.Thread):
+    """Beside the agent: pass ``stop`` on to rank 0 as SIGTERM (once), and end a run that
+    outlives ``timeout_s`` (SIGTERM to every rank, SIGKILL after the grace period)."""
 
-    deadline = time.monotonic() + timeout_s
-    why = None
-    forwarded = False
-    while any(p.is_alive() for p in procs):
-        if stop is not None and stop.is_set() and not forwarded and procs[0].is_alive():
-            procs[0].terminate()  # SIGTERM: rank 0 finishes its step and releases the others
-            forwarded = True
-        left = deadline - time.monotonic()
-        if left <= 0:
-            why = f"timed out after {timeout_s:g} s"
-        elif stop_on_failure and any(p.exitcode not in (None, 0) for p in procs):
-            why = "a rank failed; the others were stopped"
-        if why is not None:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-            for p in procs:
-                p.join(10)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-            break
-        wait([p.sentinel for p in procs if p.is_alive()], timeout=min(left, 1.0))
-    return why
+    def __init__(self, run_dir: Path, world_size: int, timeout_s: float, stop):
+        super().__init__(name="libalign-launch-watch", daemon=True)
+        self.run_dir, self.world_size, self.stop = run_dir, world_size, stop
+        self.deadline = time.monotonic() + timeout_s
+        self.done = threading.Event()
+        self.timed_out = False
+
+    def _pid(self, rank: int) -> int | None:
+        try:
+            return int((self.run_dir / f"rank-{rank:05d}.pid").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _signal(self, ranks, sig) -> None:
+        for r in ranks:
+            pid = self._pid(r)
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
+
+    def run(self) -> None:
+        forwarded = False
+        termed: dict[int, float] = {}  # rank -> when it was sent SIGTERM (after the deadline)
+        while not self.done.wait(0.2):
+            asked = self.stop is not None and self.stop.is_set() and not forwarded
+            if asked and self._pid(0) is not None:  # rank 0 ends its step, releases the others
+                self._signal([0], signal.SIGTERM)
+                forwarded = True
+            now = time.monotonic()
+            if now > self.deadline:  # ranks may still be starting: keep at it until all ended
+                self.timed_out = True
+                fresh = [r for r in range(self.world_size)
+                         if r not in termed and self._pid(r) is not None]
+                self._signal(fresh, signal.SIGTERM)
+                termed.update(dict.fromkeys(fresh, now))
+                self._signal([r for r, t in termed.items() if now - t > SHUTDOWN_GRACE_S],
+                             signal.SIGKILL)
+
+
+def _failure_report(failures: dict, run_dir: Path) -> list[str]:
+    """One entry per failed rank: its error and traceback, or how it ended without one."""
+    out = []
+    for rank in sorted(failures):
+        err = run_dir / f"rank-{rank:05d}.err"
+        if err.is_file():
+            out.append(f"rank {rank}: {err.read_text().rstrip()}")
+        else:
+            out.append(f"rank {rank}: no result (exit code {failures[rank].exitcode})")
+    return out
+
+
+@contextlib.contextmanager
+def _caller_signals_kept(names: tuple[str, ...]) -> Iterator[None]:
+    """Restore the handlers (and the agent's environment switch) the elastic agent replaces."""
+    main = threading.current_thread() is threading.main_thread()
+    saved = {n: signal.getsignal(getattr(signal, n)) for n in names} if main else {}
+    env = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    try:
+        yield
+    finally:
+        for n, handler in saved.items():
+            if handler is not None:
+                signal.signal(getattr(signal, n), handler)
+        if env is None:
+            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+        else:
+            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = env
 
 
 def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
            expert_model_parallel_size: int | None = None, backend: str | None = None,
-           device: str | None = None, timeout_s: float = 600.0,
-           stop_on_failure: bool = True, stop=None) -> list[Any]:
+           device: str | None = None, timeout_s: float = 600.0, stop=None) -> list[Any]:
     """Run ``fn(rank_info, *args)`` in ``world_size`` fresh processes; return their results.
 
-    ``fn`` must be importable by name (a module-level function), and its result picklable.
-    Results come back in rank order. Any rank that raises, or dies without a result, makes
-    the whole call raise :class:`DistributedRunError` naming the ranks and their errors.
-    When one rank fails the others are stopped (they would wait forever in their next
-    collective), unless ``stop_on_failure`` is False. ``device``: see :func:`process_group`.
-    ``stop`` (a ``threading.Event``, e.g. set by the caller's SIGTERM handler) is passed on to
-    rank 0 as SIGTERM, once: a driving rank 0 can then end cleanly and release the others.
-    ``timeout_s`` bounds the whole run (a long training run wants a large one).
-    """
-    import torch.multiprocessing as mp
+    The ranks are started by torch's elastic agent (what ``torchrun`` runs), on this host,
+    without restarts. ``fn`` must be importable by name (a module-level function), and its
+    arguments and result picklable. Results come back in rank order. Any rank that raises,
+    or dies without a result, makes the whole call raise :class:`DistributedRunError` naming
+    the ranks and their errors; the agent stops the other ranks. ``device``: see
+    :func:`process_group`.
 
+    ``stop`` (a ``threading.Event``, e.g. set by the caller's SIGTERM handler) is passed on to
+    rank 0 as SIGTERM, once: a driving rank 0 can then end cleanly and release the others;
+    SIGTERM and SIGINT then stay the caller's. Without ``stop`` the agent handles them, as
+    torchrun does: the ranks are stopped and the signal's exception propagates. ``timeout_s``
+    bounds the whole run (a long training run wants a large one).
+    """
     backend = backend or default_backend()
     ep = world_size if expert_model_parallel_size is None else int(expert_model_parallel_size)
     check_layout(world_size, ep, backend)
-    no_multicast_env()
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="libalign-launch-") as out_dir:
-        ctx = mp.start_processes(_entry, args=(fn, world_size, ep, backend, device, port,
-                                               timeout_s, out_dir, args),
-                                 nprocs=world_size, join=False, start_method="spawn")
-        why = _join(ctx.processes, timeout_s + 30.0, stop_on_failure, stop)
-        results, errors = [], []
-        for r, p in enumerate(ctx.processes):
-            f = Path(out_dir) / f"rank-{r:05d}.pkl"
-            if not f.is_file():
-                errors.append(f"rank {r}: no result (exit code {p.exitcode})")
-                continue
-            status, value = pickle.loads(f.read_bytes())
-            if status == "ok":
-                results.append(value)
-            else:
-                errors.append(f"rank {r}: {value}")
-        if errors or why is not None:
-            head = f"{len(errors)} of {world_size} ranks failed" + (f" ({why})" if why else "")
-            raise DistributedRunError(head + ":\n" + "\n".join(errors))
-        return results
+    no_multicast_env()  # in this process too, so every process of the run has them
+    agent_signals = AGENT_SIGNALS if stop is None else ("SIGHUP", "SIGQUIT")
+    with tempfile.TemporaryDirectory(prefix="libalign-launch-") as tmp:
+        run_dir = Path(tmp)
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
+            rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
+            max_restarts=0, start_method="spawn", signals_to_handle=",".join(agent_signals),
+            shutdown_timeout=SHUTDOWN_GRACE_S,
+            logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")))
+        watch = _Watch(run_dir, world_size, timeout_s, stop)
+        watch.start()
+        try:
+            with _caller_signals_kept(AGENT_SIGNALS):
+                values = elastic_launch(config, _rank_entry)(fn, ep, backend, device, timeout_s,
+                                                             str(run_dir), args)
+        except ChildFailedError as e:
+            errors = _failure_report(e.failures, run_dir)
+            why = f" (timed out after {timeout_s:g} s)" if watch.timed_out else ""
+            raise DistributedRunError(f"{len(errors)} of {world_size} ranks failed{why}:\n"
+                                      + "\n".join(errors)) from None
+        finally:
+            watch.done.set()
+            watch.join()
+        return [values[r] for r in range(world_size)]

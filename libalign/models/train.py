@@ -312,16 +312,12 @@ def trained_tiny_model(*, cache_dir: str | os.PathLike | None = None, device: st
                 "torch": torch.__version__}
 
         def write(tmp: Path) -> None:
-            _save_checkpoint(model, tmp)
+            model.save_pretrained(tmp)
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
         write_dir_atomically(final, write)
     model = Qwen3MoeForCausalLM.from_pretrained(final, dtype=torch.bfloat16)
     return model.to(device).eval(), task
-
-
-def _save_checkpoint(model: Qwen3MoeForCausalLM, path: Path) -> None:
-    model.save_pretrained(path)
 
 
 def training_report(*, cache_dir=None, steps: int | None = None, seed: int = 0) -> dict | None:

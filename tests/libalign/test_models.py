@@ -362,11 +362,13 @@ def test_trained_cache_round_trip(tmp_path, monkeypatch):
 
 def test_atomic_write_leaves_nothing_on_failure(tmp_path, monkeypatch):
     """A failure while writing removes the temporary directory and creates no checkpoint."""
-    def half_save(model, path):
+    from transformers import Qwen3MoeForCausalLM
+
+    def half_save(model, path, *args, **kwargs):
         (path / "model.safetensors").write_bytes(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(train_mod, "_save_checkpoint", half_save)
+    monkeypatch.setattr(Qwen3MoeForCausalLM, "save_pretrained", half_save)
     monkeypatch.setattr(train_mod, "EVAL_PATHS", ("bf16",))
     with pytest.raises(OSError, match="disk full"):
         trained_tiny_model(cache_dir=tmp_path, steps=1, eval_prompts=2)
@@ -383,7 +385,9 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
     write_dir_atomically(final, lambda tmp: (tmp / "a").write_text("1"))
     assert [p.name for p in tmp_path.iterdir()] == ["x"] and (final / "a").read_text() == "1"
-    assert final.stat().st_mode & 0o055 == 0o055 & ~train_mod._umask()
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert final.stat().st_mode & 0o055 == 0o055 & ~umask
 
 
 def test_stale_temporary_dirs_of_dead_writers_are_swept(tmp_path):
