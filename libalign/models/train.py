@@ -30,7 +30,8 @@ The checkpoint lives at ``<root>/tiny-<hash>``, ``root`` being ``cache_dir``, el
 the task, the number of steps, the seed and the recipe. It is written into a temporary
 directory next to it, fsynced and renamed into place, so a reader sees either no checkpoint
 or a complete one; a failure removes the temporary directory, and temporary directories of
-processes that no longer exist are swept on the next write. ``training.json`` beside the
+processes that no longer exist are swept on the next write (:mod:`libalign.atomic_dir`, the
+writer the daemon's weight store also uses). ``training.json`` beside the
 weights records the loss curve, the training time and the greedy accuracy on held-out
 prompts, per execution path.
 """
@@ -43,8 +44,6 @@ import logging
 import math
 import os
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -53,6 +52,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from ..atomic_dir import DestinationExistsError, atomic_directory, sweep_stale
 from ..errors import ConfigError
 from .config import build_model, tiny_config
 from .scoring import generate
@@ -69,6 +69,8 @@ EVAL_PROMPTS = 512
 EVAL_PATHS = ("bf16", "nvfp4_naive", "nvfp4_minite")
 META_FILE = "training.json"
 ENV_CACHE = "ALIGN_MODEL_CACHE"
+#: a temporary directory of a writer that is gone is swept once this old (seconds)
+STALE_AFTER_S = 3600.0
 _VOLATILE = {"transformers_version", "_name_or_path", "architectures", "dtype", "id2label", "label2id",
              "output_attentions", "output_hidden_states", "return_dict", "problem_type",
              "chunk_size_feed_forward", "use_cache", "is_encoder_decoder"}
@@ -104,72 +106,22 @@ def _is_complete(path: Path) -> bool:
         path.glob("*.safetensors"))
 
 
-def _sweep_stale(root: Path, max_age_s: float = 3600.0) -> None:
-    if not Path("/proc").is_dir():
-        return
-    now = time.time()
-    for entry in root.glob(".tmp-*"):
-        parts = entry.name.rsplit("-", 2)  # .tmp-<name>-<pid>-<random>
-        pid = parts[1] if len(parts) == 3 else ""
-        try:
-            stale = (pid.isdigit() and not Path(f"/proc/{pid}").exists()
-                     and now - entry.stat().st_mtime > max_age_s)
-        except OSError:
-            continue
-        if stale:
-            shutil.rmtree(entry, ignore_errors=True)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _publish_modes(path: Path) -> None:
-    # mkdtemp makes a private (0700) directory; the published one gets the modes a plain
-    # mkdir and open would have given, so other users of a shared cache can read it.
-    mask = _umask()
-    for f in path.rglob("*"):
-        f.chmod((0o777 if f.is_dir() else 0o666) & ~mask)
-    path.chmod(0o777 & ~mask)
-
-
-def _fsync_tree(path: Path) -> None:
-    for f in path.rglob("*"):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_dir_atomically(final: Path, write: Callable[[Path], None]) -> Path:
     """Run ``write(tmp)`` into a fresh temporary directory beside ``final``, then rename it there.
 
     On any failure the temporary directory is removed and ``final`` is untouched. When another
-    writer renamed a complete ``final`` first, ours is discarded and theirs kept.
+    writer renamed a complete ``final`` first, ours is discarded and theirs kept. Temporary
+    directories of writers that are gone and older than ``STALE_AFTER_S`` are swept first
+    (:func:`~libalign.atomic_dir.sweep_stale`).
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _sweep_stale(final.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-{os.getpid()}-", dir=final.parent))
+    sweep_stale(final.parent, STALE_AFTER_S)
     try:
-        write(tmp)
-        _publish_modes(tmp)
-        _fsync_tree(tmp)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not _is_complete(final):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with atomic_directory(final) as tmp:
+            write(tmp)
+    except DestinationExistsError:
+        if not _is_complete(final):
+            raise
     return final
 
 

@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 from alignclient.errors import InputError, ShapeError, SpecError
 
 from libalign import gemm
+from libalign.atomic_dir import writer_tag
 from libalign.models import (
     SyntheticTask,
     build_model,
@@ -394,8 +395,8 @@ def test_stale_temporary_dirs_of_dead_writers_are_swept(tmp_path):
     """An old temporary directory of a process that no longer exists is removed; a live one stays."""
     if not os.path.isdir("/proc"):
         pytest.skip("needs /proc to tell live writers")
-    dead = tmp_path / ".tmp-tiny-abc-999999999-x1"
-    live = tmp_path / f".tmp-tiny-abc-{os.getpid()}-x2"
+    dead = tmp_path / ".tmp-tiny-abc.999999999-1.0000abc1"
+    live = tmp_path / f".tmp-tiny-abc.{writer_tag()}.0000abc2"
     for d in (dead, live):
         d.mkdir()
         os.utime(d, (time.time() - 7200,) * 2)

@@ -24,12 +24,12 @@ from alignd.formats import export as ce
 from alignd.formats import export_plan
 from alignd.formats import hf_checkpoint as hfc
 from alignd.formats import selection as sel
-from alignd.formats.atomic_dir import DestinationExistsError
 from alignd.tools.cli import app
 from safetensors import safe_open
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
+from libalign.atomic_dir import DestinationExistsError
 from libalign.checkpoint import from_compressed_tensors, from_modelopt, stored_layout, to_format
 from libalign.spec import PRESETS, dequantize, quantize, shared_outer_amax
 from tests.libalign import inputs, peers

@@ -25,7 +25,6 @@ from alignclient.errors import (
     VersionExistsError,
     VersionNotFoundError,
 )
-from alignd.formats.atomic_dir import TMP_PREFIX
 from alignd.formats.sharded_version import (
     Piece,
     commit_version,
@@ -38,6 +37,7 @@ from alignd.formats.weight_store import WeightStore, scalar_outer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from libalign.atomic_dir import TMP_PREFIX
 from libalign.spec import PRESETS, NVFP4Tensor, shared_outer_amax
 
 REPO = Path(__file__).resolve().parents[2]

@@ -4,10 +4,12 @@ the published BF16 input side and convert_published (no Redis needed)."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,7 @@ from alignd.formats.published import write_published
 from alignd.formats.selection import is_expert_weight
 from alignd.formats.weight_store import WeightStore, tensor_sha256
 
+from libalign.atomic_dir import atomic_directory, writer_tag
 from libalign.spec import PRESETS
 from libalign.spec import quantize as spec_quantize
 
@@ -165,6 +168,36 @@ def test_killed_writer_leaves_only_hidden_leftovers(tmp_path):
     with pytest.raises(VersionNotFoundError):
         store.read_version("v")
     assert store.sweep(min_age_s=0) == leftovers and not leftovers[0].exists()
+
+
+def test_sweep_takes_leftovers_of_gone_writers_only(tmp_path):
+    """An old ``.tmp-*`` goes when its writer is gone (exited, or its pid now another process);
+    a live writer keeps its directory however old; a young leftover stays."""
+    if not Path("/proc").is_dir():
+        pytest.skip("needs /proc to tell live writers")
+    store = WeightStore(tmp_path)
+    root = store.versions_root
+    gone = subprocess.run([sys.executable, "-c", "from libalign.atomic_dir import writer_tag; "
+                           "print(writer_tag())"], capture_output=True, text=True, check=True,
+                          timeout=60).stdout.strip()
+    pid, start = writer_tag().split("-")
+    dead = root / f".tmp-a.{gone}.0123abcd"
+    reused = root / f".tmp-b.{pid}-{int(start) + 1}.0123abcd"  # our pid, another start time
+    anonymous = root / ".tmp-parts-c-of-2"  # no writer in the name: the age rule alone
+    young = root / f".tmp-d.{gone}.4567abcd"
+    old = time.time() - 7200
+    for d in (dead, reused, anonymous, young):
+        d.mkdir(parents=True)
+    for d in (dead, reused, anonymous):
+        os.utime(d, (old, old))
+    with atomic_directory(root / "e") as live:
+        assert live.name.startswith(f".tmp-e.{writer_tag()}.")
+        (live / "x").write_bytes(b"1")
+        os.utime(live, (old, old))
+        removed = store.sweep(min_age_s=3600)
+        assert sorted(removed) == sorted([dead, reused, anonymous])
+        assert not any(p.exists() for p in removed) and live.is_dir() and young.is_dir()
+    assert (root / "e" / "x").read_bytes() == b"1"
 
 
 def test_exists_overwrite_and_delete(tmp_path):

@@ -1,9 +1,10 @@
 """On-disk formats: what the daemon writes and reads on a filesystem, and nothing else.
 
 No Redis, no web, no metrics: this layer imports only the numerical core (``libalign``) and
-the wire contract (``alignclient``: errors, the id rule).
+the wire contract (``alignclient``: errors, the id rule). Directories appear whole or not at
+all (and disappear the same way) through the core's :mod:`libalign.atomic_dir`, which the model
+cache shares.
 
-* :mod:`.atomic_dir` – directories that appear whole or not at all (and disappear the same way);
 * :mod:`.hf_checkpoint` – Hugging Face safetensors checkpoints: the one index reader, the
   shard writers, the file names (index, config, ``manifest.json``);
 * :mod:`.selection` – the one expert-selection policy: which tensors get quantized;

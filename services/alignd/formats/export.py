@@ -83,7 +83,6 @@ from alignclient.errors import AlignError, InputError, LayoutError, NonFiniteErr
 from safetensors import safe_open
 
 import libalign
-from alignd.formats.atomic_dir import TMP_PREFIX, DestinationExistsError, atomic_directory, sha256_file
 from alignd.formats.export_plan import ExportPlan, Unit, plan_export
 from alignd.formats.hf_checkpoint import (
     CONFIG_NAME,
@@ -104,6 +103,7 @@ from alignd.formats.quant_configs import (
     modelopt_quantization_config,
 )
 from libalign import ops
+from libalign.atomic_dir import TMP_PREFIX, DestinationExistsError, atomic_directory, sha256_file
 from libalign.checkpoint import to_format
 from libalign.spec import NumericsSpec, NVFP4Tensor, check_finite, shared_outer_amax
 

@@ -4,7 +4,7 @@ A published version is a directory ``<store>/published/<version_id>/`` laid out 
 Hugging Face checkpoint (:mod:`alignd.formats.hf_checkpoint`: safetensors shards and an
 index), read back with :class:`~alignd.formats.hf_checkpoint.HFCheckpoint`. The learner
 writes it through :func:`write_published`, which builds the directory under a temporary
-name and renames it into place (:mod:`alignd.formats.atomic_dir`), so a converter never
+name and renames it into place (:mod:`libalign.atomic_dir`), so a converter never
 opens a half-written version. Registering the version and announcing it on the bus come
 after the files, in :mod:`alignd.infra.publish`.
 
@@ -20,8 +20,8 @@ from pathlib import Path
 from alignclient.errors import VersionExistsError
 from alignclient.ids import check_version_id
 
-from alignd.formats.atomic_dir import DestinationExistsError, atomic_directory
 from alignd.formats.hf_checkpoint import Tensors, write_shards
+from libalign.atomic_dir import DestinationExistsError, atomic_directory
 
 DEFAULT_SHARD_BYTES = 2 << 30
 

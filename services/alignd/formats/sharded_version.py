@@ -58,7 +58,6 @@ import torch
 from alignclient.errors import InputError, ManifestError, VersionExistsError
 from alignclient.ids import check_version_id
 
-from alignd.formats.atomic_dir import TMP_PREFIX, DestinationExistsError, atomic_directory, fsync_path
 from alignd.formats.hf_checkpoint import MANIFEST_NAME
 from alignd.formats.selection import Select
 from alignd.formats.weight_store import (
@@ -71,6 +70,7 @@ from alignd.formats.weight_store import (
     scalar_outer,
     spec_key,
 )
+from libalign.atomic_dir import TMP_PREFIX, DestinationExistsError, atomic_directory, fsync_path
 from libalign.spec import NumericsSpec, NVFP4Tensor
 
 __all__ = [

@@ -28,7 +28,7 @@ quantize, write seconds). Readers check every stored tensor against it and raise
 :class:`ChecksumMismatchError` naming the tensor.
 
 Atomicity: a version is built in a hidden ``.tmp-*`` sibling, every shard fsynced as it
-is written, then renamed into place (:mod:`alignd.formats.atomic_dir`). A writer killed
+is written, then renamed into place (:mod:`libalign.atomic_dir`). A writer killed
 at any moment leaves either the complete version or no version (plus a hidden leftover
 that :meth:`WeightStore.sweep` removes); :meth:`WeightStore.list_versions` ignores
 leftovers. Deletion renames the version away before removing its files.
@@ -72,7 +72,10 @@ from alignclient.errors import (
 )
 from alignclient.ids import check_version_id
 
-from alignd.formats.atomic_dir import (
+from alignd.formats.hf_checkpoint import MANIFEST_NAME, items
+from alignd.formats.selection import Select
+from libalign import ops
+from libalign.atomic_dir import (
     TMP_PREFIX,
     DestinationExistsError,
     atomic_directory,
@@ -80,9 +83,6 @@ from alignd.formats.atomic_dir import (
     fsync_path,
     sweep_stale,
 )
-from alignd.formats.hf_checkpoint import MANIFEST_NAME, items
-from alignd.formats.selection import Select
-from libalign import ops
 from libalign.spec import NumericsSpec, NVFP4Tensor
 
 FORMAT = "libalign-nvfp4"

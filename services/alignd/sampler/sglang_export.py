@@ -57,11 +57,11 @@ from pathlib import Path
 
 from alignclient.errors import ConfigError, StoreError
 
-from alignd.formats.atomic_dir import TMP_PREFIX, DestinationExistsError, discard_directory
 from alignd.formats.export import convert_checkpoint
 from alignd.formats.export_plan import CHECKPOINT_PRESETS
 from alignd.formats.hf_checkpoint import CONFIG_NAME, HF_QUANT_CONFIG, INDEX_NAME, MANIFEST_NAME
 from alignd.formats.weight_store import WeightStore
+from libalign.atomic_dir import TMP_PREFIX, DestinationExistsError, discard_directory
 from libalign.spec import PRESETS
 
 log = logging.getLogger("alignd.sampler.sglang")
