@@ -391,6 +391,34 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path, monkeypatch):
     assert final.stat().st_mode & 0o055 == 0o055 & ~umask
 
 
+def test_atomic_write_keeps_a_checkpoint_another_writer_completed_first(tmp_path):
+    """A complete checkpoint renamed into place while ours was written wins (ours is dropped);
+    an incomplete directory in the way is an error, left as it is."""
+    final = tmp_path / "tiny-abc"
+
+    def theirs_first(tmp):
+        (tmp / "config.json").write_text("ours")
+        final.mkdir()
+        for name in ("config.json", train_mod.META_FILE, "model.safetensors"):
+            (final / name).write_text("theirs")
+
+    assert write_dir_atomically(final, theirs_first) == final
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-abc"]
+    assert (final / "config.json").read_text() == "theirs"
+
+    other = tmp_path / "tiny-def"
+
+    def half_theirs_first(tmp):
+        (tmp / "config.json").write_text("ours")
+        other.mkdir()
+        (other / "config.json").write_text("theirs")
+
+    with pytest.raises(FileExistsError, match="tiny-def"):
+        write_dir_atomically(other, half_theirs_first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-abc", "tiny-def"]
+    assert [p.name for p in other.iterdir()] == ["config.json"]
+
+
 def test_stale_temporary_dirs_of_dead_writers_are_swept(tmp_path):
     """An old temporary directory of a process that no longer exists is removed; a live one stays."""
     if not os.path.isdir("/proc"):
