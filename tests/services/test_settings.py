@@ -8,6 +8,8 @@ import logging
 import os
 import re
 import signal
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -187,3 +189,14 @@ def test_run_service_stops_on_sigterm(clean_env, own_signals):
         return None
 
     assert run_service(logging.getLogger("t"), ServiceSettings, run) == 0
+
+
+def test_api_process_exits_2_on_bad_settings():
+    """``python -m alignd.api.main`` with an unusable setting logs 'bad settings' naming the
+    variable and exits 2 (as the other services do), instead of a traceback."""
+    env = {**os.environ, "ALIGN_API_PORT": "not-a-port", "ALIGN_DEV_MODE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "alignd.api.main"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "bad settings" in proc.stderr and "api_port" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -11,9 +11,13 @@ import logging
 
 import redis
 import uvicorn
+from pydantic import ValidationError
 
 from alignd.api.app import create_app
+from alignd.infra.service_main import LOG_FORMAT
 from alignd.infra.settings import ApiSettings
+
+log = logging.getLogger("alignd.api")
 
 
 def serve(settings: ApiSettings | None = None, *, client: redis.Redis | None = None) -> None:
@@ -24,11 +28,18 @@ def serve(settings: ApiSettings | None = None, *, client: redis.Redis | None = N
                 access_log=False)
 
 
-def main() -> None:
-    """Entry point of ``python -m alignd.api.main``."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve()
+def main() -> int:
+    """Entry point of ``python -m alignd.api.main``: 0 after a clean stop, 2 for bad settings."""
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    try:
+        settings = ApiSettings()
+    except ValidationError as e:
+        log.error("bad settings: %s", e)
+        return 2
+    logging.getLogger().setLevel(settings.log_level)
+    serve(settings)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
