@@ -70,7 +70,7 @@ from alignclient.models import (
 from alignclient.retry import RetryPolicy
 
 from alignd.infra.bus import RedisBus
-from alignd.infra.telemetry import Metrics
+from alignd.infra.telemetry import Metrics, path_label
 from libalign.metrics import DEFAULT_TIS_CAP, delta_stats, tis_weights, token_deltas
 
 __all__ = ["DEFAULT_TTL_S", "DeltaSummary", "Discrepancy", "Rollout", "RolloutStore", "Score",
@@ -203,8 +203,6 @@ class RolloutStore:
             raise RolloutExistsError(version, [d.decode() for d in dup])
         tokens = sum(r.completion_tokens for r in rollouts)
         if self.metrics is not None:
-            from alignd.infra.telemetry import path_label
-
             for r in rollouts:
                 self.metrics.rollout_tokens.labels(sampler_path=path_label(r.path)).inc(
                     r.completion_tokens)
