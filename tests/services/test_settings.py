@@ -132,6 +132,25 @@ def test_documented_variables_are_read(clean_env):
         assert name in fields or f'"{var}"' in core, f"{var} is documented but nothing reads it"
 
 
+def test_streams_follow_the_key_prefix_unless_named(clean_env, monkeypatch):
+    """The event streams are derived from ``key_prefix`` (the default prefix keeps the old
+    names), an explicit stream name overrides that, and an empty prefix is refused."""
+    default = AllInOneSettings()
+    assert (default.published_stream, default.converted_stream) == (
+        "libalign:events:published", "libalign:events:converted")
+    run_a = ConverterSettings(key_prefix="runA")
+    assert (run_a.published_stream, run_a.converted_stream) == (
+        "runA:events:published", "runA:events:converted")
+    monkeypatch.setenv("ALIGN_KEY_PREFIX", "runB")
+    monkeypatch.setenv("ALIGN_CONVERTED_STREAM", "shared:converted")
+    for s in (SamplerSettings(), ConverterSettings(), ApiSettings(), AllInOneSettings()):
+        assert (s.published_stream, s.converted_stream) == ("runB:events:published",
+                                                            "shared:converted"), type(s)
+    assert ServiceSettings(published_stream="p").published_stream == "p"
+    with pytest.raises(ValidationError, match="key_prefix"):
+        ServiceSettings(key_prefix="")
+
+
 def test_resolved_api_url(clean_env):
     """Clients reach a wildcard-bound API on loopback; ALIGN_API_URL wins when set."""
     assert ApiAddress(api_host="0.0.0.0", api_port=9000).resolved_api_url == "http://127.0.0.1:9000"

@@ -9,10 +9,14 @@ weights live in the weight store directory.
 Version ids follow the contract's id rule (:mod:`alignclient.ids`): they become
 directory names and Redis key parts.
 
-Streams: ``published`` and ``converted`` events travel on the streams that settings name;
-``sync`` requests (the control API asks samplers to load a version) travel on
-:func:`sync_stream` of the key prefix, ``<key_prefix>:events:sync`` (:data:`SYNC_STREAM`
-with the default prefix).
+Streams: every stream is named under the key prefix, ``<key_prefix>:events:<name>``
+(:func:`event_stream`), so two daemons with different prefixes share a Redis without taking
+each other's events (their consumer groups live on their own streams). ``published`` and
+``converted`` events travel on the streams that settings name (by default
+``event_stream(key_prefix, "published")`` and ``"converted"``); ``sync`` requests (the
+control API asks samplers to load a version) travel on :func:`sync_stream` of the key prefix,
+``<key_prefix>:events:sync`` (:data:`SYNC_STREAM` with the default prefix); rollout work
+travels on the streams of :mod:`alignd.infra.work`.
 """
 
 from __future__ import annotations
@@ -24,13 +28,22 @@ from alignclient.errors import EventError
 from alignclient.ids import check_version_id
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
+#: The key prefix a daemon uses unless ``ALIGN_KEY_PREFIX`` says otherwise.
+DEFAULT_KEY_PREFIX = "libalign"
+
+
+def event_stream(key_prefix: str, name: str) -> str:
+    """Name of the event stream ``name`` under a key prefix: ``<key_prefix>:events:<name>``."""
+    return f"{key_prefix}:events:{name}"
+
+
 #: The stream of sync requests under the default key prefix ``libalign``.
-SYNC_STREAM = "libalign:events:sync"
+SYNC_STREAM = event_stream(DEFAULT_KEY_PREFIX, "sync")
 
 
-def sync_stream(key_prefix: str = "libalign") -> str:
+def sync_stream(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
     """Name of the sync-request stream for a key prefix (``SYNC_STREAM`` for the default)."""
-    return f"{key_prefix}:events:sync"
+    return event_stream(key_prefix, "sync")
 
 
 VersionId = Annotated[str, AfterValidator(check_version_id)]

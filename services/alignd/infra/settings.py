@@ -27,6 +27,11 @@ One variable means the same to every service that reads it (``ALIGN_PRESET`` to 
 converter, the learner and the API), so a field several classes hold is declared once, as a
 type (:data:`Preset`, :data:`SamplerPath`, :data:`LearnerPath`, :data:`ConsumerName`).
 
+Isolation: every Redis key and stream a service owns starts with ``key_prefix``; the stream
+fields default to ``<key_prefix>:events:<name>`` and take an explicit name (say
+``ALIGN_PUBLISHED_STREAM``) as an override. Two daemons with different prefixes on one
+Redis therefore never see each other's versions, events or consumer groups.
+
 Delivery timing, in short: a consumer that is working on a message refreshes it every
 ``heartbeat_ms``; a message nobody refreshed for ``claim_idle_ms`` is taken over
 (``XAUTOCLAIM``) by a live consumer. ``heartbeat_ms`` must therefore be well below
@@ -39,12 +44,14 @@ from __future__ import annotations
 import os
 import socket
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from alignd.infra.events import DEFAULT_KEY_PREFIX, event_stream
 from libalign.spec import PRESETS
 
 #: ``cpu``, ``cuda`` or ``cuda:N``: where a service runs its torch work.
@@ -61,6 +68,17 @@ def known_preset(name: str) -> str:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return name
+
+
+def prefixed_stream(name: str) -> Callable[[dict[str, Any]], str]:
+    """Default factory of a stream field: the stream ``name`` under the validated key prefix,
+    so ``ALIGN_KEY_PREFIX`` alone separates two daemons sharing a Redis."""
+
+    def default(data: dict[str, Any]) -> str:
+        return event_stream(data.get("key_prefix", DEFAULT_KEY_PREFIX), name)
+
+    default.__qualname__ = default.__name__ = f"{name}_stream_of_key_prefix"
+    return default
 
 
 # --- fields several services read, declared once ----------------------------------------------
@@ -89,10 +107,15 @@ class ServiceSettings(AlignSettings):
     redis_retry_s: float | None = Field(
         None, description="give up on an unreachable Redis after this long (None: retry forever)")
     block_ms: int = Field(1_000, gt=0, description="longest wait of one blocking stream read")
-    key_prefix: str = Field("libalign", description="prefix of every Redis key the daemon owns")
+    key_prefix: str = Field(DEFAULT_KEY_PREFIX, min_length=1,
+                            description="prefix of every Redis key and stream the daemon owns")
     store_dir: Path = Field(Path("align-store"), description="root of the weight store directory")
-    published_stream: str = Field("libalign:events:published", description="learner -> converter")
-    converted_stream: str = Field("libalign:events:converted", description="converter -> samplers")
+    published_stream: str = Field(default_factory=prefixed_stream("published"), min_length=1,
+                                  description="learner -> converter (default "
+                                  "<key_prefix>:events:published)")
+    converted_stream: str = Field(default_factory=prefixed_stream("converted"), min_length=1,
+                                  description="converter -> samplers (default "
+                                  "<key_prefix>:events:converted)")
     service_heartbeat_s: float = Field(2.0, gt=0, description="period of a service's heartbeat")
     service_heartbeat_ttl_s: float = Field(10.0, gt=0,
                                            description="a heartbeat older than this means down")
@@ -138,7 +161,8 @@ class ConverterSettings(DeliverySettings):
 
     preset: Preset
     consumer_name: ConsumerName
-    converter_group: str = Field("converter", description="consumer group of the converters")
+    converter_group: str = Field("converter", description="consumer group of the converters "
+                                 "(on the key prefix's published stream: one per run)")
     max_deliveries: int = Field(5, ge=1, description="deliveries before a version is failed")
     convert_all_linear: bool = Field(False, description="also quantize every 2-D linear weight")
     store_shard_bytes: int = Field(1 << 30, gt=0, description="largest output safetensors shard")

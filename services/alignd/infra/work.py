@@ -1,13 +1,17 @@
 """Rollout work between a trainer and the samplers: requests and completions on Redis Streams.
 
 A trainer (the embedded learner, or a user's RL loop through the API) asks for rollouts by
-adding a :class:`RolloutRequest` to :data:`REQUESTS` (``<prefix>:events:rollout_requests``).
-Samplers share the consumer group :data:`SAMPLER_GROUP`, so each request is served by exactly
-one sampler (and re-served by another if that one dies before acknowledging it). The sampler
-generates, stores the rollouts (token ids and its log-probs) in the rollout store and, when
-asked, their guidance records in the guidance store, then adds a :class:`RolloutsReady` to
-:data:`READY` naming the rollout ids, or the error that stopped it. Tokens travel as JSON in
-the request because prompts are short; rollouts themselves never ride on a stream.
+adding a :class:`RolloutRequest` to :func:`requests_stream` of its key prefix
+(``<key_prefix>:events:rollout_requests``). The samplers of that prefix share the consumer
+group :data:`SAMPLER_GROUP` on it, so each request is served by exactly one sampler of the
+run (and re-served by another if that one dies before acknowledging it); a daemon with
+another prefix has other streams and never sees it. The sampler generates, stores the
+rollouts (token ids and its log-probs) in the rollout store and, when asked, their guidance
+records in the guidance store, then adds a :class:`RolloutsReady` to :func:`ready_stream`
+(``<key_prefix>:events:rollouts_ready``) naming the rollout ids, or the error that stopped
+it. Tokens travel as JSON in the request because prompts are short; rollouts themselves
+never ride on a stream. :data:`REQUESTS` and :data:`READY` are the two names under the
+default prefix.
 """
 
 from __future__ import annotations
@@ -19,10 +23,23 @@ from typing import ClassVar
 from alignclient.ids import ID_PATTERN
 from pydantic import Field, field_validator
 
-from alignd.infra.events import Event, VersionId
+from alignd.infra.events import DEFAULT_KEY_PREFIX, Event, VersionId, event_stream
 
-REQUESTS = "libalign:events:rollout_requests"
-READY = "libalign:events:rollouts_ready"
+
+def requests_stream(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """The stream of rollout requests under a key prefix."""
+    return event_stream(key_prefix, "rollout_requests")
+
+
+def ready_stream(key_prefix: str = DEFAULT_KEY_PREFIX) -> str:
+    """The stream of rollout completions under a key prefix."""
+    return event_stream(key_prefix, "rollouts_ready")
+
+
+#: The rollout-request stream under the default key prefix ``libalign``.
+REQUESTS = requests_stream()
+#: The rollout-completion stream under the default key prefix ``libalign``.
+READY = ready_stream()
 SAMPLER_GROUP = "samplers"
 MAX_PROMPTS = 4096
 MAX_PROMPT_TOKENS = 4096

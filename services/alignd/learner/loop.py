@@ -36,7 +36,7 @@ from alignd.infra.publish import publish_version
 from alignd.infra.registry import Registry
 from alignd.infra.settings import LearnerSettings
 from alignd.infra.stores.rollouts import Score
-from alignd.infra.work import READY, REQUESTS, RolloutRequest, RolloutsReady
+from alignd.infra.work import RolloutRequest, RolloutsReady, ready_stream, requests_stream
 from alignd.learner.engine import GUIDED, LearnerEngine, TrainBatch
 from alignd.learner.sharded_publish import announce_converted
 from libalign.guidance import GuidanceRecord
@@ -80,7 +80,9 @@ class LearnerLoop:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.timeout_s = timeout_s
-        self._ready_last = self._tail(READY)
+        self.requests_stream = requests_stream(settings.key_prefix)
+        self.ready_stream = ready_stream(settings.key_prefix)
+        self._ready_last = self._tail(self.ready_stream)
 
     def _tail(self, stream: str) -> str:
         last = self.bus.call("tail", lambda: self.bus.client.xrevrange(stream, count=1))
@@ -135,11 +137,11 @@ class LearnerLoop:
                              max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                              seed=step, guidance_bits=self.settings.guidance_bits
                              if self.engine.path == GUIDED else 0)
-        self.bus.publish(REQUESTS, req.to_fields())
+        self.bus.publish(self.requests_stream, req.to_fields())
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             got = self.bus.call("wait ready", lambda: self.bus.client.xread(
-                {READY: self._ready_last}, count=64, block=200))
+                {self.ready_stream: self._ready_last}, count=64, block=200))
             for _stream, entries in got or []:
                 for mid, fields in entries:
                     self._ready_last = mid

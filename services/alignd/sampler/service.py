@@ -6,10 +6,12 @@ Three inputs, polled in turn:
   own, ``sampler-<name>``, so every sampler sees every version): load it;
 * **sync** requests (:func:`alignd.infra.events.sync_stream`, read by every sampler): load
   the named version if it is not the one served;
-* **rollout requests** (:data:`alignd.infra.work.REQUESTS`, the shared group
-  ``samplers``: one sampler per request): generate with the served version (loading the
-  requested one first if needed), store rollouts and guidance records, announce them on
-  :data:`alignd.infra.work.READY`, acknowledge.
+* **rollout requests** (:func:`alignd.infra.work.requests_stream` of the key prefix, the
+  shared group ``samplers``: one sampler of the run per request): generate with the served
+  version (loading the requested one first if needed), store rollouts and guidance records,
+  announce them on :func:`alignd.infra.work.ready_stream`, acknowledge.
+
+Every stream is the key prefix's own, so a sampler never takes another run's work.
 
 Loading moves the registry's version ``converted -> loading -> serving`` (the first sampler to
 get there does; later ones just load) and, when the store's bits fail verification or do not
@@ -37,7 +39,13 @@ from alignd.infra.registry import Registry
 from alignd.infra.settings import SamplerSettings
 from alignd.infra.stores.rollouts import Rollout
 from alignd.infra.telemetry import Metrics
-from alignd.infra.work import READY, REQUESTS, SAMPLER_GROUP, RolloutRequest, RolloutsReady
+from alignd.infra.work import (
+    SAMPLER_GROUP,
+    RolloutRequest,
+    RolloutsReady,
+    ready_stream,
+    requests_stream,
+)
 from alignd.sampler.engine import SamplerEngine
 
 log = logging.getLogger("alignd.sampler")
@@ -62,6 +70,8 @@ class SamplerService:
         self.group = f"sampler-{self.name}"
         self._sync_last = "$"
         self.sync_stream = sync_stream(settings.key_prefix)
+        self.requests_stream = requests_stream(settings.key_prefix)
+        self.ready_stream = ready_stream(settings.key_prefix)
         self.load_seconds: dict[str, float] = {}
         self.heartbeat = None  # a ServiceHeartbeat when run as a service
         self._next_claim = 0.0
@@ -168,7 +178,7 @@ class SamplerService:
     def setup(self) -> None:
         """Consumer groups, then the newest loadable version."""
         self.bus.ensure_group(self.settings.converted_stream, self.group, start_id="$")
-        self.bus.ensure_group(REQUESTS, SAMPLER_GROUP)
+        self.bus.ensure_group(self.requests_stream, SAMPLER_GROUP)
         self.load_latest()
 
     def step(self, block_ms: int = 100) -> int:
@@ -188,11 +198,11 @@ class SamplerService:
         msgs = []
         now = time.monotonic()
         if now >= self._next_claim:  # requests a dead sampler took and never answered
-            msgs = self.bus.reclaim(REQUESTS, SAMPLER_GROUP, self.name,
+            msgs = self.bus.reclaim(self.requests_stream, SAMPLER_GROUP, self.name,
                                     min_idle_ms=self.settings.claim_idle_ms, limit=1)
             self._next_claim = now if msgs else now + self.settings.claim_idle_ms / 2000
         if not msgs:
-            msgs = self.bus.read(REQUESTS, SAMPLER_GROUP, self.name, count=1, block_ms=block_ms)
+            msgs = self.bus.read(self.requests_stream, SAMPLER_GROUP, self.name, count=1, block_ms=block_ms)
         for m in msgs:
             self._request(m)
             handled += 1
@@ -234,5 +244,5 @@ class SamplerService:
             ready = RolloutsReady(request_id=req.request_id, version_id=req.version_id,
                                   sampler=self.name, error=f"{type(e).__name__}: {e}")
         self.metrics.sampler_requests.labels(outcome="error" if ready.error else "served").inc()
-        self.bus.publish(READY, ready.to_fields())
+        self.bus.publish(self.ready_stream, ready.to_fields())
         self.bus.ack(m.stream, SAMPLER_GROUP, m.id)
