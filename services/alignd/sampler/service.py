@@ -16,11 +16,12 @@ Every stream is the key prefix's own, so a sampler never takes another run's wor
 Loading moves the registry's version ``converted -> loading -> serving`` (the first sampler to
 get there does; later ones just load) and, when the store's bits fail verification or do not
 fit the sampler's path, ``-> failed`` with the reason; the engine keeps serving what it had.
-On start the sampler loads the newest version that is converted or beyond; one it left
-``loading`` when it was killed mid-load (same sampler name) it loads and moves on to
-``serving``. Handlers are idempotent: a repeated converted or sync event of the version served
-changes nothing, and a repeated rollout request whose rollouts are stored is answered again
-with them (rollouts are write-once).
+On start the sampler loads the newest version that is converted or beyond and can be served
+(newest first, past any number that cannot); one it left ``loading`` when it was killed
+mid-load (same sampler name) it loads and moves on to ``serving``. Handlers are idempotent:
+a repeated converted or sync event of the version served changes nothing, and a repeated
+rollout request whose rollouts are stored is answered again with them (rollouts are
+write-once).
 """
 
 from __future__ import annotations
@@ -125,13 +126,13 @@ class SamplerService:
         return target_path is None or target_path == self.engine.path
 
     def load_latest(self) -> str | None:
-        """Load the newest version that is converted or beyond (on start), if it fits this
-        sampler; older ones are never tried (they would be stale)."""
+        """Load the newest servable version (on start) that is converted or beyond and fits
+        this sampler: newest first, falling back past every one that cannot be served
+        (corrupt, missing from the store, foreign), however deep, down to the oldest the
+        registry lists. None if none can be served."""
         recs = [r for r in self.registry.list_versions() if r.state in LOADABLE
                 and self.for_me(r.meta.get("target_path"))]
-        # newest first; if it cannot be served (corrupt, foreign), fall back to the last good
-        # one, a few versions deep at most (older ones would be stale)
-        for rec in sorted(recs, key=lambda r: r.created_at, reverse=True)[:3]:
+        for rec in sorted(recs, key=lambda r: r.created_at, reverse=True):
             if self.load(rec.version_id):
                 return rec.version_id
         return None
