@@ -9,10 +9,13 @@ not only when it starts.
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 
 import pytest
 import redis
+from alignd.formats.weight_store import WeightStore
 from alignd.infra.stores.rollouts import RolloutStore
 from alignd.sampler.service import SamplerService
 
@@ -50,3 +53,53 @@ def test_restarted_sampler_falls_back_past_five_unservable_versions(redis_url, t
     for vid in vids[1:]:
         rec = rig.reg.get(vid)
         assert rec.state == "failed" and rec.reason, rec
+
+
+def fill_the_disk(monkeypatch) -> list[str]:
+    """Make every store write fail as a full disk does; returns the paths it refused."""
+    refused: list[str] = []
+
+    def no_space(self, out, *args, **kwargs):
+        path = str(out / "nvfp4-00001.safetensors")
+        refused.append(path)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setattr(WeightStore, "write_into", no_space)
+    return refused
+
+
+def test_a_full_disk_fails_the_version_naming_the_disk(redis_url, tmp_path, monkeypatch):
+    """Fault: the store's disk is full (every shard write raises ``ENOSPC``). Survived: the
+    version goes ``failed`` on its first delivery with reason ``no_space`` naming the error,
+    the file it could not write and the store's free bytes (it used to be redelivered until
+    ``too_many_deliveries``, which says nothing of the disk); the message is acked and no
+    staging directory is left behind."""
+    rig = Rig(redis_url, tmp_path)
+    refused = fill_the_disk(monkeypatch)
+    rig.publish("f1", model_weights(1))
+    rig.convert(1)
+    rec = rig.reg.get("f1")
+    assert rec.state == "failed", rec
+    assert rec.reason.startswith("no_space: [Errno 28] No space left on device"), rec.reason
+    assert len(refused) == 1 and repr(refused[0]) in rec.reason, rec.reason
+    assert f"store {rig.store.root}" in rec.reason and "bytes free" in rec.reason
+    assert rig.pending(rig.settings.published_stream, rig.settings.converter_group) == 0
+    assert list(rig.store.versions_root.iterdir()) == []
+
+
+def test_giving_up_on_a_version_says_its_last_error(redis_url, tmp_path, monkeypatch):
+    """Fault: every store write raises ``EIO`` (not a full disk: tried again). Survived: after
+    ``max_deliveries`` the version fails ``too_many_deliveries`` and the reason carries the
+    error its last delivery met, not only the count."""
+    rig = Rig(redis_url, tmp_path, max_deliveries=1)
+
+    def io_error(self, out, *args, **kwargs):
+        raise OSError(errno.EIO, os.strerror(errno.EIO), str(out))
+
+    monkeypatch.setattr(WeightStore, "write_into", io_error)
+    rig.publish("e1", model_weights(1))
+    rig.convert(2)  # the first delivery, then its redelivery after claim_idle_ms
+    rec = rig.reg.get("e1")
+    assert rec.state == "failed", rec
+    assert rec.reason.startswith("too_many_deliveries: gave up after 1 deliveries"), rec.reason
+    assert "OSError: [Errno 5] Input/output error" in rec.reason, rec.reason

@@ -17,14 +17,18 @@ converter died half-way. What a message leads to depends on the version's state:
 Finishing reuses a complete store version if one verifies (the predecessor died after
 the rename), and otherwise writes it atomically. Bad input (NaN/Inf, wrong dtype, wrong
 shape, missing shard) moves the version to ``failed`` with a reason naming the tensor or
-shard; the message is acked and the service goes on. An unexpected error leaves the
+shard; the message is acked and the service goes on. So does a full disk or quota
+(``ENOSPC``, ``EDQUOT``): ``no_space`` with the error, its path and the store's free bytes;
+once space is freed an operator retries the version. An unexpected error leaves the
 message pending, to be reclaimed and tried again, at most ``max_deliveries`` times.
 The message is acked only after the version's outcome is recorded in the registry.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +53,13 @@ from alignd.infra.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 
+#: Errors of a full disk or quota: the version fails at once naming the error and the path (a
+#: redelivery would fail the same way until an operator frees space and retries it).
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+#: Versions whose last unexpected error is remembered (the oldest is forgotten first).
+MAX_LAST_ERRORS = 256
+
 # Outcomes of handle(); every one but RETRY acks the message.
 CONVERTED, FAILED, SKIPPED, DROPPED, RETRY = "converted", "failed", "skipped", "dropped", "retry"
 
@@ -71,6 +82,8 @@ class ConverterWorker:
         self.metrics = metrics
         self.spec = resolve_spec(settings.preset)
         self.me = settings.consumer_name
+        #: version id -> the unexpected error of its last delivery here (said when giving up)
+        self.last_errors: dict[str, str] = {}
 
     def handle(self, msg: Message) -> str:
         """Process one message; ack it unless the outcome is RETRY. Returns the outcome."""
@@ -78,9 +91,13 @@ class ConverterWorker:
             outcome = self._process(msg)
         except BusUnavailableError:
             raise
-        except Exception:
+        except Exception as e:
             log.exception("message %s: unexpected error; left pending for a retry", msg.id)
+            if len(self.last_errors) >= MAX_LAST_ERRORS:
+                self.last_errors.pop(next(iter(self.last_errors)))
+            self.last_errors[str(msg.fields.get("version_id", ""))] = f"{type(e).__name__}: {e}"
             return RETRY
+        self.last_errors.pop(str(msg.fields.get("version_id", "")), None)
         self.bus.ack(msg.stream, self.settings.converter_group, msg.id)
         return outcome
 
@@ -109,8 +126,11 @@ class ConverterWorker:
             log.info("version %s is %s already; nothing to do", vid, rec.state)
             return SKIPPED
         if msg.deliveries > self.settings.max_deliveries:
+            last = self.last_errors.get(vid)
             return self._fail(vid, "too_many_deliveries",
-                              f"gave up after {msg.deliveries - 1} deliveries", fence=False)
+                              f"gave up after {msg.deliveries - 1} deliveries"
+                              + (f"; the last one here failed with {last}" if last else ""),
+                              fence=False)
         try:
             self.registry.transition(vid, "converting", actor=self.me, reclaim=msg.reclaimed)
         except StateTransitionError as e:
@@ -124,6 +144,10 @@ class ConverterWorker:
                 manifest = self._convert(vid, rec.path or event.path, event.target_path)
         except (InputError, StoreError) as e:
             return self._fail(vid, e.code, str(e), err=e)
+        except OSError as e:
+            if e.errno not in NO_SPACE:
+                raise  # maybe transient: left pending, tried again
+            return self._fail(vid, "no_space", self._no_space_detail(e), err="no_space")
         finally:
             self.metrics.converter_busy.set(0)
         try:
@@ -160,6 +184,16 @@ class ConverterWorker:
             manifest = self.store.verify_version(vid)
         self._step("committed")
         return manifest
+
+    def _no_space_detail(self, e: OSError) -> str:
+        """A full disk (or quota) named: the error with its path, and the store's free bytes."""
+        where = f"store {self.store.root}"
+        try:
+            usage = shutil.disk_usage(self.store.root)
+            where += f": {usage.free} of {usage.total} bytes free"
+        except OSError:
+            pass
+        return f"{e} ({where}); free space, then retry the version (POST /v1/versions/<id>:retry)"
 
     def _step(self, label: str) -> None:
         """After each durable step of a conversion: log it, tell ``on_step``."""

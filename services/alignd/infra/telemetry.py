@@ -71,7 +71,7 @@ STAGES = ("read", "quantize", "write")
 FAILURE_REASONS = (
     "non_finite", "invalid_dtype", "invalid_shape", "invalid_spec", "undefined_scale",
     "invalid_layout", "invalid_input", "missing_shard", "invalid_event", "version_not_found",
-    "checksum_mismatch", "invalid_manifest", "too_many_deliveries", "other",
+    "checksum_mismatch", "invalid_manifest", "too_many_deliveries", "no_space", "other",
 )
 
 #: Stages of a weight sync, the values of the ``stage`` label of libalign_sync_stage_seconds.
