@@ -12,6 +12,14 @@ parts and directory names, so they follow the id rule of :mod:`alignclient.ids`
 Log-probabilities are finite and at most :data:`LOGPROB_MAX` (a probability cannot exceed
 1; rounding may push a certain token a hair above 0), as ``libalign.metrics`` requires.
 
+Poison limits. What a request stores must be servable again by every read, so values are
+bounded where they are stored more narrowly than JSON allows: log-probs and rewards lie
+within ±:data:`FLOAT32_MAX` (δ is stored as float32, where a larger finite float64 becomes
+inf); token ids and ``prompt_len`` are JSON integers (``"3"``, ``true`` and ``3.0`` are
+refused, not coerced); a free-form ``meta`` nests at most :data:`MAX_META_DEPTH` deep and
+serializes to at most :data:`MAX_META_BYTES` (a deeper one once stored broke every reader's
+serializer); a lease lasts :data:`MIN_LEASE_TTL_S` to :data:`MAX_LEASE_TTL_S`.
+
 Errors travel as ``{"error": {"code", "type", "message"}}`` (:class:`ErrorResponse`), the
 code naming a class of :mod:`alignclient.errors`.
 """
@@ -20,9 +28,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from .ids import ID_PATTERN
 
@@ -35,9 +44,64 @@ MAX_BATCH = 4096
 #: States of a weight version, in the order a version moves through them.
 VERSION_STATES = ("published", "converting", "converted", "loading", "serving", "failed")
 
+#: Largest magnitude of a log-prob or reward: float32's largest finite value as numpy prints
+#: it (every float64 up to it rounds to a finite float32).
+FLOAT32_MAX = 3.4028235e38
+#: Deepest nesting of a free-form ``meta`` object (the object itself is depth 1).
+MAX_META_DEPTH = 32
+#: Largest ``meta``, serialized as compact JSON (bytes of UTF-8).
+MAX_META_BYTES = 64 * 1024
+#: Shortest and longest guidance lease (seconds).
+MIN_LEASE_TTL_S = 0.001
+MAX_LEASE_TTL_S = 86_400.0
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of a JSON value (a scalar is 0, ``{}`` or ``[]`` is 1), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict):
+            children = v.values()
+        elif isinstance(v, list | tuple):
+            children = v
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((c, depth + 1) for c in children)
+    return deepest
+
+
+def check_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` if it nests at most MAX_META_DEPTH deep and serializes to MAX_META_BYTES at most."""
+    depth = json_depth(meta)
+    if depth > MAX_META_DEPTH:
+        raise ValueError(f"meta nests {depth} levels deep; at most {MAX_META_DEPTH} "
+                         "(MAX_META_DEPTH) are accepted")
+    try:
+        size = len(json.dumps(meta, separators=(",", ":"), allow_nan=False).encode())
+    except ValueError as e:
+        raise ValueError("meta holds NaN or Infinity, which JSON cannot carry") from e
+    if size > MAX_META_BYTES:
+        raise ValueError(f"meta serializes to {size} bytes; at most {MAX_META_BYTES} "
+                         "(MAX_META_BYTES) are accepted")
+    return meta
+
+
+def strict_int(value: Any) -> Any:
+    """``value`` if it is an integer; a string, boolean or float is refused, not coerced."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"must be an integer, not {type(value).__name__} {value!r:.40}")
+    return int(value)
+
+
 SafeId = Annotated[str, Field(pattern=ID_PATTERN)]
-LogProb = Annotated[float, Field(allow_inf_nan=False, le=LOGPROB_MAX)]
-TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
+LogProb = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=LOGPROB_MAX)]
+Reward = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
+StrictInt = Annotated[int, BeforeValidator(strict_int)]
+TokenId = Annotated[StrictInt, Field(ge=0, lt=1 << 31)]
+#: A free-form JSON object within the meta limits.
+Meta = Annotated[dict[str, Any], AfterValidator(check_meta)]
 VersionState = Literal["published", "converting", "converted", "loading", "serving", "failed"]
 
 
@@ -90,7 +154,9 @@ class PublishRequest(Wire):
     """Register a BF16 version the learner already wrote to the weight store's published dir."""
 
     version_id: SafeId
-    meta: dict[str, Any] = Field(default_factory=dict)
+    meta: Meta = Field(default_factory=dict, description=(
+        f"free-form JSON object, at most {MAX_META_DEPTH} levels deep and {MAX_META_BYTES} "
+        "bytes serialized"))
     target_path: SafeId | None = Field(
         None, description="sampler execution path to convert for (None: the converter preset)")
 
@@ -162,11 +228,11 @@ class Rollout(Wire):
     """One generated sequence as the sampler saw it: tokens and the sampler's log-probs."""
 
     rollout_id: SafeId
-    prompt_len: int = Field(ge=1)
+    prompt_len: StrictInt = Field(ge=1, lt=MAX_ROLLOUT_TOKENS)
     tokens: list[TokenId] = Field(max_length=MAX_ROLLOUT_TOKENS)
     logprobs: list[LogProb] = Field(
         description="sampler log-probability of each completion token (tokens after the prompt)")
-    reward: Annotated[float, Field(allow_inf_nan=False)] | None = None
+    reward: Reward | None = None
     path: SafeId = Field(description="execution path the sampler ran")
     guidance: bool = Field(False, description="a guidance record was stored for this rollout")
 
@@ -304,7 +370,7 @@ class LeaseRequest(Wire):
     """Protect a version's guidance from budget eviction for ``ttl_s`` seconds."""
 
     consumer: SafeId
-    ttl_s: float = Field(gt=0, le=7 * 86_400, allow_inf_nan=False)
+    ttl_s: float = Field(ge=MIN_LEASE_TTL_S, le=MAX_LEASE_TTL_S, allow_inf_nan=False)
 
 
 class LeaseResponse(Reply):

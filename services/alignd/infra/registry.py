@@ -19,11 +19,17 @@ completed write and reports success instead of an illegal ``X -> X``.
 Keys (``P`` is the key prefix): ``P:version:<id>`` (hash: state, path, reason, owner,
 created_at, updated_at, meta), ``P:version:<id>:history`` (list of JSON) and
 ``P:versions`` (sorted set of ids by creation time).
+
+A record that cannot be served never breaks a reader of the others: one whose ``meta`` is
+not a JSON object within the wire limits (:func:`alignclient.models.check_meta`) is read
+with its ``meta`` replaced by ``{"meta_unreadable": why}``; one missing a field or holding
+an unknown state reads as not found (naming why), and :meth:`Registry.list_versions` skips it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +43,11 @@ from alignclient.errors import (
     VersionNotFoundError,
 )
 from alignclient.ids import check_version_id
+from alignclient.models import check_meta
 
 from alignd.infra.bus import RedisBus
+
+log = logging.getLogger(__name__)
 
 STATES = ("published", "converting", "converted", "loading", "serving", "failed")
 
@@ -107,13 +116,37 @@ class VersionRecord:
 
     @classmethod
     def from_hash(cls, h: dict[str, str]) -> VersionRecord:
-        """Build from the Redis hash."""
-        return cls(
-            version_id=h["version_id"], state=h["state"], path=h.get("path", ""),
-            reason=h.get("reason", ""), owner=h.get("owner", ""),
-            created_at=float(h["created_at"]), updated_at=float(h["updated_at"]),
-            meta=json.loads(h.get("meta") or "{}"),
-        )
+        """Build from the Redis hash; UnreadableRecordError if a field is missing or wrong."""
+        try:
+            rec = cls(
+                version_id=h["version_id"], state=h["state"], path=h.get("path", ""),
+                reason=h.get("reason", ""), owner=h.get("owner", ""),
+                created_at=float(h["created_at"]), updated_at=float(h["updated_at"]),
+                meta=stored_meta(h.get("meta") or "{}"),
+            )
+        except (KeyError, ValueError) as e:
+            raise UnreadableRecordError(h.get("version_id", "?"), f"{type(e).__name__}: {e}") from e
+        if rec.state not in STATES:
+            raise UnreadableRecordError(rec.version_id, f"unknown state {rec.state!r}")
+        return rec
+
+
+class UnreadableRecordError(VersionNotFoundError):
+    """A registry record that cannot be served (a field missing or wrong): not found, and why."""
+
+    def __init__(self, version_id: str, why: str):
+        super().__init__(version_id, f"registry (its record is unreadable: {why[:200]})")
+
+
+def stored_meta(text: str) -> dict[str, Any]:
+    """A stored ``meta``, or ``{"meta_unreadable": why}`` if it is not a servable JSON object."""
+    try:
+        meta = json.loads(text)
+        if not isinstance(meta, dict):
+            raise ValueError(f"meta is a {type(meta).__name__}, not an object")
+        return check_meta(meta)
+    except (ValueError, RecursionError) as e:
+        return {"meta_unreadable": str(e)[:200]}
 
 
 @dataclass(frozen=True)
@@ -265,9 +298,12 @@ class Registry:
             self.get(version_id)  # raises VersionNotFoundError for an unknown id
         out = []
         for r in rows:
-            d = json.loads(r)
-            out.append(HistoryEntry(d["from"], d["to"], float(d["at"]), d.get("reason", ""),
-                                    d.get("actor", "")))
+            try:
+                d = json.loads(r)
+                out.append(HistoryEntry(str(d["from"]), str(d["to"]), float(d["at"]),
+                                        str(d.get("reason", "")), str(d.get("actor", ""))))
+            except (KeyError, TypeError, ValueError, RecursionError) as e:
+                log.warning("history of %s: skipping an unreadable entry (%s)", version_id, e)
         return out
 
     def list_versions(self, state: str | None = None) -> list[VersionRecord]:
@@ -278,6 +314,9 @@ class Registry:
         for vid in ids:
             try:
                 rec = self.get(vid)
+            except UnreadableRecordError as e:
+                log.warning("registry list skips %s", e)
+                continue
             except VersionNotFoundError:
                 continue
             if state is None or rec.state == state:

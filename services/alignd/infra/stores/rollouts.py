@@ -39,12 +39,18 @@ Expiry. A version's rollout hash expires ``ttl_s`` after the last batch of rollo
 so rollouts live about as long as their guidance records); ``None`` keeps them until
 deleted. The index forgets versions whose δ string expired when it next reads them.
 
+Poisoned records. A stored value no read can serve (a rollout that no longer validates, a
+non-finite δ written behind the store's back) never breaks the reads of the others: an
+unreadable rollout reads as not found (the full listing skips it), non-finite δ values are
+left out of every window; each is logged.
+
 Like the guidance store, the store needs a binary-safe client (``decode_responses=False``)
 and one Redis (standalone or Sentinel), not Redis Cluster.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -68,6 +74,7 @@ from alignclient.models import (
     Score,
 )
 from alignclient.retry import RetryPolicy
+from pydantic import ValidationError
 
 from alignd.infra.bus import RedisBus
 from alignd.infra.telemetry import Metrics, path_label
@@ -75,6 +82,8 @@ from libalign.metrics import DEFAULT_TIS_CAP, delta_stats, tis_weights, token_de
 
 __all__ = ["DEFAULT_TTL_S", "DeltaSummary", "Discrepancy", "Rollout", "RolloutStore", "Score",
            "summarize"]
+
+log = logging.getLogger(__name__)
 
 #: Expiry of a version's keys after their last write when none is given (one day).
 DEFAULT_TTL_S = 86_400.0
@@ -213,16 +222,18 @@ class RolloutStore:
         key = self._rollouts_key(version)
         if ids is None:
             raw = self.bus.call(f"rollouts get {version}", lambda: self.client.hgetall(key))
-            return [Rollout.model_validate_json(raw[k]) for k in sorted(raw)]
+            found = [stored_rollout(version, k.decode(), raw[k]) for k in sorted(raw)]
+            return [r for r in found if r is not None]
         wanted = list(dict.fromkeys(ids))
         if not wanted:
             return []
         rows = self.bus.call(f"rollouts get {version}", lambda: self.client.hmget(key, wanted))
         out = []
         for rid, row in zip(wanted, rows, strict=True):
-            if row is None:
+            r = None if row is None else stored_rollout(version, rid, row)
+            if r is None:
                 raise RolloutNotFoundError(version, rid)
-            out.append(Rollout.model_validate_json(row))
+            out.append(r)
         return out
 
     def list_rollout_ids(self, version: str) -> list[str]:
@@ -296,7 +307,13 @@ class RolloutStore:
     def _tail_values(self, key: str, n: int) -> np.ndarray:
         """The last ``n`` float32 δ values of one string, as float64."""
         raw = self.bus.call(f"delta tail {key}", lambda: self._tail(keys=[key], args=[4 * n]))
-        return np.frombuffer(raw or b"", dtype="<f4").astype(np.float64)
+        d = np.frombuffer(raw or b"", dtype="<f4").astype(np.float64)
+        finite = np.isfinite(d)
+        if not finite.all():
+            log.warning("%s holds %d non-finite δ values; left out of the window", key,
+                        int(d.size - finite.sum()))
+            d = d[finite]
+        return d
 
     def _pairs(self, version: str) -> list[str]:
         key = self._delta_key(version, "pairs")
@@ -351,6 +368,16 @@ class RolloutStore:
             by_path.append(PathDiscrepancy(learner_path=lp, sampler_path=sp, stats=stats))
         return Discrepancy(version_id=version, versions=used, window_tokens=window_tokens,
                            stats=summarize(d), by_path=by_path)
+
+
+def stored_rollout(version: str, rollout_id: str, raw: bytes) -> Rollout | None:
+    """A stored rollout, or None (logged) if it no longer validates."""
+    try:
+        return Rollout.model_validate_json(raw)
+    except ValidationError as e:
+        log.warning("rollout %r of version %r is unreadable (%d errors); treated as absent",
+                    rollout_id, version, e.error_count())
+        return None
 
 
 def _by_pair(scored: list[_Scored]) -> dict[tuple[str, str], np.ndarray]:
