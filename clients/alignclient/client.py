@@ -182,6 +182,11 @@ class _Routes(abc.ABC):
         return self._do(Call("POST", "/v1/sync", _model(SyncResponse), True,
                              json={"version_id": version_id}, context={"version_id": version_id}))
 
+    def retry_version(self, version_id: str) -> PublishResponse:
+        """Move a failed version back to published and announce it again, for the converter."""
+        return self._do(Call("POST", f"/v1/versions/{_seg(version_id)}:retry",
+                             _model(PublishResponse), False, context={"version_id": version_id}))
+
     # --- rollouts, scores, discrepancy ----------------------------------------------------
 
     def put_rollouts(self, version_id: str,

@@ -15,11 +15,15 @@ import shutil
 
 import pytest
 import redis
+from alignclient import AlignClient
+from alignclient.errors import StateTransitionError, VersionExistsError
+from alignd.api.app import create_app
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.stores.rollouts import RolloutStore
 from alignd.sampler.service import SamplerService
 
-from tests.reliability.test_faults import Rig, model_weights, sampler_engine
+from tests.reliability.test_faults import PATH, Rig, model_weights, sampler_engine
+from tests.services.api_server import TOKEN, api_settings, serve
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -103,3 +107,32 @@ def test_giving_up_on_a_version_says_its_last_error(redis_url, tmp_path, monkeyp
     assert rec.state == "failed", rec
     assert rec.reason.startswith("too_many_deliveries: gave up after 1 deliveries"), rec.reason
     assert "OSError: [Errno 5] Input/output error" in rec.reason, rec.reason
+
+
+def test_a_version_failed_for_a_full_disk_is_retried_once_space_is_freed(redis_url, tmp_path,
+                                                                         monkeypatch):
+    """Fault: the disk fills while a version converts. Recovered: once space is freed an
+    operator retries it (``POST /v1/versions/{id}:retry`` through the client); it goes back to
+    ``published`` with a new event, the converter converts it, and the store's copy verifies
+    (re-publishing the id used to be the only way, and it answers 409)."""
+    rig = Rig(redis_url, tmp_path)
+    fill_the_disk(monkeypatch)
+    rig.publish("g1", model_weights(1))
+    rig.convert(1)
+    assert rig.reg.get("g1").reason.startswith("no_space")
+    monkeypatch.undo()  # space freed
+    app = create_app(api_settings(redis_url, rig.store.root), redis_give_up_s=0.3)
+    with serve(app) as url, AlignClient(url, token=TOKEN) as client:
+        with pytest.raises(VersionExistsError):
+            client.publish_version("g1", target_path=PATH)
+        got = client.retry_version("g1")
+        assert got.version.state == "published"
+        rig.convert(1)
+        assert client.get_version("g1").version.state == "converted"
+        with pytest.raises(StateTransitionError):
+            client.retry_version("g1")
+    assert [(h.from_state, h.to_state) for h in rig.reg.history("g1")] == [
+        ("", "published"), ("published", "converting"), ("converting", "failed"),
+        ("failed", "published"), ("published", "converting"), ("converting", "converted")]
+    rig.store.verify_version("g1")
+    assert rig.pending(rig.settings.published_stream, rig.settings.converter_group) == 0

@@ -267,6 +267,44 @@ def test_async_client(api):
     asyncio.run(main())
 
 
+def test_retry_version_sync_and_async(api):
+    """retry_version: a failed version back to published with a new event; 409 for any other
+    state, 404 for an unknown id; the same from the async client."""
+    raw = connect(api.redis_url)
+    stream = api_settings(api.redis_url, api.store).published_stream
+    with AlignClient(api.url, token=TOKEN) as c:
+        c.publish_version("v1", target_path="nvfp4_minite")
+        with pytest.raises(E.StateTransitionError, match="only a failed version"):
+            c.retry_version("v1")
+        with pytest.raises(E.VersionNotFoundError):
+            c.retry_version("nope")
+        api.registry.transition("v1", "failed", actor="conv", reason="no_space: disk full")
+        got = c.retry_version("v1")
+        assert got.version.state == "published" and got.version.reason == ""
+        assert got.stream == stream
+        (_, first), (eid, again) = raw.xrange(stream)
+        assert eid == got.event_id  # the same event announced again, published now
+        assert {**again, "published_at": ""} == {**first, "published_at": ""}
+        assert float(again["published_at"]) > float(first["published_at"])
+        hist = c.get_version("v1").history
+        assert [(h.from_state, h.to_state) for h in hist[-2:]] == [
+            ("published", "failed"), ("failed", "published")]
+        assert "no_space: disk full" in hist[-1].reason
+        with pytest.raises(E.StateTransitionError):
+            c.retry_version("v1")
+
+    async def main():
+        async with AsyncAlignClient(api.url, token=TOKEN) as c:
+            await c.publish_version("v2")
+            api.registry.transition("v2", "failed", actor="conv", reason="boom")
+            assert (await c.retry_version("v2")).version.state == "published"
+            with pytest.raises(E.StateTransitionError):
+                await c.retry_version("v2")
+
+    asyncio.run(main())
+    assert api.registry.state("v2") == "published" and len(raw.xrange(stream)) == 4
+
+
 def test_client_does_not_import_the_daemon():
     """alignclient imports nothing from alignd (it ships without the daemon)."""
     import subprocess

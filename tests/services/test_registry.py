@@ -6,6 +6,7 @@ import threading
 
 import pytest
 from alignclient.errors import (
+    ConfigError,
     InputError,
     StateTransitionError,
     VersionExistsError,
@@ -171,3 +172,28 @@ def test_race_for_one_transition_has_one_winner(redis_url, source, target):
         hist = setup.history(vid)
         assert [h.to_state for h in hist].count(target) == 1
         assert hist[-1].actor == f"c{wins[vid][0]}" == setup.get(vid).owner
+
+
+def test_retry_and_announce_is_one_transaction(redis_url):
+    """failed -> published and its event together; nothing when the stream is broken, the
+    version is not failed (409) or unknown (404); the record's reason is cleared, the history
+    keeps it."""
+    reg = make_registry(redis_url)
+    drive(reg, "v", "failed")
+    raw = reg.bus.client
+    raw.set("broken", "not a stream")
+    with pytest.raises(ConfigError, match="not a stream"):
+        reg.retry_and_announce("v", "broken", {"version_id": "v"}, actor="op")
+    assert reg.state("v") == "failed" and reg.get("v").reason == "boom"
+    rec, event_id = reg.retry_and_announce("v", "events", {"version_id": "v"}, actor="op",
+                                           reason="retried")
+    assert (rec.state, rec.reason, rec.owner) == ("published", "", "op")
+    assert raw.xrange("events") == [(event_id, {"version_id": "v"})]
+    assert [(h.from_state, h.to_state, h.reason) for h in reg.history("v")[-2:]] == [
+        ("published", "failed", "boom"), ("failed", "published", "retried")]
+    with pytest.raises(StateTransitionError, match="only a failed version") as ei:
+        reg.retry_and_announce("v", "events", {"version_id": "v"})
+    assert status_for(ei.value) == 409 and ei.value.current == "published"
+    with pytest.raises(VersionNotFoundError):
+        reg.retry_and_announce("nope", "events", {"version_id": "nope"})
+    assert len(raw.xrange("events")) == 1

@@ -12,6 +12,10 @@ holding another type, is checked before the transaction (and answered 500
 without its record. One ambiguity remains, as with any remote write: if the reply to a
 successful ``EXEC`` is lost and the call is retried, the retry answers 409
 ``version_exists``; ``GET`` the version to see that it was published.
+
+A ``failed`` version is retried (``POST /v1/versions/{id}:retry``) the same way: the move
+``failed -> published`` and a new ``published`` event in one transaction, 409 for a version in
+any other state.
 """
 
 from __future__ import annotations
@@ -66,6 +70,21 @@ def publish_version(req: PublishRequest, st: State) -> PublishResponse:
     rec, event_id = st.registry.create_and_announce(
         req.version_id, str(path), st.settings.published_stream, event.to_fields(), actor="api",
         meta=meta)
+    return PublishResponse(version=version_info(rec), stream=st.settings.published_stream,
+                           event_id=event_id)
+
+
+@router.post("/versions/{version_id}:retry", operation_id="retry_version",
+             response_model=PublishResponse, status_code=202, responses=ERRORS,
+             dependencies=BEARER)
+def retry_version(version_id: str, st: State) -> PublishResponse:
+    """Move a failed version back to published and announce it again, for the converter."""
+    rec = st.registry.get(version_id)
+    event = PublishedEvent(version_id=version_id, path=rec.path,
+                           target_path=rec.meta.get("target_path"))
+    rec, event_id = st.registry.retry_and_announce(
+        version_id, st.settings.published_stream, event.to_fields(), actor="api",
+        reason=f"retried by an operator (was: {rec.reason})")
     return PublishResponse(version=version_info(rec), stream=st.settings.published_stream,
                            event_id=event_id)
 

@@ -2,7 +2,9 @@
 
 A version moves along ``published -> converting -> converted -> loading -> serving``;
 from any state before ``serving`` it may instead go to ``failed`` with a reason.
-``serving`` and ``failed`` are terminal. One self-loop is legal, ``converting ->
+``serving`` is terminal; ``failed`` is too, but for an operator's retry
+(:meth:`Registry.retry_and_announce`, ``failed -> published`` with a new ``published`` event,
+once the cause, say a full disk, is gone). One self-loop is legal, ``converting ->
 converting``, and only when the caller says it reclaimed the work (``reclaim=True``): a
 converter that crashed mid-way left the version in ``converting``, and the consumer that
 takes over its message re-enters the state under its own name. Without the flag a second
@@ -24,6 +26,7 @@ A record that cannot be served never breaks a reader of the others: one whose ``
 not a JSON object within the wire limits (:func:`alignclient.models.check_meta`) is read
 with its ``meta`` replaced by ``{"meta_unreadable": why}``; one missing a field or holding
 an unknown state reads as not found (naming why), and :meth:`Registry.list_versions` skips it.
+Creating a version checks its ``meta`` against the same limits (InputError), whoever writes.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     "converted": frozenset({"loading", "failed"}),
     "loading": frozenset({"serving", "failed"}),
     "serving": frozenset(),
-    "failed": frozenset(),
+    "failed": frozenset({"published"}),  # an operator's retry
 }
 #: Self-loops that are legal only for a reclaimed piece of work.
 REENTRANT = frozenset({"converting"})
@@ -94,7 +97,8 @@ local t = redis.call('TIME')
 local now = string.format('%d.%06d', t[1], t[2])
 redis.call('HSET', KEYS[1], 'state', ARGV[1], 'updated_at', now, 'last_token', ARGV[2],
            'owner', ARGV[4])
-if ARGV[1] == 'failed' then redis.call('HSET', KEYS[1], 'reason', ARGV[3]) end
+if ARGV[1] == 'failed' then redis.call('HSET', KEYS[1], 'reason', ARGV[3])
+elseif cur == 'failed' then redis.call('HSET', KEYS[1], 'reason', '') end
 redis.call('RPUSH', KEYS[2], cjson.encode({['from']=cur, to=ARGV[1], at=now, reason=ARGV[3],
                                            actor=ARGV[4]}))
 return {'ok', redis.call('HGETALL', KEYS[1])}
@@ -136,6 +140,15 @@ class UnreadableRecordError(VersionNotFoundError):
 
     def __init__(self, version_id: str, why: str):
         super().__init__(version_id, f"registry (its record is unreadable: {why[:200]})")
+
+
+def meta_json(meta: dict[str, Any] | None) -> str:
+    """``meta`` as the JSON a record stores; InputError if it breaks the wire limits."""
+    try:
+        check_meta(meta or {})
+    except ValueError as e:
+        raise InputError(str(e)) from e
+    return json.dumps(meta or {}, sort_keys=True)
 
 
 def stored_meta(text: str) -> dict[str, Any]:
@@ -198,7 +211,7 @@ class Registry:
                meta: dict[str, Any] | None = None) -> VersionRecord:
         """Register a new version in state ``published``; VersionExistsError if known."""
         keys = [self._key(version_id), self._history_key(version_id), self._index_key]
-        args = [version_id, str(path), actor, json.dumps(meta or {}, sort_keys=True)]
+        args = [version_id, str(path), actor, meta_json(meta)]
         flat = self.bus.call(f"registry create {version_id}",
                              lambda: self._create(keys=keys, args=args))
         if flat is None:
@@ -216,7 +229,7 @@ class Registry:
         """
         check_version_id(version_id)
         keys = [self._key(version_id), self._history_key(version_id), self._index_key]
-        args = [version_id, str(path), actor, json.dumps(meta or {}, sort_keys=True)]
+        args = [version_id, str(path), actor, meta_json(meta)]
 
         def attempt() -> tuple[list, str]:
             with self.bus.client.pipeline(transaction=True) as pipe:
@@ -240,6 +253,49 @@ class Registry:
         if flat is None:  # cannot happen under WATCH; never report a version that was not made
             raise VersionExistsError(version_id)
         return VersionRecord.from_hash(_flat_to_dict(flat)), event_id
+
+    def retry_and_announce(self, version_id: str, stream: str, fields: dict[str, str], *,
+                           actor: str = "", reason: str = "") -> tuple[VersionRecord, str]:
+        """An operator's retry: ``failed -> published`` and the ``XADD`` of the version's
+        ``published`` event to ``stream`` in one MULTI/EXEC, as :meth:`create_and_announce`.
+
+        Both happen or neither; the failure reason stays in the history (``reason`` is the
+        retry's own entry) and the record's is cleared. Returns the record and the stream
+        entry id. VersionNotFoundError if unknown; StateTransitionError (409) if the version
+        is not ``failed`` (also when another client moved it concurrently).
+        """
+        keys = [self._key(version_id), self._history_key(version_id)]
+        args = ["published", uuid.uuid4().hex, reason[:MAX_REASON], actor,
+                ",".join(sorted(allowed_sources("published"))), ""]
+
+        def attempt() -> tuple[list, str]:
+            with self.bus.client.pipeline(transaction=True) as pipe:
+                pipe.watch(keys[0])
+                current = pipe.hget(keys[0], "state")
+                if current is None:
+                    raise VersionNotFoundError(version_id)
+                if current != "failed":
+                    raise StateTransitionError(version_id, current, "published",
+                                               "only a failed version can be retried")
+                kind = pipe.type(stream)
+                if kind not in ("none", "stream"):
+                    raise ConfigError(f"the stream key {stream!r} holds a {kind}, not a stream; "
+                                      "nothing was retried")
+                pipe.multi()
+                self._transition(keys=keys, args=args, client=pipe)
+                pipe.xadd(stream, fields)
+                reply, event_id = pipe.execute()
+            return reply, event_id
+
+        try:
+            reply, event_id = self.bus.call(f"registry retry {version_id}", attempt)
+        except redis.exceptions.WatchError as e:
+            raise StateTransitionError(version_id, self.state(version_id), "published",
+                                       "the version changed while retrying it") from e
+        if reply[0] != "ok":  # cannot happen under WATCH; never report a retry that did not happen
+            raise StateTransitionError(version_id, reply[1] if len(reply) > 1 else "?",
+                                       "published", "only a failed version can be retried")
+        return VersionRecord.from_hash(_flat_to_dict(reply[1])), event_id
 
     def get(self, version_id: str) -> VersionRecord:
         """The version's record; VersionNotFoundError if unknown."""
