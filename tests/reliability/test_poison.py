@@ -15,6 +15,7 @@ import json
 import numpy as np
 import pytest
 import redis
+from alignclient.errors import InputError
 from alignclient.models import (
     FLOAT32_MAX,
     MAX_LEASE_TTL_S,
@@ -23,6 +24,8 @@ from alignclient.models import (
     MIN_LEASE_TTL_S,
 )
 from alignd.api.app import create_app
+from alignd.infra.bus import RedisBus, connect
+from alignd.infra.registry import Registry
 from fastapi.testclient import TestClient
 
 from tests.services.api_server import TOKEN, api_settings, publish_files
@@ -202,3 +205,17 @@ def test_records_written_behind_the_api_never_break_the_reads(env):
     status = env.http.get("/v1/status").json()
     assert status["discrepancy"]["stats"]["count"] == 2
     assert sum(status["versions_by_state"].values()) == 1
+
+
+def test_writers_behind_the_api_are_held_to_the_meta_limits(env, redis_url):
+    """Registry.create and create_and_announce (the learner's own publish) refuse a poison meta."""
+    registry = Registry(RedisBus(connect(redis_url)), env.settings.key_prefix)
+    deep = json.loads(nested(MAX_META_DEPTH + 1))
+    before = snapshot(env)
+    with pytest.raises(InputError, match="MAX_META_DEPTH"):
+        registry.create("v7", "/nowhere", meta=deep)
+    with pytest.raises(InputError, match="MAX_META_BYTES"):
+        registry.create_and_announce("v7", "/nowhere", env.settings.published_stream,
+                                     {"version_id": "v7"}, meta={"x": "y" * MAX_META_BYTES})
+    assert snapshot(env) == before
+    assert_reads_answer(env)
