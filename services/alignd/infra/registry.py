@@ -2,7 +2,9 @@
 
 A version moves along ``published -> converting -> converted -> loading -> serving``;
 from any state before ``serving`` it may instead go to ``failed`` with a reason.
-``serving`` and ``failed`` are terminal. One self-loop is legal, ``converting ->
+``serving`` is terminal; ``failed`` is too, but for an operator's retry
+(:meth:`Registry.retry_and_announce`, ``failed -> published`` with a new ``published`` event,
+once the cause, say a full disk, is gone). One self-loop is legal, ``converting ->
 converting``, and only when the caller says it reclaimed the work (``reclaim=True``): a
 converter that crashed mid-way left the version in ``converting``, and the consumer that
 takes over its message re-enters the state under its own name. Without the flag a second
@@ -59,7 +61,7 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     "converted": frozenset({"loading", "failed"}),
     "loading": frozenset({"serving", "failed"}),
     "serving": frozenset(),
-    "failed": frozenset(),
+    "failed": frozenset({"published"}),  # an operator's retry
 }
 #: Self-loops that are legal only for a reclaimed piece of work.
 REENTRANT = frozenset({"converting"})
@@ -95,7 +97,8 @@ local t = redis.call('TIME')
 local now = string.format('%d.%06d', t[1], t[2])
 redis.call('HSET', KEYS[1], 'state', ARGV[1], 'updated_at', now, 'last_token', ARGV[2],
            'owner', ARGV[4])
-if ARGV[1] == 'failed' then redis.call('HSET', KEYS[1], 'reason', ARGV[3]) end
+if ARGV[1] == 'failed' then redis.call('HSET', KEYS[1], 'reason', ARGV[3])
+elseif cur == 'failed' then redis.call('HSET', KEYS[1], 'reason', '') end
 redis.call('RPUSH', KEYS[2], cjson.encode({['from']=cur, to=ARGV[1], at=now, reason=ARGV[3],
                                            actor=ARGV[4]}))
 return {'ok', redis.call('HGETALL', KEYS[1])}
@@ -250,6 +253,49 @@ class Registry:
         if flat is None:  # cannot happen under WATCH; never report a version that was not made
             raise VersionExistsError(version_id)
         return VersionRecord.from_hash(_flat_to_dict(flat)), event_id
+
+    def retry_and_announce(self, version_id: str, stream: str, fields: dict[str, str], *,
+                           actor: str = "", reason: str = "") -> tuple[VersionRecord, str]:
+        """An operator's retry: ``failed -> published`` and the ``XADD`` of the version's
+        ``published`` event to ``stream`` in one MULTI/EXEC, as :meth:`create_and_announce`.
+
+        Both happen or neither; the failure reason stays in the history (``reason`` is the
+        retry's own entry) and the record's is cleared. Returns the record and the stream
+        entry id. VersionNotFoundError if unknown; StateTransitionError (409) if the version
+        is not ``failed`` (also when another client moved it concurrently).
+        """
+        keys = [self._key(version_id), self._history_key(version_id)]
+        args = ["published", uuid.uuid4().hex, reason[:MAX_REASON], actor,
+                ",".join(sorted(allowed_sources("published"))), ""]
+
+        def attempt() -> tuple[list, str]:
+            with self.bus.client.pipeline(transaction=True) as pipe:
+                pipe.watch(keys[0])
+                current = pipe.hget(keys[0], "state")
+                if current is None:
+                    raise VersionNotFoundError(version_id)
+                if current != "failed":
+                    raise StateTransitionError(version_id, current, "published",
+                                               "only a failed version can be retried")
+                kind = pipe.type(stream)
+                if kind not in ("none", "stream"):
+                    raise ConfigError(f"the stream key {stream!r} holds a {kind}, not a stream; "
+                                      "nothing was retried")
+                pipe.multi()
+                self._transition(keys=keys, args=args, client=pipe)
+                pipe.xadd(stream, fields)
+                reply, event_id = pipe.execute()
+            return reply, event_id
+
+        try:
+            reply, event_id = self.bus.call(f"registry retry {version_id}", attempt)
+        except redis.exceptions.WatchError as e:
+            raise StateTransitionError(version_id, self.state(version_id), "published",
+                                       "the version changed while retrying it") from e
+        if reply[0] != "ok":  # cannot happen under WATCH; never report a retry that did not happen
+            raise StateTransitionError(version_id, reply[1] if len(reply) > 1 else "?",
+                                       "published", "only a failed version can be retried")
+        return VersionRecord.from_hash(_flat_to_dict(reply[1])), event_id
 
     def get(self, version_id: str) -> VersionRecord:
         """The version's record; VersionNotFoundError if unknown."""
