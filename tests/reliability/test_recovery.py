@@ -12,16 +12,21 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import redis
 from alignclient import AlignClient
 from alignclient.errors import StateTransitionError, VersionExistsError
 from alignd.api.app import create_app
-from alignd.formats.weight_store import WeightStore
+from alignd.converter.main import run_converter
+from alignd.formats.weight_store import TMP_PREFIX, WeightStore
 from alignd.infra.stores.rollouts import RolloutStore
 from alignd.sampler.service import SamplerService
 
+from libalign.atomic_dir import writer_tag
 from tests.reliability.test_faults import PATH, Rig, model_weights, sampler_engine
 from tests.services.api_server import TOKEN, api_settings, serve
 
@@ -136,3 +141,42 @@ def test_a_version_failed_for_a_full_disk_is_retried_once_space_is_freed(redis_u
         ("failed", "published"), ("published", "converting"), ("converting", "converted")]
     rig.store.verify_version("g1")
     assert rig.pending(rig.settings.published_stream, rig.settings.converter_group) == 0
+
+
+def _leftover(parent: Path, name: str, age_s: float) -> Path:
+    """A hidden staging directory with one file, last modified ``age_s`` ago."""
+    d = parent / name
+    d.mkdir(parents=True)
+    (d / "nvfp4-00001.safetensors").write_bytes(b"x" * 64)
+    then = time.time() - age_s
+    os.utime(d, (then, then))
+    return d
+
+
+def test_leftovers_are_swept_on_a_timer_while_the_converter_runs(redis_url, tmp_path):
+    """Fault: hidden ``.tmp-*`` leftovers of killed writers appear in the store while a
+    converter runs (they used to be swept only when a converter started). Recovered: with
+    ``sweep_interval_s`` 0.2 s, within a few periods the running converter removes the stale
+    ones of dead or unknown writers (in ``nvfp4/`` and ``published/``) and keeps a fresh one
+    and a stale one whose writer (this process) is still running."""
+    rig = Rig(redis_url, tmp_path, sweep_interval_s=0.2, sweep_stale_s=600)
+    stop = threading.Event()
+    thread = threading.Thread(target=run_converter, args=(rig.settings, stop), daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.5)  # past the sweep on start
+        store = rig.store
+        stale = [_leftover(store.versions_root, f"{TMP_PREFIX}k1.1-1.0123abcd", 7200),
+                 _leftover(store.versions_root, f"{TMP_PREFIX}k2", 7200),
+                 _leftover(store.published_root, f"{TMP_PREFIX}p1.deleted", 7200)]
+        kept = [_leftover(store.versions_root, f"{TMP_PREFIX}fresh", 10),
+                _leftover(store.versions_root, f"{TMP_PREFIX}live.{writer_tag()}.0123abcd", 7200)]
+        deadline = time.monotonic() + 10
+        while any(p.exists() for p in stale) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [p.name for p in stale if p.exists()] == []
+        assert all(p.is_dir() for p in kept)
+        assert thread.is_alive()
+    finally:
+        stop.set()
+        thread.join(10)

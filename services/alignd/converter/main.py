@@ -4,8 +4,10 @@ It joins the converter consumer group on the ``published`` stream and, until sto
 over messages that a dead consumer left pending (``XAUTOCLAIM``, on start and then every
 half ``claim_idle_ms``), reads new ones (``XREADGROUP``), and hands each to
 :class:`~alignd.converter.worker.ConverterWorker`, which acks it when its outcome is
-recorded. Configuration is :class:`~alignd.infra.settings.ConverterSettings` (``ALIGN_*``
-variables); SIGTERM or SIGINT finish the current message and stop.
+recorded. On start and then every ``sweep_interval_s`` it sweeps the store's hidden
+``.tmp-*`` leftovers of killed writers (older than ``sweep_stale_s``, writer gone).
+Configuration is :class:`~alignd.infra.settings.ConverterSettings` (``ALIGN_*`` variables);
+SIGTERM or SIGINT finish the current message and stop.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from alignclient.errors import BusUnavailableError
 from alignclient.ids import safe_id
@@ -44,7 +47,7 @@ def run_converter(settings: ConverterSettings, stop_event: threading.Event | Non
     bus = RedisBus.from_settings(settings, stop_event=stop,
                                  on_retry=lambda _what, _e: metrics.redis_retries.inc())
     store = WeightStore(settings.store_dir)
-    store.sweep(settings.sweep_stale_s)
+    sweep(store, settings.sweep_stale_s)
     worker = ConverterWorker(settings, bus, Registry(bus, settings.key_prefix), store, metrics,
                              on_step=on_step)
     beat = ServiceHeartbeat(bus, "converter", safe_id(settings.consumer_name, "converter"),
@@ -55,6 +58,7 @@ def run_converter(settings: ConverterSettings, stop_event: threading.Event | Non
     stream, group, me = settings.published_stream, settings.converter_group, settings.consumer_name
     claim_every_s = settings.claim_idle_ms / 2000
     handled, next_claim = 0, 0.0
+    next_sweep = time.monotonic() + settings.sweep_interval_s
     log.info("converter %s: %s -> %s, preset %s, store %s", me, stream, settings.converted_stream,
              settings.preset, settings.store_dir)
     try:
@@ -62,6 +66,9 @@ def run_converter(settings: ConverterSettings, stop_event: threading.Event | Non
         while not stop.is_set() and (max_messages is None or handled < max_messages):
             msgs = []
             now = time.monotonic()
+            if now >= next_sweep:  # leftovers of writers killed while we run
+                sweep(store, settings.sweep_stale_s)
+                next_sweep = now + settings.sweep_interval_s
             if now >= next_claim:
                 msgs = bus.reclaim(stream, group, me, min_idle_ms=settings.claim_idle_ms, limit=1)
                 metrics.messages_reclaimed.inc(len(msgs))
@@ -84,6 +91,19 @@ def run_converter(settings: ConverterSettings, stop_event: threading.Event | Non
         beat.stop()
         stop_metrics()
     return handled
+
+
+def sweep(store: WeightStore, min_age_s: float) -> list[Path]:
+    """Remove the store's ``.tmp-*`` leftovers older than ``min_age_s`` whose writers are gone
+    (:meth:`WeightStore.sweep`); a sweep that fails is logged, never fatal."""
+    try:
+        removed = store.sweep(min_age_s)
+    except OSError as e:
+        log.warning("sweeping %s failed: %s", store.root, e)
+        return []
+    if removed:
+        log.info("swept %d leftover(s): %s", len(removed), ", ".join(p.name for p in removed))
+    return removed
 
 
 def serve(settings: ConverterSettings, stop: threading.Event) -> None:

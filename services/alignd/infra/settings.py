@@ -168,6 +168,8 @@ class ConverterSettings(DeliverySettings):
     store_shard_bytes: int = Field(1 << 30, gt=0, description="largest output safetensors shard")
     converter_device: Device = Field("cpu", description="where the converter quantizes")
     sweep_stale_s: float = Field(3_600.0, ge=0, description="age of .tmp-* leftovers to delete")
+    sweep_interval_s: float = Field(600.0, gt=0, description="period of the .tmp-* leftover "
+                                    "sweep while the converter runs (it also sweeps on start)")
 
 
 class SamplerSettings(DeliverySettings, GuidanceStoreSettings):
