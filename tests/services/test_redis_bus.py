@@ -13,6 +13,7 @@ from alignclient.retry import RetryPolicy
 from alignd.api.errors import status_for
 from alignd.infra.bus import ClaimKeeper, RedisBus, connect
 from alignd.infra.events import PublishedEvent
+from alignd.infra.settings import DEFAULT_STREAM_MAXLEN
 
 S, G = "t:stream", "grp"
 
@@ -85,6 +86,32 @@ def test_trimmed_pending_message_is_dropped(redis_url):
     bus.client.xdel(S, msg.id)
     assert bus.reclaim(S, G, "b", min_idle_ms=0) == []
     assert bus.pending_count(S, G) == 0
+
+
+def test_streams_are_capped_at_stream_maxlen(redis_url):
+    """Every XADD trims (MAXLEN ~ N): 2,000 events through a bus capped at 200 leave at most
+    2N entries, the newest kept, and a group still gets the events that come after."""
+    n = 200
+    bus = bus_for(redis_url, stream_maxlen=n)
+    bus.ensure_group(S, G)
+    ids = [bus.publish(S, {"n": str(i)}) for i in range(2_000)]
+    length = bus.client.xlen(S)
+    assert n <= length <= 2 * n
+    assert bus.client.xrevrange(S, count=1)[0][0] == ids[-1]  # trimming takes the oldest
+    assert bus.client.xrange(S, count=1)[0][0] != ids[0]
+    got = bus.read(S, G, "a", count=5_000, block_ms=100)
+    assert len(got) == length and got[-1].id == ids[-1]
+    new = bus.publish(S, {"n": "new"})
+    [msg] = bus.read(S, G, "a", block_ms=100)
+    assert (msg.id, msg.fields) == (new, {"n": "new"})
+
+
+def test_default_bus_caps_streams(redis_url):
+    """A bus built without a cap still caps, at ALIGN_STREAM_MAXLEN's default; a cap below 1
+    is refused."""
+    assert bus_for(redis_url).stream_maxlen == DEFAULT_STREAM_MAXLEN
+    with pytest.raises(ValueError, match="stream_maxlen"):
+        bus_for(redis_url, stream_maxlen=0)
 
 
 def test_group_recreated_after_redis_lost_it(redis_url):

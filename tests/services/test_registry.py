@@ -197,3 +197,52 @@ def test_retry_and_announce_is_one_transaction(redis_url):
     with pytest.raises(VersionNotFoundError):
         reg.retry_and_announce("nope", "events", {"version_id": "nope"})
     assert len(raw.xrange("events")) == 1
+
+
+def test_publish_and_retry_trim_the_stream(redis_url):
+    """The XADDs inside the publish and retry transactions carry the bus's cap: 1,000
+    versions announced on a bus capped at 100 leave at most 200 events, the newest last."""
+    reg = Registry(RedisBus(connect(redis_url), stream_maxlen=100), "t")
+    last = ""
+    for i in range(1_000):
+        _, last = reg.create_and_announce(f"v{i}", f"/p/v{i}", "events", {"version_id": f"v{i}"})
+    assert 100 <= reg.bus.client.xlen("events") <= 200
+    reg.fail("v0", "boom")
+    _, retried = reg.retry_and_announce("v0", "events", {"version_id": "v0"})
+    assert reg.bus.client.xlen("events") <= 200
+    assert [e[0] for e in reg.bus.client.xrevrange("events", count=2)] == [retried, last]
+
+
+def test_pages_walk_the_index_newest_first(redis_url):
+    """``page`` gives the newest ``limit`` versions oldest first and a cursor; following the
+    cursors visits every version once, in order; ``state`` filters across chunks; a missing
+    record or an unreadable one is skipped, an unknown cursor is not found."""
+    reg = make_registry(redis_url)
+    vids = [f"v{i:03d}" for i in range(23)]
+    for vid in vids:
+        reg.create(vid, f"/p/{vid}")
+    for vid in vids[::3]:
+        reg.fail(vid, "boom")
+    first = reg.page(5)
+    assert [r.version_id for r in first.records] == vids[-5:] and first.next_before == vids[-5]
+    seen, cursor = [], None
+    while True:
+        page = reg.page(5, before=cursor)
+        seen = [r.version_id for r in page.records] + seen
+        cursor = page.next_before
+        if cursor is None:
+            break
+    assert seen == vids
+    failed = reg.page(4, state="failed")
+    assert [r.version_id for r in failed.records] == vids[::3][-4:]
+    rest = reg.page(4, state="failed", before=failed.next_before)
+    assert [r.version_id for r in rest.records] == vids[::3][:-4] and rest.next_before is None
+    assert reg.list_versions(limit=3) == reg.page(3).records
+    assert [r.version_id for r in reg.list_versions()] == vids and reg.count() == 23
+    reg.bus.client.delete("t:version:v022")
+    reg.bus.client.hset("t:version:v021", "state", "molten")
+    assert [r.version_id for r in reg.page(2).records] == ["v019", "v020"]
+    with pytest.raises(VersionNotFoundError, match="cursor"):
+        reg.page(2, before="nope")
+    with pytest.raises(InputError, match="limit"):
+        reg.page(0)

@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 from alignclient.errors import ConfigError
 from alignd.infra import settings as settings_mod
+from alignd.infra.bus import RedisBus
 from alignd.infra.service_main import run_service
 from alignd.infra.settings import (
+    DEFAULT_STREAM_MAXLEN,
     AllInOneSettings,
     ApiAddress,
     ApiSettings,
@@ -111,13 +113,17 @@ def test_validated_at_start(clean_env, monkeypatch):
                      (SamplerSettings, {"sglang_preset": "fp8"}),
                      (LearnerSettings, {"guidance_bits": 9}),
                      (GuidanceStoreSettings, {"guidance_on_in_use": "drop"}),
-                     (ServiceSettings, {"log_level": "LOUD"})):
+                     (ServiceSettings, {"log_level": "LOUD"}),
+                     (ServiceSettings, {"stream_maxlen": 99})):
         with pytest.raises(ValidationError, match=next(iter(bad))):
             cls(**bad)
     monkeypatch.setenv("ALIGN_SAMPLER_DEVICE", "cuda:1")
     monkeypatch.setenv("ALIGN_SGLANG_PRESET", "compressed_tensors")
     s = SamplerSettings()
     assert (s.sampler_device, s.sglang_preset) == ("cuda:1", "compressed_tensors")
+    assert s.stream_maxlen == DEFAULT_STREAM_MAXLEN == 10_000
+    monkeypatch.setenv("ALIGN_STREAM_MAXLEN", "500")
+    assert RedisBus.from_settings(ServiceSettings()).stream_maxlen == 500
 
 
 def test_documented_variables_are_read(clean_env):

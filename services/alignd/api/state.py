@@ -79,7 +79,7 @@ class ApiState:
     def __post_init__(self) -> None:
         s, m = self.settings, self.metrics
         retry = RetryPolicy(initial_s=0.05, max_s=0.5, deadline_s=self.give_up_s)
-        self.bus = RedisBus(self.text, retry=retry,
+        self.bus = RedisBus(self.text, retry=retry, stream_maxlen=s.stream_maxlen,
                             on_retry=lambda what, e: m.redis_retries.inc())
         self.registry = Registry(self.bus, s.key_prefix)
         self.rollouts = RolloutStore(self.binary, s.key_prefix, m, ttl_s=s.guidance_ttl_s,

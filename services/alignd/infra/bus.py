@@ -15,6 +15,13 @@ pattern the services follow:
    While working, a consumer refreshes its message (:meth:`RedisBus.touch`) so that a
    slow but alive consumer is not mistaken for a dead one.
 
+Streams stay bounded: every ``XADD`` made through the bus (:meth:`RedisBus.publish`, and
+:meth:`RedisBus.queue_publish` inside a caller's transaction) carries ``MAXLEN ~ N`` with the
+bus's :attr:`RedisBus.stream_maxlen` (``ALIGN_STREAM_MAXLEN``), so a stream's length stays
+near N however many events were ever published. Trimming ignores consumer groups: N must
+exceed any group's backlog; an entry trimmed while pending comes back from ``XAUTOCLAIM`` as
+deleted and :meth:`RedisBus.reclaim` acks it away.
+
 Delivery is therefore at least once: handlers must be idempotent. Every Redis call goes
 through :meth:`RedisBus.call`, which retries connection errors and timeouts (a restarting
 Redis answers ``LOADING`` or refuses connections for a while) with the project's one retry
@@ -36,7 +43,7 @@ from alignclient.errors import BusUnavailableError
 from alignclient.retry import RetryPolicy
 
 from alignd.infra.redis_clients import client_for, text_client
-from alignd.infra.settings import ServiceSettings
+from alignd.infra.settings import DEFAULT_STREAM_MAXLEN, ServiceSettings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -88,7 +95,8 @@ class RedisBus:
 
     ``retry`` is how connection errors are retried (default: backoff from 50 ms to 2 s, no
     deadline); ``stop_event`` ends the retrying at once; ``on_retry(what, error)`` runs
-    before each wait (a metric).
+    before each wait (a metric); ``stream_maxlen`` caps every stream this bus adds to
+    (approximately, ``MAXLEN ~``).
     """
 
     def __init__(
@@ -98,8 +106,12 @@ class RedisBus:
         retry: RetryPolicy | None = None,
         stop_event: threading.Event | None = None,
         on_retry: Callable[[str, Exception], None] | None = None,
+        stream_maxlen: int = DEFAULT_STREAM_MAXLEN,
     ):
+        if stream_maxlen < 1:
+            raise ValueError(f"stream_maxlen must be positive, got {stream_maxlen}")
         self.client = client
+        self.stream_maxlen = stream_maxlen
         self.retry = retry or RetryPolicy()
         self.stop_event = stop_event
         self.on_retry = on_retry
@@ -108,9 +120,10 @@ class RedisBus:
     @classmethod
     def from_settings(cls, settings: ServiceSettings, **kw) -> RedisBus:
         """A bus on ``settings.redis_url`` (None: embedded) that gives up after
-        ``settings.redis_retry_s``."""
+        ``settings.redis_retry_s`` and caps streams at ``settings.stream_maxlen``."""
         timeout = settings.block_ms / 1000 + 10.0
         retry = RetryPolicy(deadline_s=settings.redis_retry_s)
+        kw.setdefault("stream_maxlen", settings.stream_maxlen)
         return cls(text_client(settings, socket_timeout_s=timeout), retry=retry, **kw)
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
@@ -156,10 +169,18 @@ class RedisBus:
         return self.call(what, attempt)
 
     def publish(self, stream: str, fields: Mapping[str, str], *, maxlen: int | None = None) -> str:
-        """XADD one event; returns its id. A retried XADD may duplicate, never lose, it."""
+        """XADD one event, trimming ``stream`` to about ``maxlen`` (default
+        :attr:`stream_maxlen`) entries; returns its id. A retried XADD may duplicate, never
+        lose, it."""
+        return self.call(f"XADD {stream}",
+                         lambda: self.queue_publish(self.client, stream, fields, maxlen=maxlen))
+
+    def queue_publish(self, client: redis.Redis, stream: str, fields: Mapping[str, str], *,
+                      maxlen: int | None = None):
+        """The capped XADD of :meth:`publish` on ``client``, say a caller's MULTI pipeline
+        (where it is queued and its id comes back from ``EXECUTE``); no retrying here."""
         data = {k: str(v) for k, v in fields.items()}
-        return self.call(f"XADD {stream}", lambda: self.client.xadd(
-            stream, data, maxlen=maxlen, approximate=maxlen is not None))
+        return client.xadd(stream, data, maxlen=maxlen or self.stream_maxlen, approximate=True)
 
     def read(self, stream: str, group: str, consumer: str, *, count: int = 1,
              block_ms: int = 1000) -> list[Message]:

@@ -26,6 +26,10 @@ A record that cannot be served never breaks a reader of the others: one whose ``
 not a JSON object within the wire limits (:func:`alignclient.models.check_meta`) is read
 with its ``meta`` replaced by ``{"meta_unreadable": why}``; one missing a field or holding
 an unknown state reads as not found (naming why), and :meth:`Registry.list_versions` skips it.
+
+Reads cost what they return, not the history: :meth:`Registry.page` walks the index newest
+first and fetches a page's records in one pipelined round trip, with a cursor (``before``, a
+version id) for the next, older page; :meth:`Registry.count` is one ``ZCARD``.
 Creating a version checks its ``meta`` against the same limits (InputError), whoever writes.
 """
 
@@ -66,6 +70,8 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 #: Self-loops that are legal only for a reclaimed piece of work.
 REENTRANT = frozenset({"converting"})
 MAX_REASON = 2000
+#: Records fetched per pipelined round trip when every version is listed.
+LIST_CHUNK = 500
 
 _CREATE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return nil end
@@ -133,6 +139,15 @@ class VersionRecord:
         if rec.state not in STATES:
             raise UnreadableRecordError(rec.version_id, f"unknown state {rec.state!r}")
         return rec
+
+
+@dataclass(frozen=True)
+class VersionPage:
+    """One page of versions, oldest first; ``next_before`` is the cursor of the next (older)
+    page, None when this one reaches the oldest version."""
+
+    records: list[VersionRecord]
+    next_before: str | None
 
 
 class UnreadableRecordError(VersionNotFoundError):
@@ -242,7 +257,7 @@ class Registry:
                                       "nothing was published")
                 pipe.multi()
                 self._create(keys=keys, args=args, client=pipe)
-                pipe.xadd(stream, fields)
+                self.bus.queue_publish(pipe, stream, fields)
                 flat, event_id = pipe.execute()
             return flat, event_id
 
@@ -283,7 +298,7 @@ class Registry:
                                       "nothing was retried")
                 pipe.multi()
                 self._transition(keys=keys, args=args, client=pipe)
-                pipe.xadd(stream, fields)
+                self.bus.queue_publish(pipe, stream, fields)
                 reply, event_id = pipe.execute()
             return reply, event_id
 
@@ -362,19 +377,80 @@ class Registry:
                 log.warning("history of %s: skipping an unreadable entry (%s)", version_id, e)
         return out
 
-    def list_versions(self, state: str | None = None) -> list[VersionRecord]:
-        """All versions, oldest first, optionally only those in ``state``."""
-        ids = self.bus.call("registry list",
-                            lambda: self.bus.client.zrange(self._index_key, 0, -1))
+    def count(self) -> int:
+        """How many versions the index holds (one ``ZCARD``)."""
+        return int(self.bus.call("registry count", lambda: self.bus.client.zcard(self._index_key)))
+
+    def page(self, limit: int, *, before: str | None = None,
+             state: str | None = None) -> VersionPage:
+        """The newest ``limit`` versions created before version ``before`` (None: the newest),
+        optionally only those in ``state``; oldest first, with the cursor of the next page.
+
+        The index (``P:versions``, scored by creation time) is read newest first in chunks
+        of ``limit + 1`` ids, each chunk's records fetched by one pipelined round trip, so a
+        page costs O(``limit``) whatever the history holds (with ``state``, O(versions
+        scanned until ``limit`` match)). ``next_before`` is None once the page reaches the
+        oldest version (with ``state``, it may instead lead to an empty last page).
+        ``before`` is the ``next_before`` of the previous page (a version id);
+        VersionNotFoundError if the index does not hold it. InputError if ``limit`` < 1.
+        """
+        if limit < 1:
+            raise InputError(f"limit must be at least 1, got {limit}")
+        newest_first: list[VersionRecord] = []
+        cursor, more = before, True
+        while more and len(newest_first) < limit:
+            start = 0 if cursor is None else self._rank_after(cursor)
+            ids = self.bus.call("registry list", lambda s=start: self.bus.client.zrevrange(
+                self._index_key, s, s + limit))  # limit + 1 ids: one more says there is more
+            newest_first += [r for r in self._records(ids) if state is None or r.state == state]
+            more = len(ids) > limit
+            cursor = ids[-1] if ids else cursor
+        more = more or len(newest_first) > limit
+        newest_first = newest_first[:limit]
+        next_before = newest_first[-1].version_id if more and newest_first else None
+        return VersionPage(records=newest_first[::-1], next_before=next_before)
+
+    def _rank_after(self, version_id: str) -> int:
+        """Index position (newest first) just past ``version_id``; VersionNotFoundError if
+        the index does not hold it."""
+        check_version_id(version_id)
+        rank = self.bus.call("registry cursor",
+                             lambda: self.bus.client.zrevrank(self._index_key, version_id))
+        if rank is None:
+            raise VersionNotFoundError(version_id, "registry index (the page cursor 'before')")
+        return int(rank) + 1
+
+    def _records(self, ids: list[str]) -> list[VersionRecord]:
+        """The readable records of ``ids``, in order, fetched in one pipelined round trip;
+        vanished or unreadable ones are skipped (logged)."""
+        if not ids:
+            return []
+
+        def fetch() -> list[dict[str, str]]:
+            with self.bus.client.pipeline(transaction=False) as pipe:
+                for vid in ids:
+                    pipe.hgetall(self._key(vid))
+                return pipe.execute()
+
         out = []
-        for vid in ids:
+        for vid, h in zip(ids, self.bus.call("registry list records", fetch), strict=True):
+            if not h:
+                continue  # the index outlived the record: not found, skip it
             try:
-                rec = self.get(vid)
+                out.append(VersionRecord.from_hash(h))
             except UnreadableRecordError as e:
-                log.warning("registry list skips %s", e)
-                continue
-            except VersionNotFoundError:
-                continue
-            if state is None or rec.state == state:
-                out.append(rec)
+                log.warning("registry list skips %s (%s)", vid, e)
+        return out
+
+    def list_versions(self, state: str | None = None, *, limit: int | None = None,
+                      before: str | None = None) -> list[VersionRecord]:
+        """Versions, oldest first, optionally only those in ``state``: all of them, or with
+        ``limit`` the newest ``limit`` (created before ``before``; see :meth:`page`)."""
+        if limit is not None:
+            return self.page(limit, before=before, state=state).records
+        ids = self.bus.call("registry list", lambda: self.bus.client.zrange(self._index_key, 0, -1))
+        out: list[VersionRecord] = []
+        for i in range(0, len(ids), LIST_CHUNK):
+            out += [r for r in self._records(ids[i:i + LIST_CHUNK])
+                    if state is None or r.state == state]
         return out

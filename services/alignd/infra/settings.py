@@ -32,6 +32,14 @@ fields default to ``<key_prefix>:events:<name>`` and take an explicit name (say
 ``ALIGN_PUBLISHED_STREAM``) as an override. Two daemons with different prefixes on one
 Redis therefore never see each other's versions, events or consumer groups.
 
+Bounded streams: every ``XADD`` the daemon does caps its stream at about ``stream_maxlen``
+entries (``MAXLEN ~ N``: Redis trims whole macro-nodes, so a stream may run somewhat past N,
+never without bound). Trimming drops the oldest entries whether or not a consumer group has
+acknowledged them, so the rule is: N must exceed the largest backlog any group may hold (the
+default, 10,000, is far above the handful of versions or rollout requests in flight). An entry
+trimmed while still pending is not lost silently: :meth:`RedisBus.reclaim
+<alignd.infra.bus.RedisBus.reclaim>` sees it deleted and acks it away.
+
 Delivery timing, in short: a consumer that is working on a message refreshes it every
 ``heartbeat_ms``; a message nobody refreshed for ``claim_idle_ms`` is taken over
 (``XAUTOCLAIM``) by a live consumer. ``heartbeat_ms`` must therefore be well below
@@ -53,6 +61,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from alignd.infra.events import DEFAULT_KEY_PREFIX, event_stream
 from libalign.spec import PRESETS
+
+#: Default cap of every event and work stream's length (``ALIGN_STREAM_MAXLEN``).
+DEFAULT_STREAM_MAXLEN = 10_000
 
 #: ``cpu``, ``cuda`` or ``cuda:N``: where a service runs its torch work.
 DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
@@ -116,6 +127,9 @@ class ServiceSettings(AlignSettings):
     converted_stream: str = Field(default_factory=prefixed_stream("converted"), min_length=1,
                                   description="converter -> samplers (default "
                                   "<key_prefix>:events:converted)")
+    stream_maxlen: int = Field(DEFAULT_STREAM_MAXLEN, ge=100,
+                               description="every XADD trims its stream to about this many "
+                               "entries (MAXLEN ~); must exceed any group's backlog")
     service_heartbeat_s: float = Field(2.0, gt=0, description="period of a service's heartbeat")
     service_heartbeat_ttl_s: float = Field(10.0, gt=0,
                                            description="a heartbeat older than this means down")
