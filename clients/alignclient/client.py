@@ -167,9 +167,12 @@ class _Routes(abc.ABC):
         return self._do(Call("POST", "/v1/versions", _model(PublishResponse), True, json=body,
                              context={"version_id": version_id}))
 
-    def list_versions(self, state: str | None = None, limit: int = 100) -> VersionList:
-        """Versions, oldest first (the newest ``limit``), optionally in one state."""
-        params = {"limit": limit, **({"state": state} if state else {})}
+    def list_versions(self, state: str | None = None, limit: int = 100,
+                      before: str | None = None) -> VersionList:
+        """Versions, oldest first (the newest ``limit`` created before version ``before``),
+        optionally in one state; the reply's ``next_before`` is the next page's ``before``."""
+        params = {"limit": limit, **({"state": state} if state else {}),
+                  **({"before": before} if before else {})}
         return self._do(Call("GET", "/v1/versions", _model(VersionList), True, params=params))
 
     def get_version(self, version_id: str) -> VersionDetail:

@@ -192,9 +192,11 @@ class VersionDetail(Reply):
 
 
 class VersionList(Reply):
-    """Versions, oldest first."""
+    """Versions, oldest first: one page, the newest ``limit`` before the cursor asked for."""
 
     versions: list[VersionInfo]
+    next_before: str | None = Field(None, description="cursor of the next (older) page: pass "
+                                    "it as ``before``; None once this page reaches the oldest")
 
 
 class PublishResponse(Reply):
@@ -441,6 +443,9 @@ class Status(Reply):
     versions_by_state: dict[str, int]
     latest: dict[str, str | None] = Field(description="newest version id in each state")
     weight_version_lag: int
+    versions_total: int | None = Field(None, description="versions the registry holds")
+    versions_counted: int | None = Field(
+        None, description="newest versions that versions_by_state, latest and the lag cover")
     services: list[ServiceStatus]
     discrepancy: Discrepancy
     guidance: GuidanceSummary

@@ -434,7 +434,7 @@ def test_unexpected_errors_are_a_typed_500_without_traceback(env, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("secret detail")
 
-    monkeypatch.setattr(st.registry, "list_versions", boom)
+    monkeypatch.setattr(st.registry, "page", boom)
     err = assert_error(env.http.get("/v1/versions"), 500, "internal_error")
     assert "RuntimeError" in err["message"] and "secret detail" not in err["message"]
     labels = {"route": "/v1/versions", "status_class": "5xx"}

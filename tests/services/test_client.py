@@ -305,6 +305,31 @@ def test_retry_version_sync_and_async(api):
     assert api.registry.state("v2") == "published" and len(raw.xrange(stream)) == 4
 
 
+def test_list_versions_pages_sync_and_async(api):
+    """list_versions(limit, before): the newest page and the cursor to the next, older one,
+    from both clients; the status counts the newest page of all versions."""
+    vids = [f"p{i:02d}" for i in range(7)]
+    for vid in vids:
+        api.registry.create(vid, f"/p/{vid}")
+    with AlignClient(api.url, token=TOKEN) as c:
+        page = c.list_versions(limit=3)
+        assert [v.version_id for v in page.versions] == vids[-3:] and page.next_before == "p04"
+        older = c.list_versions(limit=3, before=page.next_before)
+        assert [v.version_id for v in older.versions] == vids[1:4]
+        last = c.list_versions(limit=3, before=older.next_before)
+        assert [v.version_id for v in last.versions] == ["p00"] and last.next_before is None
+        status = c.get_status()
+        assert (status.versions_total, status.versions_counted) == (7, 7)
+
+    async def main():
+        async with AsyncAlignClient(api.url, token=TOKEN) as c:
+            page = await c.list_versions(limit=2, before="p04")
+            assert [v.version_id for v in page.versions] == ["p02", "p03"]
+            assert page.next_before == "p02"
+
+    asyncio.run(main())
+
+
 def test_client_does_not_import_the_daemon():
     """alignclient imports nothing from alignd (it ships without the daemon)."""
     import subprocess

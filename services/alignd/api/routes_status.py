@@ -45,7 +45,8 @@ def sync_stages(history: list[HistoryEntry]) -> dict[str, float]:
 
 
 def version_lag(versions: list[VersionRecord]) -> int:
-    """Newest version's position minus the newest serving one's (all, if none serves)."""
+    """Newest version's position minus the newest serving one's (all, if none serves);
+    ``versions`` oldest first (the status page: at most its page)."""
     serving = [i for i, v in enumerate(versions) if v.state == "serving"]
     if not versions:
         return 0
@@ -76,10 +77,13 @@ def _guidance(st: ApiState) -> GuidanceSummary:
 def collect_status(st: ApiState) -> Status:
     """Versions, services, discrepancy and guidance in one snapshot.
 
+    The versions are the newest page (``status_versions``, default 100): the counts per
+    state, the newest per state and the lag cover that page (``versions_counted`` of
+    ``versions_total``), so the snapshot costs the same at 10 versions or 100,000.
     Reading it observes the sync latencies of versions newly serving and refreshes the
     guidance store's byte gauge.
     """
-    versions = st.registry.list_versions()
+    versions = st.registry.page(st.settings.status_versions).records
     _observe_syncs(st, versions)
     lag = version_lag(versions)
     by_state = {s: 0 for s in STATES}
@@ -89,7 +93,8 @@ def collect_status(st: ApiState) -> Status:
         latest[v.state] = v.version_id
     disc: Discrepancy = st.rollouts.discrepancy(None, st.settings.discrepancy_window_tokens)
     return Status(time=time.time(), versions_by_state=by_state, latest=latest,
-                  weight_version_lag=lag, services=_services(st), discrepancy=disc,
+                  weight_version_lag=lag, versions_total=st.registry.count(),
+                  versions_counted=len(versions), services=_services(st), discrepancy=disc,
                   guidance=_guidance(st))
 
 

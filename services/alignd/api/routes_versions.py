@@ -13,6 +13,10 @@ without its record. One ambiguity remains, as with any remote write: if the repl
 successful ``EXEC`` is lost and the call is retried, the retry answers 409
 ``version_exists``; ``GET`` the version to see that it was published.
 
+Listing is paged and costs the page, not the history: ``GET /v1/versions?limit=&before=``
+answers the newest ``limit`` versions created before version ``before`` and the next page's
+cursor, ``next_before``.
+
 A ``failed`` version is retried (``POST /v1/versions/{id}:retry``) the same way: the move
 ``failed -> published`` and a new ``published`` event in one transaction, 409 for a version in
 any other state.
@@ -23,6 +27,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from alignclient.errors import StateTransitionError, VersionNotFoundError
+from alignclient.ids import ID_PATTERN
 from alignclient.models import (
     HistoryEntry,
     PublishRequest,
@@ -93,10 +98,12 @@ def retry_version(version_id: str, st: State) -> PublishResponse:
             responses=ERRORS)
 def list_versions(st: State,
                   state: Annotated[str | None, Query(pattern=STATE_PATTERN)] = None,
-                  limit: Annotated[int, Query(ge=1, le=10_000)] = 100) -> VersionList:
-    """Versions, oldest first (the newest ``limit``), optionally in one state."""
-    recs = st.registry.list_versions(state)
-    return VersionList(versions=[version_info(r) for r in recs[-limit:]])
+                  limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
+                  before: Annotated[str | None, Query(pattern=ID_PATTERN)] = None) -> VersionList:
+    """A page of versions, oldest first: the newest ``limit`` created before ``before``."""
+    page = st.registry.page(limit, before=before, state=state)
+    return VersionList(versions=[version_info(r) for r in page.records],
+                       next_before=page.next_before)
 
 
 @router.get("/versions/{version_id}", operation_id="get_version", response_model=VersionDetail,

@@ -244,6 +244,8 @@ class ApiSettings(GuidanceStoreSettings, ApiAddress):
                                          description="largest guidance record upload accepted")
     discrepancy_window_tokens: int = Field(
         65_536, gt=0, description="tokens the status and metrics discrepancy statistics cover")
+    status_versions: int = Field(100, ge=1, le=10_000, description="newest versions /v1/status "
+                                 "counts per state (its cost is this page, not the history)")
     consumer_name: ConsumerName
     preset: Preset
     sampler_path: SamplerPath
