@@ -14,7 +14,7 @@ from alignclient.errors import (
 )
 from alignd.api.errors import status_for
 from alignd.infra.bus import RedisBus, connect
-from alignd.infra.registry import REENTRANT, STATES, TRANSITIONS, Registry
+from alignd.infra.registry import REENTRANT, STATES, TRANSITIONS, Registry, VersionState
 
 # A legal path from 'published' to each state.
 PATH_TO = {
@@ -216,7 +216,8 @@ def test_publish_and_retry_trim_the_stream(redis_url):
 def test_pages_walk_the_index_newest_first(redis_url):
     """``page`` gives the newest ``limit`` versions oldest first and a cursor; following the
     cursors visits every version once, in order; ``state`` filters across chunks; a missing
-    record or an unreadable one is skipped, an unknown cursor is not found."""
+    record or an unreadable one is skipped (also by ``recent_states``), an unknown cursor is
+    not found."""
     reg = make_registry(redis_url)
     vids = [f"v{i:03d}" for i in range(23)]
     for vid in vids:
@@ -242,6 +243,9 @@ def test_pages_walk_the_index_newest_first(redis_url):
     reg.bus.client.delete("t:version:v022")
     reg.bus.client.hset("t:version:v021", "state", "molten")
     assert [r.version_id for r in reg.page(2).records] == ["v019", "v020"]
+    assert reg.recent_states(5) == [VersionState("v018", "failed"),
+                                    VersionState("v019", "published"),
+                                    VersionState("v020", "published")]
     with pytest.raises(VersionNotFoundError, match="cursor"):
         reg.page(2, before="nope")
     with pytest.raises(InputError, match="limit"):

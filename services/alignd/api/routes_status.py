@@ -21,7 +21,7 @@ from fastapi import APIRouter
 
 from alignd.api.state import ApiState, State
 from alignd.infra.liveness import list_heartbeats
-from alignd.infra.registry import STATES, HistoryEntry, VersionRecord
+from alignd.infra.registry import STATES, HistoryEntry, VersionState
 from alignd.infra.telemetry import ClusterState, PathGap
 
 router = APIRouter(prefix="/v1", tags=["status"])
@@ -44,7 +44,7 @@ def sync_stages(history: list[HistoryEntry]) -> dict[str, float]:
     return out
 
 
-def version_lag(versions: list[VersionRecord]) -> int:
+def version_lag(versions: list[VersionState]) -> int:
     """Newest version's position minus the newest serving one's (all, if none serves);
     ``versions`` oldest first (the status page: at most its page)."""
     serving = [i for i, v in enumerate(versions) if v.state == "serving"]
@@ -53,7 +53,7 @@ def version_lag(versions: list[VersionRecord]) -> int:
     return len(versions) - 1 - serving[-1] if serving else len(versions)
 
 
-def _observe_syncs(st: ApiState, versions: list[VersionRecord]) -> None:
+def _observe_syncs(st: ApiState, versions: list[VersionState]) -> None:
     key = f"{st.settings.key_prefix}:api:sync_observed"
     for v in versions:
         if v.state != "serving" or v.version_id in st.sync_seen:
@@ -83,7 +83,7 @@ def collect_status(st: ApiState) -> Status:
     Reading it observes the sync latencies of versions newly serving and refreshes the
     guidance store's byte gauge.
     """
-    versions = st.registry.page(st.settings.status_versions).records
+    versions = st.registry.recent_states(st.settings.status_versions)
     _observe_syncs(st, versions)
     lag = version_lag(versions)
     by_state = {s: 0 for s in STATES}

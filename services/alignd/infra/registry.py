@@ -39,7 +39,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from alignclient.errors import (
@@ -139,6 +139,13 @@ class VersionRecord:
         if rec.state not in STATES:
             raise UnreadableRecordError(rec.version_id, f"unknown state {rec.state!r}")
         return rec
+
+
+class VersionState(NamedTuple):
+    """A version's id and state, all a summary (the status page) needs of it."""
+
+    version_id: str
+    state: str
 
 
 @dataclass(frozen=True)
@@ -409,6 +416,23 @@ class Registry:
         newest_first = newest_first[:limit]
         next_before = newest_first[-1].version_id if more and newest_first else None
         return VersionPage(records=newest_first[::-1], next_before=next_before)
+
+    def recent_states(self, limit: int) -> list[VersionState]:
+        """Id and state of the newest ``limit`` versions, oldest first: one ``ZREVRANGE`` and
+        one pipelined round trip of ``HGET state``s, nothing parsed but the state (records
+        gone or in an unknown state are skipped)."""
+        ids = self.bus.call("registry list", lambda: self.bus.client.zrevrange(
+            self._index_key, 0, limit - 1))
+
+        def fetch() -> list[str | None]:
+            with self.bus.client.pipeline(transaction=False) as pipe:
+                for vid in ids:
+                    pipe.hget(self._key(vid), "state")
+                return pipe.execute()
+
+        states = self.bus.call("registry list states", fetch) if ids else []
+        return [VersionState(vid, st) for vid, st in zip(ids, states, strict=True)
+                if st in STATES][::-1]
 
     def _rank_after(self, version_id: str) -> int:
         """Index position (newest first) just past ``version_id``; VersionNotFoundError if
