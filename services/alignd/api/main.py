@@ -11,10 +11,9 @@ import logging
 
 import redis
 import uvicorn
-from pydantic import ValidationError
 
 from alignd.api.app import create_app
-from alignd.infra.service_main import LOG_FORMAT
+from alignd.infra.service_main import load_settings
 from alignd.infra.settings import ApiSettings
 
 log = logging.getLogger("alignd.api")
@@ -30,13 +29,9 @@ def serve(settings: ApiSettings | None = None, *, client: redis.Redis | None = N
 
 def main() -> int:
     """Entry point of ``python -m alignd.api.main``: 0 after a clean stop, 2 for bad settings."""
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    try:
-        settings = ApiSettings()
-    except ValidationError as e:
-        log.error("bad settings: %s", e)
+    settings = load_settings(log, ApiSettings)
+    if settings is None:
         return 2
-    logging.getLogger().setLevel(settings.log_level)
     serve(settings)
     return 0
 

@@ -38,16 +38,25 @@ def stop_on_signals(*, ignore: bool = False) -> threading.Event:
     return stop
 
 
-def run_service(log: logging.Logger, settings_cls: type[S],
-                run: Callable[[S, threading.Event], int | None]) -> int:
-    """The exit status of a service process whose settings are ``settings_cls`` (see module doc)."""
+def load_settings(log: logging.Logger, settings_cls: type[S]) -> S | None:
+    """Logging set up and ``settings_cls`` read from the environment; None (logged as 'bad
+    settings', naming each field) when they do not validate."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=LOG_FORMAT)
     try:
         settings = settings_cls()
     except ValidationError as e:
         log.error("bad settings: %s", e)
-        return 2
+        return None
     logging.getLogger().setLevel(settings.log_level)
+    return settings
+
+
+def run_service(log: logging.Logger, settings_cls: type[S],
+                run: Callable[[S, threading.Event], int | None]) -> int:
+    """The exit status of a service process whose settings are ``settings_cls`` (see module doc)."""
+    settings = load_settings(log, settings_cls)
+    if settings is None:
+        return 2
     stop = stop_on_signals()
     try:
         return run(settings, stop) or 0
