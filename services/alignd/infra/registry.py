@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -253,23 +254,14 @@ class Registry:
         keys = [self._key(version_id), self._history_key(version_id), self._index_key]
         args = [version_id, str(path), actor, meta_json(meta)]
 
-        def attempt() -> tuple[list, str]:
-            with self.bus.client.pipeline(transaction=True) as pipe:
-                pipe.watch(keys[0])
-                if pipe.exists(keys[0]):
-                    raise VersionExistsError(version_id)
-                kind = pipe.type(stream)
-                if kind not in ("none", "stream"):
-                    raise ConfigError(f"the stream key {stream!r} holds a {kind}, not a stream; "
-                                      "nothing was published")
-                pipe.multi()
-                self._create(keys=keys, args=args, client=pipe)
-                self.bus.queue_publish(pipe, stream, fields)
-                flat, event_id = pipe.execute()
-            return flat, event_id
+        def check(pipe: redis.client.Pipeline) -> None:
+            if pipe.exists(keys[0]):
+                raise VersionExistsError(version_id)
 
         try:
-            flat, event_id = self.bus.call(f"registry publish {version_id}", attempt)
+            flat, event_id = self._write_and_announce(
+                "publish", "published", version_id, stream, fields, check,
+                lambda pipe: self._create(keys=keys, args=args, client=pipe))
         except redis.exceptions.WatchError as e:
             raise VersionExistsError(version_id) from e
         if flat is None:  # cannot happen under WATCH; never report a version that was not made
@@ -290,27 +282,18 @@ class Registry:
         args = ["published", uuid.uuid4().hex, reason[:MAX_REASON], actor,
                 ",".join(sorted(allowed_sources("published"))), ""]
 
-        def attempt() -> tuple[list, str]:
-            with self.bus.client.pipeline(transaction=True) as pipe:
-                pipe.watch(keys[0])
-                current = pipe.hget(keys[0], "state")
-                if current is None:
-                    raise VersionNotFoundError(version_id)
-                if current != "failed":
-                    raise StateTransitionError(version_id, current, "published",
-                                               "only a failed version can be retried")
-                kind = pipe.type(stream)
-                if kind not in ("none", "stream"):
-                    raise ConfigError(f"the stream key {stream!r} holds a {kind}, not a stream; "
-                                      "nothing was retried")
-                pipe.multi()
-                self._transition(keys=keys, args=args, client=pipe)
-                self.bus.queue_publish(pipe, stream, fields)
-                reply, event_id = pipe.execute()
-            return reply, event_id
+        def check(pipe: redis.client.Pipeline) -> None:
+            current = pipe.hget(keys[0], "state")
+            if current is None:
+                raise VersionNotFoundError(version_id)
+            if current != "failed":
+                raise StateTransitionError(version_id, current, "published",
+                                           "only a failed version can be retried")
 
         try:
-            reply, event_id = self.bus.call(f"registry retry {version_id}", attempt)
+            reply, event_id = self._write_and_announce(
+                "retry", "retried", version_id, stream, fields, check,
+                lambda pipe: self._transition(keys=keys, args=args, client=pipe))
         except redis.exceptions.WatchError as e:
             raise StateTransitionError(version_id, self.state(version_id), "published",
                                        "the version changed while retrying it") from e
@@ -318,6 +301,35 @@ class Registry:
             raise StateTransitionError(version_id, reply[1] if len(reply) > 1 else "?",
                                        "published", "only a failed version can be retried")
         return VersionRecord.from_hash(_flat_to_dict(reply[1])), event_id
+
+    def _write_and_announce(self, op: str, done: str, version_id: str, stream: str,
+                            fields: dict[str, str],
+                            check: Callable[[redis.client.Pipeline], None],
+                            write: Callable[[redis.client.Pipeline], None]) -> tuple[Any, str]:
+        """The one MULTI/EXEC behind :meth:`create_and_announce` and :meth:`retry_and_announce`.
+
+        Under WATCH of the version's record: ``check`` reads and may raise, the stream key must
+        be a stream (or absent); then ``write`` queues the record's script and the event's XADD
+        is queued after it. Returns ``(write's reply, event id)``; a concurrent change to the
+        record raises ``WatchError`` for the caller to name.
+        """
+        key = self._key(version_id)
+
+        def attempt() -> tuple[Any, str]:
+            with self.bus.client.pipeline(transaction=True) as pipe:
+                pipe.watch(key)
+                check(pipe)
+                kind = pipe.type(stream)
+                if kind not in ("none", "stream"):
+                    raise ConfigError(f"the stream key {stream!r} holds a {kind}, not a stream; "
+                                      f"nothing was {done}")
+                pipe.multi()
+                write(pipe)
+                self.bus.queue_publish(pipe, stream, fields)
+                reply, event_id = pipe.execute()
+            return reply, event_id
+
+        return self.bus.call(f"registry {op} {version_id}", attempt)
 
     def get(self, version_id: str) -> VersionRecord:
         """The version's record; VersionNotFoundError if unknown."""
