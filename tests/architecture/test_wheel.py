@@ -15,6 +15,7 @@ dependencies.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -43,8 +44,14 @@ def _run(cmd: list[str], cwd: Path, **env: str) -> str:
 def wheels(tmp_path_factory) -> dict[str, Path]:
     """``{"libalign": wheel, "alignclient": wheel}`` built from this checkout."""
     out = tmp_path_factory.mktemp("wheels")
+    # build from a copy: setuptools reuses an in-tree build/ folder, whose stale files (a module
+    # deleted since) would otherwise ride into the wheel
+    src = tmp_path_factory.mktemp("source") / "libalign"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
+        ".ruff_cache", ".hypothesis"))
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-          "-w", str(out), str(ROOT), str(ROOT / "clients")], cwd=out)
+          "-w", str(out), str(src), str(src / "clients")], cwd=out)
     found = {p.name.split("-")[0]: p for p in out.glob("*.whl")}
     assert set(found) == {"libalign", "alignclient"}, found
     return found
