@@ -184,6 +184,15 @@ class ConverterSettings(DeliverySettings):
     sweep_stale_s: float = Field(3_600.0, ge=0, description="age of .tmp-* leftovers to delete")
     sweep_interval_s: float = Field(600.0, gt=0, description="period of the .tmp-* leftover "
                                     "sweep while the converter runs (it also sweeps on start)")
+    # retention (issue 23 item 4): the converter is the run's janitor
+    retain_versions: int = Field(3, ge=1, description="newest versions kept with their store "
+                                 "directories, besides any version a live sampler serves")
+    retired_ttl_s: float = Field(3_600.0, ge=0, description="time a retired version keeps its "
+                                 "record and store directories before it is pruned")
+    retention_interval_s: float = Field(60.0, gt=0, description="period of the retention pass "
+                                        "(retire, prune, dead consumers) while the converter runs")
+    dead_consumer_idle_ms: int = Field(3_600_000, gt=0, description="a stream consumer idle this "
+                                       "long with nothing pending is removed from its group")
 
 
 class SamplerSettings(DeliverySettings, GuidanceStoreSettings):
@@ -238,6 +247,23 @@ class ApiSettings(GuidanceStoreSettings, ApiAddress):
     """The control API: its door (token, body limits) and what its routes report."""
 
     api_token: str | None = Field(None, description="bearer token every mutating route requires")
+    # reads (issue 23 item 6)
+    read_token: str | None = Field(None, description="bearer token the read routes accept besides "
+                                   "api_token (rollouts, guidance, versions, status)")
+    open_reads: bool = Field(False, description="serve the read routes without a token "
+                             "(healthz, readyz, metrics and the page itself are always open)")
+    # overload (issue 23 item 5)
+    api_header_timeout_s: float = Field(10.0, gt=0, description="time a connection has to send a "
+                                        "whole request head before it is closed")
+    api_keep_alive_s: float = Field(5.0, gt=0, description="idle time of a kept-alive connection "
+                                    "before it is closed")
+    api_max_connections: int = Field(1_000, ge=1, description="open connections served at once; "
+                                     "beyond it new requests are answered 503")
+    api_backlog: int = Field(2_048, ge=1, description="listen backlog of the API socket")
+    heavy_read_concurrency: int = Field(8, ge=1, description="heavy reads (status, versions, "
+                                        "rollouts, guidance) run at once; health never waits on them")
+    status_cache_s: float = Field(1.0, ge=0, description="age up to which /v1/status and the "
+                                  "metrics' cluster gauges reuse one computed answer (0: never)")
     dev_mode: bool = Field(False, description="allow running the API without a token (local use)")
     max_body_bytes: int = Field(16 << 20, gt=0, description="largest JSON request body accepted")
     max_guidance_body_bytes: int = Field(256 << 20, gt=0,
