@@ -109,7 +109,7 @@ def test_redis_down_is_503_bus_unavailable(tmp_path):
     with TestClient(app, raise_server_exceptions=False) as http:
         t = time.monotonic()
         assert_error(http.get("/readyz"), 503, "bus_unavailable")
-        assert_error(http.get("/v1/versions"), 503, "bus_unavailable")
+        assert_error(http.get("/v1/versions", headers=AUTH), 503, "bus_unavailable")
         assert_error(http.post("/v1/versions", json={"version_id": "v1"}, headers=AUTH), 404,
                      "version_not_found")  # the store is checked before Redis
         assert time.monotonic() - t < 5
@@ -135,7 +135,7 @@ def test_publish_registers_and_announces_once(env):
     assert ev.target_path == SAMPLER
     assert_error(publish(env), 409, "version_exists")
     assert len(env.raw.xrange(env.settings.published_stream)) == 1
-    detail = env.http.get("/v1/versions/v1").json()
+    detail = env.http.get("/v1/versions/v1", headers=AUTH).json()
     assert [h["to_state"] for h in detail["history"]] == ["published"]
     assert detail["history"][0]["actor"] == "api"
 
@@ -168,15 +168,16 @@ def test_list_and_get_versions(env):
     assert publish(env, "v1").status_code == 201
     assert publish(env, "v2").status_code == 201
     drive(env, "v1", "converting")
-    ids = [v["version_id"] for v in env.http.get("/v1/versions").json()["versions"]]
+    ids = [v["version_id"] for v in env.http.get("/v1/versions", headers=AUTH).json()["versions"]]
     assert ids == ["v1", "v2"]
-    assert [v["version_id"] for v in env.http.get("/v1/versions?limit=1").json()["versions"]] == ["v2"]
-    conv = env.http.get("/v1/versions", params={"state": "converting"}).json()["versions"]
+    first = env.http.get("/v1/versions?limit=1", headers=AUTH).json()["versions"]
+    assert [v["version_id"] for v in first] == ["v2"]
+    conv = env.http.get("/v1/versions", params={"state": "converting"}, headers=AUTH).json()["versions"]
     assert [v["version_id"] for v in conv] == ["v1"]
-    hist = env.http.get("/v1/versions/v1").json()["history"]
+    hist = env.http.get("/v1/versions/v1", headers=AUTH).json()["history"]
     assert [(h["from_state"], h["to_state"]) for h in hist] == [("", "published"),
                                                                ("published", "converting")]
-    assert_error(env.http.get("/v1/versions/nope"), 404, "version_not_found")
+    assert_error(env.http.get("/v1/versions/nope", headers=AUTH), 404, "version_not_found")
 
 
 def test_sync_needs_a_converted_version(env):
@@ -206,8 +207,9 @@ def test_rollouts_scores_and_discrepancy(env):
     rs = [rollout(f"r{i}", n=5 + i, seed=i) for i in range(4)]
     r = env.http.post("/v1/versions/v1/rollouts", json={"rollouts": rs}, headers=AUTH)
     assert r.status_code == 201 and r.json() == {"version_id": "v1", "stored": 4, "tokens": 26}
-    assert env.http.get("/v1/versions/v1/rollouts").json()["rollout_ids"] == ["r0", "r1", "r2", "r3"]
-    got = env.http.get("/v1/versions/v1/rollouts", params={"ids": "r2,r0"}).json()["rollouts"]
+    ids = env.http.get("/v1/versions/v1/rollouts", headers=AUTH).json()["rollout_ids"]
+    assert ids == ["r0", "r1", "r2", "r3"]
+    got = env.http.get("/v1/versions/v1/rollouts", params={"ids": "r2,r0"}, headers=AUTH).json()["rollouts"]
     assert [g["rollout_id"] for g in got] == ["r2", "r0"] and got[1] == rs[0]
 
     shifts = [0.01, -0.3, 0.5, 0.0]
@@ -232,11 +234,11 @@ def test_rollouts_scores_and_discrepancy(env):
     assert env.metrics.value("libalign_logprob_abs_delta_count", labels) == 26
     assert env.metrics.value("libalign_rollout_tokens_total", {"sampler_path": SAMPLER}) == 26
 
-    d = env.http.get("/v1/discrepancy", params={"version": "v1", "window_tokens": 7}).json()
+    d = env.http.get("/v1/discrepancy", params={"version": "v1", "window_tokens": 7}, headers=AUTH).json()
     assert d["stats"]["count"] == 7 and d["versions"] == ["v1"]
     last7 = delta[-7:].to(torch.float32).to(torch.float64)
     assert math.isclose(d["stats"]["mean_abs"], float(last7.abs().mean()), rel_tol=1e-6)
-    recent = env.http.get("/v1/discrepancy").json()
+    recent = env.http.get("/v1/discrepancy", headers=AUTH).json()
     assert recent["version_id"] is None and recent["stats"]["count"] == 26
     assert recent["window_tokens"] == env.settings.discrepancy_window_tokens
     assert env.metrics.value("libalign_discrepancy_p99_abs", labels) > 0.49
@@ -293,7 +295,7 @@ def test_guidance_put_get_batch_and_leases(env):
     for rid, blob in blobs.items():
         r = env.http.put(f"/v1/guidance/v1/{rid}", content=blob, headers=AUTH)
         assert r.status_code == 200 and r.json()["bytes"] == len(blob)
-    r = env.http.get("/v1/guidance/v1/r1")
+    r = env.http.get("/v1/guidance/v1/r1", headers=AUTH)
     assert r.content == blobs["r1"] and r.headers["content-type"] == "application/octet-stream"
     r = env.http.post("/v1/guidance/v1:batch", json={"rollout_ids": ["r2", "r0"]}, headers=AUTH)
     assert r.status_code == 200
@@ -304,11 +306,11 @@ def test_guidance_put_get_batch_and_leases(env):
     skip = env.http.post("/v1/guidance/v1:batch", json={"rollout_ids": ["r0", "zz"],
                                                         "missing": "skip"}, headers=AUTH)
     assert list(decode_frames(skip.content)) == ["r0"]
-    assert_error(env.http.get("/v1/guidance/v1/zz"), 404, "guidance_not_found")
+    assert_error(env.http.get("/v1/guidance/v1/zz", headers=AUTH), 404, "guidance_not_found")
     lease = env.http.post("/v1/guidance/v1/lease", json={"consumer": "learner-0", "ttl_s": 30},
                           headers=AUTH)
     assert lease.json()["held"] is True
-    status = env.http.get("/v1/status").json()
+    status = env.http.get("/v1/status", headers=AUTH).json()
     assert status["guidance"]["leased_versions"] == ["v1"]
     assert status["guidance"]["stored_bytes"] == sum(map(len, blobs.values()))
     rel = env.http.delete("/v1/guidance/v1/lease", params={"consumer": "learner-0"}, headers=AUTH)
@@ -394,21 +396,21 @@ BAD = [
      "invalid_input"),
     ("post", "/v1/versions/bad$/scores", dict(json={"scores": [score(rollout("a"))]},
                                               headers=AUTH), 422, "invalid_input"),
-    ("get", "/v1/versions?limit=abc", {}, 422, "invalid_input"),
-    ("get", "/v1/versions?limit=0", {}, 422, "invalid_input"),
-    ("get", "/v1/versions?state=sleeping", {}, 422, "invalid_input"),
-    ("get", "/v1/versions/v1/rollouts?ids=,", {}, 422, "invalid_input"),
-    ("get", "/v1/versions/v1/rollouts?ids=a%3Ab", {}, 422, "invalid_input"),
-    ("get", "/v1/versions/v1/rollouts?ids=nope", {}, 404, "rollout_not_found"),
-    ("get", "/v1/discrepancy?window_tokens=0", {}, 422, "invalid_input"),
-    ("get", "/v1/discrepancy?version=zz", {}, 404, "version_not_found"),
-    ("get", "/v1/guidance/v1/a%3Ab", {}, 422, "invalid_input"),
+    ("get", "/v1/versions?limit=abc", dict(headers=AUTH), 422, "invalid_input"),
+    ("get", "/v1/versions?limit=0", dict(headers=AUTH), 422, "invalid_input"),
+    ("get", "/v1/versions?state=sleeping", dict(headers=AUTH), 422, "invalid_input"),
+    ("get", "/v1/versions/v1/rollouts?ids=,", dict(headers=AUTH), 422, "invalid_input"),
+    ("get", "/v1/versions/v1/rollouts?ids=a%3Ab", dict(headers=AUTH), 422, "invalid_input"),
+    ("get", "/v1/versions/v1/rollouts?ids=nope", dict(headers=AUTH), 404, "rollout_not_found"),
+    ("get", "/v1/discrepancy?window_tokens=0", dict(headers=AUTH), 422, "invalid_input"),
+    ("get", "/v1/discrepancy?version=zz", dict(headers=AUTH), 404, "version_not_found"),
+    ("get", "/v1/guidance/v1/a%3Ab", dict(headers=AUTH), 422, "invalid_input"),
     ("post", "/v1/guidance/v1/lease", dict(json={"consumer": "c", "ttl_s": -1}, headers=AUTH),
      422, "invalid_input"),
     ("post", "/v1/guidance/v1:batch", dict(json={"rollout_ids": []}, headers=AUTH), 422,
      "invalid_input"),
     ("post", "/v1/spec/check", dict(json={"sha256": "abc"}, headers=AUTH), 422, "invalid_input"),
-    ("get", "/v1/nothing", {}, 404, "route_not_found"),
+    ("get", "/v1/nothing", dict(headers=AUTH), 404, "route_not_found"),
     ("patch", "/v1/versions", dict(headers=AUTH), 405, "method_not_allowed"),
 ]
 
@@ -435,7 +437,7 @@ def test_unexpected_errors_are_a_typed_500_without_traceback(env, monkeypatch):
         raise RuntimeError("secret detail")
 
     monkeypatch.setattr(st.registry, "page", boom)
-    err = assert_error(env.http.get("/v1/versions"), 500, "internal_error")
+    err = assert_error(env.http.get("/v1/versions", headers=AUTH), 500, "internal_error")
     assert "RuntimeError" in err["message"] and "secret detail" not in err["message"]
     labels = {"route": "/v1/versions", "status_class": "5xx"}
     assert env.metrics.value("libalign_api_requests_total", labels) == 1
@@ -446,7 +448,7 @@ def test_unexpected_errors_are_a_typed_500_without_traceback(env, monkeypatch):
 
 def test_spec_and_its_check(env):
     """The spec's SHA-256 over canonical JSON; a match is 200, a mismatch 409 naming both hashes."""
-    spec = env.http.get("/v1/spec").json()
+    spec = env.http.get("/v1/spec", headers=AUTH).json()
     assert spec["spec"] == PRESETS["minite"].to_dict()
     assert spec["sha256"] == spec_sha256(PRESETS["minite"].to_dict())
     assert (spec["sampler_path"], spec["learner_path"]) == (SAMPLER, LEARNER)
@@ -460,7 +462,7 @@ def test_spec_and_its_check(env):
 
 def test_status_with_zero_data(env):
     """An empty daemon: zero counts, no latest, an empty discrepancy, the API's own heartbeat."""
-    s = env.http.get("/v1/status").json()
+    s = env.http.get("/v1/status", headers=AUTH).json()
     assert set(s["versions_by_state"].values()) == {0} and set(s["latest"].values()) == {None}
     assert s["weight_version_lag"] == 0
     assert s["discrepancy"]["stats"]["count"] == 0 and s["discrepancy"]["stats"]["p99_abs"] is None
@@ -475,7 +477,7 @@ def test_status_and_metrics_follow_versions_to_serving(env):
     assert publish(env, "v1").status_code == 201
     assert publish(env, "v2").status_code == 201
     drive(env, "v1", "converting", "converted", "loading", "serving")
-    s = env.http.get("/v1/status").json()
+    s = env.http.get("/v1/status", headers=AUTH).json()
     assert s["versions_by_state"]["serving"] == 1 and s["versions_by_state"]["published"] == 1
     assert s["latest"]["serving"] == "v1" and s["latest"]["published"] == "v2"
     assert s["weight_version_lag"] == 1
@@ -488,15 +490,15 @@ def test_status_and_metrics_follow_versions_to_serving(env):
     assert env.metrics.value("libalign_weight_version_lag") == 1
     assert env.metrics.value("libalign_service_up", {"service": "api"}) == 1
     assert env.metrics.value("libalign_service_up", {"service": "sampler"}) == 0
-    env.http.get("/v1/versions/v2")
-    env.http.get("/v1/versions/nope")
+    env.http.get("/v1/versions/v2", headers=AUTH)
+    env.http.get("/v1/versions/nope", headers=AUTH)
     assert env.metrics.value("libalign_api_requests_total",
                              {"route": "/v1/versions/{version_id}", "status_class": "2xx"}) == 1
     assert env.metrics.value("libalign_api_requests_total",
                              {"route": "/v1/versions/{version_id}", "status_class": "4xx"}) == 1
     assert 'route="/v1/versions/v2"' not in env.http.get("/metrics").text
     drive(env, "v2", "converting", "converted", "loading", "serving")
-    assert env.http.get("/v1/status").json()["weight_version_lag"] == 0
+    assert env.http.get("/v1/status", headers=AUTH).json()["weight_version_lag"] == 0
     assert env.metrics.value("libalign_sync_stage_seconds_count", {"stage": "total"}) == 2
 
 
@@ -530,6 +532,6 @@ def test_embedded_client_object_is_accepted(redis_url, tmp_path):
     assert st.binary.connection_pool.connection_kwargs["decode_responses"] is False
     with TestClient(app) as http:
         assert http.get("/readyz").status_code == 200
-        assert http.get("/v1/status").status_code == 200
+        assert http.get("/v1/status", headers=AUTH).status_code == 200
     client.close()
 

@@ -1,13 +1,16 @@
 """``create_app``: the control API as a FastAPI application.
 
 What a request meets, outside in: the front door (:mod:`alignd.api.middleware`: route
-template, bearer token on POST/PUT/PATCH/DELETE, body limits, metrics, typed 500s), then
+template, bearer tokens, body limits, metrics, typed 500s), then
 FastAPI's routing and validation, then a route of one of the ``routes_*`` modules, which
 call the registry, the stores and the streams through :class:`~alignd.api.state.ApiState`.
 Every error leaves through :func:`alignd.api.errors.error_response`.
 
 The API refuses to start without ``api_token`` unless ``dev_mode`` is set: a token-less
-API lets anyone who reaches the port publish versions and overwrite guidance.
+API lets anyone who reaches the port publish versions and overwrite guidance. Reads need a
+token too (``api_token``, or ``read_token`` for readers that must not write) unless
+``open_reads`` is set; open to all are only the routes in :data:`OPEN_ROUTES` and FastAPI's
+schema and docs pages, which serve no daemon data.
 
 While the app runs (its lifespan), it beats as service ``api`` (see
 :mod:`alignd.infra.liveness`) and its metrics read the shared state from Redis at every
@@ -24,6 +27,7 @@ from contextlib import asynccontextmanager
 import redis
 from alignclient.errors import ConfigError
 from fastapi import FastAPI
+from starlette.routing import Route
 
 from alignd.api import (
     routes_guidance,
@@ -34,7 +38,7 @@ from alignd.api import (
     routes_versions,
 )
 from alignd.api.errors import install_error_handlers
-from alignd.api.middleware import Frontdoor
+from alignd.api.middleware import Frontdoor, open_route
 from alignd.api.routes_status import cluster_state, collect_status
 from alignd.api.state import REQUEST_GIVE_UP_S, ApiState, with_decoding
 from alignd.infra.redis_clients import binary_client, text_client
@@ -43,6 +47,12 @@ from alignd.infra.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 API_VERSION = "1"
+
+#: Routes any caller may read without a token: liveness, readiness, the Prometheus
+#: exposition (route templates and counts, no ids) and the status page's HTML, whose data
+#: comes from the guarded routes with the token the page is given.
+OPEN_ROUTES = tuple(open_route(fn) for fn in (routes_health.healthz, routes_health.readyz,
+                                              routes_health.metrics, routes_health.status_page))
 
 
 def create_app(settings: ApiSettings, *, client: redis.Redis | None = None,
@@ -77,10 +87,20 @@ def create_app(settings: ApiSettings, *, client: redis.Redis | None = None,
                                   routes_guidance, routes_spec)]
     for router in routers:
         app.include_router(router)
-    app.add_middleware(Frontdoor, routes=[r for router in routers for r in router.routes],
+    # FastAPI's own routes (schema, docs): open, they describe the API and hold no data
+    docs = {app.openapi_url, app.docs_url, app.swagger_ui_oauth2_redirect_url} - {None}
+    own = [r for r in app.routes if isinstance(r, Route) and r.path in docs]
+    for r in own:
+        open_route(r.endpoint)
+    app.add_middleware(Frontdoor, routes=[r for router in routers for r in router.routes] + own,
                        metrics=metrics, token=settings.api_token,
+                       read_token=settings.read_token, open_reads=settings.open_reads,
                        max_body_bytes=settings.max_body_bytes,
                        max_streamed_bytes=settings.max_guidance_body_bytes)
     if settings.dev_mode and not settings.api_token:
         log.warning("control API without a bearer token (dev mode): mutating routes are open")
+    if settings.open_reads or not (settings.api_token or settings.read_token):
+        log.warning("control API read routes are open (%s): rollouts, guidance, versions and "
+                    "status answer without a token",
+                    "open_reads" if settings.open_reads else "dev mode, no token")
     return app

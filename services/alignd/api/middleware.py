@@ -5,11 +5,26 @@ In this order, before any route code runs or any body byte is parsed:
 1. **Route.** The request is matched against the app's routes to learn its template
    (``/v1/versions/{version_id}``), which labels the metrics; raw paths never do, since
    they hold ids.
-2. **Token.** A mutating request (POST, PUT, PATCH, DELETE) needs ``Authorization: Bearer
-   <api_token>`` when a token is configured: none gives 401 ``unauthorized``, a wrong one
-   403 ``forbidden``. The comparison is constant-time (:func:`hmac.compare_digest`).
-   Checking here, not in a route dependency, means an unauthenticated caller cannot make
-   the server read or parse a body at all.
+2. **Token.** Two rules, both answered here, so an unauthenticated caller cannot make the
+   server read or parse a body, or run a route at all:
+
+   * a *mutating* request (POST, PUT, PATCH, DELETE) to a route needs ``Authorization:
+     Bearer <api_token>`` when an ``api_token`` is configured. The ``read_token`` never
+     changes state: sent here it answers 403 ``forbidden``;
+   * a *read* (GET, HEAD and any other method) needs ``Authorization: Bearer <api_token or
+     read_token>`` when either is configured and ``open_reads`` is off: rollouts, guidance
+     bytes, version ``meta``, store paths, host names and pids are the daemon's data. Reads
+     fail closed: a path outside the route table needs the token as well (its 404 is only
+     for those who hold one). Open to every caller are only the routes marked with
+     :func:`open_route`: ``/healthz``, ``/readyz``, ``/metrics`` (route templates, states
+     and counts; no ids, paths or bytes), the status page's HTML at ``/`` (its data comes
+     from guarded routes, with the token the page is given) and FastAPI's ``/docs`` and
+     ``/openapi.json`` (the schema: no data).
+
+   No header gives 401 ``unauthorized``, a token that is not accepted 403 ``forbidden``.
+   Every comparison is constant-time (:func:`hmac.compare_digest`), and a given token is
+   compared with every accepted one, so the time does not tell which one came closest.
+   With no token at all (``dev_mode``) both kinds are open; ``create_app`` logs it.
 3. **Size.** A declared ``Content-Length`` above the route's limit is refused with 413
    ``payload_too_large`` before reading; a body without one (chunked) is counted while it
    is read and refused as soon as it passes the limit. JSON routes get their body read
@@ -48,6 +63,11 @@ log = logging.getLogger(__name__)
 
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 _STREAMED = "_align_streamed_body"
+_OPEN = "_align_open_route"
+_READ_HINT = ("this route reads the daemon's data: send 'Authorization: Bearer <token>' "
+              "(the API's ALIGN_READ_TOKEN or ALIGN_API_TOKEN)")
+_WRITE_HINT = ("this route changes state: send 'Authorization: Bearer <token>' "
+               "(the API's ALIGN_API_TOKEN)")
 
 
 def streamed_body(fn: Callable) -> Callable:
@@ -56,18 +76,37 @@ def streamed_body(fn: Callable) -> Callable:
     return fn
 
 
+def open_route(fn: Callable) -> Callable:
+    """Mark a route that every caller may read without a token (it serves no daemon data)."""
+    setattr(fn, _OPEN, True)
+    return fn
+
+
+def is_open_route(fn: Callable | None) -> bool:
+    """Whether ``fn`` was marked with :func:`open_route`."""
+    return bool(getattr(fn, _OPEN, False))
+
+
 class Frontdoor:
-    """Route template, bearer token, body size limits, request metrics, typed 500s."""
+    """Route template, bearer tokens, body size limits, request metrics, typed 500s.
+
+    ``token`` is the API token (writes and reads), ``read_token`` a second token good for
+    reads only; ``open_reads`` serves reads without either.
+    """
 
     def __init__(self, app: ASGIApp, *, routes: Iterable[Any], metrics: Metrics,
-                 token: str | None, max_body_bytes: int, max_streamed_bytes: int):
+                 token: str | None, max_body_bytes: int, max_streamed_bytes: int,
+                 read_token: str | None = None, open_reads: bool = False):
         self.app = app
         self.metrics = metrics
         self.token = token.encode() if token else None
+        self.read_token = read_token.encode() if read_token else None
+        self.reads_guarded = not open_reads and (self.token or self.read_token) is not None
         self.max_body_bytes = max_body_bytes
         self.max_streamed_bytes = max_streamed_bytes
         # (template, compiled path, methods, endpoint) from the routes' public attributes
-        self.table = [(r.path, compile_path(r.path)[0], frozenset(r.methods or ()), r.endpoint)
+        self.table = [(r.path, compile_path(r.path)[0], frozenset(getattr(r, "methods", None)
+                                                                    or ()), r.endpoint)
                       for r in routes]
 
     def _route(self, scope: Scope) -> tuple[str, Any]:
@@ -89,19 +128,29 @@ class Frontdoor:
                 partial = partial or template
         return (partial, None) if partial else ("unmatched", None)
 
-    def _auth_error(self, scope: Scope) -> AlignError | None:
-        if self.token is None:
+    def _auth_error(self, scope: Scope, *, write: bool) -> AlignError | None:
+        """Why this request may not pass the token rule (None if it may).
+
+        ``write``: the request changes state, so only ``api_token`` is accepted.
+        """
+        if (write and self.token is None) or (not write and not self.reads_guarded):
             return None
         header = next((v for k, v in scope.get("headers", []) if k == b"authorization"), None)
         if header is None:
-            return UnauthorizedError("this route changes state: send 'Authorization: Bearer "
-                                     "<token>' (the API's ALIGN_API_TOKEN)")
+            return UnauthorizedError(_WRITE_HINT if write else _READ_HINT)
         scheme, _, given = header.partition(b" ")
-        if scheme.lower() != b"bearer" or not given.strip():
+        given = given.strip()
+        if scheme.lower() != b"bearer" or not given:
             return UnauthorizedError("the Authorization header must be 'Bearer <token>'")
-        if not hmac.compare_digest(given.strip(), self.token):
-            return ForbiddenError("the bearer token is not the one this API was started with")
-        return None
+        # compare with both, always: the time taken does not depend on which one matched
+        is_api = self.token is not None and hmac.compare_digest(given, self.token)
+        is_read = self.read_token is not None and hmac.compare_digest(given, self.read_token)
+        if is_api or (is_read and not write):
+            return None
+        if is_read:
+            return ForbiddenError("the read token (ALIGN_READ_TOKEN) cannot change state: this "
+                                  "route needs the API token (ALIGN_API_TOKEN)")
+        return ForbiddenError("the bearer token is not one this API was started with")
 
     @staticmethod
     def _content_length(scope: Scope) -> int | None:
@@ -142,9 +191,13 @@ class Frontdoor:
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, endpoint: Any) -> None:
         method = scope.get("method", "GET")
-        if endpoint is not None and method in MUTATING:
-            err = self._auth_error(scope)
-            if err is not None:
+        err = None
+        if method in MUTATING:
+            if endpoint is not None:
+                err = self._auth_error(scope, write=True)
+        elif not is_open_route(endpoint):
+            err = self._auth_error(scope, write=False)
+        if err is not None:
                 await error_response(err)(scope, receive, send)
                 return
         streamed = getattr(endpoint, _STREAMED, False)
