@@ -41,8 +41,10 @@ LOGPROB_MAX = 1e-6
 MAX_ROLLOUT_TOKENS = 1 << 18
 #: Most rollouts, scores or guidance ids in one request.
 MAX_BATCH = 4096
-#: States of a weight version, in the order a version moves through them.
-VERSION_STATES = ("published", "converting", "converted", "loading", "serving", "failed")
+#: States of a weight version, in the order a version moves through them (``retired``: no
+#: longer served, pruned with its store directories after the retention time).
+VERSION_STATES = ("published", "converting", "converted", "loading", "serving", "failed",
+                  "retired")
 
 #: Largest magnitude of a log-prob or reward: float32's largest finite value as numpy prints
 #: it (every float64 up to it rounds to a finite float32).
@@ -102,7 +104,8 @@ StrictInt = Annotated[int, BeforeValidator(strict_int)]
 TokenId = Annotated[StrictInt, Field(ge=0, lt=1 << 31)]
 #: A free-form JSON object within the meta limits.
 Meta = Annotated[dict[str, Any], AfterValidator(check_meta)]
-VersionState = Literal["published", "converting", "converted", "loading", "serving", "failed"]
+VersionState = Literal["published", "converting", "converted", "loading", "serving", "failed",
+                       "retired"]
 
 
 class Wire(BaseModel):

@@ -12,9 +12,18 @@ from alignclient.errors import (
     VersionExistsError,
     VersionNotFoundError,
 )
+from alignclient.models import VERSION_STATES
 from alignd.api.errors import status_for
 from alignd.infra.bus import RedisBus, connect
-from alignd.infra.registry import REENTRANT, STATES, TRANSITIONS, Registry, VersionState
+from alignd.infra.registry import (
+    MAX_TOMBSTONES,
+    REENTRANT,
+    STATES,
+    TRANSITIONS,
+    Registry,
+    VersionAge,
+    VersionState,
+)
 
 # A legal path from 'published' to each state.
 PATH_TO = {
@@ -24,6 +33,7 @@ PATH_TO = {
     "loading": ["converting", "converted", "loading"],
     "serving": ["converting", "converted", "loading", "serving"],
     "failed": ["failed"],
+    "retired": ["converting", "converted", "loading", "serving", "retired"],
 }
 
 
@@ -250,3 +260,74 @@ def test_pages_walk_the_index_newest_first(redis_url):
         reg.page(2, before="nope")
     with pytest.raises(InputError, match="limit"):
         reg.page(0)
+
+
+def test_retired_is_the_one_terminal_state(redis_url):
+    """``serving -> retired`` and ``failed -> retired`` are legal and recorded with their
+    reason; nothing leaves ``retired`` (not even an operator's retry); the contract lists the
+    same states as the registry."""
+    assert set(VERSION_STATES) == set(STATES) and "retired" in STATES
+    assert TRANSITIONS["retired"] == frozenset()
+    assert [s for s in STATES if "retired" in TRANSITIONS[s]] == ["serving", "failed"]
+    reg = make_registry(redis_url)
+    drive(reg, "s", "serving")
+    drive(reg, "f", "failed")
+    for vid in ("s", "f"):
+        rec = reg.transition(vid, "retired", actor="janitor", reason="retention: old")
+        assert rec.state == "retired" and rec.owner == "janitor"
+        last = reg.history(vid)[-1]
+        assert (last.to_state, last.reason, last.actor) == ("retired", "retention: old", "janitor")
+        for target in STATES:
+            with pytest.raises(StateTransitionError):
+                reg.transition(vid, target, actor="x", reason="why")
+    with pytest.raises(StateTransitionError, match="only a failed version"):
+        reg.retry_and_announce("f", "events", {"version_id": "f"})
+    for source in ("published", "converting", "converted", "loading"):
+        drive(reg, f"in-{source}", source)
+        with pytest.raises(StateTransitionError):
+            reg.transition(f"in-{source}", "retired", actor="x")
+    assert reg.get("in-loading").state == "loading"
+
+
+def test_prune_deletes_a_retired_record_and_keeps_its_cursor(redis_url):
+    """``prune`` deletes only a retired version's record, history and index entry (one
+    script; again is a no-op); ``ages`` reports state and time of the last change; a page
+    cursor naming a pruned version still leads to the versions created before it."""
+    reg = make_registry(redis_url)
+    vids = [f"v{i:02d}" for i in range(12)]
+    for vid in vids:
+        drive(reg, vid, "serving")
+    ages = reg.ages()
+    assert [a.version_id for a in ages] == vids and all(a.state == "serving" for a in ages)
+    assert ages[-1] == VersionAge("v11", "serving", reg.get("v11").updated_at)
+    with pytest.raises(StateTransitionError, match="only a retired version"):
+        reg.prune("v05")
+    page = reg.page(4, before="v08")
+    assert [r.version_id for r in page.records] == vids[4:8] and page.next_before == "v04"
+    for vid in ("v04", "v05", "v06", "v08"):
+        reg.transition(vid, "retired", actor="janitor", reason="old")
+        assert reg.prune(vid) is True
+        assert reg.prune(vid) is False  # idempotent
+        with pytest.raises(VersionNotFoundError):
+            reg.get(vid)
+        with pytest.raises(VersionNotFoundError):
+            reg.history(vid)
+    left = [v for v in vids if v not in ("v04", "v05", "v06", "v08")]
+    assert [r.version_id for r in reg.list_versions()] == left and reg.count() == len(left)
+    assert [a.version_id for a in reg.ages()] == left
+    # cursors that were pruned: the page continues just before them
+    assert [r.version_id for r in reg.page(4, before="v08").records] == ["v01", "v02", "v03", "v07"]
+    older = reg.page(2, before="v04")
+    assert [r.version_id for r in older.records] == ["v02", "v03"] and older.next_before == "v02"
+    seen, cursor = [], "v06"
+    while cursor is not None:
+        page = reg.page(1, before=cursor)
+        seen = [r.version_id for r in page.records] + seen
+        cursor = page.next_before
+    assert seen == ["v00", "v01", "v02", "v03"]
+    with pytest.raises(VersionNotFoundError, match="cursor"):
+        reg.page(2, before="never-was")
+    # an index entry whose record is gone (a pass that died half-way) is cleaned too
+    reg.bus.client.delete("t:version:v09")
+    assert reg.prune("v09") is True and "v09" not in [a.version_id for a in reg.ages()]
+    assert reg.bus.client.zcard("t:versions:pruned") == 5 <= MAX_TOMBSTONES

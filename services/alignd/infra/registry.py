@@ -1,13 +1,20 @@
 """The weight-version registry: one state machine per version, kept in Redis.
 
 A version moves along ``published -> converting -> converted -> loading -> serving``;
-from any state before ``serving`` it may instead go to ``failed`` with a reason.
-``serving`` is terminal; ``failed`` is too, but for an operator's retry
+from any state before ``serving`` it may instead go to ``failed`` with a reason. A
+``failed`` version can come back through an operator's retry
 (:meth:`Registry.retry_and_announce`, ``failed -> published`` with a new ``published`` event,
-once the cause, say a full disk, is gone). One self-loop is legal, ``converting ->
-converting``, and only when the caller says it reclaimed the work (``reclaim=True``): a
-converter that crashed mid-way left the version in ``converting``, and the consumer that
-takes over its message re-enters the state under its own name. Without the flag a second
+once the cause, say a full disk, is gone). Both ``serving`` and ``failed`` end in
+``retired``, the one terminal state: the retention pass (:mod:`alignd.infra.retention`)
+retires a ``serving`` version that no live sampler serves once ``retain_versions`` newer ones
+serve, and a ``failed`` one that nobody retried for ``retired_ttl_s``. A retired version is
+never loaded or retried again (publish its weights anew), and :meth:`Registry.prune` deletes
+its record once its store directories are gone.
+
+One self-loop is legal, ``converting -> converting``, and only when the caller says it
+reclaimed the work (``reclaim=True``): a converter that crashed mid-way left the version in
+``converting``, and the consumer that takes over its message re-enters the state under its
+own name. Without the flag a second
 ``published -> converting`` loses: of two clients racing for the same transition
 exactly one wins, the other gets :class:`StateTransitionError`.
 
@@ -19,8 +26,9 @@ random token: if a reply is lost and the client retries, the script recognises i
 completed write and reports success instead of an illegal ``X -> X``.
 
 Keys (``P`` is the key prefix): ``P:version:<id>`` (hash: state, path, reason, owner,
-created_at, updated_at, meta), ``P:version:<id>:history`` (list of JSON) and
-``P:versions`` (sorted set of ids by creation time).
+created_at, updated_at, meta), ``P:version:<id>:history`` (list of JSON),
+``P:versions`` (sorted set of ids by creation time) and ``P:versions:pruned`` (the creation
+times of the newest :data:`MAX_TOMBSTONES` pruned ids, so a page cursor outlives its version).
 
 A record that cannot be served never breaks a reader of the others: one whose ``meta`` is
 not a JSON object within the wire limits (:func:`alignclient.models.check_meta`) is read
@@ -29,7 +37,8 @@ an unknown state reads as not found (naming why), and :meth:`Registry.list_versi
 
 Reads cost what they return, not the history: :meth:`Registry.page` walks the index newest
 first and fetches a page's records in one pipelined round trip, with a cursor (``before``, a
-version id) for the next, older page; :meth:`Registry.count` is one ``ZCARD``.
+version id) for the next, older page; a cursor whose version was pruned meanwhile still
+leads on, from its tombstone's creation time. :meth:`Registry.count` is one ``ZCARD``.
 Creating a version checks its ``meta`` against the same limits (InputError), whoever writes.
 """
 
@@ -57,7 +66,7 @@ from alignd.infra.bus import RedisBus
 
 log = logging.getLogger(__name__)
 
-STATES = ("published", "converting", "converted", "loading", "serving", "failed")
+STATES = ("published", "converting", "converted", "loading", "serving", "failed", "retired")
 
 #: Legal moves; the single source of truth the Lua scripts are fed from.
 TRANSITIONS: dict[str, frozenset[str]] = {
@@ -65,14 +74,17 @@ TRANSITIONS: dict[str, frozenset[str]] = {
     "converting": frozenset({"converting", "converted", "failed"}),
     "converted": frozenset({"loading", "failed"}),
     "loading": frozenset({"serving", "failed"}),
-    "serving": frozenset(),
-    "failed": frozenset({"published"}),  # an operator's retry
+    "serving": frozenset({"retired"}),  # retention: no live sampler serves it any more
+    "failed": frozenset({"published", "retired"}),  # an operator's retry; retention
+    "retired": frozenset(),  # terminal: pruned (record and store directories) after a while
 }
 #: Self-loops that are legal only for a reclaimed piece of work.
 REENTRANT = frozenset({"converting"})
 MAX_REASON = 2000
 #: Records fetched per pipelined round trip when every version is listed.
 LIST_CHUNK = 500
+#: Pruned ids whose creation time is kept for page cursors (the oldest are forgotten first).
+MAX_TOMBSTONES = 10_000
 
 _CREATE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return nil end
@@ -84,6 +96,22 @@ redis.call('RPUSH', KEYS[2], cjson.encode({['from']='', to='published', at=now, 
                                            actor=ARGV[3]}))
 redis.call('ZADD', KEYS[3], tonumber(t[1]) + tonumber(t[2]) / 1e6, ARGV[1])
 return redis.call('HGETALL', KEYS[1])
+"""
+
+# KEYS: record, history, index, tombstones. ARGV: id, the state it must be in, tombstone cap.
+# A record already gone still has its history and index entry cleaned (a pass that died
+# half-way is finished by the next).
+_PRUNE_LUA = """
+local cur = redis.call('HGET', KEYS[1], 'state')
+if cur and cur ~= ARGV[2] then return {'illegal', cur} end
+local score = redis.call('ZSCORE', KEYS[3], ARGV[1])
+if score then
+  redis.call('ZADD', KEYS[4], score, ARGV[1])
+  redis.call('ZREMRANGEBYRANK', KEYS[4], 0, -tonumber(ARGV[3]) - 1)
+end
+local n = redis.call('DEL', KEYS[1], KEYS[2]) + redis.call('ZREM', KEYS[3], ARGV[1])
+if n > 0 then return {'ok'} end
+return {'gone'}
 """
 
 # ARGV: target, token, reason, actor, allowed-from (comma list), expected owner ('' = any)
@@ -147,6 +175,14 @@ class VersionState(NamedTuple):
 
     version_id: str
     state: str
+
+
+class VersionAge(NamedTuple):
+    """A version's id, state and since when it is in it (server time): what retention reads."""
+
+    version_id: str
+    state: str
+    since: float
 
 
 @dataclass(frozen=True)
@@ -219,6 +255,7 @@ class Registry:
         self.prefix = prefix
         self._create = bus.client.register_script(_CREATE_LUA)
         self._transition = bus.client.register_script(_TRANSITION_LUA)
+        self._prune = bus.client.register_script(_PRUNE_LUA)
 
     def _key(self, version_id: str) -> str:
         return f"{self.prefix}:version:{check_version_id(version_id)}"
@@ -229,6 +266,10 @@ class Registry:
     @property
     def _index_key(self) -> str:
         return f"{self.prefix}:versions"
+
+    @property
+    def _tombstones_key(self) -> str:
+        return f"{self.prefix}:versions:pruned"
 
     def create(self, version_id: str, path: str, *, actor: str = "",
                meta: dict[str, Any] | None = None) -> VersionRecord:
@@ -447,14 +488,63 @@ class Registry:
                 if st in STATES][::-1]
 
     def _rank_after(self, version_id: str) -> int:
-        """Index position (newest first) just past ``version_id``; VersionNotFoundError if
-        the index does not hold it."""
+        """Index position (newest first) just past ``version_id``; for a pruned id, just past
+        the versions created after it (its tombstone's time; one created at the very same
+        microsecond is listed, never skipped). VersionNotFoundError if neither the index nor
+        the tombstones hold it."""
         check_version_id(version_id)
-        rank = self.bus.call("registry cursor",
-                             lambda: self.bus.client.zrevrank(self._index_key, version_id))
-        if rank is None:
+
+        def lookup() -> list[Any]:
+            with self.bus.client.pipeline(transaction=False) as pipe:
+                pipe.zrevrank(self._index_key, version_id)
+                pipe.zscore(self._tombstones_key, version_id)
+                return pipe.execute()
+
+        rank, pruned_at = self.bus.call("registry cursor", lookup)
+        if rank is not None:
+            return int(rank) + 1
+        if pruned_at is None:
             raise VersionNotFoundError(version_id, "registry index (the page cursor 'before')")
-        return int(rank) + 1
+        return int(self.bus.call("registry cursor", lambda: self.bus.client.zcount(
+            self._index_key, f"({pruned_at!r}", "+inf")))
+
+    def ages(self) -> list[VersionAge]:
+        """Id, state and time of its last change of every version, oldest first: the index
+        and, per :data:`LIST_CHUNK`, one pipelined round trip of ``HMGET``s (records gone or
+        unreadable are skipped). What the retention pass decides on."""
+        ids = self.bus.call("registry list", lambda: self.bus.client.zrange(self._index_key, 0, -1))
+        out: list[VersionAge] = []
+        for i in range(0, len(ids), LIST_CHUNK):
+            chunk = ids[i:i + LIST_CHUNK]
+
+            def fetch(chunk: list[str] = chunk) -> list[list[str | None]]:
+                with self.bus.client.pipeline(transaction=False) as pipe:
+                    for vid in chunk:
+                        pipe.hmget(self._key(vid), ["state", "updated_at"])
+                    return pipe.execute()
+
+            for vid, (st, at) in zip(chunk, self.bus.call("registry ages", fetch), strict=True):
+                try:
+                    if st in STATES:
+                        out.append(VersionAge(vid, st, float(at)))
+                except (TypeError, ValueError):
+                    log.warning("registry ages skips %s (updated_at %r)", vid, at)
+        return out
+
+    def prune(self, version_id: str) -> bool:
+        """Delete a ``retired`` version's record, history and index entry in one script,
+        keeping its creation time as a tombstone for page cursors. Call it after the
+        version's store directories are gone. Idempotent: False if nothing was left (an
+        index entry without its record is cleaned too); StateTransitionError if the version
+        is in another state."""
+        keys = [self._key(version_id), self._history_key(version_id), self._index_key,
+                self._tombstones_key]
+        reply = self.bus.call(f"registry prune {version_id}", lambda: self._prune(
+            keys=keys, args=[version_id, "retired", MAX_TOMBSTONES]))
+        if reply[0] == "illegal":
+            raise StateTransitionError(version_id, reply[1], "pruned",
+                                       "only a retired version is pruned")
+        return reply[0] == "ok"
 
     def _records(self, ids: list[str]) -> list[VersionRecord]:
         """The readable records of ``ids``, in order, fetched in one pipelined round trip;
