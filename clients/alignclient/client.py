@@ -20,6 +20,15 @@ retried only when the connection was never made (nothing reached the server), ne
 after a timeout. So a publish retried after a lost reply may answer 409
 ``version_exists`` although this very call created the version: ``get_version`` tells.
 
+Token. The one ``token`` argument is sent as ``Authorization: Bearer <token>`` on every
+request, reads included: the API guards its reads as well as its writes. Give a writer the
+API's ``ALIGN_API_TOKEN``; a reader that must not change state (a dashboard, ``alignd
+status``) may be given its ``ALIGN_READ_TOKEN`` instead, with which every read works and
+every mutating call raises :class:`~alignclient.errors.ForbiddenError`. Without a token,
+reads raise :class:`~alignclient.errors.UnauthorizedError` unless the API serves them
+openly (``ALIGN_OPEN_READS``, or a token-less dev-mode API). ``/healthz``, ``/readyz`` and
+``/metrics`` never need one.
+
 Errors come back as the contract's classes (:mod:`alignclient.errors`), the ones the daemon raises.
 """
 

@@ -63,7 +63,8 @@ def env(redis_url, tmp_path):
     publish_files(store, "v1")
     settings = api_settings(redis_url, store, max_body_bytes=1 << 20)
     raw = redis.Redis.from_url(redis_url)
-    with TestClient(create_app(settings, redis_give_up_s=0.3), raise_server_exceptions=False) as http:
+    with TestClient(create_app(settings, redis_give_up_s=0.3), raise_server_exceptions=False,
+                    headers={"Authorization": f"Bearer {TOKEN}"}) as http:  # reads need it too
         assert http.post("/v1/versions", json={"version_id": "v1", "meta": {"step": 1}},
                          headers=AUTH).status_code == 201
         assert http.post("/v1/versions/v1/rollouts", content=json.dumps(

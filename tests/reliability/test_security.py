@@ -40,7 +40,7 @@ import redis
 import schemathesis
 import yaml
 from alignd.api import middleware
-from alignd.api.app import create_app
+from alignd.api.app import OPEN_ROUTES, create_app
 from alignd.infra.settings import ApiSettings
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
@@ -73,6 +73,7 @@ OPENAPI = _schema()
 SCHEMA = schemathesis.openapi.from_dict(OPENAPI)
 OPERATIONS = {op.definition.raw["operationId"]: op
               for op in (r.ok() for r in SCHEMA.get_all_operations())}
+OPEN_OPERATIONS = {fn.__name__ for fn in OPEN_ROUTES}  # operation id = function name
 MUTATING = sorted((m.upper(), p, o["operationId"]) for p, ops in OPENAPI["paths"].items()
                   for m, o in ops.items() if m.upper() in middleware.MUTATING)
 
@@ -174,6 +175,8 @@ def test_schemathesis_no_server_errors(api, operation_id, token):
     assert seen and all(s < 500 for s in seen), seen
     if token is None and op.method.upper() in middleware.MUTATING:
         assert set(seen) <= {401, 404, 405}, seen
+    elif token is None and operation_id not in OPEN_OPERATIONS:
+        assert set(seen) == {401}, seen  # reads are guarded too, whatever the path holds
 
 
 # --- bodies ----------------------------------------------------------------------------
@@ -208,7 +211,7 @@ def test_oversize_guidance_is_413_and_stores_nothing(api):
                      headers={**AUTH, "Content-Type": "application/octet-stream"})
     assert_4xx(r, 413, "payload_too_large")
     for rid in ("big", "big2"):
-        assert_4xx(api.http.get(f"/v1/guidance/v1/{rid}"), 404)
+        assert_4xx(api.http.get(f"/v1/guidance/v1/{rid}", headers=AUTH), 404)
 
 
 @pytest.mark.parametrize("content_type,body", [
@@ -255,7 +258,7 @@ def test_nan_and_inf_in_bodies_are_422(api, value):
     lease = f'{{"consumer": "c1", "ttl_s": {value}}}'
     assert_4xx(api.http.post("/v1/guidance/v1/lease", content=lease.encode(), headers=jh), 422,
                "invalid_input")
-    ids = api.http.get("/v1/versions/v1/rollouts").json()["rollout_ids"]
+    ids = api.http.get("/v1/versions/v1/rollouts", headers=AUTH).json()["rollout_ids"]
     assert "nf" not in ids
 
 
@@ -277,10 +280,10 @@ def test_traversal_in_ids_is_refused_and_stays_inside_the_store(api, bad):
         h.post("/v1/versions", json={"version_id": bad}, headers=AUTH),
         h.post("/v1/versions", json={"version_id": "v1", "target_path": bad}, headers=AUTH),
         h.post("/v1/sync", json={"version_id": bad}, headers=AUTH),
-        h.get(f"/v1/versions/{seg}"),
-        h.get(f"/v1/versions/{seg}/rollouts"),
-        h.get("/v1/versions/v1/rollouts", params={"ids": bad}),
-        h.get("/v1/discrepancy", params={"version": bad}),
+        h.get(f"/v1/versions/{seg}", headers=AUTH),
+        h.get(f"/v1/versions/{seg}/rollouts", headers=AUTH),
+        h.get("/v1/versions/v1/rollouts", params={"ids": bad}, headers=AUTH),
+        h.get("/v1/discrepancy", params={"version": bad}, headers=AUTH),
         h.post(f"/v1/versions/{seg}/rollouts", content=_rollout_text("-1.0"), headers=jh),
         h.post("/v1/versions/v1/rollouts", headers=AUTH, json={"rollouts": [
             {"rollout_id": bad, "prompt_len": 2, "tokens": [1, 2, 3], "logprobs": [-1.0],
@@ -294,8 +297,8 @@ def test_traversal_in_ids_is_refused_and_stays_inside_the_store(api, bad):
               headers={**AUTH, "Content-Type": "application/octet-stream"}),
         h.put(f"/v1/guidance/v1/{seg}", content=b"\x01" * 64,
               headers={**AUTH, "Content-Type": "application/octet-stream"}),
-        h.get(f"/v1/guidance/v1/{seg}"),
-        h.get(f"/v1/guidance/{seg}/r1"),
+        h.get(f"/v1/guidance/v1/{seg}", headers=AUTH),
+        h.get(f"/v1/guidance/{seg}/r1", headers=AUTH),
         h.post("/v1/guidance/v1:batch", json={"rollout_ids": [bad]}, headers=AUTH),
         h.post("/v1/guidance/v1/lease", json={"consumer": bad, "ttl_s": 5}, headers=AUTH),
         h.delete("/v1/guidance/v1/lease", params={"consumer": bad}, headers=AUTH),
@@ -308,7 +311,7 @@ def test_traversal_in_ids_is_refused_and_stays_inside_the_store(api, bad):
         assert TOKEN not in r.text
     assert tree(api.root / "box") - before_root <= {f"store/{p}" for p in tree(api.store)}
     assert tree(api.store) == before_store
-    versions = [v["version_id"] for v in h.get("/v1/versions").json()["versions"]]
+    versions = [v["version_id"] for v in h.get("/v1/versions", headers=AUTH).json()["versions"]]
     assert versions == ["v1"]
 
 
@@ -324,7 +327,8 @@ def test_shard_names_in_an_index_cannot_leave_the_version(api):
         index.write_text(json.dumps(data))
         r = api.http.post("/v1/versions", json={"version_id": "evil"}, headers=AUTH)
         assert_4xx(r, 422, "invalid_layout")
-    assert "evil" not in [v["version_id"] for v in api.http.get("/v1/versions").json()["versions"]]
+    listed = api.http.get("/v1/versions", headers=AUTH).json()["versions"]
+    assert "evil" not in [v["version_id"] for v in listed]
 
 
 # --- authentication --------------------------------------------------------------------
@@ -386,13 +390,14 @@ def _requests(http: httpx.Client | TestClient) -> list:
     """A spread of requests: good and bad tokens, bad bodies, 404s, Redis work."""
     bad = {"Authorization": f"Bearer {WRONG}"}
     return [
-        http.get("/healthz"), http.get("/readyz"), http.get("/v1/status"), http.get("/metrics"),
+        http.get("/healthz"), http.get("/readyz"), http.get("/metrics"),
+        http.get("/v1/status", headers=AUTH), http.get("/v1/status", headers=bad),
         http.post("/v1/versions", json={"version_id": "v1"}, headers=AUTH),
         http.post("/v1/versions", json={"version_id": "v1"}, headers=bad),
         http.post("/v1/versions", json={"version_id": "nope"}, headers=AUTH),
         http.post("/v1/versions", content=b"{bad", headers={**AUTH, "Content-Type": "application/json"}),
         http.post("/v1/sync", json={"version_id": "v1"}, headers={"Authorization": TOKEN}),
-        http.get("/v1/versions/zz"), http.get("/nowhere", headers=AUTH),
+        http.get("/v1/versions/zz", headers=AUTH), http.get("/nowhere", headers=AUTH),
         http.put("/v1/guidance/v1/r1", content=b"\x00" * 128, headers=AUTH),
         http.put("/v1/guidance/v1/r1", content=b"\x00" * (40 << 10), headers=AUTH),
     ]

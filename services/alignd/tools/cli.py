@@ -264,11 +264,14 @@ def status(
     url: str | None = typer.Option(None, help="API base URL (default: ALIGN_API_URL or "
                                    "http://127.0.0.1:8000)"),
     as_json: bool = typer.Option(False, "--json", help="print the status JSON"),
+    token: str | None = typer.Option(None, envvar=["ALIGN_READ_TOKEN", "ALIGN_API_TOKEN"],
+                                     help="bearer token the API's reads need (default: "
+                                     "ALIGN_READ_TOKEN, else ALIGN_API_TOKEN)"),
 ) -> None:
     """Versions, services and the current discrepancy, from a running API."""
     base = url or ApiAddress().resolved_api_url
     try:
-        with AlignClient(base, retries=0, timeout=10) as client:
+        with AlignClient(base, token=token, retries=0, timeout=10) as client:
             st = client.get_status()
     except AlignError as e:
         typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
