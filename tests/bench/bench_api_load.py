@@ -137,7 +137,7 @@ async def _client(phase: str, c: int, http: httpx.AsyncClient, until: float, rec
         if phase == "GET /healthz":
             req = http.build_request("GET", "/healthz")
         elif phase == "GET /v1/status":
-            req = http.build_request("GET", "/v1/status")
+            req = http.build_request("GET", "/v1/status", headers=auth)
         elif phase == "POST rollouts":
             req = http.build_request("POST", "/v1/versions/v1/rollouts", headers=auth,
                                      json={"rollouts": [_rollout(f"c{c}-{i}")]})
@@ -153,7 +153,7 @@ async def _client(phase: str, c: int, http: httpx.AsyncClient, until: float, rec
                                      content=record)
         else:  # the ids this client put in the previous phase
             n = max(min(stored.get(-1 - c, 0), GUIDANCE_IDS), 1)
-            req = http.build_request("GET", f"/v1/guidance/v1/g{c}-{i % n}")
+            req = http.build_request("GET", f"/v1/guidance/v1/g{c}-{i % n}", headers=auth)
         t0 = time.perf_counter()
         try:
             resp = await http.send(req)

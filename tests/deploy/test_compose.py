@@ -561,3 +561,19 @@ def test_kernel_sources_go_where_libalign_looks(kind):
     runs = " ".join(" ".join(c.value) for c in _parse(DOCKERFILES[kind]) if c.cmd == "RUN")
     assert "n.CSRC == pathlib.Path(libalign.__file__).parent / 'csrc'" in runs
     assert "(n.CSRC / " in runs and "cp -r csrc" not in runs
+
+
+def test_published_ports_bind_localhost_unless_told(compose, services):
+    """Every published port binds 127.0.0.1 unless ALIGN_BIND_ADDR names another address, and
+    the API gets ALIGN_READ_TOKEN through (empty: only ALIGN_API_TOKEN reads)."""
+    ports = {(name, int(p["target"])): p.get("host_ip")
+             for name, svc in services.items() for p in svc.get("ports", [])}
+    assert len(ports) == 4 and set(ports.values()) == {"127.0.0.1"}, ports
+    r = compose("config", "--format", "json", profiles=("cpu", "gpu"),
+                env={**REQUIRED, "ALIGN_BIND_ADDR": "0.0.0.0", "ALIGN_READ_TOKEN": "read-4"})
+    assert r.returncode == 0, r.stderr
+    told = json.loads(r.stdout)["services"]
+    assert {(name, int(p["target"])): p.get("host_ip") for name, svc in told.items()
+            for p in svc.get("ports", [])} == dict.fromkeys(ports, "0.0.0.0")
+    assert _env(services["api"])["ALIGN_READ_TOKEN"] == ""
+    assert _env(told["api"])["ALIGN_READ_TOKEN"] == "read-4"

@@ -96,15 +96,16 @@ def test_one_iteration_across_five_processes(private_redis, tmp_path):
         assert learner.returncode == 0, learner.stderr[-3000:]
         step = json.loads(learner.stdout.strip().splitlines()[-1])
         assert step["version_id"] == "proc-00000" and step["delta"]["count"] > 0
-        status = httpx.get(f"{base}/v1/status", timeout=10).json()
+        auth = {"Authorization": f"Bearer {TOKEN}"}  # reads need the token too
+        status = httpx.get(f"{base}/v1/status", headers=auth, timeout=10).json()
         text = json.dumps(status)
         assert "proc-00000" in text and "serving" in text
         for service in ("api", "converter", "sampler"):
             assert service in text
-        version = httpx.get(f"{base}/v1/versions/proc-00000", timeout=10).json()
+        version = httpx.get(f"{base}/v1/versions/proc-00000", headers=auth, timeout=10).json()
         assert json.dumps(version).count("serving") >= 1
         disc = httpx.get(f"{base}/v1/discrepancy", params={"version": "proc-00000"},
-                         timeout=10).json()
+                         headers=auth, timeout=10).json()
         assert "count" in json.dumps(disc)
         metrics = httpx.get(f"{base}/metrics", timeout=10).text
         assert "libalign_" in metrics
