@@ -5,7 +5,11 @@ over messages that a dead consumer left pending (``XAUTOCLAIM``, on start and th
 half ``claim_idle_ms``), reads new ones (``XREADGROUP``), and hands each to
 :class:`~alignd.converter.worker.ConverterWorker`, which acks it when its outcome is
 recorded. On start and then every ``sweep_interval_s`` it sweeps the store's hidden
-``.tmp-*`` leftovers of killed writers (older than ``sweep_stale_s``, writer gone).
+``.tmp-*`` leftovers of killed writers (older than ``sweep_stale_s``, writer gone). Every
+``retention_interval_s`` (the first an interval after it starts) it runs the run's retention
+pass (:mod:`alignd.infra.retention`: versions no sampler serves retired, old retired ones
+pruned with their store directories, dead stream consumers and groups removed); a pass that
+fails is logged, never fatal, and the next one finishes its work.
 Configuration is :class:`~alignd.infra.settings.ConverterSettings` (``ALIGN_*`` variables);
 SIGTERM or SIGINT finish the current message and stop.
 """
@@ -27,6 +31,7 @@ from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.liveness import ServiceHeartbeat
 from alignd.infra.registry import Registry
+from alignd.infra.retention import Retention, RetentionReport
 from alignd.infra.service_main import run_service
 from alignd.infra.settings import ConverterSettings
 from alignd.infra.telemetry import Metrics, serve_metrics_for
@@ -48,8 +53,9 @@ def run_converter(settings: ConverterSettings, stop_event: threading.Event | Non
                                  on_retry=lambda _what, _e: metrics.redis_retries.inc())
     store = WeightStore(settings.store_dir)
     sweep(store, settings.sweep_stale_s)
-    worker = ConverterWorker(settings, bus, Registry(bus, settings.key_prefix), store, metrics,
-                             on_step=on_step)
+    registry = Registry(bus, settings.key_prefix)
+    worker = ConverterWorker(settings, bus, registry, store, metrics, on_step=on_step)
+    retention = Retention.from_settings(settings, bus, registry, store, metrics)
     beat = ServiceHeartbeat(bus, "converter", safe_id(settings.consumer_name, "converter"),
                             settings.service_heartbeat_s, settings.service_heartbeat_ttl_s,
                             prefix=settings.key_prefix,
@@ -59,6 +65,7 @@ def run_converter(settings: ConverterSettings, stop_event: threading.Event | Non
     claim_every_s = settings.claim_idle_ms / 2000
     handled, next_claim = 0, 0.0
     next_sweep = time.monotonic() + settings.sweep_interval_s
+    next_retention = time.monotonic() + settings.retention_interval_s
     log.info("converter %s: %s -> %s, preset %s, store %s", me, stream, settings.converted_stream,
              settings.preset, settings.store_dir)
     try:
@@ -69,6 +76,9 @@ def run_converter(settings: ConverterSettings, stop_event: threading.Event | Non
             if now >= next_sweep:  # leftovers of writers killed while we run
                 sweep(store, settings.sweep_stale_s)
                 next_sweep = now + settings.sweep_interval_s
+            if now >= next_retention:  # what no sampler serves any more, dead consumers
+                retain(retention)
+                next_retention = time.monotonic() + settings.retention_interval_s
             if now >= next_claim:
                 msgs = bus.reclaim(stream, group, me, min_idle_ms=settings.claim_idle_ms, limit=1)
                 metrics.messages_reclaimed.inc(len(msgs))
@@ -104,6 +114,18 @@ def sweep(store: WeightStore, min_age_s: float) -> list[Path]:
     if removed:
         log.info("swept %d leftover(s): %s", len(removed), ", ".join(p.name for p in removed))
     return removed
+
+
+def retain(retention: Retention) -> RetentionReport | None:
+    """One retention pass; one that fails is logged, never fatal (Redis unreachable for good
+    is: the loop's own next call says so)."""
+    try:
+        return retention.run()
+    except BusUnavailableError:
+        raise
+    except Exception as e:  # a failing disk, an odd reply: the next pass tries again
+        log.warning("retention pass failed: %s", e, exc_info=True)
+        return None
 
 
 def serve(settings: ConverterSettings, stop: threading.Event) -> None:

@@ -6,6 +6,10 @@ Layout under the store root::
     nvfp4/<version_id>/       what the converter writes, read by samplers:
         nvfp4-00001.safetensors ...   shards of at most ``shard_bytes`` each
         manifest.json                 what every tensor is, and its checksums
+    sglang/<preset>/<version_id>/     exports an SGLang sampler makes (its default place)
+
+:meth:`WeightStore.discard` removes all of a version's directories (the retention pass
+prunes with it).
 
 Tensor names follow ModelOpt's NVFP4 checkpoints. A quantized tensor ``X`` (for a
 linear layer ``X = "<layer>.weight"``) is stored as three tensors:
@@ -233,6 +237,8 @@ class WeightStore:
         self.root = Path(root)
         self.published_root = self.root / "published"
         self.versions_root = self.root / "nvfp4"
+        #: default root of the SGLang sampler's exports (``<preset>/<version_id>/`` below it)
+        self.exports_root = self.root / "sglang"
 
     def published_path(self, version_id: str) -> Path:
         """Directory of a published BF16 version."""
@@ -518,6 +524,22 @@ class WeightStore:
         if not path.is_dir() or not discard_directory(path):
             raise VersionNotFoundError(version_id, "weight store")
 
+    def discard(self, version_id: str) -> list[Path]:
+        """Remove every directory of a version the store holds: its published BF16 input, its
+        NVFP4 version and its exports under :attr:`exports_root`, each renamed out of sight
+        first (a crash mid-way leaves ``.tmp-*`` leftovers for :meth:`sweep`). Returns the
+        paths removed; idempotent (what is already gone is skipped)."""
+        paths = [self.published_path(version_id), self.version_path(version_id)]
+        if self.exports_root.is_dir():
+            paths += [d / version_id for d in sorted(self.exports_root.iterdir())
+                      if d.is_dir() and not d.name.startswith(".")]  # not staging, leftovers
+        return [p for p in paths if p.is_dir() and discard_directory(p)]
+
     def sweep(self, min_age_s: float = 600.0) -> list[Path]:
-        """Remove temporary leftovers of killed writers older than ``min_age_s``."""
-        return sweep_stale(self.versions_root, min_age_s) + sweep_stale(self.published_root, min_age_s)
+        """Remove temporary leftovers of killed writers older than ``min_age_s`` (of versions,
+        published inputs and exports under :attr:`exports_root`)."""
+        exports = (sorted(d for d in self.exports_root.iterdir()
+                          if d.is_dir() and not d.name.startswith("."))
+                   if self.exports_root.is_dir() else [])
+        return [p for parent in [self.versions_root, self.published_root, *exports]
+                for p in sweep_stale(parent, min_age_s)]

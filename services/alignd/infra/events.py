@@ -16,7 +16,8 @@ each other's events (their consumer groups live on their own streams). ``publish
 ``event_stream(key_prefix, "published")`` and ``"converted"``); ``sync`` requests (the
 control API asks samplers to load a version) travel on :func:`sync_stream` of the key prefix,
 ``<key_prefix>:events:sync`` (:data:`SYNC_STREAM` with the default prefix); rollout work
-travels on the streams of :mod:`alignd.infra.work`.
+travels on the streams of :mod:`alignd.infra.work`. Each sampler reads ``converted`` in a
+group of its own (:func:`sampler_group`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,19 @@ DEFAULT_KEY_PREFIX = "libalign"
 def event_stream(key_prefix: str, name: str) -> str:
     """Name of the event stream ``name`` under a key prefix: ``<key_prefix>:events:<name>``."""
     return f"{key_prefix}:events:{name}"
+
+
+#: Consumer groups named with this prefix belong to one sampler instance each
+#: (:func:`sampler_group`); the retention pass destroys one once its sampler is gone.
+SAMPLER_GROUP_PREFIX = "sampler-"
+
+
+def sampler_group(sampler_name: str) -> str:
+    """The consumer group of one sampler on the converted stream (every sampler sees every
+    converted version): ``sampler-<name>``. A sampler restarted under the same name
+    (``ALIGN_SAMPLER_NAME``) reuses it; one under a new name (the default, host and pid)
+    leaves the old group behind for retention to destroy."""
+    return f"{SAMPLER_GROUP_PREFIX}{sampler_name}"
 
 
 #: The stream of sync requests under the default key prefix ``libalign``.

@@ -76,6 +76,8 @@ FAILURE_REASONS = (
 
 #: Stages of a weight sync, the values of the ``stage`` label of libalign_sync_stage_seconds.
 SYNC_STAGES = ("convert", "load", "total")
+#: What the retention pass counts (``libalign_retention_actions_total{action}``).
+RETENTION_ACTIONS = ("retired", "pruned", "consumers_removed", "groups_destroyed")
 
 #: Services that write heartbeats, the values of the ``service`` label.
 SERVICES = ("api", "converter", "sampler", "learner")
@@ -286,6 +288,11 @@ class Metrics:
         self.versions_failed = Counter(
             "libalign_versions_failed_total", "Weight versions moved to failed, by reason.",
             ["reason"], registry=r)
+        self.retention_actions = Counter(
+            "libalign_retention_actions_total",
+            "What the retention pass did: versions retired, versions pruned with their store "
+            "directories, dead stream consumers and consumer groups removed.",
+            ["action"], registry=r)
         self.messages_reclaimed = Counter(
             "libalign_bus_messages_reclaimed_total",
             "Stream messages taken over from a consumer that stopped (XAUTOCLAIM).", registry=r)
@@ -361,6 +368,8 @@ class Metrics:
             self.sync_stage_seconds.labels(stage=s)
         for reason in FAILURE_REASONS:
             self.versions_failed.labels(reason=reason)
+        for action in RETENTION_ACTIONS:
+            self.retention_actions.labels(action=action)
         for in_use in ("true", "false"):
             self.guidance_evictions.labels(in_use=in_use)
         for outcome in ("loaded", "refused"):

@@ -35,7 +35,7 @@ from alignclient.errors import AlignError, EventError, StateTransitionError
 from pydantic import ValidationError
 
 from alignd.infra.bus import ClaimKeeper, Message, RedisBus
-from alignd.infra.events import ConvertedEvent, sync_stream
+from alignd.infra.events import ConvertedEvent, sampler_group, sync_stream
 from alignd.infra.registry import Registry
 from alignd.infra.settings import SamplerSettings
 from alignd.infra.stores.rollouts import Rollout
@@ -68,7 +68,7 @@ class SamplerService:
         self.guidance = guidance
         self.metrics = metrics if metrics is not None else Metrics()
         self.name = settings.sampler_name
-        self.group = f"sampler-{self.name}"
+        self.group = sampler_group(self.name)
         self._sync_last = "$"
         self.sync_stream = sync_stream(settings.key_prefix)
         self.requests_stream = requests_stream(settings.key_prefix)

@@ -58,7 +58,7 @@ def build_sglang_sampler(settings: SamplerSettings, base_url: str | None = None,
                           "was started from (sglang_url, sglang_model_dir)")
     store = WeightStore(settings.store_dir)
     exporter = ModelOptExport(store, model_dir,
-                              pick(export_dir, "sglang_export_dir") or settings.store_dir / "sglang",
+                              pick(export_dir, "sglang_export_dir") or store.exports_root,
                               preset=pick(preset, "sglang_preset"))
     engine = SGLangSamplerEngine(
         base_url, exporter, path=sglang_path(pick(path, "sampler_path")),
