@@ -188,7 +188,8 @@ class ConverterSettings(DeliverySettings):
     retain_versions: int = Field(3, ge=1, description="newest versions kept with their store "
                                  "directories, besides any version a live sampler serves")
     retired_ttl_s: float = Field(3_600.0, ge=0, description="time a retired version keeps its "
-                                 "record and store directories before it is pruned")
+                                 "record and store directories before it is pruned (and a "
+                                 "failed one stays failed, to be retried, before it is retired)")
     retention_interval_s: float = Field(60.0, gt=0, description="period of the retention pass "
                                         "(retire, prune, dead consumers) while the converter runs")
     dead_consumer_idle_ms: int = Field(3_600_000, gt=0, description="a stream consumer idle this "
