@@ -11,7 +11,9 @@ converter died half-way. What a message leads to depends on the version's state:
 ``converted``   a predecessor died between recording and acking: announce again
 ``loading``,    nothing left to do
 ``serving``,
-``failed``
+``failed``,
+``retired``
+(record gone)   pruned by retention (or never registered): the message is dropped
 ==============  ==============================================================
 
 Finishing reuses a complete store version if one verifies (the predecessor died after
