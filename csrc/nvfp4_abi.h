@@ -58,10 +58,15 @@ int nvfp4_quantize_cpu(const void* x, uint8_t* codes, uint8_t* scales, float* am
 // flag (or are saturated first, as nonfinite_saturate says).
 int nvfp4_amax_cpu(const void* x, float* amax_out, const NvParams* p, int nthreads);
 
-// CPU: 1 when the vectorized (AVX-512) path was compiled in; force_scalar(1) disables it
-// (the tests run both paths against the spec).
-int nvfp4_cpu_has_simd(void);
-void nvfp4_cpu_force_scalar(int on);
+// CPU instruction-set paths, all compiled into the one library and chosen at run time.
+enum { NV_CPU_SCALAR = 0, NV_CPU_AVX2 = 1, NV_CPU_AVX512 = 2 };
+// CPU: the paths this CPU can run (bit 1 << NV_CPU_*), the path serving calls now (the
+// best supported unless one was set), and set_path: force one (-1: back to the best);
+// returns 0, or -1 for a path this CPU lacks (nothing changes). The tests run every
+// supported path against the spec.
+int nvfp4_cpu_supported_paths(void);
+int nvfp4_cpu_path(void);
+int nvfp4_cpu_set_path(int path);
 
 // CUDA: the same contract on device pointers, asynchronously on `stream`; flags_dev is
 // one device int the kernels OR their flags into (the caller zeroes and reads it).

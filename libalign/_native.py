@@ -5,11 +5,23 @@ The kernels export a plain C ABI (``csrc/nvfp4_abi.h``) and are loaded with ctyp
 build is a single ``g++`` or ``nvcc`` call with no Python or PyTorch headers: seconds for
 the CPU library, about half a minute for the CUDA one. Builds are cached under
 ``$ALIGN_KERNEL_CACHE`` (default ``~/.cache/libalign/kernels``) in a file named by a hash
-of the sources, the compiler's version, the flags and (for ``-march=native``) the CPU's
-feature flags, and written by rename so concurrent first uses are safe. When a compiler is
+of the sources, the compiler's version and the flags, and written by rename so concurrent
+first uses are safe. When a compiler is
 missing or a build fails, :func:`load` returns ``None``, warns once and keeps the reason
 (:func:`unavailable_reason`, what :func:`libalign.ops.backends` reports); the caller then
 uses the spec. ``ALIGN_KERNELS=spec`` disables the compiled kernels altogether.
+
+The CPU library and the host's CPU
+----------------------------------
+The CPU library is built for the baseline x86-64, not ``-march=native``: it holds three
+instruction-set paths (scalar, AVX2 + F16C, AVX-512), each compiled for its own target, and
+picks the best one this CPU supports when it runs (:func:`cpu_path`). So the build does
+not depend on the host, the CPU's features are not part of its cache key, and a cached
+library that travels to another x86-64 host runs there. ``ALIGN_CPU_KERNEL`` (``scalar``,
+``avx2`` or ``avx512``) forces a path for the process, and :func:`set_cpu_path` does at run
+time; a path this CPU lacks is refused with a :class:`~libalign.errors.ConfigError`.
+``ALIGN_CPU_MARCH`` still adds a ``-march=`` for the portable parts (with ``native`` the
+CPU's flags join the cache key again).
 
 Where the sources are (:data:`CSRC`): an installed wheel carries them as the package
 ``libalign.csrc`` (``site-packages/libalign/csrc/``); in a checkout (also an editable install)
@@ -54,6 +66,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import ConfigError
+
 
 def _find_csrc() -> Path:
     """The kernel sources: ``libalign/csrc`` of an installed wheel, else the checkout's ``csrc/``."""
@@ -69,7 +83,8 @@ HEADERS = ("nvfp4_abi.h", "nvfp4_math.h")
 SOURCES = {"cpu": "quantize_cpu.cpp", "cuda": "quantize_cuda.cu",
            "gemm_sm100": "gemm_nvfp4_sm100.cu"}
 # Headers only one kind includes (they join that kind's cache key).
-KIND_HEADERS = {"gemm_sm100": ("gemm_abi.h",)}
+KIND_HEADERS = {"gemm_sm100": ("gemm_abi.h",),
+                "cpu": ("quantize_cpu_rows.h", "quantize_cpu_avx2.h", "quantize_cpu_avx512.h")}
 
 
 class NvParams(ctypes.Structure):
@@ -214,7 +229,7 @@ def cache_dir() -> Path:
 
 def cpu_flags() -> str:
     """The ``flags`` line of ``/proc/cpuinfo`` (empty where there is none): the CPU features
-    ``-march=native`` compiles for, part of the CPU library's cache key."""
+    ``ALIGN_CPU_MARCH=native`` compiles for, then part of the CPU library's cache key."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -279,9 +294,10 @@ def build_command(kind: str, src: Path, out: Path) -> list[str]:
                 str(src), "-o", str(out)]
     if kind == "cpu":
         cxx = os.environ.get("CXX", "g++")
-        march = os.environ.get("ALIGN_CPU_MARCH", "native")
-        return [cxx, "-O3", f"-march={march}", "-ffp-contract=off", "-fno-fast-math",
-                "-std=c++17", "-fPIC", "-shared", "-pthread", inc, str(src), "-o", str(out)]
+        march = os.environ.get("ALIGN_CPU_MARCH", "").strip()
+        return [cxx, "-O3", *([f"-march={march}"] if march else []), "-ffp-contract=off",
+                "-fno-fast-math", "-std=c++17", "-fPIC", "-shared", "-pthread", inc, str(src),
+                "-o", str(out)]
     nvcc = os.environ.get("NVCC", "nvcc")
     return [nvcc, "-O3", "-std=c++17", "-fmad=false", "-Xcompiler", "-fPIC", "-shared",
             *cuda_archs(nvcc), inc, str(src), "-o", str(out)]
@@ -295,7 +311,7 @@ def _key(kind: str, cmd: list[str]) -> str:
         h.update(find_cutlass().version_header().read_bytes())
     h.update(" ".join(cmd[1:]).replace(str(CSRC), "CSRC").encode())
     h.update(_compiler_version(cmd[0]).encode())
-    if kind == "cpu":
+    if kind == "cpu" and "-march=native" in cmd:  # else the build is the same on every host
         h.update(cpu_flags().encode())
     return h.hexdigest()[:16]
 
@@ -350,15 +366,60 @@ def declare(lib: ctypes.CDLL, kind: str) -> None:
     elif kind == "cpu":
         lib.nvfp4_quantize_cpu.argtypes = [p, p, p, p, p, p, p, f, i]
         lib.nvfp4_amax_cpu.argtypes = [p, p, f, i]
-        lib.nvfp4_cpu_force_scalar.argtypes = [i]
-        lib.nvfp4_cpu_has_simd.argtypes = []
-        for fn in ("nvfp4_quantize_cpu", "nvfp4_amax_cpu", "nvfp4_cpu_has_simd"):
+        lib.nvfp4_cpu_supported_paths.argtypes = []
+        lib.nvfp4_cpu_path.argtypes = []
+        lib.nvfp4_cpu_set_path.argtypes = [i]
+        for fn in ("nvfp4_quantize_cpu", "nvfp4_amax_cpu", "nvfp4_cpu_supported_paths",
+                   "nvfp4_cpu_path", "nvfp4_cpu_set_path"):
             getattr(lib, fn).restype = i
     else:
         lib.nvfp4_quantize_cuda.argtypes = [p, p, p, p, p, p, p, f, p, vp]
         lib.nvfp4_amax_cuda.argtypes = [p, p, f, p, vp]
         lib.nvfp4_quantize_cuda.restype = i
         lib.nvfp4_amax_cuda.restype = i
+
+
+# --- the CPU library's instruction-set paths -------------------------------------------------
+
+CPU_PATHS = ("scalar", "avx2", "avx512")  # index = NV_CPU_* in csrc/nvfp4_abi.h
+CPU_PATH_ENV = "ALIGN_CPU_KERNEL"
+
+
+def cpu_paths(lib: ctypes.CDLL) -> tuple[str, ...]:
+    """The CPU kernel paths this CPU can run, best first (``scalar`` always)."""
+    mask = lib.nvfp4_cpu_supported_paths()
+    return tuple(name for i, name in reversed(list(enumerate(CPU_PATHS))) if mask >> i & 1)
+
+
+def cpu_path(lib: ctypes.CDLL) -> str:
+    """The CPU kernel path serving calls now: ``'avx512'``, ``'avx2'`` or ``'scalar'``."""
+    return CPU_PATHS[lib.nvfp4_cpu_path()]
+
+
+def set_cpu_path(lib: ctypes.CDLL, name: str | None) -> str:
+    """Force the CPU kernel path ``name`` for this process (None or ``'auto'``: the best
+    this CPU supports) and return the path now serving; ConfigError for an unknown name
+    or a path this CPU lacks (the path serving is then unchanged)."""
+    if name is None or name == "auto":
+        lib.nvfp4_cpu_set_path(-1)
+        return cpu_path(lib)
+    if name not in CPU_PATHS:
+        raise ConfigError(f"unknown CPU kernel path {name!r}: expected one of "
+                          f"{', '.join(CPU_PATHS)} or auto")
+    if lib.nvfp4_cpu_set_path(CPU_PATHS.index(name)) != 0:
+        raise ConfigError(f"the CPU kernel path {name!r} needs instructions this CPU lacks "
+                          f"(it runs {', '.join(cpu_paths(lib))})")
+    return cpu_path(lib)
+
+
+def _apply_cpu_path_env(lib: ctypes.CDLL) -> None:
+    """``$ALIGN_CPU_KERNEL`` at first load: the path to force, if any (ConfigError if bad)."""
+    want = os.environ.get(CPU_PATH_ENV, "").strip().lower()
+    if want:
+        try:
+            set_cpu_path(lib, want)
+        except ConfigError as exc:
+            raise ConfigError(f"{CPU_PATH_ENV}={want}: {exc}") from None
 
 
 def disabled() -> bool:
@@ -403,6 +464,8 @@ def load(kind: str) -> ctypes.CDLL | None:
         try:
             lib = ctypes.CDLL(str(build(kind)))
             declare(lib, kind)
+            if kind == "cpu":
+                _apply_cpu_path_env(lib)  # a ConfigError propagates: the setting is wrong
         except (KernelBuildError, OSError, subprocess.SubprocessError) as exc:
             _reasons[kind] = str(exc)
             if kind not in _warned:

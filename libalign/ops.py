@@ -6,8 +6,10 @@ grouped GEMM backends are not here: they live with :mod:`libalign.gemm`
 (:mod:`libalign.gemm_triton`, :mod:`libalign.gemm_cutlass`).
 
 How a call is served
-    CUDA tensors go to the CUDA kernel, CPU tensors to the C++ kernel (AVX-512 where the
-    CPU has it), both built on first use (:mod:`libalign._native`). The kernels cover the
+    CUDA tensors go to the CUDA kernel, CPU tensors to the C++ kernel, both built on first
+    use (:mod:`libalign._native`). The C++ kernel runs the best instruction-set path the
+    CPU has, AVX-512, AVX2 or scalar (:func:`cpu_kernel_path`; ``ALIGN_CPU_KERNEL`` or
+    :func:`set_cpu_kernel_path` force one), all three bit-identical. The kernels cover the
     ``te``, ``torchao`` and ``modelopt`` operation orders, every outer domain, bf16 /
     fp16 / fp32 input, 2-D matrices and 3-D expert stacks, a given outer maximum (shared
     gate/up scales), and linear or 128x4-swizzled block scales. Anything else — the
@@ -41,7 +43,7 @@ import torch
 from . import _native, scale_math
 from . import spec as _spec
 from .constants import BLOCK_SIZE
-from .errors import SpecError
+from .errors import ConfigError, SpecError
 from .packing import swizzled_size, unswizzle_scales
 from .spec import PRESETS, NumericsSpec, NVFP4Tensor
 
@@ -115,8 +117,8 @@ class DeviceBackend:
 
     ``backend`` is ``'cpu'`` or ``'cuda'`` (the compiled kernel of that device) or ``'spec'``
     (the reference: the same bits, about 20x slower). ``reason`` says what serves (e.g.
-    ``"compiled C++ kernel (AVX-512)"``) or, for ``'spec'``, why no kernel does: the build
-    or load error, or ``ALIGN_KERNELS=spec``.
+    ``"compiled C++ kernel (avx2 path; this CPU runs avx2, scalar)"``) or, for ``'spec'``,
+    why no kernel does: the build or load error, or ``ALIGN_KERNELS=spec``.
     """
 
     device: str
@@ -143,13 +145,36 @@ def backends() -> dict[str, DeviceBackend]:
             out[kind] = DeviceBackend(kind, "spec", _native.unavailable_reason(kind) or
                                       f"the {kind} kernel is unavailable")
         elif kind == "cpu":
-            simd = "AVX-512" if lib.nvfp4_cpu_has_simd() else "scalar: no AVX-512 on this CPU"
-            out[kind] = DeviceBackend(kind, kind, f"compiled C++ kernel ({simd})")
+            out[kind] = DeviceBackend(kind, kind, f"compiled C++ kernel ({_native.cpu_path(lib)}"
+                                      f" path; this CPU runs {', '.join(_native.cpu_paths(lib))})")
         else:
             major, minor = torch.cuda.get_device_capability()
             out[kind] = DeviceBackend(kind, kind, f"compiled CUDA kernel on "
                                       f"{torch.cuda.get_device_name()} (sm_{major}{minor})")
     return out
+
+
+def cpu_kernel_path() -> str | None:
+    """The instruction-set path of the C++ kernel serving CPU calls: ``'avx512'``,
+    ``'avx2'`` or ``'scalar'``; None when no CPU kernel is available (the spec serves)."""
+    lib = _native.load("cpu")
+    return None if lib is None else _native.cpu_path(lib)
+
+
+def cpu_kernel_paths() -> tuple[str, ...]:
+    """The C++ kernel's paths this CPU can run, best first; empty without a CPU kernel."""
+    lib = _native.load("cpu")
+    return () if lib is None else _native.cpu_paths(lib)
+
+
+def set_cpu_kernel_path(name: str | None) -> str:
+    """Force the C++ kernel's path for this process (tests, benchmarks); None or ``'auto'``
+    restores the best one. Returns the path now serving. ConfigError for a path this CPU
+    lacks or an unknown name, or when no CPU kernel could be built."""
+    lib = _native.load("cpu")
+    if lib is None:
+        raise ConfigError(f"no CPU kernel to set a path on: {_native.unavailable_reason('cpu')}")
+    return _native.set_cpu_path(lib, name)
 
 
 def quantize(

@@ -142,6 +142,21 @@ def libalign_row(name, stacks, preset, layout="linear", reuse=False, batched=Fal
     return Row(name, run, _out_bytes)
 
 
+def cpu_path_row(stacks, path) -> Row:
+    """The C++ kernel forced to one instruction-set path (scalar, avx2, avx512): minite,
+    linear scales, fresh outputs. The path is set before every run and restored after."""
+    spec = PRESETS["minite"]
+
+    def run():
+        ops.set_cpu_kernel_path(path)
+        try:
+            return [ops.quantize(s, spec) for s in stacks]
+        finally:
+            ops.set_cpu_kernel_path(None)
+
+    return Row(f"libalign minite (row), fresh outputs, CPU path {path}", run, _out_bytes)
+
+
 def copy_row(stacks, device) -> Row:
     """A copy of the same input bytes into pre-allocated (pre-touched) destinations."""
     dst = [torch.empty_like(s) for s in stacks]
@@ -203,8 +218,7 @@ def spec_row(stacks) -> Row:
                lambda: [quantize(s, PRESETS["minite"]) for s in stacks], _out_bytes)
 
 
-def bit_check(stacks, device) -> dict[str, bool]:
-    """Kernel bits == spec bits on this run's inputs, for each preset benchmarked."""
+def _preset_checks(stacks) -> dict[str, bool]:
     checks = {}
     for preset in ("minite", "te", "torchao"):
         spec = PRESETS[preset]
@@ -216,6 +230,19 @@ def bit_check(stacks, device) -> dict[str, bool]:
             ok &= k.bitwise_equal(r)
         checks[f"{preset} kernel == spec"] = bool(ok)
     return checks
+
+
+def bit_check(stacks, device) -> dict[str, bool]:
+    """Kernel bits == spec bits on this run's inputs, for each preset benchmarked (on the
+    CPU, for each instruction-set path this CPU runs; the unnamed ones: the best path)."""
+    checks = {}
+    for path in ops.cpu_kernel_paths()[1:] if device == "cpu" else ():
+        ops.set_cpu_kernel_path(path)
+        try:
+            checks |= {f"{k} [{path}]": v for k, v in _preset_checks(stacks).items()}
+        finally:
+            ops.set_cpu_kernel_path(None)
+    return _preset_checks(stacks) | checks
 
 
 def table1(args, device) -> dict:
@@ -237,6 +264,7 @@ def table1(args, device) -> dict:
     if device == "cuda":
         rows.append(torchao_rowwise(stacks, compiled=False))
     else:
+        rows += [cpu_path_row(stacks, path) for path in ops.cpu_kernel_paths()]
         rows += [modelopt_row(stacks), spec_row(stacks)]
     time_rows(rows, device, args.repeats)
     bytes_in = _in_bytes(stacks)
@@ -248,6 +276,8 @@ def table1(args, device) -> dict:
                             "GBps": None if t is None or moved is None else moved / t / 1e9,
                             "error": r.error})
     res["bit_checks"] = bit_check(stacks, device)
+    if device == "cpu":
+        res["cpu_kernel_path"], res["cpu_kernel_paths"] = ops.cpu_kernel_path(), ops.cpu_kernel_paths()
     return res
 
 
@@ -396,6 +426,10 @@ def render(res: dict, device: str) -> None:
                 ("compile" in r["name"] or device == "cpu")), None)
     mo = base.get("ModelOpt NVFP4QTensor.quantize (per matrix)")
     print(f"\nTable 1: BF16 -> NVFP4 on {res['device']} ({t1['bytes_in'] / 1e9:.3f} GB in)")
+    if t1.get("cpu_kernel_path"):
+        print(f"CPU kernel path: {t1['cpu_kernel_path']} (this CPU runs "
+              f"{', '.join(t1['cpu_kernel_paths'])}; {res['threads']} threads); the libalign "
+              "rows without a path name run it")
     head = f"{'row':62} {'ms':>9} {'GB/s':>9} {'vs copy':>8} {'vs torchao':>10}"
     head += f" {'vs modelopt':>11}" if mo else ""
     print(head)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from alignclient.errors import NonFiniteError, SpecError, UndefinedScaleError
+from alignclient.errors import ConfigError, NonFiniteError, SpecError, UndefinedScaleError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +22,8 @@ from tests.libalign import inputs
 KERNEL_PRESETS = ["minite", "te", "te_row", "torchao", "modelopt"]
 
 DEVICES = [
-    pytest.param("cpu", id="cpu"),
+    pytest.param("cpu-avx512", id="cpu-avx512"),
+    pytest.param("cpu-avx2", id="cpu-avx2"),
     pytest.param("cpu-scalar", id="cpu-scalar"),
     pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
 ]
@@ -30,15 +31,21 @@ DEVICES = [
 
 @pytest.fixture(params=DEVICES)
 def device(request):
-    """A device string for tensors; 'cpu-scalar' runs the CPU kernel without AVX-512."""
+    """A device string for tensors; 'cpu-<path>' runs the CPU kernel forced to that
+    instruction-set path (skipped where this CPU lacks it; scalar runs everywhere)."""
     kind = request.param
     if kind.startswith("cpu"):
-        lib = _native.load("cpu")
-        if lib is None:
+        if _native.load("cpu") is None:
             pytest.fail("the CPU kernel did not build (g++ is part of the test set-up)")
-        lib.nvfp4_cpu_force_scalar(int(kind == "cpu-scalar"))
-        yield "cpu"
-        lib.nvfp4_cpu_force_scalar(0)
+        path = kind.removeprefix("cpu-")
+        if path not in ops.cpu_kernel_paths():
+            pytest.skip(f"this CPU cannot run the {path} path (it runs "
+                        f"{', '.join(ops.cpu_kernel_paths())})")
+        ops.set_cpu_kernel_path(path)
+        try:
+            yield "cpu"
+        finally:
+            ops.set_cpu_kernel_path(None)
     else:
         if _native.load("cuda") is None:
             pytest.fail("the CUDA kernel did not build on a machine with a CUDA device")
@@ -166,13 +173,35 @@ def test_backend_kernel_refuses_uncovered_specs():
     assert q.bitwise_equal(quantize(inputs.randn((8, 40)), PRESETS["minite"]))
 
 
-def test_cpu_kernel_is_vectorized_on_this_machine():
-    """The AVX-512 path is compiled in where the CPU has it (else both paths are scalar)."""
-    lib = _native.load("cpu")
-    assert lib is not None
-    flags = _native.cpu_flags()
-    if " avx512f " in flags + " " and " avx512bw " in flags + " " and " avx512vl " in flags + " ":
-        assert lib.nvfp4_cpu_has_simd() == 1
+def test_cpu_kernel_runs_the_best_path_this_cpu_has():
+    """The library picks its path at run time from the CPU's features: AVX-512 where
+    /proc/cpuinfo lists AVX512F/BW/VL/DQ, else AVX2 where it lists AVX2 and F16C, else
+    scalar; a forced path serves until restored."""
+    flags = set(_native.cpu_flags().split())
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags to compare with")
+    want = ["scalar"]
+    if {"avx2", "f16c"} <= flags:
+        want.insert(0, "avx2")
+        if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+            want.insert(0, "avx512")
+    assert ops.cpu_kernel_paths() == tuple(want)
+    assert ops.cpu_kernel_path() == want[0]
+    assert ops.set_cpu_kernel_path("scalar") == "scalar" == ops.cpu_kernel_path()
+    assert ops.set_cpu_kernel_path(None) == want[0] == ops.cpu_kernel_path()
+
+
+def test_cpu_kernel_path_refuses_what_the_cpu_lacks():
+    """Forcing an unknown path, or one this CPU cannot run, is a ConfigError naming it, and
+    the path serving calls stays what it was."""
+    best = ops.cpu_kernel_path()
+    with pytest.raises(ConfigError, match="unknown CPU kernel path 'sse4'"):
+        ops.set_cpu_kernel_path("sse4")
+    lacking = [p for p in _native.CPU_PATHS if p not in ops.cpu_kernel_paths()]
+    for path in lacking:
+        with pytest.raises(ConfigError, match=f"'{path}' needs instructions this CPU lacks"):
+            ops.set_cpu_kernel_path(path)
+    assert ops.cpu_kernel_path() == best
 
 
 spec_variants = st.builds(
