@@ -376,6 +376,13 @@ class InternalError(AlignError):
     code = "internal_error"
 
 
+class OverloadedError(AlignError):
+    """The API is busy with as many requests of this kind as it admits at once, and this one
+    waited its turn too long; retry after the reply's ``Retry-After`` seconds."""
+
+    code = "overloaded"
+
+
 # --- serving engines (SGLang) ------------------------------------------------------------
 
 

@@ -19,11 +19,13 @@ TOKEN = "test-token-0123456789"
 
 
 def api_settings(redis_url: str | None, store: Path, **kw) -> ApiSettings:
-    """Settings of a test API: small body limits, fast heartbeats, a token."""
+    """Settings of a test API: small body limits, fast heartbeats, a token, no status cache
+    (the tests read /v1/status right after changing Redis; tests/reliability/test_overload.py
+    tests the cache)."""
     base = dict(redis_url=redis_url, store_dir=store, api_token=TOKEN, max_body_bytes=64 << 10,
                 max_guidance_body_bytes=32 << 10, service_heartbeat_s=0.2,
                 service_heartbeat_ttl_s=2.0, discrepancy_window_tokens=4096,
-                guidance_budget_bytes=1 << 20)
+                guidance_budget_bytes=1 << 20, status_cache_s=0.0)
     base.update(kw)
     return ApiSettings(**base)
 

@@ -31,7 +31,7 @@ STATUS_BY_CODE = {
     "illegal_transition": 409, "store_error": 500, "unauthorized": 401, "undefined_scale": 422,
     "version_exists": 409, "version_not_found": 404, "weight_update_failed": 502,
     "weight_version_mismatch": 409, "loop_error": 502, "invalid_framing": 422,
-    "remote_error": 500, "api_unreachable": 503,
+    "remote_error": 500, "api_unreachable": 503, "overloaded": 503,
 }
 
 CLASSES = E.error_classes()

@@ -39,7 +39,8 @@ from alignd.api import (
 )
 from alignd.api.errors import install_error_handlers
 from alignd.api.middleware import Frontdoor, open_route
-from alignd.api.routes_status import cluster_state, collect_status
+from alignd.api.routes_status import cluster_state, current_status
+from alignd.api.server import HeavyReads
 from alignd.api.state import REQUEST_GIVE_UP_S, ApiState, with_decoding
 from alignd.infra.redis_clients import binary_client, text_client
 from alignd.infra.settings import ApiSettings
@@ -72,7 +73,7 @@ def create_app(settings: ApiSettings, *, client: redis.Redis | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         st.heartbeat.start()
-        metrics.watch_cluster(lambda: cluster_state(collect_status(st)))
+        metrics.watch_cluster(lambda: cluster_state(current_status(st)))
         try:
             yield
         finally:
@@ -92,6 +93,7 @@ def create_app(settings: ApiSettings, *, client: redis.Redis | None = None,
     own = [r for r in app.routes if isinstance(r, Route) and r.path in docs]
     for r in own:
         open_route(r.endpoint)
+    app.add_middleware(HeavyReads, concurrency=settings.heavy_read_concurrency)  # inside the door
     app.add_middleware(Frontdoor, routes=[r for router in routers for r in router.routes] + own,
                        metrics=metrics, token=settings.api_token,
                        read_token=settings.read_token, open_reads=settings.open_reads,

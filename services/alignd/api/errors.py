@@ -40,6 +40,7 @@ from alignclient.errors import (
     LoopError,
     MalformedBodyError,
     MethodNotAllowedError,
+    OverloadedError,
     PayloadTooLargeError,
     RemoteError,
     RolloutExistsError,
@@ -92,6 +93,7 @@ HTTP_STATUS: dict[type[AlignError], int] = {
     BusUnavailableError: 503,
     EngineUnavailableError: 503,
     ApiUnreachableError: 503,
+    OverloadedError: 503,
     EngineTimeoutError: 504,
     GuidanceBudgetError: 507,
 }

@@ -3,6 +3,8 @@
 Settings come from ``ALIGN_*`` variables (``ALIGN_API_HOST``, ``ALIGN_API_PORT``,
 ``ALIGN_API_TOKEN``, ``ALIGN_REDIS_URL``, ...). Without ``ALIGN_REDIS_URL`` the API talks
 to the embedded in-process Redis, which only threads of this same process can share.
+The server is :func:`alignd.api.server.build_server`'s: header deadline, connection limits,
+descriptor limit and bounded logs come from the settings there.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 import logging
 
 import redis
-import uvicorn
 
 from alignd.api.app import create_app
+from alignd.api.server import build_server
 from alignd.infra.service_main import load_settings
 from alignd.infra.settings import ApiSettings
 
@@ -22,9 +24,7 @@ log = logging.getLogger("alignd.api")
 def serve(settings: ApiSettings | None = None, *, client: redis.Redis | None = None) -> None:
     """Serve the API on ``settings.api_host:api_port`` until interrupted."""
     settings = settings or ApiSettings()
-    app = create_app(settings, client=client)
-    uvicorn.run(app, host=settings.api_host, port=settings.api_port, log_level="info",
-                access_log=False)
+    build_server(create_app(settings, client=client), settings).run()
 
 
 def main() -> int:

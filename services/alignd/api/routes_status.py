@@ -3,8 +3,12 @@
 :func:`collect_status` reads the shared state from Redis (versions, heartbeats, the
 windowed discrepancy, guidance totals). The app hands :func:`cluster_state` of it to
 :meth:`Metrics.watch_cluster <alignd.infra.telemetry.Metrics.watch_cluster>`, so the gauges
-of shared state are read when Prometheus scrapes: an idle API costs nothing and a scrape is
-never staler than Redis.
+of shared state are read when Prometheus scrapes: an idle API costs nothing. The route and
+the gauges both read :func:`current_status`, the snapshot of
+:attr:`ApiState.status_cache <alignd.api.state.ApiState.status_cache>`, which one caller at a
+time recomputes once it is older than ``status_cache_s`` (40 clients looping on the route
+cost one computation a second, not forty at once). ``GET /v1/status`` is ``async``: a fresh
+snapshot is answered from the event loop without a thread.
 
 Sync stage latencies are observed once per version: when a version is first seen in
 ``serving``, its id is added to ``P:api:sync_observed`` (a Redis set) and only the API
@@ -18,6 +22,7 @@ import time
 
 from alignclient.models import Discrepancy, GuidanceSummary, ServiceStatus, Status
 from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
 
 from alignd.api.state import ApiState, State
 from alignd.infra.liveness import list_heartbeats
@@ -98,6 +103,11 @@ def collect_status(st: ApiState) -> Status:
                   guidance=_guidance(st))
 
 
+def current_status(st: ApiState) -> Status:
+    """:func:`collect_status`, reused for ``status_cache_s`` (one computation at a time)."""
+    return st.status_cache.get(lambda: collect_status(st))
+
+
 def cluster_state(status: Status) -> ClusterState:
     """The gauges' view of a status snapshot (path pairs with tokens in the window)."""
     up: dict[str, bool] = {}
@@ -111,6 +121,7 @@ def cluster_state(status: Status) -> ClusterState:
 
 
 @router.get("/status", operation_id="get_status", response_model=Status)
-def get_status(st: State) -> Status:
+async def get_status(st: State) -> Status:
     """Versions per state, services' heartbeats, the current discrepancy, guidance totals."""
-    return collect_status(st)
+    fresh = st.status_cache.fresh()
+    return fresh if fresh is not None else await run_in_threadpool(current_status, st)

@@ -12,13 +12,23 @@ the streams and heartbeats, and a binary one for the guidance and rollout stores
 values are raw bytes. A client passed to ``create_app`` (the embedded server's, or a
 test's) is used as the one of its flavour and the other flavour is derived from its
 connection pool, so both talk to the same server, sockets or not.
+
+Two things keep reads cheap under load: :class:`Snapshot` holds the last ``/v1/status``
+(which the metrics' cluster gauges read too) for ``status_cache_s``, computed by one caller
+at a time while the others wait for it (single flight), and ``ping_limiter`` gives
+``/readyz`` threads of its own, so readiness never waits behind heavy reads in the shared
+thread pool.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Generic, TypeVar
 
+import anyio
 import redis
 from alignclient.ids import safe_id
 from alignclient.models import ErrorResponse, spec_sha256
@@ -37,6 +47,50 @@ from libalign.spec import PRESETS
 
 #: Seconds a request's Redis calls keep retrying before the request answers 503.
 REQUEST_GIVE_UP_S = 2.0
+#: Threads ``/readyz`` may use at once for its PING (apart from the shared pool).
+PING_THREADS = 2
+
+T = TypeVar("T")
+
+
+class Snapshot(Generic[T]):
+    """One value, recomputed when older than ``max_age_s``, by one caller at a time.
+
+    :meth:`get` answers the held value while it is fresh; otherwise the first caller
+    computes a new one and callers arriving meanwhile wait for it and share it (single
+    flight). The age counts from when the computation started. ``max_age_s`` 0 keeps
+    nothing: every call computes.
+    """
+
+    def __init__(self, max_age_s: float) -> None:
+        self.max_age_s = max_age_s
+        self.lock = threading.Lock()
+        self.value: T | None = None
+        self.at = float("-inf")
+        self.computed = 0
+
+    def fresh(self) -> T | None:
+        """The held value if it is younger than ``max_age_s``, else None."""
+        value, at = self.value, self.at
+        return value if time.monotonic() - at < self.max_age_s else None
+
+    def get(self, compute: Callable[[], T]) -> T:
+        """The fresh value, or ``compute()``'s (computed once for all who wait meanwhile)."""
+        if self.max_age_s <= 0:
+            self.computed += 1
+            return compute()
+        value = self.fresh()
+        if value is not None:
+            return value
+        with self.lock:
+            value = self.fresh()
+            if value is not None:
+                return value
+            started = time.monotonic()
+            value = compute()
+            self.value, self.at = value, started
+            self.computed += 1
+            return value
 
 
 def with_decoding(client: redis.Redis, decode: bool) -> redis.Redis:
@@ -75,6 +129,10 @@ class ApiState:
     spec_sha256: str = field(init=False)
     #: serving versions whose sync latency this process has settled (observed or seen observed)
     sync_seen: set[str] = field(init=False, default_factory=set)
+    #: the last status snapshot (``/v1/status`` and the cluster gauges), ``status_cache_s`` old
+    status_cache: Snapshot = field(init=False)
+    #: the threads ``/readyz`` pings Redis from (never the heavy reads' pool)
+    ping_limiter: anyio.CapacityLimiter = field(init=False)
 
     def __post_init__(self) -> None:
         s, m = self.settings, self.metrics
@@ -95,6 +153,8 @@ class ApiState:
             info=lambda: {"preset": s.preset, "url": s.resolved_api_url}, prefix=s.key_prefix)
         self.spec = PRESETS[s.preset].to_dict()
         self.spec_sha256 = spec_sha256(self.spec)
+        self.status_cache = Snapshot(s.status_cache_s)
+        self.ping_limiter = anyio.CapacityLimiter(PING_THREADS)
 
     def close(self) -> None:
         """Stop the heartbeat, close the guidance store's connections (and owned clients)."""
@@ -105,8 +165,8 @@ class ApiState:
             self.binary.close()
 
 
-def get_state(request: Request) -> ApiState:
-    """The app's shared state (a FastAPI dependency)."""
+async def get_state(request: Request) -> ApiState:
+    """The app's shared state (a FastAPI dependency; ``async``, so it takes no thread)."""
     return request.app.state.align
 
 

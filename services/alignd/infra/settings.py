@@ -260,7 +260,8 @@ class ApiSettings(GuidanceStoreSettings, ApiAddress):
                                     "before it is closed")
     api_max_connections: int = Field(1_000, ge=1, description="open connections served at once; "
                                      "beyond it new requests are answered 503")
-    api_backlog: int = Field(2_048, ge=1, description="listen backlog of the API socket")
+    api_backlog: int = Field(2_048, ge=1, description="listen backlog of the API socket (at most "
+                             "a fifth of the open-files limit)")
     heavy_read_concurrency: int = Field(8, ge=1, description="heavy reads (status, versions, "
                                         "rollouts, guidance) run at once; health never waits on them")
     status_cache_s: float = Field(1.0, ge=0, description="age up to which /v1/status and the "

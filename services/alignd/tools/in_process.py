@@ -15,6 +15,7 @@ import time
 import uvicorn
 
 from alignd.api.app import create_app
+from alignd.api.server import build_server
 from alignd.converter.main import run_converter
 from alignd.infra.settings import AllInOneSettings, ApiSettings
 from alignd.infra.telemetry import Metrics
@@ -72,9 +73,7 @@ class ApiThread:
         if not self.enabled:
             return None
         app = create_app(self.settings, metrics=self.metrics)
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.settings.api_port,
-                                log_level="warning")
-        self.server = uvicorn.Server(config)
+        self.server = build_server(app, self.settings, host="127.0.0.1", log_level="warning")
         self.thread = threading.Thread(target=self.server.run, name="api", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + API_START_S
