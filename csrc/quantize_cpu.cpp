@@ -200,9 +200,12 @@ int supported_paths() {
   return mask;
 }
 
-int best_path() {
+int best_path() {  // the highest supported: each path's CPU needs include the one's below
   const int mask = supported_paths();
-  return (mask >> NV_CPU_AVX512) & 1 ? NV_CPU_AVX512 : ((mask >> NV_CPU_AVX2) & 1 ? NV_CPU_AVX2 : NV_CPU_SCALAR);
+  int best = NV_CPU_SCALAR;
+  for (int p = NV_CPU_SCALAR; p <= NV_CPU_AVX512; ++p)
+    if ((mask >> p) & 1) best = p;
+  return best;
 }
 
 std::atomic<int> g_path{-1};  // -1: the best supported path

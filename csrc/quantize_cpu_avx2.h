@@ -73,32 +73,39 @@ inline float load_row(const void* x, int64_t base, int64_t k, int dtype, const N
   return rowmax;
 }
 
-// E2M1 codes of 8 scaled values as dwords: the magnitude code is the number of midpoints
-// |z| passes (ties at 0.25, 1.25, 2.5, 5 round down, at 0.75, 1.75, 3.5 up; a NaN z passes
-// none and gets code 0, like the spec; above 6 passes all seven), the sign bit per policy.
-inline __m256i codes8(__m256 z, int signed_zero) {
-  const __m256 a = _mm256_and_ps(z, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
-  const __m256i c1 = _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(0.25f), _CMP_GT_OQ));
-  const __m256i c2 = _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(0.75f), _CMP_GE_OQ));
-  const __m256i c3 = _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(1.25f), _CMP_GT_OQ));
-  const __m256i c4 = _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(1.75f), _CMP_GE_OQ));
-  const __m256i c5 = _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(2.5f), _CMP_GT_OQ));
-  const __m256i c6 = _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(3.5f), _CMP_GE_OQ));
-  const __m256i c7 = _mm256_castps_si256(_mm256_cmp_ps(a, _mm256_set1_ps(5.0f), _CMP_GT_OQ));
-  // each passed midpoint is an all-ones lane (-1): the code is minus their sum
-  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(_mm256_add_epi32(c1, c2), _mm256_add_epi32(c3, c4)),
-                                       _mm256_add_epi32(_mm256_add_epi32(c5, c6), c7));
-  const __m256i mag = _mm256_sub_epi32(_mm256_setzero_si256(), sum);
-  __m256i neg;
-  if (signed_zero == NV_SZ_SIGN_OF_INPUT)
-    neg = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(z), 28), _mm256_set1_epi32(8));
-  else if (signed_zero == NV_SZ_SIGN_OF_NONZERO)
-    neg = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_LT_OQ)),
-                           _mm256_set1_epi32(8));
-  else
-    neg = _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(z, _mm256_set1_ps(-0.25f), _CMP_LT_OQ)),
-                           _mm256_set1_epi32(8));
-  return _mm256_or_si256(mag, neg);
+// E2M1 magnitude codes of 8 scaled values as dwords, by rounding instead of comparing:
+// on [0, 2) the code is rint(2|z|), on [2, 4) rint(|z|) + 2, on [4, 6] rint(|z|/2) + 4
+// (|z| clamped to 6). Scaling by 2, 1 or 1/2 is exact and VCVTPS2DQ rounds half to even,
+// which puts the ties where the spec's midpoints put them: 0.25 -> 0, 0.75 -> 2 (code of
+// 1), 1.25 -> 2, 1.75 -> 4, 2.5 -> 4, 3.5 -> 6, 5 -> 6. A NaN z stays NaN through MINPS
+// (second operand) and converts to 0x80000000, which the unsigned-saturating pack turns
+// into code 0, as in the spec.
+inline __m256i mags8(__m256 z) {
+  const __m256 a = _mm256_min_ps(_mm256_set1_ps(NV_E2M1_MAX),
+                                 _mm256_and_ps(z, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))));
+  const __m256 ge2 = _mm256_cmp_ps(a, _mm256_set1_ps(2.0f), _CMP_GE_OQ);
+  const __m256 ge4 = _mm256_cmp_ps(a, _mm256_set1_ps(4.0f), _CMP_GE_OQ);
+  const __m256 s = _mm256_blendv_ps(_mm256_blendv_ps(_mm256_set1_ps(2.0f), _mm256_set1_ps(1.0f), ge2),
+                                    _mm256_set1_ps(0.5f), ge4);
+  const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(a, s));
+  const __m256i n = _mm256_add_epi32(_mm256_castps_si256(ge2), _mm256_castps_si256(ge4));  // -0, -1, -2
+  return _mm256_sub_epi32(r, _mm256_add_epi32(n, n));
+}
+
+// The sign bits (as all-ones words, in the order of _mm256_packus_epi32(lo, hi)) of 16
+// scaled values under the signed-zero policy: negative z ('sign_of_input'), z < 0
+// ('sign_of_nonzero'), z < -0.25 ('positive').
+inline __m256i negs16(__m256 z0, __m256 z1, int signed_zero) {
+  __m256i n0, n1;
+  if (signed_zero == NV_SZ_SIGN_OF_INPUT) {
+    n0 = _mm256_srai_epi32(_mm256_castps_si256(z0), 31);
+    n1 = _mm256_srai_epi32(_mm256_castps_si256(z1), 31);
+  } else {
+    const __m256 t = _mm256_set1_ps(signed_zero == NV_SZ_SIGN_OF_NONZERO ? 0.0f : -0.25f);
+    n0 = _mm256_castps_si256(_mm256_cmp_ps(z0, t, _CMP_LT_OQ));
+    n1 = _mm256_castps_si256(_mm256_cmp_ps(z1, t, _CMP_LT_OQ));
+  }
+  return _mm256_packs_epi32(n0, n1);
 }
 
 // Encode one block of 16 fp32 values into 8 packed bytes (low nibble = even element).
@@ -115,7 +122,8 @@ inline void encode_block(const float* xb, NvEnc e, int signed_zero, uint8_t* out
     z1 = _mm256_mul_ps(x1, m);
   }
   // words, per 128-bit lane: lane 0 = codes 0-3, 8-11; lane 1 = codes 4-7, 12-15
-  const __m256i w = _mm256_packus_epi32(codes8(z0, signed_zero), codes8(z1, signed_zero));
+  const __m256i w = _mm256_or_si256(_mm256_packus_epi32(mags8(z0), mags8(z1)),
+                                    _mm256_and_si256(negs16(z0, z1, signed_zero), _mm256_set1_epi16(8)));
   // each dword's low byte = its even code | its odd code << 4: pairs (0,1) (2,3) (8,9)
   // (10,11) in lane 0, (4,5) (6,7) (12,13) (14,15) in lane 1
   const __m256i y = _mm256_or_si256(w, _mm256_srli_epi32(w, 12));

@@ -11,6 +11,20 @@
 // the driver is compiled for its own target and inlines its own helpers. The shared,
 // target-neutral steps (row_outer, store_scales) come from quantize_cpu.cpp.
 
+// Encode one row's blocks; the signed-zero policy and whether the order divides (ModelOpt)
+// are template arguments, so the block loop carries no per-block policy branches.
+template <int SignedZero, bool Divides>
+void encode_row(const float* buf, const float* mults, const float* divs, const uint8_t* sbytes,
+                int64_t nb, uint8_t* crow) {
+  for (int64_t b = 0; b < nb; ++b) {
+    NvEnc enc_b;
+    enc_b.mult = mults[b];
+    enc_b.div = divs[b];
+    enc_b.use_div = Divides && sbytes[b] != 0;  // a zero scale encodes by multiplying
+    encode_block(buf + b * 16, enc_b, SignedZero, crow + b * 8);
+  }
+}
+
 // Quantize rows [r0, r1) of the flattened experts*rows matrix; flags OR-ed into *flags.
 void quantize_rows(const void* x, uint8_t* codes, uint8_t* scales, float* amax_out,
                    float* stored_out, const float* enc, const float* dec, const NvParams& p,
@@ -31,13 +45,15 @@ void quantize_rows(const void* x, uint8_t* codes, uint8_t* scales, float* amax_o
     if (undefined) local |= NV_FLAG_UNDEFINED_SCALE;
     store_scales(sbytes.data(), scales, p, r, e, rr, nb);
     uint8_t* crow = codes + r * (k / 2);
-    const bool modelopt = p.op_order == NV_ORDER_MODELOPT;
-    for (int64_t b = 0; b < nb; ++b) {
-      NvEnc enc_b;
-      enc_b.mult = mults[b];
-      enc_b.div = divs[b];
-      enc_b.use_div = modelopt && sbytes[b] != 0;  // a zero scale encodes by multiplying
-      encode_block(buf.data() + b * 16, enc_b, p.signed_zero, crow + b * 8);
+    const int sz = p.signed_zero;
+    if (p.op_order == NV_ORDER_MODELOPT) {
+      if (sz == NV_SZ_POSITIVE) encode_row<NV_SZ_POSITIVE, true>(buf.data(), mults.data(), divs.data(), sbytes.data(), nb, crow);
+      else if (sz == NV_SZ_SIGN_OF_INPUT) encode_row<NV_SZ_SIGN_OF_INPUT, true>(buf.data(), mults.data(), divs.data(), sbytes.data(), nb, crow);
+      else encode_row<NV_SZ_SIGN_OF_NONZERO, true>(buf.data(), mults.data(), divs.data(), sbytes.data(), nb, crow);
+    } else {
+      if (sz == NV_SZ_POSITIVE) encode_row<NV_SZ_POSITIVE, false>(buf.data(), mults.data(), divs.data(), sbytes.data(), nb, crow);
+      else if (sz == NV_SZ_SIGN_OF_INPUT) encode_row<NV_SZ_SIGN_OF_INPUT, false>(buf.data(), mults.data(), divs.data(), sbytes.data(), nb, crow);
+      else encode_row<NV_SZ_SIGN_OF_NONZERO, false>(buf.data(), mults.data(), divs.data(), sbytes.data(), nb, crow);
     }
   }
   *flags |= local;

@@ -6,22 +6,22 @@ build is a single ``g++`` or ``nvcc`` call with no Python or PyTorch headers: se
 the CPU library, about half a minute for the CUDA one. Builds are cached under
 ``$ALIGN_KERNEL_CACHE`` (default ``~/.cache/libalign/kernels``) in a file named by a hash
 of the sources, the compiler's version and the flags, and written by rename so concurrent
-first uses are safe. When a compiler is
-missing or a build fails, :func:`load` returns ``None``, warns once and keeps the reason
-(:func:`unavailable_reason`, what :func:`libalign.ops.backends` reports); the caller then
-uses the spec. ``ALIGN_KERNELS=spec`` disables the compiled kernels altogether.
+first uses are safe. When a compiler is missing or a build fails, :func:`load` returns
+``None``, warns once and keeps the reason (:func:`unavailable_reason`, what
+:func:`libalign.ops.backends` reports); the caller then uses the spec.
+``ALIGN_KERNELS=spec`` disables the compiled kernels altogether.
 
 The CPU library and the host's CPU
 ----------------------------------
 The CPU library is built for the baseline x86-64, not ``-march=native``: it holds three
-instruction-set paths (scalar, AVX2 + F16C, AVX-512), each compiled for its own target, and
-picks the best one this CPU supports when it runs (:func:`cpu_path`). So the build does
-not depend on the host, the CPU's features are not part of its cache key, and a cached
-library that travels to another x86-64 host runs there. ``ALIGN_CPU_KERNEL`` (``scalar``,
-``avx2`` or ``avx512``) forces a path for the process, and :func:`set_cpu_path` does at run
-time; a path this CPU lacks is refused with a :class:`~libalign.errors.ConfigError`.
-``ALIGN_CPU_MARCH`` still adds a ``-march=`` for the portable parts (with ``native`` the
-CPU's flags join the cache key again).
+instruction-set paths (scalar; AVX2 + F16C; AVX-512 F/BW/VL/DQ), each compiled for its own
+target, and picks the best one this CPU supports when it runs (:func:`cpu_path`). So the
+build does not depend on the host, the CPU's features are not part of its cache key, and a
+cached library that travels to another x86-64 host runs there. ``ALIGN_CPU_KERNEL``
+(``scalar``, ``avx2`` or ``avx512``) forces a path for the process, and
+:func:`set_cpu_path` does at run time; a path this CPU lacks is refused with a
+:class:`~libalign.errors.ConfigError`. ``ALIGN_CPU_MARCH`` still adds a ``-march=`` for
+the portable parts (with ``native`` the CPU's flags join the cache key again).
 
 Where the sources are (:data:`CSRC`): an installed wheel carries them as the package
 ``libalign.csrc`` (``site-packages/libalign/csrc/``); in a checkout (also an editable install)
