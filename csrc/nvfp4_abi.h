@@ -75,6 +75,11 @@ int nvfp4_quantize_cuda(const void* x, uint8_t* codes, uint8_t* scales, float* a
                         const NvParams* p, int* flags_dev, void* stream);
 int nvfp4_amax_cuda(const void* x, float* amax_out, const NvParams* p, int* flags_dev,
                     void* stream);
+// CUDA: which quantize kernel serves a shape: 0 picks per shape (the register-resident
+// kernel where a row fits its lanes' registers, else the shared-memory one), 1 always the
+// shared-memory kernel, 2 the register kernel wherever it fits. Returns 0, or -1 for an
+// unknown variant. For the tests and the benchmark, which check and time both.
+int nvfp4_cuda_set_variant(int variant);
 
 #ifdef __cplusplus
 }

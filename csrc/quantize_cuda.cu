@@ -125,20 +125,45 @@ __device__ __forceinline__ uint32_t signs16(const uint32_t* w) {
   return ((b1 >> 4) & 0x08080808u) | (b3 & 0x80808080u);
 }
 
+// The E2M1 magnitude code of z (not NaN) plus 0x4B000000, mostly on the FMA pipe.
+//
+// With a = min(|z|, 6) the code is rint(2a) below 2, rint(a) + 2 from 2 to 4 and
+// rint(a / 2) + 4 from 4 up (steps 0.5, 1, 2; rint rounds half to even, which is E2M1's
+// even code); and it is the least of the three everywhere, since each formula overshoots
+// outside its range. Each rint is one correctly rounded FMA against 2^23 (+2, +4: even
+// offsets keep ties even), whose fp32 bits are 0x4B000000 + the integer, and positive
+// floats order like their bits, so one three-way integer minimum picks the code. The
+// integer pipe, this kernel's bottleneck, does two operations per element instead of
+// the eight of nv_e2m1_mag.
+__device__ __forceinline__ uint32_t e2m1_mag_biased(float z) {
+  const float a = fminf(fabsf(z), NV_E2M1_MAX);
+  const uint32_t r2 = __float_as_uint(__fmaf_rn(a, 2.0f, 8388608.0f));
+  const uint32_t r1 = __float_as_uint(__fmaf_rn(a, 1.0f, 8388610.0f));
+  const uint32_t rh = __float_as_uint(__fmaf_rn(a, 0.5f, 8388612.0f));
+  return min(min(r2, r1), rh);
+}
+
+// sum over i < 8 of 0x4B000000 * 16^i, mod 2^32: the bias of eight packed biased codes.
+constexpr uint32_t kPackedBias = 0x4B000000u + (0x4B000000u << 4) + (0x4B000000u << 8) +
+                                 (0x4B000000u << 12) + (0x4B000000u << 16) +
+                                 (0x4B000000u << 20) + (0x4B000000u << 24) +
+                                 (0x4B000000u << 28);
+
 // Encode 8 elements (words w) with one multiplier/divisor into one packed word.
 template <int DT, int ORDER, int SZ>
 __device__ __forceinline__ uint32_t encode8(const uint32_t* w, float mult, float div,
                                             bool use_div, float neg_above) {
   constexpr int kEpw = Traits<DT>::kEpw;
-  uint32_t packed = 0;
+  uint32_t packed = 0;  // sum of (0x4B000000 + code) * 16^i: no carries between nibbles
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const float x = word_elem<DT>(w[i / kEpw], i % kEpw);
     const float z = (ORDER == NV_ORDER_MODELOPT && use_div) ? __fdiv_rn(x, div) : __fmul_rn(x, mult);
-    uint32_t code = nv_e2m1_mag(z);
-    if constexpr (SZ == SZ_GENERIC) code |= ((__float_as_uint(z) >> 31) & (fabsf(z) > neg_above)) << 3;
-    packed += code << (4 * i);
+    uint32_t code = e2m1_mag_biased(z);
+    if constexpr (SZ == SZ_GENERIC) code += ((__float_as_uint(z) >> 31) & (fabsf(z) > neg_above)) << 3;
+    packed += code * (1u << (4 * i));
   }
+  packed -= kPackedBias;
   if constexpr (SZ != SZ_GENERIC) {
     uint32_t s;
     if constexpr (DT == NV_IN_FP32) {
@@ -149,8 +174,8 @@ __device__ __forceinline__ uint32_t encode8(const uint32_t* w, float mult, float
       s = signs16(w);
     }
     if constexpr (SZ == SZ_FAST_POSITIVE) {
-      const uint32_t q = packed | (packed >> 1) | (packed >> 2);
-      s &= (q << 3);
+      // bit 3 of a nibble of packed + 0x77777777 is set iff its code (0..7) is not zero
+      s &= packed + 0x77777777u;
     }
     packed |= s & 0x88888888u;
   }
@@ -262,6 +287,162 @@ quantize_rows(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
   if (local) atomicOr(flags, local);
 }
 
+// Register-resident variant: a group of G lanes (G = 1 << glog, up to a warp) holds one
+// whole row in registers, each lane BPL blocks (block b = lane + G * i), so every load is
+// issued before any arithmetic and nothing goes through shared memory. The row maximum is
+// a shuffle reduction within the group. G and BPL are chosen on the host so that G * BPL
+// covers the row's blocks with the least waste (K = 2048: 32 x 4; K = 768: 16 x 3).
+template <int DT, int ORDER, int SZ, int BPL>
+__global__ void __launch_bounds__(256)
+quantize_rows_reg(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
+                  uint8_t* __restrict__ scales, float* __restrict__ amax_out,
+                  float* __restrict__ stored_out, const float* __restrict__ enc_in,
+                  const float* __restrict__ dec_in, NvParams p, int* flags, int glog) {
+  constexpr int kCpb = Traits<DT>::kCpb, kWpb = Traits<DT>::kWpb;
+  const int G = 1 << glog;
+  const int64_t gtid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t r = gtid >> glog;
+  const int64_t total = p.experts * p.rows;
+  if (r >= total) return;  // whole groups leave together (groups never straddle rows)
+  const int gl = threadIdx.x & (G - 1);
+  const int lane = threadIdx.x & 31;
+  const unsigned gmask = (G == 32) ? 0xFFFFFFFFu : (((1u << G) - 1u) << (lane & ~(G - 1)));
+  const int nb = static_cast<int>(p.k / 16);
+  const uint4* xr = x + r * (static_cast<int64_t>(nb) * kCpb);
+
+  uint32_t w[BPL][kWpb];
+#pragma unroll
+  for (int i = 0; i < BPL; ++i) {
+    const int b = gl + G * i;
+#pragma unroll
+    for (int c = 0; c < kCpb; ++c) {
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (b < nb) v = __ldg(xr + b * kCpb + c);
+      w[i][4 * c] = v.x; w[i][4 * c + 1] = v.y; w[i][4 * c + 2] = v.z; w[i][4 * c + 3] = v.w;
+    }
+  }
+  uint32_t bm[BPL];
+  uint32_t mine = 0;
+#pragma unroll
+  for (int i = 0; i < BPL; ++i) {
+    uint32_t m = 0;
+#pragma unroll
+    for (int c = 0; c < kCpb; ++c)
+      m = fold_absmax<DT>(m, make_uint4(w[i][4 * c], w[i][4 * c + 1], w[i][4 * c + 2], w[i][4 * c + 3]));
+    bm[i] = finish_absmax<DT>(m);
+    mine = max(mine, bm[i]);
+  }
+  const bool any_bad = __any_sync(gmask, mine >= 0x7F800000u);
+  if (any_bad && !p.nonfinite_saturate) {
+    if (gl == 0) atomicOr(flags, NV_FLAG_NONFINITE);
+    return;
+  }
+  if (any_bad) {  // nonfinite='saturate' (rare path): sanitize, then the maxima again
+    mine = 0;
+#pragma unroll
+    for (int i = 0; i < BPL; ++i) {
+      if (bm[i] >= 0x7F800000u) {
+        sanitize_words<DT>(w[i]);
+        uint32_t m = 0;
+#pragma unroll
+        for (int c = 0; c < kCpb; ++c)
+          m = fold_absmax<DT>(m, make_uint4(w[i][4 * c], w[i][4 * c + 1], w[i][4 * c + 2], w[i][4 * c + 3]));
+        bm[i] = finish_absmax<DT>(m);
+      }
+      mine = max(mine, bm[i]);
+    }
+  }
+  NvOuter o;
+  if (p.outer_mode == NV_OUTER_ROW) {
+    uint32_t rm = mine;
+    for (int off = G >> 1; off > 0; off >>= 1) rm = max(rm, __shfl_xor_sync(gmask, rm, off, G));
+    float a = __uint_as_float(rm);
+    if (p.has_amax_floor) a = nv_max(a, p.amax_floor);
+    o = nv_outer_from_amax(a, ORDER);
+    if (gl == 0) {
+      amax_out[r] = a;
+      stored_out[r] = nv_stored(a, o, p.store_conv);
+    }
+  } else {
+    const int64_t i = p.outer_stride ? r / p.rows : 0;
+    o.enc = enc_in[i];
+    o.dec = dec_in[i];
+  }
+  const float te_mult = nv_te_block_mult(o.enc);
+  const float neg_above = nv_neg_threshold(p.signed_zero);
+  const int64_t e = r / p.rows, rr = r % p.rows;
+  const int64_t scale_row = p.swizzled ? nv_swizzle_row_base(e, rr, p.rows, nb) : r * nb;
+  uint2* crow = reinterpret_cast<uint2*>(codes + r * (p.k / 2));
+  int local = 0;
+#pragma unroll
+  for (int i = 0; i < BPL; ++i) {
+    const int b = gl + G * i;
+    if (b >= nb) break;
+    float pre = nv_block_prescale(__uint_as_float(bm[i]), o, te_mult, ORDER);
+    if (pre != pre) local |= NV_FLAG_UNDEFINED_SCALE;
+    if (p.has_zero_prescale && pre == 0.0f) pre = p.zero_prescale_to;
+    pre = fminf(fmaxf(pre, p.block_scale_floor), NV_E4M3_MAX);
+    const uint8_t sb = static_cast<uint8_t>(__nv_cvt_float_to_fp8(pre, __NV_SATFINITE, __NV_E4M3));
+    scales[scale_row + (p.swizzled ? nv_swizzle_col(b) : b)] = sb;
+    const float s = nv_e4m3_value(sb);
+    float mult = p.zero_saturate ? NV_FLT_MAX : 0.0f, div = 1.0f;
+    bool use_div = false;
+    if (s != 0.0f) {
+      if constexpr (ORDER == NV_ORDER_TE) {
+        mult = fminf(__frcp_rn(__fmul_rn(s, o.dec)), NV_FLT_MAX);
+      } else if constexpr (ORDER == NV_ORDER_TORCHAO) {
+        mult = __fdiv_rn(o.enc, s);
+      } else {
+        use_div = true;
+        div = __fmul_rn(s, o.dec);
+        if (div == 0.0f) local |= NV_FLAG_USE_SPEC;
+      }
+    }
+    uint2 out;
+    out.x = encode8<DT, ORDER, SZ>(w[i], mult, div, use_div, neg_above);
+    out.y = encode8<DT, ORDER, SZ>(w[i] + kWpb / 2, mult, div, use_div, neg_above);
+    __stcs(crow + b, out);
+  }
+  if (local) atomicOr(flags, local);
+}
+
+// Blocks per lane the register variant is built for, and the most 16-byte chunks a lane
+// may hold (64 registers of row data).
+constexpr int kRegBpl[] = {1, 2, 3, 4, 6, 8};
+constexpr int kMaxRegChunks = 16;
+// 0: pick per shape; 1: always the shared-memory kernel; 2: the register one where it fits
+// (nvfp4_cuda_set_variant, for the tests and the benchmark).
+int g_variant = 0;
+
+// (glog, bpl) of the register variant for nb blocks per row, or bpl 0 when none fits.
+void reg_shape(int64_t nb, int cpb, int* glog, int* bpl) {
+  *bpl = 0;
+  int64_t best_waste = -1;
+  for (int bp : kRegBpl) {
+    if (bp * cpb > kMaxRegChunks) continue;
+    for (int gl = 5; gl >= 0; --gl) {
+      const int64_t slots = static_cast<int64_t>(bp) << gl;
+      if (slots < nb) continue;
+      const int64_t waste = slots - nb;
+      // least waste; among equals the wider group (more lanes on one row)
+      if (best_waste < 0 || waste < best_waste) { best_waste = waste; *glog = gl; *bpl = bp; }
+    }
+  }
+  // a row that fills less than half of its lanes' slots stays with the shared-memory kernel
+  if (*bpl && best_waste * 2 > (static_cast<int64_t>(*bpl) << *glog)) *bpl = 0;
+}
+
+template <int DT, int ORDER, int SZ, int BPL>
+cudaError_t launch_reg(const uint4* xv, uint8_t* codes, uint8_t* scales, float* amax_out,
+                       float* stored_out, const float* enc, const float* dec, const NvParams& p,
+                       int* flags, cudaStream_t s, int glog) {
+  const int64_t threads = (p.experts * p.rows) << glog;
+  const dim3 grid(static_cast<unsigned>((threads + 255) / 256));
+  quantize_rows_reg<DT, ORDER, SZ, BPL><<<grid, 256, 0, s>>>(xv, codes, scales, amax_out,
+                                                              stored_out, enc, dec, p, flags, glog);
+  return cudaGetLastError();
+}
+
 // Per-expert max |x| (non-negative floats order like their bit patterns).
 template <int DT>
 __global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
@@ -295,6 +476,23 @@ cudaError_t launch3(const void* x, uint8_t* codes, uint8_t* scales, float* amax_
   const int64_t total = p.experts * p.rows;
   const int64_t row_bytes = p.k * (DT == NV_IN_FP32 ? 4 : 2);
   const uint4* xv = static_cast<const uint4*>(x);
+  if (g_variant != 1) {
+    int glog = 0, bpl = 0;
+    reg_shape(p.k / 16, Traits<DT>::kCpb, &glog, &bpl);
+    switch (bpl) {
+      case 1: return launch_reg<DT, ORDER, SZ, 1>(xv, codes, scales, amax_out, stored_out, enc, dec, p, flags, s, glog);
+      case 2: return launch_reg<DT, ORDER, SZ, 2>(xv, codes, scales, amax_out, stored_out, enc, dec, p, flags, s, glog);
+      case 3: return launch_reg<DT, ORDER, SZ, 3>(xv, codes, scales, amax_out, stored_out, enc, dec, p, flags, s, glog);
+      case 4: return launch_reg<DT, ORDER, SZ, 4>(xv, codes, scales, amax_out, stored_out, enc, dec, p, flags, s, glog);
+      case 6: if constexpr (Traits<DT>::kCpb * 6 <= kMaxRegChunks)
+                return launch_reg<DT, ORDER, SZ, 6>(xv, codes, scales, amax_out, stored_out, enc, dec, p, flags, s, glog);
+              break;
+      case 8: if constexpr (Traits<DT>::kCpb * 8 <= kMaxRegChunks)
+                return launch_reg<DT, ORDER, SZ, 8>(xv, codes, scales, amax_out, stored_out, enc, dec, p, flags, s, glog);
+              break;
+      default: break;
+    }
+  }
   if (row_bytes <= kMaxStagedBytes) {
     const int wpc = static_cast<int>(std::min<int64_t>(kMaxWarpsPerCta, kMaxStagedBytes / row_bytes));
     const size_t smem = static_cast<size_t>(wpc * row_bytes);
@@ -356,6 +554,12 @@ int nvfp4_quantize_cuda(const void* x, uint8_t* codes, uint8_t* scales, float* a
     default: return -2;
   }
   return static_cast<int>(err);
+}
+
+int nvfp4_cuda_set_variant(int variant) {
+  if (variant < 0 || variant > 2) return -1;
+  g_variant = variant;
+  return 0;
 }
 
 int nvfp4_amax_cuda(const void* x, float* amax_out, const NvParams* p, int* flags_dev,

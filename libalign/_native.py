@@ -375,8 +375,9 @@ def declare(lib: ctypes.CDLL, kind: str) -> None:
     else:
         lib.nvfp4_quantize_cuda.argtypes = [p, p, p, p, p, p, p, f, p, vp]
         lib.nvfp4_amax_cuda.argtypes = [p, p, f, p, vp]
-        lib.nvfp4_quantize_cuda.restype = i
-        lib.nvfp4_amax_cuda.restype = i
+        lib.nvfp4_cuda_set_variant.argtypes = [i]
+        for fn in ("nvfp4_quantize_cuda", "nvfp4_amax_cuda", "nvfp4_cuda_set_variant"):
+            getattr(lib, fn).restype = i
 
 
 # --- the CPU library's instruction-set paths -------------------------------------------------

@@ -36,6 +36,7 @@ Row domain, one pass
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -254,10 +255,17 @@ def as_gemm_operand(q: NVFP4Tensor) -> GemmOperand:
 
 
 def _params(x3: torch.Tensor, spec: NumericsSpec, swizzled: bool) -> _native.NvParams:
-    e, m, k = x3.shape
+    """The kernels' parameter block for this call (shared: the kernels only read it)."""
+    return _params_for(tuple(x3.shape), x3.dtype, spec, swizzled)
+
+
+@functools.lru_cache(maxsize=256)
+def _params_for(shape: tuple[int, int, int], dtype: torch.dtype, spec: NumericsSpec,
+                swizzled: bool) -> _native.NvParams:
+    e, m, k = shape
     p = _native.NvParams()
     p.experts, p.rows, p.k = e, m, k
-    p.in_dtype = _DTYPES[x3.dtype]
+    p.in_dtype = _DTYPES[dtype]
     p.op_order = _ORDERS[spec.op_order]
     p.outer_mode = 1 if spec.outer_domain == "row" else 0
     p.outer_stride = 1 if spec.outer_domain == "expert" else 0
@@ -270,7 +278,7 @@ def _params(x3: torch.Tensor, spec: NumericsSpec, swizzled: bool) -> _native.NvP
     p.zero_saturate = int(spec.zero_scale_encode == "saturate")
     p.signed_zero = _SIGNED_ZERO[spec.signed_zero]
     p.nonfinite_saturate = int(spec.nonfinite == "saturate")
-    p.in_max = torch.finfo(x3.dtype).max
+    p.in_max = torch.finfo(dtype).max
     p.swizzled = int(swizzled)
     return p
 
@@ -335,8 +343,11 @@ class _Pending:
     flags: torch.Tensor | int  # a device int (CUDA, read later) or the CPU kernel's result
 
 
-def _launch(lib, x, spec, outer_amax, swizzled, out=None, flags=None) -> _Pending:
-    """Allocate outputs and launch the kernel(s); CUDA work stays asynchronous."""
+def _launch(lib, x, spec, outer_amax, swizzled, out=None, flags=None, stream=None) -> _Pending:
+    """Allocate outputs and launch the kernel(s); CUDA work stays asynchronous.
+
+    ``stream``: the raw CUDA stream to launch on (default: the device's current stream).
+    """
     is_3d = x.ndim == 3
     x3 = (x if is_3d else x.unsqueeze(0)).contiguous()
     e, m, k = x3.shape
@@ -346,7 +357,8 @@ def _launch(lib, x, spec, outer_amax, swizzled, out=None, flags=None) -> _Pendin
     cuda = dev.type == "cuda"
     if cuda and flags is None:
         flags = torch.zeros(1, dtype=torch.int32, device=dev)
-    stream = torch.cuda.current_stream(dev).cuda_stream if cuda else None
+    if cuda and stream is None:
+        stream = torch.cuda.current_stream(dev).cuda_stream
     nthreads = torch.get_num_threads()
 
     row = spec.outer_domain == "row"
@@ -446,7 +458,7 @@ def quantize_many(
         raise SpecError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
     results: list = [None] * len(tensors)
     launched: list[tuple[int, _Pending]] = []
-    flags = {}
+    flags, streams = {}, {}
     for i, x in enumerate(tensors):
         _spec.check_input(x, spec)
         lib = None if kernel_gap(x, spec, None) else _native.load(x.device.type)
@@ -454,17 +466,22 @@ def quantize_many(
             q = _spec.quantize(x, spec)
             results[i] = q if scale_layout == "linear" else as_gemm_operand(q)
             continue
-        slot = None
+        slot = stream = None
         if x.device.type == "cuda":
             buf = flags.get(x.device)
             if buf is None:
                 buf = flags[x.device] = torch.zeros(len(tensors), dtype=torch.int32, device=x.device)
-            slot = buf[i:i + 1]
-        launched.append((i, _launch(lib, x, spec, None, scale_layout == "swizzled", flags=slot)))
+                streams[x.device] = torch.cuda.current_stream(x.device).cuda_stream
+            slot, stream = buf[i:i + 1], streams[x.device]
+        t = _launch(lib, x, spec, None, scale_layout == "swizzled", flags=slot, stream=stream)
+        launched.append((i, t))
+        if isinstance(t.flags, torch.Tensor):  # assemble the result while the device works
+            results[i] = _finish(t, 0)
     host_flags = {dev: buf.tolist() for dev, buf in flags.items()}  # one sync per device
     for i, t in launched:
         bad = host_flags[t.x.device][i] if isinstance(t.flags, torch.Tensor) else t.flags
-        results[i] = _finish(t, bad)
+        if bad or results[i] is None:
+            results[i] = _finish(t, bad)
     return results
 
 
@@ -472,3 +489,29 @@ def _raise_like_spec(x, spec, outer_amax):
     _spec.quantize(x, spec, outer_amax=outer_amax)  # raises the typed error with positions
     raise RuntimeError("an NVFP4 kernel flagged its input but the spec accepted it; "
                        "please report this as a kernel bug")
+
+
+#: Quantize kernels of the CUDA library: ``auto`` picks per shape (the register-resident
+#: kernel where a row fits its lanes' registers, the shared-memory one otherwise).
+CUDA_KERNEL_VARIANTS = {"auto": 0, "staged": 1, "registers": 2}
+
+
+@contextlib.contextmanager
+def cuda_kernel_variant(name: str):
+    """Serve CUDA quantize calls with one kernel variant inside the block (tests, benchmarks).
+
+    The choice is process-wide, so use it where nothing else quantizes concurrently.
+    Without a CUDA library (no device, no build) the block runs unchanged.
+    """
+    if name not in CUDA_KERNEL_VARIANTS:
+        raise SpecError(f"unknown CUDA kernel variant {name!r}; "
+                        f"choose from {sorted(CUDA_KERNEL_VARIANTS)}")
+    lib = _native.load("cuda") if torch.cuda.is_available() else None
+    if lib is None:
+        yield
+        return
+    lib.nvfp4_cuda_set_variant(CUDA_KERNEL_VARIANTS[name])
+    try:
+        yield
+    finally:
+        lib.nvfp4_cuda_set_variant(0)
