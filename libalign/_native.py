@@ -303,7 +303,10 @@ def build_command(kind: str, src: Path, out: Path) -> list[str]:
             *cuda_archs(nvcc), inc, str(src), "-o", str(out)]
 
 
-def _key(kind: str, cmd: list[str]) -> str:
+def cache_key(kind: str, cmd: list[str]) -> str:
+    """The cache name part of ``kind``'s library built by ``cmd``: a hash of the sources and
+    headers, the flags, the compiler's version (and CUTLASS's, or with ``-march=native``
+    the CPU's flags)."""
     h = hashlib.sha256()
     for name in (*HEADERS, *KIND_HEADERS.get(kind, ()), SOURCES[kind]):
         h.update((CSRC / name).read_bytes())
@@ -329,7 +332,7 @@ def build(kind: str) -> Path:
     if kind == "gemm_sm100" and "compute_100" not in nvcc_archs(compiler):
         raise KernelBuildError(f"{compiler} cannot target sm_100a (CUDA 12.8 or newer needed)")
     probe = build_command(kind, src, Path("OUT"))
-    target = cache_dir() / f"libnvfp4_{kind}-{_key(kind, probe)}.so"
+    target = cache_dir() / f"libnvfp4_{kind}-{cache_key(kind, probe)}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -414,13 +417,13 @@ def set_cpu_path(lib: ctypes.CDLL, name: str | None) -> str:
 
 
 def _apply_cpu_path_env(lib: ctypes.CDLL) -> None:
-    """``$ALIGN_CPU_KERNEL`` at first load: the path to force, if any (ConfigError if bad)."""
+    """At each load: the path ``$ALIGN_CPU_KERNEL`` forces, else the best (the library may be
+    the one already mapped into this process, path choice included); ConfigError if bad."""
     want = os.environ.get(CPU_PATH_ENV, "").strip().lower()
-    if want:
-        try:
-            set_cpu_path(lib, want)
-        except ConfigError as exc:
-            raise ConfigError(f"{CPU_PATH_ENV}={want}: {exc}") from None
+    try:
+        set_cpu_path(lib, want or None)
+    except ConfigError as exc:
+        raise ConfigError(f"{CPU_PATH_ENV}={want}: {exc}") from None
 
 
 def disabled() -> bool:

@@ -98,3 +98,43 @@ def test_cuda_source_compiles_for_hopper_and_blackwell(fresh_native, monkeypatch
     assert "-gencode=arch=compute_90,code=sm_90" in flags
     lib = _native.build("cuda")
     assert lib.exists() and lib.stat().st_size > 0
+
+
+def test_cpu_build_is_portable_and_keyed_without_the_host_cpu(monkeypatch):
+    """The CPU library is built for plain x86-64 (no -march=native: its SIMD paths are chosen
+    at run time), so the host's CPU flags do not enter its cache key unless
+    ALIGN_CPU_MARCH=native asks for a host-specific build."""
+    monkeypatch.delenv("ALIGN_CPU_MARCH", raising=False)
+    src = _native.CSRC / _native.SOURCES["cpu"]
+    cmd = _native.build_command("cpu", src, src)
+    assert not any(flag.startswith("-march") for flag in cmd)
+    assert "-ffp-contract=off" in cmd
+    key = _native.cache_key("cpu", cmd)
+    monkeypatch.setattr(_native, "cpu_flags", lambda: "flags : some other cpu")
+    assert _native.cache_key("cpu", cmd) == key
+    monkeypatch.setenv("ALIGN_CPU_MARCH", "native")
+    native = _native.build_command("cpu", src, src)
+    assert "-march=native" in native
+    other = _native.cache_key("cpu", native)
+    monkeypatch.setattr(_native, "cpu_flags", lambda: "flags : a third cpu")
+    assert _native.cache_key("cpu", native) != other
+
+
+def test_cpu_kernel_env_forces_a_path_or_refuses(fresh_native, monkeypatch):
+    """ALIGN_CPU_KERNEL picks the CPU kernel's path at first load; an unknown path (or one
+    the CPU lacks) is a ConfigError naming the setting, not a silent fallback."""
+    from alignclient.errors import ConfigError
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    monkeypatch.setenv("ALIGN_CPU_KERNEL", "scalar")
+    assert ops.cpu_kernel_path() == "scalar"
+    x = torch.randn(64, 256, dtype=torch.bfloat16)
+    assert ops.quantize(x, PRESETS["minite"]).bitwise_equal(quantize(x, PRESETS["minite"]))
+    _native.forget()
+    monkeypatch.setenv("ALIGN_CPU_KERNEL", "sse2")
+    with pytest.raises(ConfigError, match="ALIGN_CPU_KERNEL=sse2: unknown CPU kernel path"):
+        ops.quantize(x, PRESETS["minite"])
+    _native.forget()
+    monkeypatch.delenv("ALIGN_CPU_KERNEL")
+    assert ops.cpu_kernel_path() == ops.cpu_kernel_paths()[0]
