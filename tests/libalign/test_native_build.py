@@ -8,7 +8,9 @@ also on machines without a GPU.
 
 from __future__ import annotations
 
+import re
 import shutil
+import subprocess
 import warnings
 
 import pytest
@@ -138,3 +140,28 @@ def test_cpu_kernel_env_forces_a_path_or_refuses(fresh_native, monkeypatch):
     _native.forget()
     monkeypatch.delenv("ALIGN_CPU_KERNEL")
     assert ops.cpu_kernel_path() == ops.cpu_kernel_paths()[0]
+
+
+def test_cpu_library_keeps_wide_instructions_in_their_paths():
+    """What makes the one library safe on an AVX2-only (or SSE-only) host: AVX-512 registers
+    appear only in the avx512 path's functions, and no AVX instruction at all outside the
+    SIMD paths (the shared code and the scalar path are plain x86-64)."""
+    objdump = shutil.which("objdump")
+    if objdump is None or shutil.which("g++") is None:
+        pytest.skip("objdump or g++ not installed")
+    text = subprocess.run([objdump, "-d", "--no-show-raw-insn", "-C", str(_native.build("cpu"))],
+                          capture_output=True, text=True, check=True).stdout
+    where, seen = "", {"avx512": set(), "avx2": set(), "other": set()}
+    for line in text.splitlines():
+        if line.endswith(">:"):
+            where = ("avx512" if "nv_avx512::" in line else "avx2" if "nv_avx2::" in line
+                     else "other")
+        elif line.startswith(" ") and "\t" in line:
+            seen[where].add((line.split("\t")[1].split() or [""])[0])  # the mnemonic
+            if re.search(r"%zmm|%k[0-7]", line):
+                assert where == "avx512", f"AVX-512 register outside the avx512 path: {line}"
+            if re.search(r"%ymm", line):
+                assert where != "other", f"AVX register outside the SIMD paths: {line}"
+    assert any(op.startswith("vcvtph2ps") for op in seen["avx2"])  # the paths are there
+    assert seen["avx512"], "no avx512 path functions found"
+    assert not {op for op in seen["other"] if op.startswith("v")}, "VEX code in shared code"
