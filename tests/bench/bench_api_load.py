@@ -18,13 +18,28 @@ hitting the phase's endpoint as fast as it answers:
 Each client has its own ``AsyncClient`` (one keep-alive connection); each phase first
 opens them (one ``/healthz`` each, not counted).
 
+Then overload (issue 23), after ``--versions`` (2,000) more versions are registered, each
+phase ``--overload-seconds`` long, measured by ``--probes`` liveness probes that each open a
+new connection per ``GET /healthz`` (as an orchestrator's probe does):
+
+7. ``probe /healthz``: the probes alone;
+8. ``probe | 40 status``: while ``--status-clients`` (40) clients in another process loop on
+   ``GET /v1/status`` (its answered count is printed below the table);
+9. ``probe | half-open``: while another process opens ``--half-open`` (20,000) connections
+   at ``--half-open-rate`` a second, each sending half a request head and then nothing
+   (kept until the server closes them; how many it closed is printed).
+
+The API runs with its default limits (printed: header deadline, keep-alive, connection
+limit, heavy-read concurrency, status cache).
+
 Per endpoint: requests, errors (non-2xx or transport errors), throughput (requests /
 phase seconds), p50 and p99 latency, and both relative to ``/healthz``. Then the guidance
 store without HTTP: ``--learners`` processes each ``get_many`` a batch of ``--batch``
 records of ``--learner-record-kib`` KiB while one writer process ``put_many``\\ s new
 batches, for ``--store-seconds``; MB/s = payload bytes / seconds / 1e6.
 
-Defaults: 200 clients for 60 s. ``--quick``: 50 clients for 10 s.
+Defaults: 200 clients for 60 s, overload phases of 10 s and 20,000 half-open connections.
+``--quick``: 50 clients for 10 s, overload phases of 5 s and 5,000 half-open connections.
 Run: ``python -m tests.bench api_load [-- --quick]``.
 """
 
@@ -34,6 +49,8 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import resource
+import selectors
 import shutil
 import socket
 import subprocess
@@ -51,6 +68,8 @@ PHASES = ("GET /healthz", "GET /v1/status", "POST rollouts", "POST scores", "PUT
           "GET guidance")
 GUIDANCE_IDS = 16
 COMPLETION = 64
+OVERLOAD = ("probe /healthz", "probe | 40 status", "probe | half-open")
+PARTIAL_HEAD = b"GET /healthz HTTP/1.1\r\nHost: flood\r\n"
 
 
 def _free_port() -> int:
@@ -109,6 +128,19 @@ class _Stack:
                        headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
         if r.status_code != 201:
             raise SystemExit(f"publishing v1 failed: {r.status_code} {r.text}")
+
+    @property
+    def limits(self) -> str:
+        from alignd.infra.settings import ApiSettings
+
+        s = ApiSettings(dev_mode=True)
+        return (f"header deadline {s.api_header_timeout_s:g} s, keep-alive {s.api_keep_alive_s:g} s, "
+                f"503 beyond {s.api_max_connections} connections, backlog {s.api_backlog}, "
+                f"{s.heavy_read_concurrency} heavy reads at once, status cache {s.status_cache_s:g} s")
+
+    def log_lines(self) -> int:
+        self.api_log.flush()
+        return len((self.dir / "api.log").read_bytes().splitlines())
 
     def close(self) -> None:
         for p in (self.api, self.redis):
@@ -193,6 +225,164 @@ async def _phase(url: str, phase: str, clients: int, seconds: float, record: byt
             "p99": float(np.percentile(ms, 99)) if len(ms) else float("nan")}
 
 
+# --- overload: liveness probes under status loops and half-open connections -------------------
+
+
+async def _probe_once(host: str, port: int) -> bool:
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: probe\r\nConnection: close\r\n\r\n")
+        answer = await reader.read()
+    finally:
+        writer.close()
+    return answer.startswith(b"HTTP/1.1 200")
+
+
+async def _probes(url: str, probes: int, seconds: float) -> dict:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    lat: list[float] = []
+    errors = 0
+    until = time.perf_counter() + seconds
+
+    async def loop() -> None:
+        nonlocal errors
+        while time.perf_counter() < until:
+            t0 = time.perf_counter()
+            try:
+                ok = await asyncio.wait_for(_probe_once(host, int(port)), 30)
+            except (OSError, asyncio.TimeoutError):
+                ok = False
+            lat.append(time.perf_counter() - t0)
+            errors += not ok
+            await asyncio.sleep(0.01)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(loop() for _ in range(probes)))
+    took = time.perf_counter() - t0
+    ms = np.asarray(lat) * 1e3
+    return {"requests": len(lat), "errors": errors, "rps": len(lat) / took,
+            "p50": float(np.percentile(ms, 50)) if len(ms) else float("nan"),
+            "p99": float(np.percentile(ms, 99)) if len(ms) else float("nan"),
+            "max": float(ms.max()) if len(ms) else float("nan")}
+
+
+def _status_loops(url: str, clients: int, seconds: float, out) -> None:
+    """``clients`` keep-alive clients looping on GET /v1/status (a process of its own)."""
+
+    async def main() -> dict:
+        codes: dict[int, int] = {}
+        until = time.perf_counter() + seconds
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+
+        async def loop(http: httpx.AsyncClient) -> None:
+            while time.perf_counter() < until:
+                try:
+                    code = (await http.get("/v1/status", headers=auth)).status_code
+                except httpx.HTTPError:
+                    code = 0
+                codes[code] = codes.get(code, 0) + 1
+
+        https = [httpx.AsyncClient(base_url=url, timeout=60.0) for _ in range(clients)]
+        try:
+            await asyncio.gather(*(loop(h) for h in https))
+        finally:
+            await asyncio.gather(*(h.aclose() for h in https))
+        return codes
+
+    out.put(asyncio.run(main()))
+
+
+def _half_open(url: str, count: int, per_s: float, out) -> None:
+    """Open ``count`` connections at ``per_s`` a second, each sending half a request head;
+    keep each until the server closes it (a process of its own)."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sel = selectors.DefaultSelector()
+    opened = refused = closed = 0
+
+    def reap(timeout: float) -> None:
+        nonlocal closed
+        for key, _ in sel.select(timeout):
+            try:
+                data = key.fileobj.recv(4096)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                sel.unregister(key.fileobj)
+                key.fileobj.close()
+                closed += 1
+
+    t0 = time.monotonic()
+    for i in range(count):
+        wait = t0 + i / per_s - time.monotonic()
+        if wait > 0:
+            reap(wait)
+        try:
+            s = socket.socket()
+        except OSError:  # this process is out of descriptors: the server keeps them all
+            refused += count - i
+            break
+        s.settimeout(5)
+        try:
+            s.connect((host, int(port)))
+            s.sendall(PARTIAL_HEAD)
+        except OSError:
+            refused += 1
+            s.close()
+            continue
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ)
+        opened += 1
+    open_s = time.monotonic() - t0
+    until = time.monotonic() + 15  # the rest end at the header deadline
+    while sel.get_map() and time.monotonic() < until:
+        reap(0.2)
+    left = len(sel.get_map())
+    for key in list(sel.get_map().values()):
+        key.fileobj.close()
+    out.put({"opened": opened, "refused": refused, "closed_by_server": closed, "left": left,
+             "open_s": open_s})
+
+
+def overload(stack: _Stack, probes: int, seconds: float, status_clients: int, half_open: int,
+             rate: float) -> tuple[list[dict], dict, dict]:
+    """The three probe phases (rows of the table), the status loops' codes, the flood's counts."""
+    ctx = mp.get_context("fork")
+    rows = [{"endpoint": OVERLOAD[0], **asyncio.run(_probes(stack.url, probes, seconds))}]
+    out = ctx.Queue()
+    loader = ctx.Process(target=_status_loops, args=(stack.url, status_clients, seconds + 1, out))
+    loader.start()
+    time.sleep(1.0)
+    rows.append({"endpoint": OVERLOAD[1], **asyncio.run(_probes(stack.url, probes, seconds))})
+    codes = out.get(timeout=seconds + 120)
+    loader.join(30)
+    flood_s = half_open / rate
+    flood = ctx.Process(target=_half_open, args=(stack.url, half_open, rate, out))
+    flood.start()
+    rows.append({"endpoint": OVERLOAD[2], **asyncio.run(_probes(stack.url, probes, flood_s))})
+    counts = out.get(timeout=flood_s + 180)
+    flood.join(30)
+    return rows, codes, counts
+
+
+def register_versions(redis_url: str, n: int) -> None:
+    """``n`` more versions in the API's registry (every tenth walked to serving)."""
+    from alignd.infra.bus import RedisBus, connect
+    from alignd.infra.registry import Registry
+    from alignd.infra.settings import ApiSettings
+
+    registry = Registry(RedisBus(connect(redis_url)), ApiSettings(dev_mode=True).key_prefix)
+    for i in range(n):
+        vid = f"load{i:05d}"
+        registry.create(vid, f"/published/{vid}", actor="bench")
+        if i % 10 == 0:
+            for state in ("converting", "converted", "loading", "serving"):
+                registry.transition(vid, state, actor="bench")
+
+
 # --- the guidance store under several learners ----------------------------------------------
 
 
@@ -262,7 +452,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--learner-record-kib", type=int, default=1024)
     ap.add_argument("--store-seconds", type=float, default=None)
+    ap.add_argument("--versions", type=int, default=2_000, help="registered before overload")
+    ap.add_argument("--probes", type=int, default=4, help="concurrent liveness probes")
+    ap.add_argument("--overload-seconds", type=float, default=None)
+    ap.add_argument("--status-clients", type=int, default=40)
+    ap.add_argument("--half-open", type=int, default=None)
+    ap.add_argument("--half-open-rate", type=float, default=1_000.0)
     args = ap.parse_args(argv)
+    overload_s = args.overload_seconds or (5.0 if args.quick else 10.0)
+    half_open = args.half_open or (5_000 if args.quick else 20_000)
     clients = args.clients or (50 if args.quick else 200)
     seconds = args.seconds or (10.0 if args.quick else 60.0)
     store_seconds = args.store_seconds or (3.0 if args.quick else 10.0)
@@ -275,14 +473,26 @@ def main(argv: list[str] | None = None) -> int:
         stored: dict[int, int] = {}
         rows = [asyncio.run(_phase(stack.url, p, clients, seconds / len(PHASES), record, stored))
                 for p in PHASES]
+        register_versions(stack.redis_url, args.versions)
+        more, codes, flood = overload(stack, args.probes, overload_s, args.status_clients,
+                                      half_open, args.half_open_rate)
+        rows += more
         base = rows[0]
-        print(f"\n{'endpoint':<16} {'requests':>9} {'errors':>7} {'req/s':>9} {'p50 ms':>8} "
+        print(f"\n{'endpoint':<18} {'requests':>9} {'errors':>7} {'req/s':>9} {'p50 ms':>8} "
               f"{'p99 ms':>8} {'req/s vs healthz':>17} {'p50 vs healthz':>15}")
         for r in rows:
-            print(f"{r['endpoint']:<16} {r['requests']:>9} {r['errors']:>7} {r['rps']:>9.0f} "
+            print(f"{r['endpoint']:<18} {r['requests']:>9} {r['errors']:>7} {r['rps']:>9.0f} "
                   f"{r['p50']:>8.1f} {r['p99']:>8.1f} {r['rps'] / base['rps']:>17.2f} "
                   f"{r['p50'] / base['p50']:>15.2f}")
         print(f"(guidance records {args.record_kib} KiB; rollouts of {COMPLETION} completion tokens)")
+        print(f"overload phases at {args.versions + 1} versions, {overload_s:g} s, {args.probes} "
+              f"probes (a new connection per GET /healthz); probe max ms: "
+              + ", ".join(f"{r['endpoint']} {r['max']:.0f}" for r in more))
+        print(f"  {args.status_clients} status clients: {sum(codes.values())} answers {codes}")
+        print(f"  half-open: {flood['opened']} opened in {flood['open_s']:.1f} s "
+              f"({flood['refused']} not opened), {flood['closed_by_server']} closed by the server, "
+              f"{flood['left']} still open 15 s later; API log {stack.log_lines()} lines in all")
+        print(f"  API limits: {stack.limits}")
         s = store_load(stack.redis_url, args.learners, args.batch, args.learner_record_kib << 10,
                        store_seconds)
         print(f"\nguidance store, {s['learners']} learner processes get_many({args.batch} x "
