@@ -8,10 +8,12 @@ also on machines without a GPU.
 
 from __future__ import annotations
 
+import platform
 import re
 import shutil
 import subprocess
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -165,3 +167,35 @@ def test_cpu_library_keeps_wide_instructions_in_their_paths():
     assert any(op.startswith("vcvtph2ps") for op in seen["avx2"])  # the paths are there
     assert seen["avx512"], "no avx512 path functions found"
     assert not {op for op in seen["other"] if op.startswith("v")}, "VEX code in shared code"
+
+
+PROBE = Path(__file__).with_name("cpu_paths_probe.cpp")
+
+
+@pytest.mark.parametrize("cpu, paths", [
+    pytest.param(None, None, id="this-cpu"),
+    pytest.param("Haswell", ("scalar", "avx2"), id="emulated-avx2-only"),
+    pytest.param("Nehalem", ("scalar",), id="emulated-sse4-only"),
+])
+def test_cpu_library_picks_and_runs_its_paths_on_other_cpus(cpu, paths, tmp_path):
+    """The built CPU library, linked into a small probe (cpu_paths_probe.cpp), detects the
+    paths of the CPU it runs on and gives the scalar path's bits on every SIMD path it
+    supports: here, and under qemu-x86_64 emulating an AVX2-only CPU (Haswell: the AVX2
+    path runs where AVX-512 does not exist) and one without AVX (Nehalem: scalar only)."""
+    gxx = shutil.which("g++")
+    if gxx is None or platform.machine() != "x86_64":
+        pytest.skip("needs g++ on x86-64")
+    if cpu is not None and shutil.which("qemu-x86_64") is None:
+        pytest.skip("qemu-x86_64 not installed (Debian/Ubuntu: apt-get install qemu-user)")
+    lib = _native.build("cpu")
+    probe = tmp_path / "probe"
+    subprocess.run([gxx, "-O2", "-std=c++17", f"-I{_native.CSRC}", str(PROBE), str(lib),
+                    f"-Wl,-rpath,{lib.parent}", "-o", str(probe)], check=True, capture_output=True)
+    cmd = [str(probe)] if cpu is None else ["qemu-x86_64", "-cpu", cpu, str(probe)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    mask = int(run.stdout.split()[1])  # "paths <mask> best <path>"
+    found = tuple(name for i, name in enumerate(_native.CPU_PATHS) if mask >> i & 1)
+    assert found == (paths or tuple(reversed(ops.cpu_kernel_paths())))
+    compared = int(run.stdout.split("compared ")[1].split()[0])
+    assert compared == 108 * (len(found) - 1)  # 108 configurations per SIMD path
