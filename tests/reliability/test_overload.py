@@ -412,7 +412,7 @@ def test_status_snapshot_is_computed_once_for_concurrent_callers():
 
 def test_repeated_log_records_are_written_once_per_interval():
     """1,000 identical errors write one line; the next after the interval says 999 were held
-    back; a different record passes meanwhile."""
+    back; different records pass meanwhile, from other lines or the same one."""
     records: list[logging.LogRecord] = []
 
     class Keep(logging.Handler):
@@ -421,6 +421,7 @@ def test_repeated_log_records_are_written_once_per_interval():
 
     log = logging.getLogger("test_overload.repeats")
     log.propagate = False
+    log.setLevel(logging.INFO)
     handler = Keep()
     handler.addFilter(RepeatFilter(interval_s=0.3))
     log.addHandler(handler)
@@ -429,14 +430,19 @@ def test_repeated_log_records_are_written_once_per_interval():
         for _ in range(n):
             log.error("socket.accept() out of system resource", exc_info=OSError(24, "EMFILE"))
 
+    def versions(n: int) -> None:
+        for i in range(n):
+            log.info("converted %s", f"v{i}")
+
     try:
         storm(1_000)
         log.warning("something else")
+        versions(5)  # one line, different messages: all written
         time.sleep(0.35)
         storm(1)
     finally:
         log.removeHandler(handler)
     messages = [r.getMessage() for r in records]
-    assert len(messages) == 3, messages
-    assert messages[1] == "something else"
-    assert "999 more like this" in messages[2]
+    assert len(messages) == 8, messages
+    assert messages[1:7] == ["something else"] + [f"converted v{i}" for i in range(5)]
+    assert "999 more like this" in messages[7]

@@ -23,8 +23,8 @@
   evicts only itself. Later requests of a kept-alive connection are covered by uvicorn's
   keep-alive timer while idle, not by this guard.
 * **Bounded logs** (:class:`RepeatFilter`, on the handlers of the root and uvicorn loggers):
-  within :data:`LOG_REPEAT_INTERVAL_S` only the first record of a kind (same logger, level,
-  source line and message template) is written; the next one after the interval says how
+  within :data:`LOG_REPEAT_INTERVAL_S` only the first of identical records (same logger,
+  level, source line and message) is written; the next one after the interval says how
   many were held back. A storm of identical errors (``accept()`` out of descriptors, one
   per attempt) writes a few lines a minute, not a traceback per attempt.
 
@@ -97,8 +97,10 @@ def raise_fd_limit() -> tuple[int, int]:
 class RepeatFilter(logging.Filter):
     """Write the first record of a kind per ``interval_s``; count the rest and say so next time.
 
-    A kind is (logger, level, source line, message template). One instance may sit on several
-    handlers: its verdict is remembered on the record, so each handler gets the same one.
+    A kind is (logger, level, source line, formatted message): only identical records are
+    held back, so lines that differ (another version, another path) all pass. One instance
+    may sit on several handlers: its verdict is remembered on the record, so each handler
+    gets the same one.
     """
 
     VERDICT = "align_repeat_verdict"
@@ -114,7 +116,7 @@ class RepeatFilter(logging.Filter):
         verdict = getattr(record, self.VERDICT, None)
         if verdict is not None:
             return verdict
-        kind = (record.name, record.levelno, record.pathname, record.lineno, str(record.msg))
+        kind = (record.name, record.levelno, record.pathname, record.lineno, record.getMessage())
         now = time.monotonic()
         with self.lock:
             entry = self.kinds.get(kind)
@@ -124,7 +126,7 @@ class RepeatFilter(logging.Filter):
             else:
                 if entry is not None and entry[1]:
                     record.msg = (f"{record.msg} [{entry[1]} more like this in the "
-                                  f"{now - entry[0]:.0f} s before were not logged]")
+                                  f"{now - entry[0]:.1f} s before were not logged]")
                 if len(self.kinds) >= self.MAX_KINDS:
                     self.kinds = {k: v for k, v in self.kinds.items()
                                   if now - v[0] < self.interval_s}
