@@ -1,0 +1,292 @@
+"""How libalign calls its compiled quantize kernels: parameter blocks, launches, results.
+
+:mod:`libalign.ops` is the door callers use; this module is the machinery behind it,
+shared with :mod:`libalign.weight_sync`. A call goes in two steps so that several can
+run back to back on a GPU with one synchronisation for all:
+
+1. :func:`launch` checks nothing (the caller did), allocates the outputs (or takes an
+   ``out`` result's buffers), fills the kernels' parameter block (:func:`params`, cached:
+   the kernels only read it) and launches. CUDA work stays asynchronous; the kernels OR
+   their flags into a device int the caller owns.
+2. :func:`finish` turns a launched call and its flags into the result: the
+   :class:`~libalign.spec.NVFP4Tensor` (or :class:`GemmOperand`) viewing the outputs, the
+   spec's result for a corner the kernels do not reproduce, or the spec's typed error
+   (:func:`raise_like_spec`) for a flagged input.
+
+:class:`GemmOperand` lives here because :func:`finish` builds it; :mod:`libalign.ops`
+re-exports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from . import _native, scale_math
+from . import spec as _spec
+from .constants import BLOCK_SIZE
+from .errors import SpecError
+from .packing import swizzled_size, unswizzle_scales
+from .spec import NumericsSpec, NVFP4Tensor
+
+ORDERS = {"te": 0, "torchao": 1, "modelopt": 2}
+SIGNED_ZERO = {"positive": 0, "sign_of_input": 1, "sign_of_nonzero": 2}
+DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+CONVENTIONS = {"amax": 0, "enc": 1, "dec": 2}
+FLAG_NONFINITE, FLAG_UNDEFINED, FLAG_USE_SPEC = 1, 2, 4
+
+
+@dataclass(frozen=True, eq=False)
+class GemmOperand:
+    """A quantized weight laid out for block-scaled GEMMs: scales in the 128x4 layout.
+
+    ``block_scales`` is the flat swizzled buffer (each expert padded to 128 rows and a
+    multiple of 4 scale columns, padding bytes zero); the other fields are as in
+    :class:`~libalign.spec.NVFP4Tensor`.
+    """
+
+    codes: torch.Tensor
+    block_scales: torch.Tensor
+    outer_scale: torch.Tensor | None
+    outer_amax: torch.Tensor | None
+    spec: NumericsSpec
+    shape: tuple[int, ...]
+
+    def linear(self) -> NVFP4Tensor:
+        """The same bits with linear block scales."""
+        nb = -(-self.shape[-1] // BLOCK_SIZE)
+        lin = unswizzle_scales(self.block_scales, (*self.shape[:-1], nb))
+        return NVFP4Tensor(self.codes, lin, self.outer_scale, self.spec, self.shape,
+                           self.outer_amax)
+
+
+def check_out(out, x, spec, layout) -> None:
+    """Refuse an ``out`` that does not have this call's shape, spec, layout and device."""
+    want = GemmOperand if layout == "swizzled" else NVFP4Tensor
+    if not isinstance(out, want):
+        raise SpecError(f"out must be a {want.__name__} for scale_layout={layout!r}")
+    if out.shape != tuple(x.shape) or out.spec != spec or out.codes.device != x.device:
+        raise SpecError(f"out has shape {out.shape}, spec {out.spec.name!r} on "
+                        f"{out.codes.device}; this call needs {tuple(x.shape)}, "
+                        f"{spec.name!r} on {x.device}")
+    for t in (out.codes, out.block_scales, out.outer_scale, out.outer_amax):
+        if t is not None and not t.is_contiguous():
+            raise SpecError("out's buffers must be contiguous")
+
+
+def copy_into(q, out):
+    """Copy a result's bits into ``out``'s buffers and return a result viewing them."""
+    out.codes.copy_(q.codes)
+    out.block_scales.view(torch.uint8).copy_(q.block_scales.view(torch.uint8))
+    for mine, theirs in ((out.outer_scale, q.outer_scale), (out.outer_amax, q.outer_amax)):
+        if mine is not None and theirs is not None:
+            mine.copy_(theirs)
+    return type(out)(**{**q.__dict__, "codes": out.codes, "block_scales": out.block_scales,
+                        "outer_scale": out.outer_scale if q.outer_scale is not None else None,
+                        "outer_amax": out.outer_amax if q.outer_amax is not None else None})
+
+
+def as_gemm_operand(q: NVFP4Tensor) -> GemmOperand:
+    """The same bits as ``q`` with block scales in the 128x4 layout (one swizzle pass).
+
+    What :func:`quantize` with ``scale_layout="swizzled"`` returns directly; use this for
+    bits quantized earlier (stored weights) that a block-scaled GEMM is about to read.
+    """
+    return GemmOperand(q.codes, q.swizzled_block_scales(), q.outer_scale, q.outer_amax,
+                       q.spec, q.shape)
+
+
+def params(x3: torch.Tensor, spec: NumericsSpec, swizzled: bool) -> _native.NvParams:
+    """The kernels' parameter block for this call (shared: the kernels only read it)."""
+    return params_for(tuple(x3.shape), x3.dtype, spec, swizzled)
+
+
+@functools.lru_cache(maxsize=256)
+def params_for(shape: tuple[int, int, int], dtype: torch.dtype, spec: NumericsSpec,
+                swizzled: bool) -> _native.NvParams:
+    e, m, k = shape
+    p = _native.NvParams()
+    p.experts, p.rows, p.k = e, m, k
+    p.in_dtype = DTYPES[dtype]
+    p.op_order = ORDERS[spec.op_order]
+    p.outer_mode = 1 if spec.outer_domain == "row" else 0
+    p.outer_stride = 1 if spec.outer_domain == "expert" else 0
+    p.store_conv = CONVENTIONS[spec.outer_convention]
+    p.has_amax_floor = int(spec.amax_floor is not None)
+    p.amax_floor = spec.amax_floor or 0.0
+    p.block_scale_floor = spec.block_scale_floor or 0.0
+    p.has_zero_prescale = int(spec.zero_prescale_to is not None)
+    p.zero_prescale_to = spec.zero_prescale_to or 0.0
+    p.zero_saturate = int(spec.zero_scale_encode == "saturate")
+    p.signed_zero = SIGNED_ZERO[spec.signed_zero]
+    p.nonfinite_saturate = int(spec.nonfinite == "saturate")
+    p.in_max = torch.finfo(dtype).max
+    p.swizzled = int(swizzled)
+    return p
+
+
+def outer_given(lib, x3, is_3d, spec, p, outer_amax, flags, stream, nthreads):
+    """Outer scales of the tensor/expert/none domains: amax pass + the spec's formulas.
+
+    Returns ``(enc, dec, stored, amax)``, or None when the amax pass met NaN/Inf.
+    """
+    dev = x3.device
+    if spec.outer_domain == "none":
+        one = torch.ones(1, dtype=torch.float32, device=dev)
+        return one, one, None, None
+    per_expert_domain = spec.outer_domain == "expert" and is_3d
+    if outer_amax is None:
+        per_expert = torch.zeros(x3.shape[0], dtype=torch.float32, device=dev)
+        if dev.type == "cpu":
+            code = lib.nvfp4_amax_cpu(x3.data_ptr(), per_expert.data_ptr(), p, nthreads)
+            check_launch(code, "amax")
+            if code > 0:
+                return None
+        else:  # NaN/Inf rows are flagged again by the encode kernel: flags are read once
+            code = lib.nvfp4_amax_cuda(x3.data_ptr(), per_expert.data_ptr(), p,
+                                       flags.data_ptr(), stream)
+            check_launch(code, "amax")
+            if code:
+                raise RuntimeError(f"CUDA error {code} in the NVFP4 amax kernel")
+        if per_expert_domain:
+            amax = per_expert
+        else:
+            amax = per_expert.amax() if per_expert.numel() else per_expert.new_zeros(())
+    else:
+        want = torch.empty(x3.shape[0] if per_expert_domain else ())
+        amax = _spec.checked_outer_amax(outer_amax, want.to(dev))
+    if spec.amax_floor is not None:
+        amax = torch.clamp(amax, min=amax.new_tensor(spec.amax_floor))
+    outer = scale_math.outer_from_amax(amax, spec.op_order, torch.float32)
+    stored = scale_math.stored_from_outer(outer, amax, spec.outer_convention)
+    return outer.enc.reshape(-1).contiguous(), outer.dec.reshape(-1).contiguous(), stored, amax
+
+
+def check_launch(code: int, what: str) -> None:
+    if code < 0:
+        raise SpecError(f"the {what} kernel refused its parameters (code {code})")
+
+
+@dataclass
+class Pending:
+    """A launched kernel call whose flags are not read yet (see :func:`quantize_many`)."""
+
+    x: torch.Tensor
+    spec: NumericsSpec
+    outer_amax: torch.Tensor | None
+    swizzled: bool
+    out: NVFP4Tensor | GemmOperand | None
+    codes: torch.Tensor
+    scales: torch.Tensor
+    amax_out: torch.Tensor
+    stored_out: torch.Tensor
+    stored: torch.Tensor | None
+    amax: torch.Tensor | None
+    flags: torch.Tensor | int  # a device int (CUDA, read later) or the CPU kernel's result
+
+
+def launch(lib, x, spec, outer_amax, swizzled, out=None, flags=None, stream=None) -> Pending:
+    """Allocate outputs and launch the kernel(s); CUDA work stays asynchronous.
+
+    ``stream``: the raw CUDA stream to launch on (default: the device's current stream).
+    """
+    is_3d = x.ndim == 3
+    x3 = (x if is_3d else x.unsqueeze(0)).contiguous()
+    e, m, k = x3.shape
+    nb = k // BLOCK_SIZE
+    dev = x3.device
+    p = params(x3, spec, swizzled)
+    cuda = dev.type == "cuda"
+    if cuda and flags is None:
+        flags = torch.zeros(1, dtype=torch.int32, device=dev)
+    if cuda and stream is None:
+        stream = torch.cuda.current_stream(dev).cuda_stream
+    nthreads = torch.get_num_threads()
+
+    row = spec.outer_domain == "row"
+    if out is None:
+        codes = torch.empty((e, m, k // 2), dtype=torch.uint8, device=dev)
+        if swizzled:  # padding bytes must be zero; without padding every byte is written
+            alloc = torch.empty if m % 128 == 0 and nb % 4 == 0 else torch.zeros
+            scales = alloc(e * swizzled_size(m, nb), dtype=torch.uint8, device=dev)
+        else:
+            scales = torch.empty((e, m, nb), dtype=torch.uint8, device=dev)
+        amax_out = torch.empty(e * m if row else 0, dtype=torch.float32, device=dev)
+        stored_out = torch.empty_like(amax_out)
+    else:  # the kernel never writes swizzle padding, so out's zero padding stays zero
+        codes = out.codes.view(e, m, k // 2)
+        scales = out.block_scales.view(torch.uint8)
+        scales = scales.view(-1) if swizzled else scales.view(e, m, nb)
+        empty = torch.empty(0, dtype=torch.float32, device=dev)
+        amax_out = out.outer_amax.view(-1) if row else empty
+        stored_out = out.outer_scale.view(-1) if row else empty
+    stored = amax = None
+    pending = Pending(x, spec, outer_amax, swizzled, out, codes, scales, amax_out, stored_out,
+                       None, None, 0)
+    same = not cuda or dev.index is None or dev.index == torch.cuda.current_device()
+    with contextlib.nullcontext() if same else torch.cuda.device(dev):
+        if row:
+            enc = dec = amax_out  # unused in ROW mode
+        else:
+            given = outer_given(lib, x3, is_3d, spec, p, outer_amax, flags, stream, nthreads)
+            if given is None:  # the CPU amax pass met NaN/Inf
+                pending.flags = FLAG_NONFINITE
+                return pending
+            enc, dec, stored, amax = given
+        if cuda:
+            code = lib.nvfp4_quantize_cuda(x3.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                                           amax_out.data_ptr(), stored_out.data_ptr(),
+                                           enc.data_ptr(), dec.data_ptr(), p, flags.data_ptr(),
+                                           stream)
+            check_launch(code, "quantize")
+            if code:
+                raise RuntimeError(f"CUDA error {code} in the NVFP4 quantize kernel")
+            pending.flags = flags
+        else:
+            bad = lib.nvfp4_quantize_cpu(x3.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                                         amax_out.data_ptr(), stored_out.data_ptr(),
+                                         enc.data_ptr(), dec.data_ptr(), p, nthreads)
+            check_launch(bad, "quantize")
+            pending.flags = bad
+    pending.stored, pending.amax = stored, amax
+    return pending
+
+
+def finish(t: Pending, bad: int):
+    """The result of a launched call, given its flags (the spec raises or answers on a flag)."""
+    x, spec, out = t.x, t.spec, t.out
+    if bad == FLAG_USE_SPEC:  # a corner the fast path does not reproduce: the spec's bits
+        q = _spec.quantize(x, spec, outer_amax=t.outer_amax)
+        q = as_gemm_operand(q) if t.swizzled else q
+        return q if out is None else copy_into(q, out)
+    if bad:
+        return raise_like_spec(x, spec, t.outer_amax)
+    shape = tuple(x.shape)
+    lead, k = shape[:-1], shape[-1]
+    codes = t.codes.reshape(*lead, k // 2)
+    stored, amax = t.stored, t.amax
+    if spec.outer_domain == "row":
+        stored, amax = t.stored_out.reshape(lead), t.amax_out.reshape(lead)
+    elif out is not None and stored is not None:
+        out.outer_scale.copy_(stored)
+        out.outer_amax.copy_(amax)
+        stored, amax = out.outer_scale, out.outer_amax
+    if t.swizzled:
+        return GemmOperand(codes, t.scales.view(torch.float8_e4m3fn), stored, amax, spec, shape)
+    return NVFP4Tensor(codes=codes,
+                       block_scales=t.scales.reshape(*lead, k // BLOCK_SIZE).view(torch.float8_e4m3fn),
+                       outer_scale=stored, spec=spec, shape=shape, outer_amax=amax)
+
+
+def quantize_kernel(lib, x, spec, outer_amax, swizzled, out=None):
+    t = launch(lib, x, spec, outer_amax, swizzled, out)
+    return finish(t, int(t.flags.item()) if isinstance(t.flags, torch.Tensor) else t.flags)
+
+
+def raise_like_spec(x, spec, outer_amax):
+    _spec.quantize(x, spec, outer_amax=outer_amax)  # raises the typed error with positions
+    raise RuntimeError("an NVFP4 kernel flagged its input but the spec accepted it; "
+                       "please report this as a kernel bug")
