@@ -90,6 +90,24 @@ inline NvOuter row_outer(float rowmax, const NvParams& p, int64_t r, int64_t e,
   return o;
 }
 
+// Rows handed out in chunks: a worker takes the next chunk when it finishes one, so a
+// worker slowed by other load on its core takes fewer rows instead of holding up the call.
+class RowQueue {
+ public:
+  RowQueue(int64_t total, int64_t chunk) : total_(total), chunk_(chunk) {}
+  bool take(int64_t* r0, int64_t* r1) {
+    const int64_t a = next_.fetch_add(chunk_, std::memory_order_relaxed);
+    if (a >= total_) return false;
+    *r0 = a;
+    *r1 = std::min(total_, a + chunk_);
+    return true;
+  }
+
+ private:
+  std::atomic<int64_t> next_{0};
+  const int64_t total_, chunk_;
+};
+
 // Row r's scale bytes into the linear or 128x4-swizzled layout.
 inline void store_scales(const uint8_t* sbytes, uint8_t* scales, const NvParams& p, int64_t r,
                          int64_t e, int64_t rr, int64_t nb) {
@@ -217,39 +235,35 @@ int current_path() {
 
 void quantize_rows(int path, const void* x, uint8_t* codes, uint8_t* scales, float* amax_out,
                    float* stored_out, const float* enc, const float* dec, const NvParams& p,
-                   int64_t r0, int64_t r1, int* flags) {
+                   RowQueue& q, int* flags) {
 #if NV_X86
   if (path == NV_CPU_AVX512)
-    return nv_avx512::quantize_rows(x, codes, scales, amax_out, stored_out, enc, dec, p, r0, r1, flags);
+    return nv_avx512::quantize_rows(x, codes, scales, amax_out, stored_out, enc, dec, p, q, flags);
   if (path == NV_CPU_AVX2)
-    return nv_avx2::quantize_rows(x, codes, scales, amax_out, stored_out, enc, dec, p, r0, r1, flags);
+    return nv_avx2::quantize_rows(x, codes, scales, amax_out, stored_out, enc, dec, p, q, flags);
 #endif
   (void)path;
-  nv_scalar::quantize_rows(x, codes, scales, amax_out, stored_out, enc, dec, p, r0, r1, flags);
+  nv_scalar::quantize_rows(x, codes, scales, amax_out, stored_out, enc, dec, p, q, flags);
 }
 
-void amax_rows(int path, const void* x, const NvParams& p, int64_t r0, int64_t r1, float* part,
-               int* flags) {
+void amax_rows(int path, const void* x, const NvParams& p, RowQueue& q, float* part, int* flags) {
 #if NV_X86
-  if (path == NV_CPU_AVX512) return nv_avx512::amax_rows(x, p, r0, r1, part, flags);
-  if (path == NV_CPU_AVX2) return nv_avx2::amax_rows(x, p, r0, r1, part, flags);
+  if (path == NV_CPU_AVX512) return nv_avx512::amax_rows(x, p, q, part, flags);
+  if (path == NV_CPU_AVX2) return nv_avx2::amax_rows(x, p, q, part, flags);
 #endif
   (void)path;
-  nv_scalar::amax_rows(x, p, r0, r1, part, flags);
+  nv_scalar::amax_rows(x, p, q, part, flags);
 }
 
+// Run fn(queue, worker) on up to nthreads workers (the calling thread is worker 0), at least
+// 64 rows each, sharing one queue of chunks of about 1/16 of a worker's share.
 template <typename F>
 void parallel_rows(int64_t total, int nthreads, F fn) {
-  int64_t per_thread_min = 64;
-  int t = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, total / per_thread_min)));
-  if (t <= 1) { fn(0, total, 0); return; }
+  const int t = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(nthreads, total / 64)));
+  RowQueue q(total, std::max<int64_t>(1, total / (16 * t)));
   std::vector<std::thread> pool;
-  int64_t chunk = (total + t - 1) / t;
-  for (int i = 0; i < t; ++i) {
-    int64_t a = i * chunk, b = std::min(total, a + chunk);
-    if (a >= b) break;
-    pool.emplace_back(fn, a, b, i);
-  }
+  for (int i = 1; i < t; ++i) pool.emplace_back([&q, &fn, i] { fn(q, i); });
+  fn(q, 0);
   for (auto& th : pool) th.join();
 }
 
@@ -275,8 +289,8 @@ int nvfp4_quantize_cpu(const void* x, uint8_t* codes, uint8_t* scales, float* am
   const int64_t total = p->experts * p->rows;
   const int path = current_path();
   std::vector<int> flags(static_cast<size_t>(std::max(1, nthreads)), 0);
-  parallel_rows(total, nthreads, [&](int64_t a, int64_t b, int i) {
-    quantize_rows(path, x, codes, scales, amax_out, stored_out, enc, dec, *p, a, b, &flags[i]);
+  parallel_rows(total, nthreads, [&](RowQueue& q, int i) {
+    quantize_rows(path, x, codes, scales, amax_out, stored_out, enc, dec, *p, q, &flags[i]);
   });
   int out = 0;
   for (int f : flags) out |= f;
@@ -289,8 +303,8 @@ int nvfp4_amax_cpu(const void* x, float* amax_out, const NvParams* p, int nthrea
   const int nt = std::max(1, nthreads), path = current_path();
   std::vector<float> part(static_cast<size_t>(nt * p->experts), 0.0f);
   std::vector<int> flags(static_cast<size_t>(nt), 0);
-  parallel_rows(total, nt, [&](int64_t a, int64_t b, int i) {
-    amax_rows(path, x, *p, a, b, part.data() + static_cast<size_t>(i * p->experts), &flags[i]);
+  parallel_rows(total, nt, [&](RowQueue& q, int i) {
+    amax_rows(path, x, *p, q, part.data() + static_cast<size_t>(i * p->experts), &flags[i]);
   });
   int out = 0;
   for (int f : flags) out |= f;

@@ -9,7 +9,7 @@
 //   float row_max16(x, base, k, dtype)                        16-bit row max, -1 if unknown
 // and, for the SIMD paths, inside that path's `#pragma GCC target` region: every copy of
 // the driver is compiled for its own target and inlines its own helpers. The shared,
-// target-neutral steps (row_outer, store_scales) come from quantize_cpu.cpp.
+// target-neutral parts (RowQueue, row_outer, store_scales) come from quantize_cpu.cpp.
 
 // Encode one row's blocks; the signed-zero policy and whether the order divides (ModelOpt)
 // are template arguments, so the block loop carries no per-block policy branches.
@@ -25,49 +25,75 @@ void encode_row(const float* buf, const float* mults, const float* divs, const u
   }
 }
 
-// Quantize rows [r0, r1) of the flattened experts*rows matrix; flags OR-ed into *flags.
+// The per-worker scratch of quantize_rows (one row widened, its block maxima and encoders).
+struct RowScratch {
+  explicit RowScratch(int64_t k)
+      : nbp((k / 16 + 15) / 16 * 16),  // padded for 16-wide steps
+        buf(static_cast<size_t>(k)), vmax(static_cast<size_t>(nbp)),
+        mults(static_cast<size_t>(nbp)), divs(static_cast<size_t>(nbp)),
+        sbytes(static_cast<size_t>(nbp)) {}
+  int64_t nbp;
+  std::vector<float> buf, vmax, mults, divs;
+  std::vector<uint8_t> sbytes;
+};
+
+// Quantize row r of the flattened experts*rows matrix; flags OR-ed into *flags.
+inline void quantize_row(int64_t r, const void* x, uint8_t* codes, uint8_t* scales,
+                         float* amax_out, float* stored_out, const float* enc, const float* dec,
+                         const NvParams& p, RowScratch& t, int* flags) {
+  const int64_t k = p.k, nb = k / 16, e = r / p.rows, rr = r % p.rows;
+  const float rowmax = load_row(x, r * k, k, p.in_dtype, p, t.buf.data(), t.vmax.data(), flags);
+  if (*flags & NV_FLAG_NONFINITE) return;
+  const NvOuter o = row_outer(rowmax, p, r, e, enc, dec, amax_out, stored_out);
+  int undefined = 0;
+  scale_blocks(t.vmax.data(), nb, o, nv_te_block_mult(o.enc), p, t.sbytes.data(), t.mults.data(),
+               t.divs.data(), &undefined);
+  if (undefined) *flags |= NV_FLAG_UNDEFINED_SCALE;
+  store_scales(t.sbytes.data(), scales, p, r, e, rr, nb);
+  uint8_t* crow = codes + r * (k / 2);
+  const float* b = t.buf.data();
+  const float* mu = t.mults.data();
+  const float* dv = t.divs.data();
+  const uint8_t* sb = t.sbytes.data();
+  const int sz = p.signed_zero;
+  if (p.op_order == NV_ORDER_MODELOPT) {
+    if (sz == NV_SZ_POSITIVE) encode_row<NV_SZ_POSITIVE, true>(b, mu, dv, sb, nb, crow);
+    else if (sz == NV_SZ_SIGN_OF_INPUT) encode_row<NV_SZ_SIGN_OF_INPUT, true>(b, mu, dv, sb, nb, crow);
+    else encode_row<NV_SZ_SIGN_OF_NONZERO, true>(b, mu, dv, sb, nb, crow);
+  } else {
+    if (sz == NV_SZ_POSITIVE) encode_row<NV_SZ_POSITIVE, false>(b, mu, dv, sb, nb, crow);
+    else if (sz == NV_SZ_SIGN_OF_INPUT) encode_row<NV_SZ_SIGN_OF_INPUT, false>(b, mu, dv, sb, nb, crow);
+    else encode_row<NV_SZ_SIGN_OF_NONZERO, false>(b, mu, dv, sb, nb, crow);
+  }
+}
+
+// Quantize the rows this worker takes from q; flags OR-ed into *flags. A NaN/Inf (when not
+// saturated) stops the worker: the caller re-runs the spec, which raises.
 void quantize_rows(const void* x, uint8_t* codes, uint8_t* scales, float* amax_out,
                    float* stored_out, const float* enc, const float* dec, const NvParams& p,
-                   int64_t r0, int64_t r1, int* flags) {
-  const int64_t k = p.k, nb = k / 16, nbp = (nb + 15) / 16 * 16;  // padded for 16-wide steps
-  std::vector<float> buf(static_cast<size_t>(k)), vmax(static_cast<size_t>(nbp));
-  std::vector<float> mults(static_cast<size_t>(nbp)), divs(static_cast<size_t>(nbp));
-  std::vector<uint8_t> sbytes(static_cast<size_t>(nbp));
+                   RowQueue& q, int* flags) {
+  RowScratch t(p.k);
   int local = 0;
-  for (int64_t r = r0; r < r1; ++r) {
-    const int64_t e = r / p.rows, rr = r % p.rows;
-    const float rowmax = load_row(x, r * k, k, p.in_dtype, p, buf.data(), vmax.data(), &local);
-    if (local & NV_FLAG_NONFINITE) break;
-    const NvOuter o = row_outer(rowmax, p, r, e, enc, dec, amax_out, stored_out);
-    int undefined = 0;
-    scale_blocks(vmax.data(), nb, o, nv_te_block_mult(o.enc), p, sbytes.data(), mults.data(),
-                 divs.data(), &undefined);
-    if (undefined) local |= NV_FLAG_UNDEFINED_SCALE;
-    store_scales(sbytes.data(), scales, p, r, e, rr, nb);
-    uint8_t* crow = codes + r * (k / 2);
-    const int sz = p.signed_zero;
-    if (p.op_order == NV_ORDER_MODELOPT) {
-      if (sz == NV_SZ_POSITIVE) encode_row<NV_SZ_POSITIVE, true>(buf.data(), mults.data(), divs.data(), sbytes.data(), nb, crow);
-      else if (sz == NV_SZ_SIGN_OF_INPUT) encode_row<NV_SZ_SIGN_OF_INPUT, true>(buf.data(), mults.data(), divs.data(), sbytes.data(), nb, crow);
-      else encode_row<NV_SZ_SIGN_OF_NONZERO, true>(buf.data(), mults.data(), divs.data(), sbytes.data(), nb, crow);
-    } else {
-      if (sz == NV_SZ_POSITIVE) encode_row<NV_SZ_POSITIVE, false>(buf.data(), mults.data(), divs.data(), sbytes.data(), nb, crow);
-      else if (sz == NV_SZ_SIGN_OF_INPUT) encode_row<NV_SZ_SIGN_OF_INPUT, false>(buf.data(), mults.data(), divs.data(), sbytes.data(), nb, crow);
-      else encode_row<NV_SZ_SIGN_OF_NONZERO, false>(buf.data(), mults.data(), divs.data(), sbytes.data(), nb, crow);
-    }
+  int64_t r0, r1;
+  while (!(local & NV_FLAG_NONFINITE) && q.take(&r0, &r1)) {
+    for (int64_t r = r0; r < r1 && !(local & NV_FLAG_NONFINITE); ++r)
+      quantize_row(r, x, codes, scales, amax_out, stored_out, enc, dec, p, t, &local);
   }
   *flags |= local;
 }
 
-// Row maxima of rows [r0, r1), folded into part[expert] (the tensor/expert domains' pass).
-void amax_rows(const void* x, const NvParams& p, int64_t r0, int64_t r1, float* part,
-               int* flags) {
+// Maxima of the rows this worker takes from q, folded into part[expert] (the
+// tensor/expert domains' pass).
+void amax_rows(const void* x, const NvParams& p, RowQueue& q, float* part, int* flags) {
   const int64_t k = p.k, nb = k / 16;
   std::vector<float> buf(static_cast<size_t>(k)), vmax(static_cast<size_t>(nb));
-  for (int64_t r = r0; r < r1; ++r) {
-    float m = p.in_dtype != NV_IN_FP32 ? row_max16(x, r * k, k, p.in_dtype) : -1.0f;
-    if (m < 0.0f) m = load_row(x, r * k, k, p.in_dtype, p, buf.data(), vmax.data(), flags);
-    float& slot = part[r / p.rows];
-    slot = std::max(slot, m);
+  int64_t r0, r1;
+  while (q.take(&r0, &r1)) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float m = p.in_dtype != NV_IN_FP32 ? row_max16(x, r * k, k, p.in_dtype) : -1.0f;
+      if (m < 0.0f) m = load_row(x, r * k, k, p.in_dtype, p, buf.data(), vmax.data(), flags);
+      float& slot = part[r / p.rows];
+      slot = std::max(slot, m);
+    }
   }
 }
