@@ -12,7 +12,11 @@ on the CPU: read + write), torchao's ``nvfp4_quantize`` with one outer scale per
 ``NVFP4QTensor.quantize``. Ratios are bandwidth ratios (row GB/s / baseline GB/s).
 GPU rows are the median of CUDA-event timings over ``--repeats`` runs after warm-up;
 CPU rows the best of ``--repeats`` wall times. ``fresh`` rows allocate their outputs in
-the call (what a caller pays); ``reused`` rows write into outputs of an earlier call.
+the call (what a caller pays); ``reused`` rows write into outputs of an earlier call. On
+the CPU the table names the kernel's instruction-set path (the libalign rows run the best
+one), adds a ``CPU path`` row for each path this CPU runs (scalar, avx2, avx512, forced
+with ``libalign.ops.set_cpu_kernel_path``) and bit-checks each path. Pin it to the cores it
+should use (``taskset -c 0,1``); the kernel uses ``torch.get_num_threads()`` threads.
 
 Table 2, whole sync: the expert set of ``--layers`` layers moves from the learner's
 memory to where the sampler loads it from. On a GPU: BF16 is copied device-to-host into
@@ -45,6 +49,7 @@ import torch
 
 from libalign import ops
 from libalign.spec import PRESETS, quantize
+from libalign.weight_sync import empty_destination, quantize_into
 
 SHAPES = ((1536, 2048), (2048, 768))
 
@@ -314,10 +319,23 @@ def sync_gpu(args) -> dict:
                 sc.copy_(q.block_scales.view(torch.uint8), non_blocking=True)
                 o.copy_(q.outer_scale, non_blocking=True)
 
+    # weight_sync.quantize_into: kernels write colocated destinations themselves; host
+    # destinations get staged sets copied on a second stream while the next layer converts
+    sources = [s for layer in layers for s in layer]
+    into_host = [[empty_destination(s, spec, device="cpu", pin_memory=True) for s in layers[0]]
+                 for _ in range(2)]
+    into_dev = [[empty_destination(s, spec) for s in layers[0]] for _ in range(2)]
+
+    def into(dst):
+        n = len(layers[0])
+        quantize_into(sources, [dst[(i // n) % 2][i % n] for i in range(len(sources))], spec)
+
     cases = {"host: BF16 copy": lambda: bf16(bf16_host),
-             "host: NVFP4 convert + copy": lambda: nvfp4(fp4_host),
+             "host: NVFP4 convert + copy (quantize_into)": lambda: into(into_host),
+             "host: NVFP4 quantize_many per layer, then copy": lambda: nvfp4(fp4_host),
              "colocated: BF16 copy": lambda: bf16(bf16_dev),
-             "colocated: NVFP4 convert + copy": lambda: nvfp4(fp4_dev)}
+             "colocated: NVFP4 convert + copy (quantize_into)": lambda: into(into_dev),
+             "colocated: NVFP4 quantize_many per layer, then copy": lambda: nvfp4(fp4_dev)}
     times: dict[str, list[float]] = {k: [] for k in cases}
     for fn in cases.values():
         fn()
@@ -332,13 +350,24 @@ def sync_gpu(args) -> dict:
     last = fp4_host[(len(layers) - 1) % 2]
     ok = all(torch.equal(h[0], quantize(s.cpu(), spec).codes)
              for s, h in zip(layers[-1], last, strict=True))
+    for dst in (into_host, into_dev):  # quantize_into's last layer, every field
+        for s, d in zip(layers[-1], dst[(len(layers) - 1) % 2], strict=True):
+            ref = quantize(s.cpu(), spec)
+            ok = ok and torch.equal(d.codes.cpu(), ref.codes) and torch.equal(
+                d.block_scales.view(torch.uint8).cpu(), ref.block_scales.view(torch.uint8)) \
+                and torch.equal(d.outer_scale.cpu().view(torch.int32), ref.outer_scale.view(torch.int32))
     bf16_bytes = sum(_in_bytes(layer) for layer in layers)
     fp4_bytes = len(layers) * sum(a.numel() + b.numel() + 4 * c.numel() for a, b, c in fp4_host[0])
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"layers": args.layers, "bf16_bytes": bf16_bytes, "nvfp4_bytes": fp4_bytes,
             "seconds": med, "all_seconds": times, "host_copy_bits_ok": ok,
-            "ratio_host": med["host: NVFP4 convert + copy"] / med["host: BF16 copy"],
-            "ratio_colocated": med["colocated: NVFP4 convert + copy"] / med["colocated: BF16 copy"]}
+            "ratio_host": med["host: NVFP4 convert + copy (quantize_into)"] / med["host: BF16 copy"],
+            "ratio_colocated": (med["colocated: NVFP4 convert + copy (quantize_into)"]
+                                / med["colocated: BF16 copy"]),
+            "ratio_host_per_layer": (med["host: NVFP4 quantize_many per layer, then copy"]
+                                     / med["host: BF16 copy"]),
+            "ratio_colocated_per_layer": (med["colocated: NVFP4 quantize_many per layer, then copy"]
+                                          / med["colocated: BF16 copy"])}
 
 
 def sync_cpu(args) -> dict:
@@ -450,7 +479,8 @@ def render(res: dict, device: str) -> None:
         print(f"\nTable 2: whole sync of {t2['layers']} layers' expert weights")
         for k, v in t2["seconds"].items():
             print(f"  {k:48} {v:9.3f} s")
-        for k in ("ratio_service", "ratio_learner_side", "ratio_host", "ratio_colocated"):
+        for k in ("ratio_service", "ratio_learner_side", "ratio_host", "ratio_colocated",
+                  "ratio_host_per_layer", "ratio_colocated_per_layer"):
             if k in t2:
                 print(f"  {k:48} {t2[k]:9.3f} (NVFP4 time / BF16 time)")
         for key in ("host_copy_bits_ok", "stored_bits_ok"):
