@@ -10,7 +10,8 @@ copy of the same input bytes (device-to-device on a GPU, memcpy into pre-touched
 on the CPU: read + write), torchao's ``nvfp4_quantize`` with one outer scale per row
 (``torch.compile``-d on a GPU, eager on the CPU) and, on the CPU, ModelOpt's
 ``NVFP4QTensor.quantize``. Ratios are bandwidth ratios (row GB/s / baseline GB/s).
-GPU rows are the median of CUDA-event timings over ``--repeats`` runs after warm-up;
+GPU rows are the median of CUDA-event timings over ``--repeats`` runs after warm-up
+(what a caller pays, end to end), with the kernels' own device time beside them;
 CPU rows the best of ``--repeats`` wall times. ``fresh`` rows allocate their outputs in
 the call (what a caller pays); ``reused`` rows write into outputs of an earlier call. On
 the CPU the table names the kernel's instruction-set path (the libalign rows run the best
@@ -162,6 +163,18 @@ def cpu_path_row(stacks, path) -> Row:
     return Row(f"libalign minite (row), fresh outputs, CPU path {path}", run, _out_bytes)
 
 
+def kernel_seconds(run: Callable[[], object], repeats: int = 5) -> float:
+    """Device time of the quantize kernels one call of ``run`` launches (torch.profiler),
+    without the host's part (allocation, launch, the flag read) that the ms column pays."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            run()
+        torch.cuda.synchronize()
+    total_us = sum(e.device_time_total for e in prof.key_averages()
+                   if "quantize_rows" in e.key or "amax_rows" in e.key)
+    return total_us / repeats / 1e6
+
+
 def copy_row(stacks, device) -> Row:
     """A copy of the same input bytes into pre-allocated (pre-touched) destinations."""
     dst = [torch.empty_like(s) for s in stacks]
@@ -272,6 +285,8 @@ def table1(args, device) -> dict:
         rows += [cpu_path_row(stacks, path) for path in ops.cpu_kernel_paths()]
         rows += [modelopt_row(stacks), spec_row(stacks)]
     time_rows(rows, device, args.repeats)
+    kernel_s = {r.name: kernel_seconds(r.run) for r in rows
+                if device == "cuda" and r.name.startswith("libalign") and not r.error}
     bytes_in = _in_bytes(stacks)
     res = {"bytes_in": bytes_in, "rows": []}
     for r in rows:
@@ -279,7 +294,7 @@ def table1(args, device) -> dict:
         t = r.seconds
         res["rows"].append({"name": r.name, "seconds": t, "bytes_moved": moved,
                             "GBps": None if t is None or moved is None else moved / t / 1e9,
-                            "error": r.error})
+                            "kernel_seconds": kernel_s.get(r.name), "error": r.error})
     res["bit_checks"] = bit_check(stacks, device)
     if device == "cpu":
         res["cpu_kernel_path"], res["cpu_kernel_paths"] = ops.cpu_kernel_path(), ops.cpu_kernel_paths()
@@ -459,8 +474,10 @@ def render(res: dict, device: str) -> None:
         print(f"CPU kernel path: {t1['cpu_kernel_path']} (this CPU runs "
               f"{', '.join(t1['cpu_kernel_paths'])}; {res['threads']} threads); the libalign "
               "rows without a path name run it")
+    kernel = device == "cuda"
     head = f"{'row':62} {'ms':>9} {'GB/s':>9} {'vs copy':>8} {'vs torchao':>10}"
     head += f" {'vs modelopt':>11}" if mo else ""
+    head += f" {'kernel ms':>9} {'kernel vs copy':>14}" if kernel else ""
     print(head)
     for r in t1["rows"]:
         g = r["GBps"]
@@ -469,6 +486,10 @@ def render(res: dict, device: str) -> None:
                 f"{_fmt(g and tao and g / tao, '10.2f')}")
         if mo:
             line += f" {_fmt(g and g / mo, '11.1f')}"
+        ks = r.get("kernel_seconds")
+        if kernel and ks:
+            kg = r["bytes_moved"] / ks / 1e9
+            line += f" {ks * 1e3:9.3f} {_fmt(copy and kg / copy, '14.2f')}"
         if r["error"]:
             line += f"  ERROR {r['error']}"
         print(line)
