@@ -1,8 +1,11 @@
-"""Numbers that define NVFP4. Numbers only: no logic, no torch.
+"""Numbers that define NVFP4 and MXFP4. Numbers only: no logic, no torch.
 
 NVFP4 stores each element as a 4-bit E2M1 float (1 sign, 2 exponent, 1 mantissa bit,
 exponent bias 1, no Inf, no NaN), one FP8 E4M3 scale per 16 consecutive elements along
 the last dimension, and an FP32 outer scale per tensor, per expert or per row.
+
+MXFP4 (OCP Microscaling) stores the same E2M1 elements with one E8M0 scale (a bare
+power of two, 8 exponent bits, bias 127) per 32 consecutive elements and no outer scale.
 """
 
 # --- E2M1 (the element format) -------------------------------------------------------
@@ -25,6 +28,15 @@ E4M3_MANTISSA_BITS: int = 3
 E4M3_MIN_NORMAL: float = 2.0**-6  # 0x08; torch.finfo(float8_e4m3fn).tiny
 E4M3_MIN_SUBNORMAL: float = 2.0**-9  # 0x01
 E4M3_NAN_BITS: int = 0x7F
+
+# --- E8M0 (the MXFP4 block-scale format, torch.float8_e8m0fnu) ----------------------
+#: A byte ``b`` is the scale 2^(b - 127): 0x00 is 2^-127, 0xFE is 2^127, 0xFF is NaN.
+E8M0_EXPONENT_BIAS: int = 127
+E8M0_NAN_BITS: int = 0xFF
+#: floor(log2(6)): the exponent of E2M1's largest power of two, 4 = 2^2. OCP's scale is
+#: 2^(floor(log2(amax)) - 2).
+E2M1_MAX_POW2: int = 2
+MX_BLOCK_SIZE: int = 32
 
 # --- blocks and the outer scale ------------------------------------------------------
 BLOCK_SIZE: int = 16

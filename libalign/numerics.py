@@ -1,4 +1,4 @@
-"""The choices an NVFP4 bit depends on (:class:`NumericsSpec`) and the public presets.
+"""The choices an NVFP4 or MXFP4 bit depends on (:class:`NumericsSpec`) and the public presets.
 
 "Matching an FP4 encoding" leaves many bits open: where the outer scale's maximum is taken
 (tensor, expert, row), in which fp32 operation order the scales and the element encoding
@@ -35,6 +35,24 @@ a separate question. The presets reproduce public quantizers exactly on finite i
     scale that rounds to zero becomes 0.125 (0x20), encode ``x / (s / gs)``, K must be
     a multiple of 16. Stores the encode-convention global scale.
 
+MXFP4 presets (E8M0 power-of-two scale per 32 values, no outer scale; ``op_order`` is an
+MX order of :mod:`libalign.scale_math` and ``block_size`` 32). Every one copies the input's
+sign bit into a zero code (-0.0 -> 0x8, as torchao), refuses NaN/Inf and a K that is not
+a multiple of 32 (:class:`~libalign.errors.ShapeError`, as NVFP4 refuses 16):
+
+``mxfp4`` (default MXFP4)
+    ``torchao.prototype.mx_formats`` ``to_mx`` in its default ``FLOOR`` mode, which is the
+    OCP rule ``2^(floor(log2 amax) - 2)``: an all-zero block stores 0x00 (2^-127).
+``mxfp4_ceil``, ``mxfp4_even``
+    torchao's ``CEIL`` and ``EVEN`` scale modes.
+``mxfp4_te``
+    TransformerEngine's E8M0 rule (``float_to_e8m0(amax * max_norm_rcp)``: the descale
+    rounded up to a power of two, as ``cvt.rp.satfinite.ue8m0x2.f32`` does) with FP4's
+    ``max_norm`` 6. torchao's ``RCEIL`` mode is this rule; its eager CPU fallback takes
+    ``ceil(log2(amax / 6))`` in fp32, which loses a descale a few ulps above a power of two
+    (an fp32 block maximum just above 6 * 2^k) and then stores one byte less. On every
+    bf16 block maximum the two agree (tests/libalign/test_mxfp4.py checks all of them).
+
 The ``torchao`` and ``modelopt`` presets raise :class:`~libalign.errors.UndefinedScaleError` on an
 all-zero tensor, where both libraries compute 0/0 and emit NaN block scales.
 """
@@ -48,7 +66,7 @@ from typing import Any
 import torch
 
 from . import scale_math
-from .constants import BLOCK_SIZE, FLT_MAX, HADAMARD_SIGNS, MINITE_AMAX_FLOOR
+from .constants import BLOCK_SIZE, FLT_MAX, HADAMARD_SIGNS, MINITE_AMAX_FLOOR, MX_BLOCK_SIZE
 from .errors import SpecError
 from .rounding import SIGNED_ZERO_POLICIES, e4m3_bits_to_float, round_e4m3_bits, saturate_e4m3
 
@@ -65,7 +83,9 @@ class NumericsSpec:
         outer_domain: ``none`` (block scales only), ``tensor``, ``expert`` (one per
             leading index of a 3-D stack; a 2-D tensor is one expert) or ``row``.
         op_order: fp32 operation order of outer scale, block scale and element encode
-            (``te``, ``torchao``, ``modelopt``, ``compressed_tensors``; see scale_math).
+            (``te``, ``torchao``, ``modelopt``, ``compressed_tensors``), or for MXFP4 the
+            E8M0 scale rule (``mx_floor``, ``mx_ceil``, ``mx_even``, ``mx_te``); see
+            scale_math. An MX order makes the spec MXFP4 (:attr:`scale_format` ``e8m0``).
         amax_floor: the outer maximum is replaced by ``max(A, amax_floor)`` (in fp32).
         block_scale_floor: lower clamp of the fp32 block scale before the E4M3 cast.
         zero_prescale_to: value substituted for an fp32 block scale that is exactly zero,
@@ -88,6 +108,7 @@ class NumericsSpec:
             (2688 / amax) or ``dec`` (amax / 2688), as this order computes them.
         scale_math_dtype: ``float32``, or ``input`` for the steps compressed-tensors
             computes in the model dtype.
+        block_size: elements per block scale: 16 for NVFP4, 32 for MXFP4.
     """
 
     name: str = "custom"
@@ -122,7 +143,9 @@ class NumericsSpec:
         for attr, allowed in choices.items():
             if getattr(self, attr) not in allowed:
                 raise SpecError(f"{attr} must be one of {allowed}, got {getattr(self, attr)!r}")
-        if self.block_size != BLOCK_SIZE:
+        if self.is_mx:
+            self._check_mx()
+        elif self.block_size != BLOCK_SIZE:
             raise SpecError(f"NVFP4 blocks have {BLOCK_SIZE} elements, got {self.block_size}")
         if len(self.hadamard_signs) != 16 or any(s not in (1, -1) for s in self.hadamard_signs):
             raise SpecError("hadamard_signs must be 16 values of +1 or -1")
@@ -136,6 +159,30 @@ class NumericsSpec:
                 raise SpecError(f"zero_scale_to={self.zero_scale_to} is not an E4M3 value")
         if self.outer_domain == "none" and self.outer_convention != "dec":
             raise SpecError("outer_domain 'none' stores no outer scale; use outer_convention 'dec'")
+
+    @property
+    def is_mx(self) -> bool:
+        """True for an MXFP4 spec (E8M0 block scales, no outer scale)."""
+        return self.op_order in scale_math.MX_ORDERS
+
+    @property
+    def scale_format(self) -> str:
+        """Block-scale format: ``e4m3`` (NVFP4) or ``e8m0`` (MXFP4); implied by ``op_order``."""
+        return "e8m0" if self.is_mx else "e4m3"
+
+    def _check_mx(self) -> None:
+        """MXFP4 has one scale format, no outer scale and none of NVFP4's scale policies."""
+        if self.block_size != MX_BLOCK_SIZE:
+            raise SpecError(f"MXFP4 blocks have {MX_BLOCK_SIZE} elements, got {self.block_size}")
+        if self.outer_domain != "none":
+            raise SpecError(f"MXFP4 has no outer scale: op_order {self.op_order!r} needs "
+                            f"outer_domain 'none', got {self.outer_domain!r}")
+        unused = {"amax_floor": None, "block_scale_floor": None, "zero_prescale_to": None,
+                  "zero_scale_to": None, "hadamard": False, "scale_math_dtype": "float32"}
+        for attr, want in unused.items():
+            if getattr(self, attr) != want:
+                raise SpecError(f"{attr} does not apply to MXFP4 (op_order {self.op_order!r}); "
+                                f"leave it {want!r}")
 
     def replace(self, **changes: Any) -> NumericsSpec:
         """A copy with some fields changed (validated again)."""
@@ -186,3 +233,13 @@ PRESETS: dict[str, NumericsSpec] = {
         k_remainder="refuse", outer_convention="enc", scale_math_dtype="input",
     ),
 }
+
+_MX_COMMON = dict(outer_domain="none", amax_floor=None, signed_zero="sign_of_input",
+                  k_remainder="refuse", outer_convention="dec", block_size=MX_BLOCK_SIZE)
+PRESETS.update({
+    name: NumericsSpec(name=name, op_order=order, **_MX_COMMON)
+    for name, order in (("mxfp4", "mx_floor"), ("mxfp4_ceil", "mx_ceil"),
+                        ("mxfp4_even", "mx_even"), ("mxfp4_te", "mx_te"))
+})
+#: The MXFP4 presets (E8M0 scales per 32 values); the others are NVFP4.
+MX_PRESETS = ("mxfp4", "mxfp4_ceil", "mxfp4_even", "mxfp4_te")

@@ -58,6 +58,8 @@ BACKENDS = ("auto", "kernel", "spec")
 
 def kernel_gap(x: torch.Tensor, spec: NumericsSpec, outer_amax: torch.Tensor | None) -> str | None:
     """Why the compiled kernels cannot serve this call, or None when they can."""
+    if spec.is_mx:
+        return "MXFP4 (E8M0 scales per 32 values): no compiled kernel yet, the spec serves"
     if spec.op_order not in kernel_calls.ORDERS:
         return f"op_order {spec.op_order!r} (its scale math is not fp32)"
     if spec.scale_math_dtype != "float32" or spec.zero_scale_to is not None:

@@ -7,8 +7,9 @@ Nibbles
     odd element first for the same result).
 
 Linear scale layout
-    One E4M3 byte per 16-element block, ``[..., M, K/16]`` row-major: what checkpoints
-    store and what the spec produces.
+    One E4M3 byte per 16-element block, ``[..., M, K/16]`` row-major (MXFP4: one E8M0
+    byte per 32 elements, ``[..., M, K/32]``): what checkpoints store and what the spec
+    produces.
 
 128x4 swizzled layout
     What cuBLAS / CUTLASS block-scaled GEMMs read. The ``[M, K/16]`` matrix is zero-padded
@@ -17,7 +18,8 @@ Linear scale layout
     ``(r % 32) * 16 + (r // 32) * 4 + c``: the 128 rows are split into 4 groups of 32 and
     interleaved so that one 16-byte chunk holds rows r, r+32, r+64, r+96 for all 4 columns.
     For a 3-D stack each expert's matrix is padded and swizzled on its own (what grouped
-    GEMMs expect), and the experts' buffers are concatenated.
+    GEMMs expect), and the experts' buffers are concatenated. MXFP4's E8M0 scales use the
+    same 128x4 layout (cuBLAS block scaling, torchao ``to_blocked``); only bytes move.
 """
 
 from __future__ import annotations
@@ -51,9 +53,10 @@ def swizzled_size(rows: int, cols: int) -> int:
 
 
 def _as_bytes(scales: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
-    if scales.dtype in (torch.float8_e4m3fn, torch.uint8):
+    if scales.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.uint8):
         return scales.view(torch.uint8), scales.dtype
-    raise DTypeError(f"block scales must be float8_e4m3fn or uint8, got {scales.dtype}")
+    raise DTypeError(f"block scales must be float8_e4m3fn, float8_e8m0fnu or uint8, "
+                     f"got {scales.dtype}")
 
 
 def _swizzle_2d(s: torch.Tensor) -> torch.Tensor:

@@ -64,8 +64,10 @@ from .constants import (
     E4M3_MAX,
     E4M3_MIN_NORMAL,
     E4M3_NAN_BITS,
+    E8M0_EXPONENT_BIAS,
+    E8M0_NAN_BITS,
 )
-from .errors import SpecError
+from .errors import DTypeError, SpecError
 
 SIGNED_ZERO_POLICIES = ("positive", "sign_of_input", "sign_of_nonzero")
 
@@ -270,6 +272,9 @@ _TABLES: dict[str, torch.Tensor] = {}
 
 def e4m3_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
     """E4M3 bytes (uint8 or float8_e4m3fn) -> exact fp32 values."""
+    if bits.dtype == torch.float8_e8m0fnu:
+        raise DTypeError("E8M0 (MXFP4) block scales are not E4M3; decode them with "
+                         "e8m0_bits_to_float or block_scale_values")
     if bits.dtype == torch.float8_e4m3fn:
         bits = bits.view(torch.uint8)
     key = str(bits.device)
@@ -277,6 +282,27 @@ def e4m3_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
     if table is None:
         table = _TABLES[key] = _e4m3_table(bits.device)
     return table[bits.to(torch.int64)]
+
+
+def e8m0_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes (uint8 or float8_e8m0fnu) -> exact fp32 values 2^(b - 127); 0xFF is NaN.
+
+    Every byte but 0xFF is a power of two fp32 holds exactly (0x00 is the subnormal
+    2^-127), so the bit pattern is built directly: no ``pow`` whose rounding could vary.
+    """
+    b = bits.view(torch.uint8).to(torch.int32)
+    normal = (b << 23).view(torch.float32)  # 2^(b-127) for b >= 1
+    sub = torch.tensor(2.0 ** -E8M0_EXPONENT_BIAS, dtype=torch.float32, device=b.device)
+    out = torch.where(b == 0, sub, normal)
+    return torch.where(b == E8M0_NAN_BITS, torch.full_like(out, float("nan")), out)
+
+
+def block_scale_values(scales: torch.Tensor) -> torch.Tensor:
+    """fp32 values of block scales by their dtype: float8_e8m0fnu (MXFP4) or E4M3 (NVFP4;
+    float8_e4m3fn, or uint8 holding E4M3 bytes)."""
+    if scales.dtype == torch.float8_e8m0fnu:
+        return e8m0_bits_to_float(scales)
+    return e4m3_bits_to_float(scales)
 
 
 def saturate_e4m3(v: torch.Tensor, floor: float | None = None) -> torch.Tensor:

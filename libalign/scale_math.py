@@ -40,10 +40,27 @@ reflected division, a reciprocal followed by a multiply::
     pre = fl(enc * t(v / 6))
     x_scaled = fl(x / fl(s / enc))
 
+MXFP4 orders (E8M0 block scales, no outer scale; ``b`` is the scale byte, the scale is
+``2^(b-127)``, ``e(a)`` the biased exponent field of fp32 ``a`` and ``m(a)`` its mantissa
+field). The three torchao modes take the exponent of the block maximum ``v`` and subtract
+2 (= floor(log2 6)), clamped to bytes [0, 255]; ``mx_floor`` is OCP's rule and torchao's
+default, ``mx_ceil`` adds one when ``m(v) > 0``, ``mx_even`` first rounds ``v`` to one
+mantissa bit (``bits + 2^21``, mantissa cleared)::
+
+    b = clamp(e(v) - 2 [+ ceil/even adjustment], 0, 255)
+    x_scaled = fl(x / max(2^(b-127), 2^-126))      # torchao divides byte 0 by 2^-126
+
+``mx_te`` is TransformerEngine's ``float_to_e8m0`` (round the fp32 descale up to a power
+of two, what ``cvt.rp.satfinite.ue8m0x2.f32`` does) with FP4's ``max_norm_rcp``::
+
+    d = fl(v * fl(1/6));  b = e(d) + (m(d) > 0), except: d == 0 -> 0, a subnormal d with
+    m(d) <= 2^22 stays 0, e(d) == 254 never rounds up
+    x_scaled = fl(x * (b == 0 ? 1 : 2^(127-b)))
+
 Dequantization orders: ``te`` multiplies ``fl(fl(q * s) * dec)`` (``q * s`` is exact, so a
 single rounding); ``torchao`` and ``modelopt`` ``fl(q * fl(dec * s))``, where ModelOpt's
 value table decodes the negative-zero code 0x8 as +0.0; ``compressed_tensors``
-``fl(q * fl(s / enc))``.
+``fl(q * fl(s / enc))``; the MX orders ``fl(q * s)`` (exact but for underflow).
 """
 
 from __future__ import annotations
@@ -52,10 +69,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .constants import E2M1_MAX, FLT_MAX, FP8_TIMES_FP4_MAX
+from .constants import E2M1_MAX, E2M1_MAX_POW2, E8M0_EXPONENT_BIAS, FLT_MAX, FP8_TIMES_FP4_MAX
 from .errors import SpecError
 
-OP_ORDERS = ("te", "torchao", "modelopt", "compressed_tensors")
+#: NVFP4 orders (E4M3 block scales, an outer scale).
+NV_ORDERS = ("te", "torchao", "modelopt", "compressed_tensors")
+#: MXFP4 orders (E8M0 block scales, no outer scale).
+MX_ORDERS = ("mx_floor", "mx_ceil", "mx_even", "mx_te")
+OP_ORDERS = NV_ORDERS + MX_ORDERS
 
 _F32 = torch.float32
 
@@ -146,8 +167,11 @@ def encode_blocks(x: torch.Tensor, s: torch.Tensor, outer: OuterScales, order: s
     """Scaled fp32 elements (before clamping to +-6) for blocks with non-zero scale.
 
     ``x`` is ``[..., nb, 16]`` fp32, ``s`` the decoded fp32 block scales ``[..., nb, 1]``.
-    Blocks whose scale is zero get their multiplier from the spec's policy instead.
+    Blocks whose scale is zero get their multiplier from the spec's policy instead. The MX
+    orders ignore ``outer`` (MXFP4 has no outer scale); ``s`` is the decoded E8M0 scale.
     """
+    if order in MX_ORDERS:
+        return _mx_encode(x, s, order)
     if order == "te":
         mult = torch.minimum(torch.reciprocal(s * outer.dec), _f32(FLT_MAX, x))
         return x * mult
@@ -160,8 +184,37 @@ def encode_blocks(x: torch.Tensor, s: torch.Tensor, outer: OuterScales, order: s
     raise SpecError(f"unknown op_order {order!r}; expected one of {OP_ORDERS}")
 
 
+def e8m0_block_scales(vmax: torch.Tensor, order: str) -> torch.Tensor:
+    """E8M0 scale bytes (uint8) from finite, non-negative fp32 block maxima under an MX order."""
+    a = vmax.to(_F32).contiguous()
+    if order == "mx_te":
+        d = (a * _f32(1.0 / E2M1_MAX, a)).view(torch.int32)
+        exp, man = d >> 23, d & 0x7FFFFF
+        up = (man > 0) & (exp != 0xFE) & ~((exp == 0) & (man <= 0x400000))
+        return (exp + up.to(torch.int32)).to(torch.uint8)  # d == 0 gives exp 0, man 0: 0x00
+    bits = a.view(torch.int32)
+    if order == "mx_even":
+        bits = (bits + (1 << 21)) & 0x7F800000
+    elif order not in ("mx_floor", "mx_ceil"):
+        raise SpecError(f"unknown MX op_order {order!r}; expected one of {MX_ORDERS}")
+    unbiased = ((bits >> 23) & 0xFF) - E8M0_EXPONENT_BIAS
+    if order == "mx_ceil":
+        unbiased = unbiased + ((bits & 0x7FFFFF) > 0).to(torch.int32)
+    scale = torch.clamp(unbiased - E2M1_MAX_POW2, -E8M0_EXPONENT_BIAS, E8M0_EXPONENT_BIAS + 1)
+    return (scale + E8M0_EXPONENT_BIAS).to(torch.uint8)
+
+
+def _mx_encode(x: torch.Tensor, s: torch.Tensor, order: str) -> torch.Tensor:
+    if order == "mx_te":
+        rcp = torch.where(s == 2.0 ** -E8M0_EXPONENT_BIAS, _f32(1.0, s), torch.div(_f32(1.0, s), s))
+        return x * rcp
+    return x / torch.clamp(s, min=_f32(2.0 ** (1 - E8M0_EXPONENT_BIAS), s))
+
+
 def dequantize_blocks(q: torch.Tensor, s: torch.Tensor, outer: OuterScales, order: str) -> torch.Tensor:
-    """fp32 values from E2M1 values ``q`` ``[..., nb, 16]`` and block scales ``[..., nb, 1]``."""
+    """fp32 values from E2M1 values ``q`` ``[..., nb, B]`` and block scales ``[..., nb, 1]``."""
+    if order in MX_ORDERS:
+        return q * s
     if order == "te":
         return (q * s) * outer.dec
     if order == "torchao":

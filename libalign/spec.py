@@ -1,15 +1,24 @@
-"""The executable numerical specification of NVFP4: THE reference quantize/dequantize.
+"""The executable numerical specification of NVFP4 and MXFP4: THE reference quantize/dequantize.
 
 An NVFP4 tensor is three things: 4-bit E2M1 codes (two per byte, even element in the low
 nibble), one E4M3 block scale per 16 consecutive elements of the last dimension, and an
 FP32 outer scale whose domain is the whole tensor, one expert of a 3-D stack, or one row.
 Reconstruction is ``x ~ e2m1(code) * e4m3(block scale) * outer decode scale``.
 
+An MXFP4 tensor (OCP Microscaling) has the same codes, one E8M0 block scale (a power of
+two) per 32 elements and no outer scale: ``x ~ e2m1(code) * 2^(byte - 127)``. One type,
+:class:`NVFP4Tensor`, carries both (its ``block_scales`` dtype says which: float8_e4m3fn or
+float8_e8m0fnu, and MXFP4's ``outer_scale`` is None), so packing, stores and guidance
+records handle both alike; the spec's ``op_order`` picks the scale rule and
+``block_size`` the block (16 or 32). Steps 3-5 below are NVFP4's; an MX spec computes its
+E8M0 byte from the block maximum by its rule instead (:mod:`libalign.scale_math`).
+
 "Matching an FP4 encoding" leaves many bits open. :class:`NumericsSpec` names every choice
 a bit depends on, and :func:`quantize` executes them in this order, in fp32 unless the
 spec says otherwise:
 
-1. refuse (or saturate) NaN/Inf; pad K to a multiple of 16 with zeros (or refuse);
+1. refuse (or saturate) NaN/Inf; pad K to a multiple of the block (16, MXFP4 32) with
+   zeros (or refuse);
 2. optionally rotate each block with the fixed 16-point Hadamard transform;
 3. block maxima ``v = max |x|`` per block, outer maximum ``A`` per outer domain, floored;
 4. outer scales ``enc``/``dec`` from ``A`` in the spec's operation order
@@ -21,7 +30,8 @@ spec says otherwise:
 
 Kernels (CUDA, CPU) are tested against this module bit for bit; quality against BF16 is
 a separate question. :class:`NumericsSpec` and the presets that reproduce public quantizers
-(``minite``, ``te``, ``torchao``, ``modelopt``, ``compressed_tensors``) are defined in
+(``minite``, ``te``, ``torchao``, ``modelopt``, ``compressed_tensors``, and the MXFP4
+``mxfp4``, ``mxfp4_ceil``, ``mxfp4_even``, ``mxfp4_te``) are defined in
 :mod:`libalign.numerics` and importable from here.
 """
 
@@ -34,12 +44,13 @@ from typing import Any
 import torch
 
 from . import scale_math
-from .constants import BLOCK_SIZE, E2M1_MAX, FLT_MAX
+from .constants import E2M1_MAX, FLT_MAX
 from .errors import DTypeError, NonFiniteError, ShapeError, SpecError, UndefinedScaleError
 from .hadamard import rht16, rht16_inverse
 from .numerics import OUTER_CONVENTIONS, OUTER_DOMAINS, PRESETS, NumericsSpec
 from .packing import pack_nibbles, swizzle_scales, unpack_nibbles
 from .rounding import (
+    block_scale_values,
     canonical_zero,
     e2m1_code_values,
     e4m3_bits_to_float,
@@ -64,8 +75,9 @@ class NVFP4Tensor:
     """A quantized tensor: packed codes, linear block scales, outer scale, and its spec.
 
     Attributes:
-        codes: uint8 ``[..., Kp/2]``, low nibble = even index (Kp = K padded to 16).
-        block_scales: float8_e4m3fn ``[..., Kp/16]``, linear layout.
+        codes: uint8 ``[..., Kp/2]``, low nibble = even index (Kp = K padded to the block).
+        block_scales: float8_e4m3fn ``[..., Kp/16]`` (NVFP4) or float8_e8m0fnu
+            ``[..., Kp/32]`` (MXFP4), linear layout.
         outer_scale: fp32 in ``spec.outer_convention``; shape ``[]`` (tensor), ``[E]``
             (expert), ``[..., M]`` (row); ``None`` for outer domain ``none``.
         spec: the numerics spec that produced (or interprets) the bits.
@@ -187,9 +199,9 @@ def check_input(x: Any, spec: NumericsSpec) -> None:
             f"quantize expects a 2-D matrix [M, K] or a 3-D expert stack [E, M, K], "
             f"got {x.ndim}-D shape {tuple(x.shape)}"
         )
-    if spec.k_remainder == "refuse" and x.shape[-1] % BLOCK_SIZE:
+    if spec.k_remainder == "refuse" and x.shape[-1] % spec.block_size:
         raise ShapeError(
-            f"K={x.shape[-1]} is not a multiple of {BLOCK_SIZE} and preset {spec.name!r} "
+            f"K={x.shape[-1]} is not a multiple of {spec.block_size} and preset {spec.name!r} "
             f"refuses to pad"
         )
 
@@ -247,25 +259,25 @@ def _prepared_blocks(x: torch.Tensor, spec: NumericsSpec) -> torch.Tensor:
     else:
         x = _saturate_nonfinite(x)
     x32 = x.to(torch.float32)
-    pad = -x.shape[-1] % BLOCK_SIZE
+    pad = -x.shape[-1] % spec.block_size
     if pad:
         x32 = torch.nn.functional.pad(x32, (0, pad))
     if spec.hadamard:
         x32 = rht16(x32, spec.hadamard_signs)
-    return _blocks(x32)
+    return _blocks(x32, spec.block_size)
 
 
 def _block_maxima(blocks: torch.Tensor) -> torch.Tensor:
-    """fp32 max |x| of every block ``[..., nb, 16] -> [..., nb]``, in cache-sized chunks."""
-    flat = blocks.reshape(-1, BLOCK_SIZE)
+    """fp32 max |x| of every block ``[..., nb, B] -> [..., nb]``, in cache-sized chunks."""
+    flat = blocks.reshape(-1, blocks.shape[-1])
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
     for lo in range(0, flat.shape[0], CHUNK_BLOCKS):
         out[lo:lo + CHUNK_BLOCKS] = flat[lo:lo + CHUNK_BLOCKS].abs().amax(-1)
     return out.reshape(blocks.shape[:-1])
 
 
-def _blocks(x32: torch.Tensor) -> torch.Tensor:
-    return x32.reshape(*x32.shape[:-1], x32.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)
+def _blocks(x32: torch.Tensor, size: int) -> torch.Tensor:
+    return x32.reshape(*x32.shape[:-1], x32.shape[-1] // size, size)
 
 
 def quantize(
@@ -291,9 +303,16 @@ def quantize(
         raise SpecError("stochastic rounding needs an explicit torch.Generator")
     shape = tuple(x.shape)
     math_dtype = _math_dtype(spec, x.dtype)
-    blocks = _prepared_blocks(x, spec)  # [..., M, nb, 16]
+    blocks = _prepared_blocks(x, spec)  # [..., M, nb, B]
     vmax = _block_maxima(blocks)  # [..., M, nb]
 
+    if spec.is_mx:
+        bits = scale_math.e8m0_block_scales(vmax, spec.op_order)
+        one = torch.ones((), dtype=torch.float32, device=x.device)
+        codes = _encode(blocks, block_scale_values(bits.view(torch.float8_e8m0fnu)),
+                        scale_math.OuterScales(enc=one, dec=one), spec, generator)
+        return NVFP4Tensor(codes=codes, block_scales=bits.view(torch.float8_e8m0fnu),
+                           outer_scale=None, spec=spec, shape=shape)
     if spec.outer_domain == "none":
         one = torch.ones((), dtype=torch.float32, device=x.device)
         outer_b = scale_math.OuterScales(enc=one, dec=one)
@@ -373,16 +392,17 @@ def _per_block(t: torch.Tensor, grid_shape: torch.Size) -> torch.Tensor:
 
 
 def _encode(blocks, s32, outer_b, spec, generator) -> torch.Tensor:
-    """Packed E2M1 codes of fp32 blocks ``[..., nb, 16]`` under given scales (step 6-7)."""
+    """Packed E2M1 codes of fp32 blocks ``[..., nb, B]`` under given scales (step 6-7)."""
     grid = s32.shape  # [..., M, nb]
-    flat = blocks.reshape(-1, BLOCK_SIZE)
+    size = spec.block_size
+    flat = blocks.reshape(-1, size)
     s_flat = s32.reshape(-1, 1)
     enc, dec = _per_block(outer_b.enc, grid), _per_block(outer_b.dec, grid)
     mult = 0.0 if spec.zero_scale_encode == "zero" else FLT_MAX
     any_zero = bool((s_flat == 0).any())  # one check, not one device sync per chunk
     # stochastic rounding consumes its generator in element order over the whole tensor
     step = flat.shape[0] if spec.stochastic_rounding else CHUNK_BLOCKS
-    out = torch.empty((flat.shape[0], BLOCK_SIZE // 2), dtype=torch.uint8, device=flat.device)
+    out = torch.empty((flat.shape[0], size // 2), dtype=torch.uint8, device=flat.device)
     for lo in range(0, flat.shape[0], max(step, 1)):
         hi = lo + step
         xb, sb = flat[lo:hi], s_flat[lo:hi]
@@ -397,7 +417,7 @@ def _encode(blocks, s32, outer_b, spec, generator) -> torch.Tensor:
         else:
             codes = round_e2m1(scaled, spec.signed_zero)
         out[lo:hi] = pack_nibbles(codes)
-    return out.reshape(*grid[:-1], grid[-1] * (BLOCK_SIZE // 2))
+    return out.reshape(*grid[:-1], grid[-1] * (size // 2))
 
 
 def encode_with_scales(
@@ -412,7 +432,7 @@ def encode_with_scales(
     if tuple(x.shape) != q.shape:
         raise ShapeError(f"x has shape {tuple(x.shape)}, the scales belong to shape {q.shape}")
     blocks = _prepared_blocks(x, spec)
-    s32 = e4m3_bits_to_float(q.block_scales)
+    s32 = block_scale_values(q.block_scales)
     outer = q.outer()
     outer_b = scale_math.OuterScales(
         enc=_broadcast_outer(outer.enc, spec.outer_domain, s32.ndim),
@@ -427,33 +447,42 @@ def normalized_with_scales(
 ) -> torch.Tensor:
     """``x`` normalized by given scales, as the encoder sees it before rounding: fp32 ``[..., nb, 16]``.
 
-    ``block_scales`` (E4M3, ``[..., nb]``) and ``outer_scale`` (stored convention, shaped as
+    ``block_scales`` (E4M3, or E8M0 for an MX spec, ``[..., nb]``) and ``outer_scale`` (stored convention, shaped as
     ``spec.outer_domain`` says) usually come from another producer; the values are the
     scaled, clamped elements that step 7 would round, in the spec's operation order and
     zero-scale policy, so rounding them to nearest reproduces :func:`encode_with_scales`.
     Guided rounding (:func:`libalign.rounding.round_e2m1_guided`) rounds them instead.
     """
     shape = tuple(x.shape)
-    bits = block_scales.view(torch.uint8) if block_scales.dtype == torch.float8_e4m3fn \
-        else block_scales
-    if tuple(bits.shape) != (*shape[:-1], -(-shape[-1] // BLOCK_SIZE)):
+    size = spec.block_size
+    scale_dtype = torch.float8_e8m0fnu if spec.is_mx else torch.float8_e4m3fn
+    bits = block_scales.view(torch.uint8) if block_scales.dtype == scale_dtype else block_scales
+    if bits.dtype != torch.uint8:
+        raise DTypeError(f"block scales of spec {spec.name!r} must be {scale_dtype} or uint8, "
+                         f"got {block_scales.dtype}")
+    if tuple(bits.shape) != (*shape[:-1], -(-shape[-1] // size)):
         raise ShapeError(f"block scales of shape {tuple(bits.shape)} do not fit values of shape "
                          f"{shape}")
-    carrier = NVFP4Tensor(bits.new_empty(0), bits.view(torch.float8_e4m3fn), outer_scale, spec,
-                          shape)
+    carrier = NVFP4Tensor(bits.new_empty(0), bits.view(scale_dtype), outer_scale, spec, shape)
     blocks = _prepared_blocks(x, spec)
-    s32 = e4m3_bits_to_float(bits)
+    s32 = block_scale_values(bits.view(scale_dtype))
     outer = carrier.outer()
     grid = s32.shape
     enc = _per_block(_broadcast_outer(outer.enc, spec.outer_domain, s32.ndim), grid)
     dec = _per_block(_broadcast_outer(outer.dec, spec.outer_domain, s32.ndim), grid)
-    flat, s_flat = blocks.reshape(-1, BLOCK_SIZE), s32.reshape(-1, 1)
+    flat, s_flat = blocks.reshape(-1, size), s32.reshape(-1, 1)
     scaled = scale_math.encode_blocks(flat, s_flat, scale_math.OuterScales(enc=enc, dec=dec),
                                       spec.op_order)
     if bool((s_flat == 0).any()):
         mult = 0.0 if spec.zero_scale_encode == "zero" else FLT_MAX
         scaled = torch.where(s_flat == 0, flat * mult, scaled)
-    return scaled.clamp_(-E2M1_MAX, E2M1_MAX).reshape(*grid, BLOCK_SIZE)
+    return scaled.clamp_(-E2M1_MAX, E2M1_MAX).reshape(*grid, size)
+
+
+#: E2M1 magnitude code after halving its value and rounding to nearest-even
+#: (0.5 -> 0.25 -> 0, 1.5 -> 0.75 -> 1.0), and after scaling it by 2^-127 (always 0).
+_MX_BYTE0_HALVED = (0, 0, 1, 2, 2, 3, 4, 5)
+_MX_BYTE0_TE = (0,) * 8
 
 
 def roundtrip_codes(q: NVFP4Tensor) -> torch.Tensor:
@@ -461,13 +490,23 @@ def roundtrip_codes(q: NVFP4Tensor) -> torch.Tensor:
 
     Equal to ``q.codes`` except where two codes decode to the same value: under
     ``sign_of_nonzero`` the code 0x8 decodes to -0.0, which encodes as 0x0; under the
-    ``saturate`` zero-scale policy a zero-scale block's +-6 codes decode to zeros.
+    ``saturate`` zero-scale policy a zero-scale block's +-6 codes decode to zeros. MXFP4's
+    scale byte 0x00 decodes as 2^-127 but torchao's rule encodes with 2^-126, so such a
+    block re-encodes at half its magnitude (``mx_te`` encodes it with multiplier 1, so its
+    decoded values re-encode to zero); the sign bit stays.
     """
     codes = unpack_nibbles(q.codes)
+    if q.spec.is_mx:
+        table = _MX_BYTE0_TE if q.spec.op_order == "mx_te" else _MX_BYTE0_HALVED
+        byte0 = (q.block_scales.view(torch.uint8) == 0).repeat_interleave(q.spec.block_size,
+                                                                          dim=-1)
+        mags = torch.tensor(table, dtype=torch.uint8, device=codes.device)[(codes & 7).long()]
+        codes = torch.where(byte0, (codes & 8) | mags, codes)
     if q.spec.signed_zero == "sign_of_nonzero":
         codes = canonical_zero(codes)
     if q.spec.zero_scale_encode == "saturate":
-        zero = (q.block_scales.view(torch.uint8) == 0).repeat_interleave(BLOCK_SIZE, dim=-1)
+        zero = (q.block_scales.view(torch.uint8) == 0).repeat_interleave(q.spec.block_size,
+                                                                         dim=-1)
         codes = torch.where(zero, torch.zeros_like(codes), codes)
     return pack_nibbles(codes)
 
@@ -505,8 +544,9 @@ def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, *,
     ``rotated=True`` (what a GEMM whose operands are both rotated consumes).
     """
     codes = unpack_nibbles(q.codes)
-    vals = _blocks(e2m1_code_values(codes))
-    s32 = e4m3_bits_to_float(q.block_scales).unsqueeze(-1)
+    size = q.spec.block_size
+    vals = _blocks(e2m1_code_values(codes), size)
+    s32 = block_scale_values(q.block_scales).unsqueeze(-1)
     outer = q.outer()
     dom = q.spec.outer_domain
     nd = s32.ndim - 1  # ndim of the [..., M, nb] block grid
@@ -516,7 +556,7 @@ def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.float32, *,
         enc, dec = enc.unsqueeze(-1), dec.unsqueeze(-1)
     out = scale_math.dequantize_blocks(vals, s32, scale_math.OuterScales(enc, dec),
                                        q.spec.op_order)
-    out = out.reshape(*out.shape[:-2], out.shape[-2] * BLOCK_SIZE)
+    out = out.reshape(*out.shape[:-2], out.shape[-2] * size)
     if q.spec.hadamard and not rotated:
         out = rht16_inverse(out, q.spec.hadamard_signs)
     return out[..., : q.shape[-1]].to(dtype)
