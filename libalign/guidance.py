@@ -38,6 +38,13 @@ compression each section is deflated on its own. The CRC-32 covers every byte be
 a mismatch raises :class:`~libalign.errors.GuidanceChecksumError`.
 
 Encoding and decoding run on the tensors' device (CPU or GPU); only the final bytes move.
+
+MXFP4
+-----
+An MXFP4 spec (``mxfp4*`` presets) records the same way: its block scales are E8M0 bytes,
+one per 32 values (``rows × K/32``), and having no outer scale it stores 1.0 as every row
+scale. A section's byte count fixes its scale count, so the format needs no new field;
+:func:`guided_quantize` refuses records whose block size is not its spec's.
 """
 
 from __future__ import annotations
@@ -56,7 +63,21 @@ from .errors import GuidanceChecksumError, GuidanceRecordError, ShapeError, Spec
 from .ops import quantize  # the kernel door (the spec where no kernel serves)
 from .packing import pack_nibbles, unpack_nibbles
 from .rounding import GUIDE_BITS, low_bits, round_e2m1_guided
-from .spec import NumericsSpec, NVFP4Tensor, check_finite, check_input, normalized_with_scales
+from .spec import (
+    PRESETS,
+    NumericsSpec,
+    NVFP4Tensor,
+    check_finite,
+    check_input,
+    normalized_with_scales,
+)
+
+BLOCK_SIZES = (BLOCK_SIZE, 32)  # NVFP4 (E4M3 scales), MXFP4 (E8M0 scales)
+
+
+def _block_sizes(spec: str) -> tuple[int, ...]:
+    """The block size a record of this preset must have (either, for a spec of another name)."""
+    return (PRESETS[spec].block_size,) if spec in PRESETS else BLOCK_SIZES
 
 SITES = ("fc1", "fc2")
 COMPRESSIONS = ("none", "zlib")
@@ -192,7 +213,7 @@ class GuidanceRecord:
         if self.bits not in GUIDE_BITS:
             raise SpecError(f"guidance keeps 1, 2, 3 or 4 bits per value, got {self.bits!r}")
         for (layer, site), rows in self.sites.items():
-            _check_rows(layer, site, rows)
+            _check_rows(layer, site, rows, _block_sizes(self.spec))
 
     @property
     def layers(self) -> list[int]:
@@ -268,7 +289,8 @@ class GuidanceRecord:
                 raise GuidanceRecordError(f"{what}: section {layer}/{site} does not inflate "
                                           f"({e})") from None
             rec.sites[(layer, site)] = _parse_section(raw, site, n, k, kp, bits, raw_len, device,
-                                                      f"{what} section {layer}/{site}")
+                                                      f"{what} section {layer}/{site}",
+                                                      _block_sizes(spec))
         if off != end:
             raise GuidanceRecordError(f"{what}: {end - off} trailing bytes after the sections")
         return rec
@@ -278,23 +300,27 @@ class GuidanceRecord:
         return len(self.encode())
 
 
-def _check_rows(layer, site, rows: SiteRows) -> None:
+def _check_rows(layer, site, rows: SiteRows, sizes: tuple[int, ...] = BLOCK_SIZES) -> None:
     if site not in SITES:
         raise GuidanceRecordError(f"unknown site {site!r}; sites are {SITES}")
     n, kp = rows.rows, int(rows.codes.shape[-1]) if rows.codes.ndim == 2 else -1
     if kp < 0 or rows.codes.shape[0] != n or kp % BLOCK_SIZE or not 0 < rows.k <= kp:
         raise GuidanceRecordError(f"layer {layer} {site}: codes {tuple(rows.codes.shape)} do not "
                                   f"fit {n} rows of K={rows.k}")
-    if tuple(rows.block_scales.shape) != (n, kp // BLOCK_SIZE) or rows.row_scales.shape != (n,) \
-            or rows.experts.shape != (n,):
+    fits = any(tuple(rows.block_scales.shape) == (n, kp // b) and kp % b == 0 for b in sizes)
+    if not fits or rows.row_scales.shape != (n,) or rows.experts.shape != (n,):
         raise GuidanceRecordError(f"layer {layer} {site}: scales or experts do not fit {n} rows")
 
 
-def _parse_section(raw, site, n, k, kp, bits, raw_len, device, what) -> SiteRows:
+def _parse_section(raw, site, n, k, kp, bits, raw_len, device, what,
+                   block_sizes=BLOCK_SIZES) -> SiteRows:
     if n < 0 or kp % BLOCK_SIZE or not 0 < k <= kp:
         raise GuidanceRecordError(f"{what}: rows={n} k={k} kp={kp} are inconsistent")
-    nb = kp // BLOCK_SIZE
-    sizes = [4 * n] + ([2 * n] if site == "fc2" else []) + [4 * n, n * nb, bits * n * kp // 8]
+    fixed = [4 * n] + ([2 * n] if site == "fc2" else []) + [4 * n]
+    scale_bytes = len(raw) - sum(fixed) - bits * n * kp // 8  # one byte per block: 16 or 32
+    nb = next((kp // b for b in block_sizes if kp % b == 0 and n * (kp // b) == scale_bytes),
+              kp // block_sizes[0])
+    sizes = [*fixed, n * nb, bits * n * kp // 8]
     if len(raw) != sum(sizes) or len(raw) != raw_len:
         raise GuidanceRecordError(f"{what}: {len(raw)} bytes, expected {sum(sizes)}")
     t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if len(raw) else \
@@ -389,6 +415,8 @@ def trace_reference_size(bits: int = 4, tokens_per_trajectory: int = 256 * 1024,
 # --- capture (sampler side) -------------------------------------------------------------------
 
 def _row_scales(q: NVFP4Tensor) -> torch.Tensor:
+    if q.spec.is_mx:  # no outer scale: every row records 1.0
+        return torch.ones(q.codes.shape[:-1], dtype=torch.float32, device=q.codes.device).reshape(-1)
     if q.spec.outer_domain != "row" or q.outer_scale is None:
         raise SpecError("guidance records need row-scaled activations (outer domain 'row'), "
                         f"got {q.spec.outer_domain!r}")
@@ -510,7 +538,7 @@ class GuidanceTable:
 
 
 def guided_quantize(x: torch.Tensor, spec: NumericsSpec, guide: RowGuide | None) -> NVFP4Tensor:
-    """Row-scaled NVFP4 of ``x`` ``[T, K]``: guided by the sampler's records where present,
+    """Row-scaled NVFP4 (or MXFP4) of ``x`` ``[T, K]``: guided by the sampler's records where present,
     the spec's own round-to-nearest (own scales) elsewhere.
 
     Guided rows take the sampler's block and row scales and :func:`round_e2m1_guided` codes of
@@ -521,37 +549,43 @@ def guided_quantize(x: torch.Tensor, spec: NumericsSpec, guide: RowGuide | None)
     check_input(x, spec)  # the whole input, as quantize(x) would (dtype, shape, NaN/Inf)
     if spec.nonfinite == "raise":
         check_finite(x)
-    if spec.outer_domain != "row":
+    if spec.outer_domain != "row" and not spec.is_mx:
         raise SpecError(f"guided rounding needs row-scaled activations, spec {spec.name!r} has "
                         f"outer domain {spec.outer_domain!r}")
     if x.ndim != 2 or guide.present.shape != (x.shape[0],):
         raise ShapeError(f"guidance for {tuple(guide.present.shape)} rows, activations "
                          f"{tuple(x.shape)}")
-    kp = -(-x.shape[-1] // BLOCK_SIZE) * BLOCK_SIZE
+    size = spec.block_size
+    kp = -(-x.shape[-1] // size) * size
     if guide.low.shape[-1] != kp:
         raise GuidanceRecordError(f"records hold rows of {guide.low.shape[-1]} values, the "
-                                  f"activations {kp} (K={x.shape[-1]} padded to 16)")
+                                  f"activations {kp} (K={x.shape[-1]} padded to {size})")
+    if guide.block_scales.shape[-1] * size != kp:
+        raise GuidanceRecordError(f"records hold {guide.block_scales.shape[-1]} block scales a "
+                                  f"row, spec {spec.name!r} needs {kp // size} (one per {size})")
     rows = torch.nonzero(guide.present).squeeze(-1)
     if rows.numel() == 0:
         return quantize(x, spec)
-    # rows are independent under a row-scaled spec: the unguided rows are quantized alone
+    # rows are independent under a row-scaled (or MX) spec: the unguided rows are quantized alone
     # (same bits as within the whole tensor), the guided ones never go through round-to-nearest
     others = torch.nonzero(~guide.present).squeeze(-1)
     t = x.shape[0]
     out_codes = torch.empty((t, kp // 2), dtype=torch.uint8, device=x.device)
-    out_bs = torch.empty((t, kp // BLOCK_SIZE), dtype=torch.uint8, device=x.device)
+    out_bs = torch.empty((t, kp // size), dtype=torch.uint8, device=x.device)
     out_rs = torch.empty((t,), dtype=torch.float32, device=x.device)
     if others.numel():
         own = quantize(x[others], spec)
         out_codes[others] = own.codes
         out_bs[others] = own.block_scales.view(torch.uint8)
-        out_rs[others] = own.outer_scale.to(torch.float32)
+        out_rs[others] = 1.0 if spec.is_mx else own.outer_scale.to(torch.float32)
     src = guide.index[rows]
     bs = guide.block_scales[src]
     rs = guide.row_scales[src]
-    z = normalized_with_scales(x[rows], bs, rs, spec).flatten(-2)
+    z = normalized_with_scales(x[rows], bs, None if spec.is_mx else rs, spec).flatten(-2)
     codes = round_e2m1_guided(z, guide.low[src], guide.bits, signed_zero=spec.signed_zero)
     out_codes[rows] = pack_nibbles(codes)
     out_bs[rows] = bs
     out_rs[rows] = rs.to(torch.float32)
+    if spec.is_mx:
+        return NVFP4Tensor(out_codes, out_bs.view(torch.float8_e8m0fnu), None, spec, tuple(x.shape))
     return NVFP4Tensor(out_codes, out_bs.view(torch.float8_e4m3fn), out_rs, spec, tuple(x.shape))
