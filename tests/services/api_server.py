@@ -37,9 +37,9 @@ def publish_files(store: Path, version_id: str) -> Path:
 
 
 @contextlib.contextmanager
-def serve(app: FastAPI) -> Iterator[str]:
-    """Serve ``app`` with uvicorn on a free port in a thread; yields its base URL."""
-    port = free_port()
+def serve(app: FastAPI, port: int | None = None) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on ``port`` (default: a free one) in a thread; yields its base URL."""
+    port = free_port() if port is None else port
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            access_log=False, lifespan="on"))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)

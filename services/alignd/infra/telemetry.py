@@ -477,3 +477,69 @@ def serve_metrics_for(settings: ServiceSettings, metrics: Metrics) -> Callable[[
         server.server_close()
 
     return stop
+
+
+#: Outcomes of one batch a trainer pushes to the daemon (``libalign_integration_pushes_total``).
+PUSH_OUTCOMES = ("delivered", "dropped", "rejected", "abandoned")
+
+
+class TrainerMetrics:
+    """What a trainer process exports when it measures the gap itself (``alignd.integrations``).
+
+    The gap families carry the daemon's names and labels: ``libalign_logprob_abs_delta`` (the
+    same histogram as :attr:`Metrics.logprob_abs_delta`) and the four gap gauges of
+    :data:`CLUSTER_GAUGES`, here over the last batch the trainer observed rather than the
+    daemon's window. The push families count what became of each batch sent to the daemon in
+    the background: ``delivered``, ``dropped`` (the bounded queue was full), ``rejected`` (the
+    API refused it: a 4xx other than a retryable one) or ``abandoned`` (the bounded retries ran
+    out, or the monitor closed first); retried attempts and the queue depth beside them.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.logprob_abs_delta = BatchHistogram(
+            "libalign_logprob_abs_delta",
+            "|log p_learner - log p_sampler| per scored token, nats.",
+            ["learner_path", "sampler_path"], ABS_DELTA_BUCKETS)
+        r.register(self.logprob_abs_delta)
+        pair = ("learner_path", "sampler_path")
+        self.gap = {name: Gauge(name, doc, pair, registry=r) for name, doc in (
+            ("libalign_discrepancy_p99_abs",
+             "P99 of |delta log p| over the last batch the trainer observed, nats."),
+            ("libalign_discrepancy_mean_abs",
+             "Mean |delta log p| over the last batch the trainer observed, nats."),
+            ("libalign_clip_potential_ratio",
+             "Fraction of the last observed batch's tokens whose ratio exp(delta) lies outside "
+             "the clip band before any update."),
+            ("libalign_tis_truncated_ratio",
+             "Fraction of the last observed batch's tokens whose token-level TIS weight is "
+             "truncated at the cap."))}
+        self.pushes = Counter(
+            "libalign_integration_pushes_total",
+            "Batches of rollouts and scores a trainer pushed to the daemon, by outcome "
+            "(delivered, dropped, rejected, abandoned).", ["outcome"], registry=r)
+        self.push_retries = Counter(
+            "libalign_integration_push_retries_total",
+            "Push attempts that failed with a transient error and were retried.", registry=r)
+        self.push_queue = Gauge(
+            "libalign_integration_push_queue_batches",
+            "Batches waiting in the trainer's push queue.", registry=r)
+        for outcome in PUSH_OUTCOMES:
+            self.pushes.labels(outcome=outcome)
+
+    def observe_gap(self, learner_path: str, sampler_path: str, abs_delta, *, mean_abs: float,
+                    p99_abs: float, clip_potential: float, tis_truncated: float) -> None:
+        """Add one batch's |δ| to the histogram and set the gap gauges from its summary."""
+        pair = [path_label(learner_path), path_label(sampler_path)]
+        self.logprob_abs_delta.observe_many(pair, abs_delta)
+        for name, value in (("libalign_discrepancy_p99_abs", p99_abs),
+                            ("libalign_discrepancy_mean_abs", mean_abs),
+                            ("libalign_clip_potential_ratio", clip_potential),
+                            ("libalign_tis_truncated_ratio", tis_truncated)):
+            self.gap[name].labels(*pair).set(value)
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """Current value of a sample (0.0 if absent)."""
+        v = self.registry.get_sample_value(name, labels or {})
+        return 0.0 if v is None else v

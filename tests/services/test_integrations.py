@@ -1,0 +1,367 @@
+"""Pins alignd.integrations: the gap under slime's, verl's and libalign's names (against verl's
+own function where verl imports, and against copies of both frameworks' formulas), the
+Prometheus families on the trainer's registry, the background push (never blocking a step,
+counted, bounded, landing once the API is back), publishing from tensors, guidance as tensors,
+and the README snippets."""
+
+from __future__ import annotations
+
+import math
+import os
+import runpy
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from alignclient import AlignClient
+from alignclient.errors import InputError, NonFiniteError, ShapeError
+from alignclient.retry import RetryPolicy
+from alignd.api.app import create_app
+from alignd.formats.convert import convert_published
+from alignd.formats.published import write_published
+from alignd.formats.weight_store import WeightStore
+from alignd.infra.bus import RedisBus, connect
+from alignd.infra.events import event_stream
+from alignd.infra.publish import publish_version
+from alignd.infra.registry import Registry
+from alignd.integrations import SLIME_ABS_DIFF, VERL_KEYS, Monitor, WeightPublisher, gap_metrics
+
+from libalign.guidance import GuidanceRecord, SiteRows
+from libalign.metrics import delta_stats, tis_weights, token_deltas
+from tests.services.api_server import TOKEN, api_settings, serve
+from tests.services.conftest import free_port, tiny_experts
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = RetryPolicy(initial_s=0.02, max_s=0.2, attempts=10_000)
+
+
+def batch(b=4, t=16, dtype=torch.float64, seed=0, empty_row=False):
+    g = torch.Generator().manual_seed(seed)
+    learner = (-torch.rand(b, t, generator=g, dtype=torch.float64) * 4).to(dtype)
+    sampler = (learner.double() + 0.05 * torch.randn(b, t, generator=g, dtype=torch.float64)
+               ).clamp(max=0.0).to(dtype)
+    lengths = torch.randint(1, t + 1, (b, 1), generator=g)
+    if empty_row:
+        lengths[1] = 0
+    mask = torch.arange(t).expand(b, t) < lengths
+    return learner, sampler, mask
+
+
+# --- the values: verl ---------------------------------------------------------------------
+
+
+def verl_reference(actor, rollout, mask):
+    """A copy of verl 0.9.1's ``calculate_debug_metrics`` (verl/utils/debug/metrics.py): the
+    probabilities exp(logp), |actor − rollout| over the response mask, its max, mean and
+    ``torch.std``, and the Pearson correlation of the masked probabilities."""
+    actor_probs, rollout_probs = torch.exp(actor), torch.exp(rollout)
+    m = mask.bool()
+    diff = torch.masked_select(torch.abs(actor_probs - rollout_probs), m)
+    corr = torch.corrcoef(torch.stack([torch.masked_select(actor_probs, m),
+                                       torch.masked_select(rollout_probs, m)]))[0][1].item()
+    return {"training/rollout_probs_diff_valid": 1,
+            "training/rollout_probs_diff_max": torch.max(diff).item(),
+            "training/rollout_probs_diff_mean": torch.mean(diff).item(),
+            "training/rollout_probs_diff_std": torch.std(diff).item(),
+            "training/rollout_actor_probs_pearson_corr": corr}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_verl_names_equal_verls_formula(dtype):
+    """The training/rollout_probs_diff_* values are verl's formula: bit for bit on float64
+    inputs (the correlation to 1e-12), to float32 rounding on float32 ones (verl computes in
+    the input dtype)."""
+    learner, sampler, mask = batch(dtype=dtype)
+    got = gap_metrics(learner, sampler, mask).metrics
+    want = verl_reference(learner, sampler, mask)
+    assert set(VERL_KEYS) == set(want)
+    check_verl(got, want, dtype)
+
+
+def check_verl(got, want, dtype):
+    """Bit for bit on float64 (the correlation, written out, to 1e-12), float32 rounding else."""
+    assert got.keys() >= set(want)
+    for k in VERL_KEYS:
+        if dtype == torch.float64 and k != "training/rollout_actor_probs_pearson_corr":
+            assert got[k] == want[k], k
+        elif dtype == torch.float64:
+            assert got[k] == pytest.approx(want[k], rel=1e-12), k
+        else:
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-7), k
+
+
+def test_verl_names_equal_verls_own_function():
+    """The values equal verl's own calculate_debug_metrics on a DataProto of the same tensors
+    (skipped where verl does not import: it needs ray and tensordict, which the test extra
+    does not install)."""
+    os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")
+    metrics = pytest.importorskip("verl.utils.debug.metrics")
+    from verl import DataProto
+
+    for dtype in (torch.float64, torch.float32):
+        learner, sampler, mask = batch(b=6, t=24, dtype=dtype, seed=3)
+        data = DataProto.from_dict(tensors={
+            "old_log_probs": learner, "rollout_log_probs": sampler,
+            "response_mask": mask.to(torch.int64), "responses": torch.zeros(6, 24, dtype=torch.long)})
+        want = metrics.calculate_debug_metrics(data)
+        check_verl(gap_metrics(learner, sampler, mask).metrics, want, dtype)
+
+
+def test_verl_std_of_one_token_is_nan_like_torch_std():
+    """One valid token: verl's torch.std is NaN (one degree of freedom), and so is ours."""
+    got = gap_metrics(torch.tensor([-1.0]), torch.tensor([-1.1])).metrics
+    assert math.isnan(got["training/rollout_probs_diff_std"])
+    assert got["training/rollout_probs_diff_max"] == pytest.approx(abs(math.exp(-1) - math.exp(-1.1)))
+
+
+# --- the values: slime and libalign ---------------------------------------------------------
+
+
+def slime_reference(old, rollout, mask):
+    """A copy of slime's train_rollout_logprob_abs_diff (slime/backends/megatron_utils/loss.py:
+    ``sum_of_sample_mean((old_log_probs - rollout_log_probs).abs())``, with cp_utils'
+    ``get_sum_of_sample_mean``: per sample ``(x_i * mask_i).sum() / clamp_min(mask_i.sum(), 1)``,
+    summed), divided by the number of samples as slime's step log reports it."""
+    x = (old - rollout).abs()
+    per = [(xi * mi).sum() / torch.clamp_min(mi.sum(), 1) for xi, mi in zip(x, mask.double(), strict=True)]
+    return float(sum(per) / len(per))
+
+
+@pytest.mark.parametrize("empty_row", [False, True])
+def test_slime_name_equals_slimes_formula(empty_row):
+    """train_rollout_logprob_abs_diff is slime's mean of per-sample masked means; a sample
+    without valid tokens counts as 0, as slime's clamp_min(·, 1) makes it."""
+    learner, sampler, mask = batch(b=5, t=20, seed=7, empty_row=empty_row)
+    got = gap_metrics(learner, sampler, mask).metrics[SLIME_ABS_DIFF]
+    assert got == pytest.approx(slime_reference(learner, sampler, mask), rel=1e-12)
+
+
+def test_list_layout_gives_the_same_values_as_padded():
+    """One tensor per sequence (slime's layout) gives the values of the padded, masked batch."""
+    learner, sampler, mask = batch(seed=2)
+    padded = gap_metrics(learner, sampler, mask).metrics
+    rows = gap_metrics([lp[m] for lp, m in zip(learner, mask, strict=True)],
+                       [sp[m] for sp, m in zip(sampler, mask, strict=True)]).metrics
+    assert rows == padded
+
+
+def test_libalign_keys_are_delta_stats_and_tis():
+    """The libalign/ keys are DeltaStats' fields and the token-level TIS truncated fraction."""
+    learner, sampler, mask = batch(seed=4)
+    learner[0, 0] = sampler[0, 0] + 1.5  # a token above the TIS cap
+    got = gap_metrics(learner, sampler, mask).metrics
+    d = token_deltas(learner, sampler, mask)
+    stats = delta_stats(d, mask)
+    for k, v in stats.to_dict().items():
+        assert got[f"libalign/{k}"] == v
+    assert got["libalign/tis_truncated_fraction"] == tis_weights(d, mask).truncated_fraction > 0
+
+
+@pytest.mark.parametrize(("args", "err"), [
+    ((torch.zeros(2, 3) - 1, torch.zeros(2, 4) - 1), ShapeError),
+    ((torch.tensor([[-1.0, float("nan")]]), torch.tensor([[-1.0, -1.0]])), NonFiniteError),
+    ((torch.tensor([[-1.0, 0.5]]), torch.tensor([[-1.0, -1.0]])), InputError),
+])
+def test_bad_input_raises_typed_errors_and_exports_nothing(args, err):
+    """Mismatched shapes, NaN and a log-prob above 0 raise libalign.metrics' typed errors;
+    nothing reaches the registry."""
+    mon = Monitor()
+    with pytest.raises(err):
+        mon.observe(*args)
+    assert mon.metrics.value("libalign_logprob_abs_delta_count",
+                             {"learner_path": "bf16", "sampler_path": "nvfp4_minite"}) == 0
+
+
+# --- Prometheus -------------------------------------------------------------------------------
+
+
+def test_metrics_land_on_the_registry_under_libaligns_names():
+    """observe adds every valid |δ| to libalign_logprob_abs_delta and sets the four gap gauges,
+    labelled by the monitor's execution paths."""
+    learner, sampler, mask = batch(seed=5)
+    mon = Monitor(learner_path="bf16", sampler_path="nvfp4_trace")
+    got = mon.observe(learner, sampler, mask)
+    labels = {"learner_path": "bf16", "sampler_path": "nvfp4_trace"}
+    n = int(mask.sum())
+    d = (learner - sampler)[mask].abs()
+    assert mon.metrics.value("libalign_logprob_abs_delta_count", labels) == n
+    assert mon.metrics.value("libalign_logprob_abs_delta_sum", labels) == pytest.approx(float(d.sum()))
+    assert mon.metrics.value("libalign_logprob_abs_delta_bucket", {**labels, "le": "0.01"}) == \
+        int((d <= 0.01).sum())
+    assert mon.metrics.value("libalign_discrepancy_p99_abs", labels) == got["libalign/p99_abs"]
+    assert mon.metrics.value("libalign_discrepancy_mean_abs", labels) == got["libalign/mean_abs"]
+    assert mon.metrics.value("libalign_clip_potential_ratio", labels) == got["libalign/clip_potential"]
+    assert mon.metrics.value("libalign_tis_truncated_ratio", labels) == \
+        got["libalign/tis_truncated_fraction"]
+
+
+# --- the push ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def daemon(redis_url, tmp_path):
+    """A store with version v1 published and registered in Redis, and the API app (not served)."""
+    store = tmp_path / "store"
+    bus = RedisBus(connect(redis_url))
+    publish_version(store / "published", Registry(bus, "libalign"), bus,
+                    event_stream("libalign", "published"), "v1", tiny_experts(2, 16, 32))
+    app = create_app(api_settings(redis_url, store, max_body_bytes=4 << 20), redis_give_up_s=0.3)
+    return type("Daemon", (), dict(store=store, app=app, redis_url=redis_url, bus=bus))
+
+
+def test_push_never_blocks_a_step_and_lands_once_the_api_is_back(daemon):
+    """With the API unreachable a step (observe + queueing the push) takes well under 50 ms
+    (median of 20 steps), the failed attempts are counted; once the API serves, every queued
+    batch is delivered and the daemon holds its rollouts and δ."""
+    port = free_port()
+    mon = Monitor(api=f"http://127.0.0.1:{port}", token=TOKEN, retry=FAST, run_id="t")
+    learner, sampler, mask = batch(b=8, t=64, seed=6)
+    completions = torch.randint(0, 1000, (8, 64))
+    took = []
+    for step in range(20):
+        t0 = time.perf_counter()
+        mon.observe(learner, sampler, mask, version="v1", step=step, completions=completions,
+                    prompts=[[1, 2]] * 8)
+        took.append(time.perf_counter() - t0)
+    assert statistics.median(took) < 0.05, took
+    deadline = time.monotonic() + 10
+    while mon.metrics.value("libalign_integration_push_retries_total") == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert mon.metrics.value("libalign_integration_pushes_total", {"outcome": "delivered"}) == 0
+    with serve(daemon.app, port) as url:
+        assert mon.flush(60)
+        assert mon.metrics.value("libalign_integration_pushes_total", {"outcome": "delivered"}) == 20
+        with AlignClient(url, token=TOKEN) as api:
+            ids = api.get_rollouts("v1").rollout_ids
+            assert len(ids) == 160 and "t-000019-00007" in ids
+            disc = api.get_discrepancy("v1", window_tokens=100_000)
+            assert disc.stats.count == 20 * int(mask.sum())
+            assert disc.stats.max_abs == pytest.approx(float((learner - sampler)[mask].abs().max()),
+                                                       rel=1e-6)
+    mon.close()
+
+
+def test_a_full_queue_drops_and_counts_without_blocking():
+    """A bounded queue: with the API down, batches beyond the queue are dropped and counted;
+    closing abandons the rest (counted) within its timeout; observe never raises."""
+    mon = Monitor(api=f"http://127.0.0.1:{free_port()}", push_queue=2,
+                  retry=RetryPolicy(initial_s=1.0, max_s=1.0, attempts=100))
+    learner, sampler, mask = batch(seed=8)
+    for step in range(10):
+        mon.observe(learner, sampler, mask, version="v1", step=step,
+                    rollout_ids=[f"r{step}-{i}" for i in range(4)])
+    dropped = mon.metrics.value("libalign_integration_pushes_total", {"outcome": "dropped"})
+    assert 7 <= dropped <= 8
+    t0 = time.perf_counter()
+    mon.close(timeout_s=0.5)
+    assert time.perf_counter() - t0 < 5
+    assert mon.metrics.value("libalign_integration_pushes_total", {"outcome": "abandoned"}) == \
+        10 - dropped
+
+
+def test_bounded_retries_abandon_and_a_refused_batch_is_rejected(daemon):
+    """Retries are bounded (a batch is abandoned after its attempts); a batch the API refuses
+    (unknown version, or scores for rollouts it does not hold) is rejected, never retried."""
+    mon = Monitor(api=f"http://127.0.0.1:{free_port()}",
+                  retry=RetryPolicy(initial_s=0.01, max_s=0.01, attempts=3))
+    learner, sampler, mask = batch(seed=9)
+    mon.observe(learner, sampler, mask, version="v1", rollout_ids=list("abcd"))
+    assert mon.flush(10)
+    assert mon.metrics.value("libalign_integration_pushes_total", {"outcome": "abandoned"}) == 1
+    assert mon.metrics.value("libalign_integration_push_retries_total") == 2
+    mon.close()
+    with serve(daemon.app) as url, Monitor(api=url, token=TOKEN, retry=FAST) as mon:
+        mon.observe(learner, sampler, mask, version="nope", rollout_ids=list("abcd"))
+        mon.observe(learner, sampler, mask, version="v1", rollout_ids=list("abcd"))
+        assert mon.flush(30)
+        assert mon.metrics.value("libalign_integration_pushes_total", {"outcome": "rejected"}) == 2
+        assert mon.metrics.value("libalign_integration_push_retries_total") == 0
+
+
+def test_push_arguments_are_checked_in_the_step():
+    """Bad push arguments are the caller's mistake and raise at once, typed."""
+    mon = Monitor(api=f"http://127.0.0.1:{free_port()}")
+    learner, sampler, mask = batch(seed=10)
+    with pytest.raises(ShapeError):
+        mon.observe(learner, sampler, mask, version="v1", rollout_ids=["a"])
+    with pytest.raises(InputError):
+        mon.observe(learner, sampler, mask, version="v1", rollout_ids=["a", "b", "c", "a/b"])
+    with pytest.raises(InputError):
+        mon.observe(learner, sampler, mask, version="v1", completions=torch.zeros(4, 16,
+                                                                                  dtype=torch.long))
+    mon.close(timeout_s=0.1)
+
+
+# --- publishing and guidance --------------------------------------------------------------------
+
+
+def test_publish_from_tensors_converts_here_bit_identical_to_the_converter(redis_url, tmp_path):
+    """With Redis, the state dict is converted in-process (no BF16 written), announced as
+    converted, and its stored tensors carry the converter's checksums for the same weights."""
+    sd = tiny_experts(2, 16, 32)
+    pub = WeightPublisher(tmp_path / "store", redis_url=redis_url)
+    assert pub.publish(sd, "v1", target_path="nvfp4_minite") == "converted"
+    store = WeightStore(tmp_path / "store")
+    assert not store.published_path("v1").exists()
+    rec = Registry(pub.bus, "libalign").get("v1")
+    assert rec.state == "converted"
+    ref = WeightStore(tmp_path / "ref")
+    src = write_published(tmp_path / "pub", "v1", sd)
+    want = convert_published(src, ref, "v1", "minite")
+    got = store.verify_version("v1")
+    assert {n: e["stored"] for n, e in got["tensors"].items()} == \
+        {n: e["stored"] for n, e in want["tensors"].items()}
+    last = pub.bus.client.xrevrange(event_stream("libalign", "converted"), count=1)
+    assert last and last[0][1]["version_id"] == "v1"
+
+
+def test_publish_from_tensors_through_the_api(redis_url, tmp_path):
+    """With only the API, the integration writes the published version atomically and
+    registers it; the converter service takes it from there."""
+    store = tmp_path / "store"
+    app = create_app(api_settings(redis_url, store), redis_give_up_s=0.3)
+    with serve(app) as url:
+        pub = WeightPublisher(store, api=url, token=TOKEN)
+        assert pub.publish(tiny_experts(2, 16, 32), "v2") == "published"
+        with AlignClient(url, token=TOKEN) as api:
+            assert api.get_version("v2").version.state == "published"
+
+
+def test_fetch_guidance_returns_decoded_tensors(daemon):
+    """Guidance records come back decoded, keyed by position in the ids asked for."""
+    g = torch.Generator().manual_seed(0)
+    rows = SiteRows(positions=torch.arange(3, dtype=torch.int32),
+                    experts=torch.full((3,), -1, dtype=torch.int16),
+                    codes=torch.randint(0, 2, (3, 32), generator=g).to(torch.uint8),
+                    block_scales=torch.randint(0, 256, (3, 2), generator=g).to(torch.uint8),
+                    row_scales=torch.rand(3, generator=g), k=32)
+    rec = GuidanceRecord(1, "minite", {(0, "fc1"): rows})
+    with serve(daemon.app) as url, Monitor(api=url, token=TOKEN) as mon:
+        mon.api.put_guidance("v1", "r1", rec.encode())
+        got = mon.fetch_guidance("v1", ["r0", "r1"], missing="skip")
+        assert list(got) == [1]
+        back = got[1].sites[(0, "fc1")]
+        assert torch.equal(back.codes, rows.codes) and torch.equal(back.row_scales, rows.row_scales)
+
+
+# --- the README snippets --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["with_verl.py", "with_slime.py"])
+def test_readme_snippets_run_and_push(daemon, name, monkeypatch, capsys):
+    """docs/snippets/<name> (the README's "With verl" / "With slime" code) runs as written and
+    its batch reaches the daemon."""
+    with serve(daemon.app) as url:
+        monkeypatch.setenv("ALIGN_API_URL", url)
+        monkeypatch.setenv("ALIGN_API_TOKEN", TOKEN)
+        monkeypatch.setenv("ALIGN_VERSION", "v1")
+        runpy.run_path(str(ROOT / "docs" / "snippets" / name), run_name="__main__")
+        with AlignClient(url, token=TOKEN) as api:
+            assert api.get_discrepancy("v1").stats.count > 0
+    out = capsys.readouterr().out
+    assert ("training/rollout_probs_diff_mean" if name == "with_verl.py" else SLIME_ABS_DIFF) in out
+    assert np.isfinite(float(out.split()[-1])) if name == "with_slime.py" else True
