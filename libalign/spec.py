@@ -449,8 +449,9 @@ def normalized_with_scales(
 
     ``block_scales`` (E4M3, or E8M0 for an MX spec, ``[..., nb]``) and ``outer_scale``
     (stored convention, shaped as ``spec.outer_domain`` says) usually come from another
-    producer; the values are the scaled, clamped elements that step 7 would round, in the spec's operation order and
-    zero-scale policy, so rounding them to nearest reproduces :func:`encode_with_scales`.
+    producer; the values are the scaled, clamped elements that step 7 would round, in the
+    spec's operation order and zero-scale policy, so rounding them to nearest reproduces
+    :func:`encode_with_scales`.
     Guided rounding (:func:`libalign.rounding.round_e2m1_guided`) rounds them instead.
     """
     shape = tuple(x.shape)
