@@ -343,6 +343,22 @@ class RolloutNotFoundError(AlignError, LookupError):
                          "(never stored, or expired)")
 
 
+class StaleRolloutError(AlignError):
+    """Rollouts of a weight version more than ``max_version_diff`` versions older than the
+    current one were refused (``stale_rollouts = "refuse"``)."""
+
+    code = "stale_rollout"
+
+    def __init__(self, version_id: str, current_version: str, distance: int, max_version_diff: int):
+        self.version_id = version_id
+        self.current_version = current_version
+        self.distance = distance
+        self.max_version_diff = max_version_diff
+        super().__init__(f"rollouts of weight version {version_id!r} are {distance} versions older "
+                         f"than the current version {current_version!r}; max_version_diff is "
+                         f"{max_version_diff}")
+
+
 # --- the control API ---------------------------------------------------------------------
 
 

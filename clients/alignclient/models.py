@@ -280,6 +280,8 @@ class RolloutPutResponse(Reply):
     version_id: str
     stored: int
     tokens: int
+    dropped: int = Field(0, description="rollouts not stored: their version is more than "
+                         "max_version_diff versions older than the newest (stale_rollouts=drop)")
 
 
 class RolloutIds(Reply):

@@ -42,10 +42,13 @@ def rollout_ids(ids: str) -> list[str]:
 
 @router.post("/versions/{version_id}/rollouts", operation_id="put_rollouts",
              response_model=RolloutPutResponse, status_code=201, responses=ERRORS,
-             dependencies=BEARER)
+             dependencies=BEARER, response_model_exclude_defaults=True)
 def put_rollouts(version_id: str, batch: RolloutBatch, st: State,
                  _known: KnownVersion) -> RolloutPutResponse:
-    """Store a batch of rollouts of a version, all or none (409 if an id exists)."""
+    """Store a batch of rollouts of a version, all or none (409 if an id exists or it is stale)."""
+    if not st.staleness.admit(version_id, rollouts=len(batch.rollouts)):
+        return RolloutPutResponse(version_id=version_id, stored=0, tokens=0,
+                                  dropped=len(batch.rollouts))
     tokens = st.rollouts.put_rollouts(version_id, batch.rollouts)
     return RolloutPutResponse(version_id=version_id, stored=len(batch.rollouts), tokens=tokens)
 

@@ -40,6 +40,7 @@ from alignd.infra.bus import RedisBus
 from alignd.infra.liveness import ServiceHeartbeat
 from alignd.infra.registry import Registry, VersionRecord
 from alignd.infra.settings import ApiSettings
+from alignd.infra.staleness import StalenessGuard
 from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.telemetry import Metrics
@@ -125,6 +126,8 @@ class ApiState:
     rollouts: RolloutStore = field(init=False)
     guidance: GuidanceStore = field(init=False)
     heartbeat: ServiceHeartbeat = field(init=False)
+    #: the max_version_diff bound on rollouts put over the API (against the newest version)
+    staleness: StalenessGuard = field(init=False)
     spec: dict[str, Any] = field(init=False)
     spec_sha256: str = field(init=False)
     #: serving versions whose sync latency this process has settled (observed or seen observed)
@@ -147,10 +150,12 @@ class ApiState:
             ttl_s=s.guidance_ttl_s, chunk_bytes=s.guidance_chunk_bytes,
             max_record_bytes=s.guidance_max_record_bytes, on_in_use=s.guidance_on_in_use,
             retry=retry, metrics=m)
+        self.staleness = StalenessGuard(self.registry, s.max_version_diff, s.stale_rollouts, m)
         self.heartbeat = ServiceHeartbeat(
             self.text, "api", instance_name(s), period_s=s.service_heartbeat_s,
             ttl_s=max(s.service_heartbeat_ttl_s, 2 * s.service_heartbeat_s),
-            info=lambda: {"preset": s.preset, "url": s.resolved_api_url}, prefix=s.key_prefix)
+            info=lambda: {"preset": s.preset, "url": s.resolved_api_url,
+                          **self.staleness.describe()}, prefix=s.key_prefix)
         self.spec = PRESETS[s.preset].to_dict()
         self.spec_sha256 = spec_sha256(self.spec)
         self.status_cache = Snapshot(s.status_cache_s)

@@ -271,6 +271,12 @@ class Registry:
     def _tombstones_key(self) -> str:
         return f"{self.prefix}:versions:pruned"
 
+    @property
+    def creation_keys(self) -> tuple[str, str]:
+        """The sorted sets of creation times: live versions (the index) and pruned ones
+        (tombstones); what :mod:`alignd.infra.staleness` counts versions between."""
+        return self._index_key, self._tombstones_key
+
     def create(self, version_id: str, path: str, *, actor: str = "",
                meta: dict[str, Any] | None = None) -> VersionRecord:
         """Register a new version in state ``published``; VersionExistsError if known."""

@@ -102,6 +102,12 @@ ConsumerName = Annotated[str, Field(default_factory=default_process_name,
                                     description="this process's name in consumer groups and "
                                     "heartbeats")]
 Device = Annotated[str, Field(pattern=DEVICE_PATTERN)]
+MaxVersionDiff = Annotated[int | None, Field(
+    None, ge=0, description="a rollout whose version is more than this many versions older than "
+    "the newest (registry creation order) is dropped or refused (None: no bound; TRACE uses 3)")]
+StaleRollouts = Annotated[Literal["drop", "refuse"], Field(
+    "drop", description="what happens to a rollout beyond max_version_diff: drop it (counted in "
+    "libalign_rollouts_stale_total) or refuse it with stale_rollout (HTTP 409)")]
 
 
 class AlignSettings(BaseSettings):
@@ -225,6 +231,17 @@ class LearnerSettings(GuidanceStoreSettings):
     learner_device: Device = Field("cpu", description="device of the embedded learner engine")
     sampler_path: SamplerPath
     guidance_bits: int = Field(1, ge=1, le=4, description="bits a value kept in guidance records")
+    # the objective (issue 19 item 5; alignd.learner.engine)
+    tis_cap: float = Field(2.0, gt=0, allow_inf_nan=False, description="truncated importance "
+                           "sampling cap C of min(pi_learner / p_sampler, C) (TRACE uses 5)")
+    tis_level: Literal["token", "sequence", "geometric"] = Field(
+        "token", description="TIS weight per token, per sequence (product of ratios) or per "
+        "sequence from the geometric mean of its ratios")
+    ppo_clip_eps: float | None = Field(None, gt=0, lt=1, description="clip the policy-update "
+                                       "ratio pi_theta / pi_old to [1-eps, 1+eps] (PPO; None: "
+                                       "no clipping, e.g. 0.2)")
+    max_version_diff: MaxVersionDiff
+    stale_rollouts: StaleRollouts
 
 
 class ApiAddress(AlignSettings):
@@ -278,6 +295,8 @@ class ApiSettings(GuidanceStoreSettings, ApiAddress):
     preset: Preset
     sampler_path: SamplerPath
     learner_path: LearnerPath
+    max_version_diff: MaxVersionDiff
+    stale_rollouts: StaleRollouts
 
 
 class AllInOneSettings(ApiSettings, ConverterSettings, SamplerSettings, LearnerSettings):

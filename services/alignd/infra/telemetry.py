@@ -78,6 +78,8 @@ FAILURE_REASONS = (
 SYNC_STAGES = ("convert", "load", "total")
 #: What the retention pass counts (``libalign_retention_actions_total{action}``).
 RETENTION_ACTIONS = ("retired", "pruned", "consumers_removed", "groups_destroyed")
+#: What happens to a rollout beyond ``max_version_diff`` (``libalign_rollouts_stale_total{action}``).
+STALE_ACTIONS = ("dropped", "refused")
 
 #: Services that write heartbeats, the values of the ``service`` label.
 SERVICES = ("api", "converter", "sampler", "learner")
@@ -328,6 +330,10 @@ class Metrics:
             "|log p_learner - log p_sampler| per scored token, nats.",
             ["learner_path", "sampler_path"], ABS_DELTA_BUCKETS)
         r.register(self.logprob_abs_delta)
+        self.rollouts_stale = Counter(
+            "libalign_rollouts_stale_total",
+            "Rollouts whose version was more than max_version_diff versions older than the "
+            "current one, dropped or refused.", ["action"], registry=r)
         self.rollout_tokens = Counter(
             "libalign_rollout_tokens_total",
             "Generated (non-prompt) tokens of the rollouts stored, by sampler path.",

@@ -18,10 +18,32 @@ group mean, divided by the group's standard deviation (plus 1e-6; a group whose 
 all equal teaches nothing). The loss is the token-mean of ``-w_t · A · log π(y_t)`` where
 ``log π`` is the learner's log-prob under its own execution path (a W4A4 path runs NVFP4
 experts forward and the straight-through bf16 product backward) and ``w_t`` the truncated
-importance weight ``min(exp(log π_learner(y_t) − log p_sampler(y_t)), C)`` (token-level TIS,
-detached): the correction for having sampled with a different execution than the one being
-trained; ``C = 2`` by default, ``use_tis=False`` sets every weight to 1. Parameters stay
-in bf16 (what the sampler serves) with fp32 master copies updated by Adam.
+importance weight ``min(exp(log π_old(y_t) − log p_sampler(y_t)), C)`` (detached): the
+correction for having sampled with a different execution than the one being trained.
+
+The objective's knobs (``LearnerSettings``: ``tis_cap``, ``tis_level``, ``ppo_clip_eps``):
+
+* ``tis_cap`` is ``C``: 2 by default, TRACE uses 5; ``use_tis=False`` sets every weight to 1.
+* ``tis_level``: ``token`` (one weight per token, the default), ``sequence`` (one per
+  rollout from the product of its ratios) or ``geometric`` (from their geometric mean), as
+  :func:`libalign.metrics.tis_weights` defines them.
+* ``ppo_clip_eps`` ``ε`` turns the loss into PPO's clipped surrogate, weighted by TIS:
+  ``-w_t · min(r_t · A, clip(r_t, 1 − ε, 1 + ε) · A)`` with ``r_t = π_θ(y_t) / π_old(y_t)``.
+  ``π_old`` is the learner's own policy when the rollout was generated: the learner's scores
+  of the rollout under the version that sampled it (:attr:`TrainBatch.old_logprobs`, what
+  the loop reports as scores), or, if the batch has none, the current policy (detached, so
+  ``r = 1`` where the gradient is taken). The two ratios stay apart: TIS corrects the
+  *execution* gap between sampler and learner on the same weights (``π_old / p_sampler``,
+  capped, never clipped to a band), PPO bounds the *policy update* (``π_θ / π_old``). Where
+  the clip is active (``A > 0`` and ``r > 1 + ε``, or ``A < 0`` and ``r < 1 − ε``) the
+  token gives no gradient; elsewhere the gradient is ``w · r · A · ∇ log π``. With one
+  step per batch of on-policy rollouts ``r = 1`` and the clip never binds; it binds for
+  rollouts scored by an older learner version (asynchronous training within
+  ``max_version_diff``, :mod:`alignd.infra.staleness`).
+
+Without ``ε`` and without ``old_logprobs`` the loss keeps the REINFORCE form above (the same
+gradient as the surrogate at ``r = 1``). Parameters stay in bf16 (what the sampler serves)
+with fp32 master copies updated by Adam.
 """
 
 from __future__ import annotations
@@ -33,10 +55,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from alignclient.errors import InputError
+from alignclient.errors import ConfigError, InputError
 from torch import nn
 
 from libalign import gemm, models
+from libalign import metrics as lm
 from libalign.guidance import GuidanceRecord, GuidanceTable
 from libalign.models.paths import set_row_keys
 from libalign.models.scoring import completion_logprobs, right_padded_batch
@@ -55,14 +78,22 @@ class TrainBatch:
     groups: list[int]
     guidance: Mapping[int, GuidanceRecord] | None = None
     """Guidance record per batch index (``nvfp4_trace``)."""
+    old_logprobs: list[list[float]] | None = None
+    """``log π_old``: the learner's log-probs of the completion tokens under the policy that
+    generated the rollouts (its scores then); None: the current policy's (detached)."""
 
     def check(self) -> None:
         """InputError naming the first inconsistency."""
         n = len(self.sequences)
         for what, xs in (("prompt_lens", self.prompt_lens), ("sampler_logprobs",
-                         self.sampler_logprobs), ("rewards", self.rewards), ("groups", self.groups)):
+                         self.sampler_logprobs), ("rewards", self.rewards), ("groups", self.groups),
+                         ("old_logprobs", self.old_logprobs or [None] * n)):
             if len(xs) != n:
                 raise InputError(f"{what} has {len(xs)} entries for {n} sequences")
+        for i, old in enumerate(self.old_logprobs or []):
+            if len(old) != len(self.sampler_logprobs[i]) or not all(map(math.isfinite, old)):
+                raise InputError(f"rollout {i}: {len(old)} old log-probs (finite ones needed) for "
+                                 f"{len(self.sampler_logprobs[i])} sampler log-probs")
         for i, (s, p, lp) in enumerate(zip(self.sequences, self.prompt_lens,
                                            self.sampler_logprobs, strict=True)):
             if not 1 <= p < len(s) or len(lp) != len(s) - p:
@@ -87,6 +118,9 @@ class LearnerEngine(Protocol):
     def export_weights(self) -> dict[str, torch.Tensor]:
         """The current policy's tensors (bf16, CPU), as the model names them."""
 
+    def objective(self) -> dict:
+        """The objective's settings: ``tis``, ``tis_cap``, ``tis_level``, ``ppo_clip_eps``."""
+
 
 def grpo_advantages(rewards: Sequence[float], groups: Sequence[int]) -> torch.Tensor:
     """Group-normalized advantages: (r − mean of the group) / (std of the group + 1e-6)."""
@@ -105,11 +139,20 @@ class TorchLearnerEngine:
     """The embedded learner: a Hugging Face Qwen3-MoE trained with GRPO + TIS on one path."""
 
     def __init__(self, model: nn.Module, path: str = "bf16", *, lr: float = 2e-5,
-                 tis_cap: float = 2.0, use_tis: bool = True, batch_size: int = 64, pad_id: int = 0,
-                 max_grad_norm: float = 1.0):
+                 tis_cap: float = lm.DEFAULT_TIS_CAP, use_tis: bool = True,
+                 tis_level: str = "token", ppo_clip_eps: float | None = None,
+                 batch_size: int = 64, pad_id: int = 0, max_grad_norm: float = 1.0):
         self.path = gemm.get_path(path).name
         self.model = model
         self.tis_cap = float(tis_cap)
+        if not (math.isfinite(self.tis_cap) and self.tis_cap > 0):
+            raise ConfigError(f"tis_cap must be a finite number > 0, got {tis_cap!r}")
+        if tis_level not in lm.TIS_LEVELS:
+            raise ConfigError(f"tis_level must be one of {lm.TIS_LEVELS}, got {tis_level!r}")
+        if ppo_clip_eps is not None and not 0 < ppo_clip_eps < 1:
+            raise ConfigError(f"ppo_clip_eps must lie in (0, 1) (or be None), got {ppo_clip_eps!r}")
+        self.tis_level = tis_level
+        self.ppo_clip_eps = None if ppo_clip_eps is None else float(ppo_clip_eps)
         self.use_tis = use_tis
         self.batch_size = batch_size
         self.pad_id = pad_id
@@ -153,8 +196,43 @@ class TorchLearnerEngine:
 
     # --- one update -----------------------------------------------------------------------
 
+    def objective(self) -> dict:
+        """The objective's settings, as the learner reports them (heartbeat, demo summary)."""
+        return {"tis": self.use_tis, "tis_cap": self.tis_cap, "tis_level": self.tis_level,
+                "ppo_clip_eps": self.ppo_clip_eps}
+
+    def importance_weights(self, old: list[torch.Tensor], samp: list[torch.Tensor]
+                           ) -> tuple[list[torch.Tensor], int, int]:
+        """Per-rollout TIS weights ``min(exp(log π_old − log p_sampler), C)`` at ``tis_level``
+        (a sequence's weight repeated over its tokens), with how many weights were truncated
+        of how many (all ones, 0 of 0, without TIS)."""
+        if not self.use_tis:
+            return [torch.ones_like(o) for o in old], 0, 0
+        got = lm.tis_weights([o - s for o, s in zip(old, samp, strict=True)], cap=self.tis_cap,
+                             level=self.tis_level)
+        per = got.weights if self.tis_level == "token" else [
+            got.weights[i].expand(len(o)) for i, o in enumerate(old)]
+        return [w.to(o.dtype) for w, o in zip(per, old, strict=True)], got.truncated, got.total
+
+    def rollout_objective(self, lp: torch.Tensor, old: torch.Tensor | None, w: torch.Tensor,
+                          a: float) -> tuple[torch.Tensor, int]:
+        """One rollout's objective summed over its tokens (the loss is minus its token mean)
+        from its log-probs ``lp`` (with autograd), ``log π_old`` (None: ``lp`` detached), TIS
+        weights ``w`` and advantage ``a``; and how many tokens the PPO clip held."""
+        if old is None and self.ppo_clip_eps is None:
+            return (w * a * lp).sum(), 0
+        r = torch.exp(lp - (lp.detach() if old is None else old))
+        if self.ppo_clip_eps is None:
+            return (w * r * a).sum(), 0
+        lo, hi = 1.0 - self.ppo_clip_eps, 1.0 + self.ppo_clip_eps
+        surrogate = torch.minimum(r * a, torch.clamp(r, lo, hi) * a)
+        held = int((r.detach() > hi).sum()) if a > 0 else int((r.detach() < lo).sum()) if a < 0 \
+            else 0
+        return (w * surrogate).sum(), held
+
     def train_step(self, batch: TrainBatch) -> dict:
-        """GRPO + TIS on ``batch`` (one optimizer step over all its rollouts)."""
+        """GRPO + TIS (PPO-clipped with ``ppo_clip_eps``) on ``batch``: one optimizer step
+        over all its rollouts."""
         batch.check()
         adv = grpo_advantages(batch.rewards, batch.groups)
         table = self._table(batch.guidance)
@@ -162,21 +240,27 @@ class TorchLearnerEngine:
             p.grad = None
         local_tokens = sum(len(lp) for lp in batch.sampler_logprobs)
         tokens = self._global_count(local_tokens)
-        loss_sum, truncated, ratios = 0.0, 0, []
+        loss_sum, truncated, weights, clipped, ratios = 0.0, 0, 0, 0, []
         n = len(batch.sequences)
         self._check_chunks(-(-n // self.batch_size))
         for a in range(0, n, self.batch_size):
             b = min(n, a + self.batch_size)
             lps = self._forward(batch.sequences[a:b], batch.prompt_lens[a:b], list(range(a, b)),
                                 table, grad=True)
+            dev = lps[0].device
+            samp = [torch.tensor(batch.sampler_logprobs[i], device=dev) for i in range(a, b)]
+            old = None if batch.old_logprobs is None else [
+                torch.tensor(batch.old_logprobs[i], device=dev) for i in range(a, b)]
+            behind = [lp.detach() for lp in lps] if old is None else old
+            ws, cut, total = self.importance_weights(behind, samp)
+            truncated, weights = truncated + cut, weights + total
             loss = 0.0
-            for i, lp in zip(range(a, b), lps, strict=True):
-                samp = torch.tensor(batch.sampler_logprobs[i], device=lp.device)
-                ratio = torch.exp(lp.detach() - samp)
-                w = torch.clamp(ratio, max=self.tis_cap) if self.use_tis else torch.ones_like(ratio)
-                truncated += int((ratio > self.tis_cap).sum())
-                ratios.append(ratio.cpu())
-                loss = loss - (w * adv[i].item() * lp).sum()
+            for j, i in enumerate(range(a, b)):
+                ratios.append(torch.exp(behind[j] - samp[j]).cpu())
+                term, held = self.rollout_objective(lps[j], None if old is None else old[j], ws[j],
+                                                   adv[i].item())
+                clipped += held
+                loss = loss - term
             loss = loss / tokens
             loss.backward()
             loss_sum += float(loss.detach())
@@ -190,11 +274,13 @@ class TorchLearnerEngine:
                 p.copy_(m.to(p.dtype))
         self.steps += 1
         r = torch.cat(ratios) if ratios else torch.zeros(0)
-        loss_sum, truncated, r_sum, r_n, reward_sum, n_all = self._global_sums(
-            [loss_sum, truncated, float(r.sum()), r.numel(), float(sum(batch.rewards)), n])
+        loss_sum, truncated, weights, clipped, r_sum, r_n, reward_sum, n_all = self._global_sums(
+            [loss_sum, truncated, weights, clipped, float(r.sum()), r.numel(),
+             float(sum(batch.rewards)), n])
         return {"loss": loss_sum, "grad_norm": norm, "tokens": tokens,
                 "reward_mean": reward_sum / max(1, n_all),
-                "tis_truncated_fraction": truncated / max(1, tokens),
+                "tis_truncated_fraction": truncated / max(1, weights),
+                "ppo_clipped_fraction": clipped / max(1, tokens),
                 "ratio_mean": r_sum / r_n if r_n else 1.0}
 
     # --- what a data-parallel subclass distributes (one process: nothing) -----------------

@@ -13,7 +13,12 @@ One iteration of :class:`LearnerLoop` is one policy version's round trip:
    teacher-forced, the scores are reported to the rollout store (which turns them into δ
    statistics and metrics);
 5. **train**: rewards from the task's verifier, GRPO advantages, truncated importance weights
-   against the sampler's log-probs, one optimizer step.
+   against the sampler's log-probs, one optimizer step (PPO-clipped when the engine has
+   ``ppo_clip_eps``, with the scores of step 4 as ``π_old``). A rollout batch whose version is
+   more than ``max_version_diff`` versions older than the loop's newest published version is
+   dropped (not trained on, counted) or refused (:class:`~alignclient.errors.StaleRolloutError`)
+   as ``stale_rollouts`` says (:mod:`alignd.infra.staleness`); this loop rolls out each version
+   right after publishing it, so its own batches are 0 versions old.
 
 The seconds of each stage are measured (publish, convert, load from the registry's history;
 rollout, score, train here) and returned with the statistics.
@@ -35,7 +40,9 @@ from alignd.infra.bus import RedisBus
 from alignd.infra.publish import publish_version
 from alignd.infra.registry import Registry
 from alignd.infra.settings import LearnerSettings
+from alignd.infra.staleness import StalenessGuard
 from alignd.infra.stores.rollouts import Score
+from alignd.infra.telemetry import Metrics
 from alignd.infra.work import RolloutRequest, RolloutsReady, ready_stream, requests_stream
 from alignd.learner.engine import GUIDED, LearnerEngine, TrainBatch
 from alignd.learner.sharded_publish import announce_converted
@@ -63,11 +70,16 @@ class LearnerLoop:
                  guidance=None, sampler_path: str, prompts: Callable[[int], list[list[int]]],
                  reward: Callable[[list[int], list[int]], float], run_id: str | None = None,
                  prompts_per_step: int = 8, samples_per_prompt: int = 8,
-                 max_new_tokens: int = 8, temperature: float = 1.0, timeout_s: float = 300.0):
+                 max_new_tokens: int = 8, temperature: float = 1.0, timeout_s: float = 300.0,
+                 metrics: Metrics | None = None):
         self.settings = settings
         self.engine = engine
         self.bus = bus
         self.registry = Registry(bus, settings.key_prefix)
+        self.staleness = StalenessGuard(self.registry, settings.max_version_diff,
+                                        settings.stale_rollouts, metrics)
+        self.current_version: str | None = None
+        """The newest version this loop published: what staleness is measured against."""
         self.store = WeightStore(settings.store_dir)
         self.rollouts = rollouts
         self.guidance = guidance
@@ -104,11 +116,25 @@ class LearnerLoop:
             self.engine.publish_converted(self.store, vid, spec, quantize=quantize)
             announce_converted(self.registry, self.bus, self.settings.converted_stream,
                                self.store, vid, spec.name, target_path=self.sampler_path)
-            return vid
-        publish_version(self.store.published_root, self.registry, self.bus,
-                        self.settings.published_stream, vid, self.engine.export_weights(),
-                        actor="learner", target_path=self.sampler_path)
+        else:
+            publish_version(self.store.published_root, self.registry, self.bus,
+                            self.settings.published_stream, vid, self.engine.export_weights(),
+                            actor="learner", target_path=self.sampler_path)
+        self.current_version = vid
         return vid
+
+    def objective(self) -> dict:
+        """The engine's objective settings and the staleness rule, as the learner reports them."""
+        return {**self.engine.objective(), **self.staleness.describe()}
+
+    def train(self, vid: str, batch: TrainBatch) -> dict:
+        """One optimizer step on ``batch`` (rollouts of version ``vid``), unless ``vid`` is
+        more than ``max_version_diff`` versions older than :attr:`current_version`: then
+        ``{"dropped_stale": rollouts}`` (StaleRolloutError under ``stale_rollouts=refuse``)."""
+        if not self.staleness.admit(vid, self.current_version or vid,
+                                    rollouts=len(batch.sequences)):
+            return {"dropped_stale": len(batch.sequences)}
+        return self.engine.train_step(batch)
 
     def wait_serving(self, vid: str) -> dict[str, float]:
         """Block until ``vid`` serves; seconds per stage from the registry's history."""
@@ -181,7 +207,8 @@ class LearnerLoop:
         t = time.perf_counter()
         rewards = [float(self.reward(s[:p], s[p:])) for s, p in zip(seqs, plens, strict=True)]
         groups = [i // self.samples_per_prompt for i in range(len(seqs))]
-        train = self.engine.train_step(TrainBatch(seqs, plens, samp, rewards, groups, recs))
+        old = mine if self.engine.objective().get("ppo_clip_eps") is not None else None
+        train = self.train(vid, TrainBatch(seqs, plens, samp, rewards, groups, recs, old))
         sec["train"] = time.perf_counter() - t
         summary = delta.model_dump() if hasattr(delta, "model_dump") else dict(delta)
         flat = [a - b for x, y in zip(mine, samp, strict=True) for a, b in zip(x, y, strict=True)]

@@ -84,7 +84,8 @@ def split_batch(batch: TrainBatch, parts: int) -> list[TrainBatch]:
                              f"use groups that divide the {per} rollouts of a share")
         out.append(TrainBatch(batch.sequences[lo:hi], batch.prompt_lens[lo:hi],
                               batch.sampler_logprobs[lo:hi], batch.rewards[lo:hi],
-                              batch.groups[lo:hi], _reindex(batch.guidance, lo, hi)))
+                              batch.groups[lo:hi], _reindex(batch.guidance, lo, hi),
+                              None if batch.old_logprobs is None else batch.old_logprobs[lo:hi]))
     return out
 
 
@@ -126,7 +127,7 @@ def execute(engine: MegatronLearnerEngine, command: str, payload: Any) -> Any:
     if command == "train":
         share, offset, guidance = payload
         share = TrainBatch(share.sequences, share.prompt_lens, share.sampler_logprobs,
-                           share.rewards, share.groups, guidance)
+                           share.rewards, share.groups, guidance, share.old_logprobs)
         return _with_offset(engine, offset, engine.train_step, share)
     if command == "export":
         return engine.export_weights()  # collective (all-gather of the experts)
@@ -178,6 +179,10 @@ class RankGroupEngine:
     @property
     def path(self) -> str:
         return self.engine.path
+
+    def objective(self) -> dict:
+        """The objective's settings (every rank's engine is built with the same)."""
+        return self.engine.objective()
 
     def _run(self, command: str, payloads: list[Any]) -> list[Any]:
         if self.closed:

@@ -27,6 +27,13 @@ from libalign import models
 log = logging.getLogger("alignd.learner")
 
 
+def objective_options(settings: LearnerSettings) -> dict:
+    """The engine keywords of the objective's settings (``tis_cap``, ``tis_level``,
+    ``ppo_clip_eps``), for every engine the learner builds."""
+    return {"tis_cap": settings.tis_cap, "tis_level": settings.tis_level,
+            "ppo_clip_eps": settings.ppo_clip_eps}
+
+
 def build_loop(settings: LearnerSettings, *, lr: float = 2e-5, use_tis: bool = True,
                prompts_per_step: int = 8, samples_per_prompt: int = 8,
                metrics: Metrics | None = None, run_id: str | None = None,
@@ -37,7 +44,7 @@ def build_loop(settings: LearnerSettings, *, lr: float = 2e-5, use_tis: bool = T
     if engine is None:
         model, task = models.trained_tiny_model(device=settings.learner_device)
         engine = TorchLearnerEngine(model, settings.learner_path, lr=lr, use_tis=use_tis,
-                                    pad_id=task.pad_id)
+                                    pad_id=task.pad_id, **objective_options(settings))
     bus = RedisBus.from_settings(settings)
     rollouts = RolloutStore(binary_client(settings), settings.key_prefix, metrics=metrics)
     guidance = GuidanceStore.from_settings(settings, metrics=metrics)
@@ -46,7 +53,7 @@ def build_loop(settings: LearnerSettings, *, lr: float = 2e-5, use_tis: bool = T
                        prompts=lambda step: task.prompts(prompts_per_step, step, split="train"),
                        reward=task.verify, prompts_per_step=prompts_per_step,
                        samples_per_prompt=samples_per_prompt,
-                       max_new_tokens=task.max_completion_len)
+                       max_new_tokens=task.max_completion_len, metrics=metrics)
 
 
 def run_loop(loop: LearnerLoop, settings: LearnerSettings, stop: threading.Event, steps: int,
@@ -56,7 +63,8 @@ def run_loop(loop: LearnerLoop, settings: LearnerSettings, stop: threading.Event
     status (1: a stage failed)."""
     beat = ServiceHeartbeat(loop.bus, "learner", loop.run_id, settings.service_heartbeat_s,
                             settings.service_heartbeat_ttl_s, prefix=settings.key_prefix,
-                            info=lambda: {"path": loop.engine.path}).start()
+                            info=lambda: {"path": loop.engine.path,
+                                          "objective": loop.objective()}).start()
     stop_metrics = serve_metrics_for(settings, metrics)
     try:
         for step in range(steps):

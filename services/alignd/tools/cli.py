@@ -149,6 +149,12 @@ def demo(
     api: bool = typer.Option(True, "--api/--no-api", help="serve the control API, /metrics and "
                              "the status page while the demo runs"),
     api_port: int = typer.Option(8000, help="port of the API (0: any free port)"),
+    tis_cap: float = typer.Option(2.0, help="truncated importance sampling cap (TRACE uses 5)"),
+    ppo_clip_eps: float | None = typer.Option(None, help="PPO policy-ratio clip epsilon, e.g. "
+                                              "0.2 (default: no clipping)"),
+    max_version_diff: int | None = typer.Option(None, help="drop rollouts more than this many "
+                                                "versions older than the learner (TRACE uses 3; "
+                                                "default: no bound)"),
 ) -> None:
     """Main job on the embedded default: RL of the tiny MoE through the services, four paths."""
     # the demo runs the tiny model (transformers, the models extra) and plots (matplotlib)
@@ -160,7 +166,8 @@ def demo(
         raise typer.Exit(1)
     names = [c.strip() for c in configs.split(",") if c.strip()]
     cfg = DemoConfig(configs=tuple(names), steps=steps, prompts_per_step=prompts_per_step,
-                     samples_per_prompt=samples_per_prompt, out_dir=out)
+                     samples_per_prompt=samples_per_prompt, out_dir=out, tis_cap=tis_cap,
+                     ppo_clip_eps=ppo_clip_eps, max_version_diff=max_version_diff)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
     tasks: dict[str, int] = {}
@@ -175,7 +182,8 @@ def demo(
     try:
         cfg.check()
         metrics = Metrics()
-        api_settings = ApiSettings(store_dir=out / "store", dev_mode=True, api_port=api_port)
+        api_settings = ApiSettings(store_dir=out / "store", dev_mode=True, api_port=api_port,
+                                   max_version_diff=max_version_diff)
         with cpu_threads(1), ApiThread(api_settings, metrics, enabled=api) as url, progress:
             if url:
                 console.print(f"status page {url}/  metrics {url}/metrics")
@@ -186,16 +194,23 @@ def demo(
     except (AlignError, OSError, ValidationError) as e:
         typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
         raise typer.Exit(2) from None
+    eps = "off" if ppo_clip_eps is None else f"{ppo_clip_eps:g}"
+    bound = "none" if max_version_diff is None else str(max_version_diff)
     t = Table(title=f"alignd demo: {steps} GRPO steps per configuration, "
-              f"{prompts_per_step} prompts x {samples_per_prompt} samples")
-    for c in ("configuration", "sampler / learner", "TIS", "reward first", "reward (last 1/4)",
-              "mean |δ|", "P99 |δ|", "clip potential", "convert s", "load s", "rollout s",
-              "train s"):
+              f"{prompts_per_step} prompts x {samples_per_prompt} samples",
+              caption=f"TIS cap {tis_cap:g} (token level), PPO clip ε {eps}, max_version_diff "
+              f"{bound}; TIS cut = fraction of TIS weights truncated at the cap")
+    for c in ("configuration", "sampler / learner", "TIS", "TIS cut", "reward first",
+              "reward (last 1/4)", "mean |δ|", "P99 |δ|", "clip potential", "convert s", "load s",
+              "rollout s", "train s"):
         t.add_column(c, justify="left" if c in ("configuration", "sampler / learner") else "right")
     for c in report["configs"]:
         sm = c["summary"]
         sec = sm["seconds_by_stage"]
-        t.add_row(c["name"], f"{c['sampler_path']} / {c['learner_path']}", "yes" if c["tis"] else "no",
+        cut = sm.get("tis_truncated_fraction")
+        t.add_row(c["name"], f"{c['sampler_path']} / {c['learner_path']}",
+                  f"cap {c['objective']['tis_cap']:g}" if c["tis"] else "no",
+                  "-" if cut is None or not c["tis"] else f"{100 * cut:.2f}%",
                   f"{sm['reward_first']:.3f}", f"{sm['reward_last_quarter']:.3f}",
                   f"{sm['mean_abs_delta']:.2e}", f"{sm['p99_abs_delta']:.3g}",
                   f"{100 * sm['clip_potential']:.2f}%", f"{sec['convert']:.3f}",

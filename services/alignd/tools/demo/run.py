@@ -20,6 +20,13 @@ configuration       sampler path   learner path        TIS
 
 Each step publishes a version converted for the sampler's path, waits until it serves,
 samples a group per prompt, scores, and takes a GRPO step (:mod:`alignd.learner.engine`).
+The objective's knobs are the learner's (``--tis-cap``, default 2, TRACE uses 5;
+``--ppo-clip-eps``, default off; ``--max-version-diff``, default unbounded, TRACE uses 3);
+the report keeps them per configuration (``objective``) with the mean fraction of TIS weights
+truncated, of tokens the PPO clip held, and the rollouts dropped as stale. The demo rolls out
+each version right after publishing it, so its rollouts are never stale and, with one update
+per batch, the PPO ratio is 1 (the clip never binds): the knobs matter for rollouts that lag
+the learner (:mod:`alignd.infra.staleness`).
 The summary gives, per configuration, the reward (mean over the last quarter of the steps),
 mean and P99 |δ| and clip potential over all scored tokens, and the sync seconds by stage;
 the figure shows mean |δ| per step and reward per step, raw and as a centered 21-point moving
@@ -50,6 +57,7 @@ from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.telemetry import Metrics
 from alignd.learner.engine import TorchLearnerEngine
 from alignd.learner.loop import IterationResult, LearnerLoop
+from alignd.learner.service import objective_options
 from alignd.sampler.engine import TorchSamplerEngine
 from alignd.tools.in_process import ServiceThreads
 from libalign import metrics as lm
@@ -76,6 +84,9 @@ class DemoConfig:
     lr: float = 2e-5
     seed: int = 0
     out_dir: Path = Path("align-demo")
+    tis_cap: float = lm.DEFAULT_TIS_CAP
+    ppo_clip_eps: float | None = None
+    max_version_diff: int | None = None
 
     def check(self) -> None:
         """InputError naming the first bad option."""
@@ -88,6 +99,12 @@ class DemoConfig:
                 raise InputError(f"{name} must be at least 1, got {v}")
         if self.samples_per_prompt < 2:
             raise InputError("samples_per_prompt must be at least 2 (GRPO compares within groups)")
+        if not self.tis_cap > 0 or self.tis_cap == float("inf"):
+            raise InputError(f"tis_cap must be a finite number > 0, got {self.tis_cap}")
+        if self.ppo_clip_eps is not None and not 0 < self.ppo_clip_eps < 1:
+            raise InputError(f"ppo_clip_eps must lie in (0, 1), got {self.ppo_clip_eps}")
+        if self.max_version_diff is not None and self.max_version_diff < 0:
+            raise InputError(f"max_version_diff must be at least 0, got {self.max_version_diff}")
 
 
 @dataclass
@@ -98,6 +115,8 @@ class ConfigRun:
     sampler_path: str
     learner_path: str
     tis: bool
+    objective: dict = field(default_factory=dict)
+    """tis, tis_cap, tis_level, ppo_clip_eps, max_version_diff, stale_rollouts as used"""
     steps: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
 
@@ -139,6 +158,7 @@ def _summary(deltas: list[np.ndarray], results: list[IterationResult]) -> dict:
     tail = max(1, len(results) // 4)
     sync = {k: float(np.mean([r.seconds[k] for r in results])) for k in
             ("publish", "convert", "load", "rollout", "score", "train")}
+    trained = [r.train for r in results if "dropped_stale" not in r.train]
     return {
         "reward_last_quarter": float(np.mean([r.reward_mean for r in results[-tail:]])),
         "reward_first": results[0].reward_mean if results else None,
@@ -147,6 +167,11 @@ def _summary(deltas: list[np.ndarray], results: list[IterationResult]) -> dict:
         "p99_abs_delta": stats.get("p99_abs"),
         "max_abs_delta": stats.get("max_abs"),
         "clip_potential": stats.get("clip_potential"),
+        "tis_truncated_fraction": float(np.mean([t["tis_truncated_fraction"] for t in trained]))
+        if trained else None,
+        "ppo_clipped_fraction": float(np.mean([t["ppo_clipped_fraction"] for t in trained]))
+        if trained else None,
+        "rollouts_dropped_stale": sum(r.train.get("dropped_stale", 0) for r in results),
         "seconds_by_stage": sync,
         "seconds_per_step": float(np.mean([sum(r.seconds[k] for k in STEP_STAGES)
                                            for r in results])),
@@ -169,13 +194,15 @@ def run_demo(cfg: DemoConfig, *, on_step: Callable[[str, IterationResult], None]
         sampler_path, learner_path, tis = CONFIGS[name]
         s = base.model_copy(update={"sampler_path": sampler_path, "learner_path": learner_path,
                                     "sampler_name": f"demo-{name}",
-                                    "consumer_name": f"conv-{name}"})
+                                    "consumer_name": f"conv-{name}", "tis_cap": cfg.tis_cap,
+                                    "ppo_clip_eps": cfg.ppo_clip_eps,
+                                    "max_version_diff": cfg.max_version_diff})
         run = ConfigRun(name, sampler_path, learner_path, tis)
         svc = Services(s, copy.deepcopy(base_model), task, metrics)
         try:
             torch.manual_seed(cfg.seed)
             engine = TorchLearnerEngine(copy.deepcopy(base_model), learner_path, lr=cfg.lr,
-                                        use_tis=tis, pad_id=task.pad_id)
+                                        use_tis=tis, pad_id=task.pad_id, **objective_options(s))
             loop = LearnerLoop(
                 s, engine, svc.bus, rollouts=svc.rollouts, guidance=svc.guidance,
                 sampler_path=sampler_path, run_id=f"{name}-{uuid.uuid4().hex[:6]}",
@@ -183,7 +210,9 @@ def run_demo(cfg: DemoConfig, *, on_step: Callable[[str, IterationResult], None]
                                                  split="train"),
                 reward=task.verify, prompts_per_step=cfg.prompts_per_step,
                 samples_per_prompt=cfg.samples_per_prompt,
-                max_new_tokens=task.max_completion_len, temperature=cfg.temperature)
+                max_new_tokens=task.max_completion_len, temperature=cfg.temperature,
+                metrics=metrics)
+            run.objective = loop.objective()
             deltas, results = [], []
             for step in range(cfg.steps):
                 r = loop.iteration(step)
