@@ -176,10 +176,10 @@ def test_distance_is_creation_order_and_survives_pruning(registry):
         versions_after(registry, "v9")
 
 
-def _loop(redis_url, tmp_path, **settings) -> tuple[LearnerLoop, Metrics]:
+def _loop(redis_url, tmp_path, engine_kw=None, **settings) -> tuple[LearnerLoop, Metrics]:
     s = AllInOneSettings(redis_url=redis_url, store_dir=tmp_path / "store", **settings)
     metrics = Metrics()
-    eng = TorchLearnerEngine(_model(), pad_id=TASK.pad_id)
+    eng = TorchLearnerEngine(_model(), pad_id=TASK.pad_id, **(engine_kw or {}))
     loop = LearnerLoop(s, eng, RedisBus.from_settings(s), rollouts=None,
                        sampler_path=s.sampler_path, prompts=lambda step: [],
                        reward=TASK.verify, metrics=metrics)
@@ -213,6 +213,22 @@ def test_a_rollout_beyond_the_bound_is_refused_naming_both_versions(registry, re
     assert (e.value.version_id, e.value.current_version, e.value.distance) == ("v0", "v4", 4)
     assert metrics.value("libalign_rollouts_stale_total", {"action": "refused"}) == 4
     assert loop.engine.steps == 0
+
+
+def test_later_ppo_epochs_move_the_ratio_into_the_clip(registry, redis_url, tmp_path):
+    """ppo_epochs=3 with ε = 0.2 and π_old = the scores: three steps on one batch; the first
+    sees r = 1 (nothing clipped), the last has tokens held by the clip."""
+    got = {}
+    for epochs in (1, 3):
+        loop, _ = _loop(redis_url, tmp_path, {"ppo_clip_eps": 0.2, "lr": 0.05},
+                        ppo_epochs=epochs, ppo_clip_eps=0.2)
+        b = _train_batch()
+        lp = loop.engine.score(b.sequences, b.prompt_lens)
+        got[epochs] = loop.train("v4", TrainBatch(b.sequences, b.prompt_lens, lp, b.rewards,
+                                                  b.groups, old_logprobs=lp))
+        assert loop.engine.steps == epochs and loop.objective()["ppo_epochs"] == epochs
+    assert got[1]["ppo_clipped_fraction"] == 0.0
+    assert got[3]["ppo_clipped_fraction"] > 0.0
 
 
 def test_no_bound_admits_anything_without_asking_redis(registry):
@@ -254,3 +270,35 @@ def test_the_api_bounds_rollouts_by_the_newest_version(registry, redis_url, tmp_
         api = [s for s in status["services"] if s["service"] == "api"]
         assert api and api[0]["info"]["max_version_diff"] == 3
         assert api[0]["info"]["stale_rollouts"] == policy
+
+
+# --- the demo --------------------------------------------------------------------------------
+
+
+def test_the_demo_takes_the_knobs_and_reports_them(tmp_path):
+    """alignd demo --tis-cap 5 --ppo-clip-eps 0.2 --max-version-diff 3: the learner trains with
+    them, the table's caption and the report say so; its on-policy rollouts are never dropped."""
+    import json
+
+    from alignd.tools.cli import app
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["demo", "--steps", "2", "--configs", "nvfp4_minite",
+                              "--prompts-per-step", "2", "--samples-per-prompt", "2", "--no-api",
+                              "--tis-cap", "5", "--ppo-clip-eps", "0.2", "--ppo-epochs", "2",
+                              "--max-version-diff", "3",
+                              "--out", str(tmp_path / "demo")], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "TIS cap 5 (token level), PPO clip ε 0.2 over 2 step(s) a batch, max_version_diff 3" \
+        in " ".join(res.output.split())
+    report = json.loads((tmp_path / "demo" / "demo_report.json").read_text())
+    (c,) = report["configs"]
+    assert c["objective"] == {"tis": True, "tis_cap": 5.0, "tis_level": "token",
+                              "ppo_clip_eps": 0.2, "ppo_epochs": 2, "max_version_diff": 3,
+                              "stale_rollouts": "drop"}
+    assert c["summary"]["rollouts_dropped_stale"] == 0
+    assert all("ppo_clipped_fraction" in s["train"] for s in c["steps"])
+    bad = runner.invoke(app, ["demo", "--ppo-clip-eps", "1.5", "--no-api", "--out",
+                              str(tmp_path / "bad")])
+    assert bad.exit_code == 2 and "ppo_clip_eps" in bad.output

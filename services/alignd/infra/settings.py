@@ -240,6 +240,8 @@ class LearnerSettings(GuidanceStoreSettings):
     ppo_clip_eps: float | None = Field(None, gt=0, lt=1, description="clip the policy-update "
                                        "ratio pi_theta / pi_old to [1-eps, 1+eps] (PPO; None: "
                                        "no clipping, e.g. 0.2)")
+    ppo_epochs: int = Field(1, ge=1, le=64, description="optimizer steps on each rollout batch; "
+                            "after the first the policy ratio leaves 1 and ppo_clip_eps binds")
     max_version_diff: MaxVersionDiff
     stale_rollouts: StaleRollouts
 

@@ -36,10 +36,11 @@ The objective's knobs (``LearnerSettings``: ``tis_cap``, ``tis_level``, ``ppo_cl
   *execution* gap between sampler and learner on the same weights (``π_old / p_sampler``,
   capped, never clipped to a band), PPO bounds the *policy update* (``π_θ / π_old``). Where
   the clip is active (``A > 0`` and ``r > 1 + ε``, or ``A < 0`` and ``r < 1 − ε``) the
-  token gives no gradient; elsewhere the gradient is ``w · r · A · ∇ log π``. With one
-  step per batch of on-policy rollouts ``r = 1`` and the clip never binds; it binds for
-  rollouts scored by an older learner version (asynchronous training within
-  ``max_version_diff``, :mod:`alignd.infra.staleness`).
+  token gives no gradient; elsewhere the gradient is ``w · r · A · ∇ log π``. On the first
+  step on a batch of on-policy rollouts ``r = 1`` and the clip never binds; it binds on the
+  later steps of ``ppo_epochs`` (:class:`~alignd.learner.loop.LearnerLoop`) and for rollouts
+  scored by an older learner version (asynchronous training within ``max_version_diff``,
+  :mod:`alignd.infra.staleness`).
 
 Without ``ε`` and without ``old_logprobs`` the loss keeps the REINFORCE form above (the same
 gradient as the surrogate at ``r = 1``). Parameters stay in bf16 (what the sampler serves)

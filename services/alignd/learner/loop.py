@@ -14,7 +14,8 @@ One iteration of :class:`LearnerLoop` is one policy version's round trip:
    statistics and metrics);
 5. **train**: rewards from the task's verifier, GRPO advantages, truncated importance weights
    against the sampler's log-probs, one optimizer step (PPO-clipped when the engine has
-   ``ppo_clip_eps``, with the scores of step 4 as ``π_old``). A rollout batch whose version is
+   ``ppo_clip_eps``, with the scores of step 4 as ``π_old``; ``ppo_epochs`` steps on the same
+   batch, the statistics of the last returned). A rollout batch whose version is
    more than ``max_version_diff`` versions older than the loop's newest published version is
    dropped (not trained on, counted) or refused (:class:`~alignclient.errors.StaleRolloutError`)
    as ``stale_rollouts`` says (:mod:`alignd.infra.staleness`); this loop rolls out each version
@@ -125,16 +126,20 @@ class LearnerLoop:
 
     def objective(self) -> dict:
         """The engine's objective settings and the staleness rule, as the learner reports them."""
-        return {**self.engine.objective(), **self.staleness.describe()}
+        return {**self.engine.objective(), "ppo_epochs": self.settings.ppo_epochs,
+                **self.staleness.describe()}
 
     def train(self, vid: str, batch: TrainBatch) -> dict:
-        """One optimizer step on ``batch`` (rollouts of version ``vid``), unless ``vid`` is
-        more than ``max_version_diff`` versions older than :attr:`current_version`: then
-        ``{"dropped_stale": rollouts}`` (StaleRolloutError under ``stale_rollouts=refuse``)."""
+        """``ppo_epochs`` optimizer steps on ``batch`` (rollouts of version ``vid``; the last
+        step's statistics), unless ``vid`` is more than ``max_version_diff`` versions older
+        than :attr:`current_version`: then ``{"dropped_stale": rollouts}`` (StaleRolloutError
+        under ``stale_rollouts=refuse``)."""
         if not self.staleness.admit(vid, self.current_version or vid,
                                     rollouts=len(batch.sequences)):
             return {"dropped_stale": len(batch.sequences)}
-        return self.engine.train_step(batch)
+        for _ in range(self.settings.ppo_epochs):
+            stats = self.engine.train_step(batch)
+        return stats
 
     def wait_serving(self, vid: str) -> dict[str, float]:
         """Block until ``vid`` serves; seconds per stage from the registry's history."""

@@ -4,7 +4,10 @@ It warm-starts the tiny Qwen3-MoE (trained on the synthetic task, cached), then 
 :class:`~alignd.learner.loop.LearnerLoop` against whatever converter and samplers share its
 Redis and weight store (:class:`~alignd.infra.settings.LearnerSettings`): ``--steps``
 iterations, each publishing a version for ``ALIGN_SAMPLER_PATH``, training with
-``ALIGN_LEARNER_PATH``. One line of JSON per step goes to stdout (step, version, reward, δ
+``ALIGN_LEARNER_PATH``, with the objective of ``ALIGN_TIS_CAP``, ``ALIGN_TIS_LEVEL``,
+``ALIGN_PPO_CLIP_EPS``, ``ALIGN_PPO_EPOCHS``, ``ALIGN_MAX_VERSION_DIFF`` and
+``ALIGN_STALE_ROLLOUTS`` (its heartbeat reports them: ``/v1/status``, the learner's
+``info.objective``). One line of JSON per step goes to stdout (step, version, reward, δ
 statistics, seconds by stage); SIGTERM stops after the current step. With
 ``ALIGN_METRICS_PORT`` set it serves ``/metrics`` and ``/healthz``: the learner reports the
 scores, so the |δ| histogram (``libalign_logprob_abs_delta``) and the guidance reads (hits,

@@ -5,8 +5,10 @@ pass (a Megatron ``GPTModel`` whose experts are libalign's, see
 :mod:`libalign.models.megatron`) and the weight export (Megatron names and fused layouts
 mapped to Hugging Face Qwen3-MoE's, :mod:`libalign.models.megatron_export`). The loss, the
 advantages (:func:`~alignd.learner.engine.grpo_advantages`), the truncated importance
-weights and the fp32-master Adam update are inherited unchanged, so the two engines train the
-same way and differ only in how the model computes.
+weights, the objective's knobs (``tis_cap``, ``tis_level``, ``ppo_clip_eps``: keywords of the
+constructor, from :class:`~alignd.infra.settings.LearnerSettings` in the services) and the
+fp32-master Adam update are inherited unchanged, so the two engines train the same way and
+differ only in how the model computes.
 
 What is and is not here
 -----------------------

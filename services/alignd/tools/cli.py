@@ -152,6 +152,7 @@ def demo(
     tis_cap: float = typer.Option(2.0, help="truncated importance sampling cap (TRACE uses 5)"),
     ppo_clip_eps: float | None = typer.Option(None, help="PPO policy-ratio clip epsilon, e.g. "
                                               "0.2 (default: no clipping)"),
+    ppo_epochs: int = typer.Option(1, help="optimizer steps on each rollout batch"),
     max_version_diff: int | None = typer.Option(None, help="drop rollouts more than this many "
                                                 "versions older than the learner (TRACE uses 3; "
                                                 "default: no bound)"),
@@ -167,7 +168,8 @@ def demo(
     names = [c.strip() for c in configs.split(",") if c.strip()]
     cfg = DemoConfig(configs=tuple(names), steps=steps, prompts_per_step=prompts_per_step,
                      samples_per_prompt=samples_per_prompt, out_dir=out, tis_cap=tis_cap,
-                     ppo_clip_eps=ppo_clip_eps, max_version_diff=max_version_diff)
+                     ppo_clip_eps=ppo_clip_eps, ppo_epochs=ppo_epochs,
+                     max_version_diff=max_version_diff)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
     tasks: dict[str, int] = {}
@@ -198,8 +200,9 @@ def demo(
     bound = "none" if max_version_diff is None else str(max_version_diff)
     t = Table(title=f"alignd demo: {steps} GRPO steps per configuration, "
               f"{prompts_per_step} prompts x {samples_per_prompt} samples",
-              caption=f"TIS cap {tis_cap:g} (token level), PPO clip ε {eps}, max_version_diff "
-              f"{bound}; TIS cut = fraction of TIS weights truncated at the cap")
+              caption=f"TIS cap {tis_cap:g} (token level), PPO clip ε {eps} over {ppo_epochs} "
+              f"step(s) a batch, max_version_diff {bound}; TIS cut = fraction of TIS weights "
+              "truncated at the cap")
     for c in ("configuration", "sampler / learner", "TIS", "TIS cut", "reward first",
               "reward (last 1/4)", "mean |δ|", "P99 |δ|", "clip potential", "convert s", "load s",
               "rollout s", "train s"):

@@ -21,12 +21,13 @@ configuration       sampler path   learner path        TIS
 Each step publishes a version converted for the sampler's path, waits until it serves,
 samples a group per prompt, scores, and takes a GRPO step (:mod:`alignd.learner.engine`).
 The objective's knobs are the learner's (``--tis-cap``, default 2, TRACE uses 5;
-``--ppo-clip-eps``, default off; ``--max-version-diff``, default unbounded, TRACE uses 3);
+``--ppo-clip-eps``, default off; ``--ppo-epochs``, optimizer steps per batch, default 1;
+``--max-version-diff``, default unbounded, TRACE uses 3);
 the report keeps them per configuration (``objective``) with the mean fraction of TIS weights
 truncated, of tokens the PPO clip held, and the rollouts dropped as stale. The demo rolls out
-each version right after publishing it, so its rollouts are never stale and, with one update
-per batch, the PPO ratio is 1 (the clip never binds): the knobs matter for rollouts that lag
-the learner (:mod:`alignd.infra.staleness`).
+each version right after publishing it, so its rollouts are never stale, and with one update
+per batch the PPO ratio is 1 (the clip binds from the second of ``--ppo-epochs`` on); the
+staleness bound matters for rollouts that lag the learner (:mod:`alignd.infra.staleness`).
 The summary gives, per configuration, the reward (mean over the last quarter of the steps),
 mean and P99 |δ| and clip potential over all scored tokens, and the sync seconds by stage;
 the figure shows mean |δ| per step and reward per step, raw and as a centered 21-point moving
@@ -86,6 +87,7 @@ class DemoConfig:
     out_dir: Path = Path("align-demo")
     tis_cap: float = lm.DEFAULT_TIS_CAP
     ppo_clip_eps: float | None = None
+    ppo_epochs: int = 1
     max_version_diff: int | None = None
 
     def check(self) -> None:
@@ -103,6 +105,8 @@ class DemoConfig:
             raise InputError(f"tis_cap must be a finite number > 0, got {self.tis_cap}")
         if self.ppo_clip_eps is not None and not 0 < self.ppo_clip_eps < 1:
             raise InputError(f"ppo_clip_eps must lie in (0, 1), got {self.ppo_clip_eps}")
+        if not 1 <= self.ppo_epochs <= 64:
+            raise InputError(f"ppo_epochs must lie in 1..64, got {self.ppo_epochs}")
         if self.max_version_diff is not None and self.max_version_diff < 0:
             raise InputError(f"max_version_diff must be at least 0, got {self.max_version_diff}")
 
@@ -195,7 +199,7 @@ def run_demo(cfg: DemoConfig, *, on_step: Callable[[str, IterationResult], None]
         s = base.model_copy(update={"sampler_path": sampler_path, "learner_path": learner_path,
                                     "sampler_name": f"demo-{name}",
                                     "consumer_name": f"conv-{name}", "tis_cap": cfg.tis_cap,
-                                    "ppo_clip_eps": cfg.ppo_clip_eps,
+                                    "ppo_clip_eps": cfg.ppo_clip_eps, "ppo_epochs": cfg.ppo_epochs,
                                     "max_version_diff": cfg.max_version_diff})
         run = ConfigRun(name, sampler_path, learner_path, tis)
         svc = Services(s, copy.deepcopy(base_model), task, metrics)
