@@ -21,6 +21,12 @@ weight and do not. compressed-tensors' ``tensor_group`` dequantization cannot br
 a per-row global scale against its ``[N, K/16, 1]`` group scales, so that format stays
 tensor-scaled only.
 
+MXFP4 (an ``mxfp4*`` preset) goes to compressed-tensors' ``mxfp4-pack-quantized`` layout,
+what vLLM's and SGLang's ``CompressedTensorsW4A16Mxfp4`` schemes load: ``weight_packed``
+(uint8 ``[N, K/2]``, the same nibbles) and ``weight_scale`` (uint8 ``[N, K/32]``, the E8M0
+bytes ``127 + log2(scale)``), no global scale. ModelOpt's layout has E4M3 scales and an
+outer scale, so an MXFP4 tensor is refused there.
+
 Readers check dtypes, shapes and finiteness and name what is wrong.
 """
 
@@ -37,6 +43,9 @@ FORMATS = ("modelopt", "compressed-tensors")
 def _tensor_scaled_2d(q: NVFP4Tensor, fmt: str, row_scaled_ok: bool = False) -> None:
     if len(q.shape) != 2:
         raise ShapeError(f"{fmt} stores 2-D weights; take q.expert(e) of shape {q.shape} first")
+    if q.spec.is_mx:
+        raise LayoutError(f"{fmt}'s NVFP4 layout has E4M3 block scales; MXFP4 (preset "
+                          f"{q.spec.name!r}) is stored in compressed-tensors' mxfp4-pack-quantized")
     allowed = ("tensor", "expert", "row") if row_scaled_ok else ("tensor", "expert")
     if q.spec.outer_domain not in allowed:
         raise LayoutError(
@@ -58,7 +67,13 @@ def to_modelopt(q: NVFP4Tensor, *, row_scaled_ok: bool = False) -> dict[str, tor
 
 
 def to_compressed_tensors(q: NVFP4Tensor) -> dict[str, torch.Tensor]:
-    """``weight_packed`` / ``weight_scale`` / ``weight_global_scale`` of a 2-D weight."""
+    """``weight_packed`` / ``weight_scale`` / ``weight_global_scale`` of a 2-D weight; for
+    MXFP4 ``weight_packed`` / ``weight_scale`` (uint8 E8M0 bytes), no global scale."""
+    if q.spec.is_mx:
+        if len(q.shape) != 2:
+            raise ShapeError(f"compressed-tensors stores 2-D weights, got shape {q.shape}")
+        return {"weight_packed": q.codes.contiguous(),
+                "weight_scale": q.block_scales.view(torch.uint8).contiguous()}
     _tensor_scaled_2d(q, "compressed-tensors")
     return {
         "weight_packed": q.codes.contiguous(),
@@ -76,15 +91,24 @@ def to_format(q: NVFP4Tensor, fmt: str, *, row_scaled_ok: bool = False) -> dict[
     raise LayoutError(f"unknown checkpoint format {fmt!r}; expected one of {FORMATS}")
 
 
-def stored_layout(fmt: str, shape: tuple[int, ...], row_scaled: bool = False
-                  ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def stored_layout(fmt: str, shape: tuple[int, ...], row_scaled: bool = False, *,
+                  mx: bool = False) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Key, shape and dtype of every tensor :func:`to_format` stores for a ``[N, K]`` weight.
 
-    K must be a multiple of 16: both formats store unpadded widths ``K / 2`` and ``K / 16``.
+    K must be a multiple of 16 (MXFP4, ``mx``: 32): the formats store unpadded widths
+    ``K / 2`` and ``K / 16`` (``K / 32``).
     """
     if len(shape) != 2:
         raise ShapeError(f"checkpoint weights are 2-D, got shape {tuple(shape)}")
     n, k = shape
+    if mx:
+        if fmt != "compressed-tensors":
+            raise LayoutError(f"MXFP4 is stored in compressed-tensors' mxfp4-pack-quantized "
+                              f"layout, not {fmt!r}")
+        if k % 32:
+            raise ShapeError(f"K={k} is not a multiple of 32; {fmt} stores unpadded MXFP4 weights")
+        return {"weight_packed": ((n, k // 2), torch.uint8),
+                "weight_scale": ((n, k // 32), torch.uint8)}
     if k % 16:
         raise ShapeError(f"K={k} is not a multiple of 16; {fmt} stores unpadded NVFP4 weights")
     if fmt == "modelopt":
@@ -145,11 +169,32 @@ def from_modelopt(d: dict[str, torch.Tensor], spec: NumericsSpec | None = None, 
     return NVFP4Tensor(packed, scales, outer.clone(), spec, shape)
 
 
+def _read_mxfp4(d: dict[str, torch.Tensor], spec: NumericsSpec) -> NVFP4Tensor:
+    missing = [k for k in ("weight_packed", "weight_scale") if k not in d]
+    if missing:
+        raise LayoutError(f"compressed-tensors MXFP4 dict lacks {missing}; it has {sorted(d)}")
+    packed, scales = d["weight_packed"], d["weight_scale"]
+    if packed.dtype != torch.uint8 or scales.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+        raise DTypeError(f"MXFP4 'weight_packed' must be uint8 and 'weight_scale' uint8 E8M0, "
+                         f"got {packed.dtype} / {scales.dtype}")
+    if packed.ndim != 2 or scales.ndim != 2 or (packed.shape[1] * 2) % 32 \
+            or tuple(scales.shape) != (packed.shape[0], packed.shape[1] * 2 // 32):
+        raise ShapeError(f"MXFP4 'weight_scale' {tuple(scales.shape)} does not fit "
+                         f"'weight_packed' {tuple(packed.shape)} (one scale per 32 values)")
+    if bool((scales.view(torch.uint8) == 0xFF).any()):
+        raise LayoutError("MXFP4 'weight_scale' holds the E8M0 NaN byte 0xFF")
+    return NVFP4Tensor(packed, scales.view(torch.float8_e8m0fnu).clone(), None, spec,
+                       (packed.shape[0], packed.shape[1] * 2))
+
+
 def from_compressed_tensors(
     d: dict[str, torch.Tensor], spec: NumericsSpec | None = None
 ) -> NVFP4Tensor:
-    """Read a compressed-tensors NVFP4 weight dict (encode convention global scale)."""
+    """Read a compressed-tensors NVFP4 weight dict (encode convention global scale), or an
+    ``mxfp4-pack-quantized`` one when ``spec`` is an MXFP4 spec."""
     spec = PRESETS["compressed_tensors"] if spec is None else spec
+    if spec.is_mx:
+        return _read_mxfp4(d, spec)
     packed, scales, outer, shape = _read(d, "weight_packed", "weight_global_scale",
                                          "compressed-tensors")
     spec = spec.replace(outer_domain="tensor", outer_convention="enc")

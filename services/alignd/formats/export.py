@@ -6,7 +6,9 @@ Output: the same directory with the selected weights replaced by NVFP4 tensors, 
 ModelOpt layout (``weight`` uint8, ``weight_scale`` float8_e4m3fn, ``weight_scale_2``
 fp32: what SGLang's ``modelopt_fp4`` loads) or compressed-tensors layout
 (``weight_packed``, ``weight_scale``, ``weight_global_scale``), the matching
-``quantization_config`` in ``config.json`` (and ``hf_quant_config.json`` for ModelOpt),
+``quantization_config`` in ``config.json`` (and ``hf_quant_config.json`` for ModelOpt;
+an MXFP4 preset writes compressed-tensors' ``mxfp4-pack-quantized``: ``weight_packed`` and
+uint8 E8M0 ``weight_scale``, no global scale, what vLLM and SGLang load as MXFP4),
 a new index, every other file copied byte for byte, and ``manifest.json``. Weight files
 outside the conversion (other ``*.safetensors``, ``pytorch_model*.bin``) are not copied;
 the manifest lists them under ``files_skipped``. The index must agree with the shards: a

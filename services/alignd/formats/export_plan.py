@@ -20,10 +20,12 @@ from alignclient.errors import LayoutError, SpecError
 from alignd.formats.hf_checkpoint import ST_DTYPES, HFCheckpoint, SourceTensor
 from alignd.formats.selection import fused_groups, select_for_export
 from libalign.checkpoint import FORMATS, stored_layout
+from libalign.numerics import MX_PRESETS
 from libalign.spec import PRESETS, NumericsSpec
 
-#: Presets that make sense for a stored checkpoint (``te_row`` is an activation variant).
-CHECKPOINT_PRESETS = ("minite", "modelopt", "compressed_tensors", "torchao", "te")
+#: Presets that make sense for a stored checkpoint (``te_row`` is an activation variant);
+#: the MXFP4 ones store in compressed-tensors' ``mxfp4-pack-quantized`` layout only.
+CHECKPOINT_PRESETS = ("minite", "modelopt", "compressed_tensors", "torchao", "te", *MX_PRESETS)
 
 
 @dataclass
@@ -70,7 +72,9 @@ class ExportPlan:
             return [(t.name, t.shape, ST_DTYPES[t.dtype], "copied")]
         module = t.name.removesuffix(".weight")
         roles = ("nvfp4_codes", "nvfp4_block_scales", "nvfp4_outer_scale")
-        layout = stored_layout(self.fmt, t.shape, self.row_scaled)
+        if self.spec.is_mx:
+            roles = ("mxfp4_codes", "mxfp4_block_scales")
+        layout = stored_layout(self.fmt, t.shape, self.row_scaled, mx=self.spec.is_mx)
         return [(f"{module}.{key}", shape, dtype, role)
                 for (key, (shape, dtype)), role in zip(layout.items(), roles, strict=True)]
 
@@ -82,6 +86,9 @@ def check_preset(preset: str, fmt: str) -> NumericsSpec:
     if fmt not in FORMATS:
         raise SpecError(f"format {fmt!r} is unknown; choose one of {FORMATS}")
     spec = PRESETS[preset]
+    if spec.is_mx and fmt != "compressed-tensors":
+        raise SpecError(f"preset {preset!r} is MXFP4, which peers load from compressed-tensors' "
+                        f"mxfp4-pack-quantized layout; use --format compressed-tensors")
     if fmt == "compressed-tensors" and spec.outer_domain == "row":
         raise SpecError(f"preset {preset!r} keeps one outer scale per row and compressed-tensors "
                         f"stores one global scale per weight; use --format modelopt (per-row "
@@ -97,7 +104,7 @@ def plan_export(src: Path, preset: str = "minite", fmt: str = "modelopt",
     src = Path(src)
     checkpoint = HFCheckpoint(src)
     shards, tensors, metadata = checkpoint.headers()
-    converted, excluded = select_for_export(tensors, all_linear)
+    converted, excluded = select_for_export(tensors, all_linear, spec.block_size)
     if not converted:
         raise LayoutError(f"{src} has no tensor to convert (no routed-expert weights"
                           f"{'' if all_linear else '; try --all-linear'})")

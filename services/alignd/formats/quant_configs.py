@@ -10,7 +10,10 @@ format, with which group size. Each function here builds one of those dicts from
   ``exclude_modules`` / ``ignore``;
 * compressed-tensors ``nvfp4-pack-quantized``, weight-only (``input_activations: null``, like
   its ``NVFP4A16`` preset): a weight converter sees no activations, so it writes no
-  activation scale.
+  activation scale;
+* compressed-tensors ``mxfp4-pack-quantized`` for an MXFP4 preset, weight-only like its
+  ``MXFP4A16`` preset (group strategy, group size 32, uint8 E8M0 scales, no global scale):
+  what vLLM's and SGLang's ``CompressedTensorsW4A16Mxfp4`` load.
 
 Every config carries a ``libalign`` note (producer, preset, full numerics spec, whether the
 outer scale is per row) so a reader can tell how the bits were computed; with a row-scaled
@@ -32,7 +35,8 @@ def libalign_note(plan: ExportPlan) -> dict[str, Any]:
         "producer": f"libalign {libalign.__version__}",
         "preset": plan.preset,
         "numerics_spec": plan.spec.to_dict(),
-        "outer_scale": "per_row" if plan.row_scaled else "per_tensor",
+        "outer_scale": ("none (MXFP4: E8M0 block scales only)" if plan.spec.is_mx
+                        else "per_row" if plan.row_scaled else "per_tensor"),
         "input_scale": "not written: activation scales need calibration data",
         "fused_groups_share_outer_scale": bool(plan.groups),
     }
@@ -86,7 +90,10 @@ def modelopt_quantization_config(plan: ExportPlan) -> dict[str, Any]:
 
 
 def compressed_tensors_quantization_config(plan: ExportPlan) -> dict[str, Any]:
-    """``quantization_config`` for compressed-tensors ``nvfp4-pack-quantized``, weight-only."""
+    """``quantization_config`` for compressed-tensors ``nvfp4-pack-quantized`` (or, for an
+    MXFP4 preset, ``mxfp4-pack-quantized``), weight-only."""
+    if plan.spec.is_mx:
+        return _compressed_tensors_mxfp4_config(plan)
     return {
         "config_groups": {"group_0": {
             "targets": ["Linear"],
@@ -98,6 +105,26 @@ def compressed_tensors_quantization_config(plan: ExportPlan) -> dict[str, Any]:
         }},
         "quant_method": "compressed-tensors",
         "format": "nvfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "kv_cache_scheme": None,
+        "ignore": list(plan.excluded_modules),
+        "libalign": libalign_note(plan),
+    }
+
+
+def _compressed_tensors_mxfp4_config(plan: ExportPlan) -> dict[str, Any]:
+    """compressed-tensors' ``MXFP4A16`` scheme as its ``quantization_config`` serializes it."""
+    return {
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32,
+                        "strategy": "group", "dynamic": False, "scale_dtype": "torch.uint8",
+                        "zp_dtype": "torch.uint8"},
+            "input_activations": None,
+            "output_activations": None,
+        }},
+        "quant_method": "compressed-tensors",
+        "format": "mxfp4-pack-quantized",
         "quantization_status": "compressed",
         "kv_cache_scheme": None,
         "ignore": list(plan.excluded_modules),

@@ -96,13 +96,14 @@ def make_select(all_linear: bool = False) -> Select:
     return is_expert_weight
 
 
-def select_for_export(tensors: Mapping[str, SourceTensor],
-                      all_linear: bool) -> tuple[list[str], list[str]]:
+def select_for_export(tensors: Mapping[str, SourceTensor], all_linear: bool,
+                      block: int = 16) -> tuple[list[str], list[str]]:
     """Tensors a Hugging Face export converts, and the modules it names as excluded.
 
-    Expert projections must be 2-D floating tensors with K a multiple of 16 (else
-    :class:`ShapeError` / :class:`DTypeError` naming the tensor); under ``all_linear`` a
-    linear weight whose K is not a multiple of 16 is kept unquantized and listed as excluded,
+    Expert projections must be 2-D floating tensors with K a multiple of the block (16;
+    MXFP4 32) (else :class:`ShapeError` / :class:`DTypeError` naming the tensor); under
+    ``all_linear`` a linear weight whose K is not a multiple of it is kept unquantized and
+    listed as excluded,
     like every linear-like weight that is not converted (embeddings are not listed).
     """
     convert, excluded = [], []
@@ -115,14 +116,14 @@ def select_for_export(tensors: Mapping[str, SourceTensor],
             if t.dtype not in QUANTIZABLE:
                 raise DTypeError(f"{name}: expert weights must be bf16, fp16 or fp32 to "
                                  f"convert, got {t.dtype}")
-            if t.shape[1] % 16:
-                raise ShapeError(f"{name}: K={t.shape[1]} is not a multiple of 16")
+            if t.shape[1] % block:
+                raise ShapeError(f"{name}: K={t.shape[1]} is not a multiple of {block}")
             convert.append(name)
             continue
         linear_like = len(t.shape) == 2 and t.dtype in QUANTIZABLE
         if not linear_like or is_embedding(name):
             continue
-        if all_linear and not is_never_quantized(name) and t.shape[1] % 16 == 0:
+        if all_linear and not is_never_quantized(name) and t.shape[1] % block == 0:
             convert.append(name)
         else:
             excluded.append(name.removesuffix(".weight"))

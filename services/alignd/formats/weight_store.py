@@ -16,6 +16,7 @@ linear layer ``X = "<layer>.weight"``) is stored as three tensors:
 
 ``X``            uint8 ``[..., K/2]`` packed E2M1 codes, low nibble = even element
 ``X_scale``      float8_e4m3fn ``[..., K/16]`` block scales, linear (not swizzled) layout
+                 (MXFP4 specs: float8_e8m0fnu ``[..., K/32]``)
 ``X_scale_2``    float32 outer scale; unlike ModelOpt's scalar it has the shape of the
                  spec's outer domain (``[]`` tensor, ``[E]`` expert, ``[..., M]`` row) and
                  holds the spec's stored convention (``outer_convention``: ``dec`` is

@@ -334,7 +334,8 @@ def convert(
     src: Annotated[Path, typer.Argument(help="Hugging Face checkpoint directory (safetensors)")],
     dst: Annotated[Path, typer.Argument(help="output directory; must not exist unless --overwrite")],
     preset: str = typer.Option("minite", help="numerics preset: minite, modelopt, "
-                               "compressed_tensors, torchao or te"),
+                               "compressed_tensors, torchao, te, or MXFP4 mxfp4, mxfp4_ceil, "
+                               "mxfp4_even, mxfp4_te (with --format compressed-tensors)"),
     fmt: str = typer.Option("modelopt", "--format", help="modelopt or compressed-tensors"),
     all_linear: bool = typer.Option(False, "--all-linear", help="also every linear layer except "
                                     "embeddings, lm_head, norms and routers"),
@@ -342,7 +343,7 @@ def convert(
     device: str = typer.Option("cpu", help="device that quantizes (cpu, cuda); same bits"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar, no summary"),
 ) -> None:
-    """Convert a checkpoint's expert weights to NVFP4 safetensors, atomically."""
+    """Convert a checkpoint's expert weights to NVFP4 (or MXFP4) safetensors, atomically."""
     err = Console(stderr=True)
     bar = Progress(TextColumn("{task.description}", style="cyan"), BarColumn(), DownloadColumn(),
                    TransferSpeedColumn(), TimeRemainingColumn(), console=err,
@@ -364,7 +365,7 @@ def convert(
         raise typer.Exit(1) from None
     if not quiet:
         t = result.manifest["totals"]
-        console.print(f"wrote {result.dst}: {t['tensors_converted']} tensors to NVFP4 "
+        console.print(f"wrote {result.dst}: {t['tensors_converted']} tensors to FP4 "
                       f"({preset}, {fmt}), {t['bytes_in'] / 1e6:.1f} MB -> "
                       f"{t['bytes_out'] / 1e6:.1f} MB in "
                       f"{result.manifest['timings_seconds']['total']:.1f} s")
