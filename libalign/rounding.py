@@ -19,6 +19,12 @@ E4M3 round-to-nearest-even (bias 7, 3 mantissa bits, max 448, no Inf)
     the byte is ``rne(v * 2^9)``, and 8 lands exactly on the smallest normal, 0x08.
     Scaling by a power of two is exact, and ``torch.round`` rounds half to even.
 
+E8M0 (MXFP4's block scale, bias 127, no mantissa, no sign)
+    A byte ``b`` is exactly ``2^(b - 127)``: 0x00 is the fp32 subnormal 2^-127 and 0xFF
+    is NaN. :func:`e8m0_bits_to_float` builds the fp32 bit pattern directly; the rules
+    that pick ``b`` from a block maximum live in :mod:`libalign.scale_math` (one per scale
+    mode). :func:`block_scale_values` decodes either scale format by the tensor's dtype.
+
 Guided rounding (TRACE, E2M1 only)
     The learner re-quantizes an activation the sampler already quantized, from slightly
     different bf16 values. Where plain rounding would flip a code across a midpoint (2.51 ->
