@@ -201,24 +201,23 @@ def demo(
     t = Table(title=f"alignd demo: {steps} GRPO steps per configuration, "
               f"{prompts_per_step} prompts x {samples_per_prompt} samples",
               caption=f"TIS cap {tis_cap:g} (token level), PPO clip ε {eps} over {ppo_epochs} "
-              f"step(s) a batch, max_version_diff {bound}; TIS cut = fraction of TIS weights "
-              "truncated at the cap")
-    for c in ("configuration", "sampler / learner", "TIS", "TIS cut", "reward first",
+              f"step(s) a batch, max_version_diff {bound}; TIS: cap (share of TIS weights truncated)")
+    for c in ("configuration", "sampler / learner", "TIS", "reward first",
               "reward (last 1/4)", "mean |δ|", "P99 |δ|", "clip potential", "convert s", "load s",
               "rollout s", "train s"):
-        t.add_column(c, justify="left" if c in ("configuration", "sampler / learner") else "right")
+        left = c in ("configuration", "sampler / learner")
+        t.add_column(c, justify="left" if left else "right", no_wrap=left)
     for c in report["configs"]:
         sm = c["summary"]
         sec = sm["seconds_by_stage"]
         cut = sm.get("tis_truncated_fraction")
         t.add_row(c["name"], f"{c['sampler_path']} / {c['learner_path']}",
-                  f"cap {c['objective']['tis_cap']:g}" if c["tis"] else "no",
-                  "-" if cut is None or not c["tis"] else f"{100 * cut:.2f}%",
+                  f"{c['objective']['tis_cap']:g} ({100 * (cut or 0):.2f}%)" if c["tis"] else "no",
                   f"{sm['reward_first']:.3f}", f"{sm['reward_last_quarter']:.3f}",
                   f"{sm['mean_abs_delta']:.2e}", f"{sm['p99_abs_delta']:.3g}",
                   f"{100 * sm['clip_potential']:.2f}%", f"{sec['convert']:.3f}",
                   f"{sec['load']:.3f}", f"{sec['rollout']:.3f}", f"{sec['train']:.3f}")
-    Console(width=max(console.width, 160)).print(t)
+    Console(width=max(console.width, 172)).print(t)
     for k, v in report["outputs"].items():
         console.print(f"{k}: {v}")
 
