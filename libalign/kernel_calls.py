@@ -57,7 +57,7 @@ class GemmOperand:
 
     def linear(self) -> NVFP4Tensor:
         """The same bits with linear block scales."""
-        nb = -(-self.shape[-1] // BLOCK_SIZE)
+        nb = -(-self.shape[-1] // self.spec.block_size)
         lin = unswizzle_scales(self.block_scales, (*self.shape[:-1], nb))
         return NVFP4Tensor(self.codes, lin, self.outer_scale, self.spec, self.shape,
                            self.outer_amax)

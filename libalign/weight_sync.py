@@ -52,8 +52,8 @@ def empty_destination(x: torch.Tensor, spec: NumericsSpec | None = None, *,
     _spec.check_input(x, spec)
     dev = torch.device(device) if device is not None else x.device
     lead, k = tuple(x.shape[:-1]), x.shape[-1]
-    if k % 16:
-        raise SpecError(f"quantize_into needs K a multiple of 16, got K={k}")
+    if k % spec.block_size:
+        raise SpecError(f"quantize_into needs K a multiple of {spec.block_size}, got K={k}")
 
     def empty(shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=dev, pin_memory=pin_memory)
@@ -65,7 +65,8 @@ def empty_destination(x: torch.Tensor, spec: NumericsSpec | None = None, *,
         outer = empty(outer_shape[domain], torch.float32)
         amax = empty(outer_shape[domain], torch.float32)
     return NVFP4Tensor(codes=empty((*lead, k // 2), torch.uint8),
-                       block_scales=empty((*lead, k // 16), torch.float8_e4m3fn),
+                       block_scales=empty((*lead, k // spec.block_size),
+                                          torch.float8_e8m0fnu if spec.is_mx else torch.float8_e4m3fn),
                        outer_scale=outer, spec=spec, shape=tuple(x.shape), outer_amax=amax)
 
 

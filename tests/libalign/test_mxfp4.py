@@ -18,7 +18,7 @@ from torchao.prototype.mx_formats.config import ScaleCalculationMode
 from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
 from torchao.prototype.mx_formats.utils import to_blocked
 
-from libalign import ops
+from libalign import ops, weight_sync
 from libalign.errors import NonFiniteError, ShapeError, SpecError
 from libalign.numerics import MX_PRESETS, NumericsSpec
 from libalign.packing import swizzle_scales
@@ -256,6 +256,18 @@ def test_ops_serves_mxfp4_through_the_spec_with_torchaos_swizzle():
     assert torch.equal(swizzle_scales(q.block_scales).view(torch.uint8), theirs)
     many = ops.quantize_many([x, x[:64]], spec)
     assert many[1].bitwise_equal(quantize(x[:64], spec))
+    assert swz.linear().bitwise_equal(q)
+
+
+def test_weight_sync_writes_mxfp4_into_its_destinations():
+    spec = PRESETS["mxfp4_te"]
+    xs = [FAMILIES["ties"]((2, 64, 128), torch.bfloat16), FAMILIES["randn"]((96, 64))]
+    dests = [weight_sync.empty_destination(x, spec) for x in xs]
+    assert dests[0].block_scales.dtype == torch.float8_e8m0fnu
+    assert tuple(dests[0].block_scales.shape) == (2, 64, 4) and dests[0].outer_scale is None
+    weight_sync.quantize_into(xs, dests, spec)
+    for x, d in zip(xs, dests, strict=True):
+        assert d.bitwise_equal(quantize(x, spec))
 
 
 def test_mx_spec_validation_and_wire_form():
