@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 import pytest
 from alignclient.errors import OverloadedError
-from alignd.api.server import HeavyReads, RepeatFilter, is_heavy_read
+from alignd.api.server import REPEATS, HeavyReads, RepeatFilter, build_server, is_heavy_read
 from alignd.api.state import Snapshot
 from alignd.infra.bus import RedisBus, connect
 from alignd.infra.registry import Registry
@@ -446,3 +446,20 @@ def test_repeated_log_records_are_written_once_per_interval():
     assert len(messages) == 8, messages
     assert messages[1:7] == ["something else"] + [f"converted v{i}" for i in range(5)]
     assert "999 more like this" in messages[7]
+
+
+def test_a_server_built_inside_another_program_leaves_its_log_handlers_alone(caplog):
+    """Only the daemon's entry bounds logs: building a server in-process (the demo, a test)
+    adds no filter to the root's handlers, so that program's identical records all arrive."""
+    from alignd.api.app import create_app
+    from alignd.infra.settings import ApiSettings
+
+    settings = ApiSettings(api_token=TOKEN)
+    build_server(create_app(settings), settings, host="127.0.0.1", port=0)
+    assert all(REPEATS not in h.filters for h in logging.getLogger().handlers)
+    log = logging.getLogger("test_overload.host_program")
+    with caplog.at_level(logging.WARNING, logger=log.name):
+        for _ in range(3):
+            log.warning("the same line")
+    assert caplog.text.count("the same line") == 3
+

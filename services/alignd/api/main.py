@@ -14,7 +14,7 @@ import logging
 import redis
 
 from alignd.api.app import create_app
-from alignd.api.server import build_server
+from alignd.api.server import bound_logs, build_server
 from alignd.infra.service_main import load_settings
 from alignd.infra.settings import ApiSettings
 
@@ -24,7 +24,9 @@ log = logging.getLogger("alignd.api")
 def serve(settings: ApiSettings | None = None, *, client: redis.Redis | None = None) -> None:
     """Serve the API on ``settings.api_host:api_port`` until interrupted."""
     settings = settings or ApiSettings()
-    build_server(create_app(settings, client=client), settings).run()
+    server = build_server(create_app(settings, client=client), settings)
+    bound_logs()  # after uvicorn.Config, which (re)configures uvicorn's handlers
+    server.run()
 
 
 def main() -> int:

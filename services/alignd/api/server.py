@@ -270,7 +270,9 @@ def build_server(app: ASGIApp, settings: ApiSettings, *, host: str | None = None
                  port: int | None = None, log_level: str = "info") -> uvicorn.Server:
     """The uvicorn server of ``app`` with ``settings``' limits (see the module docstring).
 
-    Raises the process's descriptor limit and bounds its logs (both once, idempotent).
+    Raises the process's descriptor limit (idempotent). Bounding the logs is the process
+    entry's call (:func:`bound_logs`, in ``alignd.api.main.serve``): a server started inside
+    another program (the demo, a test) leaves that program's log handlers alone.
     """
     soft, _ = raise_fd_limit()
     backlog, waiting = connection_budget(settings, soft)
@@ -284,7 +286,6 @@ def build_server(app: ASGIApp, settings: ApiSettings, *, host: str | None = None
     log.info("connections: %d open files, backlog %d, at most %d waiting %g s for a request "
              "head, 503 beyond %d", soft, backlog, waiting, settings.api_header_timeout_s,
              settings.api_max_connections)
-    bound_logs()  # after uvicorn.Config, which (re)configures uvicorn's handlers
     return uvicorn.Server(config)
 
 

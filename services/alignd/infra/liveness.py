@@ -106,14 +106,19 @@ class ServiceHeartbeat:
             self.version = version
 
     def beat(self) -> None:
-        """Write one beat now (raises if Redis is unreachable)."""
-        extra = dict(self.info()) if self.info is not None else {}
-        state = str(extra.pop("state", self.state))
-        version = str(extra.pop("version", self.version) or "")
-        args = [f"{self.service}:{self.name}", max(1, round(self.ttl_s * 1000)), os.getpid(),
-                socket.gethostname(), state, version, json.dumps(extra, default=str)]
+        """Write one beat now (raises if Redis is unreachable).
+
+        What it says is read under the lock that orders the writes: a beat that waited
+        behind another one never writes an older state or version over it.
+        """
         keys = [self.key, f"{self.prefix}:heartbeats"]
         with self._lock:
+            extra = dict(self.info()) if self.info is not None else {}
+            state = str(extra.pop("state", self.state))
+            version = str(extra.pop("version", self.version) or "")
+            args = [f"{self.service}:{self.name}", max(1, round(self.ttl_s * 1000)),
+                    os.getpid(), socket.gethostname(), state, version,
+                    json.dumps(extra, default=str)]
             self.bus.call(f"heartbeat {self.service}:{self.name}",
                           lambda: self._script(keys=keys, args=args))
             self.beats += 1
