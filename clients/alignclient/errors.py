@@ -423,11 +423,36 @@ class EngineRequestError(AlignError):
     code = "engine_request_failed"
 
 
-class WeightVersionMismatchError(AlignError):
+class EngineMismatchError(AlignError):
+    """A serving engine is not the one the version asked for: another model, another
+    quantization, or (:class:`WeightVersionMismatchError`) another weight version. ``field``
+    names what does not match (``model``, ``quantization``, ``weight_version``)."""
+
+    code = "engine_mismatch"
+    field: str | None = None
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class WeightVersionMismatchError(EngineMismatchError):
     """A serving engine reports a weight version other than the one the adapter loaded
     (another controller switched it, or an update did not take)."""
 
     code = "weight_version_mismatch"
+    field = "weight_version"
+
+    def __init__(self, message: str, *, field: str | None = "weight_version"):
+        super().__init__(message, field=field)
+
+
+class TemperedLogprobsError(ConfigError):
+    """A serving engine would report log-probs after temperature scaling (SGLang without
+    ``SGLANG_RETURN_ORIGINAL_LOGPROB``), or cannot tell, for a call at a temperature other
+    than 1: the execution gap against a learner's untempered log-probs would be biased."""
+
+    code = "tempered_logprobs"
 
 
 # --- what a client sees ------------------------------------------------------------------

@@ -164,7 +164,12 @@ class SGLangContract:
 
     def __init__(self, *, vocab_size: int = 64, weight_version: str = "default",
                  model_path: str = "/models/base", strict: bool = True,
-                 logprob_semantics: Literal["current", "legacy"] = "current"):
+                 logprob_semantics: Literal["current", "legacy"] = "current",
+                 api_key: str | None = None, quantization: str | None = "modelopt_fp4",
+                 env_vars: dict[str, str] | None = None):
+        self.api_key = api_key
+        self.quantization = quantization
+        self.env_vars = env_vars
         self.vocab_size = vocab_size
         self.weight_version = weight_version
         self.model_path = model_path
@@ -189,6 +194,19 @@ class SGLangContract:
         """log p(token | context) under ``version`` (the served one by default)."""
         v = self.weight_version if version is None else version
         return -0.05 - (_h("lp", v, tuple(context), token) % 4000) / 1000.0
+
+    def original_logprobs(self) -> bool:
+        """Whether this server reports untempered log-probs (SGLANG_RETURN_ORIGINAL_LOGPROB)."""
+        return str((self.env_vars or {}).get("SGLANG_RETURN_ORIGINAL_LOGPROB", "")).lower() in (
+            "true", "1", "yes", "y")
+
+    def sampled_logprob(self, context: list[int], token: int, temperature: float) -> float:
+        """The log-prob ``/generate`` reports for a sampled token: tempered at T not in {0, 1}
+        unless the server returns original log-probs (a stand-in for log_softmax(z / T))."""
+        lp = self.logprob(context, token)
+        if temperature in (0.0, 1.0) or self.original_logprobs():
+            return lp
+        return lp / temperature
 
     def draw(self, context: list[int], seed: int | None, temperature: float) -> int:
         """The token sampled after ``context``."""
@@ -256,6 +274,32 @@ class SGLangContract:
 
     def _build(self) -> FastAPI:
         app = FastAPI()
+
+        @app.middleware("http")
+        async def authentication(request: Request, call_next):
+            """SGLang's add_api_key_middleware: Bearer key on all but /health* and /metrics."""
+            path = request.url.path
+            if (self.api_key is None or request.method == "OPTIONS"
+                    or path.startswith(("/health", "/metrics"))):
+                return await call_next(request)
+            if request.headers.get("Authorization") != "Bearer " + self.api_key:
+                self._record(request, None, 401)
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+            return await call_next(request)
+
+        @app.get("/get_server_info")
+        @app.get("/server_info")
+        async def get_server_info(request: Request) -> Response:
+            if (gated := await self._gate(request, None)) is not None:
+                return gated
+            self._record(request, None, 200)
+            state: dict[str, Any] = {"dp_rank": 0, "weight_version": self.weight_version}
+            if self.env_vars is not None:  # SGLANG_EXPOSE_OWN_ENV_VARS=1
+                state["env_vars"] = dict(self.env_vars)
+            return JSONResponse({"model_path": self.model_path, "tokenizer_path": self.model_path,
+                                 "quantization": self.quantization,
+                                 "enable_deterministic_inference": False,
+                                 "internal_states": [state], "version": "0.5.6"})
 
         @app.get("/health")
         @app.get("/health_generate")
@@ -436,7 +480,7 @@ class SGLangContract:
         else:
             for _ in range(max_new):
                 t = self.draw(ctx, seed, temperature)
-                out_lps.append(self.logprob(ctx, t))
+                out_lps.append(self.sampled_logprob(ctx, t, temperature))
                 out_tokens.append(t)
                 ctx.append(t)
                 if t in stops:

@@ -32,7 +32,7 @@ STATUS_BY_CODE = {
     "version_exists": 409, "version_not_found": 404, "weight_update_failed": 502,
     "weight_version_mismatch": 409, "loop_error": 502, "invalid_framing": 422,
     "remote_error": 500, "api_unreachable": 503, "overloaded": 503,
-    "stale_rollout": 409,
+    "stale_rollout": 409, "engine_mismatch": 409, "tempered_logprobs": 500,
 }
 
 CLASSES = E.error_classes()

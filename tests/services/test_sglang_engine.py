@@ -42,6 +42,9 @@ FAST = SGLangTimeouts(connect_s=1.0, control_s=5.0, generate_s=5.0, update_s=20.
                       retry_deadline_s=3.0, flush_deadline_s=3.0, backoff_initial_s=0.01,
                       backoff_max_s=0.05)
 PROMPTS = [[1, 2, 3], [4, 5], [1, 2, 3]]
+#: what /get_server_info reports of a server started with SGLANG_EXPOSE_OWN_ENV_VARS=1 and
+#: SGLANG_RETURN_ORIGINAL_LOGPROB=1
+ORIGINAL = {"SGLANG_EXPOSE_OWN_ENV_VARS": "1", "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 
 
 @dataclass
@@ -73,6 +76,7 @@ def rig(tmp_path):
     exporter = ModelOptExport(WeightStore(store), model_dir(tmp_path), tmp_path / "exports")
     with contextlib.ExitStack() as stack:
         def make(**contract_kw) -> Rig:
+            contract_kw.setdefault("env_vars", ORIGINAL)  # a server set up as the README says
             contract = SGLangContract(**contract_kw)
             url = stack.enter_context(serve(contract.app))
             engine = stack.enter_context(SGLangSamplerEngine(url, exporter, eos_id=EOS,
@@ -147,8 +151,8 @@ def test_load_runs_pause_drain_update_verify_continue_in_order(rig):
     r = rig()
     info = r.engine.load("v1")
     assert r.contract.routes() == [
-        ("GET", "/health"), ("POST", "/pause_generation"), ("POST", "/flush_cache"),
-        ("POST", "/update_weights_from_disk"), ("GET", "/get_model_info"),
+        ("GET", "/get_server_info"), ("GET", "/health"), ("POST", "/pause_generation"),
+        ("POST", "/flush_cache"), ("POST", "/update_weights_from_disk"), ("GET", "/get_model_info"),
         ("POST", "/continue_generation"), ("GET", "/health")]
     by_path = {c.path: c.body for c in r.contract.calls}
     assert by_path["/pause_generation"] == {"mode": "abort"}

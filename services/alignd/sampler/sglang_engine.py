@@ -1,9 +1,11 @@
 """The sampler engine over a running SGLang server: the :class:`SamplerEngine` protocol on HTTP.
 
-At scale the sampler is not a model in this process but an SGLang server (one per node or per
-tensor-parallel group) that this adapter drives through SGLang's native HTTP API. The adapter
-keeps the protocol of :mod:`alignd.sampler.engine`, so :class:`SamplerService` runs it
-unchanged: it loads versions, generates with log-probs, scores given tokens.
+At scale the sampler is not a model in this process but SGLang servers (one per node or per
+tensor-parallel group) that this adapter drives through SGLang's native HTTP API: one, a list
+of them, or the workers behind an ``sglang-router``. The adapter keeps the protocol of
+:mod:`alignd.sampler.engine`, so :class:`SamplerService` runs it unchanged: it loads versions,
+generates with log-probs, scores given tokens. One server's calls, retries and switch are
+:mod:`alignd.sampler.sglang_server`.
 
 What was matched, and where (sgl-project/sglang sources read for this module)
     ``python/sglang/srt/entrypoints/http_server.py`` @ ``0025436eab0556737d615b36a4dd3e1e26e82f3d``:
@@ -62,30 +64,68 @@ Scoring (teacher forcing), and its off-by-one
     tokens: an off-by-one anywhere fails loudly rather than shifting log-probs by a token.
 
 Loading a version (the weight-sync flow)
-    1. export: the version as a ModelOpt NVFP4 checkpoint on a path the server sees
-       (:mod:`alignd.sampler.sglang_export`); refusals (a preset SGLang cannot load,
-       missing published files) raise before the server is touched;
-    2. ``GET /health`` (retried while it answers 503);
-    3. ``POST /pause_generation`` ``{"mode": "abort"}`` (the default ``pause_mode``): requests
-       in flight end as aborted, new ones wait. ``abort`` is the only mode in which no
-       completion mixes tokens of two versions (``retract`` re-runs them on the new weights,
-       ``in_place`` keeps their old KV cache);
-    4. ``POST /flush_cache`` until it answers 200: SGLang refuses (400) while requests are
-       running or waiting, so this waits for the aborted ones to drain (deadline
-       ``flush_deadline_s``). Only the status tells: the plain-text body reads "Cache
-       flushed." either way. It matters: the scheduler asserts that its own flush after a
-       weight update succeeds. (Newer SGLang can defer a flush until idle,
-       ``FlushCacheReqInput.timeout_s``; polling works on every version.);
-    5. ``POST /update_weights_from_disk`` ``{"model_path", "load_format", "weight_version":
-       version_id, "flush_cache": true, "abort_all_requests": false}``; ``success: false``
-       raises :class:`~alignclient.errors.WeightUpdateError` with SGLang's message (the server
-       rolls back and keeps serving the old weights);
-    6. ``GET /get_model_info``: the server must report ``weight_version == version_id``;
-    7. ``POST /continue_generation``, always, also after a failure in 4-6;
-    8. ``GET /health``.
-    The engine holds a lock around loading, generating and scoring, so its own calls never
-    overlap a load (the torch engine's pause semantics); other clients of the same server see
-    SGLang's pause.
+    1. the export: the version as a ModelOpt NVFP4 checkpoint on a path the servers see,
+       written once by whoever converted the version (:mod:`alignd.formats.modelopt_export`;
+       the converter with ``ALIGN_SAMPLER_LAYOUT=modelopt``). ``exporter(version_id)`` returns
+       its directory; refusals (a row-scaled or MXFP4 version SGLang cannot load, a version
+       missing from the store) raise before any server is touched. It runs outside the switch
+       lock: generation goes on meanwhile;
+    2. each server is checked (``GET /get_server_info``): a quantization other than
+       ``modelopt_fp4``, an embedding model, or a model path that is neither the model
+       directory nor under the export root is :class:`~alignclient.errors.EngineMismatchError`
+       naming the mismatch (``field``); what it says of ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is
+       kept (see "Log-probs and temperature");
+    3. the switch lock is taken for writing: this engine's calls in flight finish, new ones
+       wait (a completion never mixes two versions, and none of ours is aborted); then on
+       every server at once (a thread per server): ``GET /health`` (retried while 503);
+       ``POST /pause_generation`` ``{"mode": "abort"}`` (the default ``pause_mode``: other
+       clients' requests in flight end aborted; ``retract`` would re-run them on the new
+       weights, ``in_place`` keep their old KV cache); ``POST /flush_cache`` until 200 (SGLang
+       answers 400 while requests run or wait, deadline ``flush_deadline_s``; only the status
+       tells, the body reads "Cache flushed." either way); ``POST /update_weights_from_disk``
+       ``{"model_path", "load_format", "weight_version": version_id, "flush_cache": true,
+       "abort_all_requests": false}`` (``success: false`` is
+       :class:`~alignclient.errors.WeightUpdateError` with SGLang's message: the server rolled
+       back); ``GET /get_model_info`` must report ``weight_version == version_id`` and the
+       export's ``model_path``; ``POST /continue_generation``, always; ``GET /health``.
+
+Several servers, and what a failure on one does
+    ``base_url`` may be a list: generation and scoring calls go to the server with the fewest
+    of this engine's calls in flight (ties: the one used least), weight switches to every
+    server. A load succeeds when at least one server serves the new version; a server that
+    failed (its error is in the load's ``failed``, and logged) is taken out of rotation: calls
+    go only to servers whose verified version is the engine's. A server that refused the update
+    (``success: false``) still serves the old version; one that timed out or could not be
+    reached is unknown until a later load verifies it. Every load switches every server again,
+    also those out of rotation, so a server that recovered rejoins at the next version. When
+    every server fails, the load raises (the error of the first one, the message naming all)
+    and the engine keeps its old version on the servers that still serve it.
+
+    ``router`` names an ``sglang-router`` instead: calls go to the router (it spreads them);
+    its workers (``GET /list_workers`` ``{"urls"}``, or ``GET /workers`` ``{"workers": [{"url"}]}``
+    of newer routers) get the switch directly. A worker that failed is removed from the router
+    (``POST /remove_worker?url=``) so no call reaches it, and added back (``POST
+    /add_worker?url=``) once a later load switched it; the rules above hold otherwise.
+
+Log-probs and temperature
+    SGLang reports the log-probs of sampled tokens *after* temperature scaling (``log_softmax(z
+    / T)``) unless the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``
+    (``layers/sampler.py``: then ``log_softmax(z)`` of the raw logits), while a learner scores
+    untempered log-probs: at ``T`` other than 1 the measured gap would be biased by the
+    temperature. A server started with ``SGLANG_EXPOSE_OWN_ENV_VARS=1`` reports its variables in
+    ``/get_server_info`` (``internal_states[i].env_vars``), read at each load. A call at a
+    temperature other than 0 (greedy: untempered) or 1 raises
+    :class:`~alignclient.errors.TemperedLogprobsError` before anything is sent when a server it
+    could reach returns tempered log-probs, or does not say (``original_logprobs=None``, the
+    default). ``original_logprobs=True`` is the operator's word that every server runs with the
+    variable (older SGLang that cannot expose it); ``False`` refuses every such call.
+    Scoring asks for no temperature, so it is always untempered.
+
+Concurrency
+    No lock serialises calls: any number of threads generate and score at once (``httpx``
+    clients are thread-safe). A reader-writer lock is held for reading by each call and for
+    writing by a switch (writers first: a waiting switch holds back new calls), so a call runs
+    entirely on one version. Two loads are serialised by a lock of their own.
 
 The served version
     Every answer's ``meta_info.weight_version`` is checked: all rows of a call must report the
@@ -121,8 +161,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -130,41 +171,26 @@ import httpx
 from alignclient.errors import (
     AlignError,
     EngineRequestError,
-    EngineTimeoutError,
     EngineUnavailableError,
     GuidanceUnsupportedError,
     InputError,
     SpecError,
-    WeightUpdateError,
+    TemperedLogprobsError,
     WeightVersionMismatchError,
 )
-from alignclient.retry import NEVER_SENT, RetryPolicy, http_transient
 
 from alignd.sampler.engine import Generation
+from alignd.sampler.sglang_server import SGLangServer, SGLangTimeouts, SwitchLock
 from libalign import gemm
+
+__all__ = ["PAUSE_MODES", "SGLangSamplerEngine", "SGLangTimeouts", "SwitchLock", "row_seed"]
 
 log = logging.getLogger("alignd.sampler.sglang")
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 SEED_MODULUS = 2**31 - 1
-
-
-@dataclass(frozen=True)
-class SGLangTimeouts:
-    """Seconds the adapter waits, per kind of call, and how long it keeps retrying."""
-
-    connect_s: float = 5.0
-    control_s: float = 30.0
-    """pause, continue, flush, health, model info"""
-    generate_s: float = 600.0
-    update_s: float = 1800.0
-    """one weight update (a large MoE reads for minutes)"""
-    retry_deadline_s: float = 120.0
-    """how long unreachable-or-503 is retried (a server that is still starting)"""
-    flush_deadline_s: float = 120.0
-    """how long ``/flush_cache`` is retried while requests drain"""
-    backoff_initial_s: float = 0.05
-    backoff_max_s: float = 2.0
+#: Temperatures at which SGLang's log-probs are untempered whatever its settings (0: greedy).
+UNTEMPERED = (0.0, 1.0)
 
 
 def row_seed(seed: int, row: int) -> int:
@@ -174,46 +200,62 @@ def row_seed(seed: int, row: int) -> int:
     return int.from_bytes(digest[:8], "little") % SEED_MODULUS
 
 
-def _message(r: httpx.Response) -> str:
-    """SGLang's words from an error answer: ``{"message"}``, ``{"error": {"message"}}``, text."""
-    try:
-        body = r.json()
-    except ValueError:
-        return r.text.strip()[:500]
-    if isinstance(body, dict):
-        if isinstance(body.get("error"), dict) and "message" in body["error"]:
-            return str(body["error"]["message"])[:500]
-        if "message" in body:
-            return str(body["message"])[:500]
-    return str(body)[:500]
-
-
 class SGLangSamplerEngine:
-    """A :class:`~alignd.sampler.engine.SamplerEngine` driving an SGLang server over HTTP."""
+    """A :class:`~alignd.sampler.engine.SamplerEngine` driving SGLang servers over HTTP."""
 
-    def __init__(self, base_url: str, exporter: Callable[[str], Path | str], *,
-                 path: str = "nvfp4_naive", eos_id: int | None = None,
+    def __init__(self, base_url: str | Sequence[str] | None, exporter: Callable[[str], Path | str],
+                 *, path: str = "nvfp4_naive", eos_id: int | None = None,
                  load_format: str | None = None, pause_mode: str = "abort",
                  timeouts: SGLangTimeouts | None = None, strict_version: bool = True,
-                 client: httpx.Client | None = None):
+                 client: httpx.Client | None = None, api_key: str | None = None,
+                 router: str | None = None, original_logprobs: bool | None = None,
+                 model_paths: Sequence[str | Path] = ()):
         if pause_mode not in PAUSE_MODES:
             raise InputError(f"pause_mode {pause_mode!r} is not one of {PAUSE_MODES}")
+        urls = [base_url] if isinstance(base_url, str) else list(base_url or [])
+        if bool(urls) == bool(router):
+            raise InputError("give the SGLang servers' URLs or an sglang-router's URL, not both "
+                             f"(base_url={base_url!r}, router={router!r})")
         self.path = gemm.get_path(path).name
         """The execution path this sampler stands for (versions converted for it are loaded);
         the numerics are SGLang's kernels, not libalign's spec."""
-        self.base_url = base_url.rstrip("/")
         self.exporter = exporter
         self.eos_id = eos_id
         self.load_format = load_format
         self.pause_mode = pause_mode
-        self.timeouts = timeouts or SGLangTimeouts()
         self.strict_version = strict_version
-        self._client = client or httpx.Client(base_url=self.base_url)
-        self._own_client = client is None
-        self._lock = threading.Lock()
+        self.api_key = api_key
+        self.original_logprobs = original_logprobs
+        """True: the operator says every server returns untempered log-probs; None: ask them."""
+        self.model_paths = tuple(str(p).rstrip("/") for p in model_paths)
+        self._timeouts = timeouts or SGLangTimeouts()
+        self.router = (SGLangServer(router, timeouts=self._timeouts, api_key=api_key, client=client)
+                       if router else None)
+        self.servers = [SGLangServer(u, timeouts=self._timeouts, api_key=api_key,
+                                     client=client if len(urls) == 1 else None) for u in urls]
+        """The servers that get weight switches (a router's workers once it was asked)."""
+        self.base_url = self.router.url if self.router else self.servers[0].url
+        self._switch = SwitchLock()
+        self._loading = threading.Lock()
+        self._pick_lock = threading.Lock()
+        self._removed: set[str] = set()  # router workers taken out of the router by us
         self._version: str | None = None
         self.model_path: str | None = None
-        """The export the server loaded last (through this engine)."""
+        """The export the servers loaded last (through this engine)."""
+
+    @property
+    def timeouts(self) -> SGLangTimeouts:
+        """Seconds every server's calls wait (set it to change them on every server)."""
+        return self._timeouts
+
+    @timeouts.setter
+    def timeouts(self, value: SGLangTimeouts) -> None:
+        self._timeouts = value
+        for s in self._everyone():
+            s.timeouts = value
+
+    def _everyone(self) -> list[SGLangServer]:
+        return ([self.router] if self.router else []) + self.servers
 
     # --- the protocol ---------------------------------------------------------------------
 
@@ -223,45 +265,47 @@ class SGLangSamplerEngine:
         return self._version
 
     def load(self, version_id: str) -> dict:
-        """Export ``version_id`` and make the server serve it (the flow in the module doc)."""
-        with self._lock:
+        """Export ``version_id`` and make the servers serve it (the module doc's flow)."""
+        with self._loading:
             seconds: dict[str, float] = {}
             t0 = time.perf_counter()
             model_path = str(self.exporter(version_id))
             seconds["export"] = time.perf_counter() - t0
-            self._health()
-            t1 = time.perf_counter()
-            self._json("POST", "/pause_generation", {"mode": self.pause_mode},
-                       timeout=self.timeouts.control_s, idempotent=True)
-            failure: BaseException | None = None
-            try:
-                self._flush_until_drained()
-                seconds["drain"] = time.perf_counter() - t1
-                t2 = time.perf_counter()
-                answer = self._update(version_id, model_path)
-                seconds["update"] = time.perf_counter() - t2
-                served = self.served_version()
-                if served is not None and served != version_id:
-                    raise WeightVersionMismatchError(
-                        f"after updating to {version_id!r} the server at {self.base_url} reports "
-                        f"weight_version {served!r}")
-                self._version = version_id
-                self.model_path = model_path
-            except BaseException as e:
-                failure = e
-                raise
-            finally:
-                self._continue(failure)
-            self._health()
+            if self.router is not None:
+                self._refresh_workers()
+            for s in self.servers:
+                s.check(model_paths=self.model_paths)
+            with self._switch.writing():
+                outcomes = self._switch_all(version_id, model_path)
+            ok = [u for u, (_, e) in outcomes.items() if e is None]
+            failed = {u: e for u, (_, e) in outcomes.items() if e is not None}
+            if not ok:
+                first = next(iter(failed.values()))
+                if len(failed) == 1:
+                    raise first
+                raise _with_message(first, f"no server could switch to {version_id!r}: " + "; ".join(
+                    f"{u}: {type(e).__name__}: {e}" for u, e in failed.items()))
+            for u, e in failed.items():
+                log.error("SGLang at %s did not switch to %s and is out of rotation: %s",
+                          u, version_id, e)
+            self._version = version_id
+            self.model_path = model_path
+            if self.router is not None:
+                self._steer_router(ok, list(failed))
+            per = [outcomes[u][0] for u in ok]
+            for stage in ("drain", "update"):
+                seconds[stage] = max(p["seconds"].get(stage, 0.0) for p in per)
             seconds["total"] = time.perf_counter() - t0
-        log.info("SGLang at %s serves %s (%s)", self.base_url, version_id, model_path)
+        log.info("SGLang (%d of %d servers) serves %s (%s)", len(ok), len(outcomes),
+                 version_id, model_path)
         return {"version_id": version_id, "model_path": model_path, "seconds": seconds,
-                "num_paused_requests": answer.get("num_paused_requests", 0)}
+                "num_paused_requests": sum(p["answer"].get("num_paused_requests", 0) for p in per),
+                "servers": ok, "failed": {u: f"{type(e).__name__}: {e}" for u, e in failed.items()}}
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  temperature: float = 1.0, seed: int = 0,
                  guidance_bits: int | None = None) -> Generation:
-        """Sample completions on the server; log-probs are the ones SGLang drew them with."""
+        """Sample completions on a server; log-probs are the ones SGLang drew them with."""
         if guidance_bits is not None:
             raise GuidanceUnsupportedError(
                 "the SGLang sampler cannot capture guidance records: SGLang rounds activations "
@@ -270,7 +314,7 @@ class SGLangSamplerEngine:
         rows = [self._tokens(p, f"prompt {i}") for i, p in enumerate(prompts)]
         if max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        with self._lock:
+        with self._switch.reading():
             self._require_loaded()
             if not rows:
                 return Generation(self._version, [], [], [], [])
@@ -285,8 +329,9 @@ class SGLangSamplerEngine:
             rids = self._rids(len(rows))
             body = {"rid": rids, "input_ids": rows, "sampling_params": params,
                     "return_logprob": True}
-            metas = self._generate(body, rids)
-            served = self._served(metas)
+            with self._server(temperature=float(temperature)) as server:
+                metas = self._generate(server, body, rids)
+            served = self._served(server, metas)
             sequences, logprobs, finished = [], [], []
             for rid, prompt, meta in zip(rids, rows, metas, strict=True):
                 tokens, lps = self._triples(meta.get("output_token_logprobs"), rid,
@@ -297,7 +342,7 @@ class SGLangSamplerEngine:
             return Generation(served, sequences, [len(p) for p in rows], logprobs, finished)
 
     def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> list[list[float]]:
-        """Teacher-forced log-probs of each completion, as the server computes them."""
+        """Teacher-forced log-probs of each completion, as a server computes them."""
         if len(sequences) != len(prompt_lens):
             raise InputError(f"{len(sequences)} sequences but {len(prompt_lens)} prompt lengths")
         rows = [self._tokens(s, f"sequence {i}") for i, s in enumerate(sequences)]
@@ -308,7 +353,7 @@ class SGLangSamplerEngine:
                                  "(the first token has no log-prob to score)")
         out: list[list[float]] = [[] for _ in rows]
         todo = [i for i, (row, p) in enumerate(zip(rows, lens, strict=True)) if len(row) > p]
-        with self._lock:
+        with self._switch.reading():
             self._require_loaded()
             if not todo:
                 return out
@@ -317,8 +362,9 @@ class SGLangSamplerEngine:
                     "sampling_params": [{"max_new_tokens": 0} for _ in todo],
                     "return_logprob": True,
                     "logprob_start_len": [lens[i] - 1 for i in todo]}
-            metas = self._generate(body, rids)
-            self._served(metas)
+            with self._server() as server:
+                metas = self._generate(server, body, rids)
+            self._served(server, metas)
             for rid, i, meta in zip(rids, todo, metas, strict=True):
                 want = rows[i][lens[i]:]
                 triples = meta.get("input_token_logprobs")
@@ -341,17 +387,13 @@ class SGLangSamplerEngine:
     # --- more than the protocol -----------------------------------------------------------
 
     def served_version(self) -> str | None:
-        """The ``weight_version`` the server reports (``GET /get_model_info``), or None if
-        this SGLang does not report one."""
-        info = self._json("GET", "/get_model_info", None, timeout=self.timeouts.control_s,
-                          idempotent=True)
-        v = info.get("weight_version")
-        return None if v is None else str(v)
+        """The ``weight_version`` the (first) server reports, or None if it reports none."""
+        return (self.router or self.servers[0]).served_version()
 
     def close(self) -> None:
-        """Close the HTTP client (when the engine made it)."""
-        if self._own_client:
-            self._client.close()
+        """Close the HTTP clients the engine made."""
+        for s in self._everyone():
+            s.close()
 
     def __enter__(self) -> SGLangSamplerEngine:
         return self
@@ -359,71 +401,100 @@ class SGLangSamplerEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # --- the steps of a load --------------------------------------------------------------
+    # --- switching ------------------------------------------------------------------------
 
-    def _health(self) -> None:
-        r = self._request("GET", "/health", None, timeout=self.timeouts.control_s,
-                          idempotent=True)
-        if r.status_code != 200:
-            raise EngineRequestError(f"GET /health at {self.base_url} answered "
-                                     f"{r.status_code}: {_message(r)}")
+    def _switch_all(self, version_id: str, model_path: str
+                    ) -> dict[str, tuple[dict[str, Any], AlignError | None]]:
+        """Run the switch on every server at once; url -> (timings and answer, error)."""
+        def one(s: SGLangServer) -> tuple[dict[str, Any], AlignError | None]:
+            seconds: dict[str, float] = {}
+            try:
+                answer = s.switch(version_id, model_path, pause_mode=self.pause_mode,
+                                  load_format=self.load_format, seconds=seconds)
+            except AlignError as e:
+                return {"seconds": seconds}, e
+            return {"seconds": seconds, "answer": answer}, None
 
-    def _retry(self, deadline_s: float) -> RetryPolicy:
-        t = self.timeouts
-        return RetryPolicy(initial_s=t.backoff_initial_s, max_s=t.backoff_max_s,
-                           deadline_s=deadline_s)
+        if len(self.servers) == 1:
+            return {self.servers[0].url: one(self.servers[0])}
+        with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
+            return dict(zip([s.url for s in self.servers], pool.map(one, self.servers),
+                            strict=True))
 
-    def _flush_until_drained(self) -> None:
-        attempts = 0
+    def _refresh_workers(self) -> None:
+        """The router's workers (and those we took out of it) become :attr:`servers`."""
+        assert self.router is not None
+        urls = self._worker_urls() + sorted(self._removed)
+        known = {s.url: s for s in self.servers}
+        self.servers = [known.get(u.rstrip("/")) or SGLangServer(
+            u, timeouts=self._timeouts, api_key=self.api_key) for u in dict.fromkeys(urls)]
+        if not self.servers:
+            raise EngineUnavailableError(f"the sglang-router at {self.router.url} lists no workers")
 
-        def flush() -> httpx.Response:
-            nonlocal attempts
-            attempts += 1
-            return self._request("POST", "/flush_cache", None, timeout=self.timeouts.control_s,
-                                 idempotent=True)
+    def _worker_urls(self) -> list[str]:
+        assert self.router is not None
+        r = self.router.request("GET", "/list_workers", timeout=self._timeouts.control_s,
+                                idempotent=True)
+        if r.status_code == 200:
+            return [str(u) for u in self.router.decode(r, "/list_workers").get("urls", [])]
+        body = self.router.json("GET", "/workers")
+        return [str(w["url"]) for w in body.get("workers", [])]
 
-        # 400: requests are still running or waiting; asked again until they drained
-        r = self._retry(self.timeouts.flush_deadline_s).call(
-            flush, transient=lambda e: False, again=lambda r: r.status_code == 400)
-        if r.status_code == 400:
-            raise EngineTimeoutError(
-                f"the server at {self.base_url} still had running or waiting requests "
-                f"after {self.timeouts.flush_deadline_s:.0f}s ({attempts} /flush_cache "
-                "attempts); generation was paused and is being continued")
-        if r.status_code != 200:
-            raise EngineRequestError(f"POST /flush_cache answered {r.status_code}: "
-                                     f"{_message(r)}")
-
-    def _update(self, version_id: str, model_path: str) -> dict:
-        body: dict[str, Any] = {"model_path": model_path, "weight_version": version_id,
-                                "flush_cache": True, "abort_all_requests": False}
-        if self.load_format is not None:
-            body["load_format"] = self.load_format
-        r = self._request("POST", "/update_weights_from_disk", body,
-                          timeout=self.timeouts.update_s, idempotent=False)
-        answer = self._decode(r, "/update_weights_from_disk", allow_400=True)
-        if not isinstance(answer, dict) or "success" not in answer:
-            raise EngineRequestError(f"/update_weights_from_disk answered {answer!r}")
-        if not answer["success"]:
-            raise WeightUpdateError(
-                f"SGLang at {self.base_url} could not load version {version_id!r} from "
-                f"{model_path}: {answer.get('message', '')} (it keeps serving "
-                f"{self._version!r})")
-        return answer
-
-    def _continue(self, failure: BaseException | None) -> None:
-        """``POST /continue_generation``; its own failure is raised unless it would hide
-        ``failure``, the error of the load it ends (then it is logged)."""
-        try:
-            self._json("POST", "/continue_generation", {}, timeout=self.timeouts.control_s,
-                       idempotent=True)
-        except AlignError as e:
-            log.error("POST /continue_generation at %s failed; the server may stay paused: %s",
-                      self.base_url, e)
-            if failure is None:
-                raise
+    def _steer_router(self, ok: list[str], failed: list[str]) -> None:
+        """Out of the router: workers that did not switch; back in: those that now did."""
+        assert self.router is not None
+        for url, route, keep in [*((u, "/remove_worker", True) for u in failed),
+                                 *((u, "/add_worker", False) for u in ok)]:
+            if keep == (url in self._removed):
+                continue
+            try:
+                self.router.json("POST", route, params={"url": url})
+            except AlignError as e:
+                log.error("sglang-router at %s: %s %s failed: %s", self.router.url, route, url, e)
+                continue
+            (self._removed.add if keep else self._removed.discard)(url)
 
     # --- requests -------------------------------------------------------------------------
+
+    @contextmanager
+    def _server(self, *, temperature: float = 1.0) -> Iterator[SGLangServer]:
+        """The server a call goes to (the router, or the least busy one in rotation)."""
+        if self.router is not None:
+            self._check_logprobs(self.servers, temperature)
+            yield self.router
+            return
+        with self._pick_lock:
+            live = [s for s in self.servers if s.version == self._version]
+            if not live:
+                raise EngineUnavailableError(f"no SGLang server serves {self._version!r}: "
+                                             + ", ".join(f"{s.url} ({s.version!r})"
+                                                         for s in self.servers))
+            s = min(live, key=lambda s: (s.in_flight, s.calls))
+            self._check_logprobs([s], temperature)
+            s.in_flight += 1
+            s.calls += 1
+        try:
+            yield s
+        finally:
+            with self._pick_lock:
+                s.in_flight -= 1
+
+    def _check_logprobs(self, servers: list[SGLangServer], temperature: float) -> None:
+        """Refuse a call at T not in {0, 1} that would get tempered (or unknown) log-probs."""
+        if temperature in UNTEMPERED or self.original_logprobs is True:
+            return
+        for s in servers:
+            said = False if self.original_logprobs is False else s.original_logprobs()
+            if said is True:
+                continue
+            why = ("returns log-probs after temperature scaling (SGLANG_RETURN_ORIGINAL_LOGPROB "
+                   "is not set)" if said is False else "does not report whether its log-probs "
+                   "are tempered (start it with SGLANG_EXPOSE_OWN_ENV_VARS=1)")
+            raise TemperedLogprobsError(
+                f"the SGLang server at {s.url} {why}: at temperature {temperature:g} its "
+                "log-probs would be log_softmax(logits / T) and the gap to the learner biased; "
+                "start it with SGLANG_RETURN_ORIGINAL_LOGPROB=1, or set original_logprobs=True "
+                "(ALIGN_SGLANG_ORIGINAL_LOGPROBS) if every server already runs with it")
 
     def _require_loaded(self) -> None:
         if self._version is None:
@@ -444,11 +515,12 @@ class SGLangSamplerEngine:
         base = uuid.uuid4().hex[:16]
         return [f"libalign-{base}-{i}" for i in range(n)]
 
-    def _generate(self, body: dict, rids: list[str]) -> list[dict]:
-        answer = self._json("POST", "/generate", body, timeout=self.timeouts.generate_s,
-                            idempotent=False)
+    def _generate(self, server: SGLangServer, body: dict, rids: list[str]) -> list[dict]:
+        answer = server.json("POST", "/generate", body, timeout=self._timeouts.generate_s,
+                             idempotent=False)
         if not isinstance(answer, list) or len(answer) != len(rids):
-            raise EngineRequestError(f"/generate answered {type(answer).__name__} of "
+            raise EngineRequestError(f"/generate at {server.url} answered "
+                                     f"{type(answer).__name__} of "
                                      f"{len(answer) if isinstance(answer, list) else '?'} items "
                                      f"for a batch of {len(rids)}")
         by_id: dict[str, dict] = {}
@@ -462,7 +534,7 @@ class SGLangSamplerEngine:
                                      f"{rids[:4]}")
         return [by_id[r] for r in rids]
 
-    def _served(self, metas: list[dict]) -> str | None:
+    def _served(self, server: SGLangServer, metas: list[dict]) -> str | None:
         versions = {m.get("weight_version") for m in metas}
         if len(versions) > 1:
             raise WeightVersionMismatchError(
@@ -473,7 +545,7 @@ class SGLangSamplerEngine:
         served = str(served)
         if self.strict_version and served != self._version:
             raise WeightVersionMismatchError(
-                f"the server at {self.base_url} answered with weight_version {served!r}; this "
+                f"the server at {server.url} answered with weight_version {served!r}; this "
                 f"sampler loaded {self._version!r}")
         return served
 
@@ -505,46 +577,14 @@ class SGLangSamplerEngine:
 
     def _json(self, method: str, route: str, body: Any, *, timeout: float,
               idempotent: bool) -> Any:
-        r = self._request(method, route, body, timeout=timeout, idempotent=idempotent)
-        return self._decode(r, route)
+        """One call to the first server (or the router), its JSON answer."""
+        return (self.router or self.servers[0]).json(method, route, body, timeout=timeout,
+                                                    idempotent=idempotent)
 
-    def _decode(self, r: httpx.Response, route: str, *, allow_400: bool = False) -> Any:
-        if r.status_code != 200 and not (allow_400 and r.status_code == 400):
-            raise EngineRequestError(f"{r.request.method} {route} at {self.base_url} answered "
-                                     f"{r.status_code}: {_message(r)}")
-        try:
-            return r.json()
-        except ValueError:
-            if allow_400 and r.status_code == 400:
-                raise EngineRequestError(f"{route} answered 400: {_message(r)}") from None
-            raise EngineRequestError(f"{route} answered non-JSON: {r.text[:200]!r}") from None
 
-    def _request(self, method: str, route: str, body: Any, *, timeout: float,
-                 idempotent: bool) -> httpx.Response:
-        """One call, retried (see the module doc, Failures) until the deadline."""
-        t = self.timeouts
-
-        def once() -> httpx.Response:
-            return self._client.request(method, route, json=body,
-                                        timeout=httpx.Timeout(timeout, connect=t.connect_s))
-
-        try:
-            r = self._retry(t.retry_deadline_s).call(
-                once, transient=lambda e: http_transient(e, idempotent=idempotent),
-                again=lambda r: r.status_code == 503)
-        except httpx.TransportError as e:
-            raise self._engine_error(method, route, timeout, e) from None
-        if r.status_code == 503:
-            raise EngineUnavailableError(f"{method} {route} at {self.base_url}: 503 (the server "
-                                         f"is starting or loading) for {t.retry_deadline_s:g}s")
-        return r
-
-    def _engine_error(self, method: str, route: str, timeout: float,
-                      e: httpx.TransportError) -> AlignError:
-        """The typed error for a transport failure that was not (or no longer) retried."""
-        where = f"{method} {route} at {self.base_url}"
-        if isinstance(e, NEVER_SENT):
-            return EngineUnavailableError(f"{where}: cannot connect ({e})")
-        if isinstance(e, httpx.TimeoutException):
-            return EngineTimeoutError(f"{where}: no answer within {timeout:g}s ({type(e).__name__})")
-        return EngineUnavailableError(f"{where}: connection failed ({type(e).__name__}: {e})")
+def _with_message(e: AlignError, msg: str) -> AlignError:
+    """``e``'s class with another message (its code kept)."""
+    out = type(e).__new__(type(e))
+    Exception.__init__(out, msg)
+    out.__dict__.update(e.__dict__)
+    return out
