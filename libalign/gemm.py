@@ -73,7 +73,7 @@ BACKENDS = ("auto", "reference", "torch", "triton", "native")
 __all__ = [  # GroupLayout, group_layout and PAD_CHOICES are gemm_layout's, re-exported
     "BACKENDS", "PAD_CHOICES", "PATHS", "ActivationHook", "ExecutionPath", "ExpertWeights",
     "GroupLayout", "Observer", "epilogue", "get_path", "group_layout", "grouped_linear",
-    "inner_values", "moe_experts_forward", "prepare_weights", "quantize_activations",
+    "inner_table", "inner_values", "moe_experts_forward", "prepare_weights", "quantize_activations",
     "register_path", "row_decode_scales", "take_rows", "w4a4_reference", "weights_from_quantized",
 ]
 
@@ -147,12 +147,51 @@ def get_path(path: str | ExecutionPath) -> ExecutionPath:
 
 # --- inner and outer parts of an NVFP4 operand ------------------------------------------------
 
+_INNER_TABLES: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+
+def inner_table(device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """The inner values of every (E4M3 scale byte, code byte) pair: ``[65536, 2]`` of ``dtype``.
+
+    Row ``(s << 8) | b`` holds ``fl32(code * scale)`` of byte ``b``'s two E2M1 codes (low
+    nibble first) under scale byte ``s``, cast to ``dtype`` (exact: at most 6 significant
+    bits between 2^-10 and 2688). Built once per device and dtype (256 KiB in bf16).
+    """
+    key = (str(device), dtype)
+    table = _INNER_TABLES.get(key)
+    if table is None:
+        vals = e2m1_code_values(unpack_nibbles(torch.arange(256, dtype=torch.uint8).reshape(256, 1)))
+        scales = e4m3_bits_to_float(torch.arange(256, dtype=torch.uint8))
+        table = (vals[None] * scales[:, None, None]).reshape(65536, 2).to(dtype).to(device)
+        _INNER_TABLES[key] = table
+    return table
+
+
 def inner_values(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q * s`` per element (step 1): exact in fp32 and bf16; logical shape, K unpadded."""
-    vals = e2m1_code_values(unpack_nibbles(q.codes))
-    s32 = e4m3_bits_to_float(q.block_scales)
-    out = (vals.unflatten(-1, (-1, 16)) * s32.unsqueeze(-1)).flatten(-2)
-    return out[..., : q.k].to(dtype)
+    """``q * s`` per element (step 1): exact in fp32 and bf16; logical shape, K unpadded.
+
+    One gather from :func:`inner_table` per code byte: the index ``(scale byte << 8) | code
+    byte`` is formed in one int32 pass, and in bf16/fp16/fp32 each byte's two values travel
+    as one 4- or 8-byte word. About 14 bytes moved per bf16 value (a weight stack of 2.4 GB
+    decodes in a few milliseconds on an H200), against a dozen int64 and fp32 passes for the
+    field-by-field decode (:func:`~libalign.rounding.e2m1_code_values` times
+    :func:`~libalign.rounding.e4m3_bits_to_float`), whose bits it reproduces.
+    """
+    scales = q.block_scales
+    if scales.dtype == torch.float8_e8m0fnu or q.codes.shape[-1] * 2 != scales.shape[-1] * 16:
+        raise DTypeError(f"inner_values decodes NVFP4 (E4M3 scales per 16 values); spec "
+                         f"{q.spec.name!r} has {scales.dtype} scales per {q.spec.block_size}")
+    lead = q.codes.shape[:-1]
+    nb = scales.shape[-1]
+    shifted = scales.view(torch.uint8).to(torch.int32).unsqueeze(-1) << 8
+    idx = torch.add(q.codes.reshape(*lead, nb, 8), shifted).reshape(-1)
+    table = inner_table(q.codes.device, dtype)
+    word = {2: torch.int32, 4: torch.int64}.get(table.element_size())
+    if word is not None:  # each byte's pair as one word: a plain 1-D gather
+        out = table.view(word).reshape(-1).index_select(0, idx).view(dtype)
+    else:
+        out = table.index_select(0, idx)
+    return out.reshape(*lead, nb * 16)[..., : q.k]
 
 
 def row_decode_scales(q: NVFP4Tensor) -> torch.Tensor:

@@ -39,6 +39,61 @@ def test_inner_values_are_exact_in_bf16_and_times_outer_equal_dequantize():
     assert torch.equal(rebuilt, dequantize(q))
 
 
+def _field_by_field(q, dtype):
+    """Inner values decoded field by field: each code's E2M1 value times its block's E4M3 value."""
+    from libalign.packing import unpack_nibbles
+    from libalign.rounding import e2m1_code_values, e4m3_bits_to_float
+
+    vals = e2m1_code_values(unpack_nibbles(q.codes))
+    s32 = e4m3_bits_to_float(q.block_scales)
+    return (vals.unflatten(-1, (-1, 16)) * s32.unsqueeze(-1)).flatten(-2)[..., : q.k].to(dtype)
+
+
+_INT_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_inner_values_table_reproduces_every_scale_and_code_byte(dtype):
+    """The gathered inner values equal the field-by-field decode bit for bit (signed zeros
+    included) for all 256 x 256 scale and code bytes; the two NaN scale bytes give NaN."""
+    from libalign.spec import NVFP4Tensor
+
+    codes = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # row s: every code byte
+    scales = torch.arange(256, dtype=torch.uint8).reshape(256, 1).repeat(1, 32)
+    q = NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), torch.ones(256), PRESETS["minite"],
+                    (256, 512))
+    got, want = gemm.inner_values(q, dtype), _field_by_field(q, dtype)
+    assert got.dtype == dtype and got.shape == want.shape == (256, 512)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan) and int(nan.any(-1).sum()) == 2
+    ints = _INT_OF[got.element_size()]
+    assert torch.equal(got.view(ints)[~nan], want.view(ints)[~nan])
+
+
+@settings(max_examples=25, deadline=None)
+@given(e=st.integers(1, 3), n=st.integers(1, 9), k=st.integers(1, 70), seed=st.integers(0, 2**16),
+       preset=st.sampled_from(["minite", "te", "torchao", "modelopt"]))
+def test_inner_values_of_quantized_stacks_match_the_field_decode(e, n, k, seed, preset):
+    """Stacks of any K (padded blocks sliced off) and any preset: the same bits as the
+    field-by-field decode, in fp32 and bf16."""
+    spec = PRESETS[preset]
+    k = k if spec.k_remainder == "pad" else 16 * (k // 16 + 1)
+    w = _w(e, n, k, seed=seed, scale=2.0 ** (seed % 41 - 20))
+    q = quantize(w, spec)
+    for dtype in (torch.float32, torch.bfloat16):
+        got = gemm.inner_values(q, dtype)
+        assert got.shape == (e, n, k)
+        assert torch.equal(got.view(_INT_OF[got.element_size()]),
+                           _field_by_field(q, dtype).view(_INT_OF[got.element_size()]))
+
+
+def test_inner_values_refuse_mxfp4():
+    """E8M0 scales per 32 values are not the NVFP4 inner values' input: DTypeError."""
+    q = quantize(_a(4, 64), PRESETS["mxfp4"])
+    with pytest.raises(DTypeError, match="E4M3"):
+        gemm.inner_values(q)
+
+
 def test_reference_follows_the_documented_epilogue_order():
     """out = bf16(fl(acc * fl(a_dec * w_dec))) with acc the float64 sum rounded once to fp32."""
     a, w = _a(9, 64), _w(1, 7, 64)[0]

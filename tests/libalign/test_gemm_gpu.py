@@ -188,3 +188,20 @@ def test_guided_rounding_and_records_on_the_device():
         assert blob == GuidanceRecord(bits, "minite", {(0, "fc1"): rows.to("cpu")}).encode()
         back = GuidanceRecord.decode(blob, CUDA).sites[(0, "fc1")]
         assert torch.equal(back.codes, low_bits(codes, bits))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_inner_values_on_the_device_equal_the_cpu_bits(dtype):
+    """The table gather on CUDA gives the CPU's inner values bit for bit (a weight stack with
+    padded K, scales over a wide range), and prepared weights carry those values."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    w = (torch.randn(3, 130, 200) * torch.exp(torch.randn(3, 130, 1) * 4)).to(torch.bfloat16)
+    q = quantize(w, PRESETS["minite"])
+    got = gemm.inner_values(q.to(CUDA), dtype).cpu()
+    want = gemm.inner_values(q, dtype)
+    ints = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(got.view(ints), want.view(ints))
+    ew = gemm.prepare_weights(w.to(CUDA), "nvfp4_minite")
+    assert torch.equal(ew.inner.cpu().view(torch.int16),
+                       gemm.inner_values(q, torch.bfloat16).view(torch.int16))
