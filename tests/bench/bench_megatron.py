@@ -28,6 +28,14 @@ part of the quantized forward's extra GPU time in the whole-model column.
 
 ``nvfp4_trace`` runs with the guided-rounding hook attached and no sampler records, so every
 row is rounded to nearest through the hook: the cost of the guided path without the lookup.
+``nvfp4_trace_rec`` is TRACE as a learner runs it: every expert row has a sampler record
+(2 low bits a value, captured from this model's own ``nvfp4_minite`` forward on the same
+batch, so the guided rows reproduce round-to-nearest and ``rel L2`` equals minite's).
+
+The goal rows at the end (issue 21 item 5) divide by the same run's numbers: ``nvfp4_minite``
+model time over ``bf16`` (goal <= 1.10), the weight quantization per step of
+``nvfp4_minite`` (goal <= 5 ms), and ``nvfp4_trace_rec`` model time over ``nvfp4_minite``
+(goal <= 1.074, TRACE's own overhead figure).
 
 Run: ``python -m tests.bench megatron [-- --tokens 8192 --repeats 10 --json out.json]``.
 Without CUDA it prints that it skipped, unless ``--tiny`` (a 2-layer, 8-expert model small
@@ -44,7 +52,9 @@ import time
 
 import torch
 
-PATHS = ("bf16", "nvfp4_naive", "nvfp4_minite", "nvfp4_trace")
+PATHS = ("bf16", "nvfp4_naive", "nvfp4_minite", "nvfp4_trace", "nvfp4_trace_rec")
+RECORD_BITS = 2
+GOALS = {"minite_model": 1.10, "quantize_ms": 5.0, "trace_rec_over_minite": 1.074}
 
 
 def _parse(argv):
@@ -120,7 +130,11 @@ def _run(args) -> dict:
               f"({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters)", flush=True)
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(dev)
-        keys = torch.arange(batch * seq, device=dev).reshape(batch, seq).T  # any distinct keys
+        from libalign.guidance import row_keys
+
+        # sequence b, position s: the keys a sampler's records carry, in Megatron's [s, b] order
+        keys = row_keys(torch.arange(batch, device=dev)[:, None],
+                        torch.arange(seq, device=dev).expand(batch, seq)).T
 
         captured = {}
         layer0 = mg.moe_layers(model)[0]
@@ -150,10 +164,11 @@ def _run(args) -> dict:
                 ex.linear_fc1.prepared()
                 ex.linear_fc2.prepared()
 
+        table = _records(mg, model, ids, keys, dev) if "nvfp4_trace_rec" in paths else None
         samples = {p: {"model": [], "experts": [], "quantize": []} for p in paths}
         for path in paths:  # warm-up, compile, first quantization; quality check
-            mg.set_path(model, path)
-            with _path_ctx(mg, model, path, keys):
+            mg.set_path(model, _model_path(path))
+            with _path_ctx(mg, model, path, keys, table):
                 for _ in range(args.warmup):
                     model_step()
                     experts_step()
@@ -164,15 +179,15 @@ def _run(args) -> dict:
             del out
         for _ in range(repeats):
             for path in paths:
-                mg.set_path(model, path)
-                with _path_ctx(mg, model, path, keys):
+                mg.set_path(model, _model_path(path))
+                with _path_ctx(mg, model, path, keys, table):
                     samples[path]["quantize"].append(timer(quantize_all))
                     samples[path]["model"].append(timer(model_step))
                     samples[path]["experts"].append(timer(experts_step))
         mg.set_row_keys(model, None)
     base = {k: statistics.median(samples["bf16"][k]) for k in ("model", "experts")} \
         if "bf16" in samples else None
-    print(f"{'path':<14}{'model ms':>10}{'x bf16':>8}{'experts ms':>12}{'x bf16':>8}"
+    print(f"{'path':<16}{'model ms':>10}{'x bf16':>8}{'experts ms':>12}{'x bf16':>8}"
           f"{'quantize ms':>13}{'rel L2':>10}")
     for path in paths:
         r = results["paths"][path]
@@ -182,10 +197,68 @@ def _run(args) -> dict:
             r["model_ratio"] = r["model_ms"] / base["model"]
             r["experts_ratio"] = r["experts_ms"] / base["experts"]
         q = "-" if path == "bf16" else f"{r['quantize_ms']:.2f}"
-        print(f"{path:<14}{r['model_ms']:>10.2f}{r.get('model_ratio', math.nan):>8.3f}"
+        print(f"{path:<16}{r['model_ms']:>10.2f}{r.get('model_ratio', math.nan):>8.3f}"
               f"{r['experts_ms']:>12.2f}{r.get('experts_ratio', math.nan):>8.3f}{q:>13}"
               f"{r['rel_l2_vs_bf16']:>10.4f}", flush=True)
+    results["goals"] = _goals(results["paths"])
     return results
+
+
+def _goals(rows: dict) -> list[dict]:
+    """Issue 21 item 5's rows, each a ratio or time of this run against its goal."""
+    out = []
+
+    def add(name, value, goal, unit):
+        if value is None or math.isnan(value):
+            return
+        out.append({"goal": name, "value": value, "target": goal, "met": value <= goal})
+        print(f"  {name:<44}{value:>9.3f}{unit:<3} goal <= {goal:g}{unit}  "
+              f"{'met' if value <= goal else 'NOT met'}", flush=True)
+
+    print("goals (issue 21 item 5; same-run baselines):")
+    mn = rows.get("nvfp4_minite", {})
+    add("nvfp4_minite whole model / bf16", mn.get("model_ratio"), GOALS["minite_model"], "x")
+    add("nvfp4_minite weight quantization per step", mn.get("quantize_ms"), GOALS["quantize_ms"],
+        "ms")
+    if "nvfp4_trace_rec" in rows and mn:
+        add("nvfp4_trace (records) whole model / minite",
+            rows["nvfp4_trace_rec"]["model_ms"] / mn["model_ms"], GOALS["trace_rec_over_minite"], "x")
+    return out
+
+
+def _model_path(path: str) -> str:
+    return "nvfp4_trace" if path == "nvfp4_trace_rec" else path
+
+
+def _records(mg, model, ids, keys, dev):
+    """A guidance table with a record for every expert row: the model's own nvfp4_minite
+    activations of this batch, captured through the experts' activation hook."""
+    from libalign import ops
+    from libalign.guidance import GuidanceCapture, GuidanceTable
+    from libalign.spec import PRESETS
+
+    cap = GuidanceCapture(PRESETS["minite"])
+
+    def hook(layer, site, a, spec, row_keys):
+        q = ops.quantize(a.detach(), spec)
+        cap.add(layer, site, q, row_keys)
+        return q
+
+    mods = mg.experts_modules(model)
+    mg.set_path(model, "nvfp4_trace")
+    mg.set_row_keys(model, keys)
+    for ex in mods.values():
+        ex.act_hook = hook
+    try:
+        with torch.no_grad():
+            mg.gpt_logits(model, ids)
+    finally:
+        for ex in mods.values():
+            ex.act_hook = None
+        mg.set_row_keys(model, None)
+    table = GuidanceTable(cap.records(RECORD_BITS), dev)
+    print(f"records: {len(table.sites)} sites, {RECORD_BITS} bits a value", flush=True)
+    return table
 
 
 def _megatron_version() -> str:
@@ -200,16 +273,19 @@ def _megatron_version() -> str:
 
 
 class _path_ctx:
-    """Attach the guided-rounding hook (no records) and row keys on ``nvfp4_trace``."""
+    """Attach the guided-rounding hook and row keys on ``nvfp4_trace`` (no records) and
+    ``nvfp4_trace_rec`` (``table``'s records)."""
 
-    def __init__(self, mg, model, path, keys):
-        self.mg, self.model, self.on, self.keys = mg, model, path == "nvfp4_trace", keys
+    def __init__(self, mg, model, path, keys, table=None):
+        self.mg, self.model, self.keys = mg, model, keys
+        self.on = path in ("nvfp4_trace", "nvfp4_trace_rec")
+        self.table = table if path == "nvfp4_trace_rec" else None
         self.ctx = None
 
     def __enter__(self):
         if self.on:
             self.mg.set_row_keys(self.model, self.keys)
-            self.ctx = self.mg.use_guidance(self.model, None)
+            self.ctx = self.mg.use_guidance(self.model, self.table)
             self.ctx.__enter__()
         return self
 
