@@ -390,7 +390,8 @@ def _bf16_grouped(a: torch.Tensor, w: torch.Tensor, layout: GroupLayout) -> torc
 
 
 def _quantized_grouped(a: torch.Tensor, w: ExpertWeights, layout: GroupLayout,
-                       backend: str, act_q: NVFP4Tensor | None = None) -> torch.Tensor:
+                       backend: str, act_q: NVFP4Tensor | None = None,
+                       checked: bool = True) -> torch.Tensor:
     spec = w.path.act_spec
     out_dtype = a.dtype if a.dtype != torch.float32 else torch.bfloat16
     if backend == "triton":
@@ -398,7 +399,7 @@ def _quantized_grouped(a: torch.Tensor, w: ExpertWeights, layout: GroupLayout,
             return w4a4_grouped_triton_quantized(
                 inner_values(act_q, torch.bfloat16), row_decode_scales(act_q), w.inner, w.dec,
                 layout, out_dtype)
-        return w4a4_grouped_triton(a, spec, w.inner, w.dec, layout, out_dtype)
+        return w4a4_grouped_triton(a, spec, w.inner, w.dec, layout, out_dtype, check_finite=checked)
     if act_q is None:
         check_finite(a, "activations")
     if backend == "native":  # Blackwell FP4 tensor cores (compiled for sm_100a, never run here)
@@ -432,11 +433,11 @@ class _GroupedSTE(torch.autograd.Function):
     """Forward through the chosen path; backward as the bf16 product of saved operands."""
 
     @staticmethod
-    def forward(ctx, a, weight, w, layout, backend, act_q):
+    def forward(ctx, a, weight, w, layout, backend, act_q, checked):
         ctx.save_for_backward(a, weight)
         ctx.layout = layout
         if w.path.quantized:
-            return _quantized_grouped(a, w, layout, backend, act_q)
+            return _quantized_grouped(a, w, layout, backend, act_q, checked)
         return _bf16_grouped(a, weight, layout)
 
     @staticmethod
@@ -455,12 +456,13 @@ class _GroupedSTE(torch.autograd.Function):
                 lo, hi = offs[e], offs[e + 1]
                 if hi > lo:
                     grad_w[e] = (grad[lo:hi].T @ a[lo:hi]).to(weight.dtype)
-        return grad_a, grad_w, None, None, None, None
+        return grad_a, grad_w, None, None, None, None, None
 
 
 def grouped_linear(a: torch.Tensor, weights: ExpertWeights,
                    counts: torch.Tensor | list[int] | GroupLayout, *,
-                   backend: str = "auto", act_q: NVFP4Tensor | None = None) -> torch.Tensor:
+                   backend: str = "auto", act_q: NVFP4Tensor | None = None,
+                   check_finite: bool = True) -> torch.Tensor:
     """``out[rows of e] = a[rows of e] @ W[e]^T`` through ``weights.path``, rows sorted by expert.
 
     ``a`` is ``[rows, K]``; ``counts`` gives each expert's rows (or a :class:`GroupLayout`).
@@ -473,6 +475,11 @@ def grouped_linear(a: torch.Tensor, weights: ExpertWeights,
     ``act_q``, when given, is the activations' quantization to multiply instead of the
     path's own (guided rounding): an NVFP4 ``[rows, K]`` of ``a`` in the same row order;
     ``a`` itself is then only saved for the backward pass.
+
+    ``check_finite=False`` drops the Triton backend's NaN/Inf check of the activations, one
+    device synchronisation per call (which stalls a host that queues work ahead, as a
+    training step does): a row holding NaN/Inf then comes out NaN instead of raising
+    :class:`~libalign.errors.NonFiniteError`. The other backends raise either way.
     """
     layout = counts if isinstance(counts, GroupLayout) else group_layout(counts)
     _check_grouped(a, weights, layout)
@@ -480,7 +487,7 @@ def grouped_linear(a: torch.Tensor, weights: ExpertWeights,
         raise ShapeError(f"act_q of shape {act_q.shape} for activations {tuple(a.shape)} on path "
                          f"{weights.path.name!r}: needs a quantized path and the same shape")
     be = _resolve_backend(backend, a.device, weights.path, a.shape[-1])
-    return _GroupedSTE.apply(a, weights.weight, weights, layout, be, act_q)
+    return _GroupedSTE.apply(a, weights.weight, weights, layout, be, act_q, check_finite)
 
 
 # --- a whole MoE expert block -----------------------------------------------------------------

@@ -76,7 +76,8 @@ class GroupLayout:
         hit = self._cache.get(key)
         if hit is None:
             per = torch.tensor([c // tile for c in self.padded_counts], dtype=torch.int64)
-            hit = torch.repeat_interleave(torch.arange(self.experts, dtype=torch.int32), per).to(device)
+            hit = _to_device(torch.repeat_interleave(torch.arange(self.experts, dtype=torch.int32),
+                                                     per), device)
             self._cache[key] = hit
         return hit
 
@@ -99,8 +100,18 @@ class GroupLayout:
     def _rows_on(self, device: torch.device) -> torch.Tensor:
         key = ("rows", str(device))
         if key not in self._cache:
-            self._cache[key] = self.rows.to(device)
+            self._cache[key] = _to_device(self.rows, device)
         return self._cache[key]
+
+
+def _to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` (a small host tensor) on ``device``, queued without waiting for the device.
+
+    A blocking copy to a GPU waits for everything queued before it, so each GEMM call that
+    built a layout would drain the stream. The source is pageable host memory, which the
+    driver stages before the call returns, so the host tensor may be freed right after.
+    """
+    return t.to(device, non_blocking=torch.device(device).type == "cuda")
 
 
 def group_layout(counts: torch.Tensor | list[int] | tuple[int, ...], pad_to: int = 1) -> GroupLayout:

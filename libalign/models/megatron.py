@@ -97,7 +97,7 @@ __all__ = [  # the modules are megatron_modules', re-exported
     "PathLike", "Qwen3RMSNorm", "SDPACoreAttention", "bind_layers", "build_gpt_model",
     "causal_padding_mask", "clear_weight_cache", "current_paths", "experts_modules",
     "get_block_spec", "get_moe_layer_spec", "global_expert_index", "gpt_logits",
-    "hf_config_value", "moe_layers", "rope_theta", "set_path", "set_row_keys",
+    "hf_config_value", "moe_layers", "rope_theta", "set_finite_check", "set_path", "set_row_keys",
     "transformer_config_from_hf", "use_guidance", "use_path",
 ]
 
@@ -319,6 +319,19 @@ def set_path(model: nn.Module, path: PathLike, *, backend: str | None = None,
     if not found:
         raise SpecError("no libalign expert linears in the chosen layers")
     return current_paths(model)
+
+
+def set_finite_check(model: nn.Module, on: bool) -> None:
+    """Whether the expert GEMMs check their activations for NaN/Inf on every call.
+
+    On (the default), a NaN/Inf activation raises :class:`~libalign.errors.NonFiniteError` at
+    its GEMM, at the price of one device synchronisation per call on the Triton backend:
+    each one drains the stream the host had queued ahead (two per MoE layer's forward).
+    Off, such rows come out NaN, which a training loop's NaN loss or gradient-norm check
+    then sees (Megatron skips such steps); the bits of finite inputs are the same.
+    """
+    for _, lin in _linears(model):
+        lin.check_finite = bool(on)
 
 
 @contextmanager

@@ -122,6 +122,7 @@ class LibalignGroupedLinear(MegatronModule):
         ep_size = max(_pg_size(ep), int(config.expert_model_parallel_size))
         self.weight.allreduce = not (is_expert and ep_size > 1)
         self._prepared: dict[str, tuple] = {}
+        self.check_finite = True  # see libalign.models.megatron.set_finite_check
 
     def prepared(self, path: PathLike | None = None) -> gemm.ExpertWeights:
         """The weight stack prepared for ``path`` (default: the current one), cached per version."""
@@ -144,7 +145,8 @@ class LibalignGroupedLinear(MegatronModule):
         counts = tokens_per_expert
         if isinstance(counts, torch.Tensor):
             counts = counts.tolist()
-        out = gemm.grouped_linear(x, self.prepared(), counts, backend=self.backend, act_q=act_q)
+        out = gemm.grouped_linear(x, self.prepared(), counts, backend=self.backend, act_q=act_q,
+                                  check_finite=self.check_finite)
         return out, None
 
     def backward_dw(self) -> None:

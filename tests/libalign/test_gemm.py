@@ -242,6 +242,16 @@ def test_bad_input_is_named():
         gemm.grouped_linear(a, ew, [2, 3], backend="triton")
 
 
+def test_cpu_backends_raise_on_nan_even_unchecked():
+    """check_finite=False concerns the Triton backend only: torch and reference still raise."""
+    a = _a(8, 32)
+    a[3, 1] = float("nan")
+    ew = gemm.prepare_weights(_w(2, 16, 32), "nvfp4_minite")
+    for backend in ("torch", "reference"):
+        with pytest.raises(NonFiniteError):
+            gemm.grouped_linear(a, ew, [4, 4], backend=backend, check_finite=False)
+
+
 def test_paths_reject_what_the_gemm_cannot_do():
     """Hadamard or stochastic specs, half-quantized paths and expert-domain activations."""
     m = PRESETS["minite"]

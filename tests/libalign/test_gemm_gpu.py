@@ -103,6 +103,20 @@ def test_nan_activation_raises_naming_the_row():
         gemm.grouped_linear(a, ew, [20, 20], backend="triton")
 
 
+def test_unchecked_call_gives_nan_rows_and_the_same_bits_elsewhere():
+    """check_finite=False: the NaN row's outputs are NaN, no error, every other row as checked."""
+    _need_triton()
+    w = torch.randn(2, 64, 64, dtype=torch.bfloat16, device=CUDA)
+    a = _acts(40, 64, seed=1)
+    ew = gemm.prepare_weights(w, "nvfp4_minite")
+    clean = gemm.grouped_linear(a, ew, [20, 20], backend="triton")
+    a[17, 5] = float("nan")
+    out = gemm.grouped_linear(a, ew, [20, 20], backend="triton", check_finite=False)
+    assert torch.isnan(out[17]).all()
+    keep = torch.arange(40, device=CUDA) != 17
+    assert torch.equal(out[keep], clean[keep])
+
+
 def test_backward_is_the_bf16_straight_through_product():
     """Gradients of the fused path equal those of the bf16 product of the unquantized operands."""
     _need_triton()

@@ -123,6 +123,26 @@ def test_logits_equal_the_hf_glue_bitwise(hf, gpt, path):
     assert torch.equal(got[real], ref[real])
 
 
+def test_finite_check_switch_reaches_every_linear_and_keeps_the_bits(gpt):
+    """set_finite_check(False) reaches every expert linear; finite logits keep their bits."""
+    ids, mask = _batch()
+    mg.set_path(gpt, "nvfp4_minite")
+    with torch.no_grad():
+        checked = mg.gpt_logits(gpt, ids, mask)
+    mg.set_finite_check(gpt, False)
+    try:
+        flags = {lin.check_finite for ex in mg.experts_modules(gpt).values()
+                 for lin in (ex.linear_fc1, ex.linear_fc2)}
+        with torch.no_grad():
+            unchecked = mg.gpt_logits(gpt, ids, mask)
+    finally:
+        mg.set_finite_check(gpt, True)
+    assert flags == {False}
+    assert torch.equal(checked, unchecked)
+    assert all(lin.check_finite for ex in mg.experts_modules(gpt).values()
+               for lin in (ex.linear_fc1, ex.linear_fc2))
+
+
 def test_megatron_numerics_stay_within_tolerance(hf):
     """Megatron's own RMSNorm and attention: logits within 0.05 of the Hugging Face model's."""
     model = mg.build_gpt_model(CFG, numerics="megatron")
