@@ -106,11 +106,13 @@ def test_a_variable_means_the_same_to_every_service(clean_env):
 
 
 def test_validated_at_start(clean_env, monkeypatch):
-    """Devices, engines, guidance policies, presets of the SGLang export and log levels are
-    checked when the class is built, each error naming its field."""
+    """Devices, engines, guidance policies, the sampler layout (modelopt needs the model
+    directory) and log levels are checked when the class is built, each error naming its
+    field."""
     for cls, bad in ((ConverterSettings, {"converter_device": "gpu"}),
                      (SamplerSettings, {"sampler_engine": "vllm"}),
-                     (SamplerSettings, {"sglang_preset": "fp8"}),
+                     (ConverterSettings, {"sampler_layout": "gguf"}),
+                     (ConverterSettings, {"sampler_layout": "modelopt"}),
                      (LearnerSettings, {"guidance_bits": 9}),
                      (GuidanceStoreSettings, {"guidance_on_in_use": "drop"}),
                      (ServiceSettings, {"log_level": "LOUD"}),
@@ -118,9 +120,9 @@ def test_validated_at_start(clean_env, monkeypatch):
         with pytest.raises(ValidationError, match=next(iter(bad))):
             cls(**bad)
     monkeypatch.setenv("ALIGN_SAMPLER_DEVICE", "cuda:1")
-    monkeypatch.setenv("ALIGN_SGLANG_PRESET", "compressed_tensors")
+    monkeypatch.setenv("ALIGN_SGLANG_ORIGINAL_LOGPROBS", "true")
     s = SamplerSettings()
-    assert (s.sampler_device, s.sglang_preset) == ("cuda:1", "compressed_tensors")
+    assert (s.sampler_device, s.sglang_original_logprobs) == ("cuda:1", True)
     assert s.stream_maxlen == DEFAULT_STREAM_MAXLEN == 10_000
     monkeypatch.setenv("ALIGN_STREAM_MAXLEN", "500")
     assert RedisBus.from_settings(ServiceSettings()).stream_maxlen == 500

@@ -18,10 +18,14 @@ from alignclient.errors import (
     EngineTimeoutError,
     EngineUnavailableError,
     GuidanceUnsupportedError,
+    LayoutError,
     SpecError,
     WeightUpdateError,
     WeightVersionMismatchError,
 )
+from alignd.formats.convert import convert_published
+from alignd.formats.modelopt_export import ModelOptExport
+from alignd.formats.published import write_published
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.registry import Registry
@@ -30,11 +34,12 @@ from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.work import READY, REQUESTS, RolloutRequest, RolloutsReady
 from alignd.sampler.service import SamplerService
 from alignd.sampler.sglang_engine import SGLangSamplerEngine, SGLangTimeouts, row_seed
-from alignd.sampler.sglang_export import ModelOptExport
 from alignd.sampler.sglang_sampler import build_sglang_sampler
 
-from tests.services.api_server import publish_files, serve
-from tests.services.conftest import free_port
+from libalign.gemm import get_path
+from libalign.spec import PRESETS
+from tests.services.api_server import serve
+from tests.services.conftest import free_port, tiny_experts
 from tests.services.sglang_contract import SGLangContract, check_modelopt_dir
 
 EOS = 7
@@ -56,6 +61,21 @@ class Rig:
     store: Path
 
 
+def sglang_weights(seed: int = 0) -> dict:
+    """A tiny BF16 MoE in the per-expert names SGLang loads (no 3-D stack beside them)."""
+    sd = tiny_experts(experts=2, rows=16, k=32, seed=seed)
+    sd.pop("model.layers.0.mlp.experts.gate_up_proj")
+    return sd
+
+
+def store_version(store: Path, version_id: str, preset: str | None = None, seed: int = 0) -> None:
+    """Publish and convert one version for the SGLang sampler's path (what the converter does
+    with sampler_layout=modelopt: fused siblings share one outer maximum)."""
+    src = write_published(store / "published", version_id, sglang_weights(seed))
+    spec = PRESETS[preset] if preset else get_path("nvfp4_naive").weight_spec
+    convert_published(src, WeightStore(store), version_id, spec, share_fused=True)
+
+
 def model_dir(root: Path) -> Path:
     """The Hugging Face files a server starts from (weights come from published versions)."""
     d = root / "model"
@@ -68,11 +88,11 @@ def model_dir(root: Path) -> Path:
 
 @pytest.fixture
 def rig(tmp_path):
-    """``rig(**contract_switches)``: a contract server on a port, a store with published v1
-    and v2, and an engine exporting into ``tmp_path/exports``."""
+    """``rig(**contract_switches)``: a contract server on a port, a store with converted v1
+    and v2, and an engine whose exports go to ``tmp_path/exports``."""
     store = tmp_path / "store"
-    for v in ("v1", "v2"):
-        publish_files(store, v)
+    for i, v in enumerate(("v1", "v2")):
+        store_version(store, v, seed=i)
     exporter = ModelOptExport(WeightStore(store), model_dir(tmp_path), tmp_path / "exports")
     with contextlib.ExitStack() as stack:
         def make(**contract_kw) -> Rig:
@@ -282,13 +302,18 @@ def test_every_result_is_stamped_with_the_served_weight_version(rig):
 
 
 def test_guidance_and_row_scaled_exports_are_refused_by_name(rig, tmp_path):
-    """No guidance records from SGLang; a per-row-scaled preset cannot be exported for it."""
+    """No guidance records from SGLang; a row-scaled version cannot be exported for it, and
+    the load that asks for one fails before any server is touched."""
     r = rig()
     r.engine.load("v1")
     with pytest.raises(GuidanceUnsupportedError, match="cannot capture guidance"):
         r.engine.generate([[1]], max_new_tokens=1, guidance_bits=2)
-    with pytest.raises(ConfigError, match="scalar weight_scale_2"):
-        ModelOptExport(WeightStore(r.store), tmp_path / "model", tmp_path / "x", preset="minite")
+    store_version(r.store, "v-minite", preset="minite")
+    r.contract.calls.clear()
+    with pytest.raises(LayoutError, match=r"per row.*scalar weight_scale_2"):
+        r.engine.load("v-minite")
+    assert r.contract.calls == [] and r.engine.version_id == "v1"
+    assert not r.exporter.exists("v-minite")
 
 
 def test_the_contract_validates_fields_like_sglang_and_stricter(rig):
@@ -355,6 +380,8 @@ def test_build_sglang_sampler_from_settings(tmp_path):
     with engine:
         assert engine.path == "nvfp4_naive" and engine.eos_id == EOS and guidance is None
         assert engine.exporter.path("v1") == tmp_path / "store" / "sglang" / "modelopt" / "v1"
+        assert engine.model_paths == (str(tmp_path / "model"),
+                                      str(tmp_path / "store" / "sglang" / "modelopt"))
         assert isinstance(rollouts, RolloutStore)
     with pytest.raises(ConfigError, match="nvfp4_naive"):
         build_sglang_sampler(SamplerSettings(store_dir=tmp_path / "store"), "http://sglang:30000",

@@ -8,7 +8,8 @@ recorded. On start and then every ``sweep_interval_s`` it sweeps the store's hid
 ``.tmp-*`` leftovers of killed writers (older than ``sweep_stale_s``, writer gone). Every
 ``retention_interval_s`` (the first an interval after it starts) it runs the run's retention
 pass (:mod:`alignd.infra.retention`: versions no sampler serves retired, old retired ones
-pruned with their store directories, dead stream consumers and groups removed); a pass that
+pruned with their store directories, old ModelOpt exports pruned, dead stream consumers and
+groups removed); a pass that
 fails is logged, never fatal, and the next one finishes its work.
 Configuration is :class:`~alignd.infra.settings.ConverterSettings` (``ALIGN_*`` variables);
 SIGTERM or SIGINT finish the current message and stop.
@@ -55,7 +56,8 @@ def run_converter(settings: ConverterSettings, stop_event: threading.Event | Non
     sweep(store, settings.sweep_stale_s)
     registry = Registry(bus, settings.key_prefix)
     worker = ConverterWorker(settings, bus, registry, store, metrics, on_step=on_step)
-    retention = Retention.from_settings(settings, bus, registry, store, metrics)
+    retention = Retention.from_settings(settings, bus, registry, store, metrics,
+                                        exports=worker.exports)
     beat = ServiceHeartbeat(bus, "converter", safe_id(settings.consumer_name, "converter"),
                             settings.service_heartbeat_s, settings.service_heartbeat_ttl_s,
                             prefix=settings.key_prefix,

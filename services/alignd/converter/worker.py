@@ -17,7 +17,12 @@ converter died half-way. What a message leads to depends on the version's state:
 ==============  ==============================================================
 
 Finishing reuses a complete store version if one verifies (the predecessor died after
-the rename), and otherwise writes it atomically. Bad input (NaN/Inf, wrong dtype, wrong
+the rename), and otherwise writes it atomically. With ``sampler_layout=modelopt`` the
+version is also written, once, in the layout SGLang samplers load
+(:class:`~alignd.formats.modelopt_export.ModelOptExport`, from the store version: nothing
+is quantized twice; fused siblings are quantized with one outer maximum for it), before it
+becomes ``converted``; a version whose numerics SGLang cannot load (row-scaled, MXFP4,
+unquantized: for another sampler path) gets no export. Bad input (NaN/Inf, wrong dtype, wrong
 shape, missing shard) moves the version to ``failed`` with a reason naming the tensor or
 shard; the message is acked and the service goes on. So does a full disk or quota
 (``ENOSPC``, ``EDQUOT``): ``no_space`` with the error, its path and the store's free bytes;
@@ -46,12 +51,14 @@ from alignclient.errors import (
 )
 
 from alignd.formats.convert import convert_published, resolve_spec, target_spec
+from alignd.formats.modelopt_export import ModelOptExport
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import ClaimKeeper, Message, RedisBus
 from alignd.infra.events import ConvertedEvent, PublishedEvent
 from alignd.infra.registry import Registry
 from alignd.infra.settings import ConverterSettings
 from alignd.infra.telemetry import Metrics
+from libalign.spec import NumericsSpec
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +71,14 @@ MAX_LAST_ERRORS = 256
 
 # Outcomes of handle(); every one but RETRY acks the message.
 CONVERTED, FAILED, SKIPPED, DROPPED, RETRY = "converted", "failed", "skipped", "dropped", "retry"
+
+
+def exports_of(settings: ConverterSettings, store: WeightStore) -> ModelOptExport | None:
+    """The ModelOpt exports the converter writes (None unless ``sampler_layout=modelopt``)."""
+    if settings.sampler_layout != "modelopt":
+        return None
+    return ModelOptExport(store, settings.sglang_model_dir, settings.sglang_export_dir,
+                          shard_bytes=settings.store_shard_bytes)
 
 
 class ConverterWorker:
@@ -84,6 +99,7 @@ class ConverterWorker:
         self.metrics = metrics
         self.spec = resolve_spec(settings.preset)
         self.me = settings.consumer_name
+        self.exports = exports_of(settings, store)
         #: version id -> the unexpected error of its last delivery here (said when giving up)
         self.last_errors: dict[str, str] = {}
 
@@ -172,6 +188,7 @@ class ConverterWorker:
             try:
                 manifest = self.store.verify_version(vid)
                 log.info("version %s: reusing the verified store version", vid)
+                self._export(vid, spec, quantize)
                 return manifest
             except StoreError as e:
                 log.warning("version %s: store copy is bad (%s); rewriting it", vid, e)
@@ -179,13 +196,28 @@ class ConverterWorker:
         try:
             manifest = convert_published(
                 src, self.store, vid, spec, all_linear=self.settings.convert_all_linear,
-                quantize=quantize,
+                quantize=quantize, share_fused=self.exports is not None,
                 device=self.settings.converter_device,
                 shard_bytes=self.settings.store_shard_bytes, overwrite=overwrite, on_step=self._step)
         except VersionExistsError:  # a concurrent converter committed first
             manifest = self.store.verify_version(vid)
         self._step("committed")
+        self._export(vid, spec, quantize)
         return manifest
+
+    def _export(self, vid: str, spec: NumericsSpec, quantize: bool) -> None:
+        """The version in the samplers' layout too (``sampler_layout=modelopt``), if SGLang can
+        load its numerics; idempotent (an export already there is kept)."""
+        if self.exports is None:
+            return
+        if not quantize or spec.is_mx or spec.outer_domain not in ("tensor", "expert"):
+            log.info("version %s (%s) is not for an SGLang sampler; no ModelOpt export", vid,
+                     spec.name if quantize else "bf16")
+            return
+        manifest = self.exports.write(vid)
+        self._step("exported")
+        log.info("version %s exported for SGLang: %s (%d tensors, %.2fs)", vid,
+                 self.exports.path(vid), manifest["tensors_converted"], manifest["seconds"])
 
     def _no_space_detail(self, e: OSError) -> str:
         """A full disk (or quota) named: the error with its path, and the store's free bytes."""

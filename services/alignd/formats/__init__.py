@@ -12,6 +12,8 @@ cache shares.
 * :mod:`.weight_store` / :mod:`.sharded_version` – NVFP4 versions for samplers, written whole
   or by expert-parallel parts, checksummed;
 * :mod:`.convert` – a published version into the weight store (the converter's data path);
+* :mod:`.modelopt_export` – a store version re-laid out as the ModelOpt NVFP4 checkpoint SGLang
+  loads (written once per version, never quantized again);
 * :mod:`.export_plan`, :mod:`.quant_configs`, :mod:`.export` – ``alignd convert``: an HF
   checkpoint into a ModelOpt or compressed-tensors NVFP4 checkpoint.
 """

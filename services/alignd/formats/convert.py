@@ -12,13 +12,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from alignclient.errors import SpecError
+import torch
+from alignclient.errors import AlignError, SpecError
+from safetensors import safe_open
 
 from alignd.formats.hf_checkpoint import HFCheckpoint
-from alignd.formats.selection import make_select
-from alignd.formats.weight_store import DEFAULT_SHARD_BYTES, WeightStore
+from alignd.formats.selection import (
+    fused_groups,
+    is_expert_weight,
+    is_never_quantized,
+    make_select,
+)
+from alignd.formats.weight_store import DEFAULT_SHARD_BYTES, WeightStore, named_error
 from libalign.gemm import get_path
-from libalign.spec import PRESETS, NumericsSpec
+from libalign.spec import PRESETS, NumericsSpec, shared_outer_amax
 
 
 def resolve_spec(spec: NumericsSpec | str) -> NumericsSpec:
@@ -45,6 +52,35 @@ def target_spec(default: NumericsSpec, target_path: str | None) -> tuple[Numeric
     return path.weight_spec, True
 
 
+def fused_outer_amax(pub: HFCheckpoint, spec: NumericsSpec, *, all_linear: bool = False
+                     ) -> dict[str, torch.Tensor]:
+    """The shared outer maximum of each 2-D tensor in a fused group (an expert's
+    ``gate_proj``/``up_proj``, ``q/k/v_proj`` under ``all_linear``), by member name.
+
+    A sampler that fuses the siblings into one GEMM keeps one outer scale for them (SGLang's
+    ``w13`` takes one ``weight_scale_2``), so they must be quantized with one maximum, as
+    ``alignd convert`` does; each member is read once more for it. Empty for the ``row`` and
+    ``none`` outer domains (every row is its own domain; nothing to share) and for MXFP4.
+    """
+    if spec.is_mx or spec.outer_domain not in ("tensor", "expert"):
+        return {}
+    _shards, tensors, _meta = pub.headers()
+    names = [n for n, t in tensors.items() if len(t.shape) == 2 and n.endswith(".weight")
+             and (is_expert_weight(n) or (all_linear and not is_never_quantized(n)))]
+    out: dict[str, torch.Tensor] = {}
+    for members in fused_groups(names).values():
+        xs = []
+        for name in members:
+            with safe_open(pub.path / pub.weight_map[name], framework="pt") as f:
+                xs.append(f.get_tensor(name))
+        try:
+            amax = shared_outer_amax(xs, spec)
+        except AlignError as e:
+            raise named_error(e, " + ".join(members)) from e
+        out.update({m: amax.clone() for m in members})  # no two stored tensors share memory
+    return out
+
+
 def convert_published(
     src_dir: Path | str,
     store: WeightStore,
@@ -57,20 +93,24 @@ def convert_published(
     on_step: Callable[[str], None] | None = None,
     device: str = "cpu",
     quantize: bool = True,
+    share_fused: bool = False,
 ) -> dict[str, Any]:
     """Convert the published version in ``src_dir`` into ``store`` as ``version_id``.
 
     Every shard is checked to exist before anything is written. Returns the manifest.
-    ``quantize=False`` stores every tensor unquantized (a version for a bf16 sampler).
+    ``quantize=False`` stores every tensor unquantized (a version for a bf16 sampler);
+    ``share_fused`` quantizes fused siblings with one outer maximum (:func:`fused_outer_amax`:
+    what a ModelOpt export for SGLang needs).
     """
     spec = resolve_spec(spec)
     pub = HFCheckpoint(Path(src_dir))
     pub.check_shards()
     source = {"path": str(pub.path), "tensors": len(pub.weight_map), "bytes": pub.total_bytes}
-    extra = {"all_linear": all_linear, "quantized": quantize}
+    extra = {"all_linear": all_linear, "quantized": quantize, "fused_share_outer": share_fused}
+    amax = fused_outer_amax(pub, spec, all_linear=all_linear) if share_fused and quantize else {}
     return store.write_version(
         version_id, pub.iter_tensors(), spec,
         select=make_select(all_linear) if quantize else (lambda name, t: False),
         shard_bytes=shard_bytes, source=source, extra=extra,
-        overwrite=overwrite, on_step=on_step, device=device,
+        overwrite=overwrite, on_step=on_step, device=device, outer_amax=amax,
     )

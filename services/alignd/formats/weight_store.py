@@ -6,7 +6,8 @@ Layout under the store root::
     nvfp4/<version_id>/       what the converter writes, read by samplers:
         nvfp4-00001.safetensors ...   shards of at most ``shard_bytes`` each
         manifest.json                 what every tensor is, and its checksums
-    sglang/<preset>/<version_id>/     exports an SGLang sampler makes (its default place)
+    sglang/modelopt/<version_id>/     ModelOpt NVFP4 exports for SGLang samplers (default place;
+                                      alignd.formats.modelopt_export)
 
 :meth:`WeightStore.discard` removes all of a version's directories (the retention pass
 prunes with it).
@@ -273,11 +274,14 @@ class WeightStore:
         overwrite: bool = False,
         on_step: Callable[[str], None] | None = None,
         device: str = "cpu",
+        outer_amax: Mapping[str, torch.Tensor] | None = None,
     ) -> dict[str, Any]:
         """Quantize and write a version atomically; return its manifest.
 
         ``device`` is where tensors are quantized (``cuda`` runs the GPU kernel; the
-        stored bits are the same on every device).
+        stored bits are the same on every device). ``outer_amax`` gives some tensors the
+        outer maximum to quantize with (fused siblings sharing one outer scale, see
+        :func:`alignd.formats.convert.fused_outer_amax`).
 
         ``tensors`` yields ``(name, tensor)``: a float tensor for which ``select(name,
         tensor)`` is true (every tensor when ``select`` is None) is quantized with
@@ -290,7 +294,9 @@ class WeightStore:
             with atomic_directory(self.version_path(version_id), overwrite=overwrite) as tmp:
                 manifest = self.write_into(
                     tmp, version_id, tensors,
-                    lambda name, value, specs: self.prepare_entry(name, value, spec, select, specs, device),
+                    lambda name, value, specs: self.prepare_entry(
+                        name, value, spec, select, specs, device,
+                        outer_amax=(outer_amax or {}).get(name)),
                     shard_bytes=shard_bytes, source=source, extra=extra, on_step=on_step)
         except DestinationExistsError as e:
             raise VersionExistsError(version_id, "weight store") from e
@@ -512,6 +518,49 @@ class WeightStore:
             tensors[name] = NVFP4Tensor(roles["codes"], roles["block_scales"],
                                         roles.get("outer_scale"), spec, tuple(entry["shape"]))
         return StoredVersion(version_id, path, manifest, tensors)
+
+    def iter_version(self, version_id: str) -> Iterator[tuple[str, Item]]:
+        """The version's tensors one at a time, in manifest order, each stored tensor checked
+        against the manifest (dtype, shape, SHA-256) as it is read: a reader that never holds
+        more than one logical tensor (an exporter of a large version)."""
+        manifest = self.read_manifest(version_id)
+        path = self.version_path(version_id)
+        self._by_file(manifest)  # every file an entry names is listed
+        with contextlib.ExitStack() as stack:
+            opened: dict[str, Any] = {}
+
+            def roles(fname: str, stored: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
+                if fname not in opened:
+                    if not (path / fname).is_file():
+                        raise ManifestError(f"weight version {version_id!r}: file {fname} is "
+                                            "missing")
+                    opened[fname] = stack.enter_context(
+                        safetensors.safe_open(path / fname, framework="pt"))
+                out = {}
+                for sn, meta in stored.items():
+                    t = opened[fname].get_tensor(sn)
+                    if dtype_name(t.dtype) != meta["dtype"] or list(t.shape) != meta["shape"]:
+                        raise ManifestError(f"weight version {version_id!r}: tensor {sn!r} is "
+                                            f"{dtype_name(t.dtype)}{list(t.shape)}, the manifest "
+                                            f"says {meta['dtype']}{meta['shape']}")
+                    actual = tensor_sha256(t)
+                    if actual != meta["sha256"]:
+                        raise ChecksumMismatchError(version_id, sn, meta["sha256"], actual)
+                    out[meta["role"]] = t
+                return out
+
+            for name, entry in manifest["tensors"].items():
+                if "pieces" in entry:
+                    parts = [roles(p["file"], p["stored"]) for p in entry["pieces"]]
+                    got = _join_pieces(version_id, name, entry, manifest, parts)
+                else:
+                    got = roles(entry["file"], entry["stored"])
+                if entry["kind"] == "raw":
+                    yield name, got["raw"]
+                    continue
+                spec = NumericsSpec.from_dict(manifest["specs"][entry["spec"]])
+                yield name, NVFP4Tensor(got["codes"], got["block_scales"], got.get("outer_scale"),
+                                        spec, tuple(entry["shape"]))
 
     @staticmethod
     def _roles(loaded: dict[str, torch.Tensor], stored: dict[str, dict[str, Any]]

@@ -4,7 +4,7 @@ Without it every version ever published keeps its registry record and its store 
 (published BF16, NVFP4, SGLang exports) forever, stays ``serving`` after samplers moved on,
 and every sampler that ever ran leaves a consumer and a group on the streams. One pass of
 :class:`Retention` (the converter runs it every ``retention_interval_s``, the first one an
-interval after it starts) does three things, in this order:
+interval after it starts) does four things, in this order:
 
 1. **Retire.** A ``serving`` version moves to ``retired`` (a history entry with the reason)
    when no live service names it in its heartbeat (:mod:`alignd.infra.liveness`: a sampler
@@ -26,7 +26,13 @@ interval after it starts) does three things, in this order:
    record could still send a reader to it: only ``retired`` versions are pruned, and no
    sampler loads a retired one. ``retired_ttl_s`` should exceed the longest load, so a
    sampler that began loading a version just before it was retired finishes reading it.
-3. **Dead consumers.** On each stream of the run (those of the settings under the key
+3. **Exports.** With a ModelOpt export root (the converter's ``sampler_layout=modelopt``),
+   the exports of pruned versions go with them (step 2, also under an ``sglang_export_dir``
+   outside the store), and of the other exports only the newest ``retain_exports`` are kept,
+   besides every export a live sampler serves or that a sampler may still load (its version
+   ``converting``, ``converted`` or ``loading``): an export is read by a server only during
+   its ``update_weights_from_disk``, so a version served is the last one that needs its own.
+4. **Dead consumers.** On each stream of the run (those of the settings under the key
    prefix: published, converted, sync, rollout requests and completions) a consumer idle for
    ``dead_consumer_idle_ms`` with nothing pending, whose name no live heartbeat carries, is
    deleted from its group (``XGROUP DELCONSUMER``); a dead consumer with pending entries is
@@ -57,6 +63,7 @@ import redis
 from alignclient.errors import StateTransitionError
 from alignclient.ids import safe_id
 
+from alignd.formats.modelopt_export import ModelOptExport
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.events import SAMPLER_GROUP_PREFIX, sampler_group, sync_stream
@@ -65,6 +72,7 @@ from alignd.infra.registry import Registry, VersionAge
 from alignd.infra.settings import ConverterSettings
 from alignd.infra.telemetry import Metrics
 from alignd.infra.work import ready_stream, requests_stream
+from libalign.atomic_dir import discard_directory
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +107,14 @@ class RetentionReport:
 
     retired: list[str] = field(default_factory=list)
     pruned: list[str] = field(default_factory=list)
+    exports_pruned: list[str] = field(default_factory=list)
     consumers_removed: list[str] = field(default_factory=list)
     groups_destroyed: list[str] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         """How many of each (the labels of ``libalign_retention_actions_total``)."""
         return {"retired": len(self.retired), "pruned": len(self.pruned),
+                "exports_pruned": len(self.exports_pruned),
                 "consumers_removed": len(self.consumers_removed),
                 "groups_destroyed": len(self.groups_destroyed)}
 
@@ -125,7 +135,8 @@ class Retention:
     def __init__(self, bus: RedisBus, registry: Registry, store: WeightStore, *,
                  streams: list[str], retain_versions: int, retired_ttl_s: float,
                  dead_consumer_idle_ms: int, actor: str = "retention",
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, exports: ModelOptExport | None = None,
+                 retain_exports: int = 3):
         if retain_versions < 1:
             raise ValueError(f"retain_versions must be at least 1, got {retain_versions}")
         self.bus, self.registry, self.store = bus, registry, store
@@ -135,13 +146,18 @@ class Retention:
         self.idle_ms = dead_consumer_idle_ms
         self.actor = actor
         self.metrics = metrics
+        self.exports = exports
+        self.retain_exports = retain_exports
         self._clean = bus.client.register_script(_CLEAN_LUA)
 
     @classmethod
     def from_settings(cls, settings: ConverterSettings, bus: RedisBus, registry: Registry,
-                      store: WeightStore, metrics: Metrics | None = None) -> Retention:
-        """The pass a converter runs, with its settings' limits and streams."""
-        return cls(bus, registry, store, streams=run_streams(settings),
+                      store: WeightStore, metrics: Metrics | None = None,
+                      exports: ModelOptExport | None = None) -> Retention:
+        """The pass a converter runs, with its settings' limits and streams (and the exports
+        it writes, if any)."""
+        return cls(bus, registry, store, streams=run_streams(settings), exports=exports,
+                   retain_exports=settings.retain_exports,
                    retain_versions=settings.retain_versions,
                    retired_ttl_s=settings.retired_ttl_s,
                    dead_consumer_idle_ms=settings.dead_consumer_idle_ms,
@@ -153,7 +169,9 @@ class Retention:
         live = [h for h in list_heartbeats(self.bus, self.registry.prefix) if h["up"]]
         in_use = {h["version"] for h in live if h["version"]}
         self._retire(self.registry.ages(), in_use, report)
-        self._prune(self.registry.ages(), in_use, report)
+        ages = self.registry.ages()
+        self._prune(ages, in_use, report)
+        self._prune_exports(self.registry.ages(), in_use, report)
         self._consumers({h["name"] for h in live},
                         {h["name"] for h in live if h["service"] == "sampler"}, report)
         counts = report.counts()
@@ -202,6 +220,9 @@ class Retention:
                 continue
             try:
                 gone = self.store.discard(a.version_id)
+                if self.exports is not None and discard_directory(
+                        self.exports.path(a.version_id)):  # an export root outside the store
+                    gone.append(self.exports.path(a.version_id))
             except OSError as e:  # the record stays, so the next pass tries again
                 log.warning("retention could not delete the directories of %s: %s",
                             a.version_id, e)
@@ -213,6 +234,19 @@ class Retention:
                 continue
             log.debug("pruned %s (%s)", a.version_id, ", ".join(map(str, gone)) or "no dirs")
             report.pruned.append(a.version_id)
+
+    def _prune_exports(self, ages: list[VersionAge], in_use: set[str],
+                       report: RetentionReport) -> None:
+        """All but the newest ``retain_exports`` exports, never one served or still to load."""
+        if self.exports is None:
+            return
+        on_the_way = {a.version_id for a in ages
+                      if a.state in ("published", "converting", "converted", "loading")}
+        try:
+            report.exports_pruned += self.exports.prune(self.retain_exports,
+                                                        protect=in_use | on_the_way)
+        except OSError as e:  # the next pass tries again
+            log.warning("retention could not prune exports under %s: %s", self.exports.dir, e)
 
     def _consumers(self, live_names: set[str], live_samplers: set[str],
                    report: RetentionReport) -> None:

@@ -14,8 +14,11 @@ Each class holds what its service reads and nothing else; the classes share part
                                that read or write guidance: sampler, learner, API)
 :class:`DeliverySettings`      + at-least-once delivery timing (the consumers that take over
                                abandoned messages: converter, sampler)
-:class:`ConverterSettings`     + the conversion: preset, device, shard size, consumer group
-:class:`SamplerSettings`       + the sampler's engine (embedded torch or an SGLang server)
+:class:`ExportSettings`        + where the ModelOpt exports SGLang samplers load live, and the
+                               model directory they are completed from (converter, sampler)
+:class:`ConverterSettings`     + the conversion: preset, device, shard size, consumer group,
+                               the layout written for the samplers, retention
+:class:`SamplerSettings`       + the sampler's engine (embedded torch or SGLang servers)
 :class:`LearnerSettings`       + the learner's path and device, what it asks samplers for
 :class:`ApiSettings`           + the control API: token, body limits, the status window; where
                                it listens is :class:`ApiAddress` (also what ``alignd status``
@@ -176,10 +179,26 @@ class DeliverySettings(ServiceSettings):
         return self
 
 
-class ConverterSettings(DeliverySettings):
+class ExportSettings(ServiceSettings):
+    """A service that writes or reads the ModelOpt NVFP4 exports SGLang samplers load."""
+
+    sglang_model_dir: Path | None = Field(None, description="the SGLang servers' base checkpoint "
+                                          "(config, tokenizer) that exports are completed from")
+    sglang_export_dir: Path | None = Field(None, description="where ModelOpt NVFP4 exports for "
+                                           "SGLang are written (default <store>/sglang)")
+
+
+class ConverterSettings(DeliverySettings, ExportSettings):
     """The converter: published BF16 versions in, NVFP4 store versions out."""
 
     preset: Preset
+    sampler_layout: Literal["store", "modelopt"] = Field(
+        "store", description="what the converter writes for the samplers: the store version "
+        "(store: the embedded torch samplers load it) or also, once per version, the ModelOpt "
+        "NVFP4 export SGLang samplers load (modelopt; needs sglang_model_dir)")
+    retain_exports: int = Field(3, ge=1, description="newest ModelOpt exports kept by the "
+                                "retention pass, besides those of versions a live sampler serves "
+                                "or that are on their way to a sampler")
     consumer_name: ConsumerName
     converter_group: str = Field("converter", description="consumer group of the converters "
                                  "(on the key prefix's published stream: one per run)")
@@ -201,8 +220,16 @@ class ConverterSettings(DeliverySettings):
     dead_consumer_idle_ms: int = Field(3_600_000, gt=0, description="a stream consumer idle this "
                                        "long with nothing pending is removed from its group")
 
+    @model_validator(mode="after")
+    def _export_needs_model_dir(self) -> ConverterSettings:
+        """A ModelOpt export is completed from the servers' model directory."""
+        if self.sampler_layout == "modelopt" and self.sglang_model_dir is None:
+            raise ValueError("sampler_layout=modelopt needs sglang_model_dir (ALIGN_SGLANG_MODEL_DIR"
+                             "): the Hugging Face directory the SGLang servers started from")
+        return self
 
-class SamplerSettings(DeliverySettings, GuidanceStoreSettings):
+
+class SamplerSettings(DeliverySettings, GuidanceStoreSettings, ExportSettings):
     """A sampler: loads converted versions, answers rollout requests, records guidance."""
 
     sampler_name: ConsumerName
@@ -212,12 +239,16 @@ class SamplerSettings(DeliverySettings, GuidanceStoreSettings):
         "torch", description="sampler engine: the embedded torch one or an SGLang server over HTTP")
     guidance_last_layers: int | None = Field(None, ge=1,
                                              description="record only the last N MoE layers")
-    sglang_url: str | None = Field(None, description="base URL of the SGLang server to drive")
-    sglang_model_dir: Path | None = Field(None, description="the server's base checkpoint "
-                                          "(config, tokenizer) that exports are completed from")
-    sglang_export_dir: Path | None = Field(None, description="where ModelOpt NVFP4 exports for "
-                                           "SGLang are written (default <store>/sglang)")
-    sglang_preset: Preset = Field("modelopt", description="numerics preset of the SGLang export")
+    sglang_url: str | None = Field(None, description="base URL of the SGLang server to drive, "
+                                   "or several separated by commas (calls spread, weight "
+                                   "switches go to all)")
+    sglang_router_url: str | None = Field(None, description="an sglang-router's URL instead: calls "
+                                          "go through it, weight switches to its workers")
+    sglang_api_key: str | None = Field(None, description="the servers' --api-key (sent as "
+                                       "Authorization: Bearer)")
+    sglang_original_logprobs: bool | None = Field(
+        None, description="true: every server runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (for "
+        "servers that do not report their environment); None: ask each server")
     sglang_eos_id: int | None = Field(None, ge=0, description="stop token id for SGLang sampling")
     sglang_load_format: str | None = Field(None, description="load_format of "
                                            "/update_weights_from_disk (None: the server's)")

@@ -77,7 +77,8 @@ FAILURE_REASONS = (
 #: Stages of a weight sync, the values of the ``stage`` label of libalign_sync_stage_seconds.
 SYNC_STAGES = ("convert", "load", "total")
 #: What the retention pass counts (``libalign_retention_actions_total{action}``).
-RETENTION_ACTIONS = ("retired", "pruned", "consumers_removed", "groups_destroyed")
+RETENTION_ACTIONS = ("retired", "pruned", "exports_pruned", "consumers_removed",
+                     "groups_destroyed")
 #: What happens to a rollout beyond ``max_version_diff`` (``libalign_rollouts_stale_total{action}``).
 STALE_ACTIONS = ("dropped", "refused")
 
@@ -293,7 +294,8 @@ class Metrics:
         self.retention_actions = Counter(
             "libalign_retention_actions_total",
             "What the retention pass did: versions retired, versions pruned with their store "
-            "directories, dead stream consumers and consumer groups removed.",
+            "directories, ModelOpt exports pruned, dead stream consumers and consumer groups "
+            "removed.",
             ["action"], registry=r)
         self.messages_reclaimed = Counter(
             "libalign_bus_messages_reclaimed_total",

@@ -1,26 +1,37 @@
-"""The SGLang sampler as a service builds it: the HTTP engine, its exporter, the rollout store.
+"""The SGLang sampler as a service builds it: the HTTP engine, its exports, the rollout store.
 
-The counterpart of :mod:`alignd.sampler.embedded` for running at scale: the model lives in an
-SGLang server (started separately, see the README, "Running at scale — SGLang sampler") and this
-process is the thin sampler around it, taking rollout requests from Redis, driving the server,
-storing rollouts. :func:`build_sglang_sampler` reads the ``sglang_*`` fields of
+The counterpart of :mod:`alignd.sampler.embedded` for running at scale: the model lives in SGLang
+servers (started separately, see the README, "Running at scale — SGLang sampler") and this
+process is the thin sampler around them, taking rollout requests from Redis, driving the
+servers, storing rollouts. :func:`build_sglang_sampler` reads the ``sglang_*`` fields of
 :class:`~alignd.infra.settings.SamplerSettings`; a keyword argument given overrides its field.
+
+Exports
+    The servers load a version from its ModelOpt NVFP4 export
+    (:class:`~alignd.formats.modelopt_export.ModelOptExport` under ``sglang_export_dir``), which
+    the converter writes once per version (``ALIGN_SAMPLER_LAYOUT=modelopt``). A version that
+    arrives without one (a converter in the ``store`` layout, an expert-parallel learner that
+    wrote its own parts) is exported here, from the store version, with a warning: a re-layout
+    of the store's bits, never a second quantization.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from alignclient.errors import ConfigError
 
+from alignd.formats.modelopt_export import ModelOptExport
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.redis_clients import binary_client
 from alignd.infra.settings import SamplerSettings
 from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.telemetry import Metrics
 from alignd.sampler.sglang_engine import SGLangSamplerEngine, SGLangTimeouts
-from alignd.sampler.sglang_export import ModelOptExport
 from libalign import gemm
+
+log = logging.getLogger("alignd.sampler.sglang")
 
 DEFAULT_PATH = "nvfp4_naive"
 
@@ -36,33 +47,59 @@ def sglang_path(name: str | None) -> str:
     return path.name
 
 
-def build_sglang_sampler(settings: SamplerSettings, base_url: str | None = None, *,
-                         model_dir: Path | str | None = None,
-                         export_dir: Path | str | None = None, preset: str | None = None,
-                         path: str | None = None, eos_id: int | None = None,
-                         load_format: str | None = None, timeouts: SGLangTimeouts | None = None,
-                         metrics: Metrics | None = None):
-    """``(engine, rollouts, guidance)`` for an SGLang server at ``base_url``.
+class ExportOrWrite:
+    """The engine's exporter: a version's export, written from the store if nobody did."""
 
-    ``model_dir`` is the Hugging Face directory the server was started from (``config.json``,
-    tokenizer); ``export_dir`` (default ``<store>/sglang``) must be a path the server sees
+    def __init__(self, exports: ModelOptExport):
+        self.exports = exports
+
+    def __call__(self, version_id: str) -> Path:
+        if not self.exports.exists(version_id):
+            log.warning("version %s has no ModelOpt export at %s (the converter writes one with "
+                        "ALIGN_SAMPLER_LAYOUT=modelopt); writing it from the store version",
+                        version_id, self.exports.path(version_id))
+            self.exports.write(version_id)
+        return self.exports.path(version_id)
+
+    def path(self, version_id: str) -> Path:
+        """Where the export of ``version_id`` lives."""
+        return self.exports.path(version_id)
+
+
+def build_sglang_sampler(settings: SamplerSettings, base_url: str | list[str] | None = None, *,
+                         model_dir: Path | str | None = None,
+                         export_dir: Path | str | None = None, router_url: str | None = None,
+                         api_key: str | None = None, path: str | None = None,
+                         eos_id: int | None = None, load_format: str | None = None,
+                         timeouts: SGLangTimeouts | None = None,
+                         metrics: Metrics | None = None):
+    """``(engine, rollouts, guidance)`` for SGLang servers at ``base_url`` (one URL, a list, or
+    several separated by commas) or behind the sglang-router at ``router_url``.
+
+    ``model_dir`` is the Hugging Face directory the servers were started from (``config.json``,
+    tokenizer); ``export_dir`` (default ``<store>/sglang``) must be a path the servers see
     under the same name. ``guidance`` is None: SGLang captures no guidance records.
     """
     def pick(value, field: str):
         return getattr(settings, field) if value is None else value
 
     base_url = pick(base_url, "sglang_url")
+    router_url = pick(router_url, "sglang_router_url")
     model_dir = pick(model_dir, "sglang_model_dir")
-    if not base_url or not model_dir:
-        raise ConfigError("the SGLang sampler needs the server's URL and the model directory it "
-                          "was started from (sglang_url, sglang_model_dir)")
+    urls = ([u.strip() for u in base_url.split(",") if u.strip()]
+            if isinstance(base_url, str) else list(base_url or []))
+    if not (urls or router_url) or not model_dir:
+        raise ConfigError("the SGLang sampler needs the servers' URLs (sglang_url) or an "
+                          "sglang-router's (sglang_router_url), and the model directory they "
+                          "were started from (sglang_model_dir)")
     store = WeightStore(settings.store_dir)
-    exporter = ModelOptExport(store, model_dir,
-                              pick(export_dir, "sglang_export_dir") or store.exports_root,
-                              preset=pick(preset, "sglang_preset"))
+    exports = ModelOptExport(store, model_dir, pick(export_dir, "sglang_export_dir"))
     engine = SGLangSamplerEngine(
-        base_url, exporter, path=sglang_path(pick(path, "sampler_path")),
+        urls or None, ExportOrWrite(exports), router=router_url,
+        path=sglang_path(pick(path, "sampler_path")),
         eos_id=pick(eos_id, "sglang_eos_id"), load_format=pick(load_format, "sglang_load_format"),
-        timeouts=timeouts)
+        timeouts=timeouts, api_key=pick(api_key, "sglang_api_key"),
+        original_logprobs=settings.sglang_original_logprobs,
+        model_paths=(str(Path(model_dir)), str(exports.dir)))
     rollouts = RolloutStore(binary_client(settings), settings.key_prefix, metrics=metrics)
     return engine, rollouts, None
