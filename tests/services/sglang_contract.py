@@ -46,8 +46,21 @@ Switches (plain attributes, set by a test between calls)
     answering (timeouts); ``fail_update``: the next update answers ``{"success": false,
     "message": ...}`` and keeps the old weights; ``busy_flushes``: how many next
     ``/flush_cache`` calls answer 400 (requests still in flight); ``shift_input_logprobs``:
-    shift ``input_token_logprobs`` by this many positions (an off-by-one server).
-    ``calls`` records every request in order: ``(method, path, body, status)``.
+    shift ``input_token_logprobs`` by this many positions (an off-by-one server);
+    ``sticky_version``: updates keep the old ``weight_version``. ``max_in_flight`` is the most
+    ``/generate`` calls that ran at once. ``calls`` records every request in order:
+    ``(method, path, body, status)``.
+
+Server set-up (constructor arguments)
+    ``api_key``: SGLang's ``--api-key`` (``add_api_key_middleware``: 401 ``{"error":
+    "Unauthorized"}`` without ``Authorization: Bearer <key>``, except ``/health*`` and
+    ``/metrics``); ``quantization``: what ``/get_server_info`` reports (``--quantization``);
+    ``env_vars``: the server's ``SGLANG_*`` environment. ``/get_server_info`` lists it in
+    ``internal_states[0].env_vars`` only when ``SGLANG_EXPOSE_OWN_ENV_VARS`` is true
+    (``environ.exportable_env_vars``, ``scheduler``'s ``_add_env_vars``), and sampled tokens'
+    log-probs are tempered (``lp / T``, a stand-in for ``log_softmax(z / T)``) at a temperature
+    other than 0 or 1 unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is true
+    (``layers/sampler.py``).
 """
 
 from __future__ import annotations
@@ -183,7 +196,9 @@ class SGLangContract:
         self.busy_flushes = 0
         self.shift_input_logprobs = 0
         self.paused: str | None = None  # the pause mode, or None
+        self.sticky_version = False  # an update that does not take the weight_version asked
         self.in_flight = 0
+        self.max_in_flight = 0
         self.aborted_epoch = 0  # bumped by an abort pause; requests of an older epoch abort
         self.calls: list[Call] = []
         self.app = self._build()
@@ -294,8 +309,9 @@ class SGLangContract:
                 return gated
             self._record(request, None, 200)
             state: dict[str, Any] = {"dp_rank": 0, "weight_version": self.weight_version}
-            if self.env_vars is not None:  # SGLANG_EXPOSE_OWN_ENV_VARS=1
-                state["env_vars"] = dict(self.env_vars)
+            env = self.env_vars or {}
+            if str(env.get("SGLANG_EXPOSE_OWN_ENV_VARS", "")).lower() in ("true", "1", "yes", "y"):
+                state["env_vars"] = dict(env)  # environ.exportable_env_vars()
             return JSONResponse({"model_path": self.model_path, "tokenizer_path": self.model_path,
                                  "quantization": self.quantization,
                                  "enable_deterministic_inference": False,
@@ -385,7 +401,7 @@ class SGLangContract:
                            else f"Failed to get weights iterator: {problem}.")
             if ok:
                 self.model_path = parsed.model_path
-                if parsed.weight_version is not None:
+                if parsed.weight_version is not None and not self.sticky_version:
                     self.weight_version = parsed.weight_version
                     message += f" Weight version updated to {parsed.weight_version}."
             self._record(request, body, 200 if ok else 400)
@@ -453,6 +469,7 @@ class SGLangContract:
             await asyncio.sleep(0.01)
         epoch = self.aborted_epoch
         self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             await asyncio.sleep(self.delay.get("/generate:running", 0.0))
         finally:
