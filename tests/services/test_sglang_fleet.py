@@ -6,8 +6,10 @@ and the workers behind an sglang-router."""
 from __future__ import annotations
 
 import contextlib
+import runpy
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from alignclient.errors import (
@@ -28,6 +30,7 @@ from tests.services.sglang_router_contract import RouterContract
 from tests.services.test_sglang_engine import EOS, FAST, ORIGINAL, expected, model_dir, store_version
 
 EXPOSED = {"SGLANG_EXPOSE_OWN_ENV_VARS": "1"}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -290,3 +293,26 @@ def test_a_router_worker_that_fails_is_removed_from_the_router_and_added_back(fl
     engine.load("v3")
     assert [c.weight_version for c in cs] == ["v3", "v3"]
     assert sorted(rc.workers) == sorted(urls) and ("POST", "/add_worker", urls[1]) in rc.calls
+
+
+# --- the README snippet ----------------------------------------------------------------------
+
+def test_the_with_sglang_snippet_runs_against_two_servers(tmp_path, monkeypatch, capsys):
+    """docs/snippets/with_sglang.py (the README's "With SGLang") runs as written against two
+    keyed contract servers and a store whose version the converter exported."""
+    store = tmp_path / "store"
+    store_version(store, "v1")
+    model = model_dir(tmp_path)
+    ModelOptExport(WeightStore(store), model).write("v1")  # what the converter wrote
+    contracts = [SGLangContract(env_vars=ORIGINAL, api_key="k") for _ in range(2)]
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(serve(c.app)) for c in contracts]
+        for k, v in {"ALIGN_VERSION": "v1", "ALIGN_STORE_DIR": str(store),
+                     "ALIGN_SGLANG_MODEL_DIR": str(model), "ALIGN_SGLANG_URL": ",".join(urls),
+                     "ALIGN_SGLANG_API_KEY": "k"}.items():
+            monkeypatch.setenv(k, v)
+        runpy.run_path(str(ROOT / "docs" / "snippets" / "with_sglang.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "train_rollout_logprob_abs_diff" in out and f"{urls} v1" in out
+    assert [c.weight_version for c in contracts] == ["v1", "v1"]
+    assert float(out.split()[-1]) == 0.0  # the fake scores exactly what it sampled
