@@ -22,7 +22,8 @@ from alignd.infra.liveness import ServiceHeartbeat
 from alignd.infra.publish import publish_version
 from alignd.infra.registry import Registry
 from alignd.infra.retention import Retention
-from alignd.infra.settings import ConverterSettings
+from alignd.infra.settings import ConverterSettings, LearnerSettings
+from alignd.learner.loop import LearnerLoop
 from safetensors.torch import load_file
 
 from libalign.checkpoint import from_modelopt
@@ -208,11 +209,38 @@ def test_retention_keeps_the_newest_exports_and_those_a_sampler_needs(redis_url,
     beat = ServiceHeartbeat(bus, "sampler", "sgl-1", 0.1, 5.0, prefix=settings.key_prefix,
                             info=lambda: {"path": "nvfp4_naive"})
     beat.set(version="v1")
-    beat.start()
-    try:
-        report = Retention.from_settings(settings, bus, reg, store, exports=ex).run()
-    finally:
-        beat.stop()
+    beat.beat()  # one beat, written now: the sampler is live and serves v1
+    report = Retention.from_settings(settings, bus, reg, store, exports=ex).run()
     assert sorted(report.exports_pruned) == ["v2", "v3"]
     assert ex.list() == ["v0", "v1", "v4", "v5"]
     assert report.counts()["exports_pruned"] == 2
+
+
+class PartsEngine:
+    """A learner engine that converts its own weights as an expert-parallel one does: two
+    parts of a sharded version, no BF16 written."""
+
+    def publish_converted(self, store, version_id, spec, *, quantize=True):
+        sd = stacks()
+        for part in (0, 1):
+            items = {n: Piece(t[2 * part:2 * part + 2], 2 * part, 4) for n, t in sd.items()
+                     if n.endswith("_proj")}
+            if part == 0:
+                items.update({n: t for n, t in sd.items() if not n.endswith("_proj")})
+            write_part(store, version_id, part, 2, items, spec,
+                       select=lambda name, t: quantize and name.endswith("_proj"))
+
+
+def test_a_learner_that_converts_its_own_parts_exports_them_before_announcing(redis_url, tmp_path):
+    """sampler_layout=modelopt on the learner: a sharded version it wrote itself (no converter,
+    no BF16) gets its ModelOpt export before the converted event goes out."""
+    settings = LearnerSettings(redis_url=redis_url, store_dir=tmp_path / "store",
+                               sampler_layout="modelopt", sglang_model_dir=model_dir(tmp_path))
+    bus = RedisBus.from_settings(settings)
+    loop = LearnerLoop(settings, PartsEngine(), bus, rollouts=None, sampler_path="nvfp4_naive",
+                       prompts=lambda n: [[1]] * n, reward=lambda p, c: 0.0, run_id="ep")
+    vid = loop.publish(1)
+    assert Registry(bus, settings.key_prefix).state(vid) == "converted"
+    path = loop.exports.path(vid)
+    assert check_modelopt_dir(path) is None
+    assert json.loads((path / "manifest.json").read_text())["source"]["num_parts"] == 2

@@ -51,7 +51,7 @@ from alignclient.errors import (
 )
 
 from alignd.formats.convert import convert_published, resolve_spec, target_spec
-from alignd.formats.modelopt_export import ModelOptExport
+from alignd.formats.modelopt_export import exports_for, holds
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import ClaimKeeper, Message, RedisBus
 from alignd.infra.events import ConvertedEvent, PublishedEvent
@@ -73,14 +73,6 @@ MAX_LAST_ERRORS = 256
 CONVERTED, FAILED, SKIPPED, DROPPED, RETRY = "converted", "failed", "skipped", "dropped", "retry"
 
 
-def exports_of(settings: ConverterSettings, store: WeightStore) -> ModelOptExport | None:
-    """The ModelOpt exports the converter writes (None unless ``sampler_layout=modelopt``)."""
-    if settings.sampler_layout != "modelopt":
-        return None
-    return ModelOptExport(store, settings.sglang_model_dir, settings.sglang_export_dir,
-                          shard_bytes=settings.store_shard_bytes)
-
-
 class ConverterWorker:
     """Turns ``published`` messages into converted (or failed) versions.
 
@@ -99,7 +91,9 @@ class ConverterWorker:
         self.metrics = metrics
         self.spec = resolve_spec(settings.preset)
         self.me = settings.consumer_name
-        self.exports = exports_of(settings, store)
+        self.exports = exports_for(settings.sampler_layout, store, settings.sglang_model_dir,
+                                   settings.sglang_export_dir,
+                                   shard_bytes=settings.store_shard_bytes)
         #: version id -> the unexpected error of its last delivery here (said when giving up)
         self.last_errors: dict[str, str] = {}
 
@@ -210,7 +204,7 @@ class ConverterWorker:
         load its numerics; idempotent (an export already there is kept)."""
         if self.exports is None:
             return
-        if not quantize or spec.is_mx or spec.outer_domain not in ("tensor", "expert"):
+        if not holds(spec, quantize):
             log.info("version %s (%s) is not for an SGLang sampler; no ModelOpt export", vid,
                      spec.name if quantize else "bf16")
             return

@@ -68,7 +68,7 @@ from alignd.formats.selection import FUSED_SIBLINGS, is_embedding, module_parts
 from alignd.formats.weight_store import DEFAULT_SHARD_BYTES, Item, WeightStore
 from libalign.atomic_dir import TMP_PREFIX, DestinationExistsError, atomic_directory, discard_directory
 from libalign.checkpoint import to_modelopt
-from libalign.spec import NVFP4Tensor
+from libalign.spec import NumericsSpec, NVFP4Tensor
 
 LAYOUT = "modelopt"
 FORMAT = "libalign-modelopt-export"
@@ -78,6 +78,12 @@ NOT_FROM_MODEL_DIR = {INDEX_NAME, "pytorch_model.bin.index.json", HF_QUANT_CONFI
                       CONFIG_NAME}
 #: Names of per-expert projections a 3-D stack may carry (gate_up_proj is split in two).
 STACK_NAMES = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+
+
+def holds(spec: NumericsSpec, quantized: bool = True) -> bool:
+    """Whether versions quantized under ``spec`` can be exported for SGLang (NVFP4 with one
+    outer scale per tensor or expert); a ``bf16`` version (``quantized`` False) cannot."""
+    return quantized and not spec.is_mx and spec.outer_domain in ("tensor", "expert")
 
 
 def exportable(q: NVFP4Tensor, name: str) -> None:
@@ -107,6 +113,17 @@ def per_expert(name: str, q: NVFP4Tensor) -> Iterator[tuple[str, NVFP4Tensor, sl
             yield f"{prefix}.{e}.up_proj.weight", qe, slice(half, qe.shape[0])
         else:
             yield f"{prefix}.{e}.{last}.weight", qe, None
+
+
+def exports_for(layout: str, store: WeightStore, model_dir: Path | str | None,
+                root: Path | str | None = None, **kw: Any) -> ModelOptExport | None:
+    """The exports a writer of versions makes for ``layout`` (a ``sampler_layout`` setting):
+    None for ``store`` (the store version is all), :class:`ModelOptExport` for ``modelopt``."""
+    if layout == "store":
+        return None
+    if layout != LAYOUT:
+        raise ConfigError(f"sampler layout {layout!r} is not 'store' or {LAYOUT!r}")
+    return ModelOptExport(store, model_dir, root, **kw)
 
 
 class ModelOptExport:
@@ -247,7 +264,7 @@ class ModelOptExport:
             "created_unix": time.time(),
             "source": {"store_version": str(self.store.version_path(version_id)),
                        "created_at": source.get("created_at"),
-                       "num_parts": source.get("num_parts", 1)},
+                       "num_parts": len(source.get("parts") or [None])},
             "numerics_spec": facts["spec"].to_dict(),
             "tensors_converted": facts["converted"],
             "excluded_modules": sorted(facts["excluded"]),

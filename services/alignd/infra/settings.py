@@ -16,8 +16,9 @@ Each class holds what its service reads and nothing else; the classes share part
                                abandoned messages: converter, sampler)
 :class:`ExportSettings`        + where the ModelOpt exports SGLang samplers load live, and the
                                model directory they are completed from (converter, sampler)
+:class:`LayoutSettings`        + the layout written for the samplers (converter, learner)
 :class:`ConverterSettings`     + the conversion: preset, device, shard size, consumer group,
-                               the layout written for the samplers, retention
+                               retention
 :class:`SamplerSettings`       + the sampler's engine (embedded torch or SGLang servers)
 :class:`LearnerSettings`       + the learner's path and device, what it asks samplers for
 :class:`ApiSettings`           + the control API: token, body limits, the status window; where
@@ -188,14 +189,28 @@ class ExportSettings(ServiceSettings):
                                            "SGLang are written (default <store>/sglang)")
 
 
-class ConverterSettings(DeliverySettings, ExportSettings):
+class LayoutSettings(ExportSettings):
+    """A service that writes versions for the samplers (converter, a learner converting its
+    own): in which layout."""
+
+    sampler_layout: Literal["store", "modelopt"] = Field(
+        "store", description="what is written for the samplers: the store version (store: the "
+        "embedded torch samplers load it) or also, once per version, the ModelOpt NVFP4 export "
+        "SGLang samplers load (modelopt; needs sglang_model_dir)")
+
+    @model_validator(mode="after")
+    def _export_needs_model_dir(self) -> LayoutSettings:
+        """A ModelOpt export is completed from the servers' model directory."""
+        if self.sampler_layout == "modelopt" and self.sglang_model_dir is None:
+            raise ValueError("sampler_layout=modelopt needs sglang_model_dir (ALIGN_SGLANG_MODEL_DIR"
+                             "): the Hugging Face directory the SGLang servers started from")
+        return self
+
+
+class ConverterSettings(DeliverySettings, LayoutSettings):
     """The converter: published BF16 versions in, NVFP4 store versions out."""
 
     preset: Preset
-    sampler_layout: Literal["store", "modelopt"] = Field(
-        "store", description="what the converter writes for the samplers: the store version "
-        "(store: the embedded torch samplers load it) or also, once per version, the ModelOpt "
-        "NVFP4 export SGLang samplers load (modelopt; needs sglang_model_dir)")
     retain_exports: int = Field(3, ge=1, description="newest ModelOpt exports kept by the "
                                 "retention pass, besides those of versions a live sampler serves "
                                 "or that are on their way to a sampler")
@@ -219,14 +234,6 @@ class ConverterSettings(DeliverySettings, ExportSettings):
                                         "(retire, prune, dead consumers) while the converter runs")
     dead_consumer_idle_ms: int = Field(3_600_000, gt=0, description="a stream consumer idle this "
                                        "long with nothing pending is removed from its group")
-
-    @model_validator(mode="after")
-    def _export_needs_model_dir(self) -> ConverterSettings:
-        """A ModelOpt export is completed from the servers' model directory."""
-        if self.sampler_layout == "modelopt" and self.sglang_model_dir is None:
-            raise ValueError("sampler_layout=modelopt needs sglang_model_dir (ALIGN_SGLANG_MODEL_DIR"
-                             "): the Hugging Face directory the SGLang servers started from")
-        return self
 
 
 class SamplerSettings(DeliverySettings, GuidanceStoreSettings, ExportSettings):
@@ -254,7 +261,7 @@ class SamplerSettings(DeliverySettings, GuidanceStoreSettings, ExportSettings):
                                            "/update_weights_from_disk (None: the server's)")
 
 
-class LearnerSettings(GuidanceStoreSettings):
+class LearnerSettings(GuidanceStoreSettings, LayoutSettings):
     """The learner: trains on one path, publishes versions for the samplers' path."""
 
     preset: Preset

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from alignclient.errors import LoopError
 
 from alignd.formats.convert import resolve_spec, target_spec
+from alignd.formats.modelopt_export import exports_for, holds
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.publish import publish_version
@@ -82,6 +83,9 @@ class LearnerLoop:
         self.current_version: str | None = None
         """The newest version this loop published: what staleness is measured against."""
         self.store = WeightStore(settings.store_dir)
+        self.exports = exports_for(settings.sampler_layout, self.store, settings.sglang_model_dir,
+                                   settings.sglang_export_dir)
+        """ModelOpt exports of the versions this loop converts itself (sampler_layout)."""
         self.rollouts = rollouts
         self.guidance = guidance
         self.sampler_path = sampler_path
@@ -108,13 +112,16 @@ class LearnerLoop:
 
         An engine that converts its own weights (``publish_converted``: the expert-parallel
         :class:`~alignd.learner.ranks.RankGroupEngine`, each rank quantizing its experts)
-        writes the NVFP4 version itself and announces it as converted; any other engine
+        writes the NVFP4 version itself (and with ``sampler_layout=modelopt`` its ModelOpt
+        export, from the parts) and announces it as converted; any other engine
         publishes BF16 weights for the converter service.
         """
         vid = f"{self.run_id}-{step:05d}"
         if hasattr(self.engine, "publish_converted"):
             spec, quantize = target_spec(resolve_spec(self.settings.preset), self.sampler_path)
             self.engine.publish_converted(self.store, vid, spec, quantize=quantize)
+            if self.exports is not None and holds(spec, quantize):  # for SGLang samplers, once
+                self.exports.write(vid)
             announce_converted(self.registry, self.bus, self.settings.converted_stream,
                                self.store, vid, spec.name, target_path=self.sampler_path)
         else:
