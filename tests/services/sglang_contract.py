@@ -54,8 +54,10 @@ Switches (plain attributes, set by a test between calls)
 Server set-up (constructor arguments)
     ``api_key``: SGLang's ``--api-key`` (``add_api_key_middleware``: 401 ``{"error":
     "Unauthorized"}`` without ``Authorization: Bearer <key>``, except ``/health*`` and
-    ``/metrics``); ``quantization``: what ``/get_server_info`` reports (``--quantization``);
-    ``env_vars``: the server's ``SGLANG_*`` environment. ``/get_server_info`` lists it in
+    ``/metrics``); ``admin_api_key``: ``--admin-api-key``, the only key ``admin_routes``
+    (ADMIN_OPTIONAL) take when it is set (``utils/auth.py``, ``decide_request_auth``);
+    ``quantization``: what ``/get_server_info`` reports (``--quantization``); ``env_vars``:
+    the server's ``SGLANG_*`` environment. ``/get_server_info`` lists it in
     ``internal_states[0].env_vars`` only when ``SGLANG_EXPOSE_OWN_ENV_VARS`` is true
     (``environ.exportable_env_vars``, ``scheduler``'s ``_add_env_vars``), and sampled tokens'
     log-probs are tempered (``lp / T``, a stand-in for ``log_softmax(z / T)``) at a temperature
@@ -104,6 +106,11 @@ SAMPLING_FIELDS = {
     "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
     "logit_bias", "sampling_seed",
 }
+
+
+#: Routes this contract treats as ADMIN_OPTIONAL (--admin-api-key alone unlocks them).
+ADMIN_ROUTES = ("/pause_generation", "/flush_cache", "/update_weights_from_disk",
+                "/continue_generation")
 
 
 class _Lenient(BaseModel):
@@ -179,8 +186,11 @@ class SGLangContract:
                  model_path: str = "/models/base", strict: bool = True,
                  logprob_semantics: Literal["current", "legacy"] = "current",
                  api_key: str | None = None, quantization: str | None = "modelopt_fp4",
-                 env_vars: dict[str, str] | None = None):
+                 env_vars: dict[str, str] | None = None, admin_api_key: str | None = None,
+                 admin_routes: tuple[str, ...] = ADMIN_ROUTES):
         self.api_key = api_key
+        self.admin_api_key = admin_api_key
+        self.admin_routes = admin_routes
         self.quantization = quantization
         self.env_vars = env_vars
         self.vocab_size = vocab_size
@@ -292,12 +302,14 @@ class SGLangContract:
 
         @app.middleware("http")
         async def authentication(request: Request, call_next):
-            """SGLang's add_api_key_middleware: Bearer key on all but /health* and /metrics."""
+            """SGLang's decide_request_auth: Bearer api_key on normal routes; admin_api_key
+            alone on ADMIN_OPTIONAL routes when it is set; /health* and /metrics open."""
             path = request.url.path
-            if (self.api_key is None or request.method == "OPTIONS"
-                    or path.startswith(("/health", "/metrics"))):
+            if request.method == "OPTIONS" or path.startswith(("/health", "/metrics")):
                 return await call_next(request)
-            if request.headers.get("Authorization") != "Bearer " + self.api_key:
+            key = (self.admin_api_key if path in self.admin_routes and self.admin_api_key
+                   else self.api_key)
+            if key is not None and request.headers.get("Authorization") != "Bearer " + key:
                 self._record(request, None, 401)
                 return JSONResponse({"error": "Unauthorized"}, status_code=401)
             return await call_next(request)

@@ -81,6 +81,23 @@ def test_a_server_started_with_an_api_key_gets_it_as_a_bearer_token(fleet):
     assert all(x.status != 401 for x in c.calls)
 
 
+def test_an_admin_api_key_unlocks_the_switch_routes(fleet):
+    """--api-key K --admin-api-key A: the switch's routes take only A, the others K. Without A
+    the load stops at the pause (UnauthorizedError naming the admin key); with both it passes,
+    and a switch route the server keeps at the normal level is asked once more with K."""
+    (c,), _, engine, _ = fleet(api_key="K", admin_api_key="A", engine_kw={"api_key": "K"})
+    with pytest.raises(UnauthorizedError, match="pause_generation.*--admin-api-key"):
+        engine.load("v1")
+    assert c.paused is None and c.weight_version == "default"
+    (c,), _, both, _ = fleet(api_key="K", admin_api_key="A",
+                             admin_routes=("/pause_generation", "/update_weights_from_disk",
+                                           "/continue_generation"),
+                             engine_kw={"api_key": "K", "admin_api_key": "A"})
+    both.load("v1")
+    assert both.generate([[1]], max_new_tokens=2).version_id == "v1" == c.weight_version
+    assert [x.status for x in c.calls if x.path == "/flush_cache"] == [401, 200]
+
+
 # --- log-probs and temperature ---------------------------------------------------------------
 
 def test_original_logprobs_are_returned_at_any_temperature(fleet):

@@ -253,6 +253,8 @@ class SamplerSettings(DeliverySettings, GuidanceStoreSettings, ExportSettings):
                                           "go through it, weight switches to its workers")
     sglang_api_key: str | None = Field(None, description="the servers' --api-key (sent as "
                                        "Authorization: Bearer)")
+    sglang_admin_api_key: str | None = Field(None, description="the servers' --admin-api-key "
+                                             "(sent on the weight-switch routes)")
     sglang_original_logprobs: bool | None = Field(
         None, description="true: every server runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (for "
         "servers that do not report their environment); None: ask each server")

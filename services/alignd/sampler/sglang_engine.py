@@ -208,8 +208,8 @@ class SGLangSamplerEngine:
                  load_format: str | None = None, pause_mode: str = "abort",
                  timeouts: SGLangTimeouts | None = None, strict_version: bool = True,
                  client: httpx.Client | None = None, api_key: str | None = None,
-                 router: str | None = None, original_logprobs: bool | None = None,
-                 model_paths: Sequence[str | Path] = ()):
+                 admin_api_key: str | None = None, router: str | None = None,
+                 original_logprobs: bool | None = None, model_paths: Sequence[str | Path] = ()):
         if pause_mode not in PAUSE_MODES:
             raise InputError(f"pause_mode {pause_mode!r} is not one of {PAUSE_MODES}")
         urls = [base_url] if isinstance(base_url, str) else list(base_url or [])
@@ -224,14 +224,16 @@ class SGLangSamplerEngine:
         self.load_format = load_format
         self.pause_mode = pause_mode
         self.strict_version = strict_version
-        self.api_key = api_key
+        self.api_key, self.admin_api_key = api_key, admin_api_key
         self.original_logprobs = original_logprobs
         """True: the operator says every server returns untempered log-probs; None: ask them."""
         self.model_paths = tuple(str(p).rstrip("/") for p in model_paths)
         self._timeouts = timeouts or SGLangTimeouts()
-        self.router = (SGLangServer(router, timeouts=self._timeouts, api_key=api_key, client=client)
+        self.router = (SGLangServer(router, timeouts=self._timeouts, api_key=api_key,
+                                    admin_api_key=admin_api_key, client=client)
                        if router else None)
         self.servers = [SGLangServer(u, timeouts=self._timeouts, api_key=api_key,
+                                     admin_api_key=admin_api_key,
                                      client=client if len(urls) == 1 else None) for u in urls]
         """The servers that get weight switches (a router's workers once it was asked)."""
         self.base_url = self.router.url if self.router else self.servers[0].url
@@ -427,7 +429,8 @@ class SGLangSamplerEngine:
         urls = self._worker_urls() + sorted(self._removed)
         known = {s.url: s for s in self.servers}
         self.servers = [known.get(u.rstrip("/")) or SGLangServer(
-            u, timeouts=self._timeouts, api_key=self.api_key) for u in dict.fromkeys(urls)]
+            u, timeouts=self._timeouts, api_key=self.api_key, admin_api_key=self.admin_api_key)
+            for u in dict.fromkeys(urls)]
         if not self.servers:
             raise EngineUnavailableError(f"the sglang-router at {self.router.url} lists no workers")
 
@@ -448,7 +451,7 @@ class SGLangSamplerEngine:
             if keep == (url in self._removed):
                 continue
             try:
-                self.router.json("POST", route, params={"url": url})
+                self.router.json("POST", route, params={"url": url}, admin=True)
             except AlignError as e:
                 log.error("sglang-router at %s: %s %s failed: %s", self.router.url, route, url, e)
                 continue

@@ -99,6 +99,7 @@ def build_sglang_sampler(settings: SamplerSettings, base_url: str | list[str] | 
         path=sglang_path(pick(path, "sampler_path")),
         eos_id=pick(eos_id, "sglang_eos_id"), load_format=pick(load_format, "sglang_load_format"),
         timeouts=timeouts, api_key=pick(api_key, "sglang_api_key"),
+        admin_api_key=settings.sglang_admin_api_key,
         original_logprobs=settings.sglang_original_logprobs,
         model_paths=(str(Path(model_dir)), str(exports.dir)))
     rollouts = RolloutStore(binary_client(settings), settings.key_prefix, metrics=metrics)

@@ -9,7 +9,13 @@ Authentication
     route but ``/health*`` and ``/metrics`` unless the request carries ``Authorization: Bearer
     K`` (SGLang's ``add_api_key_middleware``; ``sglang-router`` checks the same header on its
     admin routes). With ``api_key`` every request carries it; a 401 is
-    :class:`~alignclient.errors.UnauthorizedError` naming the server.
+    :class:`~alignclient.errors.UnauthorizedError` naming the server. Newer SGLang also takes
+    ``--admin-api-key A``: routes it marks ``ADMIN_OPTIONAL`` (weight updates and their kin)
+    then take only ``A``, ``ADMIN_FORCE`` routes answer 403 without it (``utils/auth.py``,
+    ``decide_request_auth``). With ``admin_api_key`` the switch's routes (pause, flush, update,
+    continue) carry ``A``; one of them that answers 401 is asked once more with ``K`` (a route
+    that server keeps at the normal level); a 403 is
+    :class:`~alignclient.errors.ForbiddenError`.
 
 What the server says about itself (``GET /get_server_info``)
     The server arguments (``model_path``, ``quantization``, ...) flattened into the answer, the
@@ -42,6 +48,7 @@ from alignclient.errors import (
     EngineRequestError,
     EngineTimeoutError,
     EngineUnavailableError,
+    ForbiddenError,
     UnauthorizedError,
     WeightUpdateError,
     WeightVersionMismatchError,
@@ -161,13 +168,11 @@ class SGLangServer:
     """
 
     def __init__(self, url: str, *, timeouts: SGLangTimeouts, api_key: str | None = None,
-                 client: httpx.Client | None = None):
+                 admin_api_key: str | None = None, client: httpx.Client | None = None):
         self.url = url.rstrip("/")
         self.timeouts = timeouts
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = client or httpx.Client(base_url=self.url, headers=headers)
-        if client is not None and headers:
-            self._client.headers.update(headers)
+        self._api_key, self._admin_key = api_key, admin_api_key
+        self._client = client or httpx.Client(base_url=self.url)
         self._own_client = client is None
         self.version: str | None = None
         self.in_flight = 0
@@ -193,13 +198,34 @@ class SGLangServer:
                            deadline_s=deadline_s)
 
     def request(self, method: str, route: str, body: Any = None, *, timeout: float,
-                idempotent: bool, params: dict[str, str] | None = None) -> httpx.Response:
+                idempotent: bool, params: dict[str, str] | None = None,
+                admin: bool = False) -> httpx.Response:
         """One call, retried while unreachable or 503 until the deadline (idempotent calls also
-        after a timeout or a broken connection); 401 is :class:`UnauthorizedError`."""
+        after a timeout or a broken connection); 401 is :class:`UnauthorizedError`, 403
+        :class:`ForbiddenError`. ``admin``: a route of the weight switch (see the module doc)."""
+        key = self._admin_key if admin and self._admin_key else self._api_key
+        r = self._send(method, route, body, timeout, idempotent, params, key)
+        if r.status_code == 401 and key == self._admin_key and self._api_key not in (None, key):
+            r = self._send(method, route, body, timeout, idempotent, params, self._api_key)
+        if r.status_code == 401:
+            raise UnauthorizedError(f"{method} {route} at {self.url} answered 401 "
+                                    f"({message(r)}): the server was started with --api-key"
+                                    f"{' or --admin-api-key' if admin else ''}; give the adapter "
+                                    "the same key (api_key / admin_api_key, ALIGN_SGLANG_API_KEY "
+                                    "/ ALIGN_SGLANG_ADMIN_API_KEY)")
+        if r.status_code == 403:
+            raise ForbiddenError(f"{method} {route} at {self.url} answered 403 ({message(r)}): "
+                                 "the route needs the server's --admin-api-key "
+                                 "(admin_api_key, ALIGN_SGLANG_ADMIN_API_KEY)")
+        return r
+
+    def _send(self, method: str, route: str, body: Any, timeout: float, idempotent: bool,
+              params: dict[str, str] | None, key: str | None) -> httpx.Response:
         t = self.timeouts
+        headers = {"Authorization": f"Bearer {key}"} if key else None
 
         def once() -> httpx.Response:
-            return self._client.request(method, route, json=body, params=params,
+            return self._client.request(method, route, json=body, params=params, headers=headers,
                                         timeout=httpx.Timeout(timeout, connect=t.connect_s))
 
         try:
@@ -211,17 +237,13 @@ class SGLangServer:
         if r.status_code == 503:
             raise EngineUnavailableError(f"{method} {route} at {self.url}: 503 (the server is "
                                          f"starting or loading) for {t.retry_deadline_s:g}s")
-        if r.status_code == 401:
-            raise UnauthorizedError(f"{method} {route} at {self.url} answered 401 "
-                                    f"({message(r)}): the server was started with --api-key; "
-                                    "give the adapter the same key (api_key, "
-                                    "ALIGN_SGLANG_API_KEY)")
         return r
 
     def json(self, method: str, route: str, body: Any = None, *, timeout: float | None = None,
-             idempotent: bool = True, params: dict[str, str] | None = None) -> Any:
+             idempotent: bool = True, params: dict[str, str] | None = None,
+             admin: bool = False) -> Any:
         """A call's JSON answer (a non-200 is :class:`EngineRequestError`)."""
-        r = self.request(method, route, body, idempotent=idempotent, params=params,
+        r = self.request(method, route, body, idempotent=idempotent, params=params, admin=admin,
                          timeout=self.timeouts.control_s if timeout is None else timeout)
         return self.decode(r, route)
 
@@ -320,7 +342,7 @@ class SGLangServer:
         sets :attr:`version`. ``seconds`` gets ``drain`` and ``update``."""
         self.health()
         t1 = time.perf_counter()
-        self.json("POST", "/pause_generation", {"mode": pause_mode})
+        self.json("POST", "/pause_generation", {"mode": pause_mode}, admin=True)
         failure: BaseException | None = None
         try:
             self.flush_until_drained()
@@ -363,7 +385,7 @@ class SGLangServer:
             nonlocal attempts
             attempts += 1
             return self.request("POST", "/flush_cache", timeout=self.timeouts.control_s,
-                                idempotent=True)
+                                idempotent=True, admin=True)
 
         r = self.retry(self.timeouts.flush_deadline_s).call(
             flush, transient=lambda e: False, again=lambda r: r.status_code == 400)
@@ -384,7 +406,7 @@ class SGLangServer:
         if load_format is not None:
             body["load_format"] = load_format
         r = self.request("POST", "/update_weights_from_disk", body,
-                         timeout=self.timeouts.update_s, idempotent=False)
+                         timeout=self.timeouts.update_s, idempotent=False, admin=True)
         answer = self.decode(r, "/update_weights_from_disk", allow_400=True)
         if not isinstance(answer, dict) or "success" not in answer:
             raise EngineRequestError(f"/update_weights_from_disk at {self.url} answered "
@@ -399,7 +421,7 @@ class SGLangServer:
         """``POST /continue_generation``; its own failure is raised unless it would hide
         ``failure``, the error of the switch it ends (then it is logged)."""
         try:
-            self.json("POST", "/continue_generation", {})
+            self.json("POST", "/continue_generation", {}, admin=True)
         except AlignError as e:
             log.error("POST /continue_generation at %s failed; the server may stay paused: %s",
                       self.url, e)
