@@ -86,7 +86,7 @@ def test_an_admin_api_key_unlocks_the_switch_routes(fleet):
     the load stops at the pause (UnauthorizedError naming the admin key); with both it passes,
     and a switch route the server keeps at the normal level is asked once more with K."""
     (c,), _, engine, _ = fleet(api_key="K", admin_api_key="A", engine_kw={"api_key": "K"})
-    with pytest.raises(UnauthorizedError, match="pause_generation.*--admin-api-key"):
+    with pytest.raises(UnauthorizedError, match=r"pause_generation.*--admin-api-key"):
         engine.load("v1")
     assert c.paused is None and c.weight_version == "default"
     (c,), _, both, _ = fleet(api_key="K", admin_api_key="A",
