@@ -38,6 +38,15 @@ What was matched, and where (sgl-project/sglang sources read for this module)
     ``meta_info`` also carries ``finish_reason`` (``{"type": "stop" | "length" | "abort",
     ...}``) and ``weight_version`` (the server's at answer time).
 
+    ``python/sglang/srt/environ.py`` @ ``0003215cf1464f44b389cd0b18d0b4c56f2a3da6``:
+    ``SGLANG_RETURN_ORIGINAL_LOGPROB`` and ``SGLANG_EXPOSE_OWN_ENV_VARS`` (``EnvBool``, both
+    False by default), ``exportable_env_vars()``; the scheduler adds them to its internal state
+    as ``env_vars`` when exposure is on, and ``GET /get_server_info`` answers
+    ``{**server_args, **scheduler_info, "internal_states": [...], "version"}``. The router's
+    ``GET /list_workers`` / ``GET /workers`` / ``POST /add_worker?url=`` /
+    ``POST /remove_worker?url=`` (``sgl-router/src/server.rs``); ``utils/auth.py``
+    (``--api-key``, ``--admin-api-key``). Floor: ``sglang>=0.5.6`` (pyproject's extra).
+
 Generating
     One ``POST /generate`` per call: ``input_ids`` as a batch, one ``sampling_params`` dict per
     row (``max_new_tokens``, ``temperature``, ``sampling_seed``, and ``stop_token_ids`` =
