@@ -92,11 +92,10 @@ Loading a version (the weight-sync flow)
        weights, ``in_place`` keep their old KV cache); ``POST /flush_cache`` until 200 (SGLang
        answers 400 while requests run or wait, deadline ``flush_deadline_s``; only the status
        tells, the body reads "Cache flushed." either way); ``POST /update_weights_from_disk``
-       ``{"model_path", "load_format", "weight_version": version_id, "flush_cache": true,
-       "abort_all_requests": false}`` (``success: false`` is
-       :class:`~alignclient.errors.WeightUpdateError` with SGLang's message: the server rolled
-       back); ``GET /get_model_info`` must report ``weight_version == version_id`` and the
-       export's ``model_path``; ``POST /continue_generation``, always; ``GET /health``.
+       ``{"model_path", "load_format", "weight_version", "flush_cache": true,
+       "abort_all_requests": false}`` (``success: false``: WeightUpdateError, rolled back);
+       ``GET /get_model_info`` must report ``weight_version == version_id`` and the export's
+       ``model_path``; ``POST /continue_generation``, always; ``GET /health``.
 
 Several servers, and what a failure on one does
     ``base_url`` may be a list: generation and scoring calls go to the server with the fewest
@@ -131,10 +130,9 @@ Log-probs and temperature
     Scoring asks for no temperature, so it is always untempered.
 
 Concurrency
-    No lock serialises calls: any number of threads generate and score at once (``httpx``
-    clients are thread-safe). A reader-writer lock is held for reading by each call and for
-    writing by a switch (writers first: a waiting switch holds back new calls), so a call runs
-    entirely on one version. Two loads are serialised by a lock of their own.
+    No lock serialises calls: threads generate and score at once. A reader-writer lock is held
+    for reading by each call and for writing by a switch (a waiting switch holds back new
+    calls), so a call runs on one version. Two loads are serialised by a lock of their own.
 
 The served version
     Every answer's ``meta_info.weight_version`` is checked: all rows of a call must report the
@@ -598,5 +596,5 @@ def _with_message(e: AlignError, msg: str) -> AlignError:
     """``e``'s class with another message (its code kept)."""
     out = type(e).__new__(type(e))
     Exception.__init__(out, msg)
-    out.__dict__.update(e.__dict__)
+    out.__dict__.update(e.__dict__)  # field, version_id ... kept
     return out
