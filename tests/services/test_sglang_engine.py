@@ -372,17 +372,29 @@ def test_sampler_service_serves_a_rollout_request_through_sglang(rig, redis_url,
     assert "GuidanceUnsupportedError" in RolloutsReady.from_fields(msg.fields).error
 
 
-def test_build_sglang_sampler_from_settings(tmp_path):
-    """The factory: a naive-path engine exporting under the store; a row-scaled path refused."""
-    settings = SamplerSettings(store_dir=tmp_path / "store", sampler_path="nvfp4_naive")
-    engine, rollouts, guidance = build_sglang_sampler(settings, "http://sglang:30000",
-                                                      model_dir=model_dir(tmp_path), eos_id=EOS)
+def test_build_sglang_sampler_from_settings(tmp_path, caplog):
+    """The factory: a naive-path engine over the servers listed (comma-separated) with the
+    settings' keys, loading exports under the store and writing one from the store version,
+    with a warning, only when nobody exported it; a row-scaled path refused."""
+    settings = SamplerSettings(store_dir=tmp_path / "store", sampler_path="nvfp4_naive",
+                               sglang_api_key="k", sglang_original_logprobs=True)
+    engine, rollouts, guidance = build_sglang_sampler(
+        settings, "http://sglang-0:30000, http://sglang-1:30000", model_dir=model_dir(tmp_path),
+        eos_id=EOS)
     with engine:
         assert engine.path == "nvfp4_naive" and engine.eos_id == EOS and guidance is None
+        assert [s.url for s in engine.servers] == ["http://sglang-0:30000", "http://sglang-1:30000"]
+        assert engine.api_key == "k" and engine.original_logprobs is True
         assert engine.exporter.path("v1") == tmp_path / "store" / "sglang" / "modelopt" / "v1"
         assert engine.model_paths == (str(tmp_path / "model"),
                                       str(tmp_path / "store" / "sglang" / "modelopt"))
         assert isinstance(rollouts, RolloutStore)
+        store_version(tmp_path / "store", "v1")
+        assert check_modelopt_dir(engine.exporter("v1")) is None
+        assert "has no ModelOpt export" in caplog.text
+        caplog.clear()
+        engine.exporter("v1")
+        assert "has no ModelOpt export" not in caplog.text
     with pytest.raises(ConfigError, match="nvfp4_naive"):
         build_sglang_sampler(SamplerSettings(store_dir=tmp_path / "store"), "http://sglang:30000",
                              model_dir=tmp_path / "model")
