@@ -1,6 +1,6 @@
 """Statistics of the learner–sampler execution gap: Δ log p, clip potential, TIS, CIs, L2, routing.
 
-One door, four rooms; every name is importable from ``libalign.metrics``:
+One door, five rooms; every name is importable from ``libalign.metrics``:
 
 * :mod:`~libalign.metrics.deltas` – the per-token gap ``δ = log p_learner − log p_sampler``
   (:func:`token_deltas`), its summary (:func:`delta_stats`: mean, |δ| quantiles, clip
@@ -9,6 +9,9 @@ One door, four rooms; every name is importable from ``libalign.metrics``:
 * :mod:`~libalign.metrics.bootstrap` – percentile confidence intervals, paired across two
   conditions on the same tokens and clustered by sequence (:func:`paired_bootstrap_ci`,
   :func:`bootstrap_ci`) over statistics in the resample-counts form (:func:`quantile_stat`);
+* :mod:`~libalign.metrics.intervals` – the mean over independent repetitions (training seeds)
+  with its Student t interval (:func:`mean_interval`, :func:`t_quantile`), where a percentile
+  bootstrap over a handful of values would claim more than it knows;
 * :mod:`~libalign.metrics.distance` – how far apart two activation tensors are
   (:func:`relative_l2`, :func:`symmetric_relative_l2`);
 * :mod:`~libalign.metrics.routing` – how two paths' top-k expert choices agree
@@ -44,12 +47,14 @@ from .deltas import (
     token_deltas,
 )
 from .distance import relative_l2, symmetric_relative_l2
+from .intervals import MeanInterval, mean_interval, t_quantile, t_two_sided_probability
 from .routing import RoutingAgreement, routing_agreement, routing_agreement_by_layer
 
 __all__ = [
     "DEFAULT_CLIP_BOUNDS", "DEFAULT_TIS_CAP", "LOGPROB_TOLERANCE", "QUANTILES", "TIS_LEVELS",
-    "BootstrapCI", "DeltaStats", "RoutingAgreement", "TISWeights", "TokenInput", "WeightedStat",
-    "bootstrap_ci", "clip_potential_stat", "delta_stats", "flatten_tokens", "from_unweighted",
-    "mean_stat", "paired_bootstrap_ci", "quantile_stat", "relative_l2", "routing_agreement",
-    "routing_agreement_by_layer", "symmetric_relative_l2", "tis_weights", "token_deltas",
+    "BootstrapCI", "DeltaStats", "MeanInterval", "RoutingAgreement", "TISWeights", "TokenInput",
+    "WeightedStat", "bootstrap_ci", "clip_potential_stat", "delta_stats", "flatten_tokens",
+    "from_unweighted", "mean_interval", "mean_stat", "paired_bootstrap_ci", "quantile_stat",
+    "relative_l2", "routing_agreement", "routing_agreement_by_layer", "symmetric_relative_l2",
+    "t_quantile", "t_two_sided_probability", "tis_weights", "token_deltas",
 ]
