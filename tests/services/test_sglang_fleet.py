@@ -333,3 +333,20 @@ def test_the_with_sglang_snippet_runs_against_two_servers(tmp_path, monkeypatch,
     assert "train_rollout_logprob_abs_diff" in out and f"{urls} v1" in out
     assert [c.weight_version for c in contracts] == ["v1", "v1"]
     assert float(out.split()[-1]) == 0.0  # the fake scores exactly what it sampled
+
+
+def test_a_mismatched_server_among_several_leaves_rotation_before_any_switch(fleet):
+    """Two servers, one started with --quantization fp8: the load switches the other (the
+    mismatch named in 'failed'), the fp8 one is never paused and gets no calls."""
+    cs, urls, engine, _ = fleet(2)
+    cs[1].quantization = "fp8"
+    info = engine.load("v1")
+    assert info["servers"] == [urls[0]] and "EngineMismatchError" in info["failed"][urls[1]]
+    assert [x.path for x in cs[1].calls] == ["/get_server_info"]
+    for _ in range(2):
+        assert engine.generate([[1]], max_new_tokens=1).version_id == "v1"
+    assert sum(x.path == "/generate" for x in cs[1].calls) == 0
+    cs[0].quantization = "fp8"
+    with pytest.raises(EngineMismatchError, match="no server could switch to 'v2'.*fp8") as e:
+        engine.load("v2")
+    assert e.value.field == "quantization" and engine.version_id == "v1"

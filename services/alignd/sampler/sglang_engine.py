@@ -101,7 +101,7 @@ Several servers, and what a failure on one does
     ``base_url`` may be a list: generation and scoring calls go to the server with the fewest
     of this engine's calls in flight (ties: the one used least), weight switches to every
     server. A load succeeds when at least one server serves the new version; a server that
-    failed (its error is in the load's ``failed``, and logged) is taken out of rotation: calls
+    failed its check or its switch (the error in the load's ``failed``) leaves rotation: calls
     go only to servers whose verified version is the engine's. A server that refused the update
     (``success: false``) still serves the old version; one that timed out or could not be
     reached is unknown until a later load verifies it. Every load switches every server again,
@@ -282,10 +282,15 @@ class SGLangSamplerEngine:
             seconds["export"] = time.perf_counter() - t0
             if self.router is not None:
                 self._refresh_workers()
-            for s in self.servers:
-                s.check(model_paths=self.model_paths)
-            with self._switch.writing():
-                outcomes = self._switch_all(version_id, model_path)
+            outcomes = self._each(lambda s: s.check(model_paths=self.model_paths), self.servers)
+            fit = [s for s in self.servers if outcomes[s.url][1] is None]
+            for s in set(self.servers) - set(fit):
+                s.version = None  # not the server this sampler needs: out of rotation
+            if fit:
+                with self._switch.writing():
+                    outcomes.update(self._each(lambda s: s.switch(
+                        version_id, model_path, pause_mode=self.pause_mode,
+                        load_format=self.load_format, seconds=s.seconds), fit))
             ok = [u for u, (_, e) in outcomes.items() if e is None]
             failed = {u: e for u, (_, e) in outcomes.items() if e is not None}
             if not ok:
@@ -301,14 +306,13 @@ class SGLangSamplerEngine:
             self.model_path = model_path
             if self.router is not None:
                 self._steer_router(ok, list(failed))
-            per = [outcomes[u][0] for u in ok]
             for stage in ("drain", "update"):
-                seconds[stage] = max(p["seconds"].get(stage, 0.0) for p in per)
+                seconds[stage] = max(s.seconds.get(stage, 0.0) for s in fit if s.url in ok)
             seconds["total"] = time.perf_counter() - t0
         log.info("SGLang (%d of %d servers) serves %s (%s)", len(ok), len(outcomes),
                  version_id, model_path)
         return {"version_id": version_id, "model_path": model_path, "seconds": seconds,
-                "num_paused_requests": sum(p["answer"].get("num_paused_requests", 0) for p in per),
+                "num_paused_requests": sum(outcomes[u][0].get("num_paused_requests", 0) for u in ok),
                 "servers": ok, "failed": {u: f"{type(e).__name__}: {e}" for u, e in failed.items()}}
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -412,23 +416,19 @@ class SGLangSamplerEngine:
 
     # --- switching ------------------------------------------------------------------------
 
-    def _switch_all(self, version_id: str, model_path: str
-                    ) -> dict[str, tuple[dict[str, Any], AlignError | None]]:
-        """Run the switch on every server at once; url -> (timings and answer, error)."""
-        def one(s: SGLangServer) -> tuple[dict[str, Any], AlignError | None]:
-            seconds: dict[str, float] = {}
+    def _each(self, fn: Callable[[SGLangServer], Any], servers: list[SGLangServer]
+              ) -> dict[str, tuple[Any, AlignError | None]]:
+        """``fn`` on every server at once (a thread each); url -> (its result, its error)."""
+        def one(s: SGLangServer) -> tuple[Any, AlignError | None]:
             try:
-                answer = s.switch(version_id, model_path, pause_mode=self.pause_mode,
-                                  load_format=self.load_format, seconds=seconds)
+                return fn(s), None
             except AlignError as e:
-                return {"seconds": seconds}, e
-            return {"seconds": seconds, "answer": answer}, None
+                return None, e
 
-        if len(self.servers) == 1:
-            return {self.servers[0].url: one(self.servers[0])}
-        with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
-            return dict(zip([s.url for s in self.servers], pool.map(one, self.servers),
-                            strict=True))
+        if len(servers) == 1:
+            return {servers[0].url: one(servers[0])}
+        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+            return dict(zip([s.url for s in servers], pool.map(one, servers), strict=True))
 
     def _refresh_workers(self) -> None:
         """The router's workers (and those we took out of it) become :attr:`servers`."""

@@ -179,6 +179,8 @@ class SGLangServer:
         self.calls = 0
         self.info: dict[str, Any] = {}
         """The last ``/get_server_info`` answer."""
+        self.seconds: dict[str, float] = {}
+        """``drain`` and ``update`` seconds of the last switch."""
         self.lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -340,6 +342,7 @@ class SGLangServer:
                load_format: str | None, seconds: dict[str, float]) -> dict[str, Any]:
         """Make this server serve ``version_id`` from ``model_path`` (the module doc's flow);
         sets :attr:`version`. ``seconds`` gets ``drain`` and ``update``."""
+        seconds.clear()
         self.health()
         t1 = time.perf_counter()
         self.json("POST", "/pause_generation", {"mode": pause_mode}, admin=True)
