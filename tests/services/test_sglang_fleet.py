@@ -347,6 +347,6 @@ def test_a_mismatched_server_among_several_leaves_rotation_before_any_switch(fle
         assert engine.generate([[1]], max_new_tokens=1).version_id == "v1"
     assert sum(x.path == "/generate" for x in cs[1].calls) == 0
     cs[0].quantization = "fp8"
-    with pytest.raises(EngineMismatchError, match="no server could switch to 'v2'.*fp8") as e:
+    with pytest.raises(EngineMismatchError, match=r"no server could switch to 'v2'.*fp8") as e:
         engine.load("v2")
     assert e.value.field == "quantization" and engine.version_id == "v1"
