@@ -104,17 +104,18 @@ class _Glue:
     backend: str = "auto"
     observers: list = field(default_factory=list)
     act_hook: Callable | None = None
+    impl: Callable | None = None  # replaces gemm.moe_experts_forward (strict execution)
 
 
 def _glued_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                    top_k_weights: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     glue: _Glue = self.__dict__[_GLUE]
-    if glue.path is None and not glue.observers and glue.act_hook is None:
+    if glue.path is None and not glue.observers and glue.act_hook is None and glue.impl is None:
         return _call_saved(self, glue, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
     path = glue.path or gemm.PATHS["bf16"]
     gate_up, down = prepared_weights(self, path)
     record: dict | None = {} if glue.observers else None
-    out = gemm.moe_experts_forward(
+    out = (glue.impl or gemm.moe_experts_forward)(
         hidden_states, top_k_index, top_k_weights, gate_up, down, backend=glue.backend,
         act_fn=getattr(self, "act_fn", None),
         observer=None if record is None else record.__setitem__,
@@ -144,7 +145,8 @@ def _glue_of(module: nn.Module, layer: int) -> _Glue:
 
 def _release_if_idle(module: nn.Module) -> None:
     glue = module.__dict__.get(_GLUE)
-    if glue is None or glue.path is not None or glue.observers or glue.act_hook is not None:
+    if glue is None or glue.path is not None or glue.observers or glue.act_hook is not None \
+            or glue.impl is not None:
         return
     del module.__dict__[_GLUE]
     if glue.saved is _MISSING:
@@ -192,6 +194,25 @@ def set_activation_hook(model: nn.Module, layer: int, hook: LayerActivationHook 
             _release_if_idle(module)
         return
     _glue_of(module, layer).act_hook = hook
+
+
+def set_experts_impl(model: nn.Module, impl: Callable | None) -> None:
+    """Run every MoE layer's experts through ``impl`` instead of
+    :func:`libalign.gemm.moe_experts_forward` (same signature; None restores it).
+
+    Strict execution (:mod:`libalign.models.strict`) installs its batch-invariant experts
+    here; paths, observers and activation hooks keep working on top of it, and a layer with
+    no path set runs ``bf16`` through ``impl``.
+    """
+    for layer in moe_layer_indices(model):
+        module = experts_module(model, layer)
+        if impl is None:
+            glue = module.__dict__.get(_GLUE)
+            if glue is not None:
+                glue.impl = None
+                _release_if_idle(module)
+        else:
+            _glue_of(module, layer).impl = impl
 
 
 _ROW_KEYS = "_libalign_row_keys"

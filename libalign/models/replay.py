@@ -33,6 +33,7 @@ from torch import nn
 
 from .paths import use_path
 from .scoring import KVDecode
+from .strict import log_softmax_for
 
 Progress = Callable[[int], None]
 """Called with the number of sequences just finished."""
@@ -53,8 +54,9 @@ def replay_batch(model: nn.Module, seqs: list[list[int]], plens: list[int],
     dec = KVDecode(model, [s[:p] for s, p in zip(seqs, plens, strict=True)], pad_id, seq_ids)
     steps = max(len(c) for c in comps)
     got: list[list[float]] = [[] for _ in range(b)]
+    log_softmax = log_softmax_for(model)
     for step in range(steps):
-        logp = torch.log_softmax(dec.logits.float(), dim=-1)
+        logp = log_softmax(dec.logits.float())
         want = torch.tensor([c[step] if step < len(c) else pad_id for c in comps], dtype=torch.long,
                             device=dec.device)
         lp = logp.gather(-1, want.unsqueeze(-1)).squeeze(-1).tolist()

@@ -37,7 +37,7 @@ MoE entry, ``moe_in``).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 
@@ -55,6 +55,7 @@ from .paths import (
     set_row_keys,
     use_path,
 )
+from .strict import log_softmax_for
 
 try:
     from transformers.cache_utils import DynamicCache
@@ -115,12 +116,18 @@ def right_padded_batch(seqs: Sequence[Sequence[int]], seq_ids: Sequence[int], pa
 
 
 def completion_logprobs(logits: torch.Tensor, ids: torch.Tensor, lens: Sequence[int],
-                        prompt_lens: Sequence[int]) -> list[torch.Tensor]:
+                        prompt_lens: Sequence[int],
+                        log_softmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+                        ) -> list[torch.Tensor]:
     """fp32 ``log_softmax`` of each row's logits at positions ``p-1 .. n-2``, gathered at the
-    next tokens: the log-prob of every completion token of a right-padded batch."""
+    next tokens: the log-prob of every completion token of a right-padded batch.
+
+    ``log_softmax`` (default ``torch.log_softmax`` over the last dimension) is the model's
+    (:func:`~libalign.models.strict.log_softmax_for`: strict in strict mode)."""
+    log_softmax = log_softmax or (lambda x: torch.log_softmax(x, dim=-1))
     out = []
     for r, (n, p) in enumerate(zip(lens, prompt_lens, strict=True)):
-        lp = torch.log_softmax(logits[r, p - 1:n - 1].float(), dim=-1)
+        lp = log_softmax(logits[r, p - 1:n - 1].float())
         out.append(lp.gather(-1, ids[r, p:n].unsqueeze(-1)).squeeze(-1))
     return out
 
@@ -154,7 +161,8 @@ def score_sequences(model: nn.Module, sequences: Sequence[Sequence[int]], prompt
             finally:
                 set_row_keys(model, None)
             out += [t.cpu() for t in completion_logprobs(
-                logits, ids, [len(s) for s in chunk], prompt_lens[start:start + len(chunk)])]
+                logits, ids, [len(s) for s in chunk], prompt_lens[start:start + len(chunk)],
+                log_softmax_for(model))]
     return out
 
 
@@ -282,9 +290,10 @@ def _generate_batch(model, chunk, max_new_tokens, temperature, gen, eos, pad_id,
     done = [False] * b
     new_tokens: list[list[int]] = [[] for _ in range(b)]
     new_lps: list[list[float]] = [[] for _ in range(b)]
+    log_softmax = log_softmax_for(model)
     for step in range(max_new_tokens):
         lf = dec.logits.float()
-        logp = torch.log_softmax(lf, dim=-1)
+        logp = log_softmax(lf)
         if temperature == 0:
             tok = lf.argmax(dim=-1)
         else:

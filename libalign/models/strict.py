@@ -1,0 +1,333 @@
+"""Strict execution: a Qwen3-MoE whose every row comes out the same in any batch.
+
+What strictness buys
+--------------------
+The sampler decodes with a KV cache, one token per step, prompts left-padded; the learner scores
+the finished sequences in one pass, right-padded. On the same weights the two should report the
+same log-probability for every token; with stock kernels they do not quite, even in BF16 (a
+GEMM, a reduction or a vectorized ``exp`` picks its summation order from the call's shape, see
+:mod:`libalign.strict_ops`). miniTE's *strict* configuration closes that gap completely: every
+shape-dependent operation gets one batch-invariant implementation shared by both sides, and
+the learner's log-probs equal the sampler's bit for bit (δ = 0), so RL needs no importance
+correction.
+
+:func:`enable` turns a stock Hugging Face ``Qwen3MoeForCausalLM`` strict in place (instance
+attributes only, like :mod:`libalign.models.paths`; :func:`disable` gives everything back):
+
+==========================  =====================================================================
+what                        strict form (:mod:`libalign.strict_ops`)
+==========================  =====================================================================
+every ``nn.Linear``         ``linear``: fp32 accumulation in K order, one rounding (q/k/v/o, LM
+                            head)
+RMSNorm (layers, q/k norm)  ``rms_norm``: tree sum of squares
+router                      ``linear`` logits, ``softmax`` (tree sum), ``topk_indices`` (ties to
+                            the lower expert), top-k renormalized left to right
+experts                     :func:`experts_forward`: per expert the K-ordered product (bf16, or
+                            NVFP4 inner values with the path's row-scaled epilogue), ``silu``,
+                            each token's expert outputs added in its top-k order
+rotary embedding            a cos/sin table per position computed once (libm in float64), looked
+                            up by position, so a decode step and a full pass use the same values
+attention                   ``attention`` (registered as the ``libalign_strict`` implementation):
+                            keys summed in cache-slot order, masked slots add exact zeros, so a
+                            left-padded cache and a right-padded batch agree
+log-probabilities           ``log_softmax`` (:func:`log_softmax_for`, used by the scoring and
+                            decoding helpers)
+==========================  =====================================================================
+
+The NVFP4 paths keep their bits: ``nvfp4_minite`` quantizes each activation row with its own
+scale (row-local, so batch-invariant already); ``nvfp4_naive``'s per-tensor activation scale
+takes its maximum over every row of the call and has no strict form (:func:`check_path`
+refuses it).
+
+Composing
+---------
+Strictness sits *under* the execution paths: :func:`libalign.models.set_path` still chooses
+the experts' arithmetic, observers (capture) and activation hooks (TRACE guidance) still see
+every call, and a KV cache that transforms keys and values on update feeds the strict
+attention whatever it stores. Enable strict mode before forcing routing
+(:func:`~libalign.models.capture.force_routing` wraps the router it finds).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
+    Qwen3MoeMLP,
+    Qwen3MoeRMSNorm,
+    Qwen3MoeRotaryEmbedding,
+    Qwen3MoeTopKRouter,
+)
+
+from .. import gemm, strict_ops
+from ..errors import ConfigError, ShapeError, SpecError
+from .paths import set_experts_impl
+
+STRICT_ATTENTION = "libalign_strict"
+"""The attention implementation name strict mode registers and sets on the model's config."""
+
+_STATE = "_libalign_strict"
+_ROPE_TABLE = "_libalign_strict_rope"
+_ROPE_CHUNK = 256
+
+
+# --- attention ---------------------------------------------------------------------------------
+
+def _strict_mask(*args, **kwargs):
+    kwargs["allow_is_causal_skip"] = False  # always a materialized boolean mask
+    kwargs.pop("allow_is_bidirectional_skip", None)
+    return sdpa_mask(*args, **kwargs)
+
+
+def strict_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """Hugging Face attention-interface entry: :func:`libalign.strict_ops.attention` on the
+    mask the model built (boolean, True = attend); returns ``[B, Tq, H, D]``."""
+    if attention_mask is None:
+        raise SpecError("strict attention needs the materialized mask; the model's config must "
+                        f"use the {STRICT_ATTENTION!r} attention implementation")
+    allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    allowed = allowed[..., :key.shape[-2]]
+    out = strict_ops.attention(query, key, value, allowed, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    if STRICT_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
+        ALL_ATTENTION_FUNCTIONS.register(STRICT_ATTENTION, strict_attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(STRICT_ATTENTION, _strict_mask)
+
+
+# --- module forwards ---------------------------------------------------------------------------
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return strict_ops.linear(x, self.weight, self.bias)
+
+
+def _rms_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return strict_ops.rms_norm(x, self.weight, self.variance_epsilon)
+
+
+def _router_forward(self: nn.Module, hidden_states: torch.Tensor):
+    h = hidden_states.reshape(-1, self.hidden_dim)
+    logits = strict_ops.linear(h, self.weight)
+    probs = strict_ops.softmax(logits)
+    index = strict_ops.topk_indices(probs, self.top_k)
+    top = probs.gather(-1, index)
+    if self.norm_topk_prob:
+        top = top / strict_ops.sequential_sum(top, -1, keepdim=True)
+    return logits, top.to(logits.dtype), index
+
+
+def _rope_table(module: nn.Module, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(cos, sin)`` ``[P, dim]`` for positions ``0..P-1``, extended in chunks as needed:
+    ``f = fp32(p) * inv_freq`` (fp32), then ``cos f`` and ``sin f`` by Python's libm in float64,
+    each element on its own, rounded to fp32 and scaled by the rope's attention scaling."""
+    have = module.__dict__.get(_ROPE_TABLE)
+    if have is not None and have[0].shape[0] >= positions:
+        return have
+    size = -(-positions // _ROPE_CHUNK) * _ROPE_CHUNK
+    inv = module.inv_freq.detach().float().cpu()
+    freqs = (torch.arange(size, dtype=torch.float32).unsqueeze(-1) * inv).tolist()
+    scale = float(module.attention_scaling)
+    cos = torch.tensor([[math.cos(f) for f in row] for row in freqs], dtype=torch.float32)
+    sin = torch.tensor([[math.sin(f) for f in row] for row in freqs], dtype=torch.float32)
+    cos, sin = torch.cat([cos, cos], -1) * scale, torch.cat([sin, sin], -1) * scale
+    module.__dict__[_ROPE_TABLE] = (cos, sin)
+    return cos, sin
+
+
+def _rotary_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor):
+    if position_ids.numel() and int(position_ids.min()) < 0:
+        raise ShapeError("strict rotary embedding: negative position ids")
+    need = int(position_ids.max()) + 1 if position_ids.numel() else 1
+    cos, sin = _rope_table(self, need)
+    idx = position_ids.detach().cpu().long()
+    return cos[idx].to(x.device, x.dtype), sin[idx].to(x.device, x.dtype)
+
+
+# --- experts -----------------------------------------------------------------------------------
+
+def check_path(path: str | gemm.ExecutionPath) -> gemm.ExecutionPath:
+    """The path, if it has a strict form: bf16, or activations scaled per row (else SpecError)."""
+    p = gemm.get_path(path)
+    if p.quantized and p.act_spec.outer_domain != "row":
+        raise SpecError(f"path {p.name!r} scales activations per {p.act_spec.outer_domain}: the "
+                        "scale depends on every row of the call, so it has no batch-invariant "
+                        "(strict) form; use a row-scaled path such as nvfp4_minite")
+    return p
+
+
+def _expert_rows(a: torch.Tensor, w: gemm.ExpertWeights, counts: list[int],
+                 act_q) -> torch.Tensor:
+    """Rows sorted by expert through ``w``'s path, each expert's rows by the K-ordered product;
+    backward: the bf16 product of the unquantized operands (the straight-through estimator)."""
+    p = w.path
+    out_dtype = a.dtype if a.dtype != torch.float32 else torch.bfloat16
+    if p.quantized:
+        if act_q is None:
+            _, a_in, a_dec = gemm.quantize_activations(a, p.act_spec)
+        else:
+            a_in, a_dec = gemm.inner_values(act_q, torch.float32), gemm.row_decode_scales(act_q)
+    parts, lo = [], 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = slice(lo, lo + n)
+        if p.quantized:
+            def fn(_a, _w, e=e, rows=rows):
+                acc = strict_ops.matmul_f32(a_in[rows], w.inner[e])
+                return gemm.epilogue(acc, a_dec[rows], w.dec[e], out_dtype)
+        else:
+            def fn(_a, _w):
+                return strict_ops.matmul_f32(_a, _w).to(out_dtype)
+        stock = lambda _a, _w: (_a @ _w.to(_a.dtype).T).to(out_dtype)  # noqa: E731
+        parts.append(strict_ops.strict_forward(fn, stock, a[rows], w.weight[e]))
+        lo += n
+    if not parts:
+        return a.new_zeros((0, w.shape[1]), dtype=out_dtype)
+    return torch.cat(parts)
+
+
+def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                    gate_up: gemm.ExpertWeights, down: gemm.ExpertWeights, *, backend: str = "auto",
+                    act_fn: Callable | None = None, observer: gemm.Observer | None = None,
+                    act_hook: gemm.ActivationHook | None = None) -> torch.Tensor:
+    """:func:`libalign.gemm.moe_experts_forward`, batch-invariant (same arguments; ``backend``
+    and ``act_fn`` are ignored: the products are strict ones and the activation SiLU).
+
+    Rows are sorted by expert (stable) exactly as there, FC1, ``silu(gate) * up`` and FC2 run
+    per expert through :func:`libalign.strict_ops.matmul_f32`, each row is weighted by its
+    router weight, and each token's ``k`` expert outputs are added in fp32 in its top-k order
+    (slot 0 first), then rounded once to the hidden dtype.
+    """
+    if hidden.ndim != 2 or top_k_index.shape != top_k_weights.shape \
+            or top_k_index.shape[0] != hidden.shape[0]:
+        raise ShapeError(f"hidden {tuple(hidden.shape)}, routing {tuple(top_k_index.shape)} / "
+                         f"{tuple(top_k_weights.shape)} do not fit")
+    check_path(gate_up.path)
+    check_path(down.path)
+    t, k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // k
+    counts = torch.bincount(flat, minlength=gate_up.shape[0])[:gate_up.shape[0]].tolist()
+    x = hidden[token_of]
+    hook = act_hook if gate_up.path.quantized and down.path.quantized else None
+    q1 = q2 = None
+    if hook is not None:
+        tokens = torch.arange(t, device=hidden.device)
+        q1 = gemm.take_rows(hook("fc1", hidden, gate_up.path.act_spec, tokens, None), token_of)
+    h = _expert_rows(x, gate_up, counts, q1)
+    gate, up = h.chunk(2, dim=-1)
+    act = strict_ops.silu(gate) * up
+    if hook is not None:
+        q2 = hook("fc2", act, down.path.act_spec, token_of, flat[order])
+    y = _expert_rows(act, down, counts, q2)
+    if observer is not None:
+        for name, value in (("routing", top_k_index), ("order", order), ("fc1_in", x),
+                            ("fc1_out", h), ("fc2_in", act), ("fc2_out", y)):
+            observer(name, value)
+    y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
+    slot_of = torch.empty_like(order)
+    slot_of[order] = torch.arange(order.numel(), device=order.device)
+    per_token = y[slot_of].reshape(t, k, -1).float()
+    return strict_ops.sequential_sum(per_token, 1).to(hidden.dtype)
+
+
+# --- turning it on and off ---------------------------------------------------------------------
+
+def is_strict(model: nn.Module) -> bool:
+    """Whether :func:`enable` is in force on ``model``."""
+    return _STATE in model.__dict__
+
+
+def _swap(saved: list, module: nn.Module, fn: Callable) -> None:
+    saved.append((module, module.__dict__.get("forward")))
+    module.forward = types.MethodType(fn, module)
+
+
+def enable(model: nn.Module) -> nn.Module:
+    """Make ``model`` (a Qwen3-MoE causal LM) run strict until :func:`disable`; returns it.
+
+    Refuses (:class:`~libalign.errors.ConfigError`) a model whose activation is not SiLU or whose
+    rotary embedding changes with the sequence length. A path already set must have a strict
+    form (:func:`check_path`).
+    """
+    if is_strict(model):
+        return model
+    conf = model.config
+    if getattr(conf, "hidden_act", "silu") != "silu":
+        raise ConfigError(f"strict execution implements SiLU experts, the model uses "
+                          f"{conf.hidden_act!r}")
+    forwards: list = []
+    acts: list = []
+    ropes = [m for m in model.modules() if isinstance(m, Qwen3MoeRotaryEmbedding)]
+    for rope in ropes:
+        if any(w in str(rope.rope_type) for w in ("dynamic", "longrope")):
+            raise ConfigError(f"strict execution needs a static rotary embedding, the model's is "
+                              f"{rope.rope_type!r}")
+    _register()
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            _swap(forwards, module, _linear_forward)
+        elif isinstance(module, Qwen3MoeRMSNorm):
+            _swap(forwards, module, _rms_forward)
+        elif isinstance(module, Qwen3MoeTopKRouter):
+            _swap(forwards, module, _router_forward)
+        elif isinstance(module, Qwen3MoeRotaryEmbedding):
+            _swap(forwards, module, _rotary_forward)
+        elif isinstance(module, Qwen3MoeMLP):
+            acts.append((module, module.act_fn))
+            module.act_fn = strict_ops.silu
+    model.__dict__[_STATE] = (conf._attn_implementation, forwards, acts)
+    conf._attn_implementation = STRICT_ATTENTION
+    set_experts_impl(model, experts_forward)
+    return model
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable`: stock forwards, attention implementation and experts come back."""
+    state = model.__dict__.pop(_STATE, None)
+    if state is None:
+        return model
+    attn, forwards, acts = state
+    for module, before in reversed(forwards):
+        if before is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = before
+    for module, act in acts:
+        module.act_fn = act
+    model.config._attn_implementation = attn
+    set_experts_impl(model, None)
+    return model
+
+
+@contextmanager
+def use_strict(model: nn.Module, strict: bool = True) -> Iterator[nn.Module]:
+    """Strict execution for the duration of a ``with`` block (``strict=False``: no change)."""
+    if not strict or is_strict(model):
+        yield model
+        return
+    enable(model)
+    try:
+        yield model
+    finally:
+        disable(model)
+
+
+def log_softmax_for(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The log-softmax over the vocabulary that ``model``'s log-probs use: strict in strict mode,
+    else ``torch.log_softmax`` (fp32 input either way)."""
+    if is_strict(model):
+        return strict_ops.log_softmax
+    return lambda x: torch.log_softmax(x, dim=-1)
