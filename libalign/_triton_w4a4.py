@@ -160,6 +160,144 @@ def act_qdq(x: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Ten
     return inner, dec
 
 
+@triton.jit
+def _e2m1_magnitude(i):
+    """The E2M1 magnitude of level index ``i`` (0..7)."""
+    v = tl.where(i >= 1, 0.5, 0.0)
+    v = tl.where(i >= 2, 1.0, v)
+    v = tl.where(i >= 3, 1.5, v)
+    v = tl.where(i >= 4, 2.0, v)
+    v = tl.where(i >= 5, 3.0, v)
+    v = tl.where(i >= 6, 4.0, v)
+    return tl.where(i >= 7, 6.0, v)
+
+
+@triton.jit
+def _level_bits(level, BITS: tl.constexpr):
+    """The low bits a code at signed ``level`` carries (level 0 carries 0)."""
+    if BITS == 4:  # noqa: SIM108 - a constexpr branch, resolved when Triton compiles
+        out = tl.where(level < 0, (-level) | 8, level)
+    else:
+        out = tl.abs(level) & ((1 << BITS) - 1)
+    return out
+
+
+@triton.jit
+def _guided_values(x, s, dec, g, up_ptr, down_ptr, BITS: tl.constexpr):
+    """Inner values of fp32 blocks ``x`` [R, B, 16] rounded by the sampler's low bits ``g``
+    under its E4M3 block scales ``s`` [R, B] and row decode scales ``dec`` [R] (te order):
+    :func:`libalign.spec.normalized_with_scales`, then
+    :func:`libalign.rounding.round_e2m1_guided` with positive zeros."""
+    sd = s * dec[:, None]
+    mult = tl.minimum(tl.math.div_rn(tl.full(sd.shape, 1.0, tl.float32), sd), _FLT_MAX)
+    mult = tl.where(s == 0.0, 0.0, mult)
+    z = tl.minimum(tl.maximum(x * mult[:, :, None], -6.0), 6.0)
+    a = tl.abs(z)
+    rne = tl.where(a > 0.25, 1, 0)  # the RNE level, as _inner_values rounds
+    rne = tl.where(a >= 0.75, 2, rne)
+    rne = tl.where(a > 1.25, 3, rne)
+    rne = tl.where(a >= 1.75, 4, rne)
+    rne = tl.where(a > 2.5, 5, rne)
+    rne = tl.where(a >= 3.5, 6, rne)
+    rne = tl.where(a > 5.0, 7, rne)
+    lo = tl.where(a >= 0.5, 1, 0)  # the largest level whose magnitude is <= a
+    lo = tl.where(a >= 1.0, 2, lo)
+    lo = tl.where(a >= 1.5, 3, lo)
+    lo = tl.where(a >= 2.0, 4, lo)
+    lo = tl.where(a >= 3.0, 5, lo)
+    lo = tl.where(a >= 4.0, 6, lo)
+    lo = tl.where(a >= 6.0, 7, lo)
+    hi = tl.where(_e2m1_magnitude(lo) == a, lo, tl.minimum(lo + 1, 7))
+    neg = z < 0.0
+    lower = tl.where(neg, -hi, lo)
+    upper = tl.where(neg, -lo, hi)
+    rne_level = tl.where(neg, -rne, rne)
+    if BITS == 4:  # the sampler's negative zero is level 0
+        g = tl.where(g == 8, 0, g)
+    lower_hit = _level_bits(lower, BITS) == g
+    upper_hit = _level_bits(upper, BITS) == g
+    nc = 1 << BITS
+    ends = tl.load(up_ptr + (upper + 7) * nc + g) + tl.load(down_ptr + (lower + 7) * nc + g)
+    two_z = 2.0 * z
+    outside = tl.where(ends < two_z, upper, tl.where(two_z < ends, lower, rne_level))
+    level = tl.where(lower_hit, lower, tl.where(upper_hit, upper, outside))
+    mag = _e2m1_magnitude(tl.abs(level))
+    return tl.where(level < 0, -mag, mag) * s[:, :, None]
+
+
+@triton.jit
+def _guided_qdq_kernel(x_ptr, inner_ptr, dec_ptr, src_ptr, low_ptr, bs_ptr, rs_ptr, e4m3_ptr,
+                       up_ptr, down_ptr, M, stride_x, stride_i, stride_low, stride_bs,
+                       KB: tl.constexpr, AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr,
+                       BITS: tl.constexpr, ROWS: tl.constexpr, CB: tl.constexpr):
+    # rows with a record (src >= 0) take its block and row scales and its low code bits;
+    # the others round to nearest under their own scales, as _act_qdq_chunked_kernel does
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    blk = tl.arange(0, CB)
+    j = tl.arange(0, 16)
+    rmask = rows < M
+    r64 = rows[:, None, None].to(tl.int64)
+    src = tl.load(src_ptr + rows, mask=rmask, other=-1)
+    guided = src >= 0
+    s64 = tl.where(guided, src, 0).to(tl.int64)
+    amax = tl.zeros([ROWS], dtype=tl.float32)
+    poison = tl.zeros([ROWS], dtype=tl.float32)
+    for c in range(0, KB, CB):
+        b = c + blk
+        cols = b[None, :, None] * 16 + j[None, None, :]
+        mask = rmask[:, None, None] & (b < KB)[None, :, None]
+        x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        poison += tl.sum(tl.sum(x * 0.0, axis=2), axis=1)
+        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), axis=2), axis=1))
+    enc, dec = _outer(amax, AMAX_FLOOR, HAS_FLOOR)
+    rs = tl.load(rs_ptr + s64, mask=rmask & guided, other=1.0)
+    for c in range(0, KB, CB):
+        b = c + blk
+        cols = b[None, :, None] * 16 + j[None, None, :]
+        mask = rmask[:, None, None] & (b < KB)[None, :, None]
+        x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        own = _inner_values(x, enc, dec)
+        gmask = (rmask & guided)[:, None] & (b < KB)[None, :]
+        sb = tl.load(bs_ptr + s64[:, None] * stride_bs + b[None, :], mask=gmask, other=0)
+        s = tl.load(e4m3_ptr + sb.to(tl.int32))
+        g = tl.load(low_ptr + s64[:, None, None] * stride_low + cols,
+                    mask=gmask[:, :, None], other=0).to(tl.int32)
+        val = tl.where(guided[:, None, None], _guided_values(x, s, rs, g, up_ptr, down_ptr, BITS),
+                       own)
+        tl.store(inner_ptr + r64 * stride_i + cols, val.to(inner_ptr.dtype.element_ty), mask=mask)
+    dec = tl.where(guided, rs, dec)
+    tl.store(dec_ptr + rows, tl.where(poison == 0.0, dec, float("nan")), mask=rmask)
+
+
+def guided_act_qdq(x: torch.Tensor, *, src: torch.Tensor, low: torch.Tensor,
+                   block_scales: torch.Tensor, row_scales: torch.Tensor, bits: int,
+                   amax_floor: float | None, e4m3: torch.Tensor, up: torch.Tensor,
+                   down: torch.Tensor, rows: int = 16, chunk: int = 16, num_warps: int = 4):
+    """Inner values (bf16 ``[M, K]``) and fp32 row decode scales ``[M]`` of guided activations.
+
+    Row ``r`` with ``src[r] >= 0`` (int32) is rounded by record ``src[r]``: its low code bits
+    ``low`` ``[n, K]`` (uint8), E4M3 block-scale bytes ``block_scales`` ``[n, K/16]`` and row
+    decode scale ``row_scales`` ``[n]`` (fp32); the other rows round to nearest under their
+    own scales. ``e4m3`` is the fp32 value of each E4M3 byte, ``up``/``down`` the
+    nearest-matching-level tables of ``bits`` (:func:`libalign.rounding.guide_tables`).
+    A row holding NaN/Inf gets a NaN decode scale.
+    """
+    m, k = x.shape
+    if k % 16 or x.stride(1) != 1 or low.stride(-1) != 1 or block_scales.stride(-1) != 1:
+        raise ValueError("guided_act_qdq needs contiguous rows whose length is a multiple of 16")
+    inner = torch.empty((m, k), dtype=torch.bfloat16, device=x.device)
+    dec = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return inner, dec
+    _guided_qdq_kernel[(triton.cdiv(m, rows),)](
+        x, inner, dec, src, low, block_scales, row_scales, e4m3, up, down, m,
+        x.stride(0), inner.stride(0), low.stride(0), block_scales.stride(0), KB=k // 16,
+        AMAX_FLOOR=float(amax_floor or 0.0), HAS_FLOOR=amax_floor is not None, BITS=bits,
+        ROWS=rows, CB=chunk, num_warps=num_warps)
+    return inner, dec
+
+
 def _set_blocks(nargs):
     bm, bn, bk = nargs["BM"], nargs["BN"], nargs["BK"]
     nargs["a_desc"].block_shape = [bm, bk]

@@ -59,10 +59,13 @@ from .errors import DTypeError, ShapeError, SpecError
 from .gemm_cutlass import grouped_activation_scales, native_grouped_gemm, native_grouped_gemm_gap
 from .gemm_layout import PAD_CHOICES, GroupLayout, group_layout
 from .gemm_triton import (
+    fused_guidance_enabled,
     triton_act_gap,
     triton_gemm_available,
+    triton_guided_gap,
     triton_k_gap,
     w4a4_grouped_triton,
+    w4a4_grouped_triton_guided,
     w4a4_grouped_triton_quantized,
 )
 from .packing import unpack_nibbles
@@ -72,7 +75,8 @@ from .spec import PRESETS, NumericsSpec, NVFP4Tensor, check_finite
 BACKENDS = ("auto", "reference", "torch", "triton", "native")
 __all__ = [  # GroupLayout, group_layout and PAD_CHOICES are gemm_layout's, re-exported
     "BACKENDS", "PAD_CHOICES", "PATHS", "ActivationHook", "ExecutionPath", "ExpertWeights",
-    "GroupLayout", "Observer", "epilogue", "get_path", "group_layout", "grouped_linear",
+    "GroupLayout", "Observer", "epilogue", "fuses_guidance", "get_path", "group_layout",
+    "grouped_linear",
     "inner_table", "inner_values", "moe_experts_forward", "prepare_weights", "quantize_activations",
     "register_path", "row_decode_scales", "take_rows", "w4a4_reference", "weights_from_quantized",
 ]
@@ -93,6 +97,9 @@ class ExecutionPath:
     weight_spec: NumericsSpec | None = None
     act_spec: NumericsSpec | None = None
     description: str = ""
+    kv_spec: NumericsSpec | None = None
+    """The KV cache's format (``kv_nvfp4``, ``kv_mxfp4``), None: K and V stay in the model's
+    dtype; :mod:`libalign.models.kv_cache` quantizes them on write."""
 
     def __post_init__(self) -> None:
         if (self.weight_spec is None) != (self.act_spec is None):
@@ -128,6 +135,14 @@ PATHS: dict[str, ExecutionPath] = {
         "NVFP4 as nvfp4_minite, activations rounded as the sampler's guidance records say "
         "(TRACE; round-to-nearest where no record is attached)"),
 }
+for _kv in ("kv_nvfp4", "kv_mxfp4"):  # FP4 KV cache: the path's name says its KV format
+    PATHS[f"nvfp4_minite_{_kv}"] = ExecutionPath(
+        f"nvfp4_minite_{_kv}", PRESETS["minite"], PRESETS["minite"],
+        f"nvfp4_minite with K and V stored as {_kv} (quantized on write)", PRESETS[_kv])
+    PATHS[f"nvfp4_trace_{_kv}"] = ExecutionPath(
+        f"nvfp4_trace_{_kv}", PRESETS["minite"], PRESETS["minite"],
+        f"nvfp4_trace with K and V quantized as {_kv}, rounded as the sampler's KV guidance "
+        "records say", PRESETS[_kv])
 
 
 def register_path(path: ExecutionPath) -> None:
@@ -391,9 +406,12 @@ def _bf16_grouped(a: torch.Tensor, w: torch.Tensor, layout: GroupLayout) -> torc
 
 def _quantized_grouped(a: torch.Tensor, w: ExpertWeights, layout: GroupLayout,
                        backend: str, act_q: NVFP4Tensor | None = None,
-                       checked: bool = True) -> torch.Tensor:
+                       checked: bool = True, guide=None) -> torch.Tensor:
     spec = w.path.act_spec
     out_dtype = a.dtype if a.dtype != torch.float32 else torch.bfloat16
+    if guide is not None:  # guided rounding fused into the Triton activation pass
+        return w4a4_grouped_triton_guided(a, spec, guide, w.inner, w.dec, layout, out_dtype,
+                                          check_finite=checked)
     if backend == "triton":
         if act_q is not None:
             return w4a4_grouped_triton_quantized(
@@ -433,11 +451,11 @@ class _GroupedSTE(torch.autograd.Function):
     """Forward through the chosen path; backward as the bf16 product of saved operands."""
 
     @staticmethod
-    def forward(ctx, a, weight, w, layout, backend, act_q, checked):
+    def forward(ctx, a, weight, w, layout, backend, act_q, checked, guide):
         ctx.save_for_backward(a, weight)
         ctx.layout = layout
         if w.path.quantized:
-            return _quantized_grouped(a, w, layout, backend, act_q, checked)
+            return _quantized_grouped(a, w, layout, backend, act_q, checked, guide)
         return _bf16_grouped(a, weight, layout)
 
     @staticmethod
@@ -456,13 +474,13 @@ class _GroupedSTE(torch.autograd.Function):
                 lo, hi = offs[e], offs[e + 1]
                 if hi > lo:
                     grad_w[e] = (grad[lo:hi].T @ a[lo:hi]).to(weight.dtype)
-        return grad_a, grad_w, None, None, None, None, None
+        return grad_a, grad_w, None, None, None, None, None, None
 
 
 def grouped_linear(a: torch.Tensor, weights: ExpertWeights,
                    counts: torch.Tensor | list[int] | GroupLayout, *,
                    backend: str = "auto", act_q: NVFP4Tensor | None = None,
-                   check_finite: bool = True) -> torch.Tensor:
+                   check_finite: bool = True, act_guide=None) -> torch.Tensor:
     """``out[rows of e] = a[rows of e] @ W[e]^T`` through ``weights.path``, rows sorted by expert.
 
     ``a`` is ``[rows, K]``; ``counts`` gives each expert's rows (or a :class:`GroupLayout`).
@@ -474,7 +492,11 @@ def grouped_linear(a: torch.Tensor, weights: ExpertWeights,
 
     ``act_q``, when given, is the activations' quantization to multiply instead of the
     path's own (guided rounding): an NVFP4 ``[rows, K]`` of ``a`` in the same row order;
-    ``a`` itself is then only saved for the backward pass.
+    ``a`` itself is then only saved for the backward pass. ``act_guide`` (a
+    :class:`~libalign.guidance.RowGuide`: a sampler's records for the rows of ``a``) rounds
+    the activations as :func:`~libalign.guidance.guided_quantize` does, inside the Triton
+    activation pass; only where :func:`fuses_guidance` says so (else quantize them with
+    ``guided_quantize`` and pass ``act_q``).
 
     ``check_finite=False`` drops the Triton backend's NaN/Inf check of the activations, one
     device synchronisation per call (which stalls a host that queues work ahead, as a
@@ -487,7 +509,19 @@ def grouped_linear(a: torch.Tensor, weights: ExpertWeights,
         raise ShapeError(f"act_q of shape {act_q.shape} for activations {tuple(a.shape)} on path "
                          f"{weights.path.name!r}: needs a quantized path and the same shape")
     be = _resolve_backend(backend, a.device, weights.path, a.shape[-1])
-    return _GroupedSTE.apply(a, weights.weight, weights, layout, be, act_q, check_finite)
+    if act_guide is not None and (act_q is not None or not fuses_guidance(a, weights, act_guide, be)):
+        raise SpecError("act_guide needs the fused Triton pass (fuses_guidance) and no act_q")
+    return _GroupedSTE.apply(a, weights.weight, weights, layout, be, act_q, check_finite, act_guide)
+
+
+def fuses_guidance(a: torch.Tensor, weights: ExpertWeights, guide, backend: str = "auto") -> bool:
+    """Whether :func:`grouped_linear` rounds ``a`` by ``guide`` inside the Triton activation
+    pass: a quantized path on the Triton backend, fused guidance on
+    (:func:`~libalign.gemm_triton.fused_guidance`), a spec and records the pass implements."""
+    spec = weights.path.act_spec
+    return spec is not None and fused_guidance_enabled() and triton_guided_gap(
+        spec, guide, a.shape[-1]) is None and _resolve_backend(
+        backend, a.device, weights.path, a.shape[-1]) == "triton"
 
 
 # --- a whole MoE expert block -----------------------------------------------------------------

@@ -20,12 +20,14 @@ backend. Triton is an optional dependency, imported on first use.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 
 from .errors import SpecError
 from .gemm_layout import GroupLayout, group_layout
+from .rounding import e4m3_bits_to_float, guide_tables
 from .spec import NumericsSpec
 from .spec import check_finite as raise_if_nonfinite
 
@@ -142,4 +144,78 @@ def w4a4_grouped_triton_quantized(a_inner: torch.Tensor, a_dec: torch.Tensor,
     dp = lay.pad(a_dec.float().reshape(-1, 1)).reshape(-1).contiguous()
     tiles = lay.tile_expert(lay.pad_to, a_inner.device)
     out = tk.grouped_gemm(ap, dp, w_inner, w_dec, tiles, lay.pad_to, out_dtype)
+    return lay.unpad(out)
+
+
+# --- guided rounding fused into the activation pass (TRACE) ----------------------------------
+
+_FUSED_GUIDANCE = [os.environ.get("ALIGN_FUSED_GUIDANCE", "0") == "1"]
+_E4M3: dict[str, torch.Tensor] = {}
+
+
+def fused_guidance_enabled() -> bool:
+    """Whether guided activations go through the fused Triton pass (``ALIGN_FUSED_GUIDANCE=1``
+    or :func:`fused_guidance`); off by default until its GPU bit test has run on the H200."""
+    return _FUSED_GUIDANCE[0]
+
+
+@contextlib.contextmanager
+def fused_guidance(on: bool = True):
+    """Route guided activations through the fused pass (or not) inside the block (process-wide)."""
+    before = _FUSED_GUIDANCE[0]
+    _FUSED_GUIDANCE[0] = bool(on)
+    try:
+        yield
+    finally:
+        _FUSED_GUIDANCE[0] = before
+
+
+def triton_guided_gap(spec: NumericsSpec, guide, k: int) -> str | None:
+    """Why the fused pass cannot round these activations by ``guide`` (a
+    :class:`~libalign.guidance.RowGuide`), or None when it can."""
+    gap = triton_act_gap(spec) or triton_k_gap(k)
+    if gap is not None:
+        return gap
+    if spec.outer_domain != "row" or spec.outer_convention != "dec":
+        return "guided rows need row scales stored as decode scales"
+    if spec.signed_zero != "positive" or spec.zero_scale_encode != "zero":
+        return "signed zeros or a saturating zero scale"
+    if guide.bits not in (1, 2, 3, 4) or guide.low.dtype != torch.uint8 or \
+            guide.low.shape[-1] != k or guide.block_scales.shape[-1] * 16 != k:
+        return "records of another width"
+    return None
+
+
+def w4a4_grouped_triton_guided(a: torch.Tensor, spec: NumericsSpec, guide, w_inner: torch.Tensor,
+                               w_dec: torch.Tensor, layout: GroupLayout,
+                               out_dtype: torch.dtype = torch.bfloat16, *,
+                               check_finite: bool = True) -> torch.Tensor:
+    """:func:`w4a4_grouped_triton` with the activations rounded by a sampler's records.
+
+    ``guide`` (a :class:`~libalign.guidance.RowGuide` for the rows of ``a``): rows it marks
+    present take their record's scales and low code bits
+    (:func:`libalign.guidance.guided_quantize`'s bits), the others round to nearest; one
+    pass writes the inner values, as the unguided pass does.
+    """
+    tk = _kernels_for(a, a.shape[-1])
+    gap = triton_guided_gap(spec, guide, a.shape[-1])
+    if gap is not None:
+        raise SpecError(f"the fused guided pass cannot serve {gap}")
+    lay = _tiled(layout)
+    dev = a.device
+    src = torch.where(guide.present, guide.index, -1).to(torch.int32)
+    src = (lay.pad((src + 1).reshape(-1, 1)) - 1).reshape(-1).contiguous()  # padding: no record
+    e4m3 = _E4M3.get(str(dev))
+    if e4m3 is None:
+        e4m3 = _E4M3[str(dev)] = e4m3_bits_to_float(torch.arange(256, dtype=torch.uint8, device=dev))
+    up, down = guide_tables(guide.bits, dev)
+    inner, dec = tk.guided_act_qdq(
+        lay.pad(a.contiguous()), src=src, low=guide.low.contiguous(),
+        block_scales=guide.block_scales.view(torch.uint8).contiguous(),
+        row_scales=guide.row_scales.to(torch.float32).contiguous(), bits=guide.bits,
+        amax_floor=spec.amax_floor, e4m3=e4m3, up=up, down=down)
+    out = tk.grouped_gemm(inner, dec, w_inner, w_dec, lay.tile_expert(lay.pad_to, dev), lay.pad_to,
+                          out_dtype)
+    if check_finite and not bool(torch.isfinite(dec).all()):
+        raise_if_nonfinite(a, "activations")
     return lay.unpad(out)

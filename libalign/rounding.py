@@ -178,6 +178,15 @@ def _nearest_matching_tables(bits: int, device) -> tuple[torch.Tensor, torch.Ten
 _GUIDE_TABLES: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def guide_tables(bits: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``[15, 2^bits]`` nearest-matching-level tables :func:`round_e2m1_guided` reads
+    (up, then down; cached per device), for kernels that apply the same rule."""
+    key = (bits, str(device))
+    if key not in _GUIDE_TABLES:
+        _GUIDE_TABLES[key] = _nearest_matching_tables(bits, device)
+    return _GUIDE_TABLES[key]
+
+
 def bracket_levels(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Signed levels ``(L-, L+)`` (int8) of the grid points bracketing fp32 ``z`` in [-6, 6]."""
     grid = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=z.device)
@@ -203,10 +212,7 @@ def round_e2m1_guided(z: torch.Tensor, guide: torch.Tensor, bits: int,
         raise SpecError(f"guidance keeps 1, 2, 3 or 4 bits per value, got {bits!r}")
     if guide.shape != z.shape:
         raise SpecError(f"guide bits have shape {tuple(guide.shape)}, values {tuple(z.shape)}")
-    key = (bits, str(z.device))
-    if key not in _GUIDE_TABLES:
-        _GUIDE_TABLES[key] = _nearest_matching_tables(bits, z.device)
-    up_tab, down_tab = _GUIDE_TABLES[key]
+    up_tab, down_tab = guide_tables(bits, z.device)
     rne = e2m1_magnitude_codes(z.abs())
     rne_level = torch.where(z < 0, -rne.to(torch.int8), rne.to(torch.int8))
     lower, upper = bracket_levels(z)

@@ -80,7 +80,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from .. import gemm
 from ..errors import ConfigError, SpecError
-from ..guidance import GuidanceTable, guided_quantize
+from ..guidance import GuidanceTable
 from .megatron_cpu import cpu_shims, fix_missing_te
 from .megatron_modules import (
     LibalignGroupedLinear,
@@ -369,7 +369,11 @@ def use_guidance(model: nn.Module, table: GuidanceTable | None,
     """Round expert activations by ``table``'s records while inside (``nvfp4_trace``).
 
     Rows with a record are rounded with the sampler's scales and low bits, the others to
-    nearest; ``table=None`` rounds every row to nearest through the same hook.
+    nearest: the hook hands the GEMM the rows' records (:class:`~libalign.guidance.RowGuide`),
+    which :func:`libalign.gemm.grouped_linear` applies (in the Triton activation pass where
+    fused guidance is on). A site without records (or ``table=None``) runs the path's own
+    round-to-nearest activation pass: the bits :func:`~libalign.guidance.guided_quantize`
+    gives without a guide.
     """
     mods = experts_modules(model)
     chosen = sorted(mods) if layers is None else sorted({int(x) for x in layers})
@@ -378,8 +382,7 @@ def use_guidance(model: nn.Module, table: GuidanceTable | None,
         raise SpecError(f"layers {bad} have no libalign experts; they are {sorted(mods)}")
 
     def hook(layer, site, a, spec, keys):
-        guide = None if table is None else table.lookup(layer, site, keys)
-        return guided_quantize(a.detach(), spec, guide)
+        return None if table is None else table.lookup(layer, site, keys)
 
     for i in chosen:
         mods[i].act_hook = hook

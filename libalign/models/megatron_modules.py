@@ -58,9 +58,11 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from .. import gemm
 from ..errors import ConfigError, SpecError
+from ..guidance import RowGuide, guided_quantize
 
 PathLike = str | gemm.ExecutionPath
-# hook(layer, site, activations, spec, row_keys) -> their NVFP4 quantization
+# hook(layer, site, activations, spec, row_keys) -> their NVFP4 quantization, a RowGuide (the
+# GEMM rounds them by a sampler's records) or None (the path's own quantization)
 MegatronActivationHook = Callable[..., object]
 
 
@@ -141,12 +143,19 @@ class LibalignGroupedLinear(MegatronModule):
         self._prepared.clear()
 
     def forward(self, x: torch.Tensor, tokens_per_expert, act_q=None):
-        """``(grouped_linear(x, W), None)`` on the current path."""
+        """``(grouped_linear(x, W), None)`` on the current path; ``act_q`` is an activation
+        hook's answer (see :data:`MegatronActivationHook`)."""
         counts = tokens_per_expert
         if isinstance(counts, torch.Tensor):
             counts = counts.tolist()
-        out = gemm.grouped_linear(x, self.prepared(), counts, backend=self.backend, act_q=act_q,
-                                  check_finite=self.check_finite)
+        w, guide = self.prepared(), None
+        if isinstance(act_q, RowGuide):  # a sampler's records: fused, or quantized first
+            if gemm.fuses_guidance(x, w, act_q, self.backend):
+                guide, act_q = act_q, None
+            else:
+                act_q = guided_quantize(x.detach(), w.path.act_spec, act_q)
+        out = gemm.grouped_linear(x, w, counts, backend=self.backend, act_q=act_q,
+                                  check_finite=self.check_finite, act_guide=guide)
         return out, None
 
     def backward_dw(self) -> None:

@@ -37,7 +37,9 @@ model time over ``bf16`` (goal <= 1.10), the weight quantization per step of
 ``nvfp4_minite`` (goal <= 5 ms), and ``nvfp4_trace_rec`` model time over ``nvfp4_minite``
 (goal <= 1.074, TRACE's own overhead figure). ``nvfp4_minite_nocheck`` is minite without the
 per-GEMM NaN/Inf check (:func:`libalign.models.megatron.set_finite_check`), whose device
-synchronisations stall the host's queue.
+synchronisations stall the host's queue. ``nvfp4_trace_rec_fused`` rounds the guided rows
+inside the Triton activation pass (:func:`libalign.gemm_triton.fused_guidance`) instead of
+quantizing them first (:func:`libalign.guidance.guided_quantize`: dozens of tensor passes).
 
 Run: ``python -m tests.bench megatron [-- --tokens 8192 --repeats 10 --json out.json]``.
 Without CUDA it prints that it skipped, unless ``--tiny`` (a 2-layer, 8-expert model small
@@ -55,7 +57,7 @@ import time
 import torch
 
 PATHS = ("bf16", "nvfp4_naive", "nvfp4_minite", "nvfp4_minite_nocheck", "nvfp4_trace",
-         "nvfp4_trace_rec")
+         "nvfp4_trace_rec", "nvfp4_trace_rec_fused")
 RECORD_BITS = 2
 GOALS = {"minite_model": 1.10, "quantize_ms": 5.0, "trace_rec_over_minite": 1.074}
 
@@ -225,14 +227,16 @@ def _goals(rows: dict) -> list[dict]:
     add("nvfp4_minite, no NaN check / bf16", nc.get("model_ratio"), GOALS["minite_model"], "x")
     add("nvfp4_minite weight quantization per step", mn.get("quantize_ms"), GOALS["quantize_ms"],
         "ms")
-    if "nvfp4_trace_rec" in rows and mn:
-        add("nvfp4_trace (records) whole model / minite",
-            rows["nvfp4_trace_rec"]["model_ms"] / mn["model_ms"], GOALS["trace_rec_over_minite"], "x")
+    for key, name in (("nvfp4_trace_rec", "nvfp4_trace (records) whole model / minite"),
+                      ("nvfp4_trace_rec_fused", "  ... guided rounding fused into the act pass")):
+        if key in rows and mn:
+            add(name, rows[key]["model_ms"] / mn["model_ms"], GOALS["trace_rec_over_minite"], "x")
     return out
 
 
 def _model_path(path: str) -> str:
-    return {"nvfp4_trace_rec": "nvfp4_trace", "nvfp4_minite_nocheck": "nvfp4_minite"}.get(path, path)
+    return "nvfp4_minite" if path == "nvfp4_minite_nocheck" else \
+        "nvfp4_trace" if path.startswith("nvfp4_trace") else path
 
 
 def _records(mg, model, ids, keys, dev):
@@ -284,13 +288,19 @@ class _path_ctx:
     def __init__(self, mg, model, path, keys, table=None):
         self.mg, self.model, self.keys = mg, model, keys
         self.on = path in ("nvfp4_trace", "nvfp4_trace_rec")
-        self.table = table if path == "nvfp4_trace_rec" else None
+        self.table = table if path.startswith("nvfp4_trace_rec") else None
         self.unchecked = path.endswith("_nocheck")
-        self.ctx = None
+        self.fused = path.endswith("_fused")
+        self.ctx = self.fused_ctx = None
 
     def __enter__(self):
         if self.unchecked:
             self.mg.set_finite_check(self.model, False)
+        if self.fused:
+            from libalign.gemm_triton import fused_guidance
+
+            self.fused_ctx = fused_guidance(True)
+            self.fused_ctx.__enter__()
         if self.on:
             self.mg.set_row_keys(self.model, self.keys)
             self.ctx = self.mg.use_guidance(self.model, self.table)
@@ -300,6 +310,8 @@ class _path_ctx:
     def __exit__(self, *exc):
         if self.unchecked:
             self.mg.set_finite_check(self.model, True)
+        if self.fused_ctx is not None:
+            self.fused_ctx.__exit__(*exc)
         if self.ctx is not None:
             self.ctx.__exit__(*exc)
             self.mg.set_row_keys(self.model, None)
