@@ -26,8 +26,9 @@ expert weights 39-43 ms a step. The straight-through backward runs a Python loop
 experts (:class:`libalign.gemm._GroupedSTE`), which keeps the step launch-bound and hides
 part of the quantized forward's extra GPU time in the whole-model column.
 
-``nvfp4_trace`` runs with the guided-rounding hook attached and no sampler records, so every
-row is rounded to nearest through the hook: the cost of the guided path without the lookup.
+``nvfp4_trace`` runs with the guided-rounding hook attached and no sampler records: every
+row's key is formed and looked up, and the rows round to nearest in the path's own
+activation pass (the cost of the guided path's bookkeeping).
 ``nvfp4_trace_rec`` is TRACE as a learner runs it: every expert row has a sampler record
 (2 low bits a value, captured from this model's own ``nvfp4_minite`` forward on the same
 batch, so the guided rows reproduce round-to-nearest and ``rel L2`` equals minite's).
