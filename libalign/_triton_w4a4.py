@@ -298,6 +298,38 @@ def guided_act_qdq(x: torch.Tensor, *, src: torch.Tensor, low: torch.Tensor,
     return inner, dec
 
 
+@triton.jit
+def _inner_from_codes_kernel(codes_ptr, scales_ptr, e4m3_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    # one packed byte (two codes, low nibble first) per lane; 8 bytes share a block scale
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    byte = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
+    s = tl.load(e4m3_ptr + tl.load(scales_ptr + offs // 8, mask=mask, other=0).to(tl.int32))
+    lo = _e2m1_magnitude(byte & 7)
+    hi = _e2m1_magnitude((byte >> 4) & 7)
+    # signs by multiplication: Triton's unary minus is 0 - x, which loses the sign of -0
+    lo = lo * tl.where((byte & 8) != 0, -1.0, 1.0) * s
+    hi = hi * tl.where((byte & 128) != 0, -1.0, 1.0) * s
+    pair = tl.reshape(tl.join(lo, hi), [2 * BLOCK])
+    outs = tl.program_id(0).to(tl.int64) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
+    tl.store(out_ptr + outs, pair.to(out_ptr.dtype.element_ty), mask=outs < 2 * N)
+
+
+def inner_from_codes(codes: torch.Tensor, scales: torch.Tensor, e4m3: torch.Tensor,
+                     block: int = 1024) -> torch.Tensor:
+    """bf16 inner values ``[..., 2 * K/2]`` of packed codes ``[..., K/2]`` and E4M3 scale bytes
+    ``[..., K/16]`` (``e4m3``: the fp32 value of each byte): one read of the bits, one write."""
+    if codes.shape[-1] % 8 or scales.shape[-1] * 8 != codes.shape[-1]:
+        raise ValueError("inner_from_codes needs whole 16-value blocks")
+    codes, scales = codes.contiguous(), scales.view(torch.uint8).contiguous()
+    out = torch.empty((*codes.shape[:-1], codes.shape[-1] * 2), dtype=torch.bfloat16,
+                      device=codes.device)
+    n = codes.numel()
+    if n:
+        _inner_from_codes_kernel[(triton.cdiv(n, block),)](codes, scales, e4m3, out, n, BLOCK=block)
+    return out
+
+
 def _set_blocks(nargs):
     bm, bn, bk = nargs["BM"], nargs["BN"], nargs["BK"]
     nargs["a_desc"].block_shape = [bm, bk]

@@ -63,6 +63,7 @@ from .gemm_triton import (
     triton_act_gap,
     triton_gemm_available,
     triton_guided_gap,
+    triton_inner_values,
     triton_k_gap,
     w4a4_grouped_triton,
     w4a4_grouped_triton_guided,
@@ -170,8 +171,7 @@ def inner_table(device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
 
     Row ``(s << 8) | b`` holds ``fl32(code * scale)`` of byte ``b``'s two E2M1 codes (low
     nibble first) under scale byte ``s``, cast to ``dtype`` (exact: at most 6 significant
-    bits between 2^-10 and 2688). Built once per device and dtype (256 KiB in bf16).
-    """
+    bits between 2^-10 and 2688). Built once per device and dtype (256 KiB in bf16)."""
     key = (str(device), dtype)
     table = _INNER_TABLES.get(key)
     if table is None:
@@ -185,17 +185,18 @@ def inner_table(device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
 def inner_values(q: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q * s`` per element (step 1): exact in fp32 and bf16; logical shape, K unpadded.
 
-    One gather from :func:`inner_table` per code byte: the index ``(scale byte << 8) | code
-    byte`` is formed in one int32 pass, and in bf16/fp16/fp32 each byte's two values travel
-    as one 4- or 8-byte word. About 14 bytes moved per bf16 value (a weight stack of 2.4 GB
-    decodes in a few milliseconds on an H200), against a dozen int64 and fp32 passes for the
-    field-by-field decode (:func:`~libalign.rounding.e2m1_code_values` times
-    :func:`~libalign.rounding.e4m3_bits_to_float`), whose bits it reproduces.
-    """
+    The bits of the field-by-field decode (:func:`~libalign.rounding.e2m1_code_values` times
+    :func:`~libalign.rounding.e4m3_bits_to_float`) from one gather per code byte in
+    :func:`inner_table` (index ``scale byte << 8 | code byte``, each byte's two values one
+    word), or in bf16 on a Triton GPU one Triton pass (reads the bits once, writes bf16)."""
     scales = q.block_scales
     if scales.dtype == torch.float8_e8m0fnu or q.codes.shape[-1] * 2 != scales.shape[-1] * 16:
         raise DTypeError(f"inner_values decodes NVFP4 (E4M3 scales per 16 values); spec "
                          f"{q.spec.name!r} has {scales.dtype} scales per {q.spec.block_size}")
+    fast = triton_inner_values(q.codes, scales) if dtype == torch.bfloat16 and q.codes.is_cuda \
+        and _device_kernels(q.codes.device)[1] else None
+    if fast is not None:
+        return fast[..., : q.k]
     lead = q.codes.shape[:-1]
     nb = scales.shape[-1]
     shifted = scales.view(torch.uint8).to(torch.int32).unsqueeze(-1) << 8

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 import torch
 
@@ -33,6 +34,7 @@ from .spec import check_finite as raise_if_nonfinite
 
 _triton_module = None
 _capability: dict[str, tuple[int, int]] = {}
+_E4M3: dict[str, torch.Tensor] = {}
 
 
 def _kernels():
@@ -147,10 +149,40 @@ def w4a4_grouped_triton_quantized(a_inner: torch.Tensor, a_dec: torch.Tensor,
     return lay.unpad(out)
 
 
+def _e4m3_values(device: torch.device) -> torch.Tensor:
+    """The fp32 value of each E4M3 byte on ``device`` (cached)."""
+    table = _E4M3.get(str(device))
+    if table is None:
+        table = _E4M3[str(device)] = e4m3_bits_to_float(
+            torch.arange(256, dtype=torch.uint8, device=device))
+    return table
+
+
+_DECODE_FAILED: list[str] = []
+
+
+def triton_inner_values(codes: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor | None:
+    """bf16 inner values (code times E4M3 block scale) of packed codes ``[..., Kp/2]`` on a
+    CUDA device, K padded to 16: :func:`libalign.gemm.inner_values`'s bits in one pass.
+
+    None when this Triton cannot build the pass (one warning; the caller's table gather
+    then serves, with the same bits), as a failed kernel build leaves the spec serving.
+    """
+    if _DECODE_FAILED:
+        return None
+    try:
+        return _kernels_for(codes, 16).inner_from_codes(codes, block_scales,
+                                                        _e4m3_values(codes.device))
+    except Exception as e:  # a compile failure of this Triton version
+        _DECODE_FAILED.append(f"{type(e).__name__}: {e}")
+        warnings.warn(f"the Triton inner-value pass failed ({_DECODE_FAILED[0][:200]}); "
+                      "the table gather decodes instead", RuntimeWarning, stacklevel=2)
+        return None
+
+
 # --- guided rounding fused into the activation pass (TRACE) ----------------------------------
 
 _FUSED_GUIDANCE = [os.environ.get("ALIGN_FUSED_GUIDANCE", "0") == "1"]
-_E4M3: dict[str, torch.Tensor] = {}
 
 
 def fused_guidance_enabled() -> bool:
@@ -205,9 +237,7 @@ def w4a4_grouped_triton_guided(a: torch.Tensor, spec: NumericsSpec, guide, w_inn
     dev = a.device
     src = torch.where(guide.present, guide.index, -1).to(torch.int32)
     src = (lay.pad((src + 1).reshape(-1, 1)) - 1).reshape(-1).contiguous()  # padding: no record
-    e4m3 = _E4M3.get(str(dev))
-    if e4m3 is None:
-        e4m3 = _E4M3[str(dev)] = e4m3_bits_to_float(torch.arange(256, dtype=torch.uint8, device=dev))
+    e4m3 = _e4m3_values(dev)
     up, down = guide_tables(guide.bits, dev)
     inner, dec = tk.guided_act_qdq(
         lay.pad(a.contiguous()), src=src, low=guide.low.contiguous(),

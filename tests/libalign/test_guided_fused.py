@@ -3,16 +3,11 @@
 On a CUDA device with Triton, ``grouped_linear(a, w, counts, act_guide=guide)`` under
 :func:`libalign.gemm_triton.fused_guidance` must give the bits of ``act_q =
 guided_quantize(a, spec, guide)``; elsewhere ``act_guide`` is refused (callers quantize
-first, as the Megatron experts do). Without a GPU, the fused kernel's guided rows are checked in Triton's
-interpreter where Triton is installed (a subprocess with ``TRITON_INTERPRET=1``).
+first, as the Megatron experts do). Without a GPU, ``test_triton_interpreted`` checks the
+fused kernel's guided rows in Triton's interpreter.
 """
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -133,43 +128,3 @@ def test_fused_guided_pass_raises_on_nan():
                               "nvfp4_trace")
     with gemm_triton.fused_guidance(True), pytest.raises(NonFiniteError, match="17"):
         gemm.grouped_linear(x, ew, [20, 20], backend="triton", act_guide=guide)
-
-
-_INTERPRETED = textwrap.dedent("""
-    import torch
-    from libalign import _triton_w4a4 as tk, gemm
-    from libalign.guidance import guided_quantize
-    from libalign.rounding import e4m3_bits_to_float, guide_tables
-    from tests.libalign.test_guided_fused import SPEC, _case
-    e4m3 = e4m3_bits_to_float(torch.arange(256, dtype=torch.uint8))
-    for k, bits, rnd, grid in ((64, 1, False, False), (96, 2, True, False), (256, 3, False, False),
-                               (256, 4, True, False), (64, 2, True, True), (96, 3, True, True)):
-        x, guide = _case(21, k, bits, seed=k + bits, random_bits=rnd, grid=grid)
-        q = guided_quantize(x, SPEC, guide)
-        up, down = guide_tables(bits, "cpu")
-        src = torch.where(guide.present, guide.index, -1).to(torch.int32)
-        inner, dec = tk.guided_act_qdq(x, src=src, low=guide.low, block_scales=guide.block_scales,
-                                       row_scales=guide.row_scales.float(), bits=bits,
-                                       amax_floor=SPEC.amax_floor, e4m3=e4m3, up=up, down=down)
-        rows = guide.present
-        assert rows.any() and not rows.all()
-        assert torch.equal(inner[rows], gemm.inner_values(q, torch.bfloat16)[rows]), (k, bits)
-        assert torch.equal(dec[rows], gemm.row_decode_scales(q)[rows]), (k, bits)
-    print("interpreted guided rows equal")
-""")
-
-
-def test_guided_rows_in_the_triton_interpreter():
-    """Triton's interpreter (CPU): the fused kernel's guided rows equal guided_quantize's inner
-    values and decode scales (its own-scale rows are left to the GPU test: the interpreter's
-    E4M3 conversion is not the hardware's)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        pytest.skip("Triton is not installed")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "interpreted guided rows equal" in done.stdout
