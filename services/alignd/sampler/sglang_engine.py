@@ -119,15 +119,14 @@ Log-probs and temperature
     SGLang reports the log-probs of sampled tokens *after* temperature scaling (``log_softmax(z
     / T)``) unless the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``
     (``layers/sampler.py``: then ``log_softmax(z)`` of the raw logits), while a learner scores
-    untempered log-probs: at ``T`` other than 1 the measured gap would be biased by the
-    temperature. A server started with ``SGLANG_EXPOSE_OWN_ENV_VARS=1`` reports its variables in
-    ``/get_server_info`` (``internal_states[i].env_vars``), read at each load. A call at a
-    temperature other than 0 (greedy: untempered) or 1 raises
+    untempered log-probs: at ``T`` other than 1 the gap would be biased. A server started with
+    ``SGLANG_EXPOSE_OWN_ENV_VARS=1`` reports its variables in ``/get_server_info``
+    (``internal_states[i].env_vars``), read at each load. A call at T other than 0 or 1 raises
     :class:`~alignclient.errors.TemperedLogprobsError` before anything is sent when a server it
     could reach returns tempered log-probs, or does not say (``original_logprobs=None``, the
     default). ``original_logprobs=True`` is the operator's word that every server runs with the
-    variable (older SGLang that cannot expose it); ``False`` refuses every such call.
-    Scoring asks for no temperature, so it is always untempered.
+    variable (older SGLang that cannot expose it); ``False`` refuses every such call. Scoring
+    asks for no temperature, so it is always untempered.
 
 Concurrency
     No lock serialises calls: threads generate and score at once. A reader-writer lock is held
@@ -216,7 +215,8 @@ class SGLangSamplerEngine:
                  timeouts: SGLangTimeouts | None = None, strict_version: bool = True,
                  client: httpx.Client | None = None, api_key: str | None = None,
                  admin_api_key: str | None = None, router: str | None = None,
-                 original_logprobs: bool | None = None, model_paths: Sequence[str | Path] = ()):
+                 original_logprobs: bool | None = None, model_paths: Sequence[str | Path] = (),
+                 deterministic: bool = False):
         if pause_mode not in PAUSE_MODES:
             raise InputError(f"pause_mode {pause_mode!r} is not one of {PAUSE_MODES}")
         urls = [base_url] if isinstance(base_url, str) else list(base_url or [])
@@ -230,15 +230,14 @@ class SGLangSamplerEngine:
         self.eos_id = eos_id
         self.load_format = load_format
         self.pause_mode = pause_mode
-        self.strict_version = strict_version
+        self.strict_version, self.deterministic = strict_version, deterministic  # strict mode
         self.api_key, self.admin_api_key = api_key, admin_api_key
         self.original_logprobs = original_logprobs
         """True: the operator says every server returns untempered log-probs; None: ask them."""
         self.model_paths = tuple(str(p).rstrip("/") for p in model_paths)
         self._timeouts = timeouts or SGLangTimeouts()
         self.router = (SGLangServer(router, timeouts=self._timeouts, api_key=api_key,
-                                    admin_api_key=admin_api_key, client=client)
-                       if router else None)
+                                    admin_api_key=admin_api_key, client=client) if router else None)
         self.servers = [SGLangServer(u, timeouts=self._timeouts, api_key=api_key,
                                      admin_api_key=admin_api_key,
                                      client=client if len(urls) == 1 else None) for u in urls]
@@ -282,7 +281,7 @@ class SGLangSamplerEngine:
             seconds["export"] = time.perf_counter() - t0
             if self.router is not None:
                 self._refresh_workers()
-            outcomes = self._each(lambda s: s.check(model_paths=self.model_paths), self.servers)
+            outcomes = self._each(lambda s: s.check(self.model_paths, self.deterministic), self.servers)
             fit = [s for s in self.servers if outcomes[s.url][1] is None]
             for s in set(self.servers) - set(fit):
                 s.version = None  # not the server this sampler needs: out of rotation
@@ -470,7 +469,8 @@ class SGLangSamplerEngine:
     def _server(self, *, temperature: float = 1.0) -> Iterator[SGLangServer]:
         """The server a call goes to (the router, or the least busy one in rotation)."""
         if self.router is not None:
-            self._check_logprobs(self.servers, temperature)
+            self._check_logprobs([s for s in self.servers if s.version == self._version],
+                                 temperature)
             yield self.router
             return
         with self._pick_lock:
