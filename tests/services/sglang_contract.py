@@ -56,7 +56,10 @@ Server set-up (constructor arguments)
     "Unauthorized"}`` without ``Authorization: Bearer <key>``, except ``/health*`` and
     ``/metrics``); ``admin_api_key``: ``--admin-api-key``, the only key ``admin_routes``
     (ADMIN_OPTIONAL) take when it is set (``utils/auth.py``, ``decide_request_auth``);
-    ``quantization``: what ``/get_server_info`` reports (``--quantization``); ``env_vars``:
+    ``quantization``: what ``/get_server_info`` reports (``--quantization``);
+    ``deterministic`` and ``attention_backend``: what it reports of
+    ``--enable-deterministic-inference`` and ``--attention-backend`` (the backend is left out
+    of the answer when None); ``env_vars``:
     the server's ``SGLANG_*`` environment. ``/get_server_info`` lists it in
     ``internal_states[0].env_vars`` only when ``SGLANG_EXPOSE_OWN_ENV_VARS`` is true
     (``environ.exportable_env_vars``, ``scheduler``'s ``_add_env_vars``), and sampled tokens'
@@ -187,8 +190,11 @@ class SGLangContract:
                  logprob_semantics: Literal["current", "legacy"] = "current",
                  api_key: str | None = None, quantization: str | None = "modelopt_fp4",
                  env_vars: dict[str, str] | None = None, admin_api_key: str | None = None,
-                 admin_routes: tuple[str, ...] = ADMIN_ROUTES):
+                 admin_routes: tuple[str, ...] = ADMIN_ROUTES, deterministic: bool = False,
+                 attention_backend: str | None = None):
         self.api_key = api_key
+        self.deterministic = deterministic
+        self.attention_backend = attention_backend
         self.admin_api_key = admin_api_key
         self.admin_routes = admin_routes
         self.quantization = quantization
@@ -324,10 +330,13 @@ class SGLangContract:
             env = self.env_vars or {}
             if str(env.get("SGLANG_EXPOSE_OWN_ENV_VARS", "")).lower() in ("true", "1", "yes", "y"):
                 state["env_vars"] = dict(env)  # environ.exportable_env_vars()
-            return JSONResponse({"model_path": self.model_path, "tokenizer_path": self.model_path,
-                                 "quantization": self.quantization,
-                                 "enable_deterministic_inference": False,
-                                 "internal_states": [state], "version": "0.5.6"})
+            info = {"model_path": self.model_path, "tokenizer_path": self.model_path,
+                    "quantization": self.quantization,
+                    "enable_deterministic_inference": self.deterministic,
+                    "internal_states": [state], "version": "0.5.6"}
+            if self.attention_backend is not None:
+                info["attention_backend"] = self.attention_backend
+            return JSONResponse(info)
 
         @app.get("/health")
         @app.get("/health_generate")

@@ -350,3 +350,43 @@ def test_a_mismatched_server_among_several_leaves_rotation_before_any_switch(fle
     with pytest.raises(EngineMismatchError, match=r"no server could switch to 'v2'.*fp8") as e:
         engine.load("v2")
     assert e.value.field == "quantization" and engine.version_id == "v1"
+
+
+# --- strict mode: SGLang's deterministic inference --------------------------------------------
+
+def test_strict_mode_refuses_a_server_without_deterministic_inference(fleet):
+    """deterministic=True (ALIGN_STRICT): a server that does not report
+    enable_deterministic_inference, or reports an attention backend without a deterministic
+    form, is refused (EngineMismatchError naming the field) before it is paused; one started
+    with --enable-deterministic-inference (triton or unnamed backend) loads and serves; without
+    strict mode the flag is not asked for."""
+    strict = {"deterministic": True}
+    (c,), (url,), engine, _ = fleet(engine_kw=strict)
+    with pytest.raises(EngineMismatchError, match=f"{url} reports "
+                       "enable_deterministic_inference=False.*--enable-deterministic-inference") as e:
+        engine.load("v1")
+    assert e.value.field == "enable_deterministic_inference" and engine.version_id is None
+    assert [x.path for x in c.calls] == ["/get_server_info"]
+    (c,), _, engine, _ = fleet(engine_kw=strict, deterministic=True, attention_backend="fa4")
+    with pytest.raises(EngineMismatchError, match="attention backend 'fa4'") as e:
+        engine.load("v1")
+    assert e.value.field == "attention_backend" and [x.path for x in c.calls] == ["/get_server_info"]
+    for backend in ("triton", None):
+        (c,), _, engine, _ = fleet(engine_kw=strict, deterministic=True, attention_backend=backend)
+        engine.load("v1")
+        gen = engine.generate([[1, 2]], max_new_tokens=3, seed=4)
+        assert engine.version_id == "v1" and engine.score(gen.sequences, gen.prompt_lens) == gen.logprobs
+    (c,), _, engine, _ = fleet()  # not strict: a non-deterministic server serves
+    engine.load("v1")
+    assert engine.version_id == "v1"
+
+
+def test_strict_mode_with_two_servers_keeps_only_the_deterministic_one(fleet):
+    """Two servers in strict mode, one without deterministic inference: it is left out of
+    rotation at load (not paused), the deterministic one serves every call."""
+    contracts, _, engine, _ = fleet(2, engine_kw={"deterministic": True}, deterministic=True)
+    contracts[1].deterministic = False
+    engine.load("v1")
+    assert [x.path for x in contracts[1].calls] == ["/get_server_info"]
+    gen = engine.generate([[1, 2], [3]], max_new_tokens=2, seed=1)
+    assert len(gen.sequences) == 2 and all(x.path != "/generate" for x in contracts[1].calls)

@@ -109,6 +109,11 @@ Device = Annotated[str, Field(pattern=DEVICE_PATTERN)]
 MaxVersionDiff = Annotated[int | None, Field(
     None, ge=0, description="a rollout whose version is more than this many versions older than "
     "the newest (registry creation order) is dropped or refused (None: no bound; TRACE uses 3)")]
+Strict = Annotated[bool, Field(
+    False, description="strict execution (issue 20): the embedded engines run libalign's "
+    "batch-invariant ops (libalign.models.strict), so the learner reproduces the sampler's "
+    "log-probs bit for bit; an SGLang sampler requires servers started with "
+    "--enable-deterministic-inference")]
 StaleRollouts = Annotated[Literal["drop", "refuse"], Field(
     "drop", description="what happens to a rollout beyond max_version_diff: drop it (counted in "
     "libalign_rollouts_stale_total) or refuse it with stale_rollout (HTTP 409)")]
@@ -242,6 +247,7 @@ class SamplerSettings(DeliverySettings, GuidanceStoreSettings, ExportSettings):
     sampler_name: ConsumerName
     sampler_path: SamplerPath
     sampler_device: Device = Field("cpu", description="device of the embedded sampler engine")
+    strict: Strict
     sampler_engine: Literal["torch", "sglang"] = Field(
         "torch", description="sampler engine: the embedded torch one or an SGLang server over HTTP")
     guidance_last_layers: int | None = Field(None, ge=1,
@@ -269,6 +275,7 @@ class LearnerSettings(GuidanceStoreSettings, LayoutSettings):
     preset: Preset
     learner_path: LearnerPath
     learner_device: Device = Field("cpu", description="device of the embedded learner engine")
+    strict: Strict
     sampler_path: SamplerPath
     guidance_bits: int = Field(1, ge=1, le=4, description="bits a value kept in guidance records")
     # the objective (issue 19 item 5; alignd.learner.engine)

@@ -101,6 +101,6 @@ def build_sglang_sampler(settings: SamplerSettings, base_url: str | list[str] | 
         timeouts=timeouts, api_key=pick(api_key, "sglang_api_key"),
         admin_api_key=settings.sglang_admin_api_key,
         original_logprobs=settings.sglang_original_logprobs,
-        model_paths=(str(Path(model_dir)), str(exports.dir)))
+        model_paths=(str(Path(model_dir)), str(exports.dir)), deterministic=settings.strict)
     rollouts = RolloutStore(binary_client(settings), settings.key_prefix, metrics=metrics)
     return engine, rollouts, None

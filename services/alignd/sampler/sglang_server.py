@@ -18,7 +18,8 @@ Authentication
     :class:`~alignclient.errors.ForbiddenError`.
 
 What the server says about itself (``GET /get_server_info``)
-    The server arguments (``model_path``, ``quantization``, ...) flattened into the answer, the
+    The server arguments (``model_path``, ``quantization``, ``enable_deterministic_inference``,
+    ``attention_backend``, ...) flattened into the answer, the
     scheduler's ``internal_states`` (one per data-parallel rank) and ``version``. A server
     started with ``SGLANG_EXPOSE_OWN_ENV_VARS=1`` adds ``env_vars`` (the ``SGLANG_*`` variables
     it declares and that are set) to each internal state (``environ.exportable_env_vars``);
@@ -61,6 +62,9 @@ log = logging.getLogger("alignd.sampler.sglang")
 #: from the checkpoint's ``hf_quant_config.json`` when the server started).
 MODELOPT_QUANTIZATIONS = ("modelopt_fp4", "modelopt", None)
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+#: The attention backends SGLang runs batch-invariantly (``server_args``'
+#: ``DETERMINISTIC_ATTENTION_BACKEND_CHOICES``); a deterministic server reports one of them.
+DETERMINISTIC_ATTENTION_BACKENDS = ("flashinfer", "fa3", "triton")
 TRUE_WORDS = ("true", "1", "yes", "y")
 FALSE_WORDS = ("false", "0", "no", "n")
 
@@ -317,10 +321,19 @@ class SGLangServer:
         flags = {bool(env_flag(e.get(ORIGINAL_LOGPROB_ENV))) for e in envs}
         return flags.pop() if len(flags) == 1 else False  # ranks that disagree: not all original
 
-    def check(self, *, model_paths: tuple[str, ...] = ()) -> dict[str, Any]:
+    def check(self, model_paths: tuple[str, ...] = (), deterministic: bool = False
+              ) -> dict[str, Any]:
         """Refuse a server that cannot serve libalign's ModelOpt NVFP4 exports of this model:
-        :class:`EngineMismatchError` naming the mismatch (``model``, ``quantization``)."""
+        :class:`EngineMismatchError` naming the mismatch (``model``, ``quantization``).
+
+        ``deterministic`` (strict mode): the server must also report SGLang's deterministic
+        inference (``--enable-deterministic-inference``: batch-invariant kernels, so a
+        sequence's log-probs do not depend on what else is batched with it) and, if it names
+        one, an attention backend that has a deterministic form; else ``field`` is
+        ``enable_deterministic_inference`` or ``attention_backend``."""
         info = self.server_info()
+        if deterministic:
+            self.check_deterministic(info)
         quant = info.get("quantization")
         if quant not in MODELOPT_QUANTIZATIONS:
             raise EngineMismatchError(
@@ -335,6 +348,21 @@ class SGLangServer:
                 f"versions of {model_paths[0]!r} (exports under {', '.join(model_paths[1:])}): "
                 "wrong server or wrong model", field="model")
         return info
+
+    def check_deterministic(self, info: dict[str, Any]) -> None:
+        """:class:`EngineMismatchError` unless ``info`` reports deterministic inference."""
+        flag = info.get("enable_deterministic_inference")
+        if flag is not True and env_flag(flag) is not True:
+            raise EngineMismatchError(
+                f"the server at {self.url} reports enable_deterministic_inference={flag!r}; strict "
+                "mode needs batch-invariant sampling: start it with "
+                "--enable-deterministic-inference", field="enable_deterministic_inference")
+        backend = info.get("attention_backend")
+        if backend is not None and backend not in DETERMINISTIC_ATTENTION_BACKENDS:
+            raise EngineMismatchError(
+                f"the server at {self.url} runs attention backend {backend!r}, which has no "
+                f"deterministic form; start it with --attention-backend one of "
+                f"{', '.join(DETERMINISTIC_ATTENTION_BACKENDS)}", field="attention_backend")
 
     # --- the weight switch ----------------------------------------------------------------
 
