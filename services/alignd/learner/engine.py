@@ -62,6 +62,7 @@ from torch import nn
 from libalign import gemm, models
 from libalign import metrics as lm
 from libalign.guidance import GuidanceRecord, GuidanceTable
+from libalign.models import strict as strict_mode
 from libalign.models.paths import set_row_keys
 from libalign.models.scoring import completion_logprobs, right_padded_batch
 
@@ -142,8 +143,9 @@ class TorchLearnerEngine:
     def __init__(self, model: nn.Module, path: str = "bf16", *, lr: float = 2e-5,
                  tis_cap: float = lm.DEFAULT_TIS_CAP, use_tis: bool = True,
                  tis_level: str = "token", ppo_clip_eps: float | None = None,
-                 batch_size: int = 64, pad_id: int = 0, max_grad_norm: float = 1.0):
-        self.path = gemm.get_path(path).name
+                 batch_size: int = 64, pad_id: int = 0, max_grad_norm: float = 1.0,
+                 strict: bool = False):
+        self.path = (strict_mode.check_path(path) if strict else gemm.get_path(path)).name
         self.model = model
         self.tis_cap = float(tis_cap)
         if not (math.isfinite(self.tis_cap) and self.tis_cap > 0):
@@ -162,6 +164,11 @@ class TorchLearnerEngine:
         self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
         self.opt = torch.optim.Adam(self.master, lr=lr)
         self.steps = 0
+        self.strict = strict
+        """Strict execution (:mod:`libalign.models.strict`): scores and the training forward
+        are a strict sampler's log-probs bit for bit (δ = 0); the backward is the stock one."""
+        if strict:
+            strict_mode.enable(model)
 
     # --- the learner's log-probs ----------------------------------------------------------
 
@@ -182,7 +189,8 @@ class TorchLearnerEngine:
                 logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         finally:
             set_row_keys(self.model, None)
-        return completion_logprobs(logits, ids, [len(s) for s in seqs], plens)
+        return completion_logprobs(logits, ids, [len(s) for s in seqs], plens,
+                                   strict_mode.log_softmax_for(self.model))
 
     def score(self, sequences, prompt_lens, guidance=None) -> list[list[float]]:
         """Teacher-forced log-probs (the records of ``guidance`` steer ``nvfp4_trace``)."""

@@ -36,6 +36,7 @@ from torch import nn
 from alignd.formats.weight_store import WeightStore
 from libalign import gemm, models
 from libalign.guidance import GuidanceRecord, select_layers
+from libalign.models import strict as strict_mode
 from libalign.models.replay import replay_decode
 from libalign.spec import NVFP4Tensor
 
@@ -84,8 +85,8 @@ class TorchSamplerEngine:
 
     def __init__(self, model: nn.Module, store: WeightStore, path: str = "nvfp4_minite", *,
                  batch_size: int = 64, eos_id: int | None = None, pad_id: int = 0,
-                 guidance_last_layers: int | None = None):
-        self.path = gemm.get_path(path).name
+                 guidance_last_layers: int | None = None, strict: bool = False):
+        self.path = (strict_mode.check_path(path) if strict else gemm.get_path(path)).name
         self.model = model.eval()
         self.store = store
         self.batch_size = batch_size
@@ -95,6 +96,11 @@ class TorchSamplerEngine:
         self._lock = threading.Lock()  # held by a generation; a load waits for it (pause)
         self._version: str | None = None
         models.set_path(self.model, self.path)
+        self.strict = strict
+        """Strict execution (:mod:`libalign.models.strict`): batch-invariant ops throughout, so
+        a learner in strict mode reproduces this sampler's log-probs bit for bit."""
+        if strict:
+            strict_mode.enable(self.model)
 
     @property
     def version_id(self) -> str | None:
