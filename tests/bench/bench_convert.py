@@ -28,6 +28,11 @@ store: publish BF16 shards, convert, write the store version with its manifest a
 checksums, and read it back verified (``ready to load``), against publishing the BF16
 version and reading it back the same way.
 
+On a GPU the goal rows of issue 21 close the output: ``quantize_many`` end to end against
+the copy and compiled torchao, its kernels alone against the copy, the K=768 stack's
+kernel bandwidth over the K=2048 stack's (each quantized alone), and table 2's colocated
+and to-host ratios, each with its target and whether this run met it.
+
 Every libalign row is checked bit for bit against ``libalign.spec.quantize`` on the same
 input. Run: ``python -m tests.bench convert [-- --device cuda --layers 48]``.
 """
@@ -66,6 +71,7 @@ class Row:
     result: object = None
     error: str | None = None
     note: str = ""
+    in_bytes: int | None = None  # bytes read, when not the whole layer's
 
     @property
     def seconds(self) -> float | None:
@@ -150,7 +156,7 @@ def libalign_row(name, stacks, preset, layout="linear", reuse=False, batched=Fal
             outs.extend(qs)
         return qs
 
-    return Row(name, run, _out_bytes)
+    return Row(name, run, _out_bytes, in_bytes=_in_bytes(stacks))
 
 
 def cpu_path_row(stacks, path) -> Row:
@@ -279,6 +285,8 @@ def table1(args, device) -> dict:
                      reuse=True),
         libalign_row("libalign minite (row), 128x4 swizzled scales", stacks, "minite",
                      layout="swizzled"),
+        *[libalign_row(f"libalign minite (row), the K={s.shape[-1]} stack alone", [s], "minite",
+                       batched=True) for s in stacks],
         libalign_row("libalign te (tensor: max pass + encode)", stacks, "te", batched=True),
         libalign_row("libalign torchao (expert: max pass + encode)", stacks, "torchao",
                      batched=True),
@@ -295,7 +303,8 @@ def table1(args, device) -> dict:
     bytes_in = _in_bytes(stacks)
     res = {"bytes_in": bytes_in, "rows": []}
     for r in rows:
-        moved = None if r.result is None or r.error else bytes_in + r.bytes_moved(r.result)
+        moved = None if r.result is None or r.error else \
+            (bytes_in if r.in_bytes is None else r.in_bytes) + r.bytes_moved(r.result)
         t = r.seconds
         res["rows"].append({"name": r.name, "seconds": t, "bytes_moved": moved,
                             "GBps": None if t is None or moved is None else moved / t / 1e9,
@@ -512,6 +521,44 @@ def render(res: dict, device: str) -> None:
         for key in ("host_copy_bits_ok", "stored_bits_ok"):
             if key in t2:
                 print(f"  NVFP4 bytes where the sampler loads them == spec: {t2[key]}")
+    if kernel:
+        goal_rows(res, copy, tao)
+
+
+#: issue 21's goals for the GPU converter: (name, value key, at least / at most, target)
+GOALS = (("1. quantize_many end to end / copy (GB/s)", "e2e_vs_copy", ">=", 0.85),
+         ("1. quantize_many end to end / compiled torchao", "e2e_vs_torchao", ">=", 6.0),
+         ("1. kernels alone / copy (GB/s)", "kernel_vs_copy", ">=", 0.85),
+         ("1. K=768 stack per byte / K=2048 stack (kernels)", "k768_vs_k2048", ">=", 1.0),
+         ("2. colocated NVFP4 convert + copy / BF16 copy", "ratio_colocated", "<=", 0.70),
+         ("2. to host NVFP4 convert + copy / BF16 copy", "ratio_host", "<=", 0.30))
+
+
+def goal_rows(res: dict, copy: float | None, tao: float | None) -> None:
+    """Print each goal's value from this run's rows against its target (met or not)."""
+    rows = {r["name"]: r for r in res["table1"]["rows"]}
+    many = rows.get("libalign minite (row), quantize_many (one sync)", {})
+
+    def kernel_gbps(r):
+        ks = r.get("kernel_seconds") if r else None
+        return r["bytes_moved"] / ks / 1e9 if ks and r.get("bytes_moved") else None
+
+    alone = {k: kernel_gbps(rows.get(f"libalign minite (row), the K={k} stack alone"))
+             for k in (2048, 768)}
+    got = {"e2e_vs_copy": many.get("GBps") and copy and many["GBps"] / copy,
+           "e2e_vs_torchao": many.get("GBps") and tao and many["GBps"] / tao,
+           "kernel_vs_copy": kernel_gbps(many) and copy and kernel_gbps(many) / copy,
+           "k768_vs_k2048": alone[768] and alone[2048] and alone[768] / alone[2048],
+           **{k: res.get("table2", {}).get(k) for k in ("ratio_colocated", "ratio_host")}}
+    res["goals"] = {}
+    print("\ngoals (issue 21; every ratio against this run's baselines):")
+    for name, key, op, target in GOALS:
+        v = got.get(key)
+        if v is None:
+            continue
+        met = v >= target if op == ">=" else v <= target
+        res["goals"][key] = {"value": v, "target": target, "met": met}
+        print(f"  {name:52} {v:7.3f}  goal {op} {target:g}  {'met' if met else 'NOT met'}")
 
 
 def main(argv: list[str] | None = None) -> int:
