@@ -23,17 +23,29 @@ while the model learns digit alignment, then drops to about 0.04 within 300 step
 accuracy on held-out prompts lands near 97% in bf16 (a model that is confident but not
 perfect, so some tokens carry real uncertainty). That takes about two minutes on one core.
 
+A warm start with headroom
+-------------------------
+RL needs a policy that is right sometimes but not always: one that already solves the task
+leaves GRPO nothing to improve (its reward cannot rise) and hides what a numerical gap costs.
+``stop_at_accuracy=a`` ends training at the first step where the teacher-forced sequence
+accuracy of the last ``STOP_WINDOW`` training batches (the share of sequences whose every
+completion token is the argmax, which is the greedy exact-match accuracy on those batches)
+reaches ``a``. Stopping by accuracy rather than at a fixed step count makes the checkpoint
+mean the same on any machine: the loss curve's sudden drop (above) comes a few dozen steps
+earlier or later with other floating-point rounding, and a fixed step near it would give a
+policy anywhere between hopeless and solved. The schedule is still that of ``steps``.
+
 The cache
 ---------
 The checkpoint lives at ``<root>/tiny-<hash>``, ``root`` being ``cache_dir``, else
 ``$ALIGN_MODEL_CACHE``, else ``~/.cache/libalign/models``; the hash covers the model config,
-the task, the number of steps, the seed and the recipe. It is written into a temporary
-directory next to it, fsynced and renamed into place, so a reader sees either no checkpoint
-or a complete one; a failure removes the temporary directory, and temporary directories of
-processes that no longer exist are swept on the next write (:mod:`libalign.atomic_dir`, the
-writer the daemon's weight store also uses). ``training.json`` beside the
-weights records the loss curve, the training time and the greedy accuracy on held-out
-prompts, per execution path.
+the task, the number of steps, the seed, the recipe and the stopping accuracy, if any. It is
+written into a temporary directory next to it, fsynced and renamed into place, so a reader
+sees either no checkpoint or a complete one; a failure removes the temporary directory, and
+temporary directories of processes that no longer exist are swept on the next write
+(:mod:`libalign.atomic_dir`, the writer the daemon's weight store also uses).
+``training.json`` beside the weights records the loss curve, the training time, the step
+training stopped at and the greedy accuracy on held-out prompts, per execution path.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ import math
 import os
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -65,6 +78,8 @@ RECIPE = {"version": 1, "batch_size": 96, "lr": 3e-3, "warmup": 60, "min_lr_rati
           "betas": (0.9, 0.98), "weight_decay": 0.01, "grad_clip": 1.0}
 LOG_EVERY = 100
 TRAIN_THREADS = 1
+#: training batches whose mean teacher-forced sequence accuracy ``stop_at_accuracy`` compares
+STOP_WINDOW = 10
 EVAL_PROMPTS = 512
 EVAL_PATHS = ("bf16", "nvfp4_naive", "nvfp4_minite")
 META_FILE = "training.json"
@@ -84,21 +99,27 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(root).expanduser()
 
 
-def cache_key(config: Qwen3MoeConfig, task: SyntheticTask, steps: int, seed: int) -> str:
-    """16 hex digits identifying a trained model: config, task, steps, seed and recipe."""
+def cache_key(config: Qwen3MoeConfig, task: SyntheticTask, steps: int, seed: int,
+              stop_at_accuracy: float | None = None) -> str:
+    """16 hex digits identifying a trained model: config, task, steps, seed, recipe and the
+    stopping accuracy (absent from the key when None, so full-length models keep theirs)."""
     cfg = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE and not k.startswith("_")}
-    blob = json.dumps({"config": cfg, "task": task.spec(), "steps": steps, "seed": seed,
-                       "recipe": RECIPE}, sort_keys=True, default=str)
+    what = {"config": cfg, "task": task.spec(), "steps": steps, "seed": seed, "recipe": RECIPE}
+    if stop_at_accuracy is not None:
+        what["stop_at_accuracy"] = float(stop_at_accuracy)
+        what["stop_window"] = STOP_WINDOW
+    blob = json.dumps(what, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def checkpoint_dir(*, cache_dir=None, steps: int | None = None, seed: int = 0,
-                   config: Qwen3MoeConfig | None = None, task: SyntheticTask | None = None) -> Path:
+                   config: Qwen3MoeConfig | None = None, task: SyntheticTask | None = None,
+                   stop_at_accuracy: float | None = None) -> Path:
     """The directory :func:`trained_tiny_model` uses for these arguments."""
     task = task or SyntheticTask()
     config = config or tiny_config(vocab_size=task.vocab_size)
     steps = DEFAULT_STEPS if steps is None else steps
-    return cache_root(cache_dir) / f"tiny-{cache_key(config, task, steps, seed)}"
+    return cache_root(cache_dir) / f"tiny-{cache_key(config, task, steps, seed, stop_at_accuracy)}"
 
 
 def _is_complete(path: Path) -> bool:
@@ -168,24 +189,40 @@ def cpu_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def _check_stop(stop_at_accuracy) -> float | None:
+    if stop_at_accuracy is None:
+        return None
+    a = float(stop_at_accuracy)
+    if not 0.0 < a <= 1.0:
+        raise ConfigError(f"stop_at_accuracy must lie in (0, 1], got {stop_at_accuracy}")
+    return a
+
+
 def train_model(config: Qwen3MoeConfig, task: SyntheticTask, *, steps: int, seed: int = 0,
-                device: str | torch.device = "cpu",
-                threads: int | None = TRAIN_THREADS) -> tuple[Qwen3MoeForCausalLM, list[dict]]:
-    """Train a fresh fp32 model on the task; returns it (fp32, eval mode) and the loss curve."""
+                device: str | torch.device = "cpu", threads: int | None = TRAIN_THREADS,
+                stop_at_accuracy: float | None = None) -> tuple[Qwen3MoeForCausalLM, list[dict]]:
+    """Train a fresh fp32 model on the task; returns it (fp32, eval mode) and the loss curve.
+
+    With ``stop_at_accuracy``, training ends early once the teacher-forced sequence accuracy
+    of the last ``STOP_WINDOW`` batches reaches it (the curve's last point says
+    ``"stopped": True``; see the module docstring).
+    """
     if steps < 1:
         raise ConfigError(f"steps must be at least 1, got {steps}")
+    stop = _check_stop(stop_at_accuracy)
     with cpu_threads(threads):
         model = build_model(config, seed=seed, dtype=torch.float32, device=device).train()
-        return _train_loop(model, config, task, steps=steps, seed=seed, device=device)
+        return _train_loop(model, config, task, steps=steps, seed=seed, device=device, stop=stop)
 
 
-def _train_loop(model, config, task, *, steps, seed, device):
+def _train_loop(model, config, task, *, steps, seed, device, stop=None):
     opt = torch.optim.AdamW(model.parameters(), lr=RECIPE["lr"], betas=RECIPE["betas"],
                             weight_decay=RECIPE["weight_decay"])
     rng = random.Random(f"train:{seed}")
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
     curve: list[dict] = []
     acc = {"loss": 0.0, "tok": 0, "tok_ok": 0, "seq": 0, "seq_ok": 0, "n": 0}
+    recent: deque[float] = deque(maxlen=STOP_WINDOW)
     t0 = time.perf_counter()
     for step in range(steps):
         for group in opt.param_groups:
@@ -208,16 +245,23 @@ def _train_loop(model, config, task, *, steps, seed, device):
             acc["tok_ok"] += int((right & sel).sum())
             acc["seq"] += ids.shape[0]
             acc["seq_ok"] += int(right.all(-1).sum())
-        if (step + 1) % LOG_EVERY == 0 or step + 1 == steps:
+            recent.append(float(right.all(-1).float().mean()))
+        stopped = stop is not None and len(recent) == STOP_WINDOW and sum(recent) / STOP_WINDOW >= stop
+        if (step + 1) % LOG_EVERY == 0 or step + 1 == steps or stopped:
             point = {"step": step + 1, "loss": acc["loss"] / acc["n"],
                      "token_acc": acc["tok_ok"] / acc["tok"], "seq_acc": acc["seq_ok"] / acc["seq"],
                      "lr": _lr_at(step, steps), "seconds": round(time.perf_counter() - t0, 2)}
+            if stopped:
+                point["stopped"] = True
+                point["window_seq_acc"] = sum(recent) / STOP_WINDOW
             curve.append(point)
             log.info("tiny model step %d/%d: loss %.4f, token acc %.3f, teacher-forced seq acc %.3f"
                      " (%.0f s)", point["step"], steps, point["loss"], point["token_acc"],
                      point["seq_acc"], point["seconds"])
             acc = dict.fromkeys(acc, 0)
             acc["loss"] = 0.0
+        if stopped:
+            break
     return model.eval(), curve
 
 
@@ -232,24 +276,30 @@ def heldout_accuracy(model: Qwen3MoeForCausalLM, task: SyntheticTask, path, *, n
 
 
 def trained_tiny_model(*, cache_dir: str | os.PathLike | None = None, device: str | torch.device = "cpu",
-                       steps: int | None = None, seed: int = 0,
-                       eval_prompts: int = EVAL_PROMPTS) -> tuple[Qwen3MoeForCausalLM, SyntheticTask]:
+                       steps: int | None = None, seed: int = 0, eval_prompts: int = EVAL_PROMPTS,
+                       stop_at_accuracy: float | None = None,
+                       ) -> tuple[Qwen3MoeForCausalLM, SyntheticTask]:
     """The tiny model trained on the synthetic task (bf16, eval mode, on ``device``), and the task.
 
     Training always runs on the CPU (so the cached checkpoint does not depend on where it was
     first asked for); ``device`` is where the returned model lives.
 
     Trains and caches on the first call for these arguments (``steps=None``: ``DEFAULT_STEPS``,
-    a couple of CPU minutes), loads from the cache afterwards.
+    a couple of CPU minutes), loads from the cache afterwards. ``stop_at_accuracy`` asks for a
+    policy that is right only that often (the warm start of an RL run with headroom; see the
+    module docstring).
     """
     task = SyntheticTask()
     config = tiny_config(vocab_size=task.vocab_size)
     steps = DEFAULT_STEPS if steps is None else int(steps)
-    final = checkpoint_dir(cache_dir=cache_dir, steps=steps, seed=seed, config=config, task=task)
+    stop = _check_stop(stop_at_accuracy)
+    final = checkpoint_dir(cache_dir=cache_dir, steps=steps, seed=seed, config=config, task=task,
+                           stop_at_accuracy=stop)
     if not _is_complete(final):
         log.info("training the tiny Qwen3-MoE (%d steps) into %s", steps, final)
         t0 = time.perf_counter()
-        model, curve = train_model(config, task, steps=steps, seed=seed, device="cpu")
+        model, curve = train_model(config, task, steps=steps, seed=seed, device="cpu",
+                                   stop_at_accuracy=stop)
         seconds = time.perf_counter() - t0
         model = model.to(torch.bfloat16)
         with cpu_threads(TRAIN_THREADS):
@@ -261,6 +311,7 @@ def trained_tiny_model(*, cache_dir: str | os.PathLike | None = None, device: st
                 "threads": TRAIN_THREADS, "loss_curve": curve,
                 "final_loss": curve[-1]["loss"] if curve else None,
                 "heldout_prompts": eval_prompts, "heldout_accuracy": accuracy,
+                "stop_at_accuracy": stop, "trained_steps": curve[-1]["step"] if curve else 0,
                 "torch": torch.__version__}
 
         def write(tmp: Path) -> None:
@@ -272,7 +323,9 @@ def trained_tiny_model(*, cache_dir: str | os.PathLike | None = None, device: st
     return model.to(device).eval(), task
 
 
-def training_report(*, cache_dir=None, steps: int | None = None, seed: int = 0) -> dict | None:
+def training_report(*, cache_dir=None, steps: int | None = None, seed: int = 0,
+                    stop_at_accuracy: float | None = None) -> dict | None:
     """The ``training.json`` of the cached model for these arguments, or None if not trained yet."""
-    meta = checkpoint_dir(cache_dir=cache_dir, steps=steps, seed=seed) / META_FILE
+    meta = checkpoint_dir(cache_dir=cache_dir, steps=steps, seed=seed,
+                          stop_at_accuracy=_check_stop(stop_at_accuracy)) / META_FILE
     return json.loads(meta.read_text()) if meta.is_file() else None

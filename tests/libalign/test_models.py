@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from alignclient.errors import InputError, ShapeError, SpecError
+from alignclient.errors import ConfigError, InputError, ShapeError, SpecError
 
 from libalign import gemm
 from libalign.atomic_dir import writer_tag
@@ -430,3 +430,28 @@ def test_stale_temporary_dirs_of_dead_writers_are_swept(tmp_path):
         os.utime(d, (time.time() - 7200,) * 2)
     write_dir_atomically(tmp_path / "tiny-abc", lambda tmp: (tmp / "a").write_text("1"))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, "tiny-abc"])
+
+
+def test_training_stops_at_the_asked_accuracy(tmp_path, monkeypatch):
+    """stop_at_accuracy: training ends at the first step whose last STOP_WINDOW batches reach
+    the teacher-forced sequence accuracy; the checkpoint is cached under its own key (the
+    full-length key unchanged) and its training.json says where it stopped."""
+    monkeypatch.setattr(train_mod, "STOP_WINDOW", 2)
+    monkeypatch.setattr(train_mod, "EVAL_PATHS", ("bf16",))
+    task = SyntheticTask(max_digits=1)
+    cfg = tiny_config(num_hidden_layers=1)
+    _, never = train_mod.train_model(cfg, task, steps=6, stop_at_accuracy=1.0)
+    assert never[-1]["step"] == 6 and "stopped" not in never[-1]
+    _, curve = train_mod.train_model(cfg, task, steps=300, stop_at_accuracy=0.3)
+    last = curve[-1]
+    assert last["stopped"] and last["step"] < 300 and last["window_seq_acc"] >= 0.3
+    full = train_mod.cache_key(cfg, task, 300, 0)
+    assert train_mod.cache_key(cfg, task, 300, 0, None) == full
+    assert train_mod.cache_key(cfg, task, 300, 0, 0.3) not in (full, train_mod.cache_key(
+        cfg, task, 300, 0, 0.4))
+    with pytest.raises(ConfigError):
+        train_mod.train_model(cfg, task, steps=3, stop_at_accuracy=0.0)
+    trained_tiny_model(cache_dir=tmp_path, steps=40, stop_at_accuracy=1.0, eval_prompts=4)
+    meta = train_mod.training_report(cache_dir=tmp_path, steps=40, stop_at_accuracy=1.0)
+    assert meta["stop_at_accuracy"] == 1.0 and meta["trained_steps"] == 40
+    assert train_mod.training_report(cache_dir=tmp_path, steps=40) is None

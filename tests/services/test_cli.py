@@ -30,7 +30,8 @@ def test_selfcheck_says_which_kernel_serves_each_device():
 
 def test_demo_runs_every_configuration_through_the_services(tmp_path):
     """alignd demo: self-check, then RL steps per configuration, a summary table and a figure."""
-    res = runner.invoke(app, ["demo", "--steps", "2", "--configs", "bf16,nvfp4_trace",
+    res = runner.invoke(app, ["demo", "--steps", "2", "--seeds", "1",
+                              "--configs", "bf16,nvfp4_trace",
                               "--prompts-per-step", "2", "--samples-per-prompt", "2", "--no-api",
                               "--out", str(tmp_path / "demo")])
     assert res.exit_code == 0, res.output
@@ -40,6 +41,36 @@ def test_demo_runs_every_configuration_through_the_services(tmp_path):
     for c in report["configs"]:
         assert len(c["steps"]) == 2 and c["summary"]["tokens"] > 0
     assert (tmp_path / "demo" / "demo.png").stat().st_size > 1000
+    assert "wall time" in res.output
+
+
+def test_demo_seeds_give_intervals_and_notis_runs_without_tis(tmp_path):
+    """--seeds 2: each configuration runs with seeds 0 and 1 (the same prompts in both
+    configurations), the summary gives every number as a mean with its t interval over the
+    two seeds and the table prints mean ± half-width; nvfp4_naive_notis is the naive NVFP4
+    paths with every TIS weight 1 (none truncated)."""
+    res = runner.invoke(app, ["demo", "--steps", "2", "--seeds", "2",
+                              "--configs", "nvfp4_naive,nvfp4_naive_notis",
+                              "--prompts-per-step", "2", "--samples-per-prompt", "2", "--no-api",
+                              "--out", str(tmp_path / "demo")], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "demo" / "demo_report.json").read_text())
+    assert [(c["name"], c["seed"]) for c in report["configs"]] == [
+        ("nvfp4_naive", 0), ("nvfp4_naive", 1), ("nvfp4_naive_notis", 0),
+        ("nvfp4_naive_notis", 1)]
+    naive, notis = report["summary"]
+    assert (naive["tis"], notis["tis"]) == (True, False) and notis["objective"]["tis"] is False
+    assert notis["sampler_path"] == notis["learner_path"] == "nvfp4_naive"
+    assert all(s["train"]["tis_truncated_fraction"] == 0 for c in report["configs"][2:]
+               for s in c["steps"])
+    for c in report["summary"]:
+        ci = c["reward_last_quarter"]
+        assert ci["n"] == 2 and ci["low"] <= ci["estimate"] <= ci["high"]
+        values = [r["summary"]["reward_last_quarter"] for r in report["configs"]
+                  if r["name"] == c["name"]]
+        assert ci["estimate"] == sum(values) / 2
+    assert "±" in res.output and "over 2 seeds" in " ".join(res.output.split())
+    assert report["options"]["seeds"] == 2
 
 
 def test_demo_refuses_unknown_configuration(tmp_path):

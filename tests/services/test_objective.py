@@ -284,7 +284,7 @@ def test_the_demo_takes_the_knobs_and_reports_them(tmp_path):
     from typer.testing import CliRunner
 
     runner = CliRunner()
-    res = runner.invoke(app, ["demo", "--steps", "2", "--configs", "nvfp4_minite",
+    res = runner.invoke(app, ["demo", "--steps", "2", "--seeds", "1", "--configs", "nvfp4_minite",
                               "--prompts-per-step", "2", "--samples-per-prompt", "2", "--no-api",
                               "--tis-cap", "5", "--ppo-clip-eps", "0.2", "--ppo-epochs", "2",
                               "--max-version-diff", "3",

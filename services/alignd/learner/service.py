@@ -44,7 +44,8 @@ def build_loop(settings: LearnerSettings, *, lr: float = 2e-5, use_tis: bool = T
     if engine is None:
         model, task = models.trained_tiny_model(device=settings.learner_device)
         engine = TorchLearnerEngine(model, settings.learner_path, lr=lr, use_tis=use_tis,
-                                    pad_id=task.pad_id, **objective_options(settings))
+                                    pad_id=task.pad_id, strict=settings.strict,
+                                    **objective_options(settings))
     bus = RedisBus.from_settings(settings)
     rollouts = RolloutStore(binary_client(settings), settings.key_prefix, metrics=metrics)
     guidance = GuidanceStore.from_settings(settings, metrics=metrics)

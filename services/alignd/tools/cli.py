@@ -6,6 +6,7 @@ import importlib
 import json
 import logging
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Annotated
@@ -139,9 +140,15 @@ def guidance_size(
 
 @app.command()
 def demo(
-    steps: int = typer.Option(30, help="RL steps per configuration"),
-    configs: str = typer.Option("bf16,nvfp4_naive,nvfp4_minite,nvfp4_trace",
-                                help="configurations to run, comma-separated"),
+    steps: int | None = typer.Option(None, help="RL steps per configuration and seed (default "
+                                     "30; --full: 120)"),
+    seeds: int | None = typer.Option(None, help="seeds per configuration; the table gives the "
+                                     "mean with its 95 % interval over them (default 3; --full: 5)"),
+    configs: str | None = typer.Option(None, help="configurations to run, comma-separated "
+                                       "(default: bf16, nvfp4_naive, nvfp4_naive_notis, "
+                                       "nvfp4_minite, nvfp4_trace; --full: every one)"),
+    full: bool = typer.Option(False, "--full", help="the complete picture: every configuration, "
+                              "more steps and seeds (about half an hour on 2 cores)"),
     prompts_per_step: int = typer.Option(8, help="prompts per step"),
     samples_per_prompt: int = typer.Option(8, help="rollouts per prompt (one GRPO group)"),
     out: Annotated[Path, typer.Option("--out", help="directory for the report, figure and "
@@ -157,28 +164,35 @@ def demo(
                                                 "versions older than the learner (TRACE uses 3; "
                                                 "default: no bound)"),
 ) -> None:
-    """Main job on the embedded default: RL of the tiny MoE through the services, four paths."""
+    """Main job on the embedded default: RL of the tiny MoE through the services, per
+    configuration and seed."""
     # the demo runs the tiny model (transformers, the models extra) and plots (matplotlib)
-    from alignd.tools.demo.run import DemoConfig, run_demo
+    from alignd.tools.demo.report import summary_table
+    from alignd.tools.demo.run import CONFIGS, DEFAULT_CONFIGS, DEFAULT_RUN, FULL_RUN, DemoConfig, run_demo
     from alignd.tools.in_process import ApiThread
     from libalign.models import cpu_threads
 
+    started = time.monotonic()
     if not _selfcheck_table():
         raise typer.Exit(1)
-    names = [c.strip() for c in configs.split(",") if c.strip()]
-    cfg = DemoConfig(configs=tuple(names), steps=steps, prompts_per_step=prompts_per_step,
-                     samples_per_prompt=samples_per_prompt, out_dir=out, tis_cap=tis_cap,
-                     ppo_clip_eps=ppo_clip_eps, ppo_epochs=ppo_epochs,
-                     max_version_diff=max_version_diff)
+    profile = FULL_RUN if full else DEFAULT_RUN
+    steps = profile["steps"] if steps is None else steps
+    seeds = profile["seeds"] if seeds is None else seeds
+    names = ([c.strip() for c in configs.split(",") if c.strip()] if configs is not None
+             else list(CONFIGS if full else DEFAULT_CONFIGS))
+    cfg = DemoConfig(configs=tuple(names), steps=steps, seeds=seeds,
+                     prompts_per_step=prompts_per_step, samples_per_prompt=samples_per_prompt,
+                     out_dir=out, tis_cap=tis_cap, ppo_clip_eps=ppo_clip_eps,
+                     ppo_epochs=ppo_epochs, max_version_diff=max_version_diff)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
-    tasks: dict[str, int] = {}
+    tasks: dict[tuple[str, int], int] = {}
 
-    def on_step(name, r) -> None:
-        if name not in tasks:
-            tasks[name] = progress.add_task(f"{name:>13}", total=steps, info="")
+    def on_step(name, seed, r) -> None:
+        if (name, seed) not in tasks:
+            tasks[name, seed] = progress.add_task(f"{name:>17} seed {seed}", total=steps, info="")
         mean = sum(abs(x) for x in r.deltas) / max(1, len(r.deltas))
-        progress.update(tasks[name], advance=1,
+        progress.update(tasks[name, seed], advance=1,
                         info=f"reward {r.reward_mean:.3f}  mean|δ| {mean:.2e}")
 
     try:
@@ -196,30 +210,12 @@ def demo(
     except (AlignError, OSError, ValidationError) as e:
         typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
         raise typer.Exit(2) from None
-    eps = "off" if ppo_clip_eps is None else f"{ppo_clip_eps:g}"
-    bound = "none" if max_version_diff is None else str(max_version_diff)
-    t = Table(title=f"alignd demo: {steps} GRPO steps per configuration, "
-              f"{prompts_per_step} prompts x {samples_per_prompt} samples",
-              caption=f"TIS cap {tis_cap:g} (token level), PPO clip ε {eps} over {ppo_epochs} "
-              f"step(s) a batch, max_version_diff {bound}; TIS: cap (share of TIS weights truncated)")
-    for c in ("configuration", "sampler / learner", "TIS", "reward first",
-              "reward (last 1/4)", "mean |δ|", "P99 |δ|", "clip potential", "convert s", "load s",
-              "rollout s", "train s"):
-        left = c in ("configuration", "sampler / learner")
-        t.add_column(c, justify="left" if left else "right", no_wrap=left)
-    for c in report["configs"]:
-        sm = c["summary"]
-        sec = sm["seconds_by_stage"]
-        cut = sm.get("tis_truncated_fraction")
-        t.add_row(c["name"], f"{c['sampler_path']} / {c['learner_path']}",
-                  f"{c['objective']['tis_cap']:g} ({100 * (cut or 0):.2f}%)" if c["tis"] else "no",
-                  f"{sm['reward_first']:.3f}", f"{sm['reward_last_quarter']:.3f}",
-                  f"{sm['mean_abs_delta']:.2e}", f"{sm['p99_abs_delta']:.3g}",
-                  f"{100 * sm['clip_potential']:.2f}%", f"{sec['convert']:.3f}",
-                  f"{sec['load']:.3f}", f"{sec['rollout']:.3f}", f"{sec['train']:.3f}")
-    Console(width=max(console.width, 172)).print(t)
+    Console(width=max(console.width, 172)).print(summary_table(report))
     for k, v in report["outputs"].items():
         console.print(f"{k}: {v}")
+    wall = time.monotonic() - started
+    console.print(f"wall time {int(wall // 60)} min {wall % 60:04.1f} s ({len(names)} "
+                  f"configurations x {seeds} seed(s) x {steps} steps{', --full' if full else ''})")
 
 
 SERVICES = ("api", "converter", "sampler", "learner")

@@ -18,6 +18,12 @@ configuration       sampler path   learner path        TIS
 ``nvfp4_trace``     nvfp4_minite   nvfp4_trace         yes
 ==================  =============  ==================  ====
 
+``strict_bf16`` and ``strict_minite`` (not in the default set: ``alignd demo --configs
+strict_bf16,strict_minite``) run sampler and learner in strict execution
+(:mod:`libalign.models.strict`: batch-invariant ops shared by the sampler's decode and the
+learner's scoring) on bf16 and on nvfp4_minite, without TIS as in the miniTE paper: every
+step's ``max_abs_delta`` is 0.0 exactly and the gradient comes from that same forward.
+
 Each step publishes a version converted for the sampler's path, waits until it serves,
 samples a group per prompt, scores, and takes a GRPO step (:mod:`alignd.learner.engine`).
 The objective's knobs are the learner's (``--tis-cap``, default 2, TRACE uses 5;
@@ -64,6 +70,11 @@ from alignd.tools.in_process import ServiceThreads
 from libalign import metrics as lm
 from libalign import models
 
+#: strict configurations (ALIGN_STRICT on both sides), run only when named
+STRICT_CONFIGS: dict[str, tuple[str, str, bool]] = {
+    "strict_bf16": ("bf16", "bf16", False),
+    "strict_minite": ("nvfp4_minite", "nvfp4_minite", False),
+}
 #: configuration -> (sampler path, learner path, TIS)
 CONFIGS: dict[str, tuple[str, str, bool]] = {
     "bf16": ("bf16", "bf16", False),
@@ -92,9 +103,9 @@ class DemoConfig:
 
     def check(self) -> None:
         """InputError naming the first bad option."""
-        unknown = [c for c in self.configs if c not in CONFIGS]
+        unknown = [c for c in self.configs if c not in CONFIGS and c not in STRICT_CONFIGS]
         if unknown or not self.configs:
-            raise InputError(f"unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
+            raise InputError(f"unknown configuration(s) {unknown}; choose from {[*CONFIGS, *STRICT_CONFIGS]}")
         for name, v in (("steps", self.steps), ("prompts_per_step", self.prompts_per_step),
                         ("samples_per_prompt", self.samples_per_prompt)):
             if v < 1:
@@ -147,7 +158,8 @@ class Services:
         self.guidance = GuidanceStore.from_settings(settings, metrics=metrics)
         engine = TorchSamplerEngine(model, WeightStore(settings.store_dir), settings.sampler_path,
                                     eos_id=task.eos_id, pad_id=task.pad_id,
-                                    guidance_last_layers=settings.guidance_last_layers)
+                                    guidance_last_layers=settings.guidance_last_layers,
+                                    strict=settings.strict)
         self.threads = ServiceThreads(settings, engine, rollouts=self.rollouts,
                                       guidance=self.guidance, metrics=metrics, stop=self.stop)
 
@@ -195,18 +207,20 @@ def run_demo(cfg: DemoConfig, *, on_step: Callable[[str, IterationResult], None]
         for k, v in asdict(cfg).items()}}
     rng_prompts = task.prompts
     for name in cfg.configs:
-        sampler_path, learner_path, tis = CONFIGS[name]
+        sampler_path, learner_path, tis = {**CONFIGS, **STRICT_CONFIGS}[name]
         s = base.model_copy(update={"sampler_path": sampler_path, "learner_path": learner_path,
                                     "sampler_name": f"demo-{name}",
                                     "consumer_name": f"conv-{name}", "tis_cap": cfg.tis_cap,
                                     "ppo_clip_eps": cfg.ppo_clip_eps, "ppo_epochs": cfg.ppo_epochs,
-                                    "max_version_diff": cfg.max_version_diff})
+                                    "max_version_diff": cfg.max_version_diff,
+                                    "strict": name in STRICT_CONFIGS})
         run = ConfigRun(name, sampler_path, learner_path, tis)
         svc = Services(s, copy.deepcopy(base_model), task, metrics)
         try:
             torch.manual_seed(cfg.seed)
             engine = TorchLearnerEngine(copy.deepcopy(base_model), learner_path, lr=cfg.lr,
-                                        use_tis=tis, pad_id=task.pad_id, **objective_options(s))
+                                        use_tis=tis, pad_id=task.pad_id, strict=s.strict,
+                                        **objective_options(s))
             loop = LearnerLoop(
                 s, engine, svc.bus, rollouts=svc.rollouts, guidance=svc.guidance,
                 sampler_path=sampler_path, run_id=f"{name}-{uuid.uuid4().hex[:6]}",
