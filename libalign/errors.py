@@ -29,7 +29,8 @@ The classes the core raises::
     │   ├── UndefinedScaleError       a preset's arithmetic gives no scale for this input
     │   ├── LayoutError               a packed payload or scale layout that does not fit
     │   └── GuidanceRecordError       a malformed guidance record
-    │       └── GuidanceChecksumError its bytes do not match its checksum
+    │       ├── GuidanceChecksumError its bytes do not match its checksum
+    │       └── GuidanceMismatchError records made for another version, model, bit width or format
     ├── ConfigError                   a setting missing, inconsistent or unavailable here
     └── DistributedRunError           ranks of a multi-process run failed
 """
@@ -42,6 +43,7 @@ from alignclient.errors import (
     DistributedRunError,
     DTypeError,
     GuidanceChecksumError,
+    GuidanceMismatchError,
     GuidanceRecordError,
     InputError,
     LayoutError,
@@ -57,6 +59,7 @@ __all__ = [
     "DTypeError",
     "DistributedRunError",
     "GuidanceChecksumError",
+    "GuidanceMismatchError",
     "GuidanceRecordError",
     "InputError",
     "LayoutError",

@@ -10,10 +10,13 @@ TRACE steers the learner's activation rounding towards the codes the sampler pro
   per token, shared by its top-k experts, since row scales make its bits independent of
   which expert reads it);
 * ``fc2``: the input of the down projection, one row per (token, routed expert);
+* ``k`` and ``v`` (an FP4 KV cache, :mod:`libalign.models.kv_cache`): the keys and values a
+  token writes, one row per (token, key/value head), in the cache's KV format;
 
 and for each row: the ``b`` low bits of every E2M1 code (``b`` = 1, 2, 3 or 4), the E4M3
 block-scale bytes (one per 16 values) and the fp32 outer row scale (in the spec's stored
-convention), plus the row's position in its sequence and, for ``fc2``, its expert. With
+convention), plus the row's position in its sequence and, for ``fc2``, its expert (for ``k``/``v``, its
+head). With
 the sampler's scales in hand the learner normalizes its own values exactly as the sampler
 did; the low bits then tell it which end of its FP4 bracket the sampler chose.
 
@@ -21,17 +24,20 @@ Sizes
 -----
 Per value a record costs ``b`` bits plus 8/16 bits of block scale: 1.5 bits at ``b = 1``,
 4.5 bits at ``b = 4`` (the full code), so a ``b = 1`` record is a third of a full one.
-Per row add 4 bytes of row scale and 4 (6 for ``fc2``) bytes of index. :func:`size_per_token`
-computes the bytes per generated token for a model and reproduces TRACE's accounting
-(:func:`trace_reference_size`: about 45 KiB of activation and 5.6 KiB of KV guidance per token
-for a 35B MoE with hidden size 2048, 40 layers and 256 KV values per layer, at 4.5 bits a value).
+Per row add 4 bytes of row scale and 4 (6 for ``fc2``, ``k``, ``v``) bytes of index.
+:mod:`libalign.guidance_sizes` computes the bytes per generated token for a model and
+reproduces TRACE's accounting.
 
 Layout of one encoded record (one rollout)
 ------------------------------------------
 ``b"LAGR" | u32 header length | header (JSON, utf-8) | sections | u32 CRC-32``, little-endian.
 The header names the format, ``bits``, the spec, the compression and, per section (one
-``(layer, site)``), its row count, K (logical and padded to 16) and byte length. A section
-holds ``positions`` (int32), ``experts`` (int16, ``fc2`` only), row scales (fp32), block
+``(layer, site)``), its row count, K (logical and padded to 16) and byte length; a record
+with K/V sections also names their format (``kv_spec``), and a sampler may add what the
+record was made for (``meta``: weight ``version``, the model's ``layers`` and ``kv_heads``),
+which a learner checks before it trusts the bits. A section
+holds ``positions`` (int32), ``experts`` (int16, the head at ``k``/``v``; not at ``fc1``),
+row scales (fp32), block
 scales (``rows × K/16`` bytes) and ``bits`` bit planes: plane ``j`` holds bit ``j`` of every
 code, eight codes per byte, first code in the least significant bit. With ``zlib``
 compression each section is deflated on its own. The CRC-32 covers every byte before it;
@@ -59,7 +65,13 @@ import numpy as np
 import torch
 
 from .constants import BLOCK_SIZE
-from .errors import GuidanceChecksumError, GuidanceRecordError, ShapeError, SpecError
+from .errors import (
+    GuidanceChecksumError,
+    GuidanceMismatchError,
+    GuidanceRecordError,
+    ShapeError,
+    SpecError,
+)
 from .ops import quantize  # the kernel door (the spec where no kernel serves)
 from .packing import pack_nibbles, unpack_nibbles
 from .rounding import GUIDE_BITS, low_bits, round_e2m1_guided
@@ -79,7 +91,11 @@ def _block_sizes(spec: str) -> tuple[int, ...]:
     """The block size a record of this preset must have (either, for a spec of another name)."""
     return (PRESETS[spec].block_size,) if spec in PRESETS else BLOCK_SIZES
 
-SITES = ("fc1", "fc2")
+ACT_SITES = ("fc1", "fc2")  # expert activations (libalign.models.guided)
+KV_SITES = ("k", "v")  # keys and values written to an FP4 KV cache (libalign.models.kv_cache)
+SITES = ACT_SITES + KV_SITES
+#: sites with several rows a token, told apart by the int16 ``experts`` column (expert, head)
+INDEXED_SITES = ("fc2", "k", "v")
 COMPRESSIONS = ("none", "zlib")
 MAGIC = b"LAGR"
 FORMAT = 1
@@ -193,7 +209,7 @@ class SiteRows:
 
 def _section_bytes(rows: SiteRows, site: str, bits: int) -> list[bytes]:
     parts = [rows.positions.to(torch.int32).cpu().numpy().tobytes()]
-    if site == "fc2":
+    if site in INDEXED_SITES:
         parts.append(rows.experts.to(torch.int16).cpu().numpy().tobytes())
     parts.append(rows.row_scales.to(torch.float32).cpu().numpy().tobytes())
     parts.append(rows.block_scales.contiguous().cpu().numpy().tobytes())
@@ -203,17 +219,25 @@ def _section_bytes(rows: SiteRows, site: str, bits: int) -> list[bytes]:
 
 @dataclass
 class GuidanceRecord:
-    """The guidance of one rollout: ``sites[(layer, site)]`` rows at ``bits`` bits a value."""
+    """The guidance of one rollout: ``sites[(layer, site)]`` rows at ``bits`` bits a value.
+
+    ``spec`` is the activations' preset, ``kv_spec`` the K/V sections' (None without them);
+    ``meta`` what the record was made for (``version``, ``layers``, ``kv_heads``; see
+    :func:`libalign.models.kv_guided.check_records`).
+    """
 
     bits: int
     spec: str
     sites: dict[tuple[int, str], SiteRows] = field(default_factory=dict)
+    kv_spec: str | None = None
+    meta: dict[str, str | int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.bits not in GUIDE_BITS:
             raise SpecError(f"guidance keeps 1, 2, 3 or 4 bits per value, got {self.bits!r}")
         for (layer, site), rows in self.sites.items():
-            _check_rows(layer, site, rows, _block_sizes(self.spec))
+            spec = self.kv_spec if site in KV_SITES else self.spec
+            _check_rows(layer, site, rows, BLOCK_SIZES if spec is None else _block_sizes(spec))
 
     @property
     def layers(self) -> list[int]:
@@ -241,9 +265,10 @@ class GuidanceRecord:
                                  "kp": int(rows.codes.shape[-1]), "raw": len(raw),
                                  "nbytes": len(data)})
                 blobs.append(data)
-            header = json.dumps({"format": FORMAT, "bits": self.bits, "spec": self.spec,
-                                 "compress": compress, "sections": sections},
-                                separators=(",", ":")).encode()
+            head = {"format": FORMAT, "bits": self.bits, "spec": self.spec, "compress": compress,
+                    "sections": sections}
+            head.update({k: v for k, v in (("kv_spec", self.kv_spec), ("meta", self.meta)) if v})
+            header = json.dumps(head, separators=(",", ":")).encode()
             body = b"".join([MAGIC, _U32.pack(len(header)), header, *blobs])
             out[compress] = body + _U32.pack(zlib.crc32(body))
         return out
@@ -263,6 +288,8 @@ class GuidanceRecord:
             header = json.loads(bytes(buf[8:8 + hlen]))
             bits, spec, compress = int(header["bits"]), str(header["spec"]), header["compress"]
             sections = header["sections"]
+            kv_spec = None if header.get("kv_spec") is None else str(header["kv_spec"])
+            meta = dict(header.get("meta") or {})
         except (ValueError, KeyError, TypeError) as e:
             raise GuidanceRecordError(f"{what}: unreadable header ({e})") from None
         if header.get("format") != FORMAT:
@@ -271,7 +298,7 @@ class GuidanceRecord:
         if bits not in GUIDE_BITS or compress not in COMPRESSIONS:
             raise GuidanceRecordError(f"{what}: bits={bits!r} compress={compress!r} unsupported")
         off, end = 8 + hlen, len(buf) - 4
-        rec = cls(bits, spec)
+        rec = cls(bits, spec, kv_spec=kv_spec, meta=meta)
         for s in sections:
             try:
                 layer, site, n, k, kp = int(s["layer"]), s["site"], int(s["rows"]), int(s["k"]), \
@@ -288,9 +315,11 @@ class GuidanceRecord:
             except zlib.error as e:
                 raise GuidanceRecordError(f"{what}: section {layer}/{site} does not inflate "
                                           f"({e})") from None
+            if site not in SITES:
+                raise GuidanceRecordError(f"{what}: unknown site {site!r}; sites are {SITES}")
+            sizes = _block_sizes(kv_spec) if site in KV_SITES and kv_spec else _block_sizes(spec)
             rec.sites[(layer, site)] = _parse_section(raw, site, n, k, kp, bits, raw_len, device,
-                                                      f"{what} section {layer}/{site}",
-                                                      _block_sizes(spec))
+                                                      f"{what} section {layer}/{site}", sizes)
         if off != end:
             raise GuidanceRecordError(f"{what}: {end - off} trailing bytes after the sections")
         return rec
@@ -316,7 +345,7 @@ def _parse_section(raw, site, n, k, kp, bits, raw_len, device, what,
                    block_sizes=BLOCK_SIZES) -> SiteRows:
     if n < 0 or kp % BLOCK_SIZE or not 0 < k <= kp:
         raise GuidanceRecordError(f"{what}: rows={n} k={k} kp={kp} are inconsistent")
-    fixed = [4 * n] + ([2 * n] if site == "fc2" else []) + [4 * n]
+    fixed = [4 * n] + ([2 * n] if site in INDEXED_SITES else []) + [4 * n]
     scale_bytes = len(raw) - sum(fixed) - bits * n * kp // 8  # one byte per block: 16 or 32
     nb = next((kp // b for b in block_sizes if kp % b == 0 and n * (kp // b) == scale_bytes),
               kp // block_sizes[0])
@@ -331,7 +360,7 @@ def _parse_section(raw, site, n, k, kp, bits, raw_len, device, what,
         parts.append(t[o:o + sz])
         o += sz
     pos = parts[0].view(torch.int32)
-    if site == "fc2":
+    if site in INDEXED_SITES:
         experts = parts[1].view(torch.int16)
         rest = parts[2:]
     else:
@@ -341,75 +370,6 @@ def _parse_section(raw, site, n, k, kp, bits, raw_len, device, what,
     block_scales = rest[1].reshape(n, nb)
     codes = unpack_planes(rest[2].reshape(bits, -1), n * kp).reshape(n, kp)
     return SiteRows(pos, experts, codes, block_scales, row_scales, k)
-
-
-# --- sizes ------------------------------------------------------------------------------------
-
-def size_per_token(*, hidden: int, moe_intermediate: int, top_k: int, layers: int, bits: int,
-                   sites: Iterable[str] = SITES, kv_values: int = 0, row_scale: bool = True,
-                   index: bool = True) -> dict[str, float]:
-    """Bytes of guidance per token, by part, for a model with ``layers`` recorded MoE layers.
-
-    ``fc1`` records ``hidden`` values per token, ``fc2`` ``top_k * moe_intermediate``;
-    ``kv_values`` adds that many KV-cache values per layer (a later capture site, counted here
-    for planning). ``row_scale``/``index`` count the 4-byte row scale and the row index.
-    """
-    if bits not in GUIDE_BITS:
-        raise SpecError(f"guidance keeps 1, 2, 3 or 4 bits per value, got {bits!r}")
-    sites = tuple(sites)
-    unknown = set(sites) - set(SITES)
-    if unknown:
-        raise SpecError(f"unknown sites {sorted(unknown)}; sites are {SITES}")
-    values = rows = idx = 0
-    if "fc1" in sites:
-        values, rows, idx = values + hidden, rows + 1, idx + 4
-    if "fc2" in sites:
-        values, rows, idx = values + top_k * moe_intermediate, rows + top_k, idx + 6 * top_k
-    out = {
-        "code_bits": layers * values * bits / 8,
-        "block_scales": layers * values / BLOCK_SIZE,
-        "row_scales": layers * rows * 4 if row_scale else 0,
-        "index": layers * idx if index else 0,
-        "kv": layers * kv_values * (bits / 8 + 1 / BLOCK_SIZE),
-    }
-    out["total"] = sum(out.values())
-    return out
-
-
-def size_for_config(config, *, bits: int, last_layers: int | None = None,
-                    sites: Iterable[str] = SITES, kv: bool = False) -> dict[str, float]:
-    """:func:`size_per_token` for a Hugging Face MoE config (``hidden_size``,
-    ``moe_intermediate_size``, ``num_experts_per_tok``, ``num_hidden_layers``, and
-    ``mlp_only_layers``/``decoder_sparse_step`` where present), recording the last
-    ``last_layers`` MoE layers (all by default); ``kv`` counts K and V of every recorded layer.
-    """
-    get = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else \
-        (lambda k, d=None: getattr(config, k, d))
-    n = int(get("num_hidden_layers"))
-    dense = set(get("mlp_only_layers", None) or [])
-    step = int(get("decoder_sparse_step", 1) or 1)
-    moe = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
-    layers = len(select_layers(moe, last_layers))
-    heads = int(get("num_key_value_heads", 0) or 0)
-    head_dim = int(get("head_dim", 0) or (int(get("hidden_size")) //
-                                          max(1, int(get("num_attention_heads", 1)))))
-    return size_per_token(hidden=int(get("hidden_size")),
-                          moe_intermediate=int(get("moe_intermediate_size")),
-                          top_k=int(get("num_experts_per_tok")), layers=layers, bits=bits,
-                          sites=sites, kv_values=2 * heads * head_dim if kv else 0)
-
-
-def trace_reference_size(bits: int = 4, tokens_per_trajectory: int = 256 * 1024,
-                         trajectories: int = 4096) -> dict[str, float]:
-    """TRACE's accounting for a 35B MoE (hidden 2048, 256 KV values a layer, 40 layers, codes +
-    block scales only), per token and per RL step."""
-    act = size_per_token(hidden=2048, moe_intermediate=0, top_k=0, layers=40, bits=bits,
-                         sites=("fc1",), row_scale=False, index=False)
-    kv = size_per_token(hidden=0, moe_intermediate=0, top_k=0, layers=40, bits=bits, sites=(),
-                        kv_values=256, row_scale=False, index=False)
-    per_token = act["total"] + kv["total"]
-    return {"activation_bytes": act["total"], "kv_bytes": kv["total"], "per_token_bytes": per_token,
-            "per_step_bytes": per_token * tokens_per_trajectory * trajectories}
 
 
 # --- capture (sampler side) -------------------------------------------------------------------
@@ -424,14 +384,23 @@ def _row_scales(q: NVFP4Tensor) -> torch.Tensor:
 
 
 class GuidanceCapture:
-    """Collects the sampler's quantized rows per ``(layer, site)`` across forward calls."""
+    """Collects the sampler's quantized rows per ``(layer, site)`` across forward calls.
+
+    ``spec`` names the activations' preset in the records; K/V rows (sites ``k``, ``v``) carry
+    their own (``kv_spec``, taken from the first K/V rows added).
+    """
 
     def __init__(self, spec: NumericsSpec):
         self.spec = spec
+        self.kv_spec: str | None = None
         self._parts: dict[tuple[int, str], list[tuple]] = {}
 
     def add(self, layer: int, site: str, q: NVFP4Tensor, keys: torch.Tensor) -> None:
         """Keep the rows of ``q`` whose key is not negative (padding has key -1)."""
+        if site in KV_SITES:
+            if self.kv_spec not in (None, q.spec.name):
+                raise SpecError(f"K/V rows in {q.spec.name!r} and {self.kv_spec!r} in one capture")
+            self.kv_spec = q.spec.name
         keep = keys >= 0
         codes = unpack_nibbles(q.codes)
         rs = _row_scales(q)
@@ -471,7 +440,8 @@ class GuidanceCapture:
             for sid, c in zip(ids.tolist(), counts.tolist(), strict=True):
                 sl = slice(lo, lo + c)
                 lo += c
-                rec = out.setdefault(sid, GuidanceRecord(bits, self.spec.name))
+                rec = out.setdefault(sid, GuidanceRecord(bits, self.spec.name,
+                                                         kv_spec=self.kv_spec))
                 rec.sites[(layer, site)] = SiteRows(
                     rows.positions[sl], rows.experts[sl], low_bits(rows.codes[sl], bits),
                     rows.block_scales[sl], rows.row_scales[sl], rows.k)
@@ -502,7 +472,7 @@ class GuidanceTable:
     def __init__(self, records: Mapping[int, GuidanceRecord], device: torch.device | str = "cpu"):
         bits = {r.bits for r in records.values()}
         if len(bits) > 1:
-            raise GuidanceRecordError(f"records mix {sorted(bits)} bits a value")
+            raise GuidanceMismatchError(f"records mix {sorted(bits)} bits a value", field="bits")
         self.bits = bits.pop() if bits else 4
         specs = {r.spec for r in records.values()}
         self.spec_names = specs
@@ -512,7 +482,7 @@ class GuidanceTable:
                 raise GuidanceRecordError(f"sequence id {sid} outside [0, {MAX_SEQUENCE}]")
             for site_key, rows in rec.sites.items():
                 rows = rows.to(device)
-                exp = rows.experts if site_key[1] == "fc2" else None
+                exp = rows.experts if site_key[1] in INDEXED_SITES else None
                 keys = row_keys(sid, rows.positions, exp)
                 per_site.setdefault(site_key, []).append((keys, rows))
         self.sites: dict[tuple[int, str], tuple[torch.Tensor, SiteRows]] = {}

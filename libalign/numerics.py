@@ -53,6 +53,15 @@ a multiple of 32 (:class:`~libalign.errors.ShapeError`, as NVFP4 refuses 16):
     (an fp32 block maximum just above 6 * 2^k) and then stores one byte less. On every
     bf16 block maximum the two agree (tests/libalign/test_mxfp4.py checks all of them).
 
+KV-cache presets (TRACE's FP4 KV rollout; a row is one token's keys or values of one head):
+
+``kv_nvfp4``
+    ``minite``'s bits under its own name: row-scaled NVFP4, one outer scale per head row,
+    so a row's codes never depend on other tokens and the cache can quantize on write.
+``kv_mxfp4``
+    ``mxfp4``'s bits (E8M0 per 32 values, no outer scale); the head size must be a multiple
+    of 32. No compiled kernel serves MXFP4 yet: :func:`libalign.ops.quantize` runs the spec.
+
 The ``torchao`` and ``modelopt`` presets raise :class:`~libalign.errors.UndefinedScaleError` on an
 all-zero tensor, where both libraries compute 0/0 and emit NaN block scales.
 """
@@ -243,3 +252,9 @@ PRESETS.update({
 })
 #: The MXFP4 presets (E8M0 scales per 32 values); the others are NVFP4.
 MX_PRESETS = ("mxfp4", "mxfp4_ceil", "mxfp4_even", "mxfp4_te")
+
+# KV-cache formats (:mod:`libalign.models.kv_cache`): a row is one token's K (or V) of one head.
+PRESETS["kv_nvfp4"] = PRESETS["minite"].replace(name="kv_nvfp4")
+PRESETS["kv_mxfp4"] = PRESETS["mxfp4"].replace(name="kv_mxfp4")
+#: The presets a KV cache can store K and V in.
+KV_PRESETS = ("kv_nvfp4", "kv_mxfp4")

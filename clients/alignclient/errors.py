@@ -169,6 +169,20 @@ class GuidanceChecksumError(GuidanceRecordError):
     code = "guidance_checksum"
 
 
+class GuidanceMismatchError(GuidanceRecordError):
+    """Guidance records that are well formed but were made for something else: another weight
+    version, a model with another layer count, KV head count or head size, another bit width
+    or KV format. ``field`` names what does not match (``version``, ``layers``, ``kv_heads``,
+    ``head_dim``, ``bits``, ``format``)."""
+
+    code = "guidance_mismatch"
+    field: str | None = None
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
 class GuidanceUnsupportedError(InputError):
     """Guidance records (TRACE) were asked of an engine that cannot capture them."""
 

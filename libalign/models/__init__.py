@@ -17,6 +17,9 @@ network does the difference arise? This package supplies the pieces to ask it on
   FC1/FC2 outputs in token order) and forced routing;
 * :mod:`~libalign.models.guided` – TRACE: the sampler captures guidance records, the learner
   rounds by them (``nvfp4_trace``);
+* :mod:`~libalign.models.kv_cache` – the FP4 KV cache (K and V quantized on write, dequantized
+  on read) and :mod:`~libalign.models.kv_guided` – KV guidance: the learner's K and V rounded
+  as the sampler's cache rounded them;
 * :mod:`~libalign.models.scoring` – the learner (teacher-forced scores), the sampler (KV-cache
   decoding that reports log-probs as it goes) and single-layer replay for the 2×2 input/path
   swap.
@@ -33,6 +36,14 @@ Typical use::
 from .capture import capture, force_routing, to_token_order
 from .config import build_model, qwen3_30b_a3b_shaped_config, tiny_config
 from .guided import CodeAgreement, capture_guidance, use_guidance
+from .kv_cache import FP4KVCache, capture_kv, kv_format, set_kv_format, use_kv_format
+from .kv_guided import (
+    KVAgreement,
+    check_records,
+    count_kv_agreement,
+    model_geometry,
+    use_kv_guidance,
+)
 from .paths import (
     add_observer,
     clear_weight_cache,
@@ -63,15 +74,20 @@ from .train import (
 __all__ = [
     "DEFAULT_STEPS",
     "CodeAgreement",
+    "FP4KVCache",
     "GenerationResult",
+    "KVAgreement",
     "SyntheticTask",
     "add_observer",
     "build_model",
     "cache_root",
     "capture",
     "capture_guidance",
+    "capture_kv",
+    "check_records",
     "checkpoint_dir",
     "clear_weight_cache",
+    "count_kv_agreement",
     "cpu_threads",
     "current_paths",
     "decoder_layers",
@@ -80,6 +96,8 @@ __all__ = [
     "generate",
     "heldout_accuracy",
     "install_prepared_weights",
+    "kv_format",
+    "model_geometry",
     "moe_layer_indices",
     "prepared_weights",
     "qwen3_30b_a3b_shaped_config",
@@ -87,6 +105,7 @@ __all__ = [
     "replay_moe",
     "reset_paths",
     "score_sequences",
+    "set_kv_format",
     "set_path",
     "tiny_config",
     "to_token_order",
@@ -94,6 +113,8 @@ __all__ = [
     "trained_tiny_model",
     "training_report",
     "use_guidance",
+    "use_kv_format",
+    "use_kv_guidance",
     "use_path",
     "write_dir_atomically",
 ]

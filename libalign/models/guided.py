@@ -31,7 +31,7 @@ from torch import nn
 
 from .. import ops
 from ..errors import SpecError
-from ..guidance import GuidanceCapture, GuidanceTable, guided_quantize
+from ..guidance import ACT_SITES, GuidanceCapture, GuidanceTable, guided_quantize
 from ..packing import unpack_nibbles
 from ..rounding import canonical_zero
 from ..spec import PRESETS, NumericsSpec
@@ -133,8 +133,9 @@ def use_guidance(model: nn.Module, table: GuidanceTable | None,
     """
     if table is None and reference is None:
         raise SpecError("use_guidance needs a guidance table, or a reference to count against")
-    sites = (table or reference).sites
-    chosen = _layers(model, layers if layers is not None else sorted({x for x, _ in sites}))
+    sites = (table or reference).sites  # K/V sites are the KV cache's (kv_guided)
+    chosen = _layers(model, layers if layers is not None else
+                     sorted({x for x, s in sites if s in ACT_SITES}))
 
     def hook(layer, site, a, spec, token_of, expert_of):
         keys = _keys(model, a, token_of, expert_of)

@@ -47,6 +47,7 @@ from torch import nn
 from ..errors import InputError, ShapeError, SpecError
 from ..guidance import MAX_SEQUENCE, row_keys
 from .capture import RoutingSpec, force_routing
+from .kv_cache import cache_kwarg, full_sequence_kwargs, new_cache
 from .paths import (
     PathAssignment,
     decoder_layers,
@@ -71,11 +72,6 @@ def _device(model: nn.Module) -> torch.device:
 
 def _path_ctx(model: nn.Module, path: PathAssignment, backend: str):
     return nullcontext() if path is None else use_path(model, path, backend=backend)
-
-
-def _cache_kwarg(fn) -> str:
-    params = inspect.signature(fn).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def _seq_ids(seq_ids: Sequence[int] | None, n: int) -> list[int]:
@@ -157,7 +153,8 @@ def score_sequences(model: nn.Module, sequences: Sequence[Sequence[int]], prompt
                                                  dev)
             set_row_keys(model, keys)
             try:
-                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                logits = model(input_ids=ids, attention_mask=mask,
+                               **full_sequence_kwargs(model)).logits
             finally:
                 set_row_keys(model, None)
             out += [t.cpu() for t in completion_logprobs(
@@ -256,8 +253,8 @@ class KVDecode:
             mask[r, width - len(p):] = 1
         self.model = model
         self.device = _device(model)
-        self.cache_kw = _cache_kwarg(model.forward)
-        self.cache = DynamicCache(config=model.config)
+        self.cache_kw = cache_kwarg(model.forward)
+        self.cache = new_cache(model)  # FP4 when the model has a KV format (kv_cache)
         ids, self.mask = ids.to(self.device), mask.to(self.device)
         positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
         self._sid = torch.tensor(self.seq_ids, device=self.device).unsqueeze(-1)

@@ -28,10 +28,9 @@ from libalign.guidance import (
     pack_planes,
     row_keys,
     select_layers,
-    size_per_token,
-    trace_reference_size,
     unpack_planes,
 )
+from libalign.guidance_sizes import size_per_token, trace_reference_size
 from libalign.packing import unpack_nibbles
 from libalign.rounding import bracket_levels, e2m1_levels, low_bits
 from libalign.spec import PRESETS, normalized_with_scales, quantize

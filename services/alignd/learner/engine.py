@@ -5,7 +5,11 @@ The protocol
 A learner engine holds the policy being trained. It can
 
 * :meth:`~LearnerEngine.score` sequences teacher-forced under its execution path (with the
-  sampler's guidance records when the path is ``nvfp4_trace``), the learner side of δ;
+  sampler's guidance records when the path is guided, :data:`GUIDED_PATHS`), the learner
+  side of δ. A path with a KV format (``nvfp4_trace_kv_nvfp4``) also quantizes K and V in
+  its forward (straight-through backward), rounded as the sampler's K/V records say after
+  :func:`libalign.models.check_records` has refused records made for another model, bit
+  width or KV format (:class:`~alignclient.errors.GuidanceMismatchError`);
 * :meth:`~LearnerEngine.train_step` on a batch of rollouts: the sampler's tokens, the
   sampler's log-probs, rewards and group ids;
 * :meth:`~LearnerEngine.export_weights`: the BF16 tensors of the current policy, named as
@@ -51,7 +55,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,10 +67,14 @@ from libalign import gemm, models
 from libalign import metrics as lm
 from libalign.guidance import GuidanceRecord, GuidanceTable
 from libalign.models import strict as strict_mode
+from libalign.models.kv_cache import full_sequence_kwargs, guide_kv
 from libalign.models.paths import set_row_keys
 from libalign.models.scoring import completion_logprobs, right_padded_batch
+from libalign.numerics import KV_PRESETS
 
 GUIDED = "nvfp4_trace"
+#: learner paths that round by the sampler's guidance records (activations, and K/V with a KV format)
+GUIDED_PATHS = frozenset({GUIDED, *(f"{GUIDED}_{kv}" for kv in KV_PRESETS)})
 
 
 @dataclass
@@ -173,9 +181,23 @@ class TorchLearnerEngine:
     # --- the learner's log-probs ----------------------------------------------------------
 
     def _table(self, guidance):
-        if self.path != GUIDED or not guidance:
+        if self.path not in GUIDED_PATHS or not guidance:
             return None
+        kv_spec = gemm.get_path(self.path).kv_spec
+        if kv_spec is not None:
+            models.check_records(guidance, geometry=models.model_geometry(self.model),
+                                 kv_spec=kv_spec)
         return GuidanceTable(dict(guidance), next(self.model.parameters()).device)
+
+    def _kv(self, table):
+        """The KV format of the learner's path (and its guidance) for one forward, if any."""
+        kv_spec = gemm.get_path(self.path).kv_spec
+        if kv_spec is None:
+            return nullcontext()
+        stack = ExitStack()
+        stack.enter_context(models.use_kv_format(self.model, kv_spec))
+        stack.enter_context(guide_kv(self.model, table))
+        return stack
 
     def _forward(self, seqs, plens, ids_of, table, grad: bool) -> list[torch.Tensor]:
         """Log-probs of completion tokens for one padded batch (with or without autograd)."""
@@ -185,8 +207,9 @@ class TorchLearnerEngine:
         try:
             with torch.set_grad_enabled(grad), models.use_path(self.model, self.path), \
                     (models.use_guidance(self.model, table) if table is not None
-                     else nullcontext()):
-                logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                     else nullcontext()), self._kv(table):
+                logits = self.model(input_ids=ids, attention_mask=mask,
+                                    **full_sequence_kwargs(self.model)).logits
         finally:
             set_row_keys(self.model, None)
         return completion_logprobs(logits, ids, [len(s) for s in seqs], plens,

@@ -46,9 +46,10 @@ from alignd.infra.staleness import StalenessGuard
 from alignd.infra.stores.rollouts import Score
 from alignd.infra.telemetry import Metrics
 from alignd.infra.work import RolloutRequest, RolloutsReady, ready_stream, requests_stream
-from alignd.learner.engine import GUIDED, LearnerEngine, TrainBatch
+from alignd.learner.engine import GUIDED_PATHS, LearnerEngine, TrainBatch
 from alignd.learner.sharded_publish import announce_converted
 from libalign.guidance import GuidanceRecord
+from libalign.models.kv_guided import check_records
 
 
 @dataclass
@@ -174,7 +175,7 @@ class LearnerLoop:
                              samples_per_prompt=self.samples_per_prompt,
                              max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                              seed=step, guidance_bits=self.settings.guidance_bits
-                             if self.engine.path == GUIDED else 0)
+                             if self.engine.path in GUIDED_PATHS else 0)
         self.bus.publish(self.requests_stream, req.to_fields())
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
@@ -211,6 +212,7 @@ class LearnerLoop:
         if ready.guidance and self.guidance is not None:
             blobs = self.guidance.get_many(vid, ids)
             recs = {i: GuidanceRecord.decode(blobs[r]) for i, r in enumerate(ids)}
+            check_records(recs, version=vid, bits=self.settings.guidance_bits)
         mine = self.engine.score(seqs, plens, recs)
         delta = self.rollouts.put_scores(vid, [Score(rollout_id=r, logprobs=lp,
                                                      path=self.engine.path)

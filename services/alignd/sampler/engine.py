@@ -18,14 +18,19 @@ A sampler engine serves one weight version at a time. It can
 the GEMMs multiply exactly the codes the converter stored (installed with
 :func:`libalign.models.install_prepared_weights`, never re-quantized). A version must have
 been converted for the engine's path (its weight spec), or loading refuses it with a
-:class:`~alignclient.errors.SpecError`. The SGLang adapter (a later issue) implements the same
-protocol over HTTP.
+:class:`~alignclient.errors.SpecError`. A path with a KV format (``nvfp4_minite_kv_nvfp4``,
+``nvfp4_minite_kv_mxfp4``) stores K and V as FP4 bits (:mod:`libalign.models.kv_cache`) and,
+when guidance is asked for, records them too (sites ``k``, ``v`` of the last
+``guidance_last_layers`` decoder layers). Every record names the weight version and the
+model's layer and KV-head counts it was made with, which the learner checks. The SGLang
+adapter (a later issue) implements the same protocol over HTTP.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -93,6 +98,9 @@ class TorchSamplerEngine:
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.guidance_layers = select_layers(models.moe_layer_indices(model), guidance_last_layers)
+        self.geometry = models.model_geometry(model)
+        self.kv_guidance_layers = select_layers(range(self.geometry["layers"]),
+                                                guidance_last_layers)
         self._lock = threading.Lock()  # held by a generation; a load waits for it (pause)
         self._version: str | None = None
         models.set_path(self.model, self.path)
@@ -101,6 +109,7 @@ class TorchSamplerEngine:
         a learner in strict mode reproduces this sampler's log-probs bit for bit."""
         if strict:
             strict_mode.enable(self.model)
+        models.set_kv_format(self.model, gemm.get_path(self.path).kv_spec)
 
     @property
     def version_id(self) -> str | None:
@@ -179,9 +188,14 @@ class TorchSamplerEngine:
                 recs: dict[int, GuidanceRecord] = {}
             else:
                 spec = gemm.get_path(self.path).act_spec
-                with models.capture_guidance(self.model, self.guidance_layers, spec) as cap:
+                with models.capture_guidance(self.model, self.guidance_layers, spec) as cap, \
+                        (models.capture_kv(self.model, cap, self.kv_guidance_layers)
+                         if models.kv_format(self.model) is not None else nullcontext()):
                     r = models.generate(self.model, prompts, None, **kw)
                 recs = cap.records(guidance_bits)
+                for rec in recs.values():
+                    rec.meta.update(version=self._version, layers=self.geometry["layers"],
+                                    kv_heads=self.geometry["kv_heads"])
             return Generation(self._version, r.sequences, r.prompt_lens,
                               [t.tolist() for t in r.logprobs], r.finished, recs)
 

@@ -33,7 +33,7 @@ from alignd.infra.service_main import run_service
 from alignd.infra.settings import AllInOneSettings, ApiAddress, ApiSettings
 from alignd.infra.telemetry import Metrics
 from libalign.atomic_dir import DestinationExistsError
-from libalign.guidance import size_for_config, trace_reference_size
+from libalign.guidance_sizes import size_for_config, trace_reference_size
 from libalign.ops import backends
 from libalign.selfcheck import run_selfcheck
 from libalign.spec import PRESETS

@@ -1,0 +1,324 @@
+"""FP4 KV cache: keys and values quantized on write, dequantized on read (TRACE's FP4 KV rollout).
+
+What is stored
+--------------
+A decoder layer's attention writes, for every token, one key and one value row per key/value
+head (``head_dim`` values each, after ``k_norm`` and the rotary embedding: what Hugging Face
+hands to ``Cache.update``). :class:`FP4KVCache` keeps those rows as FP4 bits in a KV preset
+(:data:`libalign.numerics.KV_PRESETS`):
+
+* ``kv_nvfp4``: row-scaled NVFP4, one outer scale per head row and one E4M3 scale per 16
+  values;
+* ``kv_mxfp4``: MXFP4, one E8M0 scale per 32 values (``head_dim`` a multiple of 32).
+
+A row's bits depend on that row alone (the row is the scale domain), so the cache quantizes
+each token's rows once, when they are written, through :func:`libalign.ops.quantize` (the
+compiled CPU/CUDA kernels for ``kv_nvfp4``; the spec for ``kv_mxfp4``, which has no kernel
+yet), keeps packed codes and scales only, and dequantizes the whole layer
+(:func:`libalign.spec.dequantize`, in the model's dtype) each time attention reads it. The
+attention therefore multiplies exactly the values the spec says the FP4 cache holds.
+
+Who uses it, and how
+--------------------
+The format is a property of the model instance (:func:`set_kv_format`; a sampler engine sets
+it from its execution path's ``kv_spec``). The decode helpers of :mod:`libalign.models.scoring`
+build their cache with :func:`new_cache` (an :class:`FP4KVCache` when a format is set, the
+stock ``DynamicCache`` otherwise), and a teacher-forced full-sequence pass (the learner's
+scores, its training forward) passes :func:`full_sequence_kwargs`: a fresh FP4 cache, so its
+attention reads K and V quantized the same way. There the quantization is differentiable by
+the straight-through estimator: forward the dequantized FP4 values, backward the identity.
+
+Two optional companions ride on the same writes: a :class:`~libalign.guidance.GuidanceCapture`
+(the sampler records each written row's bits, sites ``k`` and ``v``: :func:`capture_kv`) and
+a :class:`~libalign.guidance.GuidanceTable` (the learner rounds each row as the sampler's
+record says: :func:`libalign.models.kv_guided.use_kv_guidance`). Rows are named by the row
+keys of the forward call (:func:`libalign.models.paths.set_row_keys`) with the head in the
+index column, ``seq << 40 | pos << 16 | head + 1``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..errors import SpecError
+from ..guidance import GuidanceCapture, GuidanceTable, guided_quantize, select_layers
+from ..numerics import KV_PRESETS
+from ..spec import PRESETS, NumericsSpec, NVFP4Tensor, dequantize
+from .paths import decoder_layers, row_keys_of
+
+try:
+    from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+except ImportError:  # pragma: no cover - transformers without the layered cache API
+    Cache = DynamicCache = DynamicLayer = object
+
+_STATE = "_libalign_kv_state"
+#: observer(layer, site, rows, quantized, keys): the unquantized ``[n, head_dim]`` rows of one
+#: write (detached), their FP4 bits and their row keys (``kv_guided.count_kv_agreement``).
+KVObserver = Callable[[int, str, torch.Tensor, NVFP4Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class KVState:
+    """A model's KV settings: the format, and what rides on the writes (capture, guidance)."""
+
+    spec: NumericsSpec
+    capture: GuidanceCapture | None = None
+    capture_layers: frozenset[int] = frozenset()
+    guide: GuidanceTable | None = None
+    observer: KVObserver | None = None
+
+
+def kv_spec_of(spec: NumericsSpec | str | None) -> NumericsSpec | None:
+    """A KV preset by name (or a spec, checked); None stays None. SpecError for another preset."""
+    if spec is None:
+        return None
+    got = PRESETS.get(spec) if isinstance(spec, str) else spec
+    if not isinstance(got, NumericsSpec) or got.name not in KV_PRESETS or \
+            got != PRESETS[got.name]:
+        raise SpecError(f"KV format must be one of {KV_PRESETS}, got {spec!r}")
+    return got
+
+
+def kv_state(model: nn.Module) -> KVState | None:
+    """The model's KV settings (None: K and V stay in the model's dtype)."""
+    return model.__dict__.get(_STATE)
+
+
+def kv_format(model: nn.Module) -> NumericsSpec | None:
+    """The KV preset the model's caches store K and V in, or None."""
+    st = kv_state(model)
+    return None if st is None else st.spec
+
+
+def set_kv_format(model: nn.Module, spec: NumericsSpec | str | None) -> None:
+    """Store K and V as ``spec`` (a KV preset) from now on; None goes back to the model's dtype."""
+    spec = kv_spec_of(spec)
+    if spec is None:
+        model.__dict__.pop(_STATE, None)
+        return
+    _check_head_dim(model, spec)
+    st = kv_state(model)
+    model.__dict__[_STATE] = KVState(spec) if st is None else replace(st, spec=spec)
+
+
+def _check_head_dim(model: nn.Module, spec: NumericsSpec) -> None:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if spec.k_remainder == "refuse" and head_dim % spec.block_size:
+        raise SpecError(f"KV format {spec.name!r} needs a head size that is a multiple of "
+                        f"{spec.block_size}, the model's is {head_dim}")
+
+
+@contextmanager
+def _with_state(model: nn.Module, **changes) -> Iterator[KVState]:
+    before = kv_state(model)
+    if before is None:
+        raise SpecError("the model has no KV format: set_kv_format(model, 'kv_nvfp4') first")
+    model.__dict__[_STATE] = replace(before, **changes)
+    try:
+        yield model.__dict__[_STATE]
+    finally:
+        after = kv_state(model)
+        if after is not None:  # the format may have changed inside; only the companions go back
+            model.__dict__[_STATE] = replace(after, capture=before.capture,
+                                             capture_layers=before.capture_layers,
+                                             guide=before.guide, observer=before.observer)
+
+
+@contextmanager
+def use_kv_format(model: nn.Module, spec: NumericsSpec | str | None) -> Iterator[nn.Module]:
+    """:func:`set_kv_format` for a ``with`` block; the previous format comes back after it."""
+    before = kv_state(model)
+    set_kv_format(model, spec)
+    try:
+        yield model
+    finally:
+        if before is None:
+            model.__dict__.pop(_STATE, None)
+        else:
+            model.__dict__[_STATE] = before
+
+
+@contextmanager
+def capture_kv(model: nn.Module, capture: GuidanceCapture,
+               layers: Iterable[int] | None = None) -> Iterator[GuidanceCapture]:
+    """Record every K/V row the model's FP4 caches write at ``layers`` (all by default) into
+    ``capture`` (sites ``k`` and ``v``) while inside."""
+    n = len(decoder_layers(model))
+    chosen = select_layers(range(n)) if layers is None else sorted({int(x) for x in layers})
+    bad = [x for x in chosen if not 0 <= x < n]
+    if bad:
+        raise SpecError(f"layers {bad} do not exist; the model has {n} layers")
+    with _with_state(model, capture=capture, capture_layers=frozenset(chosen)):
+        yield capture
+
+
+@contextmanager
+def guide_kv(model: nn.Module, table: GuidanceTable | None) -> Iterator[GuidanceTable | None]:
+    """Round K/V rows as ``table``'s ``k``/``v`` records say while inside (unchecked: see
+    :func:`libalign.models.kv_guided.use_kv_guidance`, which checks them first)."""
+    with _with_state(model, guide=table):
+        yield table
+
+
+@contextmanager
+def observe_kv(model: nn.Module, observer: KVObserver) -> Iterator[None]:
+    """Call ``observer`` on every K/V write of the model's FP4 caches while inside."""
+    with _with_state(model, observer=observer):
+        yield
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the quantized values; backward: the gradient of the unquantized ones."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return q.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class FP4KVLayer(DynamicLayer):
+    """One decoder layer's K/V as FP4 bits (module doc). Rows are ``[batch, heads, seq]``."""
+
+    is_croppable = False
+
+    def __init__(self, model: nn.Module, layer: int):
+        super().__init__()
+        self.model = model
+        self.layer = layer
+        self.length = 0
+        self.bits: dict[str, tuple | None] = {"k": None, "v": None}
+
+    def get_seq_length(self) -> int:
+        """Tokens held."""
+        return self.length
+
+    def reset(self) -> None:
+        """Forget every token."""
+        super().reset()
+        self.length = 0
+        self.bits = {"k": None, "v": None}
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """FP4 rows cannot be cropped here (a decode never does)."""
+        raise SpecError("the FP4 KV cache does not crop")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep these batch rows."""
+        self.bits = {s: None if b is None else tuple(None if t is None else t[indices] for t in b)
+                     for s, b in self.bits.items()}
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder the batch (beam search)."""
+        self.batch_select_indices(beam_idx)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Quantize the new rows, append their bits, return the layer's K and V dequantized."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        st = kv_state(self.model)
+        if st is None:
+            raise SpecError("the model's KV format was unset while an FP4 cache was in use")
+        keys = None
+        capture = st.capture if self.layer in st.capture_layers else None
+        if capture is not None or st.guide is not None or st.observer is not None:
+            keys = _head_row_keys(self.model, key_states)
+        out = []
+        for site, x in (("k", key_states), ("v", value_states)):
+            b, h, t, d = x.shape
+            rows = x.reshape(b * h * t, d)
+            guide = None if st.guide is None else st.guide.lookup(self.layer, site, keys)
+            q = guided_quantize(rows.detach(), st.spec, guide) if guide is not None else \
+                ops.quantize(rows.detach(), st.spec)
+            if capture is not None:
+                capture.add(self.layer, site, q, keys)
+            if st.observer is not None:
+                st.observer(self.layer, site, rows.detach(), q, keys)
+            new = _grid(q, (b, h, t))
+            past = self.bits[site]
+            read = dequantize(q, x.dtype).reshape(b, h, t, d)
+            if x.requires_grad and torch.is_grad_enabled():
+                read = _StraightThrough.apply(x, read)
+            if past is not None:
+                read = torch.cat([_dequantize_grid(past, st.spec, d, x.dtype), read], dim=-2)
+                new = tuple(None if p is None else torch.cat([p, n], dim=2)
+                            for p, n in zip(past, new, strict=True))
+            self.bits[site] = new
+            out.append(read)
+        self.length += key_states.shape[-2]
+        return out[0], out[1]
+
+    def nbytes(self) -> int:
+        """Bytes of codes and scales held (what an FP4 cache costs, against 2 bytes a bf16 value)."""
+        return sum(t.numel() * t.element_size() for b in self.bits.values() if b is not None
+                   for t in b if t is not None)
+
+
+def _grid(q: NVFP4Tensor, lead: tuple[int, int, int]) -> tuple:
+    """A quantized ``[b*h*t, d]`` as ``(codes, block scales, outer)`` shaped ``[b, h, t, ...]``."""
+    outer = None if q.outer_scale is None else q.outer_scale.reshape(*lead)
+    return (q.codes.reshape(*lead, -1), q.block_scales.reshape(*lead, -1), outer)
+
+
+def _dequantize_grid(bits: tuple, spec: NumericsSpec, d: int, dtype: torch.dtype) -> torch.Tensor:
+    codes, bs, outer = bits
+    lead = tuple(codes.shape[:3])
+    m = lead[0] * lead[1] * lead[2]
+    q = NVFP4Tensor(codes.reshape(m, -1), bs.reshape(m, -1),
+                    None if outer is None else outer.reshape(m), spec, (m, d))
+    return dequantize(q, dtype).reshape(*lead, d)
+
+
+def _head_row_keys(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Row keys of ``x`` ``[b, h, t, d]`` in its row order: the token's key with ``head + 1``."""
+    flat = row_keys_of(model)
+    b, h, t, _ = x.shape
+    if flat is None or flat.numel() != b * t:
+        raise SpecError("KV guidance needs row keys for every forward call: run the model through "
+                        "libalign.models.score_sequences / generate / KVDecode (they set them)")
+    tok = flat.to(x.device).reshape(b, 1, t).expand(b, h, t)
+    head = torch.arange(1, h + 1, dtype=torch.int64, device=x.device).reshape(1, h, 1)
+    return torch.where(tok >= 0, tok | head, tok).reshape(-1)
+
+
+class FP4KVCache(Cache):
+    """A Hugging Face ``Cache`` of :class:`FP4KVLayer` s, one per decoder layer of ``model``."""
+
+    def __init__(self, model: nn.Module):
+        if kv_state(model) is None:
+            raise SpecError("an FP4 KV cache needs a KV format: set_kv_format(model, ...) first")
+        super().__init__(layers=[FP4KVLayer(model, i) for i in range(len(decoder_layers(model)))])
+
+    def nbytes(self) -> int:
+        """Bytes of FP4 codes and scales held over all layers."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+def new_cache(model: nn.Module):
+    """The cache a decode of ``model`` uses: FP4 when it has a KV format, else ``DynamicCache``."""
+    return FP4KVCache(model) if kv_state(model) is not None else DynamicCache(config=model.config)
+
+
+def cache_kwarg(fn) -> str:
+    """The name a model's ``forward`` takes its cache under (``cache``; older: ``past_key_values``)."""
+    params = inspect.signature(fn).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def full_sequence_kwargs(model: nn.Module) -> dict:
+    """Keyword arguments of a teacher-forced pass over whole sequences: ``use_cache=False``, or
+    with a KV format a fresh FP4 cache, so attention reads K and V as the sampler's cache holds
+    them (differentiable: straight-through)."""
+    if kv_state(model) is None:
+        return {"use_cache": False}
+    return {"use_cache": True, cache_kwarg(model.forward): FP4KVCache(model)}
