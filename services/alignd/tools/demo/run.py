@@ -1,22 +1,26 @@
-"""``alignd demo``: RL of the tiny MoE through the real services, four execution configurations.
+"""``alignd demo``: RL of the tiny MoE through the real services, per execution configuration.
 
 What runs
 ---------
 Everything in one process over the embedded Redis (no setup): the converter and a sampler
 as threads, the control API (when it can bind a port) so ``/metrics`` and the status page
 show the run live, and the learner loop (:class:`alignd.learner.loop.LearnerLoop`) in the
-foreground. The policy starts from the supervised warm start (the tiny Qwen3-MoE trained on
-reversed-sum addition, cached after its first two CPU minutes); every configuration starts
-from the same weights:
+foreground. The policy starts from a supervised warm start with headroom: the tiny
+Qwen3-MoE trained on reversed-sum addition until its teacher-forced sequence accuracy reaches
+``WARM_START_ACCURACY`` (0.6: greedy held-out accuracy about 0.64, sampled reward at T = 1
+about 0.5; :func:`libalign.models.trained_tiny_model`, cached after its first CPU minute or
+two), so GRPO has something to improve and a numerical gap has a reward to cost. Every
+configuration starts from the same weights:
 
-==================  =============  ==================  ====
-configuration       sampler path   learner path        TIS
-==================  =============  ==================  ====
-``bf16``            bf16           bf16                no
-``nvfp4_naive``     nvfp4_naive    nvfp4_naive         yes
-``nvfp4_minite``    nvfp4_minite   nvfp4_minite        yes
-``nvfp4_trace``     nvfp4_minite   nvfp4_trace         yes
-==================  =============  ==================  ====
+======================  =============  ==================  ====
+configuration           sampler path   learner path        TIS
+======================  =============  ==================  ====
+``bf16``                bf16           bf16                no
+``nvfp4_naive``         nvfp4_naive    nvfp4_naive         yes
+``nvfp4_naive_notis``   nvfp4_naive    nvfp4_naive         no
+``nvfp4_minite``        nvfp4_minite   nvfp4_minite        yes
+``nvfp4_trace``         nvfp4_minite   nvfp4_trace         yes
+======================  =============  ==================  ====
 
 ``strict_bf16`` and ``strict_minite`` (not in the default set: ``alignd demo --configs
 strict_bf16,strict_minite``) run sampler and learner in strict execution
@@ -26,6 +30,10 @@ step's ``max_abs_delta`` is 0.0 exactly and the gradient comes from that same fo
 
 Each step publishes a version converted for the sampler's path, waits until it serves,
 samples a group per prompt, scores, and takes a GRPO step (:mod:`alignd.learner.engine`).
+``nvfp4_naive_notis`` shows what the TIS correction is for. The learning rate (1e-4, Adam)
+rises linearly over the first ``lr_warmup_steps`` (10) steps. Each configuration runs with
+``seeds`` seeds (``seed``, ``seed + 1``, …); seed ``s`` draws the same prompts in every
+configuration, so configurations are compared on common prompts.
 The objective's knobs are the learner's (``--tis-cap``, default 2, TRACE uses 5;
 ``--ppo-clip-eps``, default off; ``--ppo-epochs``, optimizer steps per batch, default 1;
 ``--max-version-diff``, default unbounded, TRACE uses 3);
@@ -34,10 +42,13 @@ truncated, of tokens the PPO clip held, and the rollouts dropped as stale. The d
 each version right after publishing it, so its rollouts are never stale, and with one update
 per batch the PPO ratio is 1 (the clip binds from the second of ``--ppo-epochs`` on); the
 staleness bound matters for rollouts that lag the learner (:mod:`alignd.infra.staleness`).
-The summary gives, per configuration, the reward (mean over the last quarter of the steps),
-mean and P99 |δ| and clip potential over all scored tokens, and the sync seconds by stage;
-the figure shows mean |δ| per step and reward per step, raw and as a centered 21-point moving
-average (shorter windows at the ends), as the miniTE paper's training figure does.
+The summary gives, per configuration and seed, the reward (mean over the first and the last
+quarter of the steps, and their difference, the gain), mean and P99 |δ| and clip potential
+over all scored tokens, and the sync seconds by stage; :mod:`alignd.tools.demo.report` gives
+each as the mean over seeds with its 95 % interval, prints the table and draws the figure
+(mean |δ| and reward per step as moving averages, mean over seeds with a band), as the
+miniTE paper's training figure does. ``DEFAULT_RUN`` is what ``./dev.sh demo`` runs within
+its time budget; ``FULL_RUN`` (``--full``) every configuration, longer, with more seeds.
 """
 
 from __future__ import annotations
@@ -66,6 +77,7 @@ from alignd.learner.engine import TorchLearnerEngine
 from alignd.learner.loop import IterationResult, LearnerLoop
 from alignd.learner.service import objective_options
 from alignd.sampler.engine import TorchSamplerEngine
+from alignd.tools.demo.report import aggregate, plot_demo
 from alignd.tools.in_process import ServiceThreads
 from libalign import metrics as lm
 from libalign import models
@@ -79,9 +91,19 @@ STRICT_CONFIGS: dict[str, tuple[str, str, bool]] = {
 CONFIGS: dict[str, tuple[str, str, bool]] = {
     "bf16": ("bf16", "bf16", False),
     "nvfp4_naive": ("nvfp4_naive", "nvfp4_naive", True),
+    "nvfp4_naive_notis": ("nvfp4_naive", "nvfp4_naive", False),
     "nvfp4_minite": ("nvfp4_minite", "nvfp4_minite", True),
     "nvfp4_trace": ("nvfp4_minite", "nvfp4_trace", True),
 }
+
+
+#: what ``./dev.sh demo`` runs; ``--full`` runs every configuration
+DEFAULT_CONFIGS = ("bf16", "nvfp4_naive", "nvfp4_naive_notis", "nvfp4_minite", "nvfp4_trace")
+#: steps and seeds of the default run and of ``--full``
+DEFAULT_RUN = {"steps": 30, "seeds": 3}
+FULL_RUN = {"steps": 120, "seeds": 5}
+#: where the supervised warm start stops (:func:`libalign.models.trained_tiny_model`)
+WARM_START_ACCURACY = 0.6
 
 
 @dataclass
@@ -90,10 +112,17 @@ class DemoConfig:
 
     configs: Sequence[str] = tuple(CONFIGS)
     steps: int = 30
+    seeds: int = 1
+    """how many seeds each configuration runs with: ``seed``, ``seed + 1``, ..."""
     prompts_per_step: int = 8
     samples_per_prompt: int = 8
     temperature: float = 1.0
-    lr: float = 2e-5
+    lr: float = 1e-4
+    lr_warmup_steps: int = 10
+    """the learning rate rises linearly to ``lr`` over this many steps (Adam's first steps,
+    before its moment estimates settle, otherwise throw the policy off)"""
+    warm_start_accuracy: float | None = WARM_START_ACCURACY
+    """the supervised warm start stops at this teacher-forced accuracy (None: trained through)"""
     seed: int = 0
     out_dir: Path = Path("align-demo")
     tis_cap: float = lm.DEFAULT_TIS_CAP
@@ -106,7 +135,8 @@ class DemoConfig:
         unknown = [c for c in self.configs if c not in CONFIGS and c not in STRICT_CONFIGS]
         if unknown or not self.configs:
             raise InputError(f"unknown configuration(s) {unknown}; choose from {[*CONFIGS, *STRICT_CONFIGS]}")
-        for name, v in (("steps", self.steps), ("prompts_per_step", self.prompts_per_step),
+        for name, v in (("steps", self.steps), ("seeds", self.seeds),
+                        ("prompts_per_step", self.prompts_per_step),
                         ("samples_per_prompt", self.samples_per_prompt)):
             if v < 1:
                 raise InputError(f"{name} must be at least 1, got {v}")
@@ -116,6 +146,8 @@ class DemoConfig:
             raise InputError(f"tis_cap must be a finite number > 0, got {self.tis_cap}")
         if self.ppo_clip_eps is not None and not 0 < self.ppo_clip_eps < 1:
             raise InputError(f"ppo_clip_eps must lie in (0, 1), got {self.ppo_clip_eps}")
+        if self.lr_warmup_steps < 0:
+            raise InputError(f"lr_warmup_steps must be at least 0, got {self.lr_warmup_steps}")
         if not 1 <= self.ppo_epochs <= 64:
             raise InputError(f"ppo_epochs must lie in 1..64, got {self.ppo_epochs}")
         if self.max_version_diff is not None and self.max_version_diff < 0:
@@ -124,12 +156,13 @@ class DemoConfig:
 
 @dataclass
 class ConfigRun:
-    """One configuration's steps and its summary."""
+    """One configuration's steps and its summary, for one seed."""
 
     name: str
     sampler_path: str
     learner_path: str
     tis: bool
+    seed: int = 0
     objective: dict = field(default_factory=dict)
     """tis, tis_cap, tis_level, ppo_clip_eps, max_version_diff, stale_rollouts as used"""
     steps: list[dict] = field(default_factory=list)
@@ -138,13 +171,6 @@ class ConfigRun:
 
 #: the stages one step consists of (``sync`` = convert + load, counted once)
 STEP_STAGES = ("publish", "sync", "rollout", "score", "train")
-
-
-def moving_average(x: Sequence[float], window: int = 21) -> np.ndarray:
-    """Centered moving average with shorter windows at the ends (``window`` odd)."""
-    a = np.asarray(x, dtype=np.float64)
-    half = window // 2
-    return np.array([a[max(0, i - half):i + half + 1].mean() for i in range(len(a))])
 
 
 class Services:
@@ -175,8 +201,12 @@ def _summary(deltas: list[np.ndarray], results: list[IterationResult]) -> dict:
     sync = {k: float(np.mean([r.seconds[k] for r in results])) for k in
             ("publish", "convert", "load", "rollout", "score", "train")}
     trained = [r.train for r in results if "dropped_stale" not in r.train]
+    last = float(np.mean([r.reward_mean for r in results[-tail:]]))
+    first = float(np.mean([r.reward_mean for r in results[:tail]]))
     return {
-        "reward_last_quarter": float(np.mean([r.reward_mean for r in results[-tail:]])),
+        "reward_last_quarter": last,
+        "reward_first_quarter": first,
+        "reward_gain": last - first,
         "reward_first": results[0].reward_mean if results else None,
         "tokens": int(d.size),
         "mean_abs_delta": stats.get("mean_abs"),
@@ -194,19 +224,22 @@ def _summary(deltas: list[np.ndarray], results: list[IterationResult]) -> dict:
     }
 
 
-def run_demo(cfg: DemoConfig, *, on_step: Callable[[str, IterationResult], None] | None = None,
+def run_demo(cfg: DemoConfig, *,
+             on_step: Callable[[str, int, IterationResult], None] | None = None,
              settings: AllInOneSettings | None = None, metrics: Metrics | None = None) -> dict:
-    """Run every configuration; returns the report (also written to ``out_dir``)."""
+    """Run every configuration with every seed; returns the report (also written to
+    ``out_dir``): ``configs`` one entry per configuration and seed, ``summary`` one per
+    configuration with its numbers over seeds (:func:`~alignd.tools.demo.report.aggregate`)."""
     cfg.check()
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     metrics = metrics or Metrics()
-    base_model, task = models.trained_tiny_model()
+    base_model, task = models.trained_tiny_model(stop_at_accuracy=cfg.warm_start_accuracy)
     base = settings or AllInOneSettings(store_dir=cfg.out_dir / "store", dev_mode=True)
     report = {"configs": [], "started_unix": time.time(), "options": {
         k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
         for k, v in asdict(cfg).items()}}
     rng_prompts = task.prompts
-    for name in cfg.configs:
+    for name, seed in [(n, cfg.seed + i) for n in cfg.configs for i in range(cfg.seeds)]:
         sampler_path, learner_path, tis = {**CONFIGS, **STRICT_CONFIGS}[name]
         s = base.model_copy(update={"sampler_path": sampler_path, "learner_path": learner_path,
                                     "sampler_name": f"demo-{name}",
@@ -214,26 +247,29 @@ def run_demo(cfg: DemoConfig, *, on_step: Callable[[str, IterationResult], None]
                                     "ppo_clip_eps": cfg.ppo_clip_eps, "ppo_epochs": cfg.ppo_epochs,
                                     "max_version_diff": cfg.max_version_diff,
                                     "strict": name in STRICT_CONFIGS})
-        run = ConfigRun(name, sampler_path, learner_path, tis)
+        run = ConfigRun(name, sampler_path, learner_path, tis, seed)
         svc = Services(s, copy.deepcopy(base_model), task, metrics)
         try:
-            torch.manual_seed(cfg.seed)
+            torch.manual_seed(seed)
             engine = TorchLearnerEngine(copy.deepcopy(base_model), learner_path, lr=cfg.lr,
                                         use_tis=tis, pad_id=task.pad_id, strict=s.strict,
                                         **objective_options(s))
             loop = LearnerLoop(
                 s, engine, svc.bus, rollouts=svc.rollouts, guidance=svc.guidance,
-                sampler_path=sampler_path, run_id=f"{name}-{uuid.uuid4().hex[:6]}",
-                prompts=lambda step: rng_prompts(cfg.prompts_per_step, cfg.seed * 100_003 + step,
-                                                 split="train"),
+                sampler_path=sampler_path, run_id=f"{name}-s{seed}-{uuid.uuid4().hex[:6]}",
+                prompts=lambda step, seed=seed: rng_prompts(
+                    cfg.prompts_per_step, seed * 100_003 + step, split="train"),
                 reward=task.verify, prompts_per_step=cfg.prompts_per_step,
                 samples_per_prompt=cfg.samples_per_prompt,
                 max_new_tokens=task.max_completion_len, temperature=cfg.temperature,
                 metrics=metrics)
             run.objective = loop.objective()
+            warmup = torch.optim.lr_scheduler.LambdaLR(
+                engine.opt, lambda i: min(1.0, (i + 1) / max(1, cfg.lr_warmup_steps)))
             deltas, results = [], []
             for step in range(cfg.steps):
                 r = loop.iteration(step)
+                warmup.step()
                 d = np.asarray(r.deltas, dtype=np.float64)
                 deltas.append(d)
                 results.append(r)
@@ -243,46 +279,14 @@ def run_demo(cfg: DemoConfig, *, on_step: Callable[[str, IterationResult], None]
                                   "max_abs_delta": float(np.abs(d).max()) if d.size else None,
                                   "train": r.train, "seconds": r.seconds})
                 if on_step:
-                    on_step(name, r)
+                    on_step(name, seed, r)
             run.summary = _summary(deltas, results)
         finally:
             svc.close()
         report["configs"].append(asdict(run))
     report["finished_unix"] = time.time()
+    report["summary"] = aggregate(report["configs"])
     (cfg.out_dir / "demo_report.json").write_text(json.dumps(report, indent=1))
     plot_path = plot_demo(report, cfg.out_dir / "demo.png")
     report["outputs"] = {"report": str(cfg.out_dir / "demo_report.json"), "figure": str(plot_path)}
     return report
-
-
-def plot_demo(report: dict, path: Path) -> Path:
-    """Mean |δ| and reward per step, raw and 21-point centered moving average, per configuration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_d, ax_r) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for i, c in enumerate(report["configs"]):
-        steps = [s["step"] for s in c["steps"]]
-        d = [s["mean_abs_delta"] or np.nan for s in c["steps"]]
-        r = [s["reward"] for s in c["steps"]]
-        color = f"C{i}"
-        ax_d.plot(steps, d, color=color, alpha=0.25, lw=0.8)
-        ax_d.plot(steps, moving_average(np.nan_to_num(d)), color=color, lw=2, label=c["name"])
-        ax_r.plot(steps, r, color=color, alpha=0.25, lw=0.8)
-        ax_r.plot(steps, moving_average(r), color=color, lw=2, label=c["name"])
-    ax_d.set_yscale("log")
-    ax_d.set_xlabel("step")
-    ax_d.set_ylabel("mean |log p_learner − log p_sampler| (nats)")
-    ax_d.set_title("train–rollout log-prob discrepancy")
-    ax_r.set_xlabel("step")
-    ax_r.set_ylabel("reward")
-    ax_r.set_title("reward (raw, 21-step centered mean)")
-    for ax in (ax_d, ax_r):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
