@@ -421,6 +421,9 @@ def diagnose(
         "--out", help="directory for report.json and the PNGs")] = None,
     as_json: bool = typer.Option(False, "--json", help="print the report JSON only"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bars"),
+    strict: bool = typer.Option(False, "--strict", help="strict execution on both sides "
+                                "(batch-invariant ops): a strict pair has δ = 0; default "
+                                "conditions bf16/bf16,nvfp4_minite/nvfp4_minite"),
 ) -> None:
     """Measure and localize the learner-sampler execution gap (teacher-forced, frozen policy)."""
     # the diagnosis runs models (transformers, the models extra) and plots (matplotlib)
@@ -437,7 +440,7 @@ def diagnose(
         conditioned=conditioned, localize_sequences=localize_sequences, context_swap=context_swap,
         clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, n_boot=n_boot, level=level,
         trace_bits=trace_bits, trace_layers=trace_layers, seed=seed, device=device,
-        backend=backend, threads=threads)
+        backend=backend, threads=threads, strict=strict)
     err = Console(stderr=True)
     try:
         with _DiagnoseProgress(err, disable=quiet or as_json or not err.is_terminal) as progress:

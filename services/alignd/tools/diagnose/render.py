@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from alignd.tools.diagnose import strict as strict_diag
+
 
 def _f(v, digits: int = 4) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -218,6 +220,8 @@ def render_report(report: dict, console: Console) -> None:
         console.print(escape(f"sampler replay vs the generator's own decode log-probs "
                              f"({report['sequences']['generated_by']}): max |Δ| {_f(rc['max_abs'], 3)}"
                              f"{' (bitwise)' if rc['bitwise'] else ''}"))
+    for line in strict_diag.render_lines(report):
+        console.print(escape(line))
     for table in (stats_table(report, "shared"), floor_table(report), stats_table(report, "on_policy"),
                   guidance_table(report), layers_table(report), replay_table(report),
                   context_table(report)):

@@ -54,6 +54,7 @@ from alignclient.errors import ConfigError, InputError
 
 import libalign
 from alignd.tools.diagnose import guided, inputs, localize, render, sides, stats
+from alignd.tools.diagnose import strict as strict_diag
 from alignd.tools.diagnose.conditions import (
     EXTERNAL,
     Condition,
@@ -63,6 +64,7 @@ from alignd.tools.diagnose.conditions import (
     resolve_conditions,
 )
 from libalign import models
+from libalign.models import strict as strict_mode
 from libalign.models.replay import replay_decode
 from libalign.rounding import GUIDE_BITS
 
@@ -106,6 +108,8 @@ class DiagnoseConfig:
     backend: str = "auto"
     threads: int | None = None
     cache_dir: str | None = None
+    strict: bool = False
+    """strict execution on both sides (:mod:`alignd.tools.diagnose.strict`)"""
 
 
 class Reporter:
@@ -137,6 +141,8 @@ def _check_config(cfg: DiagnoseConfig) -> None:
     conds, _ = resolve_conditions(cfg.conditions, cfg.learner_paths, cfg.sampler_paths,
                                   floor=cfg.floor, external=cfg.sequences_file is not None)
     guided.check_guided(conds)
+    if cfg.strict:
+        strict_diag.check(conds, cfg.generate_path)
     if cfg.trace_bits not in GUIDE_BITS:
         raise InputError(f"--trace-bits must be one of {GUIDE_BITS}, got {cfg.trace_bits}")
     if cfg.trace_layers is not None and cfg.trace_layers < 1:
@@ -297,6 +303,7 @@ def _capture_if(model, wanted: bool, layers: list[int], sampler: str):
 
 def run_diagnosis(cfg: DiagnoseConfig, reporter: Reporter | None = None) -> dict:
     """Run every stage the configuration asks for and return the report dict (no files written)."""
+    cfg = strict_diag.prepare(cfg)
     _check_config(cfg)
     with models.cpu_threads(_threads(cfg)):
         return _run(cfg, reporter or Reporter())
@@ -310,6 +317,8 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
     with clock.stage("load_model"):
         lm = load_model(cfg)
     model = lm.model
+    if cfg.strict:
+        strict_mode.enable(model)
     n_layers = int(model.config.num_hidden_layers)
     layers = parse_layers(cfg.layers, n_layers, "--layers")
     replay_layers = parse_layers(cfg.replay_layers, n_layers, "--replay-layers")
@@ -498,6 +507,7 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
         "guidance": ({"bits": cfg.trace_bits, "layers": trace_layers, "by_sampler": guidance_report}
                      if guidance_report else None),
         "context_swap": ctx,
+        "strict": strict_diag.summary(conds, deltas) if cfg.strict else None,
         "timings_seconds": {k: round(v, 3) for k, v in clock.seconds.items()},
     }
 
