@@ -32,15 +32,14 @@ PAD_CHOICES = (1, 64, 128)
 class GroupLayout:
     """Rows sorted by expert, ``counts[e]`` of them for expert ``e``, padded per expert.
 
-    ``padded_counts[e]`` rounds ``counts[e]`` up to ``pad_to``; ``rows`` maps each unpadded row
-    to its position in the padded layout; ``tile_expert`` gives the expert of each ``pad_to``
-    row tile (what a GEMM kernel reads to pick the weights of a tile).
+    ``padded_counts[e]`` rounds ``counts[e]`` up to ``pad_to``; :meth:`row_map` maps each
+    unpadded row to its position in the padded layout; ``tile_expert`` gives the expert of
+    each ``pad_to`` row tile (what a GEMM kernel reads to pick the weights of a tile).
     """
 
     counts: tuple[int, ...]
     pad_to: int
     padded_counts: tuple[int, ...]
-    rows: torch.Tensor = field(repr=False)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -88,19 +87,29 @@ class GroupLayout:
         if self.padded_total == self.total:
             return x
         out = x.new_zeros((self.padded_total, *x.shape[1:]))
-        out[self._rows_on(x.device)] = x
+        out[self.row_map(x.device)] = x
         return out
 
     def unpad(self, y: torch.Tensor) -> torch.Tensor:
         """The rows of a padded-layout tensor that belong to real tokens."""
         if self.padded_total == self.total:
             return y
-        return y[self._rows_on(y.device)]
+        return y[self.row_map(y.device)]
 
-    def _rows_on(self, device: torch.device) -> torch.Tensor:
+    def row_map(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """int64 position in the padded layout of each unpadded row, on ``device`` (cached).
+
+        Built where it is used from the per-expert shifts (a copy of ``E`` numbers, not of
+        ``total``), and only when padding moves rows: a layout padded to 1 never builds it.
+        """
         key = ("rows", str(device))
         if key not in self._cache:
-            self._cache[key] = _to_device(self.rows, device)
+            ct = torch.tensor(self.counts, dtype=torch.int64)
+            pt = torch.tensor(self.padded_counts, dtype=torch.int64)
+            shift = (pt.cumsum(0) - pt) - (ct.cumsum(0) - ct)  # padded start minus unpadded start
+            shift, ct = _to_device(shift, device), _to_device(ct, device)
+            self._cache[key] = torch.arange(self.total, device=device) + torch.repeat_interleave(
+                shift, ct, output_size=self.total)
         return self._cache[key]
 
 
@@ -122,7 +131,4 @@ def group_layout(counts: torch.Tensor | list[int] | tuple[int, ...], pad_to: int
     if not c or any(v < 0 for v in c):
         raise ShapeError(f"counts must be a non-empty list of non-negative ints, got {c[:8]}")
     padded = [-(-v // pad_to) * pad_to for v in c]
-    ct, pt = torch.tensor(c, dtype=torch.int64), torch.tensor(padded, dtype=torch.int64)
-    shift = (pt.cumsum(0) - pt) - (ct.cumsum(0) - ct)  # padded start minus unpadded start
-    rows = torch.arange(sum(c), dtype=torch.int64) + torch.repeat_interleave(shift, ct)
-    return GroupLayout(tuple(c), pad_to, tuple(padded), rows)
+    return GroupLayout(tuple(c), pad_to, tuple(padded))

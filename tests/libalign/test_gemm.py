@@ -168,6 +168,14 @@ def test_padding_and_layout_round_trip(pad):
     assert tiles.tolist() == [e for e, c in enumerate(lay.padded_counts) for _ in range(c // pad)]
 
 
+def test_row_map_is_the_documented_example():
+    """counts (3, 0, 130) padded to 128: rows 0-2 stay, rows 3-132 move to 128-257."""
+    lay = gemm.group_layout([3, 0, 130], 128)
+    assert lay.row_map().tolist() == [0, 1, 2, *range(128, 258)]
+    assert lay.tile_expert(128).tolist() == [0, 2, 2]
+    assert gemm.group_layout([0, 4, 2], 1).row_map().tolist() == list(range(6))
+
+
 def test_zero_rows_do_not_change_a_result():
     """Zero padding rows leave per-tensor and per-row results unchanged (max of |x| is unmoved)."""
     counts = [4, 6]
