@@ -28,9 +28,12 @@ The classes the core raises::
     │   ├── SpecError                 a numerics spec that is inconsistent or unknown
     │   ├── UndefinedScaleError       a preset's arithmetic gives no scale for this input
     │   ├── LayoutError               a packed payload or scale layout that does not fit
-    │   └── GuidanceRecordError       a malformed guidance record
-    │       ├── GuidanceChecksumError its bytes do not match its checksum
-    │       └── GuidanceMismatchError records made for another version, model, bit width or format
+    │   ├── GuidanceRecordError       a malformed guidance record
+    │   │   ├── GuidanceChecksumError its bytes do not match its checksum
+    │   │   └── GuidanceMismatchError records made for another version, model, bit width or format
+    │   ├── RoutingRecordError        a malformed routing record (R3)
+    │   │   └── RoutingMismatchError  a routing record made for another version, layers, top-k, experts
+    │   └── RoutingMissingError       routing replay is on and a rollout has no routing record
     ├── ConfigError                   a setting missing, inconsistent or unavailable here
     └── DistributedRunError           ranks of a multi-process run failed
 """
@@ -48,6 +51,9 @@ from alignclient.errors import (
     InputError,
     LayoutError,
     NonFiniteError,
+    RoutingMismatchError,
+    RoutingMissingError,
+    RoutingRecordError,
     ShapeError,
     SpecError,
     UndefinedScaleError,
@@ -64,6 +70,9 @@ __all__ = [
     "InputError",
     "LayoutError",
     "NonFiniteError",
+    "RoutingMismatchError",
+    "RoutingMissingError",
+    "RoutingRecordError",
     "ShapeError",
     "SpecError",
     "UndefinedScaleError",

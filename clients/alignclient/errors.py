@@ -189,6 +189,33 @@ class GuidanceUnsupportedError(InputError):
     code = "guidance_unsupported"
 
 
+class RoutingRecordError(InputError):
+    """A malformed routing record (R3): byte length, expert id range, layer list or weights
+    that do not fit what the record says it holds."""
+
+    code = "invalid_routing"
+
+
+class RoutingMismatchError(RoutingRecordError):
+    """A well-formed routing record made for something else: another weight version, MoE
+    layer list, top-k, expert count or token count. ``field`` names what does not match
+    (``version``, ``layers``, ``top_k``, ``num_experts``, ``positions``)."""
+
+    code = "routing_mismatch"
+    field: str | None = None
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class RoutingMissingError(InputError):
+    """Routing replay (R3) is on but a rollout carries no routing record: it is refused, never
+    trained with the learner's own routing without saying so."""
+
+    code = "routing_missing"
+
+
 # --- configuration and runs --------------------------------------------------------------
 
 

@@ -1,0 +1,292 @@
+"""Routing replay (R3) on a Hugging Face Qwen3-MoE: the sampler records, the learner replays.
+
+Sampler side
+------------
+:func:`capture_routing` wraps the router (``mlp.gate``) of every MoE layer: after each
+forward it keeps the top-k expert ids (and, asked, the gate weights) of every real token,
+keyed by the sequence id and position the decoding helpers name
+(:func:`libalign.models.paths.set_row_keys`; padding and finished rows have no key).
+:meth:`RoutingCapture.records` turns what was kept into one
+:class:`~libalign.routing_records.RoutingRecord` per sequence.
+
+Learner side
+------------
+:func:`replay_routing` wraps the same routers with a lookup by row key. For every token with
+a record it first lets the router compute its own top-k (counted in :class:`RoutingStats`:
+the token×layer decisions where the learner's own top-k *set* differs from the sampler's,
+the disagreement before forcing), then routes as the record says:
+
+* ``weights="recompute"`` (R3): tokens whose own set equals the record keep the router's own
+  output bit for bit; the others go to the recorded experts with gate weights computed from
+  the learner's own router logits over them (softmax over all experts in fp32, gathered at
+  the forced ids, renormalized when the model renormalizes top-k, cast as the router casts),
+  so gradients reach the router as usual;
+* ``weights="record"``: every token with a record takes the recorded experts *and* gate
+  weights (no gradient to the router through them);
+* ``weights="off"``: nothing is forced; only the disagreement is counted (the learner
+  without replay).
+
+Tokens without a record (the last token of a rollout, padding) keep their own routing. The
+wrapper sits on top of whatever router forward is installed (strict execution's too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..errors import InputError, RoutingRecordError, SpecError
+from ..guidance import row_keys
+from ..routing_records import WEIGHT_DTYPE, RoutingRecord, id_dtype
+from .paths import decoder_layers, moe_layer_indices, row_keys_of
+
+REPLAY_MODES = ("off", "recompute", "record")
+
+
+def _router(model: nn.Module, layer: int) -> nn.Module:
+    return decoder_layers(model)[layer].mlp.gate
+
+
+def routing_geometry(model: nn.Module) -> dict:
+    """``layers`` (MoE layer indices), ``top_k`` and ``num_experts`` of a Qwen3-MoE model."""
+    cfg = model.config
+    return {"layers": moe_layer_indices(model), "top_k": int(cfg.num_experts_per_tok),
+            "num_experts": int(cfg.num_experts)}
+
+
+@contextmanager
+def _wrapped(model: nn.Module, layers: Iterable[int], make) -> Iterator[None]:
+    """Install ``make(layer, original_forward)`` as each layer's router forward while inside."""
+    saved = []
+    try:
+        for layer in layers:
+            router = _router(model, layer)
+            saved.append((router, router.__dict__.get("forward")))
+            router.forward = make(layer, router.forward)
+        yield
+    finally:
+        for router, before in reversed(saved):
+            if before is None:
+                router.__dict__.pop("forward", None)
+            else:
+                router.forward = before
+
+
+def _real_keys(model: nn.Module, rows: int) -> torch.Tensor:
+    keys = row_keys_of(model)
+    if keys is None or keys.numel() != rows:
+        raise SpecError("routing capture and replay need row keys for every forward call: run "
+                        "the model through libalign.models.score_sequences / generate / "
+                        "KVDecode or the learner engines (they set them)")
+    return keys
+
+
+def key_parts(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sequence id, position)`` of token row keys (:func:`libalign.guidance.row_keys`)."""
+    seq_unit = int(row_keys(1, torch.zeros((), dtype=torch.int64)))
+    pos_unit = int(row_keys(0, torch.ones((), dtype=torch.int64)))
+    return keys // seq_unit, (keys % seq_unit) // pos_unit
+
+
+class RoutingCapture:
+    """What :func:`capture_routing` kept: per layer, row keys and top-k ids (and weights)."""
+
+    def __init__(self, layers: list[int], num_experts: int, weights: bool):
+        self.layers = layers
+        self.num_experts = num_experts
+        self.keep_weights = weights
+        self._parts: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {
+            x: [] for x in layers}
+
+    def add(self, layer: int, keys: torch.Tensor, index: torch.Tensor,
+            weights: torch.Tensor) -> None:
+        """Keep the rows of one router call that have a key."""
+        real = keys >= 0
+        w = weights.detach()[real].to(WEIGHT_DTYPE) if self.keep_weights else None
+        self._parts[layer].append((keys[real], index.detach()[real], w))
+
+    def records(self, version: str | None = None) -> dict[int, RoutingRecord]:
+        """One record per sequence id seen, positions ``0..P-1`` each (RoutingRecordError if
+        a layer misses a token or a sequence has a gap)."""
+        per_layer = []
+        for layer in self.layers:
+            parts = self._parts[layer]
+            if not parts:
+                return {}
+            keys = torch.cat([p[0] for p in parts])
+            order = torch.argsort(keys)
+            ids = torch.cat([p[1] for p in parts])[order]
+            w = torch.cat([p[2] for p in parts])[order] if self.keep_weights else None
+            per_layer.append((keys[order], ids, w))
+        keys = per_layer[0][0]
+        for (k, _, _), layer in zip(per_layer, self.layers, strict=True):
+            if not torch.equal(k, keys):
+                raise RoutingRecordError(f"layer {layer} routed other tokens than layer "
+                                         f"{self.layers[0]}")
+        if bool((keys[1:] == keys[:-1]).any()):
+            raise RoutingRecordError("a token was routed twice under the same key")
+        ids = torch.stack([p[1] for p in per_layer], dim=1).cpu().to(id_dtype(self.num_experts))
+        w = torch.stack([p[2] for p in per_layer], dim=1).cpu() if self.keep_weights else None
+        keys = keys.cpu()
+        seq, pos = key_parts(keys)
+        out: dict[int, RoutingRecord] = {}
+        bounds = torch.nonzero(seq[1:] != seq[:-1]).squeeze(-1) + 1
+        starts = [0, *bounds.tolist()]
+        ends = [*bounds.tolist(), int(seq.numel())]
+        for a, b in zip(starts, ends, strict=True):
+            sid = int(seq[a])
+            if not torch.equal(pos[a:b], torch.arange(b - a)):
+                raise RoutingRecordError(f"sequence {sid}: routed positions are not 0..{b - a - 1}")
+            out[sid] = RoutingRecord(ids[a:b].contiguous(), tuple(self.layers), self.num_experts,
+                                     None if w is None else w[a:b].contiguous(), version)
+        return out
+
+
+@contextmanager
+def capture_routing(model: nn.Module, *, weights: bool = False) -> Iterator[RoutingCapture]:
+    """Record every MoE layer's top-k expert ids (and gate weights) while inside (sampler)."""
+    geo = routing_geometry(model)
+    cap = RoutingCapture(geo["layers"], geo["num_experts"], weights)
+
+    def make(layer, original):
+        def forward(hidden_states, *args, **kwargs):
+            out = original(hidden_states, *args, **kwargs)
+            cap.add(layer, _real_keys(model, out[2].shape[0]), out[2], out[1])
+            return out
+        return forward
+
+    with _wrapped(model, cap.layers, make):
+        yield cap
+
+
+# --- learner side -----------------------------------------------------------------------------
+
+@dataclass
+class RoutingStats:
+    """Per MoE layer: token×layer routing decisions that had a record, and how many of them the
+    learner's own top-k set differed from the sampler's (before any forcing)."""
+
+    decisions: dict[int, int] = field(default_factory=dict)
+    differ: dict[int, int] = field(default_factory=dict)
+
+    def add(self, layer: int, decisions: int, differ: int) -> None:
+        """Accumulate one router call's counts."""
+        self.decisions[layer] = self.decisions.get(layer, 0) + int(decisions)
+        self.differ[layer] = self.differ.get(layer, 0) + int(differ)
+
+    def merge(self, other: RoutingStats) -> None:
+        """Add another's counts to these."""
+        for layer, n in other.decisions.items():
+            self.add(layer, n, other.differ.get(layer, 0))
+
+    @property
+    def total(self) -> int:
+        """Decisions compared over all layers."""
+        return sum(self.decisions.values())
+
+    @property
+    def disagreement(self) -> float | None:
+        """Share of compared decisions whose top-k sets differ (None: nothing compared)."""
+        n = self.total
+        return sum(self.differ.values()) / n if n else None
+
+    def to_dict(self) -> dict:
+        """Plain JSON-ready summary: overall and per layer."""
+        return {"decisions": self.total, "disagreement": self.disagreement,
+                "by_layer": {str(x): self.differ[x] / n for x, n in sorted(self.decisions.items())
+                             if n}}
+
+
+class RoutingTable:
+    """Records of many sequences, indexed by row key per layer for lookup on one device."""
+
+    def __init__(self, records: Mapping[int, RoutingRecord], device: torch.device | str = "cpu"):
+        if not records:
+            raise InputError("a routing table needs at least one record")
+        recs = list(records.items())
+        first = recs[0][1]
+        self.layers, self.top_k, self.num_experts = first.layers, first.top_k, first.num_experts
+        for sid, r in recs:
+            if (r.layers, r.top_k, r.num_experts) != (self.layers, self.top_k, self.num_experts):
+                raise RoutingRecordError(f"sequence {sid}: records of one table differ in layers, "
+                                         "top-k or expert count")
+        keys = torch.cat([row_keys(sid, torch.arange(r.positions)) for sid, r in recs])
+        order = torch.argsort(keys)
+        self.keys = keys[order].to(device)
+        self.experts = torch.cat([r.experts.long() for _, r in recs])[order].to(device)
+        has_w = all(r.weights is not None for _, r in recs)
+        self.weights = torch.cat([r.weights for _, r in recs])[order].to(device) if has_w else None
+        self.column = {layer: j for j, layer in enumerate(self.layers)}
+
+    def lookup(self, layer: int, keys: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(present [T], experts [T, k], weights [T, k] or None)`` for rows with these keys."""
+        j = self.column[layer]
+        keys = keys.to(self.keys.device)
+        idx = torch.searchsorted(self.keys, keys).clamp_(max=self.keys.numel() - 1)
+        present = (self.keys[idx] == keys) & (keys >= 0)
+        w = None if self.weights is None else self.weights[idx, j]
+        return present, self.experts[idx, j], w
+
+
+def same_sets(own: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
+    """``[T]`` bool: whether each row's top-k *set* of ``own`` equals that of ``rec``."""
+    return (own.long().sort(-1).values == rec.long().sort(-1).values).all(-1)
+
+
+def forced_weights(logits: torch.Tensor, index: torch.Tensor, normalize: bool) -> torch.Tensor:
+    """Gate weights of the experts ``index`` ``[T, k]`` from router ``logits`` ``[T, E]``, as a
+    Qwen3-MoE router computes them for its own top-k (fp32 softmax over all experts, gathered,
+    renormalized when ``normalize``, cast to the logits' dtype)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(-1, index)
+    if normalize:
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs.to(logits.dtype)
+
+
+@contextmanager
+def replay_routing(model: nn.Module, table: RoutingTable | None, *, weights: str = "recompute",
+                   stats: RoutingStats | None = None) -> Iterator[RoutingStats]:
+    """Route by the sampler's records while inside (module docstring); yields the stats."""
+    if weights not in REPLAY_MODES:
+        raise InputError(f"weights must be one of {REPLAY_MODES}, got {weights!r}")
+    stats = stats if stats is not None else RoutingStats()
+    if table is None:
+        yield stats
+        return
+    if weights == "record" and table.weights is None:
+        raise RoutingRecordError("weights='record' needs records that keep gate weights")
+    geo = routing_geometry(model)
+    if list(table.layers) != geo["layers"] or table.top_k != geo["top_k"] \
+            or table.num_experts != geo["num_experts"]:
+        raise RoutingRecordError(f"records for layers {list(table.layers)}, top-k {table.top_k}, "
+                                 f"{table.num_experts} experts; the model has {geo}")
+
+    def make(layer, original):
+        router = _router(model, layer)
+        normalize = bool(getattr(router, "norm_topk_prob", False))
+
+        def forward(hidden_states, *args, **kwargs):
+            out = original(hidden_states, *args, **kwargs)
+            logits, w, idx = out[0], out[1], out[2]
+            present, rec, rec_w = table.lookup(layer, _real_keys(model, idx.shape[0]))
+            agree = same_sets(idx, rec)
+            stats.add(layer, present.sum(), (present & ~agree).sum())
+            if weights == "off":
+                return out
+            force = present if weights == "record" else present & ~agree
+            if not bool(force.any()):
+                return out
+            f = force.unsqueeze(-1)
+            new_idx = torch.where(f, rec.to(idx.dtype), idx)
+            new_w = rec_w.to(w.dtype) if weights == "record" else \
+                forced_weights(logits, rec.to(idx.device), normalize)
+            return (logits, torch.where(f, new_w, w), new_idx, *out[3:])
+        return forward
+
+    with _wrapped(model, geo["layers"], make):
+        yield stats
