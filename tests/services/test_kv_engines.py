@@ -103,3 +103,24 @@ def test_records_without_kv_guidance_are_refused():
     with pytest.raises(GuidanceMismatchError, match="format") as e:
         eng.score(r.sequences, r.prompt_lens, cap.records(1))
     assert e.value.field == "format"
+
+
+def test_guidance_size_counts_kv_by_format():
+    """alignd guidance-size --kv counts K/V at the format's block size (kv_mxfp4: half the
+    scale bytes of kv_nvfp4) and refuses an unknown format with exit 2."""
+    from alignd.tools.cli import app
+    from typer.testing import CliRunner
+
+    from libalign.guidance_sizes import size_for_config
+
+    runner = CliRunner()
+    cfg = models.qwen3_30b_a3b_shaped_config(48)
+    for kv in ("kv_nvfp4", "kv_mxfp4"):
+        res = runner.invoke(app, ["guidance-size", "--kv", "--kv-format", kv], terminal_width=200)
+        assert res.exit_code == 0, res.output
+        want = size_for_config(cfg, bits=1, kv=True, kv_spec=kv)["kv"]
+        assert f"{want:.0f}" in res.output and kv in res.output
+    assert size_for_config(cfg, bits=1, kv=True, kv_spec="kv_nvfp4")["kv"] - \
+        size_for_config(cfg, bits=1, kv=True, kv_spec="kv_mxfp4")["kv"] == 48 * 1024 * (1 / 32)
+    res = runner.invoke(app, ["guidance-size", "--kv", "--kv-format", "kv_fp3"])
+    assert res.exit_code == 2 and "kv_fp3" in res.output

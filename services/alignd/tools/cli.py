@@ -99,7 +99,10 @@ def guidance_size(
         "Qwen3-30B-A3B's shapes (48 layers)")] = None,
     last_layers: int | None = typer.Option(None, help="record only the last N MoE layers"),
     sites: str = typer.Option("fc1,fc2", help="captured sites: fc1, fc2 or both"),
-    kv: bool = typer.Option(False, "--kv/--no-kv", help="also count K and V (a later site)"),
+    kv: bool = typer.Option(False, "--kv/--no-kv", help="also count K and V (sites k, v of an "
+                            "FP4 KV cache)"),
+    kv_format: str = typer.Option("kv_nvfp4", help="the KV cache's format: kv_nvfp4 (a block "
+                                  "scale per 16 values) or kv_mxfp4 (per 32)"),
     tokens: int = typer.Option(256 * 1024, help="tokens per trajectory, for the per-step total"),
     trajectories: int = typer.Option(4096, help="trajectories per RL step"),
 ) -> None:
@@ -114,13 +117,14 @@ def guidance_size(
             path = config / "config.json" if config.is_dir() else config
             cfg, name = json.loads(path.read_text()), str(path)
         chosen = [s.strip() for s in sites.split(",") if s.strip()]
-        rows = {b: size_for_config(cfg, bits=b, last_layers=last_layers, sites=chosen, kv=kv)
-                for b in (1, 2, 4)}
+        rows = {b: size_for_config(cfg, bits=b, last_layers=last_layers, sites=chosen, kv=kv,
+                                   kv_spec=kv_format) for b in (1, 2, 4)}
     except (AlignError, OSError, ValueError, KeyError, TypeError) as e:
         typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
         raise typer.Exit(2) from None
-    t = Table(title=f"guidance bytes per token: {name}, sites {','.join(chosen)}"
-              f"{' + kv' if kv else ''}, layers {'all' if last_layers is None else f'last {last_layers}'}"
+    kv_part = f" + kv ({kv_format})" if kv else ""
+    t = Table(title=f"guidance bytes per token: {name}, sites {','.join(chosen)}{kv_part}"
+              f", layers {'all' if last_layers is None else f'last {last_layers}'}"
               f"; a step is {trajectories} trajectories x {tokens} tokens")
     for c in ("bits", "codes", "scales", "row scales", "index", "kv", "B/token", "TiB/step",
               "vs 4 bits"):

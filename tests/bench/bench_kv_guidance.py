@@ -1,0 +1,259 @@
+"""FP4 KV cache and KV guidance (issue 19 items 1-2): record bytes, throughput, learner overhead.
+
+Three tables, each against a baseline measured in the same run:
+
+1. **Bytes per token** of K/V guidance for Qwen3-30B-A3B's shapes (48 layers, 4 KV heads of
+   128: 1,024 K/V values a layer and token), as records hold them (codes' low bits, block
+   scales, row scale, index), for ``kv_nvfp4`` and ``kv_mxfp4`` at ``b`` = 1, 2, 4, against
+   the full-code record (``b = 4``); the ``encoded`` column is the length of an actual encoded
+   record per token (random codes), which must equal the planned one.
+2. **Throughput** on the CPU (and CUDA when present) for ``--tokens`` tokens through
+   ``--layers`` layers of those shapes: the FP4 cache's write (:func:`libalign.ops.quantize` of
+   the K and V rows: the compiled kernel for ``kv_nvfp4``, the spec for ``kv_mxfp4``) and read
+   (:func:`libalign.spec.dequantize`), and a record's encode and decode at ``b = 1``. Baseline:
+   ``clone``, one copy of the bf16 K/V (what any pass over them must at least move);
+   ``clone/op`` is the baseline's seconds over the row's (higher is better).
+3. **Learner step** of the embedded engine on CPU (the tiny Qwen3-MoE, ``--rollouts``
+   rollouts of the synthetic task): ``nvfp4_trace`` with the sampler's activation records
+   (the unguided-KV baseline), ``nvfp4_trace_kv_nvfp4`` without records (K/V rounded to
+   nearest) and with the sampler's activation + K/V records; median seconds of
+   ``--repeats`` steps and the overhead against the baseline (TRACE reports 7.4 % in total
+   for its weight + KV guidance, of which KV TRACE 2 % and KV dequantization 8 % of the step).
+
+Run: ``python -m tests.bench kv_guidance [-- --tokens 2048 --layers 2 --device cuda]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import struct
+import time
+from pathlib import Path
+
+import torch
+
+from libalign import ops
+from libalign.guidance import GuidanceRecord, SiteRows
+from libalign.guidance_sizes import size_for_config
+from libalign.spec import PRESETS, dequantize
+
+LAYERS, KV_HEADS, HEAD_DIM = 48, 4, 128
+CONFIG = {"num_hidden_layers": LAYERS, "hidden_size": 2048, "moe_intermediate_size": 768,
+          "num_experts_per_tok": 8, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+          "num_attention_heads": 32}
+KV = ("kv_nvfp4", "kv_mxfp4")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _best(fn, repeats: int, device: str) -> float:
+    fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _kv_rows(tokens: int, kv: str, device: str, gen: torch.Generator) -> SiteRows:
+    """A K (or V) section of one layer as capture holds it: one row per token and head."""
+    n, block = tokens * KV_HEADS, PRESETS[kv].block_size
+    return SiteRows(torch.arange(tokens, dtype=torch.int32).repeat_interleave(KV_HEADS).to(device),
+                    torch.arange(KV_HEADS, dtype=torch.int16).repeat(tokens).to(device),
+                    torch.randint(0, 16, (n, HEAD_DIM), dtype=torch.uint8, generator=gen).to(device),
+                    torch.randint(0x20, 0x70, (n, HEAD_DIM // block), dtype=torch.uint8,
+                                  generator=gen).to(device),
+                    torch.rand(n, generator=gen).to(device), HEAD_DIM)
+
+
+def _record(tokens: int, layers: int, kv: str, bits: int, device: str) -> GuidanceRecord:
+    gen = torch.Generator().manual_seed(0)
+    sites = {(layer, s): _kv_rows(tokens, kv, device, gen) for layer in range(layers)
+             for s in ("k", "v")}
+    return GuidanceRecord(bits, "minite", sites, kv_spec=kv)
+
+
+def sizes(tokens: int) -> list[dict]:
+    """Table 1: planned and encoded K/V record bytes per token, against b = 4."""
+    rows = []
+    for kv in KV:
+        full = size_for_config(CONFIG, bits=4, sites=(), kv=True, kv_spec=kv)["kv"]
+        for bits in (1, 2, 4):
+            plan = size_for_config(CONFIG, bits=bits, sites=(), kv=True, kv_spec=kv)["kv"]
+            rec = _record(tokens, 1, kv, bits, "cpu")
+            data = rec.encode()
+            (hlen,) = struct.unpack("<I", data[4:8])
+            raw = sum(s["raw"] for s in json.loads(data[8:8 + hlen])["sections"])
+            code_scales = (bits / 8 + 1 / PRESETS[kv].block_size) * 2 * KV_HEADS * HEAD_DIM * LAYERS
+            rows.append({"kv": kv, "bits": bits, "planned": plan, "full": full,
+                         "encoded": raw / tokens * LAYERS, "vs_full": plan / full,
+                         "codes_scales": code_scales,
+                         "codes_scales_vs_full": code_scales / ((4 / 8 + 1 / PRESETS[kv].block_size)
+                                                                * 2 * KV_HEADS * HEAD_DIM * LAYERS)})
+    return rows
+
+
+def throughput(device: str, tokens: int, layers: int, repeats: int) -> list[dict]:
+    """Table 2: cache write/read and record encode/decode, against a bf16 clone."""
+    gen = torch.Generator().manual_seed(1)
+    x = [(torch.randn(tokens * KV_HEADS, HEAD_DIM, generator=gen) * 2).to(torch.bfloat16)
+         .to(device) for _ in range(2 * layers)]
+    values = sum(t.numel() for t in x)
+    t_copy = _best(lambda: [t.clone() for t in x], repeats, device)
+    out = []
+    for kv in KV:
+        spec = PRESETS[kv]
+        qs = [ops.quantize(t, spec) for t in x]
+        rec = _record(tokens, layers, kv, 1, device)
+        blob = rec.encode()
+        timings = {
+            "cache write": _best(lambda s=spec: [ops.quantize(t, s) for t in x], repeats, device),
+            "cache read": _best(lambda q=qs: [dequantize(t, torch.bfloat16) for t in q], repeats,
+                                device),
+            "record encode": _best(lambda r=rec: r.encode(), repeats, device),
+            "record decode": _best(lambda b=blob: GuidanceRecord.decode(b, device), repeats,
+                                   device),
+        }
+        for op, t in timings.items():
+            out.append({"device": device, "kv": kv, "op": op, "seconds": t,
+                        "tokens_per_s": tokens / t, "values_per_s": values / t,
+                        "copy_seconds": t_copy, "vs_copy": t_copy / t,
+                        "backend": ops.backend_for(x[0], spec) if op == "cache write" else ""})
+    return out
+
+
+def _learner_setup(shape: str, rollouts: int, device: str):
+    """``(model, prompts, max_new_tokens, eos_id, pad_id)`` of the learner-step table."""
+    from libalign import models
+
+    if shape == "tiny":
+        model, task = models.trained_tiny_model()
+        prompts = [p for p in task.prompts(rollouts // 4, 0) for _ in range(4)]
+        return model.to(device), prompts, task.max_completion_len, task.eos_id, task.pad_id
+    cfg = models.qwen3_30b_a3b_shaped_config(2)
+    model = models.build_model(cfg, seed=0, device=device)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, cfg.vocab_size, (128,), generator=gen).tolist()
+               for _ in range(rollouts // 4)]
+    return model, [p for p in prompts for _ in range(4)], 32, -1, 0
+
+
+def learner_steps(rollouts: int, repeats: int, shape: str = "tiny",
+                  device: str = "cpu") -> list[dict]:
+    """Table 3: the embedded learner's step with and without KV quantization/guidance."""
+    from alignd.learner.engine import TorchLearnerEngine, TrainBatch
+
+    from libalign import models
+
+    model, prompts, new_tokens, eos_id, pad_id = _learner_setup(shape, rollouts, device)
+    with models.use_kv_format(model, "kv_nvfp4"), models.capture_guidance(model) as cap, \
+            models.capture_kv(model, cap):
+        r = models.generate(model, prompts, "nvfp4_minite", max_new_tokens=new_tokens,
+                            eos_id=eos_id, pad_id=pad_id, temperature=1.0)
+    recs = cap.records(1)
+    act_only = {i: GuidanceRecord(rec.bits, rec.spec, {k: v for k, v in rec.sites.items()
+                                                       if k[1] in ("fc1", "fc2")})
+                for i, rec in recs.items()}
+    samp = [t.tolist() for t in r.logprobs]
+    rewards = [float(i % 2) for i in range(len(prompts))]
+    groups = [i // 4 for i in range(len(prompts))]
+    cases = (("nvfp4_trace", act_only, "activation records (baseline)"),
+             ("nvfp4_trace_kv_nvfp4", None, "FP4 K/V, round to nearest, no records"),
+             ("nvfp4_trace_kv_nvfp4", recs, "FP4 K/V guided, activation + K/V records"))
+    runs = []
+    for path, guidance, what in cases:
+        eng = TorchLearnerEngine(model, path, pad_id=pad_id, lr=0.0)
+        batch = TrainBatch(r.sequences, r.prompt_lens, samp, rewards, groups, guidance)
+        eng.train_step(batch)  # warm-up
+        runs.append((eng, batch, {"path": path, "records": what, "shape": shape,
+                                  "device": device, "times": []}))
+    for _ in range(repeats):  # round robin: a busy spell on a shared host hits every case alike
+        for eng, batch, row in runs:
+            _sync(device)
+            t = time.perf_counter()
+            eng.train_step(batch)
+            _sync(device)
+            row["times"].append(time.perf_counter() - t)
+    out = [row for _, _, row in runs]
+    for row in out:
+        row["seconds"] = statistics.median(row["times"])
+    base = out[0]["seconds"]
+    for row in out:
+        row["overhead"] = row["seconds"] / base - 1
+    return out
+
+
+def _print(size_rows, tput_rows, step_rows, tokens, layers, rollouts) -> None:
+    print(f"1. K/V guidance bytes per token, Qwen3-30B-A3B shapes ({LAYERS} layers x "
+          f"{KV_HEADS} KV heads x {HEAD_DIM} x K,V); baseline: the full-code record (b=4)")
+    print(f"{'format':9} {'bits':>4} {'planned B':>10} {'encoded B':>10} {'full B':>8} "
+          f"{'vs full':>8} {'codes+scales B':>15} {'vs full':>8}")
+    for r in size_rows:
+        print(f"{r['kv']:9} {r['bits']:>4} {r['planned']:10.0f} {r['encoded']:10.0f} "
+              f"{r['full']:8.0f} {r['vs_full']:8.3f} {r['codes_scales']:15.0f} "
+              f"{r['codes_scales_vs_full']:8.3f}")
+    print("(planned/encoded: what a record holds, row scale and index included; codes+scales: "
+          "TRACE's accounting)")
+    print(f"\n2. throughput, {tokens} tokens x {layers} layers x K,V "
+          f"({KV_HEADS}x{HEAD_DIM} values a token); baseline: a bf16 clone of K/V")
+    print(f"{'device':7} {'format':9} {'op':14} {'backend':8} {'seconds':>9} {'tokens/s':>10} "
+          f"{'Mval/s':>8} {'clone s':>9} {'clone/op':>8}")
+    for r in tput_rows:
+        print(f"{r['device']:7} {r['kv']:9} {r['op']:14} {r['backend']:8} {r['seconds']:9.4f} "
+              f"{r['tokens_per_s']:10.0f} {r['values_per_s'] / 1e6:8.1f} "
+              f"{r['copy_seconds']:9.5f} {r['vs_copy']:8.3f}")
+    if step_rows:
+        print(f"\n3. embedded learner step on {step_rows[0]['device']}, {step_rows[0]['shape']} "
+              f"Qwen3-MoE, {rollouts} rollouts; baseline: nvfp4_trace with activation records")
+        print(f"{'path':22} {'records':44} {'seconds':>8} {'overhead':>9}")
+        for r in step_rows:
+            print(f"{r['path']:22} {r['records']:44} {r['seconds']:8.3f} "
+                  f"{100 * r['overhead']:8.1f}%")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m tests.bench kv_guidance``."""
+    ap = argparse.ArgumentParser(prog="bench_kv_guidance", description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rollouts", type=int, default=32)
+    ap.add_argument("--device", action="append", default=None,
+                    help="cpu and/or cuda (default: cpu, plus cuda when available)")
+    ap.add_argument("--no-learner", action="store_true", help="skip table 3 (needs transformers)")
+    ap.add_argument("--learner-shape", choices=("tiny", "qwen3_30b"), default="tiny",
+                    help="table 3's model: the trained tiny one, or 2 layers of Qwen3-30B-A3B "
+                    "shapes (random weights, 128-token prompts, 32 new tokens; for a GPU)")
+    ap.add_argument("--learner-device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (1: steadier on a shared host)")
+    ap.add_argument("--quick", action="store_true", help="512 tokens, 1 layer, 16 rollouts")
+    ap.add_argument("--out", type=Path, default=None, help="write bench_kv_guidance.json here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tokens, args.layers, args.rollouts = 512, 1, 16
+    torch.set_num_threads(args.threads)
+    devices = args.device or (["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+    size_rows = sizes(256)
+    tput_rows = [r for dev in devices for r in throughput(dev, args.tokens, args.layers,
+                                                          args.repeats)]
+    step_rows = [] if args.no_learner else learner_steps(args.rollouts, args.repeats,
+                                                         args.learner_shape, args.learner_device)
+    _print(size_rows, tput_rows, step_rows, args.tokens, args.layers, args.rollouts)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_kv_guidance.json").write_text(json.dumps(
+            {"sizes": size_rows, "throughput": tput_rows, "learner": step_rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
