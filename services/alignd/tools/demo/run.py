@@ -22,6 +22,12 @@ configuration           sampler path   learner path        TIS
 ``nvfp4_trace``         nvfp4_minite   nvfp4_trace         yes
 ======================  =============  ==================  ====
 
+``nvfp4_trace_kv`` (not in the default set: ``alignd demo --configs nvfp4_trace_kv``) is
+TRACE's joint FP4 rollout: the sampler ``nvfp4_minite_kv_nvfp4`` also keeps K and V as
+row-scaled NVFP4 (:mod:`libalign.models.kv_cache`) and records them; the learner
+``nvfp4_trace_kv_nvfp4`` rounds activations and K/V as the records say
+(:mod:`libalign.models.kv_guided`).
+
 ``strict_bf16`` and ``strict_minite`` (not in the default set: ``alignd demo --configs
 strict_bf16,strict_minite``) run sampler and learner in strict execution
 (:mod:`libalign.models.strict`: batch-invariant ops shared by the sampler's decode and the
@@ -94,6 +100,7 @@ CONFIGS: dict[str, tuple[str, str, bool]] = {
     "nvfp4_naive_notis": ("nvfp4_naive", "nvfp4_naive", False),
     "nvfp4_minite": ("nvfp4_minite", "nvfp4_minite", True),
     "nvfp4_trace": ("nvfp4_minite", "nvfp4_trace", True),
+    "nvfp4_trace_kv": ("nvfp4_minite_kv_nvfp4", "nvfp4_trace_kv_nvfp4", True),
 }
 
 
