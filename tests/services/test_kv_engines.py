@@ -124,3 +124,15 @@ def test_guidance_size_counts_kv_by_format():
         size_for_config(cfg, bits=1, kv=True, kv_spec="kv_mxfp4")["kv"] == 48 * 1024 * (1 / 32)
     res = runner.invoke(app, ["guidance-size", "--kv", "--kv-format", "kv_fp3"])
     assert res.exit_code == 2 and "kv_fp3" in res.output
+
+
+def test_megatron_learner_refuses_kv_paths():
+    """The Megatron-core learner keeps K and V in bf16: a KV path is refused by name (ConfigError),
+    never trained without its KV quantization."""
+    pytest.importorskip("megatron.core")
+    import torch
+    from alignclient.errors import ConfigError
+    from alignd.learner.megatron_engine import MegatronLearnerEngine
+
+    with pytest.raises(ConfigError, match="nvfp4_trace_kv_nvfp4"):
+        MegatronLearnerEngine(torch.nn.Linear(2, 2), None, "nvfp4_trace_kv_nvfp4")

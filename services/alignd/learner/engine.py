@@ -148,12 +148,19 @@ def grpo_advantages(rewards: Sequence[float], groups: Sequence[int]) -> torch.Te
 class TorchLearnerEngine:
     """The embedded learner: a Hugging Face Qwen3-MoE trained with GRPO + TIS on one path."""
 
+    kv_capable = True
+    """Whether this engine quantizes K and V for a path with a KV format (Hugging Face
+    attention through :mod:`libalign.models.kv_cache`); an engine that cannot refuses them."""
+
     def __init__(self, model: nn.Module, path: str = "bf16", *, lr: float = 2e-5,
                  tis_cap: float = lm.DEFAULT_TIS_CAP, use_tis: bool = True,
                  tis_level: str = "token", ppo_clip_eps: float | None = None,
                  batch_size: int = 64, pad_id: int = 0, max_grad_norm: float = 1.0,
                  strict: bool = False):
         self.path = (strict_mode.check_path(path) if strict else gemm.get_path(path)).name
+        if gemm.get_path(self.path).kv_spec is not None and not self.kv_capable:
+            raise ConfigError(f"{type(self).__name__} does not quantize K and V: path "
+                              f"{self.path!r} needs the embedded engine (TorchLearnerEngine)")
         self.model = model
         self.tis_cap = float(tis_cap)
         if not (math.isfinite(self.tis_cap) and self.tis_cap > 0):
@@ -339,5 +346,3 @@ class TorchLearnerEngine:
         """bf16 CPU copies of every tensor of the model's state dict."""
         return {k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype)
                 .contiguous().clone() for k, v in self.model.state_dict().items()}
-
-

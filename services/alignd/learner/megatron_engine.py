@@ -63,6 +63,8 @@ from libalign.models.scoring import completion_logprobs, right_padded_batch
 class MegatronLearnerEngine(TorchLearnerEngine):
     """GRPO + TIS on a Megatron-core GPT MoE whose expert GEMMs run ``path``."""
 
+    kv_capable = False  # Megatron's attention keeps K and V in the model's dtype
+
     def __init__(self, model: nn.Module, hf_config, path: str = "bf16", **kwargs):
         super().__init__(model, path, **kwargs)
         self.hf_config = hf_config
