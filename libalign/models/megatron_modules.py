@@ -241,9 +241,10 @@ class LibalignGroupedMLP(MegatronModule):
         if token_of.numel() != sum(counts) or keys.numel() != local_map.shape[0]:
             raise SpecError(f"{keys.numel()} row keys for {local_map.shape[0]} tokens "
                             f"and {sum(counts)} expert rows")
+        # counts queued without a blocking copy, the output size given: no synchronisation
         expert_of = torch.repeat_interleave(
             torch.arange(self.num_local_experts, device=device) + self.local_expert_offset,
-            torch.tensor(counts, device=device))
+            torch.tensor(counts).to(device, non_blocking=True), output_size=sum(counts))
         return keys[token_of.to(device)], expert_of
 
     def forward(self, x: torch.Tensor, tokens_per_expert, permuted_probs: torch.Tensor, **_unused):
