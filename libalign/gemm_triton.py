@@ -159,16 +159,31 @@ def _e4m3_values(device: torch.device) -> torch.Tensor:
 
 
 _DECODE_FAILED: list[str] = []
+_TRITON_DECODE = [os.environ.get("ALIGN_TRITON_DECODE", "0") == "1"]
+
+
+@contextlib.contextmanager
+def triton_decode(on: bool = True):
+    """Decode bf16 inner values with the Triton pass (or not) inside the block (process-wide);
+    off by default (``ALIGN_TRITON_DECODE=1`` turns it on) until its GPU bit test has run on
+    the H200: the table gather serves meanwhile, with the bits the CPU tests pin."""
+    before = _TRITON_DECODE[0]
+    _TRITON_DECODE[0] = bool(on)
+    try:
+        yield
+    finally:
+        _TRITON_DECODE[0] = before
 
 
 def triton_inner_values(codes: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor | None:
     """bf16 inner values (code times E4M3 block scale) of packed codes ``[..., Kp/2]`` on a
     CUDA device, K padded to 16: :func:`libalign.gemm.inner_values`'s bits in one pass.
 
-    None when this Triton cannot build the pass (one warning; the caller's table gather
-    then serves, with the same bits), as a failed kernel build leaves the spec serving.
+    None when the pass is off (:func:`triton_decode`) or this Triton cannot build it (one
+    warning; the caller's table gather then serves, with the same bits), as a failed kernel
+    build leaves the spec serving.
     """
-    if _DECODE_FAILED:
+    if _DECODE_FAILED or not _TRITON_DECODE[0]:
         return None
     try:
         return _kernels_for(codes, 16).inner_from_codes(codes, block_scales,
