@@ -15,7 +15,8 @@ A row's bits depend on that row alone (the row is the scale domain), so the cach
 each token's rows once, when they are written, through :func:`libalign.ops.quantize` (the
 compiled CPU/CUDA kernels for ``kv_nvfp4``; the spec for ``kv_mxfp4``, which has no kernel
 yet), keeps packed codes and scales only, and dequantizes the whole layer
-(:func:`libalign.spec.dequantize`, in the model's dtype) each time attention reads it. The
+(:func:`libalign.spec.dequantize`'s bits, in the model's dtype; for ``kv_nvfp4`` through
+:func:`libalign.gemm.inner_values`' table gather) each time attention reads it. The
 attention therefore multiplies exactly the values the spec says the FP4 cache holds.
 
 Who uses it, and how
@@ -46,7 +47,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .. import ops
+from .. import gemm, ops
 from ..errors import SpecError
 from ..guidance import GuidanceCapture, GuidanceTable, guided_quantize, select_layers
 from ..numerics import KV_PRESETS
@@ -246,7 +247,7 @@ class FP4KVLayer(DynamicLayer):
                 st.observer(self.layer, site, rows.detach(), q, keys)
             new = _grid(q, (b, h, t))
             past = self.bits[site]
-            read = dequantize(q, x.dtype).reshape(b, h, t, d)
+            read = dequantize_kv(q, x.dtype).reshape(b, h, t, d)
             if x.requires_grad and torch.is_grad_enabled():
                 read = _StraightThrough.apply(x, read)
             if past is not None:
@@ -276,7 +277,15 @@ def _dequantize_grid(bits: tuple, spec: NumericsSpec, d: int, dtype: torch.dtype
     m = lead[0] * lead[1] * lead[2]
     q = NVFP4Tensor(codes.reshape(m, -1), bs.reshape(m, -1),
                     None if outer is None else outer.reshape(m), spec, (m, d))
-    return dequantize(q, dtype).reshape(*lead, d)
+    return dequantize_kv(q, dtype).reshape(*lead, d)
+
+
+def dequantize_kv(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`~libalign.spec.dequantize`'s bits; ``kv_nvfp4`` (TE order ``(q * s) * dec``) takes
+    the exact ``q * s`` from one table gather (:func:`libalign.gemm.inner_values`)."""
+    if q.spec.is_mx or q.spec.op_order != "te":
+        return dequantize(q, dtype)
+    return (gemm.inner_values(q, torch.float32) * q.outer_dec.reshape(-1, 1)).to(dtype)
 
 
 def _head_row_keys(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,10 @@ Three tables, each against a baseline measured in the same run:
 2. **Throughput** on the CPU (and CUDA when present) for ``--tokens`` tokens through
    ``--layers`` layers of those shapes: the FP4 cache's write (:func:`libalign.ops.quantize` of
    the K and V rows: the compiled kernel for ``kv_nvfp4``, the spec for ``kv_mxfp4``) and read
-   (:func:`libalign.spec.dequantize`), and a record's encode and decode at ``b = 1``. Baseline:
-   ``clone``, one copy of the bf16 K/V (what any pass over them must at least move);
-   ``clone/op`` is the baseline's seconds over the row's (higher is better).
+   (:func:`libalign.models.kv_cache.dequantize_kv`: the spec's bits), and a record's encode
+   and decode at ``b = 1``. Baseline: ``clone``, one copy of the bf16 K/V (what any pass
+   over them must at least move); ``clone/op`` is the baseline's seconds over the row's
+   (higher is better).
 3. **Learner step** of the embedded engine on CPU (the tiny Qwen3-MoE, ``--rollouts``
    rollouts of the synthetic task): ``nvfp4_trace`` with the sampler's activation records
    (the unguided-KV baseline), ``nvfp4_trace_kv_nvfp4`` without records (K/V rounded to
@@ -37,7 +38,8 @@ import torch
 from libalign import ops
 from libalign.guidance import GuidanceRecord, SiteRows
 from libalign.guidance_sizes import size_for_config
-from libalign.spec import PRESETS, dequantize
+from libalign.models.kv_cache import dequantize_kv
+from libalign.spec import PRESETS
 
 LAYERS, KV_HEADS, HEAD_DIM = 48, 4, 128
 CONFIG = {"num_hidden_layers": LAYERS, "hidden_size": 2048, "moe_intermediate_size": 768,
@@ -116,8 +118,8 @@ def throughput(device: str, tokens: int, layers: int, repeats: int) -> list[dict
         blob = rec.encode()
         timings = {
             "cache write": _best(lambda s=spec: [ops.quantize(t, s) for t in x], repeats, device),
-            "cache read": _best(lambda q=qs: [dequantize(t, torch.bfloat16) for t in q], repeats,
-                                device),
+            "cache read": _best(lambda q=qs: [dequantize_kv(t, torch.bfloat16) for t in q],
+                                repeats, device),
             "record encode": _best(lambda r=rec: r.encode(), repeats, device),
             "record decode": _best(lambda b=blob: GuidanceRecord.decode(b, device), repeats,
                                    device),

@@ -80,6 +80,24 @@ def test_cache_stores_and_reads_the_spec_bits(kv, b, h, writes, dtype, seed):
         assert torch.equal(codes, want)
 
 
+@pytest.mark.parametrize("kv", KV)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cache_reads_are_the_spec_dequantization(kv, dtype):
+    """dequantize_kv (kv_nvfp4: one table gather, then the row's decode scale) is
+    spec.dequantize bit for bit, on zero rows, tiny and huge rows, -0.0 and odd head sizes."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 64, generator=g) * torch.logspace(-30, 30, 64).unsqueeze(-1)
+    x[0] = 0.0
+    x[1, ::3] = -0.0
+    x[2] = torch.finfo(torch.float16).max / 7
+    for rows in (x, x[:, :48]) if kv == "kv_nvfp4" else (x,):
+        q = quantize(rows.to(torch.float32), PRESETS[kv])
+        got = kv_cache.dequantize_kv(q, dtype)
+        assert torch.equal(got.view(torch.uint8) if dtype != torch.float32 else got,
+                           dequantize(q, dtype).view(torch.uint8) if dtype != torch.float32
+                           else dequantize(q, dtype))
+
+
 def test_straight_through_backward():
     """With autograd, the read is the FP4 values forward and the identity backward."""
     model = models.build_model(models.tiny_config(num_hidden_layers=1), seed=0)
