@@ -259,8 +259,8 @@ def enable(model: nn.Module) -> nn.Module:
     """Make ``model`` (a Qwen3-MoE causal LM) run strict until :func:`disable`; returns it.
 
     Refuses (:class:`~libalign.errors.ConfigError`) a model whose activation is not SiLU or whose
-    rotary embedding changes with the sequence length. A path already set must have a strict
-    form (:func:`check_path`).
+    rotary embedding changes with the sequence length. Experts on a path without a strict form
+    (:func:`check_path`) raise :class:`~libalign.errors.SpecError` when they run.
     """
     if is_strict(model):
         return model
