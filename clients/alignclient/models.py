@@ -26,9 +26,13 @@ code naming a class of :mod:`alignclient.errors`.
 
 from __future__ import annotations
 
+import array
+import base64
+import binascii
 import hashlib
 import json
 import numbers
+import sys
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -229,6 +233,80 @@ class SyncResponse(Reply):
 # --- rollouts, scores, discrepancy ------------------------------------------------------
 
 
+#: Most MoE layers a routing record names.
+MAX_ROUTING_LAYERS = 1024
+#: Most experts a routing record's ids can name (two bytes an id above 256).
+MAX_ROUTING_EXPERTS = 1 << 15
+
+
+def _b64(text: str | None, what: str) -> bytes | None:
+    """The bytes of standard base64 ``text`` (None stays None); ValueError if it is not base64."""
+    if text is None:
+        return None
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{what} is not standard base64") from None
+
+
+class RoutingWire(Wire):
+    """The sampler's routing of one rollout (R3), compact: the top-k expert ids of every token
+    it fed (prompt and completion but the last token) at every MoE layer, as base64 of the
+    raw little-endian array ``[positions, len(layers), top_k]`` (one byte an id up to 256
+    experts, two above: ``libalign.routing_records``), optionally the gate weights (bf16)."""
+
+    layers: list[StrictInt] = Field(min_length=1, max_length=MAX_ROUTING_LAYERS,
+                                    description="MoE layer indices, increasing")
+    top_k: StrictInt = Field(ge=1, le=MAX_ROUTING_EXPERTS)
+    num_experts: StrictInt = Field(ge=1, le=MAX_ROUTING_EXPERTS)
+    experts: str = Field(description="base64 of the expert ids, row-major")
+    weights: str | None = Field(None, description="base64 of the bf16 gate weights, same shape")
+    version_id: SafeId | None = Field(None, description="weight version the sampler routed with")
+
+    @property
+    def id_bytes(self) -> int:
+        """Bytes an expert id takes: 1 up to 256 experts, else 2."""
+        return 1 if self.num_experts <= 256 else 2
+
+    @property
+    def positions(self) -> int:
+        """Tokens the record covers."""
+        raw = _b64(self.experts, "experts") or b""
+        return len(raw) // (len(self.layers) * self.top_k * self.id_bytes)
+
+    def raw(self) -> tuple[bytes, bytes | None]:
+        """``(ids, weights)`` as bytes (weights None when not kept)."""
+        return _b64(self.experts, "experts") or b"", _b64(self.weights, "weights")
+
+    @model_validator(mode="after")
+    def _shape(self) -> RoutingWire:
+        """Layers increasing, top_k ≤ num_experts, whole rows of ids in range, weights to match."""
+        if any(x < 0 for x in self.layers) or any(
+                b <= a for a, b in zip(self.layers, self.layers[1:], strict=False)):
+            raise ValueError(f"layers must be non-negative and increasing, got {self.layers[:8]}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}")
+        ids, weights = self.raw()
+        row = len(self.layers) * self.top_k
+        if len(ids) % (row * self.id_bytes):
+            raise ValueError(f"experts holds {len(ids)} bytes, not whole tokens of {row} ids of "
+                             f"{self.id_bytes} byte(s)")
+        if ids:
+            if self.id_bytes == 1:
+                lo, hi = 0, max(ids)
+            else:
+                arr = array.array("h", ids)
+                if sys.byteorder == "big":
+                    arr.byteswap()
+                lo, hi = min(arr), max(arr)
+            if lo < 0 or hi >= self.num_experts:
+                raise ValueError(f"expert ids must lie in [0, {self.num_experts}), got {lo}..{hi}")
+        if weights is not None and len(weights) != 2 * len(ids) // self.id_bytes:
+            raise ValueError(f"weights holds {len(weights)} bytes; {len(ids) // self.id_bytes} "
+                             "bf16 weights need twice that")
+        return self
+
+
 class Rollout(Wire):
     """One generated sequence as the sampler saw it: tokens and the sampler's log-probs."""
 
@@ -240,10 +318,12 @@ class Rollout(Wire):
     reward: Reward | None = None
     path: SafeId = Field(description="execution path the sampler ran")
     guidance: bool = Field(False, description="a guidance record was stored for this rollout")
+    routing: RoutingWire | None = Field(None, description="the sampler's expert choices (R3)")
 
     @model_validator(mode="after")
     def _lengths(self) -> Rollout:
-        """At least one completion token, and one log-prob per completion token."""
+        """At least one completion token, one log-prob per completion token, and routing (if
+        any) for every token but the last."""
         if len(self.tokens) <= self.prompt_len:
             raise ValueError(f"tokens has {len(self.tokens)} entries; it must be longer than "
                              f"prompt_len={self.prompt_len} (at least one completion token)")
@@ -252,6 +332,10 @@ class Rollout(Wire):
             raise ValueError(f"logprobs has {len(self.logprobs)} entries; the "
                              f"{len(self.tokens)} tokens after a prompt of {self.prompt_len} "
                              f"need {want}")
+        if self.routing is not None and self.routing.positions != len(self.tokens) - 1:
+            raise ValueError(f"routing covers {self.routing.positions} tokens; the "
+                             f"{len(self.tokens)} tokens need {len(self.tokens) - 1} (all but "
+                             "the last)")
         return self
 
     @property

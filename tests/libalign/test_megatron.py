@@ -342,3 +342,120 @@ def test_engine_trains_one_step_like_the_hf_engine(rollout, path):
     again.load_state_dict(exported)
     with use_path(again, path):
         assert again(input_ids=torch.tensor([r.sequences[0]])).logits.isfinite().all()
+
+
+# --- routing replay (R3) ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def routed(hf):
+    """Rollouts sampled on nvfp4_minite with their routing records (and gate weights)."""
+    from libalign.models.routing_replay import capture_routing
+
+    prompts = [p for p in TASK.prompts(4, 2) for _ in range(2)]
+    with capture_routing(hf, weights=True) as cap:
+        r = generate(hf, prompts, "nvfp4_minite", max_new_tokens=6, seed=5, eos_id=TASK.eos_id,
+                     pad_id=TASK.pad_id)
+    return r, cap.records()
+
+
+def _megatron_routing_maps(meg, r, routing):
+    """Score with the engine while recording each layer's final routing map per token key."""
+    seen = {}
+    routers = {i: layer.router for i, layer in mg.moe_layers(meg.model).items()}
+    installed = []
+
+    def make(i, inner):
+        def routing_fn(logits, *args, **kwargs):
+            probs, rmap = inner(logits, *args, **kwargs)
+            keys = mg.experts_modules(meg.model)[i].row_keys
+            seen.setdefault(i, []).append((keys.clone(), rmap.clone()))
+            return probs, rmap
+        return routing_fn
+
+    from libalign.models import megatron_routing
+
+    real = megatron_routing.replay_routing
+
+    def outer(model, table, **kw):
+        ctx = real(model, table, **kw)
+
+        class Both:
+            def __enter__(self):
+                out = ctx.__enter__()
+                for i, router in routers.items():
+                    installed.append((router, router.routing))
+                    router.routing = make(i, router.routing)
+                return out
+
+            def __exit__(self, *exc):
+                for router, before in reversed(installed):
+                    router.routing = before
+                installed.clear()
+                return ctx.__exit__(*exc)
+        return Both()
+
+    megatron_routing.replay_routing = outer
+    try:
+        meg.score(r.sequences, r.prompt_lens, None, routing)
+    finally:
+        megatron_routing.replay_routing = real
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["recompute", "record"])
+def test_megatron_replay_routes_every_token_as_the_sampler_did(hf, routed, mode):
+    """Under R3 every token with a record goes, at every layer, to the sampler's experts; the
+    disagreement before forcing is counted and is not zero on the bf16 learner (so it can fail)."""
+    from libalign.guidance import row_keys
+
+    r, recs = routed
+    meg = MegatronLearnerEngine.from_hf_state_dict(hf.state_dict(), CFG, "bf16",
+                                                   pad_id=TASK.pad_id, routing_replay=mode)
+    seen = _megatron_routing_maps(meg, r, recs)
+    assert meg.routing_stats.disagreement > 0
+    want = {}
+    for sid, rec in recs.items():
+        for p in range(rec.positions):
+            want[int(row_keys(sid, torch.tensor(p)))] = rec.experts[p].long()
+    checked = 0
+    for i, calls in seen.items():
+        for keys, rmap in calls:
+            for row, k in enumerate(keys.tolist()):
+                if k in want:
+                    got = torch.nonzero(rmap[row]).squeeze(-1)
+                    assert torch.equal(got, want[k][i].sort().values), (i, k)
+                    checked += 1
+    assert checked == sum(rec.positions for rec in recs.values()) * CFG.num_hidden_layers
+
+
+def test_megatron_replay_matches_the_hf_engine(hf, routed):
+    """R3 on both engines: the same disagreement counts, and scores that agree (bitwise where
+    no token is forced, within bf16 rounding of the gate weights otherwise)."""
+    r, recs = routed
+    meg = MegatronLearnerEngine.from_hf_state_dict(hf.state_dict(), CFG, "bf16",
+                                                   pad_id=TASK.pad_id, routing_replay="recompute")
+    ref = TorchLearnerEngine(hf, "bf16", pad_id=TASK.pad_id, routing_replay="recompute")
+    a = meg.score(r.sequences, r.prompt_lens, None, recs)
+    b = ref.score(r.sequences, r.prompt_lens, None, recs)
+    assert meg.routing_stats.decisions == ref.routing_stats.decisions
+    assert meg.routing_stats.differ == ref.routing_stats.differ
+    gap = max(abs(x - y) for u, v in zip(a, b, strict=True) for x, y in zip(u, v, strict=True))
+    assert gap <= 1e-2
+
+
+def test_megatron_replay_refuses_bad_records(hf, routed):
+    """Missing records under R3 and records of another top-k are refused by type and field."""
+    from alignclient.errors import RoutingMismatchError, RoutingMissingError
+
+    from libalign.routing_records import RoutingRecord
+
+    r, recs = routed
+    meg = MegatronLearnerEngine.from_hf_state_dict(hf.state_dict(), CFG, "bf16",
+                                                   pad_id=TASK.pad_id, routing_replay="recompute")
+    with pytest.raises(RoutingMissingError):
+        meg.score(r.sequences, r.prompt_lens)
+    bad = {i: RoutingRecord(rec.experts[..., :1].contiguous(), rec.layers, rec.num_experts)
+           for i, rec in recs.items()}
+    with pytest.raises(RoutingMismatchError) as e:
+        meg.score(r.sequences, r.prompt_lens, None, bad)
+    assert e.value.field == "top_k"

@@ -291,6 +291,11 @@ class LearnerSettings(GuidanceStoreSettings, LayoutSettings):
                             "after the first the policy ratio leaves 1 and ppo_clip_eps binds")
     max_version_diff: MaxVersionDiff
     stale_rollouts: StaleRollouts
+    routing_replay: Literal["off", "measure", "recompute", "record"] = Field(
+        "off", description="routing replay (R3): recompute routes every token to the experts "
+        "the sampler recorded, gate weights from the learner's router logits; record also "
+        "takes the sampler's gate weights; measure only counts the routing disagreement; a "
+        "rollout without a routing record is refused (libalign_rollouts_unreplayed_total)")
 
 
 class ApiAddress(AlignSettings):

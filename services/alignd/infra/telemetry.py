@@ -336,6 +336,10 @@ class Metrics:
             "libalign_rollouts_stale_total",
             "Rollouts whose version was more than max_version_diff versions older than the "
             "current one, dropped or refused.", ["action"], registry=r)
+        self.rollouts_unreplayed = Counter(
+            "libalign_rollouts_unreplayed_total",
+            "Rollouts refused for training under routing replay (R3) because they carry no "
+            "routing record.", registry=r)
         self.rollout_tokens = Counter(
             "libalign_rollout_tokens_total",
             "Generated (non-prompt) tokens of the rollouts stored, by sampler path.",

@@ -57,6 +57,7 @@ class RolloutRequest(Event):
     temperature: float = Field(1.0, ge=0)
     seed: int = 0
     guidance_bits: int = Field(0, ge=0, le=4)  # 0: no guidance records
+    routing: bool = False  # routing records (R3) with the rollouts
     requested_at: float = Field(default_factory=time.time)
 
     @field_validator("prompts")

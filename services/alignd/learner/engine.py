@@ -12,6 +12,16 @@ A learner engine holds the policy being trained. It can
   width or KV format (:class:`~alignclient.errors.GuidanceMismatchError`);
 * :meth:`~LearnerEngine.train_step` on a batch of rollouts: the sampler's tokens, the
   sampler's log-probs, rewards and group ids;
+* replay the sampler's routing (R3, ``routing_replay``): with ``recompute`` (R3) or
+  ``record`` every MoE layer routes each token the sampler fed to the experts its routing
+  record names (:mod:`libalign.models.routing_replay`; gate weights from the learner's own
+  router logits, or the recorded ones), in scoring and in training; a rollout without a
+  record, or one made for another layer list, top-k, expert count or token count, is refused
+  (:class:`~alignclient.errors.RoutingMissingError`,
+  :class:`~alignclient.errors.RoutingMismatchError`), never trained unreplayed. ``measure``
+  only counts; every mode but ``off`` reports the routing disagreement of the last call
+  (:attr:`TorchLearnerEngine.routing_stats`: token×layer decisions whose own top-k set
+  differs from the sampler's, before forcing);
 * :meth:`~LearnerEngine.export_weights`: the BF16 tensors of the current policy, named as
   the Hugging Face model names them, for publishing a version.
 
@@ -69,12 +79,22 @@ from libalign.guidance import GuidanceRecord, GuidanceTable
 from libalign.models import strict as strict_mode
 from libalign.models.kv_cache import full_sequence_kwargs, guide_kv
 from libalign.models.paths import set_row_keys
+from libalign.models.routing_replay import (
+    RoutingStats,
+    RoutingTable,
+    replay_routing,
+    routing_geometry,
+)
 from libalign.models.scoring import completion_logprobs, right_padded_batch
 from libalign.numerics import KV_PRESETS
+from libalign.routing_records import RoutingRecord, check_routing
 
 GUIDED = "nvfp4_trace"
 #: learner paths that round by the sampler's guidance records (activations, and K/V with a KV format)
 GUIDED_PATHS = frozenset({GUIDED, *(f"{GUIDED}_{kv}" for kv in KV_PRESETS)})
+#: routing replay modes: off; measure (count disagreement only); recompute (R3: forced experts,
+#: the learner's gate weights); record (forced experts and the sampler's gate weights)
+ROUTING_REPLAY = ("off", "measure", "recompute", "record")
 
 
 @dataclass
@@ -91,6 +111,8 @@ class TrainBatch:
     old_logprobs: list[list[float]] | None = None
     """``log π_old``: the learner's log-probs of the completion tokens under the policy that
     generated the rollouts (its scores then); None: the current policy's (detached)."""
+    routing: Mapping[int, RoutingRecord] | None = None
+    """Routing record per batch index (routing replay)."""
 
     def check(self) -> None:
         """InputError naming the first inconsistency."""
@@ -119,8 +141,10 @@ class LearnerEngine(Protocol):
     path: str
 
     def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
-              guidance: Mapping[int, GuidanceRecord] | None = None) -> list[list[float]]:
-        """Teacher-forced log-probs of the completion tokens under the learner's path."""
+              guidance: Mapping[int, GuidanceRecord] | None = None,
+              routing: Mapping[int, RoutingRecord] | None = None) -> list[list[float]]:
+        """Teacher-forced log-probs of the completion tokens under the learner's path (routed
+        as ``routing`` says under routing replay)."""
 
     def train_step(self, batch: TrainBatch) -> dict:
         """One policy update; returns its statistics."""
@@ -156,11 +180,18 @@ class TorchLearnerEngine:
                  tis_cap: float = lm.DEFAULT_TIS_CAP, use_tis: bool = True,
                  tis_level: str = "token", ppo_clip_eps: float | None = None,
                  batch_size: int = 64, pad_id: int = 0, max_grad_norm: float = 1.0,
-                 strict: bool = False):
+                 strict: bool = False, routing_replay: str = "off"):
         self.path = (strict_mode.check_path(path) if strict else gemm.get_path(path)).name
         if gemm.get_path(self.path).kv_spec is not None and not self.kv_capable:
             raise ConfigError(f"{type(self).__name__} does not quantize K and V: path "
                               f"{self.path!r} needs the embedded engine (TorchLearnerEngine)")
+        if routing_replay not in ROUTING_REPLAY:
+            raise ConfigError(f"routing_replay must be one of {ROUTING_REPLAY}, got "
+                              f"{routing_replay!r}")
+        self.routing_replay = routing_replay
+        self.routing_stats = RoutingStats()
+        """routing disagreement counted in the last score or train_step call"""
+        self._route: RoutingTable | None = None
         self.model = model
         self.tis_cap = float(tis_cap)
         if not (math.isfinite(self.tis_cap) and self.tis_cap > 0):
@@ -214,7 +245,7 @@ class TorchLearnerEngine:
         try:
             with torch.set_grad_enabled(grad), models.use_path(self.model, self.path), \
                     (models.use_guidance(self.model, table) if table is not None
-                     else nullcontext()), self._kv(table):
+                     else nullcontext()), self._kv(table), self._replay():
                 logits = self.model(input_ids=ids, attention_mask=mask,
                                     **full_sequence_kwargs(self.model)).logits
         finally:
@@ -222,16 +253,54 @@ class TorchLearnerEngine:
         return completion_logprobs(logits, ids, [len(s) for s in seqs], plens,
                                    strict_mode.log_softmax_for(self.model))
 
-    def score(self, sequences, prompt_lens, guidance=None) -> list[list[float]]:
-        """Teacher-forced log-probs (the records of ``guidance`` steer ``nvfp4_trace``)."""
+    def score(self, sequences, prompt_lens, guidance=None, routing=None) -> list[list[float]]:
+        """Teacher-forced log-probs (the records of ``guidance`` steer ``nvfp4_trace``; those
+        of ``routing`` the experts under routing replay)."""
         table = self._table(guidance)
+        self._set_routing(routing, sequences)
         out: list[list[float]] = []
-        for a in range(0, len(sequences), self.batch_size):
-            b = min(len(sequences), a + self.batch_size)
-            lps = self._forward([list(map(int, s)) for s in sequences[a:b]], list(prompt_lens[a:b]),
-                                list(range(a, b)), table, grad=False)
-            out += [t.tolist() for t in lps]
+        try:
+            for a in range(0, len(sequences), self.batch_size):
+                b = min(len(sequences), a + self.batch_size)
+                lps = self._forward([list(map(int, s)) for s in sequences[a:b]],
+                                    list(prompt_lens[a:b]), list(range(a, b)), table, grad=False)
+                out += [t.tolist() for t in lps]
+        finally:
+            self._route = None
         return out
+
+    # --- routing replay -------------------------------------------------------------------
+
+    def routing_geometry(self) -> dict:
+        """``layers``, ``top_k``, ``num_experts`` of the model's MoE layers (records must match)."""
+        return routing_geometry(self.model)
+
+    def _set_routing(self, routing: Mapping[int, RoutingRecord] | None, sequences) -> None:
+        """Check ``routing`` against the batch and the model and index it for the forwards.
+
+        Under ``recompute``/``record`` every rollout needs a record (RoutingMissingError);
+        ``measure`` counts where records exist; ``off`` ignores them.
+        """
+        self.routing_stats = RoutingStats()
+        self._route = None
+        if self.routing_replay == "off":
+            return
+        need = {i: len(s) - 1 for i, s in enumerate(sequences)}
+        if self.routing_replay == "measure":
+            routing = {i: r for i, r in (routing or {}).items() if r is not None}
+            need = {i: n for i, n in need.items() if i in routing}
+            if not need:
+                return
+        check_routing(routing or {}, positions=need, **self.routing_geometry())
+        self._route = RoutingTable({i: routing[i] for i in need},
+                                   next(self.model.parameters()).device)
+
+    def _replay(self):
+        """The routing replay of one forward (HF routers), counting into routing_stats."""
+        if self._route is None:
+            return nullcontext()
+        mode = "off" if self.routing_replay == "measure" else self.routing_replay
+        return replay_routing(self.model, self._route, weights=mode, stats=self.routing_stats)
 
     # --- one update -----------------------------------------------------------------------
 
@@ -275,6 +344,14 @@ class TorchLearnerEngine:
         batch.check()
         adv = grpo_advantages(batch.rewards, batch.groups)
         table = self._table(batch.guidance)
+        self._set_routing(batch.routing, batch.sequences)
+        try:
+            return self._train(batch, adv, table)
+        finally:
+            self._route = None
+
+    def _train(self, batch: TrainBatch, adv: torch.Tensor, table) -> dict:
+        """The body of :meth:`train_step` (routing records already indexed)."""
         for p in self.params:
             p.grad = None
         local_tokens = sum(len(lp) for lp in batch.sampler_logprobs)
@@ -346,3 +423,5 @@ class TorchLearnerEngine:
         """bf16 CPU copies of every tensor of the model's state dict."""
         return {k: v.detach().to("cpu", torch.bfloat16 if v.is_floating_point() else v.dtype)
                 .contiguous().clone() for k, v in self.model.state_dict().items()}
+
+

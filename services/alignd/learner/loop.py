@@ -11,7 +11,13 @@ One iteration of :class:`LearnerLoop` is one policy version's round trip:
    samplers; the loop waits for its :class:`~alignd.infra.work.RolloutsReady`;
 4. **score**: rollouts (and guidance records) are read back, the learner scores them
    teacher-forced, the scores are reported to the rollout store (which turns them into δ
-   statistics and metrics);
+   statistics and metrics). Under routing replay (the engine's ``routing_replay``) the
+   samplers are asked for routing records, a rollout without one is refused
+   (:class:`~alignclient.errors.RoutingMissingError`, counted in
+   ``libalign_rollouts_unreplayed_total``) and records made for another version, layer list,
+   top-k or expert count are refused by field
+   (:class:`~alignclient.errors.RoutingMismatchError`); the routing disagreement of the
+   scoring pass is returned with the step (``routing``);
 5. **train**: rewards from the task's verifier, GRPO advantages, truncated importance weights
    against the sampler's log-probs, one optimizer step (PPO-clipped when the engine has
    ``ppo_clip_eps``, with the scores of step 4 as ``π_old``; ``ppo_epochs`` steps on the same
@@ -33,7 +39,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from alignclient.errors import LoopError
+from alignclient.errors import LoopError, RoutingMissingError
 
 from alignd.formats.convert import resolve_spec, target_spec
 from alignd.formats.modelopt_export import exports_for, holds
@@ -43,13 +49,14 @@ from alignd.infra.publish import publish_version
 from alignd.infra.registry import Registry
 from alignd.infra.settings import LearnerSettings
 from alignd.infra.staleness import StalenessGuard
-from alignd.infra.stores.rollouts import Score
+from alignd.infra.stores.rollouts import Rollout, Score, routing_record
 from alignd.infra.telemetry import Metrics
 from alignd.infra.work import RolloutRequest, RolloutsReady, ready_stream, requests_stream
 from alignd.learner.engine import GUIDED_PATHS, LearnerEngine, TrainBatch
 from alignd.learner.sharded_publish import announce_converted
 from libalign.guidance import GuidanceRecord
 from libalign.models.kv_guided import check_records
+from libalign.routing_records import RoutingRecord, check_routing
 
 
 @dataclass
@@ -64,6 +71,10 @@ class IterationResult:
     seconds: dict[str, float] = field(default_factory=dict)
     deltas: list[float] = field(default_factory=list)
     """δ = learner − sampler of every scored token, rollout after rollout."""
+    routing: dict = field(default_factory=dict)
+    """Routing disagreement of the scoring pass (routing replay on): ``decisions``,
+    ``disagreement`` (share of token×layer decisions whose own top-k differs from the
+    sampler's, before forcing) and ``by_layer``."""
 
 
 class LearnerLoop:
@@ -81,6 +92,7 @@ class LearnerLoop:
         self.registry = Registry(bus, settings.key_prefix)
         self.staleness = StalenessGuard(self.registry, settings.max_version_diff,
                                         settings.stale_rollouts, metrics)
+        self.metrics = metrics
         self.current_version: str | None = None
         """The newest version this loop published: what staleness is measured against."""
         self.store = WeightStore(settings.store_dir)
@@ -149,6 +161,30 @@ class LearnerLoop:
             stats = self.engine.train_step(batch)
         return stats
 
+    @property
+    def replay_mode(self) -> str:
+        """The engine's routing replay mode (``off`` for engines without one)."""
+        return getattr(self.engine, "routing_replay", "off")
+
+    def routing_records(self, vid: str, items: list[Rollout]) -> dict[int, RoutingRecord] | None:
+        """The rollouts' routing records by batch index, checked against ``vid`` and the
+        engine's model (None with routing replay off). Under ``recompute``/``record`` a rollout
+        without a record is counted and refused (RoutingMissingError)."""
+        if self.replay_mode == "off":
+            return None
+        recs = {i: routing_record(r.routing) for i, r in enumerate(items) if r.routing is not None}
+        missing = [r.rollout_id for r in items if r.routing is None]
+        if missing and self.replay_mode != "measure":
+            if self.metrics is not None:
+                self.metrics.rollouts_unreplayed.inc(len(missing))
+            raise RoutingMissingError(f"routing replay ({self.replay_mode}) needs a routing "
+                                      f"record for every rollout; {len(missing)} of "
+                                      f"{len(items)} of version {vid} have none, e.g. "
+                                      f"{missing[0]!r}")
+        check_routing(recs, positions={i: len(items[i].tokens) - 1 for i in recs},
+                      version=vid, **self.engine.routing_geometry())
+        return recs
+
     def wait_serving(self, vid: str) -> dict[str, float]:
         """Block until ``vid`` serves; seconds per stage from the registry's history."""
         deadline = time.monotonic() + self.timeout_s
@@ -175,7 +211,8 @@ class LearnerLoop:
                              samples_per_prompt=self.samples_per_prompt,
                              max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                              seed=step, guidance_bits=self.settings.guidance_bits
-                             if self.engine.path in GUIDED_PATHS else 0)
+                             if self.engine.path in GUIDED_PATHS else 0,
+                             routing=self.replay_mode != "off")
         self.bus.publish(self.requests_stream, req.to_fields())
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
@@ -213,7 +250,10 @@ class LearnerLoop:
             blobs = self.guidance.get_many(vid, ids)
             recs = {i: GuidanceRecord.decode(blobs[r]) for i, r in enumerate(ids)}
             check_records(recs, version=vid, bits=self.settings.guidance_bits)
-        mine = self.engine.score(seqs, plens, recs)
+        routing = self.routing_records(vid, items)
+        mine = self.engine.score(seqs, plens, recs) if routing is None else \
+            self.engine.score(seqs, plens, recs, routing)
+        route_stats = self.engine.routing_stats.to_dict() if routing is not None else {}
         delta = self.rollouts.put_scores(vid, [Score(rollout_id=r, logprobs=lp,
                                                      path=self.engine.path)
                                                for r, lp in zip(ids, mine, strict=True)])
@@ -222,11 +262,13 @@ class LearnerLoop:
         rewards = [float(self.reward(s[:p], s[p:])) for s, p in zip(seqs, plens, strict=True)]
         groups = [i // self.samples_per_prompt for i in range(len(seqs))]
         old = mine if self.engine.objective().get("ppo_clip_eps") is not None else None
-        train = self.train(vid, TrainBatch(seqs, plens, samp, rewards, groups, recs, old))
+        train = self.train(vid, TrainBatch(seqs, plens, samp, rewards, groups, recs, old,
+                                           routing))
         sec["train"] = time.perf_counter() - t
         summary = delta.model_dump() if hasattr(delta, "model_dump") else dict(delta)
         flat = [a - b for x, y in zip(mine, samp, strict=True) for a, b in zip(x, y, strict=True)]
-        return IterationResult(step, vid, sum(rewards) / len(rewards), summary, train, sec, flat)
+        return IterationResult(step, vid, sum(rewards) / len(rewards), summary, train, sec, flat,
+                               route_stats)
 
     def run(self, steps: int, start: int = 0,
             on_step: Callable[[IterationResult], None] | None = None) -> list[IterationResult]:

@@ -8,7 +8,9 @@ advantages (:func:`~alignd.learner.engine.grpo_advantages`), the truncated impor
 weights, the objective's knobs (``tis_cap``, ``tis_level``, ``ppo_clip_eps``: keywords of the
 constructor, from :class:`~alignd.infra.settings.LearnerSettings` in the services) and the
 fp32-master Adam update are inherited unchanged, so the two engines train the same way and
-differ only in how the model computes.
+differ only in how the model computes. Routing replay (``routing_replay``) forces Megatron's
+routers (:mod:`libalign.models.megatron_routing`) where the embedded engine forces Hugging
+Face's; the records, checks and statistics are the same.
 
 What is and is not here
 -----------------------
@@ -55,6 +57,7 @@ from torch import nn
 
 from alignd.learner.engine import TorchLearnerEngine, TrainBatch
 from libalign.models import megatron as mg
+from libalign.models import megatron_routing
 from libalign.models.megatron_cpu import cpu_shims
 from libalign.models.megatron_export import export_hf_state_dict, load_hf_into_megatron
 from libalign.models.scoring import completion_logprobs, right_padded_batch
@@ -103,16 +106,29 @@ class MegatronLearnerEngine(TorchLearnerEngine):
         mg.set_row_keys(self.model, keys.T)  # Megatron's tokens are [s, b]
         try:
             with torch.set_grad_enabled(grad), mg.use_path(self.model, self.path), \
-                    (mg.use_guidance(self.model, table) if table is not None else nullcontext()):
+                    (mg.use_guidance(self.model, table) if table is not None else nullcontext()), \
+                    self._replay():
                 logits = mg.gpt_logits(self.model, ids, mask)
         finally:
             mg.set_row_keys(self.model, None)
         return completion_logprobs(logits, ids, [len(s) for s in seqs], plens)
 
-    def score(self, sequences, prompt_lens, guidance=None) -> list[list[float]]:
+    def score(self, sequences, prompt_lens, guidance=None, routing=None) -> list[list[float]]:
         """Teacher-forced log-probs (see :meth:`TorchLearnerEngine.score`)."""
         with cpu_shims():
-            return super().score(sequences, prompt_lens, guidance)
+            return super().score(sequences, prompt_lens, guidance, routing)
+
+    def routing_geometry(self) -> dict:
+        """The Megatron model's MoE layers, top-k and expert count (routing records must match)."""
+        return megatron_routing.routing_geometry(self.model)
+
+    def _replay(self):
+        """Routing replay on Megatron's routers (:mod:`libalign.models.megatron_routing`)."""
+        if self._route is None:
+            return nullcontext()
+        mode = "off" if self.routing_replay == "measure" else self.routing_replay
+        return megatron_routing.replay_routing(self.model, self._route, weights=mode,
+                                               stats=self.routing_stats)
 
     def train_step(self, batch: TrainBatch) -> dict:
         """One GRPO + TIS step (see :meth:`TorchLearnerEngine.train_step`)."""

@@ -29,9 +29,10 @@ log = logging.getLogger("alignd.learner")
 
 def objective_options(settings: LearnerSettings) -> dict:
     """The engine keywords of the objective's settings (``tis_cap``, ``tis_level``,
-    ``ppo_clip_eps``), for every engine the learner builds."""
+    ``ppo_clip_eps``) and of routing replay (``routing_replay``), for every engine the learner
+    builds."""
     return {"tis_cap": settings.tis_cap, "tis_level": settings.tis_level,
-            "ppo_clip_eps": settings.ppo_clip_eps}
+            "ppo_clip_eps": settings.ppo_clip_eps, "routing_replay": settings.routing_replay}
 
 
 def build_loop(settings: LearnerSettings, *, lr: float = 2e-5, use_tis: bool = True,

@@ -10,7 +10,8 @@ A sampler engine serves one weight version at a time. It can
   resumes; a version that fails verification leaves the old one serving;
 * :meth:`~SamplerEngine.generate` completions for prompts, reporting the log-prob it
   assigned to every token it drew and, on request, the guidance records of its activation
-  rounding (TRACE);
+  rounding (TRACE) and, on request, the routing records of its MoE layers (the top-k expert
+  ids of every token it fed, :mod:`libalign.routing_records`, for routing replay, R3);
 * :meth:`~SamplerEngine.score` given sequences the way it decodes (KV cache, teacher-forced).
 
 :class:`TorchSamplerEngine` implements it on a Hugging Face model through
@@ -43,6 +44,8 @@ from libalign import gemm, models
 from libalign.guidance import GuidanceRecord, select_layers
 from libalign.models import strict as strict_mode
 from libalign.models.replay import replay_decode
+from libalign.models.routing_replay import capture_routing
+from libalign.routing_records import RoutingRecord
 from libalign.spec import NVFP4Tensor
 
 
@@ -57,6 +60,8 @@ class Generation:
     finished: list[bool]
     guidance: dict[int, GuidanceRecord] = field(default_factory=dict)
     """Record per prompt index (only when guidance was asked for)."""
+    routing: dict[int, RoutingRecord] = field(default_factory=dict)
+    """Routing record per prompt index (only when routing was asked for)."""
 
 
 class SamplerEngine(Protocol):
@@ -73,8 +78,10 @@ class SamplerEngine(Protocol):
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  temperature: float = 1.0, seed: int = 0,
-                 guidance_bits: int | None = None) -> Generation:
-        """Sample completions; with ``guidance_bits``, also the guidance records."""
+                 guidance_bits: int | None = None, routing: bool = False) -> Generation:
+        """Sample completions; with ``guidance_bits``, also the guidance records; with
+        ``routing``, the routing records (an engine that cannot record them is only asked
+        when a learner replays routing)."""
 
     def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> list[list[float]]:
         """Teacher-forced log-probs of the completion tokens, as this engine decodes them."""
@@ -176,9 +183,10 @@ class TorchSamplerEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  temperature: float = 1.0, seed: int = 0,
-                 guidance_bits: int | None = None) -> Generation:
-        """Sample completions with the served version (and capture guidance if asked)."""
-        with self._lock:
+                 guidance_bits: int | None = None, routing: bool = False) -> Generation:
+        """Sample completions with the served version (and capture guidance and routing
+        records if asked)."""
+        with self._lock, (capture_routing(self.model) if routing else nullcontext()) as route:
             if self._version is None:
                 raise SpecError("the sampler has not loaded a version yet")
             kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
@@ -197,7 +205,8 @@ class TorchSamplerEngine:
                     rec.meta.update(version=self._version, layers=self.geometry["layers"],
                                     kv_heads=self.geometry["kv_heads"])
             return Generation(self._version, r.sequences, r.prompt_lens,
-                              [t.tolist() for t in r.logprobs], r.finished, recs)
+                              [t.tolist() for t in r.logprobs], r.finished, recs,
+                              route.records(self._version) if routing else {})
 
     def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> list[list[float]]:
         """Teacher-forced KV decode of given tokens (what this sampler reports for them)."""

@@ -8,7 +8,8 @@ Three inputs, polled in turn:
   the named version if it is not the one served;
 * **rollout requests** (:func:`alignd.infra.work.requests_stream` of the key prefix, the
   shared group ``samplers``: one sampler of the run per request): generate with the served
-  version (loading the requested one first if needed), store rollouts and guidance records,
+  version (loading the requested one first if needed), store rollouts (with their routing
+  records when the request asks, for routing replay) and guidance records,
   announce them on :func:`alignd.infra.work.ready_stream`, acknowledge.
 
 Every stream is the key prefix's own, so a sampler never takes another run's work.
@@ -38,7 +39,7 @@ from alignd.infra.bus import ClaimKeeper, Message, RedisBus
 from alignd.infra.events import ConvertedEvent, sampler_group, sync_stream
 from alignd.infra.registry import Registry
 from alignd.infra.settings import SamplerSettings
-from alignd.infra.stores.rollouts import Rollout
+from alignd.infra.stores.rollouts import Rollout, routing_wire
 from alignd.infra.telemetry import Metrics
 from alignd.infra.work import (
     SAMPLER_GROUP,
@@ -154,12 +155,16 @@ class SamplerService:
                      req.request_id)
             return RolloutsReady(**base, rollout_ids=json.dumps(ids), guidance=bits is not None,
                                  seconds=time.perf_counter() - t0)
+        extra = {"routing": True} if req.routing else {}  # only engines that record routing
         gen = self.engine.generate(prompts, max_new_tokens=req.max_new_tokens,
-                                   temperature=req.temperature, seed=req.seed, guidance_bits=bits)
+                                   temperature=req.temperature, seed=req.seed, guidance_bits=bits,
+                                   **extra)
+        route = getattr(gen, "routing", None) or {}
         items = [Rollout(rollout_id=rid, prompt_len=p, tokens=s, logprobs=lp,
-                         path=self.engine.path, guidance=bits is not None)
-                 for rid, s, p, lp in zip(ids, gen.sequences, gen.prompt_lens, gen.logprobs,
-                                          strict=True)]
+                         path=self.engine.path, guidance=bits is not None,
+                         routing=routing_wire(route[i]) if i in route else None)
+                 for i, (rid, s, p, lp) in enumerate(zip(ids, gen.sequences, gen.prompt_lens,
+                                                         gen.logprobs, strict=True))]
         if bits is not None and self.guidance is not None:
             self.guidance.put_many(req.version_id, {ids[i]: rec.encode()
                                                     for i, rec in gen.guidance.items()})

@@ -50,6 +50,7 @@ and one Redis (standalone or Sentinel), not Redis Cluster.
 
 from __future__ import annotations
 
+import base64
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ from alignclient.models import (
     Discrepancy,
     PathDiscrepancy,
     Rollout,
+    RoutingWire,
     Score,
 )
 from alignclient.retry import RetryPolicy
@@ -79,6 +81,7 @@ from pydantic import ValidationError
 from alignd.infra.bus import RedisBus
 from alignd.infra.telemetry import Metrics, path_label
 from libalign.metrics import DEFAULT_TIS_CAP, delta_stats, tis_weights, token_deltas
+from libalign.routing_records import RoutingRecord
 
 __all__ = ["DEFAULT_TTL_S", "DeltaSummary", "Discrepancy", "Rollout", "RolloutStore", "Score",
            "summarize"]
@@ -368,6 +371,23 @@ class RolloutStore:
             by_path.append(PathDiscrepancy(learner_path=lp, sampler_path=sp, stats=stats))
         return Discrepancy(version_id=version, versions=used, window_tokens=window_tokens,
                            stats=summarize(d), by_path=by_path)
+
+
+def routing_wire(record: RoutingRecord) -> RoutingWire:
+    """The wire form of a routing record (base64 of its raw arrays)."""
+    ids, w = record.to_bytes()
+    return RoutingWire(layers=list(record.layers), top_k=record.top_k,
+                       num_experts=record.num_experts, experts=base64.b64encode(ids).decode(),
+                       weights=None if w is None else base64.b64encode(w).decode(),
+                       version_id=record.version)
+
+
+def routing_record(wire: RoutingWire) -> RoutingRecord:
+    """A rollout's routing record from its wire form (RoutingRecordError if malformed)."""
+    ids, w = wire.raw()
+    return RoutingRecord.from_bytes(ids, positions=wire.positions, layers=wire.layers,
+                                    top_k=wire.top_k, num_experts=wire.num_experts, weights=w,
+                                    version=wire.version_id)
 
 
 def stored_rollout(version: str, rollout_id: str, raw: bytes) -> Rollout | None:
