@@ -145,14 +145,14 @@ def guidance_size(
 @app.command()
 def demo(
     steps: int | None = typer.Option(None, help="RL steps per configuration and seed (default "
-                                     "30; --full: 120)"),
+                                     "24; --full: 60)"),
     seeds: int | None = typer.Option(None, help="seeds per configuration; the table gives the "
                                      "mean with its 95 % interval over them (default 3; --full: 5)"),
     configs: str | None = typer.Option(None, help="configurations to run, comma-separated "
                                        "(default: bf16, nvfp4_naive, nvfp4_naive_notis, "
                                        "nvfp4_minite, nvfp4_trace; --full: every one)"),
     full: bool = typer.Option(False, "--full", help="the complete picture: every configuration, "
-                              "more steps and seeds (about half an hour on 2 cores)"),
+                              "more steps and seeds (about half an hour on 2 free cores)"),
     prompts_per_step: int = typer.Option(8, help="prompts per step"),
     samples_per_prompt: int = typer.Option(8, help="rollouts per prompt (one GRPO group)"),
     out: Annotated[Path, typer.Option("--out", help="directory for the report, figure and "
@@ -214,12 +214,13 @@ def demo(
     except (AlignError, OSError, ValidationError) as e:
         typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
         raise typer.Exit(2) from None
-    Console(width=max(console.width, 172)).print(summary_table(report))
+    Console(width=max(console.width, 200)).print(summary_table(report))
     for k, v in report["outputs"].items():
         console.print(f"{k}: {v}")
     wall = time.monotonic() - started
-    console.print(f"wall time {int(wall // 60)} min {wall % 60:04.1f} s ({len(names)} "
-                  f"configurations x {seeds} seed(s) x {steps} steps{', --full' if full else ''})")
+    console.print(f"wall time {int(wall // 60)} min {wall % 60:04.1f} s from the self-check on "
+                  f"({len(names)} configuration(s) x {seeds} seed(s) x {steps} steps"
+                  f"{', --full' if full else ''})")
 
 
 SERVICES = ("api", "converter", "sampler", "learner")

@@ -15,6 +15,7 @@ over seeds, with the 95 % band of that mean over seeds when there are several.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -65,13 +66,24 @@ def aggregate(runs: Sequence[dict]) -> list[dict]:
     return out
 
 
-def _fmt(ci: dict | None, fmt: str, scale: float = 1.0) -> str:
+def _fmt(ci: dict | None, fmt: str, scale: float = 1.0, half_fmt: str | None = None) -> str:
     if ci is None:
         return "–"
     text = format(ci["estimate"] * scale, fmt)
     if ci["high"] is None:
         return text
-    return f"{text} ± {format((ci['high'] - ci['estimate']) * scale, fmt)}"
+    return f"{text} ± {format((ci['high'] - ci['estimate']) * scale, half_fmt or fmt)}"
+
+
+def _fmt_sci(ci: dict | None) -> str:
+    """``(m ± h)e-k`` with the estimate's exponent, e.g. ``(3.30 ± 0.33)e-3``."""
+    if ci is None:
+        return "–"
+    m = ci["estimate"]
+    exp = math.floor(math.log10(abs(m))) if m else 0
+    if ci["high"] is None:
+        return f"{m / 10 ** exp:.2f}e{exp}"
+    return f"({m / 10 ** exp:.2f} ± {(ci['high'] - m) / 10 ** exp:.2f})e{exp}"
 
 
 def summary_table(report: dict) -> Table:
@@ -99,8 +111,8 @@ def summary_table(report: dict) -> Table:
         t.add_row(c["name"], f"{c['sampler_path']} / {c['learner_path']}",
                   tis if c["tis"] else "no",
                   _fmt(c["reward_first_quarter"], ".3f"), _fmt(c["reward_last_quarter"], ".3f"),
-                  _fmt(c["reward_gain"], "+.3f"), _fmt(c["mean_abs_delta"], ".1e"),
-                  _fmt(c["p99_abs_delta"], ".2e"), _fmt(c["clip_potential"], ".2f", 100) + "%",
+                  _fmt(c["reward_gain"], "+.3f", half_fmt=".3f"), _fmt_sci(c["mean_abs_delta"]),
+                  _fmt_sci(c["p99_abs_delta"]), _fmt(c["clip_potential"], ".2f", 100) + "%",
                   _fmt(c["seconds_per_step"], ".2f").split(" ±")[0])
     return t
 

@@ -107,8 +107,8 @@ CONFIGS: dict[str, tuple[str, str, bool]] = {
 #: what ``./dev.sh demo`` runs; ``--full`` runs every configuration
 DEFAULT_CONFIGS = ("bf16", "nvfp4_naive", "nvfp4_naive_notis", "nvfp4_minite", "nvfp4_trace")
 #: steps and seeds of the default run and of ``--full``
-DEFAULT_RUN = {"steps": 30, "seeds": 3}
-FULL_RUN = {"steps": 120, "seeds": 5}
+DEFAULT_RUN = {"steps": 24, "seeds": 3}
+FULL_RUN = {"steps": 60, "seeds": 5}
 #: where the supervised warm start stops (:func:`libalign.models.trained_tiny_model`)
 WARM_START_ACCURACY = 0.6
 
