@@ -352,3 +352,28 @@ def test_trained_tiny_model_default_run(tmp_path):
     assert cs["nvfp4_minite"]["pass"] and not cs["nvfp4_naive"]["pass"]
     for c in r["conditions"][1:]:
         assert c["shared"]["vs_floor"]["widens_tail"] in ("yes", "no", "inconclusive")
+
+
+def test_routing_disagreement_with_and_without_replay(small_report):
+    """Every non-guided condition reports its routing disagreement without replay and under R3
+    (before forcing), over the same decisions; an NVFP4 sampler moves the bf16 learner's
+    routing more than the cross-stack floor does (which is not zero on this random model:
+    near-tied router scores), and R3 narrows mean |δ| wherever routing disagreed."""
+    from alignd.tools.diagnose.routing import routing_table
+    from rich.console import Console
+
+    r = small_report
+    section = r["routing_replay"]
+    rows = {row["name"]: row for row in section["rows"]}
+    assert set(rows) | set(section["skipped"]) == {c["name"] for c in r["conditions"]}
+    for row in rows.values():
+        assert row["without"]["decisions"] == row["r3"]["decisions"] > 0
+    floor = rows["bf16/bf16"]["without"]["disagreement"]
+    for name in ("bf16/nvfp4_naive", "bf16/nvfp4_minite"):
+        assert rows[name]["without"]["disagreement"] > floor  # NVFP4 moves routing
+    for row in rows.values():
+        if row["without"]["disagreement"] > 0:  # replaying the sampler's routing narrows |δ|
+            assert row["r3"]["mean_abs"] < row["without"]["mean_abs"]
+    console = Console(width=200, record=True)
+    console.print(routing_table(r))
+    assert "routing replay (R3)" in console.export_text()

@@ -6,6 +6,7 @@
 * :mod:`.sides` — sampling, the teacher-forced KV-cached sampler replay, learner scoring;
 * :mod:`.stats` — δ summaries, cluster-bootstrap CIs, paired comparisons to the floor;
 * :mod:`.localize` — per-layer FC1/FC2 and routing, the 2×2 replay, the context-swap check;
+* :mod:`.routing` — routing disagreement and δ without and with routing replay (R3);
 * :mod:`.plots` / :mod:`.render` — PNG figures, rich tables and JSON.
 """
 

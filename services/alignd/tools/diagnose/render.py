@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from alignd.tools.diagnose import strict as strict_diag
+from alignd.tools.diagnose.routing import routing_table
 
 
 def _f(v, digits: int = 4) -> str:
@@ -223,8 +224,8 @@ def render_report(report: dict, console: Console) -> None:
     for line in strict_diag.render_lines(report):
         console.print(escape(line))
     for table in (stats_table(report, "shared"), floor_table(report), stats_table(report, "on_policy"),
-                  guidance_table(report), layers_table(report), replay_table(report),
-                  context_table(report)):
+                  guidance_table(report), routing_table(report), layers_table(report),
+                  replay_table(report), context_table(report)):
         if table is not None:
             console.print(table)
     for line in _guidance_sizes(report):

@@ -54,6 +54,7 @@ from alignclient.errors import ConfigError, InputError
 
 import libalign
 from alignd.tools.diagnose import guided, inputs, localize, render, sides, stats
+from alignd.tools.diagnose import routing as routing_diag
 from alignd.tools.diagnose import strict as strict_diag
 from alignd.tools.diagnose.conditions import (
     EXTERNAL,
@@ -66,6 +67,7 @@ from alignd.tools.diagnose.conditions import (
 from libalign import models
 from libalign.models import strict as strict_mode
 from libalign.models.replay import replay_decode
+from libalign.models.routing_replay import capture_routing
 from libalign.rounding import GUIDE_BITS
 
 MODELS = ("tiny", "tiny-random", "qwen3-30b-a3b-shaped")
@@ -383,12 +385,14 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
     # --- both sides on the shared tokens ---
     sampler_lp: dict[str, list[torch.Tensor]] = {}
     shared_guidance: dict[str, guided.Guidance] = {}
+    route_caps = {}  # the sampler paths' routing on the shared tokens (routing replay rows)
     for p in samplers:
         with clock.stage(f"sampler_replay[{p}]"), _capture_if(
-                model, p in recorders, trace_layers, p) as cap:
+                model, p in recorders, trace_layers, p) as cap, capture_routing(model) as rcap:
             sampler_lp[p] = replay_decode(model, shared.tokens, shared.prompt_lens, p,
                                           progress=rep.task(f"replay decode {p}", len(shared)),
                                           **common)
+        route_caps[p] = rcap
         if cap is not None:
             with clock.stage(f"guidance_records[{p}]"):
                 shared_guidance[p] = guided.Guidance(cap, cfg.trace_bits, trace_layers,
@@ -420,6 +424,13 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
 
     def lkey(c: Condition) -> str:
         return c.name if c.learner == guided.GUIDED else c.learner
+
+    # --- routing disagreement without and with routing replay (R3) ---
+    routed = [c for c in conds if c.sampler in route_caps and c.learner != guided.GUIDED]
+    with clock.stage("routing_replay"):
+        routing_rows = routing_diag.routing_rows(
+            model, shared.tokens, shared.prompt_lens, routed, route_caps, sampler_lp,
+            progress=rep.task("routing replay", 2 * len(shared) * len(routed)), **common)
 
     # --- statistics ---
     with clock.stage("statistics"):
@@ -507,6 +518,8 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
         "guidance": ({"bits": cfg.trace_bits, "layers": trace_layers, "by_sampler": guidance_report}
                      if guidance_report else None),
         "context_swap": ctx,
+        "routing_replay": {"rows": routing_rows,
+                           "skipped": [c.name for c in conds if c not in routed]},
         "strict": strict_diag.summary(conds, deltas) if cfg.strict else None,
         "timings_seconds": {k: round(v, 3) for k, v in clock.seconds.items()},
     }
