@@ -124,3 +124,37 @@ def test_figure_draws_mean_curves_with_bands(tmp_path):
     finally:
         plt.Axes.fill_between = real
     assert path.stat().st_size > 1000 and len(made) == 4
+
+
+@pytest.mark.parametrize("flags,profile", [([], "default"), (["--full"], "full"),
+                                           (["--full", "--steps", "3", "--seeds", "2",
+                                             "--configs", "bf16"], "explicit")])
+def test_cli_default_and_full_profiles(monkeypatch, tmp_path, flags, profile):
+    """alignd demo runs DEFAULT_CONFIGS with DEFAULT_RUN's steps and seeds; --full every
+    configuration with FULL_RUN's; explicit --steps/--seeds/--configs win over either; the
+    table and the wall time are printed."""
+    from alignd.tools import cli
+    from alignd.tools.demo import run as demo_run
+    from typer.testing import CliRunner
+
+    seen = {}
+
+    def fake_run_demo(cfg, *, on_step=None, metrics=None):
+        seen["cfg"] = cfg
+        runs = [_run(n, s, 0.5, 0.6, 1e-3) for n in cfg.configs for s in range(cfg.seeds)]
+        report = _report(runs, cfg.seeds)
+        report["outputs"] = {"report": "r.json", "figure": "f.png"}
+        return report
+
+    monkeypatch.setattr(demo_run, "run_demo", fake_run_demo)
+    res = CliRunner().invoke(cli.app, ["demo", "--no-api", "--out", str(tmp_path), *flags],
+                             terminal_width=200)
+    assert res.exit_code == 0, res.output
+    cfg = seen["cfg"]
+    want = {"default": (demo_run.DEFAULT_CONFIGS, demo_run.DEFAULT_RUN),
+            "full": (tuple(demo_run.CONFIGS), demo_run.FULL_RUN),
+            "explicit": (("bf16",), {"steps": 3, "seeds": 2})}[profile]
+    assert (cfg.configs, {"steps": cfg.steps, "seeds": cfg.seeds}) == want
+    assert "wall time" in res.output and "reward last 1/4" in res.output
+    assert set(demo_run.DEFAULT_CONFIGS) <= set(demo_run.CONFIGS)
+    assert "nvfp4_naive_notis" in demo_run.DEFAULT_CONFIGS
