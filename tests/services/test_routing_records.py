@@ -168,3 +168,28 @@ def test_r3_iteration_through_the_services(deploy):  # noqa: F811
     assert r.routing["decisions"] == sum(len(x.tokens) - 1 for x in stored) * 2
     assert 0.0 <= r.routing["disagreement"] <= 1.0
     assert r.train["tokens"] == r.delta["tokens"]
+
+
+def test_demo_r3_configuration_and_routing_column(tmp_path):
+    """alignd demo --configs nvfp4_minite,nvfp4_minite_r3: R3 only where named (not in the
+    default set), every step reports its routing disagreement, the table has the column."""
+    from alignd.tools.cli import app
+    from alignd.tools.demo.run import DEFAULT_CONFIGS
+    from typer.testing import CliRunner
+
+    assert "nvfp4_minite_r3" not in DEFAULT_CONFIGS
+    res = CliRunner().invoke(app, ["demo", "--steps", "1", "--seeds", "1", "--configs",
+                                   "nvfp4_minite,nvfp4_minite_r3", "--prompts-per-step", "2",
+                                   "--samples-per-prompt", "2", "--no-api",
+                                   "--out", str(tmp_path / "demo")], terminal_width=220)
+    assert res.exit_code == 0, res.output
+    import json
+
+    report = json.loads((tmp_path / "demo" / "demo_report.json").read_text())
+    modes = {c["name"]: c["routing_replay"] for c in report["configs"]}
+    assert modes == {"nvfp4_minite": "measure", "nvfp4_minite_r3": "recompute"}
+    for c in report["configs"]:
+        (step,) = c["steps"]
+        assert step["routing_decisions"] > 0 and 0 <= step["routing_disagreement"] <= 1
+        assert c["summary"]["routing_disagreement"] == step["routing_disagreement"]
+    assert "routing" in res.output and "R3" in res.output

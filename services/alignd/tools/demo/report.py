@@ -26,7 +26,8 @@ from libalign import metrics as lm
 
 #: summary numbers given with an interval over seeds
 SEED_METRICS = ("reward_first_quarter", "reward_last_quarter", "reward_gain", "mean_abs_delta",
-                "p99_abs_delta", "clip_potential", "tis_truncated_fraction", "seconds_per_step")
+                "p99_abs_delta", "clip_potential", "tis_truncated_fraction",
+                "routing_disagreement", "seconds_per_step")
 LEVEL = 0.95
 
 
@@ -55,7 +56,8 @@ def aggregate(runs: Sequence[dict]) -> list[dict]:
         first = mine[0]
         entry = {"name": name, "sampler_path": first["sampler_path"],
                  "learner_path": first["learner_path"], "tis": first["tis"],
-                 "objective": first["objective"], "seeds": [r["seed"] for r in mine]}
+                 "objective": first["objective"], "seeds": [r["seed"] for r in mine],
+                 "routing_replay": first.get("routing_replay", "off")}
         for key in SEED_METRICS:
             vals = [r["summary"].get(key) for r in mine]
             vals = [v for v in vals if v is not None]
@@ -86,6 +88,15 @@ def _fmt_sci(ci: dict | None) -> str:
     return f"({m / 10 ** exp:.2f} ± {(ci['high'] - m) / 10 ** exp:.2f})e{exp}"
 
 
+def _routing(c: dict) -> str:
+    """The routing disagreement cell: percent over seeds, ``R3`` marked (counted before forcing)."""
+    ci = c.get("routing_disagreement")
+    if ci is None:
+        return "–"
+    text = _fmt(ci, ".2f", 100) + "%"
+    return f"{text} R3" if c.get("routing_replay") in ("recompute", "record") else text
+
+
 def summary_table(report: dict) -> Table:
     """The table ``alignd demo`` prints: per configuration, each number as mean ± the half-width
     of its 95 % interval over seeds."""
@@ -100,9 +111,11 @@ def summary_table(report: dict) -> Table:
               f"{opts['samples_per_prompt']} samples",
               caption=f"TIS cap {opts['tis_cap']:g} (token level), PPO clip ε {eps} over "
               f"{opts['ppo_epochs']} step(s) a batch, max_version_diff {bound}; TIS: cap (share "
-              f"of TIS weights truncated); {over}; gain: last quarter − first quarter, per seed")
+              f"of TIS weights truncated); {over}; gain: last quarter − first quarter, per seed; "
+              "routing: share of token×layer routing decisions where the learner's own top-k "
+              "differs from the sampler's (R3: before forcing)")
     for c in ("configuration", "sampler / learner", "TIS", "reward 1st 1/4", "reward last 1/4",
-              "gain", "mean |δ|", "P99 |δ|", "clip potential", "s/step"):
+              "gain", "mean |δ|", "P99 |δ|", "clip potential", "routing", "s/step"):
         left = c in ("configuration", "sampler / learner")
         t.add_column(c, justify="left" if left else "right", no_wrap=True)
     for c in report["summary"]:
@@ -113,6 +126,7 @@ def summary_table(report: dict) -> Table:
                   _fmt(c["reward_first_quarter"], ".3f"), _fmt(c["reward_last_quarter"], ".3f"),
                   _fmt(c["reward_gain"], "+.3f", half_fmt=".3f"), _fmt_sci(c["mean_abs_delta"]),
                   _fmt_sci(c["p99_abs_delta"]), _fmt(c["clip_potential"], ".2f", 100) + "%",
+                  _routing(c),
                   _fmt(c["seconds_per_step"], ".2f").split(" ±")[0])
     return t
 

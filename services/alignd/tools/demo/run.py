@@ -28,6 +28,14 @@ row-scaled NVFP4 (:mod:`libalign.models.kv_cache`) and records them; the learner
 ``nvfp4_trace_kv_nvfp4`` rounds activations and K/V as the records say
 (:mod:`libalign.models.kv_guided`).
 
+``nvfp4_minite_r3`` (not in the default set: ``alignd demo --configs nvfp4_minite_r3``) is
+``nvfp4_minite`` with routing replay (R3, ``routing_replay=recompute``): the sampler records
+the experts it routed every token to and the learner routes as recorded, with gate weights
+from its own router logits (:mod:`libalign.models.routing_replay`). Every other
+configuration measures routing without forcing it (``routing_replay=measure``), so the table's
+*routing disagreement* (share of token×layer routing decisions where the learner's own top-k
+set differs from the sampler's; under R3 counted before forcing) is filled for each.
+
 ``strict_bf16`` and ``strict_minite`` (not in the default set: ``alignd demo --configs
 strict_bf16,strict_minite``) run sampler and learner in strict execution
 (:mod:`libalign.models.strict`: batch-invariant ops shared by the sampler's decode and the
@@ -101,7 +109,10 @@ CONFIGS: dict[str, tuple[str, str, bool]] = {
     "nvfp4_minite": ("nvfp4_minite", "nvfp4_minite", True),
     "nvfp4_trace": ("nvfp4_minite", "nvfp4_trace", True),
     "nvfp4_trace_kv": ("nvfp4_minite_kv_nvfp4", "nvfp4_trace_kv_nvfp4", True),
+    "nvfp4_minite_r3": ("nvfp4_minite", "nvfp4_minite", True),
 }
+#: configuration -> routing replay mode of its learner (the others: ``measure``)
+ROUTING_REPLAY: dict[str, str] = {"nvfp4_minite_r3": "recompute"}
 
 
 #: what ``./dev.sh demo`` runs; ``--full`` runs every configuration
@@ -174,6 +185,8 @@ class ConfigRun:
     """tis, tis_cap, tis_level, ppo_clip_eps, max_version_diff, stale_rollouts as used"""
     steps: list[dict] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
+    routing_replay: str = "off"
+    """the learner's routing replay mode (recompute for ``*_r3``, measure otherwise)"""
 
 
 #: the stages one step consists of (``sync`` = convert + load, counted once)
@@ -231,6 +244,13 @@ def _summary(deltas: list[np.ndarray], results: list[IterationResult]) -> dict:
     }
 
 
+def _pooled_disagreement(steps: list[dict]) -> float | None:
+    """Routing disagreement over every step's decisions (None when none was compared)."""
+    n = sum(s["routing_decisions"] for s in steps if s["routing_disagreement"] is not None)
+    return sum(s["routing_disagreement"] * s["routing_decisions"] for s in steps
+               if s["routing_disagreement"] is not None) / n if n else None
+
+
 def run_demo(cfg: DemoConfig, *,
              on_step: Callable[[str, int, IterationResult], None] | None = None,
              settings: AllInOneSettings | None = None, metrics: Metrics | None = None) -> dict:
@@ -253,8 +273,10 @@ def run_demo(cfg: DemoConfig, *,
                                     "consumer_name": f"conv-{name}", "tis_cap": cfg.tis_cap,
                                     "ppo_clip_eps": cfg.ppo_clip_eps, "ppo_epochs": cfg.ppo_epochs,
                                     "max_version_diff": cfg.max_version_diff,
-                                    "strict": name in STRICT_CONFIGS})
-        run = ConfigRun(name, sampler_path, learner_path, tis, seed)
+                                    "strict": name in STRICT_CONFIGS,
+                                    "routing_replay": ROUTING_REPLAY.get(name, "measure")})
+        run = ConfigRun(name, sampler_path, learner_path, tis, seed,
+                        routing_replay=s.routing_replay)
         svc = Services(s, copy.deepcopy(base_model), task, metrics)
         try:
             torch.manual_seed(seed)
@@ -284,10 +306,13 @@ def run_demo(cfg: DemoConfig, *,
                                   "reward": r.reward_mean, "tokens": int(d.size),
                                   "mean_abs_delta": float(np.abs(d).mean()) if d.size else None,
                                   "max_abs_delta": float(np.abs(d).max()) if d.size else None,
+                                  "routing_disagreement": r.routing.get("disagreement"),
+                                  "routing_decisions": r.routing.get("decisions", 0),
                                   "train": r.train, "seconds": r.seconds})
                 if on_step:
                     on_step(name, seed, r)
             run.summary = _summary(deltas, results)
+            run.summary["routing_disagreement"] = _pooled_disagreement(run.steps)
         finally:
             svc.close()
         report["configs"].append(asdict(run))

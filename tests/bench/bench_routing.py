@@ -1,0 +1,210 @@
+"""Routing replay (R3, issue 19 item 3): record bytes, encode/decode throughput, learner overhead.
+
+Three tables, each against a baseline measured in the same run:
+
+1. **Bytes per token** of a routing record (:mod:`libalign.routing_records`) for the tiny demo
+   model (4 MoE layers, top-2 of 8), Qwen3-30B-A3B (48 layers, top-8 of 128) and a
+   256-expert and a 512-expert model (one and two bytes an id), ids only and with bf16 gate
+   weights; ``encoded`` is the length an actual record's :meth:`to_bytes` gives, which must
+   equal the planned one; the baseline is the same choices as int64 ``torch.topk`` indices
+   (what a capture holds before packing).
+2. **Throughput** on the CPU (and CUDA when present): encode (ids to raw bytes, the wire's
+   base64 on top) and decode (:meth:`RoutingRecord.from_bytes`, its checks, and the wire
+   model's validation) of ``--tokens`` tokens of Qwen3-30B-A3B routing. Baseline: ``clone``
+   of the int64 indices.
+3. **Learner step** of the embedded engine on CPU (the trained tiny Qwen3-MoE, ``--rollouts``
+   rollouts sampled on ``nvfp4_minite``): ``nvfp4_minite`` with R3 (``recompute``), with the
+   recorded weights (``record``) and counting only (``measure``) against the unreplayed step
+   (``off``); median and best seconds of ``--repeats`` round-robin steps. TRACE measured
+   7.4 % in total for its guidance.
+
+Run: ``python -m tests.bench routing [-- --tokens 4096 --rollouts 32 --repeats 7]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from libalign.routing_records import RoutingRecord, bytes_per_token, id_dtype
+
+MODELS = {"tiny (4 x top-2 of 8)": (4, 2, 8), "Qwen3-30B-A3B (48 x top-8 of 128)": (48, 8, 128),
+          "256 experts (48 x top-8)": (48, 8, 256), "512 experts (48 x top-8)": (48, 8, 512)}
+
+
+def _record(tokens: int, layers: int, k: int, experts: int, weights: bool,
+            device: str = "cpu") -> RoutingRecord:
+    g = torch.Generator(device=device).manual_seed(0)
+    scores = torch.rand(tokens * layers, experts, generator=g, device=device)
+    top = scores.topk(k, dim=-1)
+    ids = top.indices.reshape(tokens, layers, k).to(id_dtype(experts))
+    w = top.values.reshape(tokens, layers, k).to(torch.bfloat16) if weights else None
+    return RoutingRecord(ids, tuple(range(layers)), experts, w)
+
+
+def sizes(tokens: int = 64) -> list[dict]:
+    """Table 1."""
+    out = []
+    for name, (layers, k, experts) in MODELS.items():
+        for weights in (False, True):
+            rec = _record(tokens, layers, k, experts, weights)
+            ids, w = rec.to_bytes()
+            encoded = (len(ids) + (len(w) if w else 0)) / tokens
+            planned = bytes_per_token(layers, k, experts, weights=weights)
+            int64 = layers * k * 8
+            out.append({"model": name, "weights": weights, "planned": planned,
+                        "encoded": encoded, "int64": int64, "vs_int64": planned / int64})
+    return out
+
+
+def _time(fn, repeats: int, device: str) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _from_wire(wire) -> RoutingRecord:
+    ids, w = wire.raw()
+    return RoutingRecord.from_bytes(ids, positions=wire.positions, layers=wire.layers,
+                                    top_k=wire.top_k, num_experts=wire.num_experts, weights=w)
+
+
+def throughput(device: str, tokens: int, repeats: int) -> list[dict]:
+    """Table 2 (Qwen3-30B-A3B routing, ids and bf16 weights)."""
+    from alignclient.models import RoutingWire
+
+    layers, k, experts = MODELS["Qwen3-30B-A3B (48 x top-8 of 128)"]
+    rec = _record(tokens, layers, k, experts, True, device)
+    idx64 = rec.experts.long()
+    ids, w = rec.to_bytes()
+    wire_kw = dict(layers=list(rec.layers), top_k=k, num_experts=experts,
+                   experts=base64.b64encode(ids).decode(), weights=base64.b64encode(w).decode())
+    cases = {
+        "clone int64 indices (baseline)": lambda: idx64.clone(),
+        "encode: to_bytes": rec.to_bytes,
+        "encode: to_bytes + base64": lambda: [base64.b64encode(b) for b in rec.to_bytes()],
+        "decode: from_bytes (checked)": lambda: RoutingRecord.from_bytes(
+            ids, positions=tokens, layers=rec.layers, top_k=k, num_experts=experts, weights=w),
+        "decode: wire validation + from_bytes": lambda: _from_wire(RoutingWire(**wire_kw)),
+    }
+    out = []
+    base = None
+    for what, fn in cases.items():
+        s = _time(fn, repeats, device)
+        base = base or s
+        out.append({"device": device, "op": what, "seconds": s,
+                    "tokens_per_s": tokens / s, "mb_per_s": rec.nbytes() / s / 1e6,
+                    "baseline_over_op": base / s})
+    return out
+
+
+def learner_steps(rollouts: int, repeats: int) -> list[dict]:
+    """Table 3: the embedded learner's step with routing replay against the unreplayed one."""
+    from alignd.learner.engine import TorchLearnerEngine, TrainBatch
+
+    from libalign import models
+    from libalign.models.routing_replay import capture_routing
+
+    model, task = models.trained_tiny_model()
+    prompts = [p for p in task.prompts(rollouts // 4, seed=11) for _ in range(4)]
+    with capture_routing(model, weights=True) as cap:
+        r = models.generate(model, prompts, "nvfp4_minite", max_new_tokens=task.max_completion_len,
+                            eos_id=task.eos_id, pad_id=task.pad_id, temperature=1.0)
+    recs = cap.records()
+    samp = [t.tolist() for t in r.logprobs]
+    rewards = [float(i % 2) for i in range(len(prompts))]
+    groups = [i // 4 for i in range(len(prompts))]
+    runs = []
+    for mode in ("off", "measure", "recompute", "record"):
+        eng = TorchLearnerEngine(model, "nvfp4_minite", pad_id=task.pad_id, lr=0.0,
+                                 routing_replay=mode)
+        batch = TrainBatch(r.sequences, r.prompt_lens, samp, rewards, groups,
+                           routing=None if mode == "off" else recs)
+        eng.train_step(batch)  # warm-up
+        runs.append((eng, batch, {"mode": mode, "times": [],
+                                  "disagreement": eng.routing_stats.disagreement}))
+    for _ in range(repeats):  # round robin: a busy spell on a shared host hits every case alike
+        for eng, batch, row in runs:
+            t = time.perf_counter()
+            eng.train_step(batch)
+            row["times"].append(time.perf_counter() - t)
+    out = [row for _, _, row in runs]
+    ref = out[0]
+    for row in out:
+        row["seconds"] = statistics.median(row["times"])
+        row["best"] = min(row["times"])
+    for row in out:
+        row["overhead"] = row["seconds"] / ref["seconds"] - 1
+        row["overhead_best"] = row["best"] / ref["best"] - 1
+    return out
+
+
+def _print(size_rows, tput_rows, step_rows, tokens, rollouts) -> None:
+    print("1. routing record bytes per token; baseline: int64 top-k indices")
+    print(f"{'model':36} {'weights':>7} {'planned B':>9} {'encoded B':>9} {'int64 B':>8} "
+          f"{'vs int64':>8}")
+    for r in size_rows:
+        print(f"{r['model']:36} {r['weights']!s:>7} {r['planned']:9.0f} {r['encoded']:9.0f} "
+              f"{r['int64']:8.0f} {r['vs_int64']:8.3f}")
+    print(f"\n2. encode/decode of {tokens} tokens of Qwen3-30B-A3B routing (ids + bf16 weights); "
+          "baseline: clone of the int64 indices")
+    print(f"{'device':6} {'op':40} {'ms':>9} {'Mtok/s':>8} {'MB/s':>9} {'clone/op':>9}")
+    for r in tput_rows:
+        print(f"{r['device']:6} {r['op']:40} {1e3 * r['seconds']:9.3f} "
+              f"{r['tokens_per_s'] / 1e6:8.3f} {r['mb_per_s']:9.1f} {r['baseline_over_op']:9.3f}")
+    if step_rows:
+        print(f"\n3. embedded learner step (CPU, tiny model, {rollouts} rollouts sampled on "
+              "nvfp4_minite, learner nvfp4_minite); baseline: routing_replay=off")
+        print(f"{'routing_replay':14} {'median s':>9} {'best s':>8} {'overhead':>9} "
+              f"{'(best)':>8} {'disagreement':>12}")
+        for r in step_rows:
+            d = "–" if r["disagreement"] is None else f"{100 * r['disagreement']:.2f}%"
+            print(f"{r['mode']:14} {r['seconds']:9.4f} {r['best']:8.4f} "
+                  f"{100 * r['overhead']:8.2f}% {100 * r['overhead_best']:7.2f}% {d:>12}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m tests.bench routing``."""
+    ap = argparse.ArgumentParser(prog="bench_routing", description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--rollouts", type=int, default=32)
+    ap.add_argument("--device", action="append", default=None,
+                    help="cpu and/or cuda (default: cpu, plus cuda when available)")
+    ap.add_argument("--no-learner", action="store_true", help="skip table 3 (needs transformers)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (1: steadier on a shared host)")
+    ap.add_argument("--quick", action="store_true", help="1024 tokens, 16 rollouts, 3 repeats")
+    ap.add_argument("--out", type=Path, default=None, help="write bench_routing.json here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tokens, args.rollouts, args.repeats = 1024, 16, 3
+    torch.set_num_threads(args.threads)
+    devices = args.device or (["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+    size_rows = sizes()
+    bad = [r for r in size_rows if r["encoded"] != r["planned"]]
+    tput_rows = [r for dev in devices for r in throughput(dev, args.tokens, args.repeats)]
+    step_rows = [] if args.no_learner else learner_steps(args.rollouts, args.repeats)
+    _print(size_rows, tput_rows, step_rows, args.tokens, args.rollouts)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_routing.json").write_text(json.dumps(
+            {"sizes": size_rows, "throughput": tput_rows, "learner": step_rows}, indent=1))
+    if bad:
+        print(f"encoded sizes differ from the plan: {bad}")
+        return 1
+    return 0
