@@ -268,3 +268,24 @@ def test_records_made_for_something_else_are_refused_by_name(tiny):
     with pytest.raises(GuidanceMismatchError) as e:
         GuidanceTable(mixed)
     assert e.value.field == "bits"
+
+
+@pytest.mark.parametrize("kv", KV)
+def test_strict_mode_with_an_fp4_cache_scores_the_decode_bit_for_bit(kv):
+    """Strict execution composes with the FP4 cache: its batch-invariant attention reads the
+    dequantized K/V, the learner's full-sequence pass quantizes the same K/V rows to the same
+    bits, so scores equal the decode's log-probs exactly, without any records."""
+    from libalign.models import strict
+
+    model = models.build_model(models.tiny_config(), seed=5)
+    prompts = [[1, 3, 4, 5], [1, 6, 7], [1, 8, 9, 10, 11, 12]]
+    with strict.use_strict(model), kv_cache.use_kv_format(model, kv):
+        r = models.generate(model, prompts, "nvfp4_minite", max_new_tokens=6, seed=1,
+                            batch_size=3, eos_id=2, pad_id=0)
+        s = models.score_sequences(model, r.sequences, r.prompt_lens, "nvfp4_minite",
+                                   batch_size=2, pad_id=0)
+    with strict.use_strict(model):  # the same tokens through bf16 K/V score otherwise
+        bf16_kv = models.score_sequences(model, r.sequences, r.prompt_lens, "nvfp4_minite",
+                                         batch_size=2, pad_id=0)
+    assert all(torch.equal(a, b) for a, b in zip(s, r.logprobs, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(bf16_kv, r.logprobs, strict=True))
