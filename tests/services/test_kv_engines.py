@@ -136,3 +136,13 @@ def test_megatron_learner_refuses_kv_paths():
 
     with pytest.raises(ConfigError, match="nvfp4_trace_kv_nvfp4"):
         MegatronLearnerEngine(torch.nn.Linear(2, 2), None, "nvfp4_trace_kv_nvfp4")
+
+
+def test_sglang_sampler_refuses_kv_paths():
+    """The SGLang adapter serves no FP4 KV cache of libalign's (nor its records): a KV path is
+    refused by name before any server is asked."""
+    from alignclient.errors import SpecError
+    from alignd.sampler.sglang_engine import SGLangSamplerEngine
+
+    with pytest.raises(SpecError, match="nvfp4_minite_kv_nvfp4"):
+        SGLangSamplerEngine("http://127.0.0.1:9", lambda v: v, path="nvfp4_minite_kv_nvfp4")
