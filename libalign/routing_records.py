@@ -68,6 +68,20 @@ def id_bytes(num_experts: int) -> int:
     return 1 if id_dtype(num_experts) == torch.uint8 else 2
 
 
+def _repeats(ids: torch.Tensor) -> bool:
+    """Whether any row of ``[..., k]`` ids names an expert twice (every pair compared: for the
+    small ``k`` of MoE routers this is cheaper than sorting)."""
+    k = ids.shape[-1]
+    if k > 16:
+        s = ids.sort(dim=-1).values
+        return bool((s[..., 1:] == s[..., :-1]).any())
+    bad = torch.zeros(ids.shape[:-1], dtype=torch.bool, device=ids.device)
+    for a in range(k):
+        for b in range(a + 1, k):
+            bad |= ids[..., a] == ids[..., b]
+    return bool(bad.any())
+
+
 def bytes_per_token(layers: int, top_k: int, num_experts: int, *, weights: bool = False) -> int:
     """Record bytes a token costs: ``layers × top_k`` ids, plus bf16 weights if kept."""
     return layers * top_k * (id_bytes(num_experts) + (2 if weights else 0))
@@ -116,12 +130,11 @@ class RoutingRecord:
             raise RoutingRecordError(f"experts has shape {tuple(e.shape)} for {len(self.layers)} "
                                      f"layers and {self.num_experts} experts")
         if e.numel():
-            ids = e.long()
-            if int(ids.min()) < 0 or int(ids.max()) >= self.num_experts:
+            lo, hi = int(e.min()), int(e.max())
+            if lo < 0 or hi >= self.num_experts:
                 raise RoutingRecordError(f"expert ids must lie in [0, {self.num_experts}), got "
-                                         f"{int(ids.min())}..{int(ids.max())}")
-            s = ids.sort(dim=-1).values
-            if bool((s[..., 1:] == s[..., :-1]).any()):
+                                         f"{lo}..{hi}")
+            if _repeats(e):
                 raise RoutingRecordError("a row names the same expert twice")
         w = self.weights
         if w is not None and (not isinstance(w, torch.Tensor) or w.shape != e.shape
