@@ -139,10 +139,11 @@ def test_megatron_learner_refuses_kv_paths():
 
 
 def test_sglang_sampler_refuses_kv_paths():
-    """The SGLang adapter serves no FP4 KV cache of libalign's (nor its records): a KV path is
-    refused by name before any server is asked."""
-    from alignclient.errors import SpecError
-    from alignd.sampler.sglang_engine import SGLangSamplerEngine
+    """The SGLang sampler serves no FP4 KV cache of libalign's (nor its records): its builder
+    refuses the KV paths by name (they are row-scaled, which its exports are not)."""
+    from alignclient.errors import ConfigError
+    from alignd.sampler.sglang_sampler import sglang_path
 
-    with pytest.raises(SpecError, match="nvfp4_minite_kv_nvfp4"):
-        SGLangSamplerEngine("http://127.0.0.1:9", lambda v: v, path="nvfp4_minite_kv_nvfp4")
+    for kv in ("kv_nvfp4", "kv_mxfp4"):
+        with pytest.raises(ConfigError, match=f"nvfp4_minite_{kv}"):
+            sglang_path(f"nvfp4_minite_{kv}")

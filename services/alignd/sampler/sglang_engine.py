@@ -226,10 +226,6 @@ class SGLangSamplerEngine:
         self.path = gemm.get_path(path).name
         """The execution path this sampler stands for (versions converted for it are loaded);
         the numerics are SGLang's kernels, not libalign's spec."""
-        if gemm.get_path(path).kv_spec is not None:
-            raise SpecError(f"path {self.path!r} keeps K and V as {gemm.get_path(path).kv_spec.name}"
-                            ": the SGLang adapter neither checks a server's KV cache format nor "
-                            "records K/V guidance; run it on the embedded sampler")
         self.exporter = exporter
         self.eos_id = eos_id
         self.load_format = load_format
