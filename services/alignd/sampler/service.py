@@ -28,6 +28,7 @@ write-once).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import time
@@ -155,6 +156,10 @@ class SamplerService:
                      req.request_id)
             return RolloutsReady(**base, rollout_ids=json.dumps(ids), guidance=bits is not None,
                                  seconds=time.perf_counter() - t0)
+        if req.routing and "routing" not in inspect.signature(self.engine.generate).parameters:
+            return RolloutsReady(**base, error=f"sampler engine {type(self.engine).__name__} "
+                                 "cannot record routing (routing replay needs the embedded "
+                                 "engine)")
         extra = {"routing": True} if req.routing else {}  # only engines that record routing
         gen = self.engine.generate(prompts, max_new_tokens=req.max_new_tokens,
                                    temperature=req.temperature, seed=req.seed, guidance_bits=bits,
