@@ -20,6 +20,9 @@ network does the difference arise? This package supplies the pieces to ask it on
 * :mod:`~libalign.models.kv_cache` – the FP4 KV cache (K and V quantized on write, dequantized
   on read) and :mod:`~libalign.models.kv_guided` – KV guidance: the learner's K and V rounded
   as the sampler's cache rounded them;
+* :mod:`~libalign.models.routing_replay` – routing replay (R3): the sampler records its top-k
+  expert ids per token and MoE layer, the learner routes as recorded
+  (:mod:`~libalign.models.megatron_routing` on Megatron-core);
 * :mod:`~libalign.models.scoring` – the learner (teacher-forced scores), the sampler (KV-cache
   decoding that reports log-probs as it goes) and single-layer replay for the 2×2 input/path
   swap.
@@ -57,6 +60,14 @@ from .paths import (
     set_path,
     use_path,
 )
+from .routing_replay import (
+    RoutingCapture,
+    RoutingStats,
+    RoutingTable,
+    capture_routing,
+    replay_routing,
+    routing_geometry,
+)
 from .scoring import GenerationResult, generate, replay_layer, replay_moe, score_sequences
 from .task import SyntheticTask
 from .train import (
@@ -77,6 +88,9 @@ __all__ = [
     "FP4KVCache",
     "GenerationResult",
     "KVAgreement",
+    "RoutingCapture",
+    "RoutingStats",
+    "RoutingTable",
     "SyntheticTask",
     "add_observer",
     "build_model",
@@ -84,6 +98,7 @@ __all__ = [
     "capture",
     "capture_guidance",
     "capture_kv",
+    "capture_routing",
     "check_records",
     "checkpoint_dir",
     "clear_weight_cache",
@@ -103,7 +118,9 @@ __all__ = [
     "qwen3_30b_a3b_shaped_config",
     "replay_layer",
     "replay_moe",
+    "replay_routing",
     "reset_paths",
+    "routing_geometry",
     "score_sequences",
     "set_kv_format",
     "set_path",
