@@ -1,0 +1,237 @@
+"""SGLang's own layers on the CPU with libalign's minite method, against libalign's sampler path.
+
+Run by tests/services/test_sglang_quant.py in a subprocess whose path holds the SGLang
+install of tests/services/sglang_cpu.txt; prints one ``ok <check>`` line per check passed.
+
+What it builds: a single-rank parallel state through SGLang's public functions
+(``runtime_context.publish`` of ``ServerArgs``, ``init_distributed_environment`` and
+``initialize_model_parallel`` on gloo), a ``MergedColumnParallelLinear`` (gate/up of a dense
+MLP) and a ``FusedMoE`` whose quantization method is the one ``--quantization
+libalign_minite`` selects; loads ``minite`` bits (libalign.checkpoint.to_modelopt with row
+scales, per expert and per projection as the ModelOpt export names them) through SGLang's
+weight loaders, runs the forward, and compares with libalign's sampler path on the same bits:
+the tiny Qwen3-MoE's experts with the path ``nvfp4_minite`` and the bits installed
+(libalign.models.paths), and libalign.gemm.grouped_linear for the linear layer.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+# torchvision 0.28's Python code registers fake kernels for two of its C++ ops without checking
+# that its C++ library loaded, which a PyPI (CUDA) torchvision cannot on a CPU torch; SGLang
+# imports torchvision on the way to its layers. Declaring the two schemas lets it import; no
+# torchvision op is called here.
+_tv = torch.library.Library("torchvision", "FRAGMENT")
+_tv.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+_tv.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("MASTER_PORT", sys.argv[1] if len(sys.argv) > 1 else "29741")
+
+from alignd.sampler import sglang_quant as sq  # noqa: E402
+from sglang.srt.distributed.parallel_state import (  # noqa: E402
+    init_distributed_environment,
+    initialize_model_parallel,
+)
+from sglang.srt.layers.linear import MergedColumnParallelLinear  # noqa: E402
+from sglang.srt.layers.moe.fused_moe_triton import FusedMoE  # noqa: E402
+from sglang.srt.layers.moe.topk import StandardTopKOutput  # noqa: E402
+from sglang.srt.layers.quantization import QUANTIZATION_METHODS, get_quantization_config  # noqa: E402
+from sglang.srt.runtime_context import SpawnRanks, publish  # noqa: E402
+from sglang.srt.server_args import QUANTIZATION_CHOICES, ServerArgs  # noqa: E402
+
+from libalign import gemm, ops  # noqa: E402
+from libalign.checkpoint import to_modelopt  # noqa: E402
+from libalign.guidance import row_keys  # noqa: E402
+from libalign.models import paths  # noqa: E402
+from libalign.models.config import build_model, tiny_config  # noqa: E402
+from libalign.models.guided import capture_guidance  # noqa: E402
+from libalign.spec import PRESETS  # noqa: E402
+
+MINITE = PRESETS["minite"]
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.view(torch.int16) if a.dtype == torch.bfloat16 else a, b.view(torch.int16)
+        if b.dtype == torch.bfloat16 else b)
+
+
+def setup() -> None:
+    publish(ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1, device="cpu"),
+            role="test", ranks=SpawnRanks(world_rank=0))
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+    initialize_model_parallel(backend="gloo")
+
+
+def check_registration() -> sq.MiniteConfig:
+    sq.register()
+    sq.register()  # idempotent
+    assert get_quantization_config(sq.NAME) is sq.MiniteConfig
+    assert QUANTIZATION_CHOICES.count(sq.NAME) == 1 and sq.NAME in QUANTIZATION_METHODS
+    cfg = sq.MiniteConfig.from_config(sq.quantization_config(["lm_head"]))
+    assert cfg.get_name() == sq.NAME and cfg.exclude_modules == ["lm_head"]
+    for bad in ({"quant_method": "modelopt_fp4"}, {"quant_method": sq.NAME, "spec": "modelopt"}):
+        try:
+            sq.MiniteConfig.from_config(bad)
+        except sq.ConfigError:
+            continue
+        raise AssertionError(f"accepted {bad}")
+    print("ok registration")
+    return cfg
+
+
+def check_linear(cfg: sq.MiniteConfig) -> None:
+    torch.manual_seed(0)
+    k, n = 96, 48
+    layer = MergedColumnParallelLinear(k, [n, n], bias=False, params_dtype=torch.bfloat16,
+                                       quant_config=cfg, prefix="model.layers.0.mlp.gate_up_proj")
+    assert isinstance(layer.quant_method, sq.MiniteLinearMethod)
+    assert layer.weight_scale_2.shape == (2 * n, 1)
+    w = torch.randn(2 * n, k).to(torch.bfloat16) * torch.logspace(-3, 1, 2 * n).reshape(-1, 1).bfloat16()
+    q = ops.quantize(w, MINITE)
+    for shard, rows in ((0, slice(0, n)), (1, slice(n, 2 * n))):  # gate, then up, as a model loads
+        part = to_modelopt(gemm.take_rows(q, torch.arange(2 * n)[rows]), row_scaled_ok=True)
+        for name, t in part.items():
+            layer.weight_loader_v2(getattr(layer, name), t, shard) if hasattr(layer, "weight_loader_v2") \
+                else layer.weight_loader(getattr(layer, name), t, shard)
+    layer.quant_method.process_weights_after_loading(layer)
+    x = (torch.randn(2, 5, k) * torch.logspace(-2, 2, 5).reshape(1, 5, 1)).to(torch.bfloat16)
+    x[0, 1] = 0  # an all-zero row
+    got, _ = layer(x)
+    q3 = gemm.take_rows(q, torch.arange(2 * n))
+    ref_w = gemm.weights_from_quantized(
+        type(q3)(q3.codes[None], q3.block_scales[None], q3.outer_scale[None], MINITE, (1, 2 * n, k)),
+        "nvfp4_minite")
+    a = x.reshape(-1, k)
+    want = gemm.grouped_linear(a, ref_w, [a.shape[0]]).reshape(2, 5, 2 * n)
+    assert bits_equal(got, want), (got - want).abs().max()
+    rel = ((got.float() - (x.float() @ w.float().T)).norm() / (x.float() @ w.float().T).norm()).item()
+    assert rel < 0.25, rel  # the quantized product is near the bf16 one (a wiring check)
+    try:  # what a row-parallel layer on one of two ranks asks for: half of K
+        sq.MiniteLinearMethod(cfg).create_weights(torch.nn.Module(), k // 2, [n], k, n,
+                                                  torch.bfloat16)
+    except sq.ConfigError as e:
+        assert "splits K" in str(e)
+    else:
+        raise AssertionError("a K split across ranks was accepted")
+    print("ok linear")
+
+
+def moe_checkpoint(ex: torch.nn.Module) -> tuple[dict, object, object]:
+    """The experts' minite bits as the ModelOpt export names them, and the two stacks."""
+    qgu = ops.quantize(ex.gate_up_proj.detach(), MINITE)
+    qd = ops.quantize(ex.down_proj.detach(), MINITE)
+    e, two_i, _ = qgu.shape
+    ckpt = {}
+    for x in range(e):
+        gu, d = qgu.expert(x), qd.expert(x)
+        for name, rows in (("gate_proj", slice(0, two_i // 2)), ("up_proj", slice(two_i // 2, two_i))):
+            part = to_modelopt(gemm.take_rows(gu, torch.arange(two_i)[rows]), row_scaled_ok=True)
+            ckpt.update({f"experts.{x}.{name}.{k}": t for k, t in part.items()})
+        ckpt.update({f"experts.{x}.down_proj.{k}": t
+                     for k, t in to_modelopt(d, row_scaled_ok=True).items()})
+    return ckpt, qgu, qd
+
+
+def load_moe(layer: FusedMoE, ckpt: dict, num_experts: int) -> None:
+    mapping = FusedMoE.make_expert_params_mapping(
+        ckpt_gate_proj_name="gate_proj", ckpt_down_proj_name="down_proj",
+        ckpt_up_proj_name="up_proj", num_experts=num_experts)
+    params = dict(layer.named_parameters())
+    loaded = 0
+    for name, tensor in ckpt.items():
+        for param_name, weight_name, expert_id, shard_id in mapping:
+            if weight_name not in name:
+                continue
+            pname = name.replace(weight_name, param_name)
+            param = params[pname.removeprefix("experts.")]
+            param.weight_loader(param, tensor, pname, shard_id=shard_id, expert_id=expert_id)
+            loaded += 1
+            break
+    assert loaded == len(ckpt), (loaded, len(ckpt))
+    layer.quant_method.process_weights_after_loading(layer)
+
+
+def check_moe(cfg: sq.MiniteConfig) -> None:
+    config = tiny_config()
+    model = build_model(config, seed=3)
+    layer_id = paths.moe_layer_indices(model)[0]
+    ex = paths.experts_module(model, layer_id)
+    e, two_i, h = ex.gate_up_proj.shape
+    top_k = config.num_experts_per_tok
+    ckpt, qgu, qd = moe_checkpoint(ex)
+
+    moe = FusedMoE(num_experts=e, hidden_size=h, intermediate_size=two_i // 2, layer_id=layer_id,
+                   top_k=top_k, params_dtype=torch.bfloat16, quant_config=cfg,
+                   prefix=f"model.layers.{layer_id}.mlp.experts")
+    assert isinstance(moe.quant_method, sq.MiniteMoEMethod)
+    assert moe.w13_weight_scale_2.shape == (e, two_i, 1)
+    load_moe(moe, ckpt, e)
+    assert torch.equal(moe.w13_weight.data, qgu.codes) and torch.equal(moe.w2_weight.data, qd.codes)
+    assert torch.equal(moe.w13_weight_scale_2.data.reshape(e, two_i), qgu.outer_dec)
+
+    # libalign's sampler path on the same bits (what the embedded sampler loads)
+    paths.install_prepared_weights(ex, "nvfp4_minite", "gate_up_proj",
+                                   gemm.weights_from_quantized(qgu, "nvfp4_minite"))
+    paths.install_prepared_weights(ex, "nvfp4_minite", "down_proj",
+                                   gemm.weights_from_quantized(qd, "nvfp4_minite"))
+    paths.set_path(model, "nvfp4_minite")
+
+    torch.manual_seed(1)
+    tokens = 23
+    x = (torch.randn(tokens, h) * torch.logspace(-2, 1, tokens).reshape(-1, 1)).to(torch.bfloat16)
+    x[4] = 0
+    logits = torch.randn(tokens, e)
+    w, ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)
+    w = w / w.sum(-1, keepdim=True)
+    ids[:, 0] = torch.where(torch.arange(tokens) < 3, 0, ids[:, 0])  # crowd expert 0 a little
+    ids[:3, 1] = 1
+    topk = StandardTopKOutput(topk_weights=w, topk_ids=ids.to(torch.int32), router_logits=logits)
+    got = moe(x, topk)
+    want = ex(x, ids, w)
+    assert bits_equal(got, want), (got.float() - want.float()).abs().max()
+    direct = moe.quant_method.apply(moe, type("Dispatched", (), {"hidden_states": x,
+                                                                  "topk_output": topk})())
+    assert bits_equal(direct.hidden_states, want)
+    with paths.use_path(model, "nvfp4_naive"):  # the comparison sees a recipe change
+        assert not bits_equal(got, ex(x, ids, w))
+    print("ok moe forward")
+
+    # capture: guidance rows and routed experts, against libalign's own capture on that path
+    seqs = torch.tensor([7] * 10 + [9] * 13)
+    pos = torch.cat([torch.arange(10), torch.arange(13)])
+    keys = row_keys(seqs, pos)
+    cap = sq.RecordCapture([layer_id], e)
+    cfg.capture = cap
+    cap.set_row_keys(keys)
+    got_c = moe(x, topk)
+    cfg.capture = None
+    assert bits_equal(got_c, got), "capture changed the output"
+    paths.set_row_keys(model, keys.reshape(1, -1))
+    with capture_guidance(model, [layer_id]) as ref:
+        ex(x, ids, w)
+    mine, theirs = cap.guidance_records(4), ref.records(4)
+    assert sorted(mine) == sorted(theirs) == [7, 9]
+    for sid in mine:
+        assert mine[sid].encode() == theirs[sid].encode(), sid
+    routing = cap.routing_records("v1")
+    assert sorted(routing) == [7, 9]
+    assert torch.equal(routing[9].experts[:, 0].long(), ids[10:].long())
+    assert routing[7].version == "v1"
+    print("ok capture")
+
+
+def main() -> None:
+    setup()
+    cfg = check_registration()
+    check_linear(cfg)
+    check_moe(cfg)
+
+
+if __name__ == "__main__":
+    main()

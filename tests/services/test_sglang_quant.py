@@ -1,0 +1,66 @@
+"""Pins the libalign_minite quantization method (alignd.sampler.sglang_quant) against SGLang's own
+layer classes on the CPU, and that alignd stays importable without SGLang.
+
+SGLang is installed beside the venv, not into it (``./dev.sh test``: ``$VENV/sglang-cpu`` from
+tests/services/sglang_cpu.txt), so the SGLang side runs in a subprocess with that folder on
+its path (tests/services/sglang_quant_cpu.py). Skipped, saying why, only where that folder
+does not hold an importable SGLang.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SGLANG_DIR = Path(os.environ.get("ALIGN_SGLANG_CPU", Path(sys.prefix) / "sglang-cpu"))
+SCRIPT = ROOT / "tests" / "services" / "sglang_quant_cpu.py"
+
+
+def _env(with_sglang: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if with_sglang:
+        env["PYTHONPATH"] = str(SGLANG_DIR)
+    return env
+
+
+@pytest.fixture(scope="module")
+def sglang_path() -> Path:
+    """The SGLang install the CPU tests use (skip when there is none)."""
+    if not (SGLANG_DIR / "sglang").is_dir():
+        pytest.skip(f"no SGLang at {SGLANG_DIR}: ./dev.sh test installs it from "
+                    "tests/services/sglang_cpu.txt")
+    return SGLANG_DIR
+
+
+@pytest.mark.slow
+def test_minite_method_in_sglang_layers_equals_libalign_sampler_path(sglang_path):
+    """SGLang's MergedColumnParallelLinear and FusedMoE, built on one CPU rank with
+    --quantization libalign_minite and loaded with minite bits (per-row weight_scale_2) through
+    SGLang's weight loaders, give libalign's nvfp4_minite sampler path bit for bit; the
+    registration is idempotent, other methods' configs and a K split across ranks are refused;
+    the capture gives the same TRACE records as libalign's capture_guidance, and the routed
+    experts per sequence."""
+    port = str(random.randint(20000, 40000))
+    done = subprocess.run([sys.executable, str(SCRIPT), port], cwd=ROOT, env=_env(True),
+                          capture_output=True, text=True, timeout=900)
+    tail = (done.stdout + done.stderr)[-4000:]
+    assert done.returncode == 0, tail
+    lines = {ln for ln in done.stdout.splitlines() if ln.startswith("ok ")}
+    assert lines == {"ok registration", "ok linear", "ok moe forward", "ok capture"}, tail
+
+
+def test_alignd_sampler_imports_without_sglang():
+    """The SGLang adapter and the sampler service import in an environment without SGLang; only
+    alignd.sampler.sglang_quant needs it."""
+    code = ("import sys, alignd.sampler.sglang_engine, alignd.sampler.sglang_sampler, "
+            "alignd.sampler.service; assert 'sglang' not in sys.modules; "
+            "import importlib.util as u; assert u.find_spec('sglang') is None; print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(False),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
