@@ -44,9 +44,11 @@ What it refuses (:class:`alignclient.errors.ConfigError`)
 
 Registration
     :func:`register` adds the method to SGLang's ``QUANTIZATION_METHODS`` registry and to the
-    ``--quantization`` choices. SGLang (0.5.8 and later) calls it in every process through its
-    general-plugin entry point group ``sglang.srt.plugins`` (pyproject's entry point
-    ``libalign_minite``); older servers call it from a launcher before SGLang parses its args.
+    ``--quantization`` choices. An SGLang with the plugin framework (0.5.23, the version the
+    tests pin, has it; 0.5.6 has not) calls it in every process through its general-plugin
+    entry point group ``sglang.srt.plugins`` (pyproject's entry point ``libalign_minite``);
+    an older server needs a launcher that calls it in each process before SGLang reads its
+    arguments (not written here).
 
 Importing this module imports SGLang; nothing else in alignd imports it.
 """
