@@ -200,7 +200,30 @@ def check_moe(cfg: sq.MiniteConfig) -> None:
     assert bits_equal(direct.hidden_states, want)
     with paths.use_path(model, "nvfp4_naive"):  # the comparison sees a recipe change
         assert not bits_equal(got, ex(x, ids, w))
+    # masked slots (topk id -1, as padded batches carry) add nothing: expert 0 at weight 0
+    ids_pad = ids.clone()
+    ids_pad[5, 1] = -1
+    padded = moe(x, StandardTopKOutput(topk_weights=w, topk_ids=ids_pad.to(torch.int32),
+                                       router_logits=logits))
+    w_pad = w.clone()
+    w_pad[5, 1] = 0
+    assert bits_equal(padded, ex(x, torch.where(ids_pad < 0, 0, ids_pad), w_pad))
     print("ok moe forward")
+
+    # a weight update reloads the parameters and prepares them again (update_weights_from_disk)
+    with torch.no_grad():
+        ex.gate_up_proj.mul_(-0.5)
+        ex.down_proj.mul_(2.0)
+    ckpt2, qgu2, qd2 = moe_checkpoint(ex)
+    load_moe(moe, ckpt2, e)
+    paths.install_prepared_weights(ex, "nvfp4_minite", "gate_up_proj",
+                                   gemm.weights_from_quantized(qgu2, "nvfp4_minite"))
+    paths.install_prepared_weights(ex, "nvfp4_minite", "down_proj",
+                                   gemm.weights_from_quantized(qd2, "nvfp4_minite"))
+    reloaded = moe(x, topk)
+    assert bits_equal(reloaded, ex(x, ids, w)) and not bits_equal(reloaded, got)
+    got = reloaded
+    print("ok reload")
 
     # capture: guidance rows and routed experts, against libalign's own capture on that path
     seqs = torch.tensor([7] * 10 + [9] * 13)

@@ -44,7 +44,8 @@ def test_minite_method_in_sglang_layers_equals_libalign_sampler_path(sglang_path
     --quantization libalign_minite and loaded with minite bits (per-row weight_scale_2) through
     SGLang's weight loaders, give libalign's nvfp4_minite sampler path bit for bit; the
     registration is idempotent, other methods' configs and a K split across ranks are refused;
-    the capture gives the same TRACE records as libalign's capture_guidance, and the routed
+    masked top-k slots (-1) add nothing; a reload of new bits serves them; the capture gives
+    the same TRACE records as libalign's capture_guidance, and the routed
     experts per sequence."""
     port = str(random.randint(20000, 40000))
     done = subprocess.run([sys.executable, str(SCRIPT), port], cwd=ROOT, env=_env(True),
@@ -52,7 +53,8 @@ def test_minite_method_in_sglang_layers_equals_libalign_sampler_path(sglang_path
     tail = (done.stdout + done.stderr)[-4000:]
     assert done.returncode == 0, tail
     lines = {ln for ln in done.stdout.splitlines() if ln.startswith("ok ")}
-    assert lines == {"ok registration", "ok linear", "ok moe forward", "ok capture"}, tail
+    assert lines == {"ok registration", "ok linear", "ok moe forward", "ok reload",
+                     "ok capture"}, tail
 
 
 def test_alignd_sampler_imports_without_sglang():
