@@ -48,7 +48,8 @@ def _report(runs, seeds) -> dict:
 
 def test_aggregate_gives_each_number_over_seeds_with_its_t_interval():
     """Three seeds: the mean and mean ± t(0.95, 2)·s/√3 of each summary number, per
-    configuration in order of first appearance; a number no seed has is None."""
+    configuration in order of first appearance; a number no seed has is None; the last-quarter
+    reward against bf16 is paired by seed."""
     runs = [_run("bf16", s, 0.4 + 0.05 * s, 0.6 + 0.1 * s, 1e-3) for s in range(3)]
     runs += [_run("nvfp4_naive", s, 0.4, 0.5 + 0.02 * s, 5e-3 * (s + 1)) for s in range(3)]
     (bf16, naive) = aggregate(runs)
@@ -63,6 +64,9 @@ def test_aggregate_gives_each_number_over_seeds_with_its_t_interval():
     gain = naive["reward_gain"]
     assert gain["estimate"] == pytest.approx(0.12) and gain["low"] < gain["estimate"] < gain["high"]
     assert naive["seconds_by_stage"]["train"] == pytest.approx(0.2)
+    price = naive["reward_vs_bf16"]  # paired per seed: [0.5 - 0.6, 0.52 - 0.7, 0.54 - 0.8]
+    assert price == mean_interval([0.5 - 0.6, 0.52 - 0.7, 0.54 - 0.8]).to_dict()
+    assert bf16["reward_vs_bf16"] is None
 
 
 def test_one_seed_has_no_interval():

@@ -214,7 +214,7 @@ def demo(
     except (AlignError, OSError, ValidationError) as e:
         typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
         raise typer.Exit(2) from None
-    Console(width=max(console.width, 200)).print(summary_table(report))
+    Console(width=max(console.width, 230)).print(summary_table(report))
     for k, v in report["outputs"].items():
         console.print(f"{k}: {v}")
     wall = time.monotonic() - started

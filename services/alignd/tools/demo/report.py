@@ -6,7 +6,9 @@ configuration and seed, :func:`alignd.tools.demo.run.run_demo` keeps the steps a
 :func:`aggregate` then gives each summary number as the mean over seeds with its 95 % Student
 t interval (:func:`libalign.metrics.mean_interval`: ``mean ± t·s/√n``; with one seed, the
 value alone). The reward's gain (last quarter minus first quarter of the steps) is taken per
-seed before averaging, so its interval is the paired one.
+seed before averaging, so its interval is the paired one; so is the price of the gap,
+``reward_vs_bf16``: a configuration's last-quarter reward minus ``bf16``'s with the same seed
+(same prompts), when ``bf16`` ran.
 
 The figure shows, per configuration, mean |δ| per step (log scale) and reward per step, each
 a centered moving average (:func:`moving_average`, window :func:`smoothing_window`) averaged
@@ -29,6 +31,8 @@ SEED_METRICS = ("reward_first_quarter", "reward_last_quarter", "reward_gain", "m
                 "p99_abs_delta", "clip_potential", "tis_truncated_fraction",
                 "routing_disagreement", "seconds_per_step")
 LEVEL = 0.95
+#: the configuration the paired reward difference ``reward_vs_bf16`` is taken against
+REFERENCE = "bf16"
 
 
 def moving_average(x: Sequence[float], window: int = 21) -> np.ndarray:
@@ -50,6 +54,7 @@ def aggregate(runs: Sequence[dict]) -> list[dict]:
     each of :data:`SEED_METRICS` as a :class:`~libalign.metrics.MeanInterval` dict over seeds
     (None when no seed has the number)."""
     names = list(dict.fromkeys(r["name"] for r in runs))
+    ref = {r["seed"]: r["summary"]["reward_last_quarter"] for r in runs if r["name"] == REFERENCE}
     out = []
     for name in names:
         mine = [r for r in runs if r["name"] == name]
@@ -62,6 +67,10 @@ def aggregate(runs: Sequence[dict]) -> list[dict]:
             vals = [r["summary"].get(key) for r in mine]
             vals = [v for v in vals if v is not None]
             entry[key] = lm.mean_interval(vals, LEVEL).to_dict() if vals else None
+        paired = [r["summary"]["reward_last_quarter"] - ref[r["seed"]] for r in mine
+                  if r["seed"] in ref]
+        entry["reward_vs_bf16"] = (lm.mean_interval(paired, LEVEL).to_dict()
+                                   if paired and name != REFERENCE else None)
         stages = [r["summary"]["seconds_by_stage"] for r in mine]
         entry["seconds_by_stage"] = {k: float(np.mean([s[k] for s in stages])) for k in stages[0]}
         out.append(entry)
@@ -112,10 +121,11 @@ def summary_table(report: dict) -> Table:
               caption=f"TIS cap {opts['tis_cap']:g} (token level), PPO clip ε {eps} over "
               f"{opts['ppo_epochs']} step(s) a batch, max_version_diff {bound}; TIS: cap (share "
               f"of TIS weights truncated); {over}; gain: last quarter − first quarter, per seed; "
+              "vs bf16: last quarter − bf16's with the same seed (same prompts); "
               "routing: share of token×layer routing decisions where the learner's own top-k "
               "differs from the sampler's (R3: before forcing)")
     for c in ("configuration", "sampler / learner", "TIS", "reward 1st 1/4", "reward last 1/4",
-              "gain", "mean |δ|", "P99 |δ|", "clip potential", "routing", "s/step"):
+              "gain", "vs bf16", "mean |δ|", "P99 |δ|", "clip potential", "routing", "s/step"):
         left = c in ("configuration", "sampler / learner")
         t.add_column(c, justify="left" if left else "right", no_wrap=True)
     for c in report["summary"]:
@@ -124,7 +134,9 @@ def summary_table(report: dict) -> Table:
         t.add_row(c["name"], f"{c['sampler_path']} / {c['learner_path']}",
                   tis if c["tis"] else "no",
                   _fmt(c["reward_first_quarter"], ".3f"), _fmt(c["reward_last_quarter"], ".3f"),
-                  _fmt(c["reward_gain"], "+.3f", half_fmt=".3f"), _fmt_sci(c["mean_abs_delta"]),
+                  _fmt(c["reward_gain"], "+.3f", half_fmt=".3f"),
+                  _fmt(c.get("reward_vs_bf16"), "+.3f", half_fmt=".3f"),
+                  _fmt_sci(c["mean_abs_delta"]),
                   _fmt_sci(c["p99_abs_delta"]), _fmt(c["clip_potential"], ".2f", 100) + "%",
                   _routing(c),
                   _fmt(c["seconds_per_step"], ".2f").split(" ±")[0])
