@@ -92,12 +92,14 @@ def replay_routing(model: nn.Module, table: RoutingTable | None, *, weights: str
             rec = rec.to(flat.device)
             rec_map = torch.zeros_like(rmap).scatter(1, rec, True)
             agree = (rec_map == rmap).all(-1)
-            stats.add(layer, present.sum(), (present & ~agree).sum())
+            force = present & ~agree
+            stats.add(layer, present.sum(), force.sum())
             if weights == "off":
                 return probs, rmap
-            force = present if weights == "record" else present & ~agree
-            if not bool(force.any()):
-                return probs, rmap
+            if weights == "record":
+                force = present
+            if force.device.type == "cpu" and not bool(force.any()):
+                return probs, rmap  # (on a GPU the check would wait for the device)
             p = rec_w.to(probs.dtype) if weights == "record" else _forced_probs(router, flat, rec)
             dense = torch.zeros_like(probs).scatter(1, rec, p)
             f = force.unsqueeze(-1)

@@ -168,20 +168,34 @@ def capture_routing(model: nn.Module, *, weights: bool = False) -> Iterator[Rout
 @dataclass
 class RoutingStats:
     """Per MoE layer: token×layer routing decisions that had a record, and how many of them the
-    learner's own top-k set differed from the sampler's (before any forcing)."""
+    learner's own top-k set differed from the sampler's (before any forcing).
 
-    decisions: dict[int, int] = field(default_factory=dict)
-    differ: dict[int, int] = field(default_factory=dict)
+    Counts may arrive as device tensors; they are summed where they are and read back once,
+    when a count is asked for, so a forward on a GPU does not wait on every layer."""
 
-    def add(self, layer: int, decisions: int, differ: int) -> None:
-        """Accumulate one router call's counts."""
-        self.decisions[layer] = self.decisions.get(layer, 0) + int(decisions)
-        self.differ[layer] = self.differ.get(layer, 0) + int(differ)
+    _decisions: dict[int, int | torch.Tensor] = field(default_factory=dict)
+    _differ: dict[int, int | torch.Tensor] = field(default_factory=dict)
+
+    def add(self, layer: int, decisions, differ) -> None:
+        """Accumulate one router call's counts (ints or 0-d tensors)."""
+        self._decisions[layer] = self._decisions.get(layer, 0) + decisions
+        self._differ[layer] = self._differ.get(layer, 0) + differ
+
+    @property
+    def decisions(self) -> dict[int, int]:
+        """Compared decisions per layer."""
+        return {x: int(v) for x, v in sorted(self._decisions.items())}
+
+    @property
+    def differ(self) -> dict[int, int]:
+        """Decisions per layer whose top-k sets differed."""
+        return {x: int(v) for x, v in sorted(self._differ.items())}
 
     def merge(self, other: RoutingStats) -> None:
         """Add another's counts to these."""
+        differ = other.differ
         for layer, n in other.decisions.items():
-            self.add(layer, n, other.differ.get(layer, 0))
+            self.add(layer, n, differ.get(layer, 0))
 
     @property
     def total(self) -> int:
@@ -196,9 +210,9 @@ class RoutingStats:
 
     def to_dict(self) -> dict:
         """Plain JSON-ready summary: overall and per layer."""
+        differ = self.differ
         return {"decisions": self.total, "disagreement": self.disagreement,
-                "by_layer": {str(x): self.differ[x] / n for x, n in sorted(self.decisions.items())
-                             if n}}
+                "by_layer": {str(x): differ[x] / n for x, n in self.decisions.items() if n}}
 
 
 class RoutingTable:
@@ -221,21 +235,36 @@ class RoutingTable:
         has_w = all(r.weights is not None for _, r in recs)
         self.weights = torch.cat([r.weights for _, r in recs])[order].to(device) if has_w else None
         self.column = {layer: j for j, layer in enumerate(self.layers)}
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def rows(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(present [T], index [T])`` of rows with these keys; every MoE layer of one forward
+        asks with the same keys tensor, so the search runs once a forward."""
+        last = self._last
+        if last is not None and last[0] is keys:
+            return last[1], last[2]
+        k = keys.to(self.keys.device)
+        idx = torch.searchsorted(self.keys, k).clamp_(max=self.keys.numel() - 1)
+        present = (self.keys[idx] == k) & (k >= 0)
+        self._last = (keys, present, idx)
+        return present, idx
 
     def lookup(self, layer: int, keys: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(present [T], experts [T, k], weights [T, k] or None)`` for rows with these keys."""
         j = self.column[layer]
-        keys = keys.to(self.keys.device)
-        idx = torch.searchsorted(self.keys, keys).clamp_(max=self.keys.numel() - 1)
-        present = (self.keys[idx] == keys) & (keys >= 0)
+        present, idx = self.rows(keys)
         w = None if self.weights is None else self.weights[idx, j]
         return present, self.experts[idx, j], w
 
 
 def same_sets(own: torch.Tensor, rec: torch.Tensor) -> torch.Tensor:
-    """``[T]`` bool: whether each row's top-k *set* of ``own`` equals that of ``rec``."""
-    return (own.long().sort(-1).values == rec.long().sort(-1).values).all(-1)
+    """``[T]`` bool: whether each row's top-k *set* of ``own`` equals that of ``rec`` (ids are
+    distinct within a row, so: every own id occurs in the record)."""
+    own, rec = own.long(), rec.to(own.device).long()
+    if own.shape[-1] > 16:
+        return (own.sort(-1).values == rec.sort(-1).values).all(-1)
+    return (own.unsqueeze(-1) == rec.unsqueeze(-2)).any(-1).all(-1)
 
 
 def forced_weights(logits: torch.Tensor, index: torch.Tensor, normalize: bool) -> torch.Tensor:
@@ -275,16 +304,19 @@ def replay_routing(model: nn.Module, table: RoutingTable | None, *, weights: str
             logits, w, idx = out[0], out[1], out[2]
             present, rec, rec_w = table.lookup(layer, _real_keys(model, idx.shape[0]))
             agree = same_sets(idx, rec)
-            stats.add(layer, present.sum(), (present & ~agree).sum())
+            force = present & ~agree
+            stats.add(layer, present.sum(), force.sum())
             if weights == "off":
                 return out
-            force = present if weights == "record" else present & ~agree
-            if not bool(force.any()):
-                return out
+            if weights == "record":
+                force = present
+            if force.device.type == "cpu" and not bool(force.any()):
+                return out  # (on a GPU the check would wait for the device; where() is cheap)
             f = force.unsqueeze(-1)
+            rec = rec.to(idx.device)
             new_idx = torch.where(f, rec.to(idx.dtype), idx)
             new_w = rec_w.to(w.dtype) if weights == "record" else \
-                forced_weights(logits, rec.to(idx.device), normalize)
+                forced_weights(logits, rec, normalize)
             return (logits, torch.where(f, new_w, w), new_idx, *out[3:])
         return forward
 
