@@ -41,6 +41,7 @@ from sglang.srt.layers.linear import MergedColumnParallelLinear  # noqa: E402
 from sglang.srt.layers.moe.fused_moe_triton import FusedMoE  # noqa: E402
 from sglang.srt.layers.moe.topk import StandardTopKOutput  # noqa: E402
 from sglang.srt.layers.quantization import QUANTIZATION_METHODS, get_quantization_config  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
 from sglang.srt.runtime_context import SpawnRanks, publish  # noqa: E402
 from sglang.srt.server_args import QUANTIZATION_CHOICES, ServerArgs  # noqa: E402
 
@@ -231,9 +232,13 @@ def check_moe(cfg: sq.MiniteConfig) -> None:
     keys = row_keys(seqs, pos)
     cap = sq.RecordCapture([layer_id], e)
     cfg.capture = cap
-    cap.set_row_keys(keys)
-    got_c = moe(x, topk)
+    server_model = ServerModel(moe)  # what SGLang's model forward receives: ids, positions, batch
+    handle = cap.watch(server_model, lambda rid: int(rid.removeprefix("r")))
+    got_c = server_model(torch.zeros(tokens, dtype=torch.long), pos,
+                         forward_batch(ForwardMode.EXTEND, ["r7", "r9"], pos, [10, 13]), x, topk)
+    handle.remove()
     cfg.capture = None
+    assert torch.equal(cap.keys, keys)
     assert bits_equal(got_c, got), "capture changed the output"
     paths.set_row_keys(model, keys.reshape(1, -1))
     with capture_guidance(model, [layer_id]) as ref:
@@ -249,11 +254,44 @@ def check_moe(cfg: sq.MiniteConfig) -> None:
     print("ok capture")
 
 
+class ServerModel(torch.nn.Module):
+    """Stands where SGLang's model sits: forward(input_ids, positions, forward_batch, ...)."""
+
+    def __init__(self, moe: FusedMoE):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, input_ids, positions, forward_batch, hidden, topk):
+        return self.moe(hidden, topk)
+
+
+def forward_batch(mode, rids, positions, extend_lens=None) -> ForwardBatch:
+    n = positions.numel()
+    return ForwardBatch(forward_mode=mode, batch_size=len(rids), input_ids=torch.zeros(n, dtype=torch.long),
+                        req_pool_indices=torch.arange(len(rids)), seq_lens=torch.ones(len(rids)),
+                        out_cache_loc=torch.arange(n), seq_lens_sum=n, positions=positions,
+                        extend_seq_lens_cpu=extend_lens, rids=rids)
+
+
+def check_batch_keys() -> None:
+    seq_of = {"a": 3, "b": 5}.get  # "c" has no sequence id: not captured
+    pos = torch.tensor([4, 0, 1, 2, 7, 0])
+    keys = sq.batch_row_keys(forward_batch(ForwardMode.EXTEND, ["a", "b", "c"], pos, [1, 3, 1]), seq_of)
+    want = torch.cat([row_keys(3, pos[:1]), row_keys(5, pos[1:4]), torch.tensor([-1, -1])])
+    assert torch.equal(keys, want), (keys, want)
+    pos = torch.tensor([9, 12, 0])  # two decoding requests and one padding row
+    keys = sq.batch_row_keys(forward_batch(ForwardMode.DECODE, ["b", "a"], pos), seq_of)
+    assert torch.equal(keys, torch.stack([row_keys(5, pos[0]), row_keys(3, pos[1]),
+                                          torch.tensor(-1)]))
+    print("ok batch keys")
+
+
 def main() -> None:
     setup()
     cfg = check_registration()
     check_linear(cfg)
     check_moe(cfg)
+    check_batch_keys()
 
 
 if __name__ == "__main__":

@@ -45,8 +45,9 @@ def test_minite_method_in_sglang_layers_equals_libalign_sampler_path(sglang_path
     SGLang's weight loaders, give libalign's nvfp4_minite sampler path bit for bit; the
     registration is idempotent, other methods' configs and a K split across ranks are refused;
     masked top-k slots (-1) add nothing; a reload of new bits serves them; the capture gives
-    the same TRACE records as libalign's capture_guidance, and the routed
-    experts per sequence."""
+    the same TRACE records as libalign's capture_guidance, and the routed experts per sequence,
+    with the row keys read from SGLang's ForwardBatch (extend and decode batches, requests
+    without a sequence id and padding rows keyed -1)."""
     port = str(random.randint(20000, 40000))
     done = subprocess.run([sys.executable, str(SCRIPT), port], cwd=ROOT, env=_env(True),
                           capture_output=True, text=True, timeout=900)
@@ -54,7 +55,7 @@ def test_minite_method_in_sglang_layers_equals_libalign_sampler_path(sglang_path
     assert done.returncode == 0, tail
     lines = {ln for ln in done.stdout.splitlines() if ln.startswith("ok ")}
     assert lines == {"ok registration", "ok linear", "ok moe forward", "ok reload",
-                     "ok capture"}, tail
+                     "ok capture", "ok batch keys"}, tail
 
 
 def test_alignd_sampler_imports_without_sglang():

@@ -34,7 +34,9 @@ Capture (:class:`RecordCapture`)
     Set on the config (``config.capture``), it keeps the TRACE guidance rows of the MoE
     layers' FC1/FC2 activations (:class:`libalign.guidance.GuidanceCapture`) and their routed
     experts (:class:`libalign.models.routing_replay.RoutingCapture`), keyed by the row keys the
-    caller sets for each forward (:func:`libalign.guidance.row_keys`: sequence and position).
+    caller sets for each forward (:func:`libalign.guidance.row_keys`: sequence and position),
+    or that :meth:`RecordCapture.watch` reads from SGLang's ``ForwardBatch`` (request ids
+    mapped to sequence ids, token positions) in eager forwards.
 
 What it refuses (:class:`alignclient.errors.ConfigError`)
     A K sharded across ranks (a row-parallel linear with tensor parallelism, or expert tensor
@@ -55,6 +57,7 @@ Importing this module imports SGLang; nothing else in alignd imports it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,7 +75,7 @@ from sglang.srt.layers.quantization.utils import is_layer_skipped
 from sglang.srt.utils import set_weight_attrs
 
 from libalign import gemm, ops
-from libalign.guidance import GuidanceCapture
+from libalign.guidance import GuidanceCapture, row_keys
 from libalign.models.routing_replay import RoutingCapture
 from libalign.spec import PRESETS, NumericsSpec, NVFP4Tensor
 
@@ -341,6 +344,19 @@ class RecordCapture:
         if self.routing is not None and layer in self.layers:
             self.routing.add(layer, self._token_keys(ids.shape[0], ids.device), ids, weights)
 
+    def watch(self, model: torch.nn.Module, seq_id_of: Callable[[str], int | None]):
+        """Set the row keys from each forward's ``ForwardBatch`` (a forward pre-hook on SGLang's
+        model, whose forward takes ``(input_ids, positions, forward_batch)``); returns the hook's
+        handle. ``seq_id_of(rid)`` is the libalign sequence id of an SGLang request (None: not
+        captured). Hooks run only in eager forwards: start the server with CUDA graphs off."""
+
+        def pre(_module, args, kwargs):
+            batch = kwargs.get("forward_batch", args[2] if len(args) > 2 else None)
+            if batch is not None:
+                self.set_row_keys(batch_row_keys(batch, seq_id_of))
+
+        return model.register_forward_pre_hook(pre, with_kwargs=True)
+
     def guidance_records(self, bits: int) -> dict:
         """``{sequence id: GuidanceRecord}`` keeping ``bits`` low bits a code."""
         return self.guidance.records(bits)
@@ -355,6 +371,34 @@ class RecordCapture:
         if self.routing is not None:
             self.routing = RoutingCapture(self.layers, self.routing.num_experts,
                                           self.routing.keep_weights)
+
+
+def batch_row_keys(batch, seq_id_of: Callable[[str], int | None]) -> torch.Tensor:
+    """Row keys of an SGLang ``ForwardBatch``'s token rows: each request's sequence id
+    (``seq_id_of(rid)``) and each token's position; -1 for requests without an id and for
+    padding rows past the batch's tokens. Extend (prefill, mixed) batches hold
+    ``extend_seq_lens_cpu`` tokens a request, decode batches one."""
+    positions = batch.positions.reshape(-1)
+    mode = batch.forward_mode
+    if mode.is_idle():
+        counts: list[int] = []
+    elif mode.is_extend():
+        counts = [int(c) for c in batch.extend_seq_lens_cpu]
+    elif mode.is_decode():
+        counts = [1] * len(batch.rids)
+    else:
+        raise ConfigError(f"{NAME} capture: forward mode {mode} is not served (speculative "
+                          "decoding is not captured)")
+    ids = [seq_id_of(rid) for rid in batch.rids]
+    if len(counts) != len(ids) or sum(counts) > positions.numel():
+        raise ConfigError(f"{NAME} capture: {len(ids)} requests with {sum(counts)} tokens in a "
+                          f"batch of {positions.numel()} rows")
+    seq = torch.full((positions.numel(),), -1, dtype=torch.int64)
+    seq[:sum(counts)] = torch.repeat_interleave(
+        torch.tensor([-1 if i is None else int(i) for i in ids], dtype=torch.int64),
+        torch.tensor(counts, dtype=torch.int64))
+    seq = seq.to(positions.device)
+    return torch.where(seq >= 0, row_keys(seq.clamp(min=0), positions), -1)
 
 
 # --- registration ------------------------------------------------------------------------------
