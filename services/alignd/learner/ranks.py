@@ -173,6 +173,11 @@ class RankGroupEngine:
         rank, self.world = _world()
         if rank != 0:
             raise ConfigError("RankGroupEngine runs on rank 0; the other ranks call follow()")
+        if getattr(engine, "routing_replay", "off") != "off":
+            # the rank shares would need their routing records split like guidance; refused
+            # rather than trained unreplayed
+            raise ConfigError(f"routing_replay={engine.routing_replay!r} is not supported with "
+                              "several learner ranks yet; run one rank or routing_replay=off")
         self.engine = engine
         self.closed = False
 
