@@ -25,7 +25,11 @@ network does the difference arise? This package supplies the pieces to ask it on
   (:mod:`~libalign.models.megatron_routing` on Megatron-core);
 * :mod:`~libalign.models.scoring` – the learner (teacher-forced scores), the sampler (KV-cache
   decoding that reports log-probs as it goes) and single-layer replay for the 2×2 input/path
-  swap.
+  swap;
+* :mod:`~libalign.models.strict` – strict execution: every shape-dependent op of the model
+  replaced by one batch-invariant form (:mod:`libalign.strict_ops`), shared by decode and
+  scoring, so the learner reproduces the sampler's log-probs bit for bit (δ = 0)
+  (``with strict.use_strict(model): ...``).
 
 Typical use::
 
