@@ -217,3 +217,19 @@ def test_attention_left_and_right_padding_agree():
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.float(), k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1))
     assert (left.float() - ref).abs().max() < 0.02
+
+
+def test_strict_bits_do_not_depend_on_the_thread_count(model):
+    """A sampler decoding with 2 CPU threads and a learner scoring with 1 (separate processes
+    may differ so) report the same bits: every strict op is element-wise or an exact max."""
+    from libalign.models import cpu_threads
+
+    prompts = _prompts(6, seed=4)
+    with strict.use_strict(model):
+        with cpu_threads(2):
+            r = generate(model, prompts, "nvfp4_minite", max_new_tokens=5, seed=4, batch_size=6,
+                         eos_id=EOS, pad_id=PAD)
+        with cpu_threads(1):
+            lp = score_sequences(model, r.sequences, r.prompt_lens, "nvfp4_minite", batch_size=4,
+                                 pad_id=PAD)
+    assert all(torch.equal(x, y) for x, y in zip(lp, r.logprobs, strict=True))
