@@ -35,7 +35,15 @@ import numbers
 import sys
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    model_serializer,
+    model_validator,
+)
 
 from .ids import ID_PATTERN
 
@@ -319,6 +327,15 @@ class Rollout(Wire):
     path: SafeId = Field(description="execution path the sampler ran")
     guidance: bool = Field(False, description="a guidance record was stored for this rollout")
     routing: RoutingWire | None = Field(None, description="the sampler's expert choices (R3)")
+
+    @model_serializer(mode="wrap")
+    def _without_absent_routing(self, handler):
+        """A rollout without routing serializes without the field, as before it existed, so
+        older readers (which refuse unknown fields) keep reading what newer writers store."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("routing") is None:
+            data.pop("routing", None)
+        return data
 
     @model_validator(mode="after")
     def _lengths(self) -> Rollout:
