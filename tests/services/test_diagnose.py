@@ -358,7 +358,8 @@ def test_routing_disagreement_with_and_without_replay(small_report):
     """Every non-guided condition reports its routing disagreement without replay and under R3
     (before forcing), over the same decisions; an NVFP4 sampler moves the bf16 learner's
     routing more than the cross-stack floor does (which is not zero on this random model:
-    near-tied router scores), and R3 narrows mean |δ| wherever routing disagreed."""
+    near-tied router scores), and where learner and sampler run the same path R3 narrows mean
+    |δ| (against an NVFP4 sampler a bf16 learner's gap is its arithmetic, which R3 leaves)."""
     from alignd.tools.diagnose.routing import routing_table
     from rich.console import Console
 
@@ -371,9 +372,10 @@ def test_routing_disagreement_with_and_without_replay(small_report):
     floor = rows["bf16/bf16"]["without"]["disagreement"]
     for name in ("bf16/nvfp4_naive", "bf16/nvfp4_minite"):
         assert rows[name]["without"]["disagreement"] > floor  # NVFP4 moves routing
-    for row in rows.values():
-        if row["without"]["disagreement"] > 0:  # replaying the sampler's routing narrows |δ|
-            assert row["r3"]["mean_abs"] < row["without"]["mean_abs"]
+    for name in ("bf16/bf16", "nvfp4_minite/nvfp4_minite"):  # same arithmetic on both sides:
+        row = rows[name]  # the routing flips are the cross-stack floor's, and R3 removes them
+        assert row["without"]["disagreement"] > 0
+        assert row["r3"]["mean_abs"] < row["without"]["mean_abs"]
     console = Console(width=200, record=True)
     console.print(routing_table(r))
     assert "routing replay (R3)" in console.export_text()
