@@ -26,7 +26,9 @@ sgl-project/sglang (https://github.com/sgl-project/sglang):
   ``003ca3e5152c94c92d88fd43d5eb58e55201e895`` (what ``update_weights_from_disk`` checks of a
   ModelOpt NVFP4 directory here: ``hf_quant_config.json`` with ``quant_algo`` NVFP4, a
   ``group_size``, non-empty ``exclude_modules``; uint8 ``weight``, float8 ``weight_scale``,
-  scalar fp32 ``weight_scale_2``).
+  scalar fp32 ``weight_scale_2``); a server reporting ``libalign_minite``
+  (``alignd.sampler.sglang_quant``) checks that method's layout instead: the flat config with
+  ``quant_method`` libalign_minite and spec minite, fp32 ``weight_scale_2`` ``[N, 1]``.
 
 Unknown fields
     SGLang ignores unknown top-level fields (``GenerateReqInput`` is a dataclass and pydantic
@@ -416,7 +418,7 @@ class SGLangContract:
                 message, self.fail_update = self.fail_update, None
                 ok = False
             else:
-                problem = check_modelopt_dir(Path(parsed.model_path))
+                problem = check_modelopt_dir(Path(parsed.model_path), self.quantization)
                 ok = problem is None
                 message = ("Succeeded to update model weights." if ok
                            else f"Failed to get weights iterator: {problem}.")
@@ -573,19 +575,25 @@ def verify_sampling(sp: dict, vocab_size: int) -> str | None:
     return None
 
 
-def check_modelopt_dir(path: Path) -> str | None:
-    """What keeps SGLang's ``modelopt_fp4`` from loading ``path`` (None: nothing)."""
+def check_modelopt_dir(path: Path, quantization: str | None = "modelopt_fp4") -> str | None:
+    """What keeps SGLang's ``modelopt_fp4`` (or, for ``quantization`` libalign_minite, that
+    method) from loading ``path`` (None: nothing)."""
     if not path.is_dir():
         return f"{path} is not a directory"
     if not (path / "config.json").is_file():
         return f"{path} has no config.json"
+    rows = quantization == "libalign_minite"
     try:
-        q = json.loads((path / "hf_quant_config.json").read_text())["quantization"]
+        q = json.loads((path / "hf_quant_config.json").read_text())
+        q = q if rows else q["quantization"]
     except (OSError, ValueError, KeyError) as e:
         return f"{path}/hf_quant_config.json is missing or malformed ({e})"
-    if q.get("quant_algo") not in ("FP8", "NVFP4"):
+    if rows:
+        if (q.get("quant_method"), q.get("spec")) != ("libalign_minite", "minite"):
+            return f"quantization config {q} is not libalign_minite's (spec minite)"
+    elif q.get("quant_algo") not in ("FP8", "NVFP4"):
         return f"quant_algo {q.get('quant_algo')!r} is not FP8 or NVFP4"
-    if not (q.get("group_size") and q.get("exclude_modules")):
+    elif not (q.get("group_size") and q.get("exclude_modules")):
         return "NVFP4 quantization requires group size and kv_cache_quant_algo specified"
     index = path / "model.safetensors.index.json"
     shards = (sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -598,7 +606,10 @@ def check_modelopt_dir(path: Path) -> str | None:
             for name in names:
                 sl = f.get_slice(name)
                 shape, dtype = list(sl.get_shape()), sl.get_dtype()
-                if name.endswith(".weight_scale_2") and (shape != [] or dtype != "F32"):
+                if name.endswith(".weight_scale_2") and rows and (
+                        dtype != "F32" or len(shape) != 2 or shape[1] != 1):
+                    return f"{name} is {dtype}{shape}; libalign_minite loads F32 [N, 1]"
+                if name.endswith(".weight_scale_2") and not rows and (shape != [] or dtype != "F32"):
                     return f"{name} is {dtype}{shape}; modelopt_fp4 loads a scalar F32"
                 if name.endswith(".weight_scale") and dtype != "F8_E4M3":
                     return f"{name} is {dtype}, not F8_E4M3"

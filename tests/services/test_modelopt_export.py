@@ -33,6 +33,7 @@ from tests.services.conftest import tiny_experts
 from tests.services.sglang_contract import check_modelopt_dir
 
 NAIVE = get_path("nvfp4_naive").weight_spec  # one outer scale per expert: what SGLang loads
+MINITE = PRESETS["minite"]  # one outer scale per row: what libalign_minite loads
 EXPERTS = make_select()
 
 
@@ -135,18 +136,72 @@ def test_a_sharded_version_exports_bit_for_bit_like_the_whole_one(tmp_path):
     assert set(a) == set(b) and all(same_bits(a[k], b[k]) for k in a)
 
 
+def test_a_minite_export_is_the_store_bits_with_row_scales_for_libalign_minite(tmp_path):
+    """A row-scaled minite version exports for SGLang's libalign_minite: gate/up split per
+    expert with each row's own weight_scale_2 [N, 1] (read back bit for bit with the store's
+    bits), no shared maximum needed between gate and up, the libalign_minite config in
+    config.json and hf_quant_config.json; asked for nvfp4_naive it is refused by name, and a
+    naive version asked for nvfp4_minite too."""
+    store = WeightStore(tmp_path / "store")
+    store.write_version("m1", stacks(), MINITE, select=EXPERTS)
+    store.write_version("n1", stacks(), NAIVE, select=EXPERTS)
+    ex = ModelOptExport(store, model_dir(tmp_path), shard_bytes=4096)
+    with pytest.raises(LayoutError, match=r"'m1' \(minite\) is loaded by SGLang method "
+                                          r"'libalign_minite'.*'nvfp4_naive'.*'modelopt_fp4'"):
+        ex("m1", "nvfp4_naive")
+    with pytest.raises(LayoutError, match=r"'n1' \(te_expert\).*'modelopt_fp4'.*'nvfp4_minite'"):
+        ex("n1", "nvfp4_minite")
+    assert not ex.path("m1").exists() and not ex.path("n1").exists()
+    path = ex("m1", "nvfp4_minite")
+    assert check_modelopt_dir(path, "libalign_minite") is None
+    got = exported(path)
+    sv = store.read_version("m1")
+    for e in range(4):
+        qe = sv["model.layers.0.mlp.experts.gate_up_proj"].expert(e)
+        half = qe.shape[0] // 2
+        for proj, rows in (("gate", slice(0, half)), ("up", slice(half, 2 * half))):
+            d = {k.rsplit(".", 1)[1]: v for k, v in got.items()
+                 if k.startswith(f"model.layers.0.mlp.experts.{e}.{proj}_proj.")}
+            assert d["weight_scale_2"].shape == (half, 1) and d["weight_scale_2"].dtype == torch.float32
+            q = from_modelopt(d, MINITE, row_scaled_ok=True)
+            assert same_bits(q.codes, qe.codes[rows]) and same_bits(q.block_scales,
+                                                                    qe.block_scales[rows])
+            assert same_bits(q.outer_dec, qe.outer_dec[rows].to(torch.float32))
+        down = sv["model.layers.0.mlp.experts.down_proj"].expert(e)
+        d = {k.rsplit(".", 1)[1]: v for k, v in got.items()
+             if k.startswith(f"model.layers.0.mlp.experts.{e}.down_proj.")}
+        q = from_modelopt(d, MINITE, row_scaled_ok=True)
+        assert same_bits(q.codes, down.codes) and same_bits(q.outer_dec, down.outer_dec.float())
+    for raw in ("model.layers.0.mlp.gate.weight", "model.norm.weight", "lm_head.weight"):
+        assert same_bits(got[raw], sv[raw])
+    want = {"quant_method": "libalign_minite", "spec": "minite",
+            "exclude_modules": ["lm_head", "model.layers.0.mlp.gate"]}
+    assert json.loads((path / "config.json").read_text())["quantization_config"] == want
+    assert json.loads((path / "hf_quant_config.json").read_text()) == want
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["sglang_method"] == "libalign_minite" and manifest["tensors_converted"] == 12
+    # gate and up quantized on their own (no shared maximum): per-row scales export as they are
+    src = write_published(store.published_root, "split", flat(tiny_experts(experts=2, rows=16,
+                                                                          k=32)))
+    convert_published(src, store, "split", MINITE)
+    assert ex("split", "nvfp4_minite") == ex.path("split")
+    assert ex("m1", "nvfp4_minite") == path  # an existing export is checked from its manifest
+
+
 def test_what_sglang_cannot_load_is_refused_by_name_and_nothing_is_written(tmp_path):
-    """Row-scaled, MXFP4 and bf16 versions, fused siblings with different outer scales, a
-    missing version: typed errors naming the problem; no export directory appears."""
+    """Row-scaled specs no method loads (te_row), MXFP4 and bf16 versions, fused siblings with
+    different outer scales, a missing version: typed errors naming the problem; no export
+    directory appears."""
     store = WeightStore(tmp_path / "store")
     ex = ModelOptExport(store, model_dir(tmp_path))
-    store.write_version("rows", stacks(), PRESETS["minite"], select=EXPERTS)
+    store.write_version("rows", stacks(), PRESETS["te_row"], select=EXPERTS)
     store.write_version("mx", stacks(), PRESETS["mxfp4"], select=EXPERTS)
     store.write_version("bf16", stacks(), NAIVE, select=lambda n, t: False)
     src = write_published(store.published_root, "split", flat(tiny_experts(experts=2, rows=16,
                                                                           k=32)))
     convert_published(src, store, "split", NAIVE)  # gate and up quantized on their own
-    for vid, match in (("rows", r"per row.*scalar weight_scale_2"), ("mx", "MXFP4"),
+    for vid, match in (("rows", r"per row.*scalar weight_scale_2.*only the 'minite' spec"),
+                       ("mx", "MXFP4"),
                        ("bf16", "no NVFP4 tensor"),
                        ("split", r"experts\.0\.gate_proj\.weight.*experts\.0\.up_proj\.weight.*"
                                  r"different outer scales")):
@@ -161,8 +216,9 @@ def test_what_sglang_cannot_load_is_refused_by_name_and_nothing_is_written(tmp_p
 
 def test_the_converter_writes_each_version_once_in_the_layout_the_sampler_loads(
         redis_url, tmp_path):
-    """sampler_layout=modelopt: a version published for nvfp4_naive is converted and exported
-    before it is announced converted; one for another path gets no export."""
+    """sampler_layout=modelopt: versions published for nvfp4_naive and for nvfp4_minite are
+    converted and exported (the minite one with row scales for libalign_minite) before they are
+    announced converted, each once; one for bf16 gets no export."""
     settings = ConverterSettings(redis_url=redis_url, store_dir=tmp_path / "store",
                                  consumer_name="conv-1", block_ms=100, sampler_layout="modelopt",
                                  sglang_model_dir=model_dir(tmp_path))
@@ -175,10 +231,25 @@ def test_the_converter_writes_each_version_once_in_the_layout_the_sampler_loads(
                     target_path="nvfp4_naive")
     publish_version(store.published_root, reg, bus, settings.published_stream, "v2", sd,
                     target_path="nvfp4_minite")
-    assert run_converter(settings, max_messages=2) == 2
-    assert reg.state("v1") == reg.state("v2") == "converted"
+    publish_version(store.published_root, reg, bus, settings.published_stream, "v3", sd,
+                    target_path="bf16")
+    assert run_converter(settings, max_messages=3) == 3
+    assert reg.state("v1") == reg.state("v2") == reg.state("v3") == "converted"
     ex = ModelOptExport(store, settings.sglang_model_dir)
-    assert check_modelopt_dir(ex.path("v1")) is None and not ex.path("v2").exists()
+    assert check_modelopt_dir(ex.path("v1")) is None and not ex.path("v3").exists()
+    assert check_modelopt_dir(ex.path("v2"), "libalign_minite") is None
+    assert sorted(ex.list()) == ["v1", "v2"]
+    m2 = exported(ex.path("v2"))
+    for name, q in store.iter_version("v2"):  # each stored minite tensor, bit for bit
+        if not isinstance(q, torch.Tensor):
+            module = name.removesuffix(".weight")
+            back = from_modelopt({k: m2[f"{module}.{k}"] for k in
+                                  ("weight", "weight_scale", "weight_scale_2")}, MINITE,
+                                 row_scaled_ok=True)
+            assert same_bits(back.codes, q.codes) and same_bits(back.outer_dec, q.outer_dec.float())
+    written = {v: (ex.path(v) / "manifest.json").stat().st_mtime_ns for v in ("v1", "v2")}
+    assert ex.write("v2")["sglang_method"] == "libalign_minite"  # already there: kept
+    assert written == {v: (ex.path(v) / "manifest.json").stat().st_mtime_ns for v in ("v1", "v2")}
     got = exported(ex.path("v1"))
     gate, up = (got[f"model.layers.0.mlp.experts.1.{p}_proj.weight_scale_2"] for p in ("gate", "up"))
     assert same_bits(gate, up)  # siblings quantized with one maximum for SGLang's fused w13

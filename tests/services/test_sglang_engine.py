@@ -14,6 +14,7 @@ import pytest
 import redis
 from alignclient.errors import (
     ConfigError,
+    EngineMismatchError,
     EngineRequestError,
     EngineTimeoutError,
     EngineUnavailableError,
@@ -207,7 +208,7 @@ def test_an_export_the_server_cannot_load_is_a_failed_update(rig, tmp_path):
     bad = tmp_path / "not-modelopt"
     bad.mkdir()
     (bad / "config.json").write_text("{}")
-    r.engine.exporter = lambda v: bad
+    r.engine.exporter = lambda v, path: bad
     with pytest.raises(WeightUpdateError, match=r"hf_quant_config\.json"):
         r.engine.load("v1")
     assert r.engine.version_id is None
@@ -302,18 +303,57 @@ def test_every_result_is_stamped_with_the_served_weight_version(rig):
 
 
 def test_guidance_and_row_scaled_exports_are_refused_by_name(rig, tmp_path):
-    """No guidance records from SGLang; a row-scaled version cannot be exported for it, and
-    the load that asks for one fails before any server is touched."""
+    """No guidance records from SGLang over HTTP; a row-scaled minite version asked of a
+    sampler of path nvfp4_naive (modelopt_fp4 servers) fails by name before any server is
+    touched, and nothing is exported."""
     r = rig()
     r.engine.load("v1")
     with pytest.raises(GuidanceUnsupportedError, match="cannot capture guidance"):
         r.engine.generate([[1]], max_new_tokens=1, guidance_bits=2)
     store_version(r.store, "v-minite", preset="minite")
     r.contract.calls.clear()
-    with pytest.raises(LayoutError, match=r"per row.*scalar weight_scale_2"):
+    with pytest.raises(LayoutError, match=r"'v-minite' \(minite\) is loaded by SGLang method "
+                                          r"'libalign_minite'; this sampler's path 'nvfp4_naive'"):
         r.engine.load("v-minite")
     assert r.contract.calls == [] and r.engine.version_id == "v1"
     assert not r.exporter.exists("v-minite")
+
+
+def test_a_minite_sampler_loads_minite_versions_on_libalign_minite_servers_only(tmp_path):
+    """Path nvfp4_minite: a server reporting quantization libalign_minite loads the version's
+    row-scaled export (the contract checks that method's layout: per-row weight_scale_2) and
+    serves it; a server reporting modelopt_fp4 is refused by name (EngineMismatchError, field
+    quantization) before it is paused; a naive version is refused before any server is asked."""
+    store = tmp_path / "store"
+    for i, v in enumerate(("m1", "m2")):
+        store_version(store, v, preset="minite", seed=i)
+    store_version(store, "n1")
+    exports = ModelOptExport(WeightStore(store), model_dir(tmp_path), tmp_path / "exports")
+    minite, stock = (SGLangContract(env_vars=ORIGINAL, quantization=q)
+                     for q in ("libalign_minite", "modelopt_fp4"))
+    with serve(minite.app) as url, serve(stock.app) as stock_url, \
+            SGLangSamplerEngine(url, exports, path="nvfp4_minite", eos_id=EOS,
+                                timeouts=FAST) as engine, \
+            SGLangSamplerEngine(stock_url, exports, path="nvfp4_minite", eos_id=EOS,
+                                timeouts=FAST) as wrong:
+        info = engine.load("m1")
+        export = exports.path("m1")
+        assert info["model_path"] == str(export) and minite.weight_version == "m1"
+        assert check_modelopt_dir(export, "libalign_minite") is None
+        assert check_modelopt_dir(export) is not None  # modelopt_fp4 could not load it
+        gen = engine.generate([[1, 2]], max_new_tokens=3, seed=1)
+        assert gen.version_id == "m1" and engine.score(gen.sequences, gen.prompt_lens) == gen.logprobs
+        engine.load("m2")
+        assert engine.served_version() == "m2"
+        minite.calls.clear()
+        with pytest.raises(LayoutError, match=r"'n1' \(te_expert\).*'modelopt_fp4'.*'nvfp4_minite'"):
+            engine.load("n1")
+        assert minite.calls == [] and engine.version_id == "m2" and not exports.exists("n1")
+        with pytest.raises(EngineMismatchError, match=f"{stock_url} runs quantization "
+                           r"'modelopt_fp4'.*'nvfp4_minite'.*--quantization libalign_minite") as e:
+            wrong.load("m2")
+        assert e.value.field == "quantization" and wrong.version_id is None
+        assert [c.path for c in stock.calls] == ["/get_server_info"]
 
 
 def test_the_contract_validates_fields_like_sglang_and_stricter(rig):
@@ -375,7 +415,8 @@ def test_sampler_service_serves_a_rollout_request_through_sglang(rig, redis_url,
 def test_build_sglang_sampler_from_settings(tmp_path, caplog):
     """The factory: a naive-path engine over the servers listed (comma-separated) with the
     settings' keys, loading exports under the store and writing one from the store version,
-    with a warning, only when nobody exported it; a row-scaled path refused."""
+    with a warning, only when nobody exported it; nvfp4_minite accepted (its exporter refusing
+    a naive version), guided and bf16 paths refused."""
     settings = SamplerSettings(store_dir=tmp_path / "store", sampler_path="nvfp4_naive",
                                sglang_api_key="k", sglang_original_logprobs=True)
     engine, rollouts, guidance = build_sglang_sampler(
@@ -395,8 +436,17 @@ def test_build_sglang_sampler_from_settings(tmp_path, caplog):
         caplog.clear()
         engine.exporter("v1")
         assert "has no ModelOpt export" not in caplog.text
-    with pytest.raises(ConfigError, match="nvfp4_naive"):
-        build_sglang_sampler(SamplerSettings(store_dir=tmp_path / "store"), "http://sglang:30000",
-                             model_dir=tmp_path / "model")
+    minite, _, _ = build_sglang_sampler(
+        SamplerSettings(store_dir=tmp_path / "store", sampler_path="nvfp4_minite"),
+        "http://sglang:30000", model_dir=tmp_path / "model")
+    with minite:
+        assert minite.path == "nvfp4_minite"
+        with pytest.raises(LayoutError, match=r"'v1' \(te_expert\).*'nvfp4_minite'"):
+            minite.exporter("v1", minite.path)  # a naive version: refused before any server
+    for refused in ("nvfp4_trace", "bf16"):
+        with pytest.raises(ConfigError, match=f"path '{refused}'.*nvfp4_naive or nvfp4_minite"):
+            build_sglang_sampler(SamplerSettings(store_dir=tmp_path / "store",
+                                                 sampler_path=refused),
+                                 "http://sglang:30000", model_dir=tmp_path / "model")
     with pytest.raises(ConfigError, match="sglang_model_dir"):
         build_sglang_sampler(settings, "http://sglang:30000")

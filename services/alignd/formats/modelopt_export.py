@@ -1,4 +1,5 @@
-"""A weight-store version as a ModelOpt NVFP4 checkpoint: what SGLang's ``modelopt_fp4`` loads.
+"""A weight-store version as a ModelOpt NVFP4 checkpoint: what SGLang's ``modelopt_fp4`` loads,
+or, for a row-scaled ``minite`` version, libalign's ``libalign_minite`` method.
 
 The converter quantizes a version once, into the weight store (:mod:`.weight_store`). An SGLang
 server cannot read the store's layout, so the version is also written in the layout it loads,
@@ -11,29 +12,40 @@ like any other.
 Layout (``<root>/modelopt/<version_id>/``, root ``<store>/sglang`` by default)
     ``<module>.weight``          uint8 ``[N, K/2]`` packed E2M1 codes
     ``<module>.weight_scale``    float8_e4m3fn ``[N, K/16]`` block scales
-    ``<module>.weight_scale_2``  float32 scalar, the decode scale (amax / 2688)
+    ``<module>.weight_scale_2``  float32 scalar, the decode scale (amax / 2688); for a
+                                 ``minite`` version ``[N, 1]``, one per row
 
     per 2-D NVFP4 tensor (:func:`libalign.checkpoint.to_modelopt`); every raw tensor as stored;
     shards and ``model.safetensors.index.json``; ``hf_quant_config.json`` and ``config.json``
-    with its ``quantization_config`` (:mod:`.quant_configs`; the 2-D raw linear weights are the
-    excluded modules); the model's other files (tokenizer, generation config) copied from
-    ``model_dir``, the Hugging Face directory the servers started from; and ``manifest.json``
-    naming the store version it came from.
+    with its ``quantization_config`` (:mod:`.quant_configs`: ModelOpt's, or for ``minite``
+    :func:`~.quant_configs.minite_quantization_config`, the same dict in both files; the 2-D
+    raw linear weights are the excluded modules); the model's other files (tokenizer,
+    generation config) copied from ``model_dir``, the Hugging Face directory the servers
+    started from; and ``manifest.json`` naming the store version it came from.
 
 Expert stacks
     SGLang loads experts by per-expert names (``experts.<e>.gate_proj.weight``); a 3-D stack
     ``<prefix>.gate_up_proj`` ``[E, 2I, H]`` (transformers 5, gate rows first) becomes
     ``<prefix>.<e>.gate_proj`` and ``<prefix>.<e>.up_proj`` (rows ``[0, I)`` and ``[I, 2I)`` of
-    expert ``e``, one outer scale: the expert's), ``down_proj``/``gate_proj``/``up_proj``/
-    ``w1``/``w2``/``w3`` stacks become ``<prefix>.<e>.<name>``.
+    expert ``e``, one outer scale: the expert's; with row scales, the rows' own),
+    ``down_proj``/``gate_proj``/``up_proj``/``w1``/``w2``/``w3`` stacks become
+    ``<prefix>.<e>.<name>``.
+
+Which method loads an export (:func:`sglang_method`)
+    Versions with one outer scale per tensor or expert: SGLang's ``modelopt_fp4``. Versions of
+    the ``minite`` spec (one ``weight_scale_2`` per row, which ``modelopt_fp4``, keeping a
+    scalar per weight, cannot load): ``libalign_minite`` (:mod:`alignd.sampler.sglang_quant`,
+    path ``nvfp4_minite``), which declares the row scales per channel, so fused siblings need
+    no shared maximum. Calling an export with a sampler path refuses a version the path's
+    method does not load (a ``minite`` version for ``nvfp4_naive``, and the reverse).
 
 What SGLang cannot load, refused by name (:class:`~alignclient.errors.LayoutError`)
-    A row-scaled tensor (``minite``: one ``weight_scale_2`` per row; SGLang keeps a scalar per
-    weight), MXFP4 (E8M0 scales, no ModelOpt layout), a version with no NVFP4 tensor at all
-    (a ``bf16`` version), a stack of another name, two tensors that would get one name, and
-    fused siblings (``gate_proj``/``up_proj``, ``q/k/v_proj``) whose outer scales differ: SGLang
-    fuses them into one GEMM with the first one's scale, which would silently re-scale the
-    other. The converter quantizes such siblings with one maximum when it writes for SGLang
+    Another row-scaled spec (``te_row``: no method loads it), MXFP4 (E8M0 scales, no ModelOpt
+    layout), a version with no NVFP4 tensor at all (a ``bf16`` version), a stack of another
+    name, two tensors that would get one name, and tensor-scaled fused siblings
+    (``gate_proj``/``up_proj``, ``q/k/v_proj``) whose outer scales differ: SGLang fuses them
+    into one GEMM with the first one's scale, which would silently re-scale the other. The
+    converter quantizes such siblings with one maximum when it writes for SGLang
     (:func:`alignd.formats.convert.fused_outer_amax`).
 
 Written atomically (:mod:`libalign.atomic_dir`): a server never reads half an export, and two
@@ -63,14 +75,23 @@ from alignd.formats.hf_checkpoint import (
     MANIFEST_NAME,
     write_shards,
 )
-from alignd.formats.quant_configs import modelopt_hf_quant_config, modelopt_quantization_config
+from alignd.formats.quant_configs import (
+    MINITE_METHOD,
+    MINITE_SPEC,
+    minite_quantization_config,
+    modelopt_hf_quant_config,
+    modelopt_quantization_config,
+)
 from alignd.formats.selection import FUSED_SIBLINGS, is_embedding, module_parts
 from alignd.formats.weight_store import DEFAULT_SHARD_BYTES, Item, WeightStore
+from libalign import gemm
 from libalign.atomic_dir import TMP_PREFIX, DestinationExistsError, atomic_directory, discard_directory
 from libalign.checkpoint import to_modelopt
-from libalign.spec import NumericsSpec, NVFP4Tensor
+from libalign.spec import PRESETS, NumericsSpec, NVFP4Tensor
 
 LAYOUT = "modelopt"
+#: SGLang's method for exports with one outer scale per tensor or expert.
+MODELOPT_METHOD = "modelopt_fp4"
 FORMAT = "libalign-modelopt-export"
 #: Files of ``model_dir`` never copied: weights and indexes come from the version.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -80,23 +101,44 @@ NOT_FROM_MODEL_DIR = {INDEX_NAME, "pytorch_model.bin.index.json", HF_QUANT_CONFI
 STACK_NAMES = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
 
+def sglang_method(spec: NumericsSpec, quantized: bool = True) -> str | None:
+    """The SGLang quantization method that loads exports of versions quantized under ``spec``:
+    ``modelopt_fp4`` (NVFP4, one outer scale per tensor or expert), ``libalign_minite`` (the
+    ``minite`` spec, one per row), None for anything else (MXFP4, other row-scaled specs, a
+    ``bf16`` version: ``quantized`` False)."""
+    if not quantized or spec.is_mx:
+        return None
+    if spec.outer_domain in ("tensor", "expert"):
+        return MODELOPT_METHOD
+    return MINITE_METHOD if spec == PRESETS[MINITE_SPEC] else None
+
+
 def holds(spec: NumericsSpec, quantized: bool = True) -> bool:
-    """Whether versions quantized under ``spec`` can be exported for SGLang (NVFP4 with one
-    outer scale per tensor or expert); a ``bf16`` version (``quantized`` False) cannot."""
-    return quantized and not spec.is_mx and spec.outer_domain in ("tensor", "expert")
+    """Whether versions quantized under ``spec`` can be exported for SGLang (a method loads
+    them, :func:`sglang_method`); a ``bf16`` version (``quantized`` False) cannot."""
+    return sglang_method(spec, quantized) is not None
 
 
-def exportable(q: NVFP4Tensor, name: str) -> None:
-    """Refuse (LayoutError naming ``name``) a tensor SGLang's ``modelopt_fp4`` cannot load."""
+def path_method(path: str) -> str | None:
+    """The SGLang method that serves execution path ``path`` (None: none does)."""
+    p = gemm.get_path(path)
+    return sglang_method(p.weight_spec, p.quantized) if p.weight_spec is not None else None
+
+
+def exportable(q: NVFP4Tensor, name: str) -> str:
+    """The method that loads tensor ``q`` (:func:`sglang_method`); LayoutError naming ``name``
+    when none does."""
     if q.spec.is_mx:
         raise LayoutError(f"tensor {name!r} is MXFP4 (preset {q.spec.name!r}); the ModelOpt layout "
                           "SGLang's modelopt_fp4 loads is NVFP4 with E4M3 block scales")
-    if q.spec.outer_domain not in ("tensor", "expert"):
+    method = sglang_method(q.spec)
+    if method is None:
         raise LayoutError(
             f"tensor {name!r} keeps one outer scale per {q.spec.outer_domain} (preset "
-            f"{q.spec.name!r}); SGLang's modelopt_fp4 loads one scalar weight_scale_2 per weight: "
-            "convert the version for the SGLang sampler's path (nvfp4_naive) or a tensor-scaled "
-            "preset such as 'modelopt'")
+            f"{q.spec.name!r}); SGLang's modelopt_fp4 loads one scalar weight_scale_2 per weight "
+            f"and {MINITE_METHOD} only the {MINITE_SPEC!r} spec: convert the version for "
+            "nvfp4_naive, nvfp4_minite or a tensor-scaled preset such as 'modelopt'")
+    return method
 
 
 def per_expert(name: str, q: NVFP4Tensor) -> Iterator[tuple[str, NVFP4Tensor, slice | None]]:
@@ -129,7 +171,9 @@ def exports_for(layout: str, store: WeightStore, model_dir: Path | str | None,
 class ModelOptExport:
     """Exports of store versions in the ModelOpt layout (see the module doc).
 
-    Calling it with a version id returns the export's directory, writing it first if needed.
+    Calling it with a version id returns the export's directory, writing it first if needed;
+    with a sampler ``path`` too, a version that path's SGLang method does not load is refused
+    first (:class:`~alignclient.errors.LayoutError` naming both).
     """
 
     def __init__(self, store: WeightStore, model_dir: Path | str | None,
@@ -151,11 +195,30 @@ class ModelOptExport:
         """Whether the export of ``version_id`` is complete."""
         return (self.path(version_id) / MANIFEST_NAME).is_file()
 
-    def __call__(self, version_id: str) -> Path:
+    def __call__(self, version_id: str, path: str | None = None) -> Path:
         """The export of ``version_id``, written from the store version if not there yet."""
+        if path is not None:
+            self.check_method(version_id, path)
         if not self.exists(version_id):
             self.write(version_id)
         return self.path(version_id)
+
+    def check_method(self, version_id: str, path: str) -> str:
+        """The method of sampler path ``path``; LayoutError unless it loads ``version_id``."""
+        want = path_method(path)
+        if self.exists(version_id):
+            spec = NumericsSpec.from_dict(
+                json.loads((self.path(version_id) / MANIFEST_NAME).read_text())["numerics_spec"])
+        else:
+            specs = self.store.read_manifest(version_id).get("specs") or {}
+            spec = next((NumericsSpec.from_dict(d) for d in specs.values()), None)
+        have = sglang_method(spec) if spec is not None else None
+        if want is None or have != want:
+            raise LayoutError(
+                f"version {version_id!r} ({spec.name if spec else 'bf16'}) is loaded by SGLang "
+                f"method {have!r}; this sampler's path {path!r} is served by {want!r}: convert "
+                f"the version for {path!r} or serve it with a sampler of its path")
+        return want
 
     def write(self, version_id: str) -> dict[str, Any]:
         """Write the export of ``version_id`` (atomically) unless it exists; its manifest."""
@@ -170,7 +233,7 @@ class ModelOptExport:
         if not any(e["kind"] == "nvfp4" for e in source["tensors"].values()):
             raise LayoutError(f"version {version_id!r} holds no NVFP4 tensor (a bf16 version); "
                               "an SGLang sampler serves ModelOpt NVFP4 versions (nvfp4_naive)")
-        facts: dict[str, Any] = {"excluded": [], "converted": 0, "spec": None}
+        facts: dict[str, Any] = {"excluded": [], "converted": 0, "spec": None, "method": None}
         self.dir.mkdir(parents=True, exist_ok=True)
         try:
             with atomic_directory(dst) as out:
@@ -197,8 +260,12 @@ class ModelOptExport:
                     facts["excluded"].append(name.removesuffix(".weight"))
                 yield name, value
                 continue
-            exportable(value, name)
-            facts["spec"] = facts["spec"] or value.spec
+            method = exportable(value, name)
+            if facts["method"] not in (None, method):
+                raise LayoutError(f"tensor {name!r} ({value.spec.name!r}) needs SGLang method "
+                                  f"{method!r}, the version's earlier tensors {facts['method']!r}")
+            facts["spec"], facts["method"] = facts["spec"] or value.spec, method
+            rows_scaled = method == MINITE_METHOD
             if len(value.shape) == 2:
                 if not name.endswith(".weight"):
                     raise LayoutError(f"tensor {name!r}: a 2-D NVFP4 tensor must be a "
@@ -210,11 +277,12 @@ class ModelOptExport:
                 raise LayoutError(f"tensor {name!r} has shape {value.shape}; the ModelOpt layout "
                                   "stores 2-D weights and 3-D expert stacks are split")
             for weight, q, rows in parts:
-                stored_as = to_modelopt(q)
-                if rows is not None:
-                    stored_as = {k: (v.clone() if k == "weight_scale_2" else v[rows].clone())
-                                 for k, v in stored_as.items()}
-                self._same_outer(weight, stored_as["weight_scale_2"], outer)
+                stored_as = to_modelopt(q, row_scaled_ok=rows_scaled)
+                if rows is not None:  # a scalar outer scale is the expert's; row scales split
+                    stored_as = {k: (v.clone() if k == "weight_scale_2" and not rows_scaled
+                                     else v[rows].clone()) for k, v in stored_as.items()}
+                if not rows_scaled:  # per-row scales need no shared maximum
+                    self._same_outer(weight, stored_as["weight_scale_2"], outer)
                 facts["converted"] += 1
                 module = weight.removesuffix(".weight")
                 for key, t in stored_as.items():
@@ -248,10 +316,14 @@ class ModelOptExport:
                                groups={"fused": ["gate_up", "qkv"]},
                                excluded_modules=sorted(facts["excluded"]))
         config = json.loads((self.model_dir / CONFIG_NAME).read_text())
-        config["quantization_config"] = modelopt_quantization_config(plan)  # type: ignore[arg-type]
+        if facts["method"] == MINITE_METHOD:
+            quant = hf_quant = minite_quantization_config(plan.excluded_modules)
+        else:
+            quant = modelopt_quantization_config(plan)  # type: ignore[arg-type]
+            hf_quant = modelopt_hf_quant_config(plan)  # type: ignore[arg-type]
+        config["quantization_config"] = quant
         (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        (out / HF_QUANT_CONFIG).write_text(
-            json.dumps(modelopt_hf_quant_config(plan), indent=4) + "\n")  # type: ignore[arg-type]
+        (out / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")
         copied = []
         for p in sorted(self.model_dir.iterdir()):
             if (p.is_file() and not p.name.startswith(".") and not p.name.endswith(WEIGHT_SUFFIXES)
@@ -266,6 +338,7 @@ class ModelOptExport:
                        "created_at": source.get("created_at"),
                        "num_parts": len(source.get("parts") or [None])},
             "numerics_spec": facts["spec"].to_dict(),
+            "sglang_method": facts["method"],
             "tensors_converted": facts["converted"],
             "excluded_modules": sorted(facts["excluded"]),
             "weight_map": index.get("weight_map", {}),

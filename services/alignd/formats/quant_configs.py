@@ -13,7 +13,10 @@ format, with which group size. Each function here builds one of those dicts from
   activation scale;
 * compressed-tensors ``mxfp4-pack-quantized`` for an MXFP4 preset, weight-only like its
   ``MXFP4A16`` preset (group strategy, group size 32, uint8 E8M0 scales, no global scale):
-  what vLLM's and SGLang's ``CompressedTensorsW4A16Mxfp4`` load.
+  what vLLM's and SGLang's ``CompressedTensorsW4A16Mxfp4`` load;
+* libalign's own ``libalign_minite`` (:func:`minite_quantization_config`): the row-scaled
+  ``minite`` spec in the ModelOpt tensor layout with ``weight_scale_2`` ``[N, 1]``, what
+  ``alignd.sampler.sglang_quant`` (``--quantization libalign_minite``) loads.
 
 Every config carries a ``libalign`` note (producer, preset, full numerics spec, whether the
 outer scale is per row) so a reader can tell how the bits were computed; with a row-scaled
@@ -27,6 +30,12 @@ from typing import Any
 
 import libalign
 from alignd.formats.export_plan import ExportPlan
+
+#: The SGLang quantization method that loads row-scaled ``minite`` exports, the spec it
+#: serves and the execution path it stands for (``alignd.sampler.sglang_quant``).
+MINITE_METHOD = "libalign_minite"
+MINITE_SPEC = "minite"
+MINITE_PATH = "nvfp4_minite"
 
 
 def libalign_note(plan: ExportPlan) -> dict[str, Any]:
@@ -87,6 +96,13 @@ def modelopt_quantization_config(plan: ExportPlan) -> dict[str, Any]:
         "quant_method": "modelopt",
         "libalign": libalign_note(plan),
     }
+
+
+def minite_quantization_config(exclude_modules: list[str] | None = None) -> dict[str, Any]:
+    """``quantization_config`` (and ``hf_quant_config.json``) of a ``minite`` export for
+    SGLang's ``libalign_minite`` method: the method, the spec, the modules kept unquantized."""
+    return {"quant_method": MINITE_METHOD, "spec": MINITE_SPEC,
+            "exclude_modules": sorted(exclude_modules or [])}
 
 
 def compressed_tensors_quantization_config(plan: ExportPlan) -> dict[str, Any]:

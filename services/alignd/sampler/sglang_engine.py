@@ -75,15 +75,14 @@ Scoring (teacher forcing), and its off-by-one
 Loading a version (the weight-sync flow)
     1. the export: the version as a ModelOpt NVFP4 checkpoint on a path the servers see,
        written once by whoever converted the version (:mod:`alignd.formats.modelopt_export`;
-       the converter with ``ALIGN_SAMPLER_LAYOUT=modelopt``). ``exporter(version_id)`` returns
-       its directory; refusals (a row-scaled or MXFP4 version SGLang cannot load, a version
-       missing from the store) raise before any server is touched. It runs outside the switch
-       lock: generation goes on meanwhile;
-    2. each server is checked (``GET /get_server_info``): a quantization other than
-       ``modelopt_fp4``, an embedding model, or a model path that is neither the model
-       directory nor under the export root is :class:`~alignclient.errors.EngineMismatchError`
-       naming the mismatch (``field``); what it says of ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is
-       kept (see "Log-probs and temperature");
+       the converter with ``ALIGN_SAMPLER_LAYOUT=modelopt``). ``exporter(version_id, path)``
+       returns its directory; refusals (a version the path's method does not load, MXFP4, one
+       missing from the store) raise before any server is touched, outside the switch lock;
+    2. each server is checked (``GET /get_server_info``): a quantization other than the path's
+       (``nvfp4_naive``: ``modelopt_fp4``; ``nvfp4_minite``: ``libalign_minite``), an embedding
+       model, or a model path neither the model directory nor under the export root is
+       :class:`~alignclient.errors.EngineMismatchError` naming the mismatch (``field``); what
+       it says of ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is kept (see "Log-probs and temperature");
     3. the switch lock is taken for writing: this engine's calls in flight finish, new ones
        wait (a completion never mixes two versions, and none of ours is aborted); then on
        every server at once (a thread per server): ``GET /health`` (retried while 503);
@@ -209,7 +208,7 @@ def row_seed(seed: int, row: int) -> int:
 class SGLangSamplerEngine:
     """A :class:`~alignd.sampler.engine.SamplerEngine` driving SGLang servers over HTTP."""
 
-    def __init__(self, base_url: str | Sequence[str] | None, exporter: Callable[[str], Path | str],
+    def __init__(self, base_url: str | Sequence[str] | None, exporter: Callable[[str, str], Path | str],
                  *, path: str = "nvfp4_naive", eos_id: int | None = None,
                  load_format: str | None = None, pause_mode: str = "abort",
                  timeouts: SGLangTimeouts | None = None, strict_version: bool = True,
@@ -277,11 +276,12 @@ class SGLangSamplerEngine:
         with self._loading:
             seconds: dict[str, float] = {}
             t0 = time.perf_counter()
-            model_path = str(self.exporter(version_id))
+            model_path = str(self.exporter(version_id, self.path))
             seconds["export"] = time.perf_counter() - t0
             if self.router is not None:
                 self._refresh_workers()
-            outcomes = self._each(lambda s: s.check(self.model_paths, self.deterministic), self.servers)
+            outcomes = self._each(lambda s: s.check(self.model_paths, self.deterministic,
+                                                    self.path), self.servers)
             fit = [s for s in self.servers if outcomes[s.url][1] is None]
             for s in set(self.servers) - set(fit):
                 s.version = None  # not the server this sampler needs: out of rotation

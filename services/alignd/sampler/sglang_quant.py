@@ -14,7 +14,8 @@ Checkpoint layout (what :func:`libalign.checkpoint.to_modelopt` writes with row 
     ``<module>.weight_scale_2``  float32 ``[N, 1]``: each row's outer decode scale
     Experts by per-expert names (``experts.<e>.gate_proj`` ...), as for ``modelopt_fp4``.
     ``quantization_config``: ``{"quant_method": "libalign_minite", "spec": "minite",
-    "exclude_modules": [...]}`` (:func:`quantization_config`).
+    "exclude_modules": [...]}`` (:func:`alignd.formats.quant_configs.minite_quantization_config`,
+    written by the ModelOpt exporter, :mod:`alignd.formats.modelopt_export`).
 
 The row scales are declared as per-channel parameters (SGLang's ``ChannelQuantScaleParameter``
 for linear layers, ``FusedMoeWeightScaleSupported.CHANNEL`` for experts), so SGLang's loaders
@@ -74,20 +75,23 @@ from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.layers.quantization.utils import is_layer_skipped
 from sglang.srt.utils import set_weight_attrs
 
+from alignd.formats.quant_configs import (
+    MINITE_METHOD,
+    MINITE_PATH,
+    MINITE_SPEC,
+    minite_quantization_config,
+)
 from libalign import gemm, ops
 from libalign.guidance import GuidanceCapture, row_keys
 from libalign.models.routing_replay import RoutingCapture
 from libalign.spec import PRESETS, NumericsSpec, NVFP4Tensor
 
-NAME = "libalign_minite"
-PATH = "nvfp4_minite"
-SPEC = "minite"
+NAME = MINITE_METHOD
+PATH = MINITE_PATH
+SPEC = MINITE_SPEC
 BLOCK = 16
-
-
-def quantization_config(exclude_modules: list[str] | None = None) -> dict[str, Any]:
-    """The ``quantization_config`` (and ``hf_quant_config.json``) of a minite export."""
-    return {"quant_method": NAME, "spec": SPEC, "exclude_modules": sorted(exclude_modules or [])}
+quantization_config = minite_quantization_config
+"""The ``quantization_config`` (and ``hf_quant_config.json``) of a minite export."""
 
 
 class MiniteConfig(QuantizationConfig):

@@ -13,6 +13,13 @@ Exports
     arrives without one (a converter in the ``store`` layout, an expert-parallel learner that
     wrote its own parts) is exported here, from the store version, with a warning: a re-layout
     of the store's bits, never a second quantization.
+
+Paths
+    ``nvfp4_naive`` (the default): servers started with ``--quantization modelopt_fp4``;
+    ``nvfp4_minite``: row-scaled ``minite`` versions, servers started with ``--quantization
+    libalign_minite`` (:mod:`alignd.sampler.sglang_quant`). The servers' reported quantization
+    is checked against the path at each load, and a version of the other method is refused
+    before any server is touched.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from pathlib import Path
 
 from alignclient.errors import ConfigError
 
-from alignd.formats.modelopt_export import ModelOptExport
+from alignd.formats.modelopt_export import ModelOptExport, path_method
+from alignd.formats.quant_configs import MINITE_PATH
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.redis_clients import binary_client
 from alignd.infra.settings import SamplerSettings
@@ -38,12 +46,17 @@ DEFAULT_PATH = "nvfp4_naive"
 
 def sglang_path(name: str | None) -> str:
     """The execution path an SGLang sampler stands for: quantized, one outer scale per
-    weight or expert (what SGLang's ``modelopt_fp4`` loads); ``nvfp4_naive`` by default."""
+    weight or expert (what SGLang's ``modelopt_fp4`` loads; ``nvfp4_naive``, the default), or
+    ``nvfp4_minite`` (libalign's ``libalign_minite`` method); no guided or KV path."""
     path = gemm.get_path(name or DEFAULT_PATH)
-    if not path.quantized or path.weight_spec.outer_domain not in ("tensor", "expert"):
+    method = path_method(path.name)
+    if method is None or path.kv_spec is not None or (
+            path.weight_spec.outer_domain == "row" and path.name != MINITE_PATH):
         raise ConfigError(
             f"the SGLang sampler cannot stand for path {path.name!r}: it serves ModelOpt NVFP4 "
-            "exports with one outer scale per weight; use ALIGN_SAMPLER_PATH=nvfp4_naive")
+            "exports with one outer scale per weight (SGLang's modelopt_fp4) or row-scaled "
+            f"minite ones (libalign_minite, without guided rounding or an FP4 KV cache); use "
+            f"ALIGN_SAMPLER_PATH=nvfp4_naive or {MINITE_PATH}")
     return path.name
 
 
@@ -53,7 +66,9 @@ class ExportOrWrite:
     def __init__(self, exports: ModelOptExport):
         self.exports = exports
 
-    def __call__(self, version_id: str) -> Path:
+    def __call__(self, version_id: str, path: str | None = None) -> Path:
+        if path is not None:
+            self.exports.check_method(version_id, path)
         if not self.exports.exists(version_id):
             log.warning("version %s has no ModelOpt export at %s (the converter writes one with "
                         "ALIGN_SAMPLER_LAYOUT=modelopt); writing it from the store version",

@@ -56,11 +56,17 @@ from alignclient.errors import (
 )
 from alignclient.retry import NEVER_SENT, RetryPolicy, http_transient
 
+from alignd.formats.modelopt_export import MODELOPT_METHOD, path_method
+from alignd.formats.quant_configs import MINITE_METHOD
+
 log = logging.getLogger("alignd.sampler.sglang")
 
 #: Quantization names a server may report that load a ModelOpt NVFP4 export (None: detected
 #: from the checkpoint's ``hf_quant_config.json`` when the server started).
 MODELOPT_QUANTIZATIONS = ("modelopt_fp4", "modelopt", None)
+#: What a server may report, by the method that loads the sampler path's exports
+#: (:func:`alignd.formats.modelopt_export.path_method`): ``libalign_minite`` only by name.
+QUANTIZATIONS = {MODELOPT_METHOD: MODELOPT_QUANTIZATIONS, MINITE_METHOD: (MINITE_METHOD,)}
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 #: The attention backends SGLang runs batch-invariantly (``server_args``'
 #: ``DETERMINISTIC_ATTENTION_BACKEND_CHOICES``); a deterministic server reports one of them.
@@ -321,9 +327,10 @@ class SGLangServer:
         flags = {bool(env_flag(e.get(ORIGINAL_LOGPROB_ENV))) for e in envs}
         return flags.pop() if len(flags) == 1 else False  # ranks that disagree: not all original
 
-    def check(self, model_paths: tuple[str, ...] = (), deterministic: bool = False
-              ) -> dict[str, Any]:
-        """Refuse a server that cannot serve libalign's ModelOpt NVFP4 exports of this model:
+    def check(self, model_paths: tuple[str, ...] = (), deterministic: bool = False,
+              path: str = "nvfp4_naive") -> dict[str, Any]:
+        """Refuse a server that cannot serve libalign's exports of this model for sampler path
+        ``path`` (``nvfp4_naive``: ``modelopt_fp4``; ``nvfp4_minite``: ``libalign_minite``):
         :class:`EngineMismatchError` naming the mismatch (``model``, ``quantization``).
 
         ``deterministic`` (strict mode): the server must also report SGLang's deterministic
@@ -334,12 +341,12 @@ class SGLangServer:
         info = self.server_info()
         if deterministic:
             self.check_deterministic(info)
-        quant = info.get("quantization")
-        if quant not in MODELOPT_QUANTIZATIONS:
+        quant, method = info.get("quantization"), path_method(path) or MODELOPT_METHOD
+        if quant not in QUANTIZATIONS[method]:
             raise EngineMismatchError(
                 f"the server at {self.url} runs quantization {quant!r}; the versions it is asked "
-                "to serve are ModelOpt NVFP4 exports: start it with --quantization "
-                "modelopt_fp4", field="quantization")
+                f"to serve are exports for path {path!r}: start it with --quantization "
+                f"{method}", field="quantization")
         path = info.get("model_path")
         if model_paths and path is not None and not any(
                 str(path).rstrip("/") == p or str(path).startswith(p + "/") for p in model_paths):
