@@ -11,13 +11,20 @@ libalign_minite`` selects; loads ``minite`` bits (libalign.checkpoint.to_modelop
 scales, per expert and per projection as the ModelOpt export names them) through SGLang's
 weight loaders, runs the forward, and compares with libalign's sampler path on the same bits:
 the tiny Qwen3-MoE's experts with the path ``nvfp4_minite`` and the bits installed
-(libalign.models.paths), and libalign.gemm.grouped_linear for the linear layer.
+(libalign.models.paths), and libalign.gemm.grouped_linear for the linear layer. Last, the
+same layers loaded from the files the ModelOpt exporter writes for a row-scaled version
+(alignd.formats.modelopt_export: a weight-store version of minite expert stacks and a dense
+gate/up pair, with its config.json read through SGLang's registry), against libalign's path on
+the store's bits.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -32,7 +39,11 @@ _tv.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", sys.argv[1] if len(sys.argv) > 1 else "29741")
 
+from alignd.formats.modelopt_export import ModelOptExport  # noqa: E402
+from alignd.formats.selection import make_select  # noqa: E402
+from alignd.formats.weight_store import WeightStore  # noqa: E402
 from alignd.sampler import sglang_quant as sq  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 from sglang.srt.distributed.parallel_state import (  # noqa: E402
     init_distributed_environment,
     initialize_model_parallel,
@@ -286,12 +297,85 @@ def check_batch_keys() -> None:
     print("ok batch keys")
 
 
+def check_export() -> None:
+    """A minite store version, exported by ModelOptExport, loaded from its files into SGLang's
+    layers with the config the files name: libalign's nvfp4_minite path on the store's bits."""
+    config = tiny_config()
+    model = build_model(config, seed=5)
+    layer_id = paths.moe_layer_indices(model)[0]
+    ex = paths.experts_module(model, layer_id)
+    e, two_i, h = ex.gate_up_proj.shape
+    pre = f"model.layers.{layer_id}.mlp"
+    g = torch.Generator().manual_seed(6)
+    dense = {f"{pre}.shared.{p}.weight": (torch.randn(48, h, generator=g) * s).bfloat16()
+             for p, s in (("gate_proj", 0.02), ("up_proj", 3.0))}  # scales far apart
+    sd = {f"{pre}.experts.gate_up_proj": ex.gate_up_proj.detach().clone(),
+          f"{pre}.experts.down_proj": ex.down_proj.detach().clone(),
+          f"{pre}.gate.weight": torch.randn(e, h, generator=g).bfloat16(),
+          "lm_head.weight": torch.randn(8, h, generator=g).bfloat16(), **dense}
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "model").mkdir()
+        (Path(tmp) / "model" / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+        store = WeightStore(Path(tmp) / "store")
+        store.write_version("m1", sd, MINITE, select=make_select(all_linear=True))
+        out = ModelOptExport(store, Path(tmp) / "model")("m1", sq.PATH)
+        files = {}
+        for shard in set(json.loads((out / "model.safetensors.index.json").read_text())
+                         ["weight_map"].values()):
+            files.update(load_file(out / shard))
+        qc = json.loads((out / "config.json").read_text())["quantization_config"]
+        assert qc == json.loads((out / "hf_quant_config.json").read_text())
+        sv = store.read_version("m1")
+        qgu, qd = sv[f"{pre}.experts.gate_up_proj"], sv[f"{pre}.experts.down_proj"]
+        qg, qu = (sv[f"{pre}.shared.{p}.weight"] for p in ("gate_proj", "up_proj"))
+    cfg = get_quantization_config(qc["quant_method"]).from_config(qc)
+    assert isinstance(cfg, sq.MiniteConfig) and f"{pre}.gate" in cfg.exclude_modules
+
+    moe = FusedMoE(num_experts=e, hidden_size=h, intermediate_size=two_i // 2, layer_id=layer_id,
+                   top_k=config.num_experts_per_tok, params_dtype=torch.bfloat16,
+                   quant_config=cfg, prefix=f"{pre}.experts")
+    ckpt = {k.removeprefix(f"{pre}."): t for k, t in files.items() if k.startswith(f"{pre}.experts.")}
+    assert len(ckpt) == 3 * 3 * e  # gate, up, down of each expert: weight, scale, scale_2
+    load_moe(moe, ckpt, e)
+    assert torch.equal(moe.w13_weight_scale_2.data.reshape(e, two_i), qgu.outer_dec.float())
+    paths.install_prepared_weights(ex, sq.PATH, "gate_up_proj", gemm.weights_from_quantized(qgu, sq.PATH))
+    paths.install_prepared_weights(ex, sq.PATH, "down_proj", gemm.weights_from_quantized(qd, sq.PATH))
+    paths.set_path(model, sq.PATH)
+    torch.manual_seed(7)
+    tokens = 19
+    x = (torch.randn(tokens, h) * torch.logspace(-2, 1, tokens).reshape(-1, 1)).to(torch.bfloat16)
+    logits = torch.randn(tokens, e)
+    w, ids = torch.topk(torch.softmax(logits, -1), config.num_experts_per_tok, dim=-1)
+    w = w / w.sum(-1, keepdim=True)
+    got = moe(x, StandardTopKOutput(topk_weights=w, topk_ids=ids.to(torch.int32), router_logits=logits))
+    assert bits_equal(got, ex(x, ids, w)), (got.float() - ex(x, ids, w).float()).abs().max()
+
+    n = qg.shape[0]
+    layer = MergedColumnParallelLinear(h, [n, n], bias=False, params_dtype=torch.bfloat16,
+                                       quant_config=cfg, prefix=f"{pre}.shared.gate_up_proj")
+    assert isinstance(layer.quant_method, sq.MiniteLinearMethod)
+    for shard, proj in enumerate(("gate_proj", "up_proj")):
+        for key in ("weight", "weight_scale", "weight_scale_2"):
+            t = files[f"{pre}.shared.{proj}.{key}"]
+            layer.weight_loader_v2(getattr(layer, key), t, shard) if hasattr(layer, "weight_loader_v2") \
+                else layer.weight_loader(getattr(layer, key), t, shard)
+    layer.quant_method.process_weights_after_loading(layer)
+    a = x[:7]
+    cat = type(qg)(torch.cat([qg.codes, qu.codes])[None], torch.cat([qg.block_scales, qu.block_scales])[None],
+                   torch.cat([qg.outer_scale, qu.outer_scale])[None], MINITE, (1, 2 * n, h))
+    want = gemm.grouped_linear(a, gemm.weights_from_quantized(cat, sq.PATH), [a.shape[0]])
+    got_l, _ = layer(a)
+    assert bits_equal(got_l, want), (got_l.float() - want.float()).abs().max()
+    print("ok export")
+
+
 def main() -> None:
     setup()
     cfg = check_registration()
     check_linear(cfg)
     check_moe(cfg)
     check_batch_keys()
+    check_export()
 
 
 if __name__ == "__main__":

@@ -47,7 +47,10 @@ def test_minite_method_in_sglang_layers_equals_libalign_sampler_path(sglang_path
     masked top-k slots (-1) add nothing; a reload of new bits serves them; the capture gives
     the same TRACE records as libalign's capture_guidance, and the routed experts per sequence,
     with the row keys read from SGLang's ForwardBatch (extend and decode batches, requests
-    without a sequence id and padding rows keyed -1)."""
+    without a sequence id and padding rows keyed -1); and the files the ModelOpt exporter
+    writes for a minite store version (expert stacks split per expert with their row scales, a
+    dense gate/up pair, the libalign_minite config) load into those layers and give libalign's
+    path on the store's bits."""
     port = str(random.randint(20000, 40000))
     done = subprocess.run([sys.executable, str(SCRIPT), port], cwd=ROOT, env=_env(True),
                           capture_output=True, text=True, timeout=900)
@@ -55,7 +58,7 @@ def test_minite_method_in_sglang_layers_equals_libalign_sampler_path(sglang_path
     assert done.returncode == 0, tail
     lines = {ln for ln in done.stdout.splitlines() if ln.startswith("ok ")}
     assert lines == {"ok registration", "ok linear", "ok moe forward", "ok reload",
-                     "ok capture", "ok batch keys"}, tail
+                     "ok capture", "ok batch keys", "ok export"}, tail
 
 
 def test_alignd_sampler_imports_without_sglang():
