@@ -224,7 +224,7 @@ class SGLangSamplerEngine:
                              f"(base_url={base_url!r}, router={router!r})")
         self.path = gemm.get_path(path).name
         """The execution path this sampler stands for (versions converted for it are loaded);
-        the numerics are SGLang's kernels, not libalign's spec."""
+        numerics: SGLang's kernels for nvfp4_naive, libalign's (libalign_minite) for nvfp4_minite."""
         self.exporter = exporter
         self.eos_id = eos_id
         self.load_format = load_format
