@@ -154,6 +154,7 @@ def plot_demo(report: dict, path: Path) -> Path:
     fig, (ax_d, ax_r) = plt.subplots(1, 2, figsize=(12, 4.6))
     names = list(dict.fromkeys(r["name"] for r in report["configs"]))
     window = 1
+    floor = np.inf  # smallest mean |δ| drawn: the log axis stops below it, not at a band's 0
     for i, name in enumerate(names):
         runs = [r for r in report["configs"] if r["name"] == name]
         steps = np.array([s["step"] for s in runs[0]["steps"]])
@@ -163,6 +164,8 @@ def plot_demo(report: dict, path: Path) -> Path:
                 [np.nan if s[key] is None else s[key] for s in r["steps"]]), window) for r in runs])
             mean = curves.mean(0)
             ax.plot(steps, mean, color=f"C{i}", lw=2, label=name)
+            if key == "mean_abs_delta" and (mean > 0).any():
+                floor = min(floor, float(mean[mean > 0].min()))
             if len(runs) > 1:
                 band = [lm.mean_interval(col, LEVEL) for col in curves.T]
                 low = np.array([b.low for b in band])
@@ -171,6 +174,8 @@ def plot_demo(report: dict, path: Path) -> Path:
     seeds = report["options"].get("seeds", 1)
     band = f", 95 % band over {seeds} seeds" if seeds > 1 else ""
     ax_d.set_yscale("log")
+    if np.isfinite(floor):
+        ax_d.set_ylim(bottom=floor / 3)
     ax_d.set_xlabel("step")
     ax_d.set_ylabel("mean |log p_learner − log p_sampler| (nats)")
     ax_d.set_title(f"train–rollout log-prob discrepancy ({window}-step mean{band})", fontsize=10)
