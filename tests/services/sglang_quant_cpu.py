@@ -36,8 +36,10 @@ _tv = torch.library.Library("torchvision", "FRAGMENT")
 _tv.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
 _tv.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
 
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-os.environ.setdefault("MASTER_PORT", sys.argv[1] if len(sys.argv) > 1 else "29741")
+# the caller's port, never an inherited one (a pytest process that ran the Megatron tests
+# carries their MASTER_PORT, which may be taken by now)
+os.environ["MASTER_ADDR"] = "127.0.0.1"
+os.environ["MASTER_PORT"] = sys.argv[1] if len(sys.argv) > 1 else "29741"
 
 from alignd.formats.modelopt_export import ModelOptExport  # noqa: E402
 from alignd.formats.selection import make_select  # noqa: E402

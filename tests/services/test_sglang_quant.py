@@ -10,12 +10,13 @@ does not hold an importable SGLang.
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.services.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SGLANG_DIR = Path(os.environ.get("ALIGN_SGLANG_CPU", Path(sys.prefix) / "sglang-cpu"))
@@ -23,7 +24,8 @@ SCRIPT = ROOT / "tests" / "services" / "sglang_quant_cpu.py"
 
 
 def _env(with_sglang: bool) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "MASTER_ADDR", "MASTER_PORT")}
     if with_sglang:
         env["PYTHONPATH"] = str(SGLANG_DIR)
     return env
@@ -51,7 +53,7 @@ def test_minite_method_in_sglang_layers_equals_libalign_sampler_path(sglang_path
     writes for a minite store version (expert stacks split per expert with their row scales, a
     dense gate/up pair, the libalign_minite config) load into those layers and give libalign's
     path on the store's bits."""
-    port = str(random.randint(20000, 40000))
+    port = str(free_port())
     done = subprocess.run([sys.executable, str(SCRIPT), port], cwd=ROOT, env=_env(True),
                           capture_output=True, text=True, timeout=900)
     tail = (done.stdout + done.stderr)[-4000:]
