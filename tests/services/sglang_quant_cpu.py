@@ -41,9 +41,13 @@ _tv.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
 os.environ["MASTER_ADDR"] = "127.0.0.1"
 os.environ["MASTER_PORT"] = sys.argv[1] if len(sys.argv) > 1 else "29741"
 
+from alignclient.errors import InputError  # noqa: E402
 from alignd.formats.modelopt_export import ModelOptExport  # noqa: E402
 from alignd.formats.selection import make_select  # noqa: E402
 from alignd.formats.weight_store import WeightStore  # noqa: E402
+from alignd.infra.redis_clients import binary_client, reset_embedded  # noqa: E402
+from alignd.infra.settings import GuidanceStoreSettings  # noqa: E402
+from alignd.infra.stores.guidance import GuidanceStore  # noqa: E402
 from alignd.sampler import sglang_quant as sq  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from sglang.srt.distributed.parallel_state import (  # noqa: E402
@@ -264,6 +268,20 @@ def check_moe(cfg: sq.MiniteConfig) -> None:
     assert sorted(routing) == [7, 9]
     assert torch.equal(routing[9].experts[:, 0].long(), ids[10:].long())
     assert routing[7].version == "v1"
+    # into the guidance store (the embedded one): the same bytes, routing back by rollout id
+    reset_embedded()
+    store = GuidanceStore(binary_client(GuidanceStoreSettings(redis_url=None)), prefix="t")
+    try:
+        cap.store_records(store, "v1", {7: "r7", 8: "r8"}, bits=4)
+        raise AssertionError("a sequence that was not captured must be refused")
+    except InputError as e:
+        assert "[8]" in str(e)
+    assert not store.get_many("v1", ["r7"], missing="skip")
+    back = cap.store_records(store, "v1", {7: "r7", 9: "r9"}, bits=4)
+    assert store.get("v1", "r9") == theirs[9].encode() and store.get("v1", "r7") == theirs[7].encode()
+    assert sorted(back) == ["r7", "r9"] and torch.equal(back["r9"].experts, routing[9].experts)
+    assert cap.guidance_records(4) == {} and cap.routing_records("v1") == {}
+    reset_embedded()
     print("ok capture")
 
 

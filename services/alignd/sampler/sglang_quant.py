@@ -58,11 +58,11 @@ Importing this module imports SGLang; nothing else in alignd imports it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from alignclient.errors import ConfigError
+from alignclient.errors import ConfigError, InputError
 from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
 from sglang.srt.layers.parameter import ChannelQuantScaleParameter, ModelWeightParameter
 from sglang.srt.layers.quantization.base_config import (
@@ -81,6 +81,7 @@ from alignd.formats.quant_configs import (
     MINITE_SPEC,
     minite_quantization_config,
 )
+from alignd.infra.stores.guidance import GuidanceStore
 from libalign import gemm, ops
 from libalign.guidance import GuidanceCapture, row_keys
 from libalign.models.routing_replay import RoutingCapture
@@ -368,6 +369,27 @@ class RecordCapture:
     def routing_records(self, version: str | None = None) -> dict:
         """``{sequence id: RoutingRecord}`` of the captured layers."""
         return {} if self.routing is None else self.routing.records(version)
+
+    def store_records(self, store: GuidanceStore, version: str, rollout_ids: Mapping[int, str],
+                      *, bits: int) -> dict[str, Any]:
+        """Put the guidance records of the sequences in ``rollout_ids`` (sequence id -> rollout
+        id) into the guidance ``store`` under ``version`` in one transaction, keeping ``bits``
+        low bits a code, and return their routing records by rollout id (routing travels with
+        the rollout, :class:`alignclient.models.Rollout`'s ``routing``). Then forget what was
+        captured. A sequence named but not captured is an :class:`InputError` and nothing is
+        stored; captured sequences left unnamed are dropped with the rest."""
+        records = self.guidance_records(bits)
+        missing = sorted(set(rollout_ids) - set(records))
+        if missing:
+            raise InputError(f"{NAME} capture: sequences {missing[:8]} were not captured "
+                             f"(captured: {sorted(records)[:8]})")
+        if rollout_ids:
+            store.put_many(version, {rid: records[sid].encode()
+                                     for sid, rid in rollout_ids.items()})
+        routing = self.routing_records(version)
+        out = {rid: routing[sid] for sid, rid in rollout_ids.items() if sid in routing}
+        self.clear()
+        return out
 
     def clear(self) -> None:
         """Forget what was captured (the row keys stay)."""
