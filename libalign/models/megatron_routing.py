@@ -31,9 +31,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..errors import InputError, RoutingRecordError, SpecError
+from ..errors import SpecError
 from .megatron import experts_modules, moe_layers
-from .routing_replay import REPLAY_MODES, RoutingStats, RoutingTable
+from .routing_replay import RoutingStats, RoutingTable, check_replay_mode, check_table_fits
 
 
 def routing_geometry(model: nn.Module) -> dict:
@@ -69,19 +69,12 @@ def _forced_probs(router: nn.Module, logits: torch.Tensor, index: torch.Tensor) 
 def replay_routing(model: nn.Module, table: RoutingTable | None, *, weights: str = "recompute",
                    stats: RoutingStats | None = None) -> Iterator[RoutingStats]:
     """Route a Megatron GPT's MoE layers by the sampler's records while inside (module doc)."""
-    if weights not in REPLAY_MODES:
-        raise InputError(f"weights must be one of {REPLAY_MODES}, got {weights!r}")
+    check_replay_mode(weights)
     stats = stats if stats is not None else RoutingStats()
     if table is None:
         yield stats
         return
-    if weights == "record" and table.weights is None:
-        raise RoutingRecordError("weights='record' needs records that keep gate weights")
-    geo = routing_geometry(model)
-    if list(table.layers) != geo["layers"] or table.top_k != geo["top_k"] \
-            or table.num_experts != geo["num_experts"]:
-        raise RoutingRecordError(f"records for layers {list(table.layers)}, top-k {table.top_k}, "
-                                 f"{table.num_experts} experts; the model has {geo}")
+    check_table_fits(table, weights, routing_geometry(model))
     routers = {i: layer.router for i, layer in moe_layers(model).items()}
 
     def make(layer: int, router: nn.Module, original):

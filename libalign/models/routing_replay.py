@@ -277,23 +277,35 @@ def forced_weights(logits: torch.Tensor, index: torch.Tensor, normalize: bool) -
     return probs.to(logits.dtype)
 
 
+def check_replay_mode(weights: str) -> None:
+    """InputError unless ``weights`` is one of :data:`REPLAY_MODES`."""
+    if weights not in REPLAY_MODES:
+        raise InputError(f"weights must be one of {REPLAY_MODES}, got {weights!r}")
+
+
+def check_table_fits(table: RoutingTable, weights: str, geometry: dict) -> None:
+    """RoutingRecordError unless ``table`` was made for a model of ``geometry`` (layers, top-k,
+    experts) and keeps gate weights when ``weights='record'`` takes them from the records.
+    One rule for every engine that replays (Hugging Face here, Megatron-core beside it)."""
+    if weights == "record" and table.weights is None:
+        raise RoutingRecordError("weights='record' needs records that keep gate weights")
+    if list(table.layers) != geometry["layers"] or table.top_k != geometry["top_k"] \
+            or table.num_experts != geometry["num_experts"]:
+        raise RoutingRecordError(f"records for layers {list(table.layers)}, top-k {table.top_k}, "
+                                 f"{table.num_experts} experts; the model has {geometry}")
+
+
 @contextmanager
 def replay_routing(model: nn.Module, table: RoutingTable | None, *, weights: str = "recompute",
                    stats: RoutingStats | None = None) -> Iterator[RoutingStats]:
     """Route by the sampler's records while inside (module docstring); yields the stats."""
-    if weights not in REPLAY_MODES:
-        raise InputError(f"weights must be one of {REPLAY_MODES}, got {weights!r}")
+    check_replay_mode(weights)
     stats = stats if stats is not None else RoutingStats()
     if table is None:
         yield stats
         return
-    if weights == "record" and table.weights is None:
-        raise RoutingRecordError("weights='record' needs records that keep gate weights")
     geo = routing_geometry(model)
-    if list(table.layers) != geo["layers"] or table.top_k != geo["top_k"] \
-            or table.num_experts != geo["num_experts"]:
-        raise RoutingRecordError(f"records for layers {list(table.layers)}, top-k {table.top_k}, "
-                                 f"{table.num_experts} experts; the model has {geo}")
+    check_table_fits(table, weights, geo)
 
     def make(layer, original):
         router = _router(model, layer)
