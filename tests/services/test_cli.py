@@ -4,6 +4,7 @@ import json
 import signal
 
 import pytest
+from alignd.infra.work import sampling_seed
 from alignd.tools.cli import app
 from typer.testing import CliRunner
 
@@ -45,10 +46,10 @@ def test_demo_runs_every_configuration_through_the_services(tmp_path):
 
 
 def test_demo_seeds_give_intervals_and_notis_runs_without_tis(tmp_path):
-    """--seeds 2: each configuration runs with seeds 0 and 1 (the same prompts in both
-    configurations), the summary gives every number as a mean with its t interval over the
-    two seeds and the table prints mean ± half-width; nvfp4_naive_notis is the naive NVFP4
-    paths with every TIS weight 1 (none truncated)."""
+    """--seeds 2: each configuration runs with seeds 0 and 1 (the same prompts and sampling
+    seeds in both configurations, other ones per seed), the summary gives every number as a
+    mean with its t interval over the two seeds and the table prints mean ± half-width;
+    nvfp4_naive_notis is the naive NVFP4 paths with every TIS weight 1 (none truncated)."""
     res = runner.invoke(app, ["demo", "--steps", "2", "--seeds", "2",
                               "--configs", "nvfp4_naive,nvfp4_naive_notis",
                               "--prompts-per-step", "2", "--samples-per-prompt", "2", "--no-api",
@@ -71,6 +72,12 @@ def test_demo_seeds_give_intervals_and_notis_runs_without_tis(tmp_path):
         assert ci["estimate"] == sum(values) / 2
     assert "±" in res.output and "over 2 seeds" in " ".join(res.output.split())
     assert report["options"]["seeds"] == 2
+    # seed s samples step t with sampling_seed(s, t) in every configuration: seeds differ in
+    # sampling as well as in prompts (they once all sampled with the step number)
+    for c in report["configs"]:
+        assert [s["sampling_seed"] for s in c["steps"]] == [sampling_seed(c["seed"], t)
+                                                           for t in range(2)]
+    assert len({s["sampling_seed"] for c in report["configs"] for s in c["steps"]}) == 4
 
 
 def test_demo_refuses_unknown_configuration(tmp_path):

@@ -10,12 +10,14 @@ import redis
 
 pytest.importorskip("transformers")
 
+from alignclient.errors import InputError
 from alignd.converter.main import run_converter
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.settings import AllInOneSettings
 from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.stores.rollouts import RolloutStore
+from alignd.infra.work import sampling_seed
 from alignd.learner.engine import TorchLearnerEngine
 from alignd.learner.loop import LearnerLoop, LoopError
 from alignd.sampler.engine import TorchSamplerEngine
@@ -167,3 +169,26 @@ def test_a_request_a_dead_sampler_took_is_served_by_another(deploy):
     finally:
         stop.set()
         t.join(10)
+
+
+def test_rollout_requests_sample_with_a_seed_per_run_seed_and_step(redis_url, tmp_path):
+    """LearnerLoop(seed=s) asks step t's rollouts with sampling_seed(s, t) = s·2³² + t: one
+    seed per (run seed, step), the same from a rebuilt loop, seed 0 keeping the step number;
+    seeds and steps outside the range are refused (InputError)."""
+    settings = AllInOneSettings(redis_url=redis_url, store_dir=tmp_path / "store")
+    model = models.build_model(models.tiny_config(num_hidden_layers=2), seed=5)
+
+    def loop(seed):
+        eng = TorchLearnerEngine(model, "bf16", pad_id=TASK.pad_id)
+        return LearnerLoop(settings, eng, RedisBus.from_settings(settings), rollouts=None,
+                           sampler_path="bf16", prompts=lambda step: TASK.prompts(2, step),
+                           reward=TASK.verify, seed=seed)
+
+    seeds = {(s, t): loop(s).rollout_request("v1", t).seed for s in range(3) for t in range(4)}
+    assert len(set(seeds.values())) == len(seeds)
+    assert seeds == {(s, t): s * 2**32 + t for s, t in seeds}
+    assert loop(2).rollout_request("v1", 3).seed == seeds[2, 3] == sampling_seed(2, 3)
+    assert [seeds[0, t] for t in range(4)] == [0, 1, 2, 3]
+    for bad in ((-1, 0), (2**31, 0), (0, -1), (0, 2**32)):
+        with pytest.raises(InputError, match="sampling seed"):
+            sampling_seed(*bad)

@@ -20,6 +20,7 @@ import json
 import time
 from typing import ClassVar
 
+from alignclient.errors import InputError
 from alignclient.ids import ID_PATTERN
 from pydantic import Field, field_validator
 
@@ -42,6 +43,18 @@ REQUESTS = requests_stream()
 READY = ready_stream()
 SAMPLER_GROUP = "samplers"
 MAX_PROMPTS = 4096
+#: steps a run's sampling seeds are spread over (:func:`sampling_seed`)
+SEED_STEPS = 2**32
+
+
+def sampling_seed(seed: int, step: int) -> int:
+    """The sampling seed of a run's rollout request at ``step``: ``seed · 2³² + step``, so
+    every (run seed, step) pair gets its own seed, reproducibly, and seed 0 keeps ``step``.
+    InputError outside ``0 ≤ seed < 2³¹``, ``0 ≤ step < 2³²`` (the seed stays below 2⁶³)."""
+    if not (0 <= seed < 2**31 and 0 <= step < SEED_STEPS):
+        raise InputError(f"sampling seed needs 0 <= seed < 2**31 and 0 <= step < 2**32, "
+                         f"got seed {seed}, step {step}")
+    return seed * SEED_STEPS + step
 MAX_PROMPT_TOKENS = 4096
 
 

@@ -51,7 +51,13 @@ from alignd.infra.settings import LearnerSettings
 from alignd.infra.staleness import StalenessGuard
 from alignd.infra.stores.rollouts import Rollout, Score, routing_record
 from alignd.infra.telemetry import Metrics
-from alignd.infra.work import RolloutRequest, RolloutsReady, ready_stream, requests_stream
+from alignd.infra.work import (
+    RolloutRequest,
+    RolloutsReady,
+    ready_stream,
+    requests_stream,
+    sampling_seed,
+)
 from alignd.learner.engine import GUIDED_PATHS, LearnerEngine, TrainBatch
 from alignd.learner.sharded_publish import announce_converted
 from libalign.guidance import GuidanceRecord
@@ -75,6 +81,8 @@ class IterationResult:
     """Routing disagreement of the scoring pass (routing replay on): ``decisions``,
     ``disagreement`` (share of token×layer decisions whose own top-k differs from the
     sampler's, before forcing) and ``by_layer``."""
+    sampling_seed: int | None = None
+    """The seed the rollouts were sampled with (:func:`~alignd.infra.work.sampling_seed`)."""
 
 
 class LearnerLoop:
@@ -85,7 +93,7 @@ class LearnerLoop:
                  reward: Callable[[list[int], list[int]], float], run_id: str | None = None,
                  prompts_per_step: int = 8, samples_per_prompt: int = 8,
                  max_new_tokens: int = 8, temperature: float = 1.0, timeout_s: float = 300.0,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, seed: int = 0):
         self.settings = settings
         self.engine = engine
         self.bus = bus
@@ -110,6 +118,9 @@ class LearnerLoop:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.timeout_s = timeout_s
+        self.seed = seed
+        """The run's seed: step ``t`` samples with :func:`~alignd.infra.work.sampling_seed`
+        ``(seed, t)``, so runs with different seeds differ in sampling too."""
         self.requests_stream = requests_stream(settings.key_prefix)
         self.ready_stream = ready_stream(settings.key_prefix)
         self._ready_last = self._tail(self.ready_stream)
@@ -203,16 +214,22 @@ class LearnerLoop:
                 "load": at["serving"] - at["converted"],
                 "sync": at["serving"] - at["published"]}
 
+    def rollout_request(self, vid: str, step: int) -> RolloutRequest:
+        """The request for ``step``'s rollouts of ``vid``: the step's prompts, a group per
+        prompt, sampled with seed ``sampling_seed(self.seed, step)``."""
+        return RolloutRequest(request_id=f"{self.run_id}-{step:05d}-r", version_id=vid,
+                              prompts=json.dumps(self.prompts(step)),
+                              samples_per_prompt=self.samples_per_prompt,
+                              max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                              seed=sampling_seed(self.seed, step),
+                              guidance_bits=self.settings.guidance_bits
+                              if self.engine.path in GUIDED_PATHS else 0,
+                              routing=self.replay_mode != "off")
+
     def rollout(self, vid: str, step: int) -> RolloutsReady:
         """Ask the samplers for a group of rollouts per prompt and wait for them."""
-        rid = f"{self.run_id}-{step:05d}-r"
-        req = RolloutRequest(request_id=rid, version_id=vid,
-                             prompts=json.dumps(self.prompts(step)),
-                             samples_per_prompt=self.samples_per_prompt,
-                             max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                             seed=step, guidance_bits=self.settings.guidance_bits
-                             if self.engine.path in GUIDED_PATHS else 0,
-                             routing=self.replay_mode != "off")
+        req = self.rollout_request(vid, step)
+        rid = req.request_id
         self.bus.publish(self.requests_stream, req.to_fields())
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
@@ -238,6 +255,7 @@ class LearnerLoop:
         sec.update(self.wait_serving(vid))
         t = time.perf_counter()
         ready = self.rollout(vid, step)
+        seed = sampling_seed(self.seed, step)
         sec["rollout"] = time.perf_counter() - t
         t = time.perf_counter()
         ids = ready.ids()
@@ -268,7 +286,7 @@ class LearnerLoop:
         summary = delta.model_dump() if hasattr(delta, "model_dump") else dict(delta)
         flat = [a - b for x, y in zip(mine, samp, strict=True) for a, b in zip(x, y, strict=True)]
         return IterationResult(step, vid, sum(rewards) / len(rewards), summary, train, sec, flat,
-                               route_stats)
+                               route_stats, seed)
 
     def run(self, steps: int, start: int = 0,
             on_step: Callable[[IterationResult], None] | None = None) -> list[IterationResult]:

@@ -46,8 +46,10 @@ Each step publishes a version converted for the sampler's path, waits until it s
 samples a group per prompt, scores, and takes a GRPO step (:mod:`alignd.learner.engine`).
 ``nvfp4_naive_notis`` shows what the TIS correction is for. The learning rate (1e-4, Adam)
 rises linearly over the first ``lr_warmup_steps`` (10) steps. Each configuration runs with
-``seeds`` seeds (``seed``, ``seed + 1``, …); seed ``s`` draws the same prompts in every
-configuration, so configurations are compared on common prompts.
+``seeds`` seeds (``seed``, ``seed + 1``, …); seed ``s`` draws the same prompts and the same
+sampling seeds (:func:`alignd.infra.work.sampling_seed` of ``s`` and the step) in every
+configuration, so configurations are compared on common random numbers, and seeds differ in
+both.
 The objective's knobs are the learner's (``--tis-cap``, default 2, TRACE uses 5;
 ``--ppo-clip-eps``, default off; ``--ppo-epochs``, optimizer steps per batch, default 1;
 ``--max-version-diff``, default unbounded, TRACE uses 3);
@@ -291,7 +293,7 @@ def run_demo(cfg: DemoConfig, *,
                 reward=task.verify, prompts_per_step=cfg.prompts_per_step,
                 samples_per_prompt=cfg.samples_per_prompt,
                 max_new_tokens=task.max_completion_len, temperature=cfg.temperature,
-                metrics=metrics)
+                metrics=metrics, seed=seed)
             run.objective = loop.objective()
             warmup = torch.optim.lr_scheduler.LambdaLR(
                 engine.opt, lambda i: min(1.0, (i + 1) / max(1, cfg.lr_warmup_steps)))
@@ -304,6 +306,7 @@ def run_demo(cfg: DemoConfig, *,
                 results.append(r)
                 run.steps.append({"step": step, "version_id": r.version_id,
                                   "reward": r.reward_mean, "tokens": int(d.size),
+                                  "sampling_seed": r.sampling_seed,
                                   "mean_abs_delta": float(np.abs(d).mean()) if d.size else None,
                                   "max_abs_delta": float(np.abs(d).max()) if d.size else None,
                                   "routing_disagreement": r.routing.get("disagreement"),
