@@ -159,14 +159,16 @@ def _e4m3_values(device: torch.device) -> torch.Tensor:
 
 
 _DECODE_FAILED: list[str] = []
-_TRITON_DECODE = [os.environ.get("ALIGN_TRITON_DECODE", "0") == "1"]
+_TRITON_DECODE = [os.environ.get("ALIGN_TRITON_DECODE", "1") != "0"]
 
 
 @contextlib.contextmanager
 def triton_decode(on: bool = True):
-    """Decode bf16 inner values with the Triton pass (or not) inside the block (process-wide);
-    off by default (``ALIGN_TRITON_DECODE=1`` turns it on) until its GPU bit test has run on
-    the H200: the table gather serves meanwhile, with the bits the CPU tests pin."""
+    """Decode bf16 inner values with the Triton pass (or not) inside the block (process-wide).
+
+    On by default (``ALIGN_TRITON_DECODE=0`` turns it off for the process): its GPU bit test
+    (tests/libalign/test_gemm_gpu.py) passes on the H200. Off, the table gather serves, with
+    the same bits."""
     before = _TRITON_DECODE[0]
     _TRITON_DECODE[0] = bool(on)
     try:
@@ -197,12 +199,13 @@ def triton_inner_values(codes: torch.Tensor, block_scales: torch.Tensor) -> torc
 
 # --- guided rounding fused into the activation pass (TRACE) ----------------------------------
 
-_FUSED_GUIDANCE = [os.environ.get("ALIGN_FUSED_GUIDANCE", "0") == "1"]
+_FUSED_GUIDANCE = [os.environ.get("ALIGN_FUSED_GUIDANCE", "1") != "0"]
 
 
 def fused_guidance_enabled() -> bool:
-    """Whether guided activations go through the fused Triton pass (``ALIGN_FUSED_GUIDANCE=1``
-    or :func:`fused_guidance`); off by default until its GPU bit test has run on the H200."""
+    """Whether guided activations go through the fused Triton pass: on by default (its GPU bit
+    test, tests/libalign/test_guided_fused.py, passes on the H200); ``ALIGN_FUSED_GUIDANCE=0``
+    or :func:`fused_guidance` turns it off."""
     return _FUSED_GUIDANCE[0]
 
 

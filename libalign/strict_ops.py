@@ -57,6 +57,7 @@ from collections.abc import Callable
 import torch
 
 from .errors import DTypeError, ShapeError
+from .strict_triton import kordered_matmul, kordered_matmul_available
 
 __all__ = ["attention", "exp", "linear", "log", "log_softmax", "rms_norm", "sequential_sum",
            "silu", "softmax", "topk_indices", "tree_sum"]
@@ -231,11 +232,14 @@ def matmul_f32(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``a @ w.T`` in fp32 accumulated in K order (no autograd): ``a`` ``[M, K]``, ``w`` ``[N, K]``.
 
     One rank-1 update of the whole ``[M, N]`` accumulator per k: every output element sees the
-    additions in the same order whatever M is.
+    additions in the same order whatever M is. On a GPU one Triton kernel computes the same
+    roundings in registers (:mod:`libalign.strict_triton`): the same bits, without 2K launches.
     """
     if a.ndim != 2 or w.ndim != 2 or a.shape[1] != w.shape[1]:
         raise ShapeError(f"matmul_f32 needs [M, K] x [N, K], got {tuple(a.shape)} and "
                          f"{tuple(w.shape)}")
+    if kordered_matmul_available(a):
+        return kordered_matmul(a.detach(), w.detach())
     at = a.detach().float().t().contiguous()
     wt = w.detach().float().t().contiguous()
     m, n = a.shape[0], w.shape[0]
@@ -321,13 +325,28 @@ def _attention_values(q, k, v, allowed, scaling):
     live = torch.isfinite(m)
     e = torch.where(ok & live, _exp_values(s - torch.where(live, m, 0.0)), 0.0)
     # keys in slot order: a masked slot adds an exact zero wherever it sits
+    den, num = _slot_sums(e, vf)
+    out = torch.where(den.unsqueeze(-1) > 0, num / den.clamp_min(1e-38).unsqueeze(-1), 0.0)
+    return out.reshape(b, hq, tq, d).to(q.dtype)
+
+
+def _slot_sums(e, vf):
+    """``sum_j e[..., j]`` and ``sum_j e[..., j] v[j]`` from +0 in slot order: ``e`` ``[B, Hkv,
+    rep, Tq, Tk]``, ``vf`` ``[B, Hkv, 1, Tk, D]`` (fp32)."""
+    if kordered_matmul_available(e):
+        b, hkv, rep, tq, tk = e.shape
+        a = e.reshape(b * hkv, rep * tq, tk)
+        v3 = vf.reshape(b * hkv, tk, -1).transpose(1, 2)
+        ones = torch.ones((1, 1, tk), dtype=torch.float32, device=e.device).expand(b * hkv, 1, tk)
+        num = kordered_matmul(a, v3, zero_init=True).reshape(b, hkv, rep, tq, -1)
+        den = kordered_matmul(a, ones, zero_init=True).reshape(b, hkv, rep, tq)
+        return den, num
     den = torch.zeros_like(e[..., 0])
-    num = torch.zeros((*e.shape[:-1], d), dtype=torch.float32, device=q.device)
+    num = torch.zeros((*e.shape[:-1], vf.shape[-1]), dtype=torch.float32, device=e.device)
     for j in range(e.shape[-1]):
         den = den + e[..., j]
         num = num + e[..., j].unsqueeze(-1) * vf[:, :, :, j].unsqueeze(-2)
-    out = torch.where(den.unsqueeze(-1) > 0, num / den.clamp_min(1e-38).unsqueeze(-1), 0.0)
-    return out.reshape(b, hq, tq, d).to(q.dtype)
+    return den, num
 
 
 def _attention_stock(q, k, v, allowed, scaling):

@@ -38,9 +38,10 @@ model time over ``bf16`` (goal <= 1.10), the weight quantization per step of
 ``nvfp4_minite`` (goal <= 5 ms), and ``nvfp4_trace_rec`` model time over ``nvfp4_minite``
 (goal <= 1.074, TRACE's own overhead figure). ``nvfp4_minite_nocheck`` is minite without the
 per-GEMM NaN/Inf check (:func:`libalign.models.megatron.set_finite_check`), whose device
-synchronisations stall the host's queue. ``nvfp4_trace_rec_fused`` rounds the guided rows
-inside the Triton activation pass (:func:`libalign.gemm_triton.fused_guidance`) instead of
-quantizing them first (:func:`libalign.guidance.guided_quantize`: dozens of tensor passes).
+synchronisations stall the host's queue. ``nvfp4_trace_rec`` rounds the guided rows inside the
+Triton activation pass (:func:`libalign.gemm_triton.fused_guidance`, the default);
+``nvfp4_trace_rec_unfused`` quantizes them first (:func:`libalign.guidance.guided_quantize`:
+dozens of tensor passes), as before that pass existed.
 
 Run: ``python -m tests.bench megatron [-- --tokens 8192 --repeats 10 --json out.json]``.
 Without CUDA it prints that it skipped, unless ``--tiny`` (a 2-layer, 8-expert model small
@@ -58,7 +59,7 @@ import time
 import torch
 
 PATHS = ("bf16", "nvfp4_naive", "nvfp4_minite", "nvfp4_minite_nocheck", "nvfp4_trace",
-         "nvfp4_trace_rec", "nvfp4_trace_rec_fused")
+         "nvfp4_trace_rec", "nvfp4_trace_rec_unfused")
 RECORD_BITS = 2
 GOALS = {"minite_model": 1.10, "quantize_ms": 5.0, "trace_rec_over_minite": 1.074}
 
@@ -170,7 +171,8 @@ def _run(args) -> dict:
                 ex.linear_fc1.prepared()
                 ex.linear_fc2.prepared()
 
-        table = _records(mg, model, ids, keys, dev) if "nvfp4_trace_rec" in paths else None
+        guided = any(p.startswith("nvfp4_trace_rec") for p in paths)
+        table = _records(mg, model, ids, keys, dev) if guided else None
         samples = {p: {"model": [], "experts": [], "quantize": []} for p in paths}
         for path in paths:  # warm-up, compile, first quantization; quality check
             mg.set_path(model, _model_path(path))
@@ -229,7 +231,7 @@ def _goals(rows: dict) -> list[dict]:
     add("nvfp4_minite weight quantization per step", mn.get("quantize_ms"), GOALS["quantize_ms"],
         "ms")
     for key, name in (("nvfp4_trace_rec", "nvfp4_trace (records) whole model / minite"),
-                      ("nvfp4_trace_rec_fused", "  ... guided rounding fused into the act pass")):
+                      ("nvfp4_trace_rec_unfused", "  ... guided rounding before the act pass")):
         if key in rows and mn:
             add(name, rows[key]["model_ms"] / mn["model_ms"], GOALS["trace_rec_over_minite"], "x")
     return out
@@ -288,19 +290,19 @@ class _path_ctx:
 
     def __init__(self, mg, model, path, keys, table=None):
         self.mg, self.model, self.keys = mg, model, keys
-        self.on = path in ("nvfp4_trace", "nvfp4_trace_rec")
+        self.on = path.startswith("nvfp4_trace")
         self.table = table if path.startswith("nvfp4_trace_rec") else None
         self.unchecked = path.endswith("_nocheck")
-        self.fused = path.endswith("_fused")
+        self.unfused = path.endswith("_unfused")
         self.ctx = self.fused_ctx = None
 
     def __enter__(self):
         if self.unchecked:
             self.mg.set_finite_check(self.model, False)
-        if self.fused:
+        if self.unfused:
             from libalign.gemm_triton import fused_guidance
 
-            self.fused_ctx = fused_guidance(True)
+            self.fused_ctx = fused_guidance(False)
             self.fused_ctx.__enter__()
         if self.on:
             self.mg.set_row_keys(self.model, self.keys)

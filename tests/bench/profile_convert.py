@@ -8,6 +8,7 @@ exactly one steady-state launch of each.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -16,8 +17,49 @@ from libalign import ops
 from libalign.spec import PRESETS
 
 
+def timeline(preset: str, calls: int = 3) -> None:
+    """Where a caller's time goes in ``quantize_many`` on one layer: the host (CPU) operations
+    and device kernels of the last of ``calls`` steady-state calls, in start order, in µs from
+    the call's start, with the GPU's idle gaps (``--timeline``; no ncu needed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    stacks = [torch.randn((128, m, k), device="cuda", dtype=torch.bfloat16)
+              for m, k in ((1536, 2048), (2048, 768))]
+    for _ in range(3):
+        ops.quantize_many(stacks, PRESETS[preset])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            with torch.profiler.record_function("quantize_many"):
+                ops.quantize_many(stacks, PRESETS[preset])
+            torch.cuda.synchronize()
+    evs = sorted(prof.events(), key=lambda e: e.time_range.start)
+    marks = [e for e in evs if e.name == "quantize_many"]
+    t0, t1 = marks[-1].time_range.start, marks[-1].time_range.end
+    kernels = []
+    for e in evs:
+        if e.time_range.start < t0 or e.time_range.start > t1 + 2000:
+            continue
+        gpu = e.device_type.name == "CUDA"
+        if gpu:
+            kernels.append((e.time_range.start, e.time_range.end))
+        print(f"{'GPU' if gpu else 'CPU'} {e.time_range.start - t0:9.1f} "
+              f"{e.time_range.end - e.time_range.start:9.1f}  {e.name[:90]}")
+    busy = sum(b - a for a, b in kernels)
+    print(f"call {t1 - t0:.1f} us on the host; kernels busy {busy:.1f} us; first kernel at "
+          f"{kernels[0][0] - t0 if kernels else float('nan'):.1f} us; last ends at "
+          f"{kernels[-1][1] - t0 if kernels else float('nan'):.1f} us")
+    out = os.environ.get("OUT")
+    if out:
+        prof.export_chrome_trace(os.path.join(out, f"quantize_many_{preset}.json"))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--timeline" in argv:
+        rest = [a for a in argv if a != "--timeline"]
+        timeline(rest[0] if rest else "minite")
+        return 0
     preset = argv[0] if argv else "minite"
     stacks = [torch.randn((128, m, k), device="cuda", dtype=torch.bfloat16)
               for m, k in ((1536, 2048), (2048, 768))]

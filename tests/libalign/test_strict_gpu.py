@@ -1,7 +1,6 @@
-"""Strict execution on a CUDA device: decode equals scoring bit for bit there, and (the ops
-being IEEE element-wise operations) the device's strict log-probs equal the CPU's.
-
-Written for the H200; not yet run there (no device time was left in the session that wrote it).
+"""Strict execution on a CUDA device: decode equals scoring bit for bit there, the strict ops
+(IEEE element-wise operations, and the Triton K-ordered product of :mod:`libalign.strict_triton`)
+give the CPU's bits, and so does the tiny model's strict scoring. Run on the H200.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ pytest.importorskip("transformers")
 
 from libalign import strict_ops
 from libalign.models import build_model, generate, score_sequences, strict, tiny_config
+from libalign.strict_triton import kordered_matmul
 
 pytestmark = pytest.mark.gpu
 
@@ -60,3 +60,42 @@ def test_strict_ops_agree_between_cuda_and_cpu():
 
     for a, b in zip(cases("cpu"), cases("cuda"), strict=True):
         assert torch.equal(a, b.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kordered_kernel_gives_the_cpu_loop_bits(dtype):
+    """The Triton K-ordered product equals matmul_f32's torch loop on the CPU bit for bit
+    (fp32 operands too, whose products are inexact: no fused multiply-add), for every M from 1
+    (a decode row) to 70 and odd N and K; a row alone equals the same row inside the batch; the
+    +0 start of a slot-ordered sum keeps the sign of an all-zero result."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(3)
+    for m, n, k in ((1, 33, 17), (7, 130, 256), (70, 1, 5), (70, 96, 1), (33, 200, 768)):
+        a = torch.randn(m, k, generator=g).to(dtype)
+        w = torch.randn(n, k, generator=g).to(dtype)
+        want = strict_ops.matmul_f32(a, w)                   # the CPU's torch loop
+        got = kordered_matmul(a.cuda(), w.cuda()).cpu()
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (m, n, k)
+        alone = kordered_matmul(a[-1:].cuda(), w.cuda()).cpu()
+        assert torch.equal(alone.view(torch.int32), got[-1:].view(torch.int32))
+    e = torch.zeros(2, 3, 4)
+    v = -torch.rand(2, 5, 4)                                 # every product is -0
+    sums = kordered_matmul(e.cuda(), v.cuda(), zero_init=True).cpu()
+    assert torch.equal(sums.view(torch.int32), torch.zeros(2, 3, 5).view(torch.int32))
+
+
+def test_strict_attention_on_cuda_gives_the_cpu_bits():
+    """Slot-ordered attention (the Triton slot sums on CUDA, the torch loop on the CPU) gives the
+    same bits for grouped queries, a causal mask and a query that sees no key."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 8, 6, 32, generator=g).bfloat16()
+    k = torch.randn(2, 2, 9, 32, generator=g).bfloat16()
+    v = torch.randn(2, 2, 9, 32, generator=g).bfloat16()
+    allowed = torch.ones(2, 1, 6, 9, dtype=torch.bool).tril(3)
+    allowed[1, :, 0] = False
+    want = strict_ops.attention(q, k, v, allowed, 0.125)
+    got = strict_ops.attention(q.cuda(), k.cuda(), v.cuda(), allowed.cuda(), 0.125).cpu()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One lent-H200 call: GPU tests and benchmarks, logs under $OUT (the device machine keeps nothing).
+#   tests/bench/h200_run.sh STAGE [STAGE ...]    stages: tests, gemm, convert, megatron, strict,
+#                                               records (kv_guidance + routing + guidance on cuda)
+# Wheels the image lacks (megatron-core, torchao) travel in .whl/ (carry it); each stage has its
+# own time limit so one that hangs leaves the others their share of the call.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-/tmp/h200_out}"; mkdir -p "$OUT"
+[ -d .h20cache/models ] && export ALIGN_MODEL_CACHE="$PWD/.h20cache/models"   # trained tiny models
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PWD:$PWD/clients:$PWD/services" || exit 1
+else
+  export PYTHONPATH="$PWD:$PWD/clients:$PWD/services"
+fi
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv > "$OUT/smi.csv"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__,
+      torch.cuda.get_device_name())' | tee "$OUT/versions.txt"
+
+stage() {   # name, limit in seconds, command...
+  local name="$1" limit="$2"; shift 2
+  echo "== $name (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: rc=$rc in $((SECONDS - t0)) s"
+  tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+
+for s in "$@"; do
+  case "$s" in
+    tests) stage tests "${T_TESTS:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu \
+             --maxfail=15 --continue-on-collection-errors -o addopts="-rfE" ${TEST_FILES:-tests/libalign} ;;
+    gemm) stage gemm "${T_GEMM:-200}" python3 -m tests.bench gemm -- ${GEMM_ARGS:---profile} ;;
+    convert) stage convert "${T_CONVERT:-150}" python3 -m tests.bench convert -- \
+               --layers 48 --json "$OUT/convert.json" ;;
+    megatron) stage megatron "${T_MEGATRON:-200}" python3 -m tests.bench megatron -- \
+                --json "$OUT/megatron.json" ;;
+    strict) stage strict "${T_STRICT:-120}" python3 -m tests.bench strict -- --device cuda ${STRICT_ARGS:-} ;;
+    records) stage kv_guidance "${T_RECORDS:-60}" python3 -m tests.bench kv_guidance -- \
+               --device cuda --no-learner
+             stage routing "${T_RECORDS:-60}" python3 -m tests.bench routing -- --device cuda --no-learner
+             stage guidance "${T_RECORDS:-60}" python3 -m tests.bench guidance -- --device cuda ;;
+    probe) stage probe "${T_PROBE:-60}" python3 -m tests.bench.profile_convert --timeline ;;
+    *) echo "unknown stage $s" >&2 ;;
+  esac
+done
