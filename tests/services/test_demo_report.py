@@ -135,8 +135,9 @@ def test_figure_draws_mean_curves_with_bands(tmp_path):
                                              "--configs", "bf16"], "explicit")])
 def test_cli_default_and_full_profiles(monkeypatch, tmp_path, flags, profile):
     """alignd demo runs DEFAULT_CONFIGS with DEFAULT_RUN's steps and seeds; --full every
-    configuration with FULL_RUN's; explicit --steps/--seeds/--configs win over either; the
-    table and the wall time are printed."""
+    configuration with FULL_RUN's; explicit --steps/--seeds/--configs win over either; both
+    sample DemoConfig's 16 prompts x 4 rollouts a step; the table and the wall time are
+    printed."""
     from alignd.tools import cli
     from alignd.tools.demo import run as demo_run
     from typer.testing import CliRunner
@@ -159,6 +160,7 @@ def test_cli_default_and_full_profiles(monkeypatch, tmp_path, flags, profile):
             "full": (tuple(demo_run.CONFIGS), demo_run.FULL_RUN),
             "explicit": (("bf16",), {"steps": 3, "seeds": 2})}[profile]
     assert (cfg.configs, {"steps": cfg.steps, "seeds": cfg.seeds}) == want
+    assert (cfg.prompts_per_step, cfg.samples_per_prompt) == (16, 4)  # DemoConfig's
     assert "wall time" in res.output and "reward last 1/4" in res.output
     assert set(demo_run.DEFAULT_CONFIGS) <= set(demo_run.CONFIGS)
     assert "nvfp4_naive_notis" in demo_run.DEFAULT_CONFIGS

@@ -147,14 +147,15 @@ def demo(
     steps: int | None = typer.Option(None, help="RL steps per configuration and seed (default "
                                      "24; --full: 60)"),
     seeds: int | None = typer.Option(None, help="seeds per configuration; the table gives the "
-                                     "mean with its 95 % interval over them (default 3; --full: 5)"),
+                                     "mean with its 95 % interval over them (default 5)"),
     configs: str | None = typer.Option(None, help="configurations to run, comma-separated "
                                        "(default: bf16, nvfp4_naive, nvfp4_naive_notis, "
                                        "nvfp4_minite, nvfp4_trace; --full: every one)"),
     full: bool = typer.Option(False, "--full", help="the complete picture: every configuration, "
-                              "more steps and seeds (about half an hour on 2 free cores)"),
-    prompts_per_step: int = typer.Option(8, help="prompts per step"),
-    samples_per_prompt: int = typer.Option(8, help="rollouts per prompt (one GRPO group)"),
+                              "more steps (about half an hour on 2 free cores)"),
+    prompts_per_step: int | None = typer.Option(None, help="prompts per step (default 16)"),
+    samples_per_prompt: int | None = typer.Option(None, help="rollouts per prompt, one GRPO "
+                                                  "group (default 4)"),
     out: Annotated[Path, typer.Option("--out", help="directory for the report, figure and "
                                       "weight store")] = Path("align-demo"),
     api: bool = typer.Option(True, "--api/--no-api", help="serve the control API, /metrics and "
@@ -184,10 +185,11 @@ def demo(
     seeds = profile["seeds"] if seeds is None else seeds
     names = ([c.strip() for c in configs.split(",") if c.strip()] if configs is not None
              else list(CONFIGS if full else DEFAULT_CONFIGS))
-    cfg = DemoConfig(configs=tuple(names), steps=steps, seeds=seeds,
-                     prompts_per_step=prompts_per_step, samples_per_prompt=samples_per_prompt,
-                     out_dir=out, tis_cap=tis_cap, ppo_clip_eps=ppo_clip_eps,
-                     ppo_epochs=ppo_epochs, max_version_diff=max_version_diff)
+    group = {k: v for k, v in (("prompts_per_step", prompts_per_step),
+                               ("samples_per_prompt", samples_per_prompt)) if v is not None}
+    cfg = DemoConfig(configs=tuple(names), steps=steps, seeds=seeds, **group, out_dir=out,
+                     tis_cap=tis_cap, ppo_clip_eps=ppo_clip_eps, ppo_epochs=ppo_epochs,
+                     max_version_diff=max_version_diff)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
     tasks: dict[tuple[str, int], int] = {}
