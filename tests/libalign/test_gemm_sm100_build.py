@@ -13,9 +13,7 @@ itself has never run: no Blackwell device exists in this project.
 from __future__ import annotations
 
 import ctypes
-import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -24,24 +22,22 @@ from alignclient.errors import DTypeError, ShapeError, SpecError
 
 from libalign import _native, gemm_cutlass
 from libalign.packing import swizzle_scales, swizzled_size, unswizzle_scales
+from tests.libalign import native_builds
 
 ARCH, SHAPE = 1, 2  # NV_GEMM_ERR_ARCH, NV_GEMM_ERR_SHAPE in csrc/gemm_abi.h
 
 
 def _headers_or_skip() -> _native.CutlassHeaders:
-    try:
-        return _native.find_cutlass()
-    except _native.KernelBuildError as exc:
-        pytest.skip(f"CUTLASS headers absent: {exc}")
+    gap = native_builds.cutlass_gap()
+    if gap:
+        pytest.skip(gap)
+    return _native.find_cutlass()
 
 
-def _nvcc_sm100_or_skip() -> str:
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc not installed")
-    if "compute_100" not in _native.nvcc_archs(nvcc):
-        pytest.skip("this nvcc cannot target sm_100a")
-    return nvcc
+def _nvcc_sm100_or_skip() -> None:
+    gap = native_builds.nvcc_sm100_gap()
+    if gap:
+        pytest.skip(gap)
 
 
 @pytest.fixture
@@ -74,36 +70,32 @@ def _check_abi_without_device(lib: ctypes.CDLL) -> None:
     assert b"unsupported architecture" in lib.nvfp4_gemm_sm100_status_string(ARCH)
 
 
-def _compile_variant(tmp_path: Path, arch_flag: str, *extra: str) -> ctypes.CDLL:
-    """gemm_nvfp4_sm100.cu built with the gemm_sm100 command but another -gencode / -D."""
-    src = _native.CSRC / _native.SOURCES["gemm_sm100"]
-    out = tmp_path / "libvariant.so"
-    cmd = [arch_flag if a.startswith("-gencode") else a
-           for a in _native.build_command("gemm_sm100", src, out)]
-    cmd[1:1] = list(extra)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lib = ctypes.CDLL(str(out))
+def _load_variant(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
     _native.declare(lib, "gemm_sm100")
     return lib
 
 
 # ---- the build (slow: CUTLASS template instantiation) -------------------------------------
 
+# (their nvcc runs start in the background once these tests are collected: native_builds)
+
 @pytest.mark.slow
-def test_sm100a_library_compiles_with_cutlass_and_answers_without_a_device(fresh_native):
-    """nvcc builds the CUTLASS grouped GEMM for sm_100a; the library loads and says 'no device'."""
+def test_sm100a_library_compiles_with_cutlass_and_answers_without_a_device(fresh_native,
+                                                                           monkeypatch):
+    """nvcc builds the CUTLASS grouped GEMM for sm_100a (``_native.build`` into an empty
+    cache); a later build finds it by content; the library loads and says 'no device'."""
     _nvcc_sm100_or_skip()
     headers = _headers_or_skip()
     cmd = _native.build_command("gemm_sm100", Path("x.cu"), Path("x.so"))
     assert "-gencode=arch=compute_100a,code=sm_100a" in cmd
     assert f"-I{headers.include}" in cmd and f"-I{headers.util_include}" in cmd
-    start = time.perf_counter()
+    built = native_builds.result("gemm_sm100")
+    assert built.returncode == 0, built.output[-3000:]
+    print(f"gemm_sm100 build: {built.seconds:.1f} s (CUTLASS {'.'.join(map(str, headers.version))})")
+    monkeypatch.setenv("ALIGN_KERNEL_CACHE", str(built.folder))
     path = _native.build("gemm_sm100")
-    took = time.perf_counter() - start
-    print(f"gemm_sm100 build: {took:.1f} s (CUTLASS {'.'.join(map(str, headers.version))})")
-    assert path.stat().st_size > 0
-    assert _native.build("gemm_sm100") == path  # cached by content
+    assert path == built.path and path.stat().st_size > 0  # cached by content
     lib = _native.load_or_raise("gemm_sm100")
     _check_abi_without_device(lib)
     bad_k = _valid_args(k=48)  # K not a multiple of 32
@@ -113,21 +105,25 @@ def test_sm100a_library_compiles_with_cutlass_and_answers_without_a_device(fresh
 
 
 @pytest.mark.slow
-def test_other_arch_build_compiles_to_an_architecture_error(tmp_path):
+def test_other_arch_build_compiles_to_an_architecture_error():
     """Built for sm_90, the same source compiles (empty kernel body) and answers 'unsupported'."""
     _nvcc_sm100_or_skip()
     _headers_or_skip()
-    lib = _compile_variant(tmp_path, "-gencode=arch=compute_90,code=sm_90")
-    _check_abi_without_device(lib)
+    built = native_builds.result("gemm_sm100_for_sm90")
+    assert built.returncode == 0, built.output[-3000:]
+    _check_abi_without_device(_load_variant(built.folder / "libvariant.so"))
 
 
 def test_stub_build_answers_unsupported_architecture(tmp_path):
     """-DALIGN_GEMM_SM100_STUB (what a pre-12.8 toolkit gets) exports the same ABI, all 'unsupported'."""
     _nvcc_sm100_or_skip()
     _headers_or_skip()
-    lib = _compile_variant(tmp_path, "-gencode=arch=compute_100a,code=sm_100a",
-                           "-DALIGN_GEMM_SM100_STUB")
-    _check_abi_without_device(lib)
+    out = tmp_path / "libvariant.so"
+    cmd = native_builds.variant_command(out, "-gencode=arch=compute_100a,code=sm_100a",
+                                        "-DALIGN_GEMM_SM100_STUB")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_abi_without_device(_load_variant(out))
 
 
 # ---- finding the headers ------------------------------------------------------------------

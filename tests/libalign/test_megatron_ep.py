@@ -28,6 +28,8 @@ CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(),
                               reason="CPU-shim test; the gpu-marked tests cover CUDA hosts")
 
 SPECS = {"row": "minite", "tensor": "te"}
+PATHS = ("bf16", "nvfp4_minite")
+TRAIN_PATH = "nvfp4_minite"
 
 
 def _assert_same_version(got, ref) -> None:
@@ -58,16 +60,30 @@ def _batches():
     return out
 
 
-@pytest.fixture(scope="module", params=["bf16", "nvfp4_minite"])
-def runs(request, hf_sd, tmp_path_factory):
-    """One process with every expert, and two expert-parallel ranks, on the same weights."""
-    path, batches = request.param, _batches()
-    root = tmp_path_factory.mktemp(f"store-{path}")
-    publish = [(str(root), f"v-{kind}", spec) for kind, spec in SPECS.items()]
-    one = launch(W.forward_backward, 1, args=(hf_sd, batches, path), backend="gloo")[0]
-    two = launch(W.forward_backward, 2, args=(hf_sd, batches, path, publish),
+@pytest.fixture(scope="module")
+def ep_runs(hf_sd, tmp_path_factory):
+    """One process with every expert, and two expert-parallel ranks, on the same weights, each
+    launched once: the forward/backward of both paths (the ranks publishing sharded versions
+    into a store per path), then one training step on nvfp4_minite."""
+    batches = _batches()
+    stores = {p: tmp_path_factory.mktemp(f"store-{p}") for p in PATHS}
+    publish = {p: [(str(root), f"v-{kind}", spec) for kind, spec in SPECS.items()]
+               for p, root in stores.items()}
+    one = launch(W.forward_backward_then_train, 1,
+                 args=(hf_sd, batches, [(p, ()) for p in PATHS], TRAIN_PATH), backend="gloo")[0]
+    two = launch(W.forward_backward_then_train, 2,
+                 args=(hf_sd, batches, [(p, publish[p]) for p in PATHS], TRAIN_PATH),
                  expert_model_parallel_size=2, backend="gloo")
-    return path, batches, one, two, WeightStore(root)
+    return batches, stores, one, two
+
+
+@pytest.fixture(scope="module", params=PATHS)
+def runs(request, ep_runs):
+    """``(path, batches, one process, two ranks, the ranks' store)`` of a forward/backward."""
+    path = request.param
+    batches, stores, one, two = ep_runs
+    return (path, batches, one["forward_backward"][path],
+            [r["forward_backward"][path] for r in two], WeightStore(stores[path]))
 
 
 @CPU_ONLY
@@ -148,11 +164,10 @@ def test_impossible_layouts_are_refused_before_starting():
 
 
 @pytest.fixture(scope="module")
-def train_runs(hf_sd):
-    path = "nvfp4_minite"
-    one = launch(W.train_one_step, 1, args=(hf_sd, path), backend="gloo")[0]
-    two = launch(W.train_one_step, 2, args=(hf_sd, path), backend="gloo")
-    return one, two
+def train_runs(ep_runs):
+    """``(one process, two ranks)`` of one training step on TRAIN_PATH."""
+    _batches, _stores, one, two = ep_runs
+    return one["train"], [r["train"] for r in two]
 
 
 @CPU_ONLY
