@@ -38,6 +38,7 @@ torch's symmetric memory or NVSHMEM. :data:`NO_MULTICAST_ENV` holds the three sw
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import signal
@@ -311,12 +312,15 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
     agent_signals = AGENT_SIGNALS if stop is None else ("SIGHUP", "SIGQUIT")
     with tempfile.TemporaryDirectory(prefix="libalign-launch-") as tmp:
         run_dir = Path(tmp)
+        options = {"signals_to_handle": ",".join(agent_signals),
+                   "shutdown_timeout": SHUTDOWN_GRACE_S}
+        known = {f.name for f in dataclasses.fields(LaunchConfig)}  # torch 2.11: no shutdown_timeout
         config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=uuid.uuid4().hex,
             rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
-            max_restarts=0, start_method="spawn", signals_to_handle=",".join(agent_signals),
-            shutdown_timeout=SHUTDOWN_GRACE_S,
-            logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")))
+            max_restarts=0, start_method="spawn",
+            logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs")),
+            **{k: v for k, v in options.items() if k in known})
         watch = _Watch(run_dir, world_size, timeout_s, stop)
         watch.start()
         try:
