@@ -13,6 +13,10 @@ Per token and recorded layer the sites hold:
 * K and V (``k``, ``v``): ``2 * kv_heads * head_dim`` values in ``2 * kv_heads`` rows (one
   per key/value head), at the KV format's block size.
 
+Routing replay (R3) adds a routing record per token: ``top_k`` expert ids at *every* MoE layer
+(one byte each up to 256 experts, two above; :mod:`libalign.routing_records`), plus two bytes
+of bf16 gate weight per id where the learner takes the sampler's weights (``record``).
+
 :func:`trace_reference_size` reproduces TRACE's own accounting (codes and block scales only:
 about 45 KiB of activation and 5.6 KiB of KV guidance per token for a 35B MoE with hidden
 size 2048, 40 layers and 256 KV values per layer, at 4.5 bits a value).
@@ -26,6 +30,7 @@ from .constants import BLOCK_SIZE
 from .errors import SpecError
 from .guidance import ACT_SITES, select_layers
 from .rounding import GUIDE_BITS
+from .routing_records import bytes_per_token as routing_bytes_per_token
 from .spec import PRESETS
 
 
@@ -72,13 +77,18 @@ def size_per_token(*, hidden: int, moe_intermediate: int, top_k: int, layers: in
 
 def size_for_config(config, *, bits: int, last_layers: int | None = None,
                     sites: Iterable[str] = ACT_SITES, kv: bool = False,
-                    kv_spec: str = "kv_nvfp4") -> dict[str, float]:
+                    kv_spec: str = "kv_nvfp4", routing: str | None = None) -> dict[str, float]:
     """:func:`size_per_token` for a Hugging Face MoE config (``hidden_size``,
     ``moe_intermediate_size``, ``num_experts_per_tok``, ``num_hidden_layers``, and
     ``mlp_only_layers``/``decoder_sparse_step`` where present), recording the last
     ``last_layers`` MoE layers (all by default); ``kv`` counts K and V of the last
     ``last_layers`` decoder layers as records in ``kv_spec`` (``kv_nvfp4``, ``kv_mxfp4``) hold them.
+    ``routing`` adds the R3 record of every MoE layer (``num_experts`` sets the id width):
+    ``"ids"`` (the learner recomputes gate weights) or ``"weights"`` (it takes the sampler's);
+    the ``routing`` part is 0 without it.
     """
+    if routing not in (None, "ids", "weights"):
+        raise SpecError(f"routing must be 'ids' or 'weights' (or None), got {routing!r}")
     get = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else \
         (lambda k, d=None: getattr(config, k, d))
     n = int(get("num_hidden_layers"))
@@ -91,13 +101,18 @@ def size_for_config(config, *, bits: int, last_layers: int | None = None,
                                           max(1, int(get("num_attention_heads", 1)))))
     if kv and kv_spec not in PRESETS:
         raise SpecError(f"unknown KV format {kv_spec!r}; KV presets are kv_nvfp4, kv_mxfp4")
-    return size_per_token(hidden=int(get("hidden_size")),
+    out = size_per_token(hidden=int(get("hidden_size")),
                           moe_intermediate=int(get("moe_intermediate_size")),
                           top_k=int(get("num_experts_per_tok")), layers=layers, bits=bits,
                           sites=sites, kv_values=2 * heads * head_dim if kv else 0,
                           kv_rows=2 * heads if kv else 0,
                           kv_block=PRESETS[kv_spec].block_size if kv else BLOCK_SIZE,
                           kv_layers=len(select_layers(range(n), last_layers)))
+    out["routing"] = 0 if routing is None else routing_bytes_per_token(
+        len(moe), int(get("num_experts_per_tok")), int(get("num_experts", 0) or 0),
+        weights=routing == "weights")
+    out["total"] += out["routing"]
+    return out
 
 
 def trace_reference_size(bits: int = 4, tokens_per_trajectory: int = 256 * 1024,

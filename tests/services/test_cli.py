@@ -117,6 +117,31 @@ def test_guidance_size_default_and_config(tmp_path):
     assert res.exit_code == 2 and "FileNotFoundError" in res.output
 
 
+def test_guidance_size_counts_routing_records_of_every_moe_layer(tmp_path):
+    """--routing adds R3's record of every MoE layer whatever --last-layers says (ids: one
+    byte each up to 256 experts, two above; weights: two more bytes an id), into the total;
+    an unknown mode exits 2 naming it."""
+    from alignd.tools.cli import app
+    from typer.testing import CliRunner
+
+    from libalign.guidance_sizes import size_for_config
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["guidance-size", "--routing", "weights"], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "1152" in res.output and "79104" in res.output  # 48 x 8 x (1 + 2) B; 77952 + 1152
+    cfg = {"num_hidden_layers": 4, "hidden_size": 64, "moe_intermediate_size": 32,
+           "num_experts_per_tok": 2, "mlp_only_layers": [0], "num_experts": 300}
+    base = size_for_config(cfg, bits=1, last_layers=1)
+    ids = size_for_config(cfg, bits=1, last_layers=1, routing="ids")
+    weights = size_for_config(cfg, bits=1, last_layers=1, routing="weights")
+    assert base["routing"] == 0
+    assert ids["routing"] == 3 * 2 * 2 and weights["routing"] == 3 * 2 * 4   # 3 MoE layers
+    assert ids["total"] - base["total"] == ids["routing"]
+    res = runner.invoke(app, ["guidance-size", "--routing", "experts"])
+    assert res.exit_code == 2 and "experts" in res.output
+
+
 def test_status_reads_a_running_api(tmp_path):
     """alignd status renders /v1/status of a live API; an unreachable one exits 2."""
     from alignd.infra.settings import ApiSettings

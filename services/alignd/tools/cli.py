@@ -103,6 +103,8 @@ def guidance_size(
                             "FP4 KV cache)"),
     kv_format: str = typer.Option("kv_nvfp4", help="the KV cache's format: kv_nvfp4 (a block "
                                   "scale per 16 values) or kv_mxfp4 (per 32)"),
+    routing: str = typer.Option("none", help="also count routing replay (R3) records of every "
+                                "MoE layer: none, ids (gate weights recomputed) or weights"),
     tokens: int = typer.Option(256 * 1024, help="tokens per trajectory, for the per-step total"),
     trajectories: int = typer.Option(4096, help="trajectories per RL step"),
 ) -> None:
@@ -117,22 +119,25 @@ def guidance_size(
             path = config / "config.json" if config.is_dir() else config
             cfg, name = json.loads(path.read_text()), str(path)
         chosen = [s.strip() for s in sites.split(",") if s.strip()]
+        replay = None if routing == "none" else routing
         rows = {b: size_for_config(cfg, bits=b, last_layers=last_layers, sites=chosen, kv=kv,
-                                   kv_spec=kv_format) for b in (1, 2, 4)}
+                                   kv_spec=kv_format, routing=replay) for b in (1, 2, 4)}
     except (AlignError, OSError, ValueError, KeyError, TypeError) as e:
         typer.echo(f"error: {type(e).__name__}: {' '.join(str(e).split())}", err=True)
         raise typer.Exit(2) from None
-    kv_part = f" + kv ({kv_format})" if kv else ""
+    kv_part = (f" + kv ({kv_format})" if kv else "") + \
+        (f" + routing ({routing})" if replay else "")
     t = Table(title=f"guidance bytes per token: {name}, sites {','.join(chosen)}{kv_part}"
               f", layers {'all' if last_layers is None else f'last {last_layers}'}"
               f"; a step is {trajectories} trajectories x {tokens} tokens")
-    for c in ("bits", "codes", "scales", "row scales", "index", "kv", "B/token", "TiB/step",
-              "vs 4 bits"):
+    for c in ("bits", "codes", "scales", "row scales", "index", "kv",
+              *(("routing",) if replay else ()), "B/token", "TiB/step", "vs 4 bits"):
         t.add_column(c, justify="right")
     for b, r in rows.items():
         t.add_row(str(b), f"{r['code_bits']:.0f}", f"{r['block_scales']:.0f}",
                   f"{r['row_scales']:.0f}", f"{r['index']:.0f}", f"{r['kv']:.0f}",
-                  f"{r['total']:.0f}", f"{r['total'] * tokens * trajectories / 2**40:.2f}",
+                  *((f"{r['routing']:.0f}",) if replay else ()), f"{r['total']:.0f}",
+                  f"{r['total'] * tokens * trajectories / 2**40:.2f}",
                   f"{r['total'] / rows[4]['total']:.3f}")
     console.print(t)
     ref = trace_reference_size(4, tokens, trajectories)
