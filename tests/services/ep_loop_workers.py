@@ -68,3 +68,58 @@ def learner_with_dying_follower(info, hf_sd, redis_url, store_dir, sampler_path)
 
         ranks.publish_sharded = dying
     return learner_ranks(info, hf_sd, redis_url, store_dir, sampler_path, "nvfp4_minite", 1)
+
+
+def replay_ranks(info, hf_sd, rollouts, records, modes):
+    """Routing replay through a RankGroupEngine (one process: the plain engine), one engine
+    per mode of ``modes`` on every rank: score ``rollouts[:-1]`` (an odd count, so a share is
+    topped up), score with a record missing under ``measure``, refuse bad records, then train
+    one step on all rollouts; each call's scores or stats with its routing counts."""
+    from alignclient.errors import RoutingMismatchError, RoutingMissingError
+    from alignd.learner.engine import TrainBatch
+    from alignd.learner.megatron_engine import MegatronLearnerEngine
+    from alignd.learner.ranks import RankGroupEngine, follow
+
+    from libalign.routing_records import RoutingRecord
+
+    seqs, plens, samp = rollouts
+    n = len(seqs)
+    out = {}
+    with cpu_shims(enabled=info.device.type == "cpu"), cpu_threads(1):
+        for mode in modes:
+            eng = MegatronLearnerEngine.from_hf_state_dict(hf_sd, config(), "bf16", device="cpu",
+                                                           lr=1e-3, pad_id=TASK.pad_id,
+                                                           routing_replay=mode)
+            if info.rank != 0:
+                follow(eng)
+                continue
+            group = eng if info.world_size == 1 else RankGroupEngine(eng)
+            got = {}
+
+            def counts(g=group):
+                return g.routing_stats.decisions, g.routing_stats.differ
+
+            try:
+                short = {i: r for i, r in records.items() if i < n - 1}
+                got["score"] = (group.score(seqs[:-1], plens[:-1], None, short), counts())
+                if mode == "measure":
+                    some = {i: r for i, r in short.items() if i != 2}
+                    got["some"] = (group.score(seqs[:-1], plens[:-1], None, some), counts())
+                else:
+                    bad = {i: RoutingRecord(r.experts[..., :1].contiguous(), r.layers,
+                                            r.num_experts) for i, r in records.items()}
+                    errors = []
+                    for recs in ({i: r for i, r in records.items() if i != 3}, bad):
+                        try:
+                            group.score(seqs, plens, None, recs)
+                        except (RoutingMissingError, RoutingMismatchError) as e:
+                            errors.append((type(e).__name__, getattr(e, "field", None)))
+                    got["errors"] = errors
+                batch = TrainBatch(seqs, plens, samp, [float(i % 2) for i in range(n)],
+                                   [i // 2 for i in range(n)], routing=records)
+                got["train"] = (group.train_step(batch), counts())
+            finally:
+                if group is not eng:
+                    group.close()
+            out[mode] = got
+    return out

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import redis
+import torch
 
 pytest.importorskip("megatron.core")
 
@@ -75,6 +76,9 @@ def test_batches_split_into_whole_groups():
     left, right = split_batch(b, 2)
     assert left.groups == [0, 0, 1, 1] and right.groups == [2, 2, 3, 3]
     assert left.guidance is None and right.guidance == {1: "rec5"}
+    b.routing = {0: "r0", 5: "r5"}
+    left, right = split_batch(b, 2)
+    assert left.routing == {0: "r0"} and right.routing == {1: "r5"}
     with pytest.raises(ValueError, match="straddles"):
         split_batch(TrainBatch(*[x[:6] for x in (b.sequences, b.prompt_lens, b.sampler_logprobs,
                                                   b.rewards)], [0, 0, 1, 1, 1, 1]), 2)
@@ -90,6 +94,68 @@ def test_rollouts_to_score_are_topped_up_to_equal_shares():
     assert shares[1][0] == [seqs[3], seqs[4], seqs[4]] and shares[1][2] == {1: "r4", 2: "r4"}
     one = split_rollouts(seqs[:1], [1], None, 2)
     assert [x[3] for x in one] == [1, 0]
+    routed = split_rollouts(seqs, [1] * 5, None, 2, {0: "r0", 3: "r3", 4: "r4"})
+    assert [x[4] for x in routed] == [0, 3]  # offsets: global index of a share's first rollout
+    assert [x[5] for x in routed] == [{0: "r0"}, {0: "r3", 1: "r4"}]  # top-up copy: no record
+    assert [x[5] for x in split_rollouts(seqs[:1], [1], None, 2, {0: "r0"})] == [{0: "r0"}, None]
+
+
+@pytest.fixture(scope="module")
+def replay_runs():
+    """Rollouts sampled on nvfp4_minite (routers slightly perturbed) with their routing
+    records, then routing replay (measure, recompute) on a bf16 Megatron learner of the
+    unperturbed weights: one process, and two ranks through a
+    RankGroupEngine, each launched once."""
+    from libalign.models.routing_replay import capture_routing
+
+    hf = models.build_model(config(), seed=1)
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the sampler's routers off by a little: some decisions differ
+        for name, w in hf.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                w.add_(0.02 * torch.randn(w.shape, generator=g).to(w.dtype))
+    prompts = [p for p in L.TASK.prompts(4, 2) for _ in range(2)]
+    with cpu_threads(1), capture_routing(hf) as cap:
+        r = models.generate(hf, prompts, "nvfp4_minite", max_new_tokens=6, seed=5,
+                            eos_id=L.TASK.eos_id, pad_id=L.TASK.pad_id)
+    rollouts = (r.sequences, r.prompt_lens, [t.tolist() for t in r.logprobs])
+    args = (sd, rollouts, cap.records(), ("measure", "recompute"))
+    one = launch(L.replay_ranks, 1, args=args, backend="gloo", timeout_s=240)[0]
+    two = launch(L.replay_ranks, 2, args=args, backend="gloo", timeout_s=240)[0]
+    return r, one, two
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                    reason="CPU-shim test (gloo ranks on the CPU); see tests/libalign/test_megatron_ep.py")
+def test_routing_replay_on_two_ranks_is_the_one_process_replay(replay_runs):
+    """Two expert-parallel ranks under routing replay: each rank routes its share by its
+    records, and the group's scores (a topped-up share included), routing counts and training
+    step equal one process's (scores bit for bit); R3 changes the scores (the learner's routers
+    disagree with the sampler's, so forcing is not a no-op); bad records are refused by
+    the same typed errors, before any rank works, and the group goes on."""
+    r, one, two = replay_runs
+    positions = sum(len(s) - 1 for s in r.sequences[:-1])
+    for mode in ("measure", "recompute"):
+        for call in ("score", "some", "train"):
+            if call not in one[mode]:
+                continue
+            (got, (dec, diff)), (want, (dec1, diff1)) = two[mode][call], one[mode][call]
+            assert dec == dec1 and diff == diff1, (mode, call)
+            if call == "train":
+                assert got["tokens"] == want["tokens"]
+                assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+                assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+                assert sum(dec.values()) == sum(len(s) - 1 for s in r.sequences) * 2
+            else:
+                assert got == want, (mode, call)
+        (_s, (dec, diff)) = two[mode]["score"]
+        assert sum(dec.values()) == positions * 2 and sum(diff.values()) > 0
+    assert sum(two["measure"]["some"][1][0].values()) == \
+        positions * 2 - 2 * (len(r.sequences[2]) - 1)
+    assert two["recompute"]["score"][0] != two["measure"]["score"][0]
+    assert two["recompute"]["errors"] == one["recompute"]["errors"] == [
+        ("RoutingMissingError", None), ("RoutingMismatchError", "top_k")]
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(),

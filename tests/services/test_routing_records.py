@@ -194,13 +194,3 @@ def test_demo_r3_configuration_and_routing_column(tmp_path):
         assert c["summary"]["routing_disagreement"] == step["routing_disagreement"]
     assert "routing" in res.output and "R3" in res.output
 
-
-def test_several_learner_ranks_refuse_routing_replay(sampler):
-    """RankGroupEngine (expert-parallel learner ranks) refuses an engine with routing replay on
-    instead of training unreplayed (its rank shares carry no routing records yet)."""
-    from alignclient.errors import ConfigError
-    from alignd.learner.ranks import RankGroupEngine
-
-    eng = TorchLearnerEngine(copy.deepcopy(sampler.model), "bf16", routing_replay="recompute")
-    with pytest.raises(ConfigError, match="routing_replay"):
-        RankGroupEngine(eng)

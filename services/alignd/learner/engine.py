@@ -275,25 +275,40 @@ class TorchLearnerEngine:
         """``layers``, ``top_k``, ``num_experts`` of the model's MoE layers (records must match)."""
         return routing_geometry(self.model)
 
-    def _set_routing(self, routing: Mapping[int, RoutingRecord] | None, sequences) -> None:
-        """Check ``routing`` against the batch and the model and index it for the forwards.
+    def routing_for(self, routing: Mapping[int, RoutingRecord] | None,
+                    sequences: Sequence[Sequence[int]]) -> dict[int, RoutingRecord] | None:
+        """The records routing replay uses for ``sequences``, by batch index, checked against
+        the batch and the model (None: nothing to replay or count).
 
-        Under ``recompute``/``record`` every rollout needs a record (RoutingMissingError);
-        ``measure`` counts where records exist; ``off`` ignores them.
+        Under ``recompute``/``record`` every rollout needs a record (RoutingMissingError), of
+        this model's layers, top-k and experts and of its rollout's token count
+        (RoutingMismatchError); ``measure`` takes the records there are; ``off`` none. A
+        caller that splits a batch (:class:`alignd.learner.ranks.RankGroupEngine`) asks here
+        first, so a bad batch is refused as one process refuses it.
         """
-        self.routing_stats = RoutingStats()
-        self._route = None
         if self.routing_replay == "off":
-            return
+            return None
         need = {i: len(s) - 1 for i, s in enumerate(sequences)}
         if self.routing_replay == "measure":
             routing = {i: r for i, r in (routing or {}).items() if r is not None}
             need = {i: n for i, n in need.items() if i in routing}
-            if not need:
-                return
+        if not need:
+            return None
         check_routing(routing or {}, positions=need, **self.routing_geometry())
-        self._route = RoutingTable({i: routing[i] for i in need},
-                                   next(self.model.parameters()).device)
+        return {i: routing[i] for i in need}
+
+    def _set_routing(self, routing: Mapping[int, RoutingRecord] | None, sequences) -> None:
+        """Check ``routing`` (:meth:`routing_for`) and index it for the forwards."""
+        self.routing_stats = RoutingStats()
+        self._route = None
+        records = self.routing_for(routing, sequences)
+        if records:
+            self._route = self._routing_table(records)
+
+    def _routing_table(self, records: Mapping[int, RoutingRecord]) -> RoutingTable:
+        """The lookup table of one call's records, keyed as the forward names its rows (here:
+        by batch index)."""
+        return RoutingTable(records, next(self.model.parameters()).device)
 
     def _replay(self):
         """The routing replay of one forward (HF routers), counting into routing_stats."""

@@ -10,7 +10,10 @@ constructor, from :class:`~alignd.infra.settings.LearnerSettings` in the service
 fp32-master Adam update are inherited unchanged, so the two engines train the same way and
 differ only in how the model computes. Routing replay (``routing_replay``) forces Megatron's
 routers (:mod:`libalign.models.megatron_routing`) where the embedded engine forces Hugging
-Face's; the records, checks and statistics are the same.
+Face's; the records, checks and statistics are the same. Routers are replicated and run on
+each rank's own tokens before the dispatcher gathers them, so under expert parallelism a rank
+needs only the records of its own share (keyed by global rollout index, like its rows) and
+counts only its own tokens; :class:`~alignd.learner.ranks.RankGroupEngine` sums the counts.
 
 What is and is not here
 -----------------------
@@ -74,6 +77,9 @@ class MegatronLearnerEngine(TorchLearnerEngine):
         # added to in-batch rollout indices to name rows for guidance (a rank's share starts
         # at its offset in the whole batch; see alignd.learner.ranks)
         self.key_offset = 0
+        # in a rank's score share, the rollouts past this many are top-up copies (None: all
+        # count): they need no routing record, and are neither replayed nor counted
+        self.scored_rows: int | None = None
         mg.bind_layers(model)
 
     @classmethod
@@ -121,6 +127,17 @@ class MegatronLearnerEngine(TorchLearnerEngine):
     def routing_geometry(self) -> dict:
         """The Megatron model's MoE layers, top-k and expert count (routing records must match)."""
         return megatron_routing.routing_geometry(self.model)
+
+    def _set_routing(self, routing, sequences) -> None:
+        """The embedded engine's check and table, for the rollouts that count
+        (``scored_rows``; see :mod:`alignd.learner.ranks`)."""
+        rows = sequences if self.scored_rows is None else sequences[:self.scored_rows]
+        super()._set_routing(routing, rows)
+
+    def _routing_table(self, records):
+        """Records keyed by global rollout index (``key_offset`` + index in this rank's share),
+        as :meth:`_forward` names the rows; each rank's routers see only its own tokens."""
+        return super()._routing_table({i + self.key_offset: r for i, r in records.items()})
 
     def _replay(self):
         """Routing replay on Megatron's routers (:mod:`libalign.models.megatron_routing`)."""

@@ -27,6 +27,15 @@ Guidance records (``nvfp4_trace``): every rank gets all of them, keyed by global
 index, and names its rows by global index too (the engine's ``key_offset``), because its experts
 round the tokens of every rank. Top-up copies in a score share are dropped after scoring; under
 the row-scaled paths their rows change no other row's bits.
+
+Routing replay (``routing_replay``: measure, recompute, record): rank 0 checks the batch's
+routing records first, as one process would (the same typed errors, before any rank works),
+then every rank gets the records of its own share only, keyed within the share: routers are
+replicated and route a rank's own tokens before the dispatcher gathers them, so a rank forces
+and counts its own tokens (the engine's ``key_offset`` names them by global index, and
+``scored_rows`` leaves a score share's top-up copies unrouted and uncounted). Each rank returns
+its counts with its answer; :attr:`RankGroupEngine.routing_stats` is their sum, what one
+process would count on the whole batch.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from alignd.formats.weight_store import WeightStore
 from alignd.learner.engine import TrainBatch
 from alignd.learner.megatron_engine import MegatronLearnerEngine
 from alignd.learner.sharded_publish import publish_sharded
+from libalign.models.routing_replay import RoutingStats
 
 STOP = "stop"
 
@@ -64,10 +74,11 @@ def _gather(obj: Any) -> list[Any] | None:
     return out
 
 
-def _reindex(guidance: Mapping[int, Any] | None, lo: int, hi: int) -> dict[int, Any] | None:
-    if not guidance:
+def _reindex(records: Mapping[int, Any] | None, lo: int, hi: int) -> dict[int, Any] | None:
+    """The records of batch indices ``lo..hi-1``, keyed within that share (None if none)."""
+    if not records:
         return None
-    return {i - lo: rec for i, rec in guidance.items() if lo <= i < hi} or None
+    return {i - lo: rec for i, rec in records.items() if lo <= i < hi} or None
 
 
 def split_batch(batch: TrainBatch, parts: int) -> list[TrainBatch]:
@@ -85,15 +96,18 @@ def split_batch(batch: TrainBatch, parts: int) -> list[TrainBatch]:
         out.append(TrainBatch(batch.sequences[lo:hi], batch.prompt_lens[lo:hi],
                               batch.sampler_logprobs[lo:hi], batch.rewards[lo:hi],
                               batch.groups[lo:hi], _reindex(batch.guidance, lo, hi),
-                              None if batch.old_logprobs is None else batch.old_logprobs[lo:hi]))
+                              None if batch.old_logprobs is None else batch.old_logprobs[lo:hi],
+                              _reindex(batch.routing, lo, hi)))
     return out
 
 
 def split_rollouts(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
-                   guidance: Mapping[int, Any] | None, parts: int) -> list[tuple]:
+                   guidance: Mapping[int, Any] | None, parts: int,
+                   routing: Mapping[int, Any] | None = None) -> list[tuple]:
     """``parts`` contiguous shares of rollouts to score, each ``(seqs, plens, guidance, keep,
-    offset)``; a short share is topped up with copies of its last rollout, ``keep`` says how
-    many count. ``guidance`` is re-indexed within the share."""
+    offset, routing)``; a short share is topped up with copies of its last rollout, ``keep``
+    says how many count. ``guidance`` is re-indexed within the share (copies included),
+    ``routing`` too (the ``keep`` rollouts that count only: copies are not routed)."""
     n = len(sequences)
     if n < 1:
         raise InputError("no rollouts to score")
@@ -115,20 +129,24 @@ def split_rollouts(sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int
             plens.append(plens[last])
             if g is not None and last in g:
                 g[len(seqs) - 1] = g[last]
-        out.append((seqs, plens, g, keep, lo))
+        out.append((seqs, plens, g, keep, lo, _reindex(routing, lo, lo + keep)))
     return out
 
 
 def execute(engine: MegatronLearnerEngine, command: str, payload: Any) -> Any:
-    """Run one command on this rank's engine (every rank, rank 0 included)."""
+    """Run one command on this rank's engine (every rank, rank 0 included); ``score`` and
+    ``train`` answer ``(result, routing counts of this rank)``."""
     if command == "score":
-        (seqs, plens, _share_guidance, keep, offset), guidance = payload
-        return _with_offset(engine, offset, engine.score, seqs, plens, guidance)[:keep]
+        (seqs, plens, _share_guidance, keep, offset, routing), guidance = payload
+        scores = _with_offset(engine, offset, engine.score, seqs, plens, guidance, routing,
+                              scored_rows=keep)
+        return scores[:keep], _counts(engine)
     if command == "train":
         share, offset, guidance = payload
         share = TrainBatch(share.sequences, share.prompt_lens, share.sampler_logprobs,
-                           share.rewards, share.groups, guidance, share.old_logprobs)
-        return _with_offset(engine, offset, engine.train_step, share)
+                           share.rewards, share.groups, guidance, share.old_logprobs,
+                           share.routing)
+        return _with_offset(engine, offset, engine.train_step, share), _counts(engine)
     if command == "export":
         return engine.export_weights()  # collective (all-gather of the experts)
     if command == "publish":
@@ -139,13 +157,22 @@ def execute(engine: MegatronLearnerEngine, command: str, payload: Any) -> Any:
     raise ConfigError(f"unknown rank command {command!r}")
 
 
-def _with_offset(engine: MegatronLearnerEngine, offset: int, fn, *args):
-    """Call ``fn`` with rows keyed by global rollout index (share index + ``offset``)."""
-    engine.key_offset = offset
+def _with_offset(engine: MegatronLearnerEngine, offset: int, fn, *args,
+                 scored_rows: int | None = None):
+    """Call ``fn`` with rows keyed by global rollout index (share index + ``offset``), and
+    only the first ``scored_rows`` rollouts routed by records (None: all)."""
+    engine.key_offset, engine.scored_rows = offset, scored_rows
     try:
         return fn(*args)
     finally:
-        engine.key_offset = 0
+        engine.key_offset, engine.scored_rows = 0, None
+
+
+def _counts(engine: MegatronLearnerEngine) -> RoutingStats:
+    """This rank's routing counts of its last call, as plain integers (for gathering)."""
+    mine = RoutingStats()
+    mine.merge(engine.routing_stats)
+    return mine
 
 
 def follow(engine: MegatronLearnerEngine) -> int:
@@ -173,17 +200,23 @@ class RankGroupEngine:
         rank, self.world = _world()
         if rank != 0:
             raise ConfigError("RankGroupEngine runs on rank 0; the other ranks call follow()")
-        if getattr(engine, "routing_replay", "off") != "off":
-            # the rank shares would need their routing records split like guidance; refused
-            # rather than trained unreplayed
-            raise ConfigError(f"routing_replay={engine.routing_replay!r} is not supported with "
-                              "several learner ranks yet; run one rank or routing_replay=off")
         self.engine = engine
         self.closed = False
+        self.routing_stats = RoutingStats()
+        """routing disagreement of the last score or train_step call, summed over the ranks"""
 
     @property
     def path(self) -> str:
         return self.engine.path
+
+    @property
+    def routing_replay(self) -> str:
+        """The routing replay mode (every rank's engine is built with the same)."""
+        return self.engine.routing_replay
+
+    def routing_geometry(self) -> dict:
+        """The model's MoE layers, top-k and expert count (routing records must match)."""
+        return self.engine.routing_geometry()
 
     def objective(self) -> dict:
         """The objective's settings (every rank's engine is built with the same)."""
@@ -203,19 +236,36 @@ class RankGroupEngine:
             raise ConfigError(f"{command} failed on {len(errors)} rank(s): " + "; ".join(errors))
         return [v for _status, v in answers]
 
-    def score(self, sequences, prompt_lens, guidance=None) -> list[list[float]]:
-        """Teacher-forced log-probs, each rank scoring its share."""
-        shares = split_rollouts(sequences, prompt_lens, None, self.world)
+    def _counted(self, answers: list[tuple[Any, RoutingStats]]) -> list[Any]:
+        """The ranks' results; their routing counts summed into :attr:`routing_stats`."""
+        total = RoutingStats()
+        for _result, counts in answers:
+            total.merge(counts)
+        self.routing_stats = total
+        return [result for result, _counts in answers]
+
+    def score(self, sequences, prompt_lens, guidance=None, routing=None) -> list[list[float]]:
+        """Teacher-forced log-probs, each rank scoring its share (routed by its records)."""
+        self.routing_stats = RoutingStats()
+        records = self.engine.routing_for(routing, sequences)  # refused here, as in one process
+        shares = split_rollouts(sequences, prompt_lens, None, self.world, records)
         whole = dict(guidance) if guidance else None
-        return [lp for part in self._run("score", [(sh, whole) for sh in shares]) for lp in part]
+        parts = self._counted(self._run("score", [(sh, whole) for sh in shares]))
+        return [lp for part in parts for lp in part]
 
     def train_step(self, batch: TrainBatch) -> dict:
         """One GRPO + TIS step over the whole batch, each rank training on its share."""
         batch.check()
+        self.routing_stats = RoutingStats()
+        records = self.engine.routing_for(batch.routing, batch.sequences)
+        batch = TrainBatch(batch.sequences, batch.prompt_lens, batch.sampler_logprobs,
+                           batch.rewards, batch.groups, batch.guidance, batch.old_logprobs,
+                           records)
         shares = split_batch(batch, self.world)
         whole = dict(batch.guidance) if batch.guidance else None
         per = len(batch.sequences) // self.world
-        return self._run("train", [(sh, r * per, whole) for r, sh in enumerate(shares)])[0]
+        return self._counted(self._run("train", [(sh, r * per, whole)
+                                                 for r, sh in enumerate(shares)]))[0]
 
     def export_weights(self):
         """The gathered Hugging Face state dict (every rank takes part)."""
