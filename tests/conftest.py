@@ -1,16 +1,30 @@
-"""Suite-wide pytest configuration: GPU tests are skipped without CUDA."""
+"""Suite-wide pytest configuration: GPU tests are skipped without CUDA; the tests that wait for
+a background job (tests/background.py) run last, and their jobs start once they are collected."""
 
 import pytest
 import torch
 
+from tests import background
+
 
 def pytest_collection_modifyitems(config, items):
+    waiting = [item for item in items if background.waits(item.nodeid)]
+    items[:] = [item for item in items if not background.waits(item.nodeid)] + waiting
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    if not session.config.option.collectonly:
+        background.start_for(item.nodeid for item in session.items)
+
+
+def pytest_unconfigure(config):
+    background.stop()
 
 
 @pytest.fixture(scope="module")

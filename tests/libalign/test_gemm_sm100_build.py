@@ -22,6 +22,7 @@ from alignclient.errors import DTypeError, ShapeError, SpecError
 
 from libalign import _native, gemm_cutlass
 from libalign.packing import swizzle_scales, swizzled_size, unswizzle_scales
+from tests import background
 from tests.libalign import native_builds
 
 ARCH, SHAPE = 1, 2  # NV_GEMM_ERR_ARCH, NV_GEMM_ERR_SHAPE in csrc/gemm_abi.h
@@ -78,7 +79,7 @@ def _load_variant(path: Path) -> ctypes.CDLL:
 
 # ---- the build (slow: CUTLASS template instantiation) -------------------------------------
 
-# (their nvcc runs start in the background once these tests are collected: native_builds)
+# (their nvcc runs are background jobs, started once these tests are collected: native_builds)
 
 @pytest.mark.slow
 def test_sm100a_library_compiles_with_cutlass_and_answers_without_a_device(fresh_native,
@@ -90,12 +91,12 @@ def test_sm100a_library_compiles_with_cutlass_and_answers_without_a_device(fresh
     cmd = _native.build_command("gemm_sm100", Path("x.cu"), Path("x.so"))
     assert "-gencode=arch=compute_100a,code=sm_100a" in cmd
     assert f"-I{headers.include}" in cmd and f"-I{headers.util_include}" in cmd
-    built = native_builds.result("gemm_sm100")
-    assert built.returncode == 0, built.output[-3000:]
+    built = background.result("gemm_sm100")
+    assert built.returncode == 0, built.tail()
     print(f"gemm_sm100 build: {built.seconds:.1f} s (CUTLASS {'.'.join(map(str, headers.version))})")
     monkeypatch.setenv("ALIGN_KERNEL_CACHE", str(built.folder))
     path = _native.build("gemm_sm100")
-    assert path == built.path and path.stat().st_size > 0  # cached by content
+    assert path == native_builds.built_library(built) and path.stat().st_size > 0  # by content
     lib = _native.load_or_raise("gemm_sm100")
     _check_abi_without_device(lib)
     bad_k = _valid_args(k=48)  # K not a multiple of 32
@@ -109,8 +110,8 @@ def test_other_arch_build_compiles_to_an_architecture_error():
     """Built for sm_90, the same source compiles (empty kernel body) and answers 'unsupported'."""
     _nvcc_sm100_or_skip()
     _headers_or_skip()
-    built = native_builds.result("gemm_sm100_for_sm90")
-    assert built.returncode == 0, built.output[-3000:]
+    built = background.result("gemm_sm100_for_sm90")
+    assert built.returncode == 0, built.tail()
     _check_abi_without_device(_load_variant(built.folder / "libvariant.so"))
 
 

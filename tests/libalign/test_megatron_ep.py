@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from alignd.formats.weight_store import WeightStore
 from libalign.models import build_model
 from libalign.models.megatron_parallel import NO_MULTICAST_ENV, check_layout, launch
 from libalign.spec import PRESETS
+from tests import background
 from tests.libalign import ep_workers as W
 
 # These run Megatron on the CPU through libalign's CPU shims. On a host with CUDA the shimmed
@@ -216,24 +219,30 @@ def test_torchrun_environment_is_read(monkeypatch):
         pass
 
 
-def test_ranks_started_by_torchrun_join_from_the_environment(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def _torchrun_probe(_folder):
     from libalign.models.megatron_parallel import free_port
 
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(free_port()),
-                          str(root / "tests" / "libalign" / "torchrun_probe.py")],
-                         capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    return ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             "--master-port", str(free_port()),
+             str(root / "tests" / "libalign" / "torchrun_probe.py")], env)
+
+
+background.register("torchrun_probe", background.Job(
+    ("test_megatron_ep.py::test_ranks_started_by_torchrun",), lambda: None, _torchrun_probe,
+    timeout_s=180, in_folder=True))
+
+
+def test_ranks_started_by_torchrun_join_from_the_environment():
+    """Two ranks started by ``torchrun`` (a background job, tests/background.py) read rank,
+    world and rendezvous from the environment and join one expert-parallel group."""
+    out = background.result("torchrun_probe")
     # the two ranks share one stdout pipe: their lines may interleave without a newline
     lines = sorted(re.findall(r"probe rank=\d+ world=\d+ ep=\d+/\d+ sum=\S+ env=(?:True|False)",
                               out.stdout))
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.returncode == 0, out.tail(2000)
     assert lines == [f"probe rank={r} world=2 ep={r}/2 sum=3 env=True" for r in (0, 1)]
 
 

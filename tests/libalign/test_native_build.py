@@ -21,6 +21,7 @@ import torch
 
 from libalign import _native, ops
 from libalign.spec import PRESETS, quantize
+from tests import background
 from tests.libalign import native_builds
 
 
@@ -95,7 +96,7 @@ def test_spec_env_disables_kernels(fresh_native, monkeypatch):
 @pytest.mark.slow
 def test_cuda_source_compiles_for_hopper_and_blackwell(fresh_native, monkeypatch):
     """nvcc builds csrc/quantize_cuda.cu for sm_90 and sm_100a (no GPU needed to compile;
-    ``_native.build`` into an empty cache, started in the background once this test is
+    ``_native.build`` into an empty cache, a background job started once this test is
     collected: native_builds); a later build finds it by content."""
     gap = native_builds.nvcc_gap()
     if gap:
@@ -105,11 +106,11 @@ def test_cuda_source_compiles_for_hopper_and_blackwell(fresh_native, monkeypatch
     flags = _native.cuda_archs(shutil.which("nvcc"))
     assert "-gencode=arch=compute_90,code=sm_90" in flags
     assert ("-gencode=arch=compute_100a,code=sm_100a" in flags) == ("100a" in archs)
-    built = native_builds.result("cuda")
-    assert built.returncode == 0, built.output[-3000:]
+    built = background.result("cuda")
+    assert built.returncode == 0, built.tail()
     monkeypatch.setenv("ALIGN_KERNEL_CACHE", str(built.folder))
     lib = _native.build("cuda")
-    assert lib == built.path and lib.stat().st_size > 0
+    assert lib == native_builds.built_library(built) and lib.stat().st_size > 0
 
 
 def test_cpu_build_is_portable_and_keyed_without_the_host_cpu(monkeypatch):

@@ -4,18 +4,19 @@ layer classes on the CPU, and that alignd stays importable without SGLang.
 SGLang is installed beside the venv, not into it (``./dev.sh test``: ``$VENV/sglang-cpu`` from
 tests/services/sglang_cpu.txt), so the SGLang side runs in a subprocess with that folder on
 its path (tests/services/sglang_quant_cpu.py). Skipped, saying why, only where that folder
-does not hold an importable SGLang.
+does not hold an importable SGLang. Both subprocesses are background jobs (tests/background.py),
+started once these tests are collected.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import background
 from tests.services.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,12 +32,30 @@ def _env(with_sglang: bool) -> dict[str, str]:
     return env
 
 
+def _sglang_gap() -> str | None:
+    if (SGLANG_DIR / "sglang").is_dir():
+        return None
+    return f"no SGLang at {SGLANG_DIR}: ./dev.sh test installs it from tests/services/sglang_cpu.txt"
+
+
+ABSENT_PROBE = ("import sys, alignd.sampler.sglang_engine, alignd.sampler.sglang_sampler, "
+                "alignd.sampler.service; assert 'sglang' not in sys.modules; "
+                "import importlib.util as u; assert u.find_spec('sglang') is None; print('ok')")
+
+background.register("sglang_quant", background.Job(
+    ("test_sglang_quant.py::test_minite_method",), _sglang_gap,
+    lambda _folder: ([sys.executable, str(SCRIPT), str(free_port())], _env(True))))
+background.register("sglang_absent", background.Job(
+    ("test_sglang_quant.py::test_alignd_sampler_imports_without_sglang",), lambda: None,
+    lambda _folder: ([sys.executable, "-c", ABSENT_PROBE], _env(False)), timeout_s=300))
+
+
 @pytest.fixture(scope="module")
 def sglang_path() -> Path:
     """The SGLang install the CPU tests use (skip when there is none)."""
-    if not (SGLANG_DIR / "sglang").is_dir():
-        pytest.skip(f"no SGLang at {SGLANG_DIR}: ./dev.sh test installs it from "
-                    "tests/services/sglang_cpu.txt")
+    gap = _sglang_gap()
+    if gap:
+        pytest.skip(gap)
     return SGLANG_DIR
 
 
@@ -53,10 +72,8 @@ def test_minite_method_in_sglang_layers_equals_libalign_sampler_path(sglang_path
     writes for a minite store version (expert stacks split per expert with their row scales, a
     dense gate/up pair, the libalign_minite config) load into those layers and give libalign's
     path on the store's bits."""
-    port = str(free_port())
-    done = subprocess.run([sys.executable, str(SCRIPT), port], cwd=ROOT, env=_env(True),
-                          capture_output=True, text=True, timeout=900)
-    tail = (done.stdout + done.stderr)[-4000:]
+    done = background.result("sglang_quant")
+    tail = done.tail()
     assert done.returncode == 0, tail
     lines = {ln for ln in done.stdout.splitlines() if ln.startswith("ok ")}
     assert lines == {"ok registration", "ok linear", "ok moe forward", "ok reload",
@@ -66,9 +83,5 @@ def test_minite_method_in_sglang_layers_equals_libalign_sampler_path(sglang_path
 def test_alignd_sampler_imports_without_sglang():
     """The SGLang adapter and the sampler service import in an environment without SGLang; only
     alignd.sampler.sglang_quant needs it."""
-    code = ("import sys, alignd.sampler.sglang_engine, alignd.sampler.sglang_sampler, "
-            "alignd.sampler.service; assert 'sglang' not in sys.modules; "
-            "import importlib.util as u; assert u.find_spec('sglang') is None; print('ok')")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(False),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    done = background.result("sglang_absent")
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.tail(2000)
