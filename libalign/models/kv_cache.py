@@ -188,6 +188,14 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
+def straight_through(x: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    """``read`` (the dequantized FP4 values of ``x``) forward, the identity backward: the
+    gradient reaches ``x`` as if nothing was quantized (when autograd tracks ``x`` at all)."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return _StraightThrough.apply(x, read)
+    return read
+
+
 class FP4KVLayer(DynamicLayer):
     """One decoder layer's K/V as FP4 bits (module doc). Rows are ``[batch, heads, seq]``."""
 
@@ -247,9 +255,7 @@ class FP4KVLayer(DynamicLayer):
                 st.observer(self.layer, site, rows.detach(), q, keys)
             new = _grid(q, (b, h, t))
             past = self.bits[site]
-            read = dequantize_kv(q, x.dtype).reshape(b, h, t, d)
-            if x.requires_grad and torch.is_grad_enabled():
-                read = _StraightThrough.apply(x, read)
+            read = straight_through(x, dequantize_kv(q, x.dtype).reshape(b, h, t, d))
             if past is not None:
                 read = torch.cat([_dequantize_grid(past, st.spec, d, x.dtype), read], dim=-2)
                 new = tuple(None if p is None else torch.cat([p, n], dim=2)

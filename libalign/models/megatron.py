@@ -361,6 +361,9 @@ def set_row_keys(model: nn.Module, keys: torch.Tensor | None) -> None:
     flat = None if keys is None else keys.reshape(-1)
     for ex in experts_modules(model).values():
         ex.row_keys = flat
+    for m in model.modules():  # FP4 KV guidance names K/V rows by them too
+        if isinstance(m, SDPACoreAttention):
+            m.row_keys = flat
 
 
 @contextmanager

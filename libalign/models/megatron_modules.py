@@ -307,6 +307,11 @@ class SDPACoreAttention(MegatronModule):
     ``[sq, b, np*hn]``. Without a mask: ``is_causal`` with grouped-query heads shared by
     ``enable_gqa``; with a Megatron mask (bool, ``True`` = masked out): key/value heads
     repeated and the inverted mask passed to SDPA. Dropout must be zero.
+
+    ``kv_hook(site, x)`` (``site`` ``"k"`` or ``"v"``, ``x`` ``[sk, b, ng, hn]``), when set,
+    replaces key and value before attention reads them (FP4 KV:
+    :func:`libalign.models.megatron_kv.use_kv`); ``row_keys`` are the tokens' keys in
+    Megatron's ``[s, b]`` order (:func:`libalign.models.megatron.set_row_keys`).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int = 1, attn_mask_type=None,
@@ -316,12 +321,17 @@ class SDPACoreAttention(MegatronModule):
         if (attention_dropout if attention_dropout is not None else config.attention_dropout):
             raise ConfigError("SDPACoreAttention runs without attention dropout")
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.layer = int(layer_number) - 1  # 0-based, as guidance records name layers
+        self.kv_hook: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+        self.row_keys: torch.Tensor | None = None
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **_unused):
         """Scaled dot-product attention over ``[b, heads, s, hn]`` views of the inputs."""
         if packed_seq_params is not None or attention_bias is not None:
             raise ConfigError("SDPACoreAttention takes no packed sequences and no attention bias")
+        if self.kv_hook is not None:
+            key, value = self.kv_hook("k", key), self.kv_hook("v", value)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         n_rep = q.shape[1] // k.shape[1]
         if attention_mask is None:

@@ -480,3 +480,103 @@ def test_megatron_trains_under_r3_like_the_hf_engine(routed):
     assert s_meg["loss"] == pytest.approx(s_ref["loss"], rel=1e-3)
     after = next(iter(mg.moe_layers(meg.model).values())).router.weight
     assert not torch.equal(router, after)
+
+
+# --- FP4 KV cache in Megatron's attention -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def kv_rollout(hf):
+    """Rollouts sampled through an FP4 (kv_nvfp4) cache on nvfp4_minite, with the activation
+    and K/V records (1 bit)."""
+    from libalign.models import capture_kv, use_kv_format
+
+    prompts = [p for p in TASK.prompts(2, 1) for _ in range(2)]
+    with use_kv_format(hf, "kv_nvfp4"), capture_guidance(hf) as cap, capture_kv(hf, cap):
+        r = generate(hf, prompts, "nvfp4_minite", max_new_tokens=5, seed=3, eos_id=TASK.eos_id,
+                     pad_id=TASK.pad_id)
+    return r, cap.records(1)
+
+
+@pytest.mark.parametrize("path", ["nvfp4_minite_kv_nvfp4", "nvfp4_trace_kv_nvfp4"])
+def test_engine_kv_paths_score_like_the_hf_engine(hf, kv_rollout, path):
+    """FP4 K/V in Megatron's attention (libalign.models.megatron_kv): the engine's scores equal
+    the HF engine's bit for bit on the KV paths (with the sampler's activation and K/V records
+    on the trace path), and the quantization is not a no-op: other scores than without FP4 K/V,
+    and, guided, other scores than unguided."""
+    r, recs = kv_rollout
+    meg = MegatronLearnerEngine.from_hf_state_dict(hf.state_dict(), CFG, path, pad_id=TASK.pad_id)
+    ref = TorchLearnerEngine(hf, path, pad_id=TASK.pad_id)
+    guidance = recs if "trace" in path else None
+    got = meg.score(r.sequences, r.prompt_lens, guidance)
+    assert got == ref.score(r.sequences, r.prompt_lens, guidance)
+    if guidance is None:
+        plain = MegatronLearnerEngine.from_hf_state_dict(hf.state_dict(), CFG, "nvfp4_minite",
+                                                         pad_id=TASK.pad_id)
+        assert got != plain.score(r.sequences, r.prompt_lens)
+    else:
+        assert got != meg.score(r.sequences, r.prompt_lens)
+
+
+def test_engine_kv_path_trains_like_the_hf_engine(kv_rollout):
+    """One GRPO step on nvfp4_trace_kv_nvfp4 with the K/V records on both engines: the same
+    loss, gradient norm within 1e-3 (straight-through K/V backward on both sides)."""
+    r, recs = kv_rollout
+    hf = _hf()
+    path = "nvfp4_trace_kv_nvfp4"
+    meg = MegatronLearnerEngine.from_hf_state_dict(hf.state_dict(), CFG, path, lr=1e-3,
+                                                   pad_id=TASK.pad_id)
+    ref = TorchLearnerEngine(hf, path, lr=1e-3, pad_id=TASK.pad_id)
+    samp = [t.tolist() for t in r.logprobs]
+    batch = TrainBatch(r.sequences, r.prompt_lens, samp, [1.0, 0.0, 0.0, 1.0], [0, 0, 1, 1], recs)
+    s_meg, s_ref = meg.train_step(batch), ref.train_step(batch)
+    assert s_meg["tokens"] == s_ref["tokens"] and s_meg["ratio_mean"] == s_ref["ratio_mean"]
+    assert s_meg["loss"] == pytest.approx(s_ref["loss"], rel=1e-5)
+    assert s_meg["grad_norm"] == pytest.approx(s_ref["grad_norm"], rel=1e-3)
+
+
+def test_engine_kv_paths_refuse_what_they_cannot_do(hf, rollout):
+    """Records without K/V sections on a KV-guided path are refused by field (format), as the HF
+    engine refuses them; Megatron's own core attention (numerics='megatron') has no K/V hook,
+    so a KV path is refused when the engine is built."""
+    from alignclient.errors import GuidanceMismatchError
+
+    r, recs = rollout
+    meg = MegatronLearnerEngine.from_hf_state_dict(hf.state_dict(), CFG, "nvfp4_trace_kv_nvfp4",
+                                                   pad_id=TASK.pad_id)
+    with pytest.raises(GuidanceMismatchError) as e:
+        meg.score(r.sequences, r.prompt_lens, recs)
+    assert e.value.field == "format"
+    with pytest.raises(ConfigError, match="core attention"):
+        MegatronLearnerEngine.from_hf_state_dict(hf.state_dict(), CFG, "nvfp4_minite_kv_nvfp4",
+                                                 numerics="megatron", pad_id=TASK.pad_id)
+
+
+def test_megatron_kv_rows_are_the_hf_cache_rows(hf, gpt, kv_rollout):
+    """K/V rows captured from Megatron's attention (megatron_kv.use_kv(capture=)) in a
+    teacher-forced nvfp4_minite pass are the Hugging Face FP4 cache's rows of the same pass:
+    the same row keys (token and head), codes, block scales and row scales, at every layer."""
+    from libalign.guidance import GuidanceCapture
+    from libalign.models import capture_kv, megatron_kv, score_sequences, use_kv_format
+    from libalign.models.scoring import right_padded_batch
+    from libalign.spec import PRESETS
+
+    r, _recs = kv_rollout
+    cap_hf, cap_meg = GuidanceCapture(PRESETS["minite"]), GuidanceCapture(PRESETS["minite"])
+    with use_kv_format(hf, "kv_nvfp4"), capture_kv(hf, cap_hf):
+        score_sequences(hf, r.sequences, r.prompt_lens, "nvfp4_minite", pad_id=TASK.pad_id)
+    ids, mask, keys = right_padded_batch(r.sequences, range(len(r.sequences)), TASK.pad_id,
+                                         torch.device("cpu"))
+    mg.set_row_keys(gpt, keys.T)
+    try:
+        with torch.no_grad(), mg.use_path(gpt, "nvfp4_minite"), \
+                megatron_kv.use_kv(gpt, "kv_nvfp4", capture=cap_meg):
+            mg.gpt_logits(gpt, ids, mask)
+    finally:
+        mg.set_row_keys(gpt, None)
+    a, b = cap_hf.pooled(), cap_meg.pooled()
+    assert set(a) == set(b) == {(layer, s) for layer in range(2) for s in ("k", "v")}
+    for site, (keys_a, rows_a) in a.items():
+        keys_b, rows_b = b[site]
+        assert keys_a.numel() > 0 and torch.equal(keys_a, keys_b), site
+        for field in ("codes", "block_scales", "row_scales"):
+            assert torch.equal(getattr(rows_a, field), getattr(rows_b, field)), (site, field)

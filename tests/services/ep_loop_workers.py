@@ -70,11 +70,13 @@ def learner_with_dying_follower(info, hf_sd, redis_url, store_dir, sampler_path)
     return learner_ranks(info, hf_sd, redis_url, store_dir, sampler_path, "nvfp4_minite", 1)
 
 
-def replay_ranks(info, hf_sd, rollouts, records, modes):
+def replay_ranks(info, hf_sd, rollouts, records, modes, guidance=None):
     """Routing replay through a RankGroupEngine (one process: the plain engine), one engine
     per mode of ``modes`` on every rank: score ``rollouts[:-1]`` (an odd count, so a share is
     topped up), score with a record missing under ``measure``, refuse bad records, then train
-    one step on all rollouts; each call's scores or stats with its routing counts."""
+    one step on all rollouts; each call's scores or stats with its routing counts. With
+    ``guidance`` (activation and K/V records), also the scores of ``rollouts[:-1]`` on
+    nvfp4_trace_kv_nvfp4 (FP4 K/V in Megatron's attention, guided) under ``"kv"``."""
     from alignclient.errors import RoutingMismatchError, RoutingMissingError
     from alignd.learner.engine import TrainBatch
     from alignd.learner.megatron_engine import MegatronLearnerEngine
@@ -122,4 +124,17 @@ def replay_ranks(info, hf_sd, rollouts, records, modes):
                 if group is not eng:
                     group.close()
             out[mode] = got
+        if guidance is not None:
+            eng = MegatronLearnerEngine.from_hf_state_dict(hf_sd, config(), "nvfp4_trace_kv_nvfp4",
+                                                           device="cpu", pad_id=TASK.pad_id)
+            if info.rank != 0:
+                follow(eng)
+                return out
+            group = eng if info.world_size == 1 else RankGroupEngine(eng)
+            try:
+                out["kv"] = group.score(seqs[:-1], plens[:-1],
+                                        {i: g for i, g in guidance.items() if i < n - 1})
+            finally:
+                if group is not eng:
+                    group.close()
     return out

@@ -102,10 +102,10 @@ def test_rollouts_to_score_are_topped_up_to_equal_shares():
 
 @pytest.fixture(scope="module")
 def replay_runs():
-    """Rollouts sampled on nvfp4_minite (routers slightly perturbed) with their routing
-    records, then routing replay (measure, recompute) on a bf16 Megatron learner of the
-    unperturbed weights: one process, and two ranks through a
-    RankGroupEngine, each launched once."""
+    """Rollouts sampled on nvfp4_minite with an FP4 KV cache (routers slightly perturbed)
+    with their routing and guidance (activation and K/V) records, then routing replay
+    (measure, recompute) on a bf16 Megatron learner of the unperturbed weights, and the
+    KV-guided path: one process, and two ranks through a RankGroupEngine, each launched once."""
     from libalign.models.routing_replay import capture_routing
 
     hf = models.build_model(config(), seed=1)
@@ -116,11 +116,13 @@ def replay_runs():
             if name.endswith("mlp.gate.weight"):
                 w.add_(0.02 * torch.randn(w.shape, generator=g).to(w.dtype))
     prompts = [p for p in L.TASK.prompts(4, 2) for _ in range(2)]
-    with cpu_threads(1), capture_routing(hf) as cap:
+    with cpu_threads(1), models.use_kv_format(hf, "kv_nvfp4"), \
+            models.capture_guidance(hf) as gcap, models.capture_kv(hf, gcap), \
+            capture_routing(hf) as cap:
         r = models.generate(hf, prompts, "nvfp4_minite", max_new_tokens=6, seed=5,
                             eos_id=L.TASK.eos_id, pad_id=L.TASK.pad_id)
     rollouts = (r.sequences, r.prompt_lens, [t.tolist() for t in r.logprobs])
-    args = (sd, rollouts, cap.records(), ("measure", "recompute"))
+    args = (sd, rollouts, cap.records(), ("measure", "recompute"), gcap.records(1))
     one = launch(L.replay_ranks, 1, args=args, backend="gloo", timeout_s=240)[0]
     two = launch(L.replay_ranks, 2, args=args, backend="gloo", timeout_s=240)[0]
     return r, one, two
@@ -156,6 +158,17 @@ def test_routing_replay_on_two_ranks_is_the_one_process_replay(replay_runs):
     assert two["recompute"]["score"][0] != two["measure"]["score"][0]
     assert two["recompute"]["errors"] == one["recompute"]["errors"] == [
         ("RoutingMissingError", None), ("RoutingMismatchError", "top_k")]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                    reason="CPU-shim test (gloo ranks on the CPU); see tests/libalign/test_megatron_ep.py")
+def test_kv_guided_path_on_two_ranks_scores_as_one_process(replay_runs):
+    """FP4 K/V in Megatron's attention, guided by the sampler's K/V records (global keys on
+    every rank), on two expert-parallel ranks: the one-process scores bit for bit, a topped-up
+    share included, and not the unquantized model's."""
+    _r, one, two = replay_runs
+    assert two["kv"] == one["kv"]
+    assert two["kv"] != two["measure"]["score"][0]
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(),

@@ -172,19 +172,12 @@ def grpo_advantages(rewards: Sequence[float], groups: Sequence[int]) -> torch.Te
 class TorchLearnerEngine:
     """The embedded learner: a Hugging Face Qwen3-MoE trained with GRPO + TIS on one path."""
 
-    kv_capable = True
-    """Whether this engine quantizes K and V for a path with a KV format (Hugging Face
-    attention through :mod:`libalign.models.kv_cache`); an engine that cannot refuses them."""
-
     def __init__(self, model: nn.Module, path: str = "bf16", *, lr: float = 2e-5,
                  tis_cap: float = lm.DEFAULT_TIS_CAP, use_tis: bool = True,
                  tis_level: str = "token", ppo_clip_eps: float | None = None,
                  batch_size: int = 64, pad_id: int = 0, max_grad_norm: float = 1.0,
                  strict: bool = False, routing_replay: str = "off"):
         self.path = (strict_mode.check_path(path) if strict else gemm.get_path(path)).name
-        if gemm.get_path(self.path).kv_spec is not None and not self.kv_capable:
-            raise ConfigError(f"{type(self).__name__} does not quantize K and V: path "
-                              f"{self.path!r} needs the embedded engine (TorchLearnerEngine)")
         if routing_replay not in ROUTING_REPLAY:
             raise ConfigError(f"routing_replay must be one of {ROUTING_REPLAY}, got "
                               f"{routing_replay!r}")
@@ -223,9 +216,12 @@ class TorchLearnerEngine:
             return None
         kv_spec = gemm.get_path(self.path).kv_spec
         if kv_spec is not None:
-            models.check_records(guidance, geometry=models.model_geometry(self.model),
-                                 kv_spec=kv_spec)
+            models.check_records(guidance, geometry=self.kv_geometry(), kv_spec=kv_spec)
         return GuidanceTable(dict(guidance), next(self.model.parameters()).device)
+
+    def kv_geometry(self) -> dict[str, int]:
+        """``layers``, ``kv_heads``, ``head_dim`` of the model (what K/V records must name)."""
+        return models.model_geometry(self.model)
 
     def _kv(self, table):
         """The KV format of the learner's path (and its guidance) for one forward, if any."""

@@ -14,6 +14,10 @@ Face's; the records, checks and statistics are the same. Routers are replicated 
 each rank's own tokens before the dispatcher gathers them, so under expert parallelism a rank
 needs only the records of its own share (keyed by global rollout index, like its rows) and
 counts only its own tokens; :class:`~alignd.learner.ranks.RankGroupEngine` sums the counts.
+A path with a KV format (``nvfp4_minite_kv_nvfp4``, ``nvfp4_trace_kv_nvfp4``, the ``kv_mxfp4``
+ones) quantizes K and V in Megatron's attention as the embedded engine does in Hugging Face's,
+rounded by the records' K/V sections on the trace paths (:mod:`libalign.models.megatron_kv`;
+``numerics="qwen3"`` only: Megatron's own core attention has no hook, such a model is refused).
 
 What is and is not here
 -----------------------
@@ -55,12 +59,13 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from alignclient.errors import ConfigError
+from alignclient.errors import ConfigError, SpecError
 from torch import nn
 
 from alignd.learner.engine import TorchLearnerEngine, TrainBatch
+from libalign import gemm
 from libalign.models import megatron as mg
-from libalign.models import megatron_routing
+from libalign.models import megatron_kv, megatron_routing
 from libalign.models.megatron_cpu import cpu_shims
 from libalign.models.megatron_export import export_hf_state_dict, load_hf_into_megatron
 from libalign.models.scoring import completion_logprobs, right_padded_batch
@@ -69,10 +74,14 @@ from libalign.models.scoring import completion_logprobs, right_padded_batch
 class MegatronLearnerEngine(TorchLearnerEngine):
     """GRPO + TIS on a Megatron-core GPT MoE whose expert GEMMs run ``path``."""
 
-    kv_capable = False  # Megatron's attention keeps K and V in the model's dtype
-
     def __init__(self, model: nn.Module, hf_config, path: str = "bf16", **kwargs):
         super().__init__(model, path, **kwargs)
+        kv_spec = gemm.get_path(self.path).kv_spec
+        if kv_spec is not None:
+            try:
+                megatron_kv.check_kv_capable(model, kv_spec)
+            except SpecError as e:
+                raise ConfigError(f"path {self.path!r}: {e}") from None
         self.hf_config = hf_config
         # added to in-batch rollout indices to name rows for guidance (a rank's share starts
         # at its offset in the whole batch; see alignd.learner.ranks)
@@ -113,7 +122,7 @@ class MegatronLearnerEngine(TorchLearnerEngine):
         try:
             with torch.set_grad_enabled(grad), mg.use_path(self.model, self.path), \
                     (mg.use_guidance(self.model, table) if table is not None else nullcontext()), \
-                    self._replay():
+                    self._kv(table), self._replay():
                 logits = mg.gpt_logits(self.model, ids, mask)
         finally:
             mg.set_row_keys(self.model, None)
@@ -123,6 +132,16 @@ class MegatronLearnerEngine(TorchLearnerEngine):
         """Teacher-forced log-probs (see :meth:`TorchLearnerEngine.score`)."""
         with cpu_shims():
             return super().score(sequences, prompt_lens, guidance, routing)
+
+    def kv_geometry(self) -> dict[str, int]:
+        """The Megatron model's layers, K/V heads and head size (K/V records must match)."""
+        return megatron_kv.kv_geometry(self.model)
+
+    def _kv(self, table):
+        """FP4 K/V in Megatron's attention on a KV path (:mod:`libalign.models.megatron_kv`),
+        rounded by the table's K/V records."""
+        kv_spec = gemm.get_path(self.path).kv_spec
+        return nullcontext() if kv_spec is None else megatron_kv.use_kv(self.model, kv_spec, table)
 
     def routing_geometry(self) -> dict:
         """The Megatron model's MoE layers, top-k and expert count (routing records must match)."""
