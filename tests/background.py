@@ -11,14 +11,13 @@ takes the job's :class:`Finished` result (:func:`result`, which waits) and check
 would its own subprocess; a test run alone starts its job itself, the same way.
 
 Every job gets a folder of its own under one temporary folder of the session, removed at the
-end together with any job still running (its whole process group is killed).
+end; a job still running then is killed (its whole process group).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -142,7 +141,8 @@ def result(name: str) -> Finished:
 
 
 def stop() -> None:
-    """Kill the jobs still running and remove the session's folder."""
+    """Kill the jobs still running and remove the session's folder (by a detached ``rm``: a
+    job's folder may hold whole virtual environments, and pytest need not wait for that)."""
     with _state.lock:
         _state.stopped = True
         pool, root, procs = _state.pool, _state.root, list(_state.procs)
@@ -156,4 +156,5 @@ def stop() -> None:
     if pool is not None:
         pool.shutdown(wait=True)
     if root is not None:
-        shutil.rmtree(root, ignore_errors=True)
+        subprocess.Popen(["rm", "-rf", str(root)], start_new_session=True,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

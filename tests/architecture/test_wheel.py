@@ -7,16 +7,15 @@ environments, used outside the checkout.
 * the alignclient wheel (clients/) installs without torch and gives the sync and async clients,
   the error classes, the id rules and the wire schemas.
 
-Each environment takes a minute or two to build (torch comes from the local wheel cache), so
-the test is marked slow; it needs pip to reach the package index for small pure-Python
-dependencies.
+The wheels and environments take a minute or two to build (torch comes from the local wheel
+cache): tests/architecture/wheel_envs.py builds them as a background job (tests/background.py)
+while other tests run, and the tests here, run last, check them; they are marked slow, and pip
+must reach the package index for small pure-Python dependencies.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
 import textwrap
 import zipfile
@@ -24,35 +23,33 @@ from pathlib import Path
 
 import pytest
 
+from tests import background
+from tests.architecture import wheel_envs
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
-TORCH = os.environ.get("ALIGN_TORCH", "torch==2.13.0")
 #: What the base install must not pull in (they belong to the daemon, demo or engine extras).
 NOT_IN_BASE = ("fastapi", "uvicorn", "redis", "prometheus_client", "transformers", "matplotlib",
                "fakeredis", "megatron", "sglang")
 
-
-def _run(cmd: list[str], cwd: Path, **env: str) -> str:
-    out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "PYTHONPATH": "", **env})
-    assert out.returncode == 0, f"{' '.join(cmd)}\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
-    return out.stdout
+background.register("wheel_envs", background.Job(
+    ("test_wheel.py::",), lambda: None,
+    lambda folder: ([sys.executable, str(Path(wheel_envs.__file__)), str(folder)],
+                    dict(os.environ)), timeout_s=1800, in_folder=True))
 
 
 @pytest.fixture(scope="module")
-def wheels(tmp_path_factory) -> dict[str, Path]:
+def envs() -> Path:
+    """The folder wheel_envs.py filled (a background job): wheels/, base/ and client/."""
+    done = background.result("wheel_envs")
+    assert done.returncode == 0, done.tail()
+    return done.folder
+
+
+@pytest.fixture(scope="module")
+def wheels(envs) -> dict[str, Path]:
     """``{"libalign": wheel, "alignclient": wheel}`` built from this checkout."""
-    out = tmp_path_factory.mktemp("wheels")
-    # build from a copy: setuptools reuses an in-tree build/ folder, whose stale files (a module
-    # deleted since) would otherwise ride into the wheel
-    src = tmp_path_factory.mktemp("source") / "libalign"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache",
-        ".ruff_cache", ".hypothesis"))
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-          "-w", str(out), str(src), str(src / "clients")], cwd=out)
-    found = {p.name.split("-")[0]: p for p in out.glob("*.whl")}
+    found = {p.name.split("-")[0]: p for p in (envs / "wheels").glob("*.whl")}
     assert set(found) == {"libalign", "alignclient"}, found
     return found
 
@@ -60,11 +57,6 @@ def wheels(tmp_path_factory) -> dict[str, Path]:
 def _top_level_names(wheel: Path) -> set[str]:
     with zipfile.ZipFile(wheel) as z:
         return {n.split("/")[0] for n in z.namelist() if not n.split("/")[0].endswith(".dist-info")}
-
-
-def _venv(where: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "venv", str(where)], check=True, timeout=300)
-    return where / "bin" / "python"
 
 
 def test_wheels_install_only_align_named_packages(wheels):
@@ -78,13 +70,10 @@ def test_wheels_install_only_align_named_packages(wheels):
         assert f"libalign/csrc/{source}" in names, source
 
 
-def test_base_install_runs_native_cpu_kernels_outside_the_checkout(wheels, tmp_path):
+def test_base_install_runs_native_cpu_kernels_outside_the_checkout(envs, tmp_path):
     """Fresh venv, base install: lean (no daemon/demo packages) and `backend_for` a CPU BF16
     tensor is the compiled kernel built from the wheel's own sources, not the spec fallback."""
-    py = _venv(tmp_path / "venv")
-    _run([str(py), "-m", "pip", "install", "-q", TORCH], cwd=tmp_path)
-    _run([str(py), "-m", "pip", "install", "-q", str(wheels["libalign"]), str(wheels["alignclient"])],
-         cwd=tmp_path)
+    py = wheel_envs.python_of(envs / "base")
     probe = textwrap.dedent(f"""
         import importlib.util, warnings
         warnings.simplefilter("error")          # a fallback warning fails the probe
@@ -99,16 +88,16 @@ def test_base_install_runs_native_cpu_kernels_outside_the_checkout(wheels, tmp_p
         assert not missing, missing
         print("ok")
     """)
-    out = _run([str(py), "-c", probe], cwd=tmp_path, ALIGN_KERNEL_CACHE=str(tmp_path / "kcache"))
+    out = wheel_envs.run([str(py), "-c", probe], cwd=tmp_path,
+                         ALIGN_KERNEL_CACHE=str(tmp_path / "kcache"))
     assert out.strip().endswith("ok")
     assert list((tmp_path / "kcache").iterdir()), "no kernel was built from the wheel's sources"
 
 
-def test_client_installs_without_torch(wheels, tmp_path):
+def test_client_installs_without_torch(envs, tmp_path):
     """Fresh venv, only the alignclient wheel: no torch, and the clients, errors, id rules and
     schemas import and work offline."""
-    py = _venv(tmp_path / "venv")
-    _run([str(py), "-m", "pip", "install", "-q", str(wheels["alignclient"])], cwd=tmp_path)
+    py = wheel_envs.python_of(envs / "client")
     probe = textwrap.dedent("""
         import importlib.util, sys
         from alignclient import AlignClient, AsyncAlignClient
@@ -131,4 +120,4 @@ def test_client_installs_without_torch(wheels, tmp_path):
                 pass
         print("ok", AsyncAlignClient.__name__, models.__name__)
     """)
-    assert _run([str(py), "-c", probe], cwd=tmp_path).startswith("ok")
+    assert wheel_envs.run([str(py), "-c", probe], cwd=tmp_path).startswith("ok")
