@@ -43,6 +43,15 @@ Triton activation pass (:func:`libalign.gemm_triton.fused_guidance`, the default
 ``nvfp4_trace_rec_unfused`` quantizes them first (:func:`libalign.guidance.guided_quantize`:
 dozens of tensor passes), as before that pass existed.
 
+FP4 KV rows (issue 19): ``nvfp4_minite_kv`` is ``nvfp4_minite`` with K and V quantized to
+``kv_nvfp4`` in Megatron's attention and read back dequantized
+(:mod:`libalign.models.megatron_kv`: the KV quantize and dequantize cost);
+``nvfp4_trace_kv_rec`` is ``nvfp4_trace_kv_nvfp4`` as a learner runs it: expert rows and K/V
+rows all guided by records (captured from this model's own ``nvfp4_minite_kv`` forward on the
+batch, so its ``rel L2`` equals ``nvfp4_minite_kv``'s). Their goal row divides
+``nvfp4_trace_kv_rec`` by ``nvfp4_minite`` (TRACE's 7.4 % for weight, activation and KV
+guidance and the KV dequantization together).
+
 Run: ``python -m tests.bench megatron [-- --tokens 8192 --repeats 10 --json out.json]``.
 Without CUDA it prints that it skipped, unless ``--tiny`` (a 2-layer, 8-expert model small
 enough for a CPU smoke run). Works with megatron-core 0.16 and 0.19.
@@ -59,7 +68,7 @@ import time
 import torch
 
 PATHS = ("bf16", "nvfp4_naive", "nvfp4_minite", "nvfp4_minite_nocheck", "nvfp4_trace",
-         "nvfp4_trace_rec", "nvfp4_trace_rec_unfused")
+         "nvfp4_trace_rec", "nvfp4_trace_rec_unfused", "nvfp4_minite_kv", "nvfp4_trace_kv_rec")
 RECORD_BITS = 2
 GOALS = {"minite_model": 1.10, "quantize_ms": 5.0, "trace_rec_over_minite": 1.074}
 
@@ -173,10 +182,12 @@ def _run(args) -> dict:
 
         guided = any(p.startswith("nvfp4_trace_rec") for p in paths)
         table = _records(mg, model, ids, keys, dev) if guided else None
+        table_kv = _records(mg, model, ids, keys, dev, kv=True) \
+            if "nvfp4_trace_kv_rec" in paths else None
         samples = {p: {"model": [], "experts": [], "quantize": []} for p in paths}
         for path in paths:  # warm-up, compile, first quantization; quality check
             mg.set_path(model, _model_path(path))
-            with _path_ctx(mg, model, path, keys, table):
+            with _path_ctx(mg, model, path, keys, table, table_kv):
                 for _ in range(args.warmup):
                     model_step()
                     experts_step()
@@ -188,7 +199,7 @@ def _run(args) -> dict:
         for _ in range(repeats):
             for path in paths:
                 mg.set_path(model, _model_path(path))
-                with _path_ctx(mg, model, path, keys, table):
+                with _path_ctx(mg, model, path, keys, table, table_kv):
                     samples[path]["quantize"].append(timer(quantize_all))
                     samples[path]["model"].append(timer(model_step))
                     samples[path]["experts"].append(timer(experts_step))
@@ -231,22 +242,27 @@ def _goals(rows: dict) -> list[dict]:
     add("nvfp4_minite weight quantization per step", mn.get("quantize_ms"), GOALS["quantize_ms"],
         "ms")
     for key, name in (("nvfp4_trace_rec", "nvfp4_trace (records) whole model / minite"),
-                      ("nvfp4_trace_rec_unfused", "  ... guided rounding before the act pass")):
+                      ("nvfp4_trace_rec_unfused", "  ... guided rounding before the act pass"),
+                      ("nvfp4_trace_kv_rec", "nvfp4_trace + FP4 KV (records) / minite")):
         if key in rows and mn:
             add(name, rows[key]["model_ms"] / mn["model_ms"], GOALS["trace_rec_over_minite"], "x")
     return out
 
 
 def _model_path(path: str) -> str:
-    return "nvfp4_minite" if path == "nvfp4_minite_nocheck" else \
+    return "nvfp4_minite" if path in ("nvfp4_minite_nocheck", "nvfp4_minite_kv") else \
         "nvfp4_trace" if path.startswith("nvfp4_trace") else path
 
 
-def _records(mg, model, ids, keys, dev):
+def _records(mg, model, ids, keys, dev, kv: bool = False):
     """A guidance table with a record for every expert row: the model's own nvfp4_minite
-    activations of this batch, captured through the experts' activation hook."""
+    activations of this batch, captured through the experts' activation hook (``kv``: of a
+    forward with FP4 K/V, whose K/V rows are captured too)."""
+    from contextlib import nullcontext
+
     from libalign import ops
     from libalign.guidance import GuidanceCapture, GuidanceTable
+    from libalign.models import megatron_kv
     from libalign.spec import PRESETS
 
     cap = GuidanceCapture(PRESETS["minite"])
@@ -262,7 +278,8 @@ def _records(mg, model, ids, keys, dev):
     for ex in mods.values():
         ex.act_hook = hook
     try:
-        with torch.no_grad():
+        with torch.no_grad(), megatron_kv.use_kv(model, "kv_nvfp4", capture=cap) if kv \
+                else nullcontext():
             mg.gpt_logits(model, ids)
     finally:
         for ex in mods.values():
@@ -286,15 +303,18 @@ def _megatron_version() -> str:
 
 class _path_ctx:
     """Attach the guided-rounding hook and row keys on ``nvfp4_trace`` (no records) and
-    ``nvfp4_trace_rec`` (``table``'s records)."""
+    ``nvfp4_trace_rec`` (``table``'s records); FP4 K/V on the ``_kv`` rows (guided by
+    ``table_kv`` on ``nvfp4_trace_kv_rec``, whose experts take its records too)."""
 
-    def __init__(self, mg, model, path, keys, table=None):
+    def __init__(self, mg, model, path, keys, table=None, table_kv=None):
         self.mg, self.model, self.keys = mg, model, keys
         self.on = path.startswith("nvfp4_trace")
-        self.table = table if path.startswith("nvfp4_trace_rec") else None
+        self.table = table if path.startswith("nvfp4_trace_rec") else \
+            table_kv if path == "nvfp4_trace_kv_rec" else None
+        self.kv = "_kv" in path
         self.unchecked = path.endswith("_nocheck")
         self.unfused = path.endswith("_unfused")
-        self.ctx = self.fused_ctx = None
+        self.ctx = self.fused_ctx = self.kv_ctx = None
 
     def __enter__(self):
         if self.unchecked:
@@ -308,6 +328,11 @@ class _path_ctx:
             self.mg.set_row_keys(self.model, self.keys)
             self.ctx = self.mg.use_guidance(self.model, self.table)
             self.ctx.__enter__()
+        if self.kv:
+            from libalign.models import megatron_kv
+
+            self.kv_ctx = megatron_kv.use_kv(self.model, "kv_nvfp4", self.table)
+            self.kv_ctx.__enter__()
         return self
 
     def __exit__(self, *exc):
@@ -315,6 +340,8 @@ class _path_ctx:
             self.mg.set_finite_check(self.model, True)
         if self.fused_ctx is not None:
             self.fused_ctx.__exit__(*exc)
+        if self.kv_ctx is not None:
+            self.kv_ctx.__exit__(*exc)
         if self.ctx is not None:
             self.ctx.__exit__(*exc)
             self.mg.set_row_keys(self.model, None)

@@ -18,8 +18,14 @@ Three tables, each against a baseline measured in the same run:
    (``off``); median and best seconds of ``--repeats`` round-robin steps, and the paired
    overhead (median over rounds of a step's time over the baseline's in the same round).
    TRACE measured 7.4 % in total for its guidance.
+4. With ``--ranks P`` (P >= 2): the same step of the **Megatron-core learner over P
+   expert-parallel ``gloo`` ranks** on the CPU, driven through
+   :class:`~alignd.learner.ranks.RankGroupEngine` (rank 0 checks and splits the routing
+   records, every rank replays its share's): ``measure`` and ``recompute`` against ``off``,
+   round robin, the same columns (wall time of rank 0's ``train_step``, which waits for every
+   rank).
 
-Run: ``python -m tests.bench routing [-- --tokens 4096 --rollouts 32 --repeats 7]``.
+Run: ``python -m tests.bench routing [-- --tokens 4096 --rollouts 32 --repeats 7 --ranks 2]``.
 """
 
 from __future__ import annotations
@@ -113,9 +119,10 @@ def throughput(device: str, tokens: int, repeats: int) -> list[dict]:
     return out
 
 
-def learner_steps(rollouts: int, repeats: int) -> list[dict]:
-    """Table 3: the embedded learner's step with routing replay against the unreplayed one."""
-    from alignd.learner.engine import TorchLearnerEngine, TrainBatch
+def _routed_batch(rollouts: int):
+    """The trained tiny model, its task, and a GRPO batch of ``rollouts`` rollouts (groups of
+    4) sampled on nvfp4_minite with their routing records (and gate weights)."""
+    from alignd.learner.engine import TrainBatch
 
     from libalign import models
     from libalign.models.routing_replay import capture_routing
@@ -129,21 +136,12 @@ def learner_steps(rollouts: int, repeats: int) -> list[dict]:
     samp = [t.tolist() for t in r.logprobs]
     rewards = [float(i % 2) for i in range(len(prompts))]
     groups = [i // 4 for i in range(len(prompts))]
-    runs = []
-    for mode in ("off", "measure", "recompute", "record"):
-        eng = TorchLearnerEngine(model, "nvfp4_minite", pad_id=task.pad_id, lr=0.0,
-                                 routing_replay=mode)
-        batch = TrainBatch(r.sequences, r.prompt_lens, samp, rewards, groups,
-                           routing=None if mode == "off" else recs)
-        eng.train_step(batch)  # warm-up
-        runs.append((eng, batch, {"mode": mode, "times": [],
-                                  "disagreement": eng.routing_stats.disagreement}))
-    for _ in range(repeats):  # round robin: a busy spell on a shared host hits every case alike
-        for eng, batch, row in runs:
-            t = time.perf_counter()
-            eng.train_step(batch)
-            row["times"].append(time.perf_counter() - t)
-    out = [row for _, _, row in runs]
+    return model, task, TrainBatch(r.sequences, r.prompt_lens, samp, rewards, groups,
+                                   routing=recs)
+
+
+def _overheads(out: list[dict]) -> list[dict]:
+    """Median/best seconds of each row's ``times`` and its overhead over the first row's."""
     ref = out[0]
     for row in out:
         row["seconds"] = statistics.median(row["times"])
@@ -158,7 +156,87 @@ def learner_steps(rollouts: int, repeats: int) -> list[dict]:
     return out
 
 
-def _print(size_rows, tput_rows, step_rows, tokens, rollouts) -> None:
+def learner_steps(rollouts: int, repeats: int) -> list[dict]:
+    """Table 3: the embedded learner's step with routing replay against the unreplayed one."""
+    from alignd.learner.engine import TorchLearnerEngine, TrainBatch
+
+    model, task, routed = _routed_batch(rollouts)
+    runs = []
+    for mode in ("off", "measure", "recompute", "record"):
+        eng = TorchLearnerEngine(model, "nvfp4_minite", pad_id=task.pad_id, lr=0.0,
+                                 routing_replay=mode)
+        batch = TrainBatch(routed.sequences, routed.prompt_lens, routed.sampler_logprobs,
+                           routed.rewards, routed.groups,
+                           routing=None if mode == "off" else routed.routing)
+        eng.train_step(batch)  # warm-up
+        runs.append((eng, batch, {"mode": mode, "times": [],
+                                  "disagreement": eng.routing_stats.disagreement}))
+    for _ in range(repeats):  # round robin: a busy spell on a shared host hits every case alike
+        for eng, batch, row in runs:
+            t = time.perf_counter()
+            eng.train_step(batch)
+            row["times"].append(time.perf_counter() - t)
+    return _overheads([row for _, _, row in runs])
+
+
+RANK_MODES = ("off", "measure", "recompute")
+
+
+def rank_steps(info, batch, repeats: int, threads: int) -> dict | None:
+    """Table 4, one rank: an engine per mode of :data:`RANK_MODES`; every round, each mode's
+    step once (rank 0 drives a RankGroupEngine, the others follow); round 0 warms up."""
+    from alignd.learner.megatron_engine import MegatronLearnerEngine
+    from alignd.learner.ranks import RankGroupEngine, follow
+
+    from libalign import models
+    from libalign.models.megatron_cpu import cpu_shims
+
+    torch.set_num_threads(threads)
+    model, task = models.trained_tiny_model(device="cpu")
+    rows = {m: {"mode": m, "times": [], "disagreement": None} for m in RANK_MODES}
+    with cpu_shims(enabled=info.device.type == "cpu"):
+        engines = {m: MegatronLearnerEngine.from_hf_state_dict(
+            model.state_dict(), model.config, "nvfp4_minite", device=info.device, lr=0.0,
+            pad_id=task.pad_id, routing_replay=m) for m in RANK_MODES}
+        for rnd in range(repeats + 1):
+            for m in RANK_MODES:
+                if info.rank != 0:
+                    follow(engines[m])
+                    continue
+                group = RankGroupEngine(engines[m])
+                try:
+                    t = time.perf_counter()
+                    group.train_step(batch)
+                    dt = time.perf_counter() - t
+                finally:
+                    group.close()
+                if rnd:
+                    rows[m]["times"].append(dt)
+                rows[m]["disagreement"] = group.routing_stats.disagreement
+    return list(rows.values()) if info.rank == 0 else None
+
+
+def rank_group_steps(ranks: int, rollouts: int, repeats: int, threads: int) -> list[dict]:
+    """Table 4: the Megatron learner over ``ranks`` gloo ranks, R3 against the plain step."""
+    from libalign.models.megatron_parallel import launch
+
+    _model, _task, batch = _routed_batch(rollouts)
+    got = launch(rank_steps, ranks, args=(batch, repeats, threads), backend="gloo",
+                 timeout_s=3600)
+    return _overheads(got[0])
+
+
+def _print_steps(rows: list[dict]) -> None:
+    print(f"{'routing_replay':14} {'median s':>9} {'best s':>8} {'overhead':>9} "
+          f"{'(best)':>8} {'(paired)':>9} {'disagreement':>12}")
+    for r in rows:
+        d = "–" if r["disagreement"] is None else f"{100 * r['disagreement']:.2f}%"
+        print(f"{r['mode']:14} {r['seconds']:9.4f} {r['best']:8.4f} "
+              f"{100 * r['overhead']:8.2f}% {100 * r['overhead_best']:7.2f}% "
+              f"{100 * r['overhead_paired']:8.2f}% {d:>12}")
+
+
+def _print(size_rows, tput_rows, step_rows, tokens, rollouts, rank_rows=(), ranks=0) -> None:
     print("1. routing record bytes per token; baseline: int64 top-k indices")
     print(f"{'model':36} {'weights':>7} {'planned B':>9} {'encoded B':>9} {'int64 B':>8} "
           f"{'vs int64':>8}")
@@ -174,13 +252,11 @@ def _print(size_rows, tput_rows, step_rows, tokens, rollouts) -> None:
     if step_rows:
         print(f"\n3. embedded learner step (CPU, tiny model, {rollouts} rollouts sampled on "
               "nvfp4_minite, learner nvfp4_minite); baseline: routing_replay=off")
-        print(f"{'routing_replay':14} {'median s':>9} {'best s':>8} {'overhead':>9} "
-              f"{'(best)':>8} {'(paired)':>9} {'disagreement':>12}")
-        for r in step_rows:
-            d = "–" if r["disagreement"] is None else f"{100 * r['disagreement']:.2f}%"
-            print(f"{r['mode']:14} {r['seconds']:9.4f} {r['best']:8.4f} "
-                  f"{100 * r['overhead']:8.2f}% {100 * r['overhead_best']:7.2f}% "
-                  f"{100 * r['overhead_paired']:8.2f}% {d:>12}")
+        _print_steps(step_rows)
+    if rank_rows:
+        print(f"\n4. Megatron-core learner over {ranks} expert-parallel gloo ranks (CPU, "
+              f"RankGroupEngine, same batch and paths); baseline: routing_replay=off")
+        _print_steps(rank_rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", action="append", default=None,
                     help="cpu and/or cuda (default: cpu, plus cuda when available)")
     ap.add_argument("--no-learner", action="store_true", help="skip table 3 (needs transformers)")
+    ap.add_argument("--ranks", type=int, default=0,
+                    help="also table 4: the Megatron learner over this many ranks (0: skip)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: steadier on a shared host)")
     ap.add_argument("--quick", action="store_true", help="1024 tokens, 16 rollouts, 3 repeats")
@@ -205,11 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in size_rows if r["encoded"] != r["planned"]]
     tput_rows = [r for dev in devices for r in throughput(dev, args.tokens, args.repeats)]
     step_rows = [] if args.no_learner else learner_steps(args.rollouts, args.repeats)
-    _print(size_rows, tput_rows, step_rows, args.tokens, args.rollouts)
+    rank_rows = rank_group_steps(args.ranks, args.rollouts, args.repeats, args.threads) \
+        if args.ranks > 1 else []
+    _print(size_rows, tput_rows, step_rows, args.tokens, args.rollouts, rank_rows, args.ranks)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_routing.json").write_text(json.dumps(
-            {"sizes": size_rows, "throughput": tput_rows, "learner": step_rows}, indent=1))
+            {"sizes": size_rows, "throughput": tput_rows, "learner": step_rows,
+             "rank_group": rank_rows}, indent=1))
     if bad:
         print(f"encoded sizes differ from the plan: {bad}")
         return 1
