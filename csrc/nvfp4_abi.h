@@ -4,7 +4,7 @@
 // Python or PyTorch headers, so a build is one compiler call and takes seconds.
 // Every kernel reproduces libalign.spec.quantize bit for bit for the parameters below;
 // anything else (compressed-tensors' bf16 scale math, Hadamard rotation, stochastic
-// rounding, K not a multiple of 16) stays with the spec.
+// rounding, K not a multiple of the block) stays with the spec.
 #pragma once
 #include <stdint.h>
 
@@ -14,6 +14,13 @@ extern "C" {
 
 enum { NV_IN_BF16 = 0, NV_IN_FP16 = 1, NV_IN_FP32 = 2 };
 enum { NV_ORDER_TE = 0, NV_ORDER_TORCHAO = 1, NV_ORDER_MODELOPT = 2 };
+// MXFP4 (E8M0 scale per 32 values, no outer scale): the op_order names the E8M0 rule
+// (libalign/scale_math.py: mx_floor, mx_ceil, mx_even, mx_te). With these the kernels read
+// no outer scale (outer_mode GIVEN, enc/dec unused), k must be a multiple of 32, and scales
+// receives one E8M0 byte per 32 values (experts*rows*k/32, or the swizzled size of k/32
+// columns). The NVFP4 scale policies (floors, zero substitution) do not apply.
+enum { NV_ORDER_MX_FLOOR = 3, NV_ORDER_MX_CEIL = 4, NV_ORDER_MX_EVEN = 5, NV_ORDER_MX_TE = 6 };
+#define NV_IS_MX(order) ((order) >= NV_ORDER_MX_FLOOR && (order) <= NV_ORDER_MX_TE)
 enum { NV_OUTER_GIVEN = 0, NV_OUTER_ROW = 1 };
 enum { NV_STORE_AMAX = 0, NV_STORE_ENC = 1, NV_STORE_DEC = 2 };
 enum { NV_SZ_POSITIVE = 0, NV_SZ_SIGN_OF_INPUT = 1, NV_SZ_SIGN_OF_NONZERO = 2 };
@@ -28,7 +35,7 @@ enum { NV_FLAG_NONFINITE = 1, NV_FLAG_UNDEFINED_SCALE = 2, NV_FLAG_USE_SPEC = 4 
 typedef struct NvParams {
   int64_t experts;      // leading dimension of a 3-D stack (1 for a matrix)
   int64_t rows;         // rows per expert (M)
-  int64_t k;            // row length, a multiple of 16
+  int64_t k;            // row length, a multiple of 16 (MXFP4: of 32)
   int32_t in_dtype;     // NV_IN_*
   int32_t op_order;     // NV_ORDER_*
   int32_t outer_mode;   // NV_OUTER_GIVEN: enc/dec arrays; NV_OUTER_ROW: from each row's amax

@@ -182,3 +182,44 @@ NV_HD int64_t nv_swizzle_col(int64_t c) { return (c / 4) * 512 + (c % 4); }
 NV_HD int64_t nv_swizzle_offset(int64_t e, int64_t r, int64_t c, int64_t rows, int64_t cols) {
   return nv_swizzle_row_base(e, r, rows, cols) + nv_swizzle_col(c);
 }
+
+// --- MXFP4: E8M0 block scales (scale_math.e8m0_block_scales / _mx_encode) -------------------
+
+// 2^n exactly, for n in [-149, 127] (below -126 a subnormal).
+NV_HD float nv_exp2i(int n) {
+  return n >= -126 ? nv_u2f(static_cast<uint32_t>(n + 127) << 23)
+                   : nv_u2f(1u << (n + 149));
+}
+
+// The E8M0 byte of a 32-value block from its finite, non-negative fp32 maximum v, under an
+// MX order. The torchao modes take v's biased exponent minus 127 and minus 2 (floor(log2 6)),
+// clamped to bytes [0, 255]: mx_floor as is, mx_ceil one more when v's mantissa is not
+// zero, mx_even after rounding v to one mantissa bit (bits + 2^21, mantissa cleared).
+// mx_te is TE's float_to_e8m0 of the descale d = fl(v * fl(1/6)): d's exponent field,
+// plus one when d's mantissa is not zero, except d's exponent 254 (saturates) and a
+// subnormal d of mantissa <= 2^22 (rounds to byte 0).
+NV_HD uint32_t nv_e8m0_byte(float v, int order) {
+  uint32_t bits = nv_f2u(v);
+  if (order == NV_ORDER_MX_TE) {
+    const uint32_t d = nv_f2u(nv_mul(v, nv_u2f(0x3E2AAAABu)));  // fl(1/6)
+    const uint32_t exp = d >> 23, man = d & 0x7FFFFFu;
+    const uint32_t up = man > 0u && exp != 0xFEu && !(exp == 0u && man <= 0x400000u);
+    return exp + up;
+  }
+  if (order == NV_ORDER_MX_EVEN) bits = (bits + (1u << 21)) & 0x7F800000u;
+  int unbiased = static_cast<int>((bits >> 23) & 0xFFu) - 127;
+  if (order == NV_ORDER_MX_CEIL) unbiased += (bits & 0x7FFFFFu) != 0u;
+  int s = unbiased - 2;
+  s = s < -127 ? -127 : (s > 128 ? 128 : s);
+  return static_cast<uint32_t>(s + 127);
+}
+
+// The element multiplier of a block with E8M0 byte b: the spec divides by
+// max(2^(b-127), 2^-126) (torchao modes) or multiplies by 1 / 2^(b-127), 1 for b = 0
+// (mx_te). The divisor is a power of two, so x * 2^(127-b) is the same correctly
+// rounded value as the division (subnormal results included: no flush to zero).
+// Finite input never gives b = 255 (NaN), which would need an exponent past fp32's.
+NV_HD float nv_mx_mult(uint32_t b, int order) {
+  if (order == NV_ORDER_MX_TE) return b == 0u ? 1.0f : nv_exp2i(127 - static_cast<int>(b));
+  return nv_exp2i(127 - static_cast<int>(b > 1u ? b : 1u));
+}

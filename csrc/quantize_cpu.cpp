@@ -1,9 +1,10 @@
-// CPU kernel of libalign.spec.quantize for the te / torchao / modelopt orders.
+// CPU kernel of libalign.spec.quantize for the te / torchao / modelopt orders and MXFP4.
 //
 // One pass per row: the row is widened to fp32 into a small per-thread buffer while the
 // block maxima and the row maximum are taken, then every block gets its E4M3 scale and
-// its 16 elements are encoded and packed (the driver: quantize_cpu_rows.h). Rows are
-// split across std::threads.
+// its 16 elements are encoded and packed (the driver: quantize_cpu_rows.h). MXFP4 rows
+// share the load and the encode, with an E8M0 byte and a power-of-two multiplier per 32
+// values (mx_scale_blocks). Rows are split across std::threads.
 //
 // Three instruction-set paths, all in this one library, chosen at run time:
 //   scalar  portable C++, the reference the others are checked against;
@@ -116,6 +117,19 @@ inline void store_scales(const uint8_t* sbytes, uint8_t* scales, const NvParams&
     for (int64_t b = 0; b < nb; ++b) base[nv_swizzle_col(b)] = sbytes[b];
   } else {
     memcpy(scales + r * nb, sbytes, static_cast<size_t>(nb));
+  }
+}
+
+// MXFP4 scales of one row from its 16-value block maxima vmax (nb of them, nb even): the
+// E8M0 byte of each 32-value block (the larger of its two halves' maxima is its maximum)
+// and its multiplier, written for both halves (mult[2j], mult[2j + 1]). A few scalar
+// operations per 32 values, the same on every path.
+inline void mx_scale_blocks(const float* vmax, int64_t nb, int order, uint8_t* sbytes,
+                            float* mult) {
+  for (int64_t j = 0; j < nb / 2; ++j) {
+    const uint32_t b = nv_e8m0_byte(std::max(vmax[2 * j], vmax[2 * j + 1]), order);
+    sbytes[j] = static_cast<uint8_t>(b);
+    mult[2 * j] = mult[2 * j + 1] = nv_mx_mult(b, order);
   }
 }
 
@@ -285,7 +299,7 @@ int nvfp4_cpu_set_path(int path) {
 int nvfp4_quantize_cpu(const void* x, uint8_t* codes, uint8_t* scales, float* amax_out,
                        float* stored_out, const float* enc, const float* dec,
                        const NvParams* p, int nthreads) {
-  if (p->k % 16 != 0) return -1;
+  if (p->k % (NV_IS_MX(p->op_order) ? 32 : 16) != 0) return -1;
   const int64_t total = p->experts * p->rows;
   const int path = current_path();
   std::vector<int> flags(static_cast<size_t>(std::max(1, nthreads)), 0);
@@ -298,7 +312,7 @@ int nvfp4_quantize_cpu(const void* x, uint8_t* codes, uint8_t* scales, float* am
 }
 
 int nvfp4_amax_cpu(const void* x, float* amax_out, const NvParams* p, int nthreads) {
-  if (p->k % 16 != 0) return -1;
+  if (p->k % (NV_IS_MX(p->op_order) ? 32 : 16) != 0) return -1;
   const int64_t total = p->experts * p->rows;
   const int nt = std::max(1, nthreads), path = current_path();
   std::vector<float> part(static_cast<size_t>(nt * p->experts), 0.0f);

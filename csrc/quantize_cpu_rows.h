@@ -9,7 +9,10 @@
 //   float row_max16(x, base, k, dtype)                        16-bit row max, -1 if unknown
 // and, for the SIMD paths, inside that path's `#pragma GCC target` region: every copy of
 // the driver is compiled for its own target and inlines its own helpers. The shared,
-// target-neutral parts (RowQueue, row_outer, store_scales) come from quantize_cpu.cpp.
+// target-neutral parts (RowQueue, row_outer, store_scales, mx_scale_blocks) come from
+// quantize_cpu.cpp. An MXFP4 row (an MX op_order) shares the load and the 16-value encode
+// step: its 32-value block takes its maximum from two 16-value maxima, its E8M0 byte and
+// power-of-two multiplier from mx_scale_blocks, and both halves encode with that multiplier.
 
 // Encode one row's blocks; the signed-zero policy and whether the order divides (ModelOpt)
 // are template arguments, so the block loop carries no per-block policy branches.
@@ -23,6 +26,18 @@ void encode_row(const float* buf, const float* mults, const float* divs, const u
     enc_b.use_div = Divides && sbytes[b] != 0;  // a zero scale encodes by multiplying
     encode_block(buf + b * 16, enc_b, SignedZero, crow + b * 8);
   }
+}
+
+// Encode an MXFP4 row: mults holds each 16-value half-block's multiplier (both halves of a
+// 32-value block share theirs); no MX order divides, so divs and sbytes are not read.
+inline void encode_mx_row(const float* buf, const float* mults, const float* divs,
+                          const uint8_t* sbytes, int64_t nb, int signed_zero, uint8_t* crow) {
+  if (signed_zero == NV_SZ_POSITIVE)
+    encode_row<NV_SZ_POSITIVE, false>(buf, mults, divs, sbytes, nb, crow);
+  else if (signed_zero == NV_SZ_SIGN_OF_INPUT)
+    encode_row<NV_SZ_SIGN_OF_INPUT, false>(buf, mults, divs, sbytes, nb, crow);
+  else
+    encode_row<NV_SZ_SIGN_OF_NONZERO, false>(buf, mults, divs, sbytes, nb, crow);
 }
 
 // The per-worker scratch of quantize_rows (one row widened, its block maxima and encoders).
@@ -44,6 +59,13 @@ inline void quantize_row(int64_t r, const void* x, uint8_t* codes, uint8_t* scal
   const int64_t k = p.k, nb = k / 16, e = r / p.rows, rr = r % p.rows;
   const float rowmax = load_row(x, r * k, k, p.in_dtype, p, t.buf.data(), t.vmax.data(), flags);
   if (*flags & NV_FLAG_NONFINITE) return;
+  if (NV_IS_MX(p.op_order)) {  // MXFP4: E8M0 scales of 32-value blocks, no outer scale
+    mx_scale_blocks(t.vmax.data(), nb, p.op_order, t.sbytes.data(), t.mults.data());
+    store_scales(t.sbytes.data(), scales, p, r, e, rr, nb / 2);
+    encode_mx_row(t.buf.data(), t.mults.data(), t.divs.data(), t.sbytes.data(), nb, p.signed_zero,
+                  codes + r * (k / 2));
+    return;
+  }
   const NvOuter o = row_outer(rowmax, p, r, e, enc, dec, amax_out, stored_out);
   int undefined = 0;
   scale_blocks(t.vmax.data(), nb, o, nv_te_block_mult(o.enc), p, t.sbytes.data(), t.mults.data(),

@@ -1,4 +1,5 @@
-// CUDA kernel of libalign.spec.quantize for the te / torchao / modelopt orders.
+// CUDA kernel of libalign.spec.quantize for the te / torchao / modelopt orders (MXFP4:
+// quantize_cuda_mx.h, one thread per 32-value block on the same encode step).
 //
 // One warp per row, two phases. Phase 1 streams the row from memory into shared memory
 // (16-byte loads, coalesced) while taking its maximum on the integer bits of |x|, which
@@ -536,6 +537,8 @@ cudaError_t launch1(const void* x, uint8_t* codes, uint8_t* scales, float* amax_
   }
 }
 
+#include "quantize_cuda_mx.h"  // MXFP4 (the MX op_orders), on encode8 above
+
 }  // namespace
 
 extern "C" {
@@ -543,9 +546,11 @@ extern "C" {
 int nvfp4_quantize_cuda(const void* x, uint8_t* codes, uint8_t* scales, float* amax_out,
                         float* stored_out, const float* enc, const float* dec,
                         const NvParams* p, int* flags_dev, void* stream) {
-  if (p->k % 16 != 0) return -1;
+  if (p->k % (NV_IS_MX(p->op_order) ? 32 : 16) != 0) return -1;
   if (p->experts * p->rows == 0) return 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (NV_IS_MX(p->op_order))
+    return static_cast<int>(launch_mx(x, codes, scales, *p, flags_dev, s));
   cudaError_t err;
   switch (p->in_dtype) {
     case NV_IN_BF16: err = launch1<NV_IN_BF16>(x, codes, scales, amax_out, stored_out, enc, dec, *p, flags_dev, s); break;

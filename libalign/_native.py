@@ -84,7 +84,8 @@ SOURCES = {"cpu": "quantize_cpu.cpp", "cuda": "quantize_cuda.cu",
            "gemm_sm100": "gemm_nvfp4_sm100.cu"}
 # Headers only one kind includes (they join that kind's cache key).
 KIND_HEADERS = {"gemm_sm100": ("gemm_abi.h",),
-                "cpu": ("quantize_cpu_rows.h", "quantize_cpu_avx2.h", "quantize_cpu_avx512.h")}
+                "cpu": ("quantize_cpu_rows.h", "quantize_cpu_avx2.h", "quantize_cpu_avx512.h"),
+                "cuda": ("quantize_cuda_mx.h",)}
 
 
 class NvParams(ctypes.Structure):

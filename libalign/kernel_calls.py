@@ -27,12 +27,14 @@ import torch
 
 from . import _native, scale_math
 from . import spec as _spec
-from .constants import BLOCK_SIZE
 from .errors import SpecError
 from .packing import swizzled_size, unswizzle_scales
 from .spec import NumericsSpec, NVFP4Tensor
 
-ORDERS = {"te": 0, "torchao": 1, "modelopt": 2}
+#: op_order -> NV_ORDER_* of csrc/nvfp4_abi.h; the MX orders make the call MXFP4 (E8M0 bytes
+#: per 32 values, no outer scale: the kernels skip the outer-scale steps).
+ORDERS = {"te": 0, "torchao": 1, "modelopt": 2,
+          "mx_floor": 3, "mx_ceil": 4, "mx_even": 5, "mx_te": 6}
 SIGNED_ZERO = {"positive": 0, "sign_of_input": 1, "sign_of_nonzero": 2}
 DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 CONVENTIONS = {"amax": 0, "enc": 1, "dec": 2}
@@ -196,7 +198,7 @@ def launch(lib, x, spec, outer_amax, swizzled, out=None, flags=None, stream=None
     is_3d = x.ndim == 3
     x3 = (x if is_3d else x.unsqueeze(0)).contiguous()
     e, m, k = x3.shape
-    nb = k // BLOCK_SIZE
+    nb = k // spec.block_size  # scale columns: 16-value blocks, or MXFP4's 32
     dev = x3.device
     p = params(x3, spec, swizzled)
     cuda = dev.type == "cuda"
@@ -274,10 +276,11 @@ def finish(t: Pending, bad: int):
         out.outer_scale.copy_(stored)
         out.outer_amax.copy_(amax)
         stored, amax = out.outer_scale, out.outer_amax
+    scale_dtype = torch.float8_e8m0fnu if spec.is_mx else torch.float8_e4m3fn
     if t.swizzled:
-        return GemmOperand(codes, t.scales.view(torch.float8_e4m3fn), stored, amax, spec, shape)
+        return GemmOperand(codes, t.scales.view(scale_dtype), stored, amax, spec, shape)
     return NVFP4Tensor(codes=codes,
-                       block_scales=t.scales.reshape(*lead, k // BLOCK_SIZE).view(torch.float8_e4m3fn),
+                       block_scales=t.scales.reshape(*lead, k // spec.block_size).view(scale_dtype),
                        outer_scale=stored, spec=spec, shape=shape, outer_amax=amax)
 
 

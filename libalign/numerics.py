@@ -60,7 +60,8 @@ KV-cache presets (TRACE's FP4 KV rollout; a row is one token's keys or values of
     so a row's codes never depend on other tokens and the cache can quantize on write.
 ``kv_mxfp4``
     ``mxfp4``'s bits (E8M0 per 32 values, no outer scale); the head size must be a multiple
-    of 32. No compiled kernel serves MXFP4 yet: :func:`libalign.ops.quantize` runs the spec.
+    of 32. :func:`libalign.ops.quantize` serves every MXFP4 preset with the compiled CPU
+    and CUDA kernels (the same bits as :func:`libalign.spec.quantize`).
 
 The ``torchao`` and ``modelopt`` presets raise :class:`~libalign.errors.UndefinedScaleError` on an
 all-zero tensor, where both libraries compute 0/0 and emit NaN block scales.

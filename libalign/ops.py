@@ -12,10 +12,13 @@ How a call is served
     :func:`set_cpu_kernel_path` force one), all three bit-identical. The kernels cover the
     ``te``, ``torchao`` and ``modelopt`` operation orders, every outer domain, bf16 /
     fp16 / fp32 input, 2-D matrices and 3-D expert stacks, a given outer maximum (shared
-    gate/up scales), and linear or 128x4-swizzled block scales. Anything else — the
-    compressed-tensors order (its scale math runs in bf16), a Hadamard rotation,
-    stochastic rounding, K not a multiple of 16, a given per-row maximum — is served by
-    the spec itself: slower, the same bits. :func:`backend_for` says which one a call gets.
+    gate/up scales), and linear or 128x4-swizzled block scales; and MXFP4 (the four E8M0
+    rules of the ``mxfp4*`` and ``kv_mxfp4`` presets, one byte per 32 values, no outer
+    scale) on the same load and encode steps. Anything else — the compressed-tensors
+    order (its scale math runs in bf16), a Hadamard rotation, stochastic rounding, K not a
+    multiple of the block (16, MXFP4 32; the presets refuse it with the spec's
+    ShapeError), a given per-row maximum — is served by the spec itself: slower, the
+    same bits. :func:`backend_for` says which one a call gets.
 
 Where a kernel cannot be built
     No compiler, a failed build, or ``ALIGN_KERNELS=spec``: the spec serves every call on
@@ -42,7 +45,6 @@ import torch
 
 from . import _native, kernel_calls
 from . import spec as _spec
-from .constants import BLOCK_SIZE
 from .errors import ConfigError, SpecError
 from .kernel_calls import GemmOperand, as_gemm_operand
 from .spec import PRESETS, NumericsSpec, NVFP4Tensor
@@ -58,8 +60,6 @@ BACKENDS = ("auto", "kernel", "spec")
 
 def kernel_gap(x: torch.Tensor, spec: NumericsSpec, outer_amax: torch.Tensor | None) -> str | None:
     """Why the compiled kernels cannot serve this call, or None when they can."""
-    if spec.is_mx:
-        return "MXFP4 (E8M0 scales per 32 values): no compiled kernel yet, the spec serves"
     if spec.op_order not in kernel_calls.ORDERS:
         return f"op_order {spec.op_order!r} (its scale math is not fp32)"
     if spec.scale_math_dtype != "float32" or spec.zero_scale_to is not None:
@@ -70,8 +70,8 @@ def kernel_gap(x: torch.Tensor, spec: NumericsSpec, outer_amax: torch.Tensor | N
         return "stochastic rounding"
     if x.dtype not in kernel_calls.DTYPES:
         return f"dtype {x.dtype}"
-    if x.shape[-1] % BLOCK_SIZE:
-        return f"K={x.shape[-1]} is not a multiple of {BLOCK_SIZE}"
+    if x.shape[-1] % spec.block_size:
+        return f"K={x.shape[-1]} is not a multiple of {spec.block_size}"
     if x.device.type not in ("cpu", "cuda"):
         return f"device {x.device.type}"
     if outer_amax is not None and spec.outer_domain == "row":

@@ -66,7 +66,8 @@ def test_wheels_install_only_align_named_packages(wheels):
     with zipfile.ZipFile(wheels["libalign"]) as z:
         names = set(z.namelist())
     for source in ("quantize_cpu.cpp", "quantize_cpu_rows.h", "quantize_cpu_avx2.h",
-                   "quantize_cpu_avx512.h", "quantize_cuda.cu", "nvfp4_abi.h", "nvfp4_math.h"):
+                   "quantize_cpu_avx512.h", "quantize_cuda.cu", "quantize_cuda_mx.h", "nvfp4_abi.h",
+                   "nvfp4_math.h"):
         assert f"libalign/csrc/{source}" in names, source
 
 

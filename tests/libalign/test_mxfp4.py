@@ -243,12 +243,16 @@ def test_nonfinite_input_is_refused(bad):
         quantize(x, PRESETS["mxfp4"])
 
 
-def test_ops_serves_mxfp4_through_the_spec_with_torchaos_swizzle():
+def test_ops_serves_mxfp4_with_the_kernel_and_torchaos_swizzle():
+    """libalign.ops serves MXFP4 with the compiled CPU kernel; its bits, and its in-place
+    swizzled scales, equal torchao's (tests/libalign/test_ops_mxfp4.py pins every path)."""
     x = FAMILIES["mixed"]((200, 256), torch.bfloat16)
     spec = PRESETS["mxfp4"]
-    assert ops.backend_for(x, spec) == "spec"
-    assert "MXFP4" in ops.kernel_gap(x, spec, None)
-    q = ops.quantize(x, spec)
+    assert ops.backend_for(x, spec) == "cpu"
+    assert ops.kernel_gap(x, spec, None) is None
+    q = ops.quantize(x, spec, backend="kernel")
+    codes, scales = torchao_mx(x, "mxfp4")
+    assert torch.equal(q.codes, codes) and torch.equal(q.block_scales.view(torch.uint8), scales)
     assert q.bitwise_equal(quantize(x, spec))
     swz = ops.quantize(x, spec, scale_layout="swizzled")
     theirs = to_blocked(torchao_mx(x, "mxfp4")[1]).flatten()
