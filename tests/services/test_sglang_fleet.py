@@ -22,7 +22,7 @@ from alignclient.errors import (
 )
 from alignd.formats.modelopt_export import ModelOptExport
 from alignd.formats.weight_store import WeightStore
-from alignd.sampler.sglang_engine import SGLangSamplerEngine, row_seed
+from alignd.sampler.sglang_engine import SGLangSamplerEngine, SGLangTimeouts, row_seed
 
 from tests.services.api_server import serve
 from tests.services.sglang_contract import SGLangContract
@@ -261,6 +261,7 @@ def test_an_unreachable_server_is_unknown_until_a_switch_verifies_it(fleet):
     unknown); the others serve; with none in rotation a call is EngineUnavailableError."""
     cs, urls, engine, _ = fleet(2)
     engine.load("v1")
+    engine.timeouts = SGLangTimeouts(**{**FAST.__dict__, "retry_deadline_s": 0.3})
     cs[1].unavailable["/pause_generation"] = 10**6  # answers 503 past the retry deadline
     info = engine.load("v2")
     assert "EngineUnavailableError" in info["failed"][urls[1]]
