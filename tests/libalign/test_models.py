@@ -451,7 +451,7 @@ def test_training_stops_at_the_asked_accuracy(tmp_path, monkeypatch):
         cfg, task, 300, 0, 0.4))
     with pytest.raises(ConfigError):
         train_mod.train_model(cfg, task, steps=3, stop_at_accuracy=0.0)
-    trained_tiny_model(cache_dir=tmp_path, steps=40, stop_at_accuracy=1.0, eval_prompts=4)
-    meta = train_mod.training_report(cache_dir=tmp_path, steps=40, stop_at_accuracy=1.0)
-    assert meta["stop_at_accuracy"] == 1.0 and meta["trained_steps"] == 40
-    assert train_mod.training_report(cache_dir=tmp_path, steps=40) is None
+    trained_tiny_model(cache_dir=tmp_path, steps=8, stop_at_accuracy=1.0, eval_prompts=4)
+    meta = train_mod.training_report(cache_dir=tmp_path, steps=8, stop_at_accuracy=1.0)
+    assert meta["stop_at_accuracy"] == 1.0 and meta["trained_steps"] == 8
+    assert train_mod.training_report(cache_dir=tmp_path, steps=8) is None
