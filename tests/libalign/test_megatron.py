@@ -537,7 +537,8 @@ def test_engine_kv_path_trains_like_the_hf_engine(kv_rollout):
 def test_engine_kv_paths_refuse_what_they_cannot_do(hf, rollout):
     """Records without K/V sections on a KV-guided path are refused by field (format), as the HF
     engine refuses them; Megatron's own core attention (numerics='megatron') has no K/V hook,
-    so a KV path is refused when the engine is built."""
+    and kv_mxfp4 cannot block a head of 16 values, so those are refused when the engine is
+    built."""
     from alignclient.errors import GuidanceMismatchError
 
     r, recs = rollout
@@ -549,6 +550,9 @@ def test_engine_kv_paths_refuse_what_they_cannot_do(hf, rollout):
     with pytest.raises(ConfigError, match="core attention"):
         MegatronLearnerEngine.from_hf_state_dict(hf.state_dict(), CFG, "nvfp4_minite_kv_nvfp4",
                                                  numerics="megatron", pad_id=TASK.pad_id)
+    with pytest.raises(ConfigError, match="multiple of 32"):
+        MegatronLearnerEngine.from_hf_state_dict(hf.state_dict(), CFG, "nvfp4_minite_kv_mxfp4",
+                                                 pad_id=TASK.pad_id)
 
 
 def test_megatron_kv_rows_are_the_hf_cache_rows(hf, gpt, kv_rollout):
