@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
 from libalign.guidance import GuidanceRecord, SiteRows
+
+from .measure import Col, print_table, seconds
 
 HIDDEN, INTER, TOP_K = 2048, 768, 8
 
@@ -43,23 +44,6 @@ def _rows(tokens: int, site: str, device: str, gen: torch.Generator) -> SiteRows
     return SiteRows(pos, exp, codes, scales, rs, k)
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _best(fn, repeats: int, device: str) -> float:
-    fn()
-    _sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def run(device: str, tokens: int, layers: int, repeats: int) -> list[dict]:
     """One table's rows for ``device``."""
     gen = torch.Generator().manual_seed(0)
@@ -71,9 +55,9 @@ def run(device: str, tokens: int, layers: int, repeats: int) -> list[dict]:
         rec = GuidanceRecord(bits, "minite", sites)
         blob = rec.encode(compress)
         size = len(blob)
-        t_copy = _best(lambda: [r.codes.clone() for r in sites.values()], repeats, device)
-        t_enc = _best(lambda rec=rec, c=compress: rec.encode(c), repeats, device)
-        t_dec = _best(lambda b=blob: GuidanceRecord.decode(b, device), repeats, device)
+        t_copy = seconds(lambda: [r.codes.clone() for r in sites.values()], repeats, device)
+        t_enc = seconds(lambda rec=rec, c=compress: rec.encode(c), repeats, device)
+        t_dec = seconds(lambda b=blob: GuidanceRecord.decode(b, device), repeats, device)
         for op, t in (("encode", t_enc), ("decode", t_dec)):
             rows.append({"device": device, "bits": bits, "compress": compress, "op": op,
                          "bytes": size, "bytes_per_token": size / tokens, "seconds": t,
@@ -86,13 +70,13 @@ def run(device: str, tokens: int, layers: int, repeats: int) -> list[dict]:
 def _print(rows: list[dict], tokens: int, layers: int) -> None:
     print(f"one rollout: {tokens} token positions x {layers} layers (fc1 {HIDDEN} + fc2 "
           f"{TOP_K}x{INTER} values per token per layer)")
-    print(f"{'device':8} {'bits':>4} {'zip':>5} {'op':7} {'B/token':>9} {'seconds':>9} "
-          f"{'tokens/s':>10} {'Gval/s':>7} {'MB/s':>8} {'clone s':>9} {'clone/op':>8}")
-    for r in rows:
-        print(f"{r['device']:8} {r['bits']:>4} {r['compress']:>5} {r['op']:7} "
-              f"{r['bytes_per_token']:9.0f} {r['seconds']:9.4f} {r['tokens_per_s']:10.0f} "
-              f"{r['values_per_s'] / 1e9:7.2f} {r['mb_per_s']:8.0f} {r['copy_seconds']:9.5f} "
-              f"{r['vs_copy']:8.3f}")
+    print_table([Col("device", "8", "device"), Col("bits", ">4", "bits"),
+                 Col("zip", ">5", "compress"), Col("op", "7", "op"),
+                 Col("B/token", "9.0f", "bytes_per_token"), Col("seconds", "9.4f", "seconds"),
+                 Col("tokens/s", "10.0f", "tokens_per_s"),
+                 Col("Gval/s", "7.2f", lambda r: r["values_per_s"] / 1e9),
+                 Col("MB/s", "8.0f", "mb_per_s"), Col("clone s", "9.5f", "copy_seconds"),
+                 Col("clone/op", "8.3f", "vs_copy")], rows)
     by = {(r["device"], r["bits"], r["compress"]): r["bytes"] for r in rows}
     for dev in sorted({r["device"] for r in rows}):
         b1, b4, z1 = by[(dev, 1, "none")], by[(dev, 4, "none")], by[(dev, 1, "zlib")]

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import struct
-import time
 from pathlib import Path
 
 import torch
@@ -42,28 +40,13 @@ from libalign.guidance_sizes import size_for_config
 from libalign.models.kv_cache import dequantize_kv
 from libalign.spec import PRESETS
 
+from .measure import Col, overheads, pct, print_table, round_robin, seconds
+
 LAYERS, KV_HEADS, HEAD_DIM = 48, 4, 128
 CONFIG = {"num_hidden_layers": LAYERS, "hidden_size": 2048, "moe_intermediate_size": 768,
           "num_experts_per_tok": 8, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
           "num_attention_heads": 32}
 KV = ("kv_nvfp4", "kv_mxfp4")
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _best(fn, repeats: int, device: str) -> float:
-    fn()
-    _sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def _kv_rows(tokens: int, kv: str, device: str, gen: torch.Generator) -> SiteRows:
@@ -110,7 +93,7 @@ def throughput(device: str, tokens: int, layers: int, repeats: int) -> list[dict
     x = [(torch.randn(tokens * KV_HEADS, HEAD_DIM, generator=gen) * 2).to(torch.bfloat16)
          .to(device) for _ in range(2 * layers)]
     values = sum(t.numel() for t in x)
-    t_copy = _best(lambda: [t.clone() for t in x], repeats, device)
+    t_copy = seconds(lambda: [t.clone() for t in x], repeats, device)
     out = []
     for kv in KV:
         spec = PRESETS[kv]
@@ -118,12 +101,13 @@ def throughput(device: str, tokens: int, layers: int, repeats: int) -> list[dict
         rec = _record(tokens, layers, kv, 1, device)
         blob = rec.encode()
         timings = {
-            "cache write": _best(lambda s=spec: [ops.quantize(t, s) for t in x], repeats, device),
-            "cache read": _best(lambda q=qs: [dequantize_kv(t, torch.bfloat16) for t in q],
-                                repeats, device),
-            "record encode": _best(lambda r=rec: r.encode(), repeats, device),
-            "record decode": _best(lambda b=blob: GuidanceRecord.decode(b, device), repeats,
+            "cache write": seconds(lambda s=spec: [ops.quantize(t, s) for t in x], repeats,
                                    device),
+            "cache read": seconds(lambda q=qs: [dequantize_kv(t, torch.bfloat16) for t in q],
+                                  repeats, device),
+            "record encode": seconds(lambda r=rec: r.encode(), repeats, device),
+            "record decode": seconds(lambda b=blob: GuidanceRecord.decode(b, device), repeats,
+                                     device),
         }
         for op, t in timings.items():
             out.append({"device": device, "kv": kv, "op": op, "seconds": t,
@@ -176,55 +160,41 @@ def learner_steps(rollouts: int, repeats: int, shape: str = "tiny",
     for path, guidance, what in cases:
         eng = TorchLearnerEngine(model, path, pad_id=pad_id, lr=0.0)
         batch = TrainBatch(r.sequences, r.prompt_lens, samp, rewards, groups, guidance)
-        eng.train_step(batch)  # warm-up
-        runs.append((eng, batch, {"path": path, "records": what, "shape": shape,
-                                  "device": device, "times": []}))
-    for _ in range(repeats):  # round robin: a busy spell on a shared host hits every case alike
-        for eng, batch, row in runs:
-            _sync(device)
-            t = time.perf_counter()
-            eng.train_step(batch)
-            _sync(device)
-            row["times"].append(time.perf_counter() - t)
-    out = [row for _, _, row in runs]
-    for row in out:
-        row["seconds"] = statistics.median(row["times"])
-        row["best"] = min(row["times"])
-    for row, ref in zip(out, (out[0], out[0], out[2], out[2]), strict=True):
+        runs.append((lambda e=eng, b=batch: e.train_step(b),
+                     {"path": path, "records": what, "shape": shape, "device": device}))
+    out = round_robin(runs, repeats, device)
+    refs = [out[0], out[0], out[2], out[2]]
+    for row, ref in zip(out, refs, strict=True):
         row["against"] = ref["records"]
-        row["overhead"] = row["seconds"] / ref["seconds"] - 1
-        row["overhead_best"] = row["best"] / ref["best"] - 1
-    return out
+    return overheads(out, refs)
 
 
 def _print(size_rows, tput_rows, step_rows, tokens, layers, rollouts) -> None:
     print(f"1. K/V guidance bytes per token, Qwen3-30B-A3B shapes ({LAYERS} layers x "
           f"{KV_HEADS} KV heads x {HEAD_DIM} x K,V); baseline: the full-code record (b=4)")
-    print(f"{'format':9} {'bits':>4} {'planned B':>10} {'encoded B':>10} {'full B':>8} "
-          f"{'vs full':>8} {'codes+scales B':>15} {'vs full':>8}")
-    for r in size_rows:
-        print(f"{r['kv']:9} {r['bits']:>4} {r['planned']:10.0f} {r['encoded']:10.0f} "
-              f"{r['full']:8.0f} {r['vs_full']:8.3f} {r['codes_scales']:15.0f} "
-              f"{r['codes_scales_vs_full']:8.3f}")
+    print_table([Col("format", "9", "kv"), Col("bits", ">4", "bits"),
+                 Col("planned B", "10.0f", "planned"), Col("encoded B", "10.0f", "encoded"),
+                 Col("full B", "8.0f", "full"), Col("vs full", "8.3f", "vs_full"),
+                 Col("codes+scales B", "15.0f", "codes_scales"),
+                 Col("vs full", "8.3f", "codes_scales_vs_full")], size_rows)
     print("(planned/encoded: what a record holds, row scale and index included; codes+scales: "
           "TRACE's accounting)")
     print(f"\n2. throughput, {tokens} tokens x {layers} layers x K,V "
           f"({KV_HEADS}x{HEAD_DIM} values a token); baseline: a bf16 clone of K/V")
-    print(f"{'device':7} {'format':9} {'op':14} {'backend':8} {'seconds':>9} {'tokens/s':>10} "
-          f"{'Mval/s':>8} {'clone s':>9} {'clone/op':>8}")
-    for r in tput_rows:
-        print(f"{r['device']:7} {r['kv']:9} {r['op']:14} {r['backend']:8} {r['seconds']:9.4f} "
-              f"{r['tokens_per_s']:10.0f} {r['values_per_s'] / 1e6:8.1f} "
-              f"{r['copy_seconds']:9.5f} {r['vs_copy']:8.3f}")
+    print_table([Col("device", "7", "device"), Col("format", "9", "kv"), Col("op", "14", "op"),
+                 Col("backend", "8", "backend"), Col("seconds", "9.4f", "seconds"),
+                 Col("tokens/s", "10.0f", "tokens_per_s"),
+                 Col("Mval/s", "8.1f", lambda r: r["values_per_s"] / 1e6),
+                 Col("clone s", "9.5f", "copy_seconds"), Col("clone/op", "8.3f", "vs_copy")],
+                tput_rows)
     if step_rows:
         print(f"\n3. embedded learner step on {step_rows[0]['device']}, {step_rows[0]['shape']} "
               f"Qwen3-MoE, {rollouts} rollouts; baselines: nvfp4_trace with activation records "
               "(rows 1-2), nvfp4_trace without records (rows 3-4)")
-        print(f"{'path':22} {'records':44} {'median s':>8} {'overhead':>9} {'best s':>8} "
-              f"{'overhead':>9}")
-        for r in step_rows:
-            print(f"{r['path']:22} {r['records']:44} {r['seconds']:8.3f} "
-                  f"{100 * r['overhead']:8.1f}% {r['best']:8.3f} {100 * r['overhead_best']:8.1f}%")
+        print_table([Col("path", "22", "path"), Col("records", "44", "records"),
+                     Col("median s", "8.3f", "seconds"), Col("overhead", ">9", pct("overhead", 9)),
+                     Col("best s", "8.3f", "best"),
+                     Col("overhead", ">9", pct("overhead_best", 9))], step_rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,8 @@ import torch
 
 from libalign.routing_records import RoutingRecord, bytes_per_token, id_dtype
 
+from .measure import Col, overheads, pct, print_table, round_robin, seconds
+
 MODELS = {"tiny (4 x top-2 of 8)": (4, 2, 8), "Qwen3-30B-A3B (48 x top-8 of 128)": (48, 8, 128),
           "256 experts (48 x top-8)": (48, 8, 256), "512 experts (48 x top-8)": (48, 8, 512)}
 
@@ -70,20 +72,6 @@ def sizes(tokens: int = 64) -> list[dict]:
     return out
 
 
-def _time(fn, repeats: int, device: str) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def _from_wire(wire) -> RoutingRecord:
     ids, w = wire.raw()
     return RoutingRecord.from_bytes(ids, positions=wire.positions, layers=wire.layers,
@@ -111,7 +99,7 @@ def throughput(device: str, tokens: int, repeats: int) -> list[dict]:
     out = []
     base = None
     for what, fn in cases.items():
-        s = _time(fn, repeats, device)
+        s = seconds(fn, repeats, device, stat=statistics.median)
         base = base or s
         out.append({"device": device, "op": what, "seconds": s,
                     "tokens_per_s": tokens / s, "mb_per_s": rec.nbytes() / s / 1e6,
@@ -140,43 +128,23 @@ def _routed_batch(rollouts: int):
                                    routing=recs)
 
 
-def _overheads(out: list[dict]) -> list[dict]:
-    """Median/best seconds of each row's ``times`` and its overhead over the first row's."""
-    ref = out[0]
-    for row in out:
-        row["seconds"] = statistics.median(row["times"])
-        row["best"] = min(row["times"])
-    for row in out:
-        row["overhead"] = row["seconds"] / ref["seconds"] - 1
-        row["overhead_best"] = row["best"] / ref["best"] - 1
-        # paired: each round's time over the baseline's in the same round (a slow spell on a
-        # shared host that covers a round cancels), median over rounds
-        row["overhead_paired"] = statistics.median(
-            t / b for t, b in zip(row["times"], ref["times"], strict=True)) - 1
-    return out
-
-
 def learner_steps(rollouts: int, repeats: int) -> list[dict]:
     """Table 3: the embedded learner's step with routing replay against the unreplayed one."""
     from alignd.learner.engine import TorchLearnerEngine, TrainBatch
 
     model, task, routed = _routed_batch(rollouts)
-    runs = []
+    engines, runs = {}, []
     for mode in ("off", "measure", "recompute", "record"):
-        eng = TorchLearnerEngine(model, "nvfp4_minite", pad_id=task.pad_id, lr=0.0,
-                                 routing_replay=mode)
+        eng = engines[mode] = TorchLearnerEngine(model, "nvfp4_minite", pad_id=task.pad_id,
+                                                 lr=0.0, routing_replay=mode)
         batch = TrainBatch(routed.sequences, routed.prompt_lens, routed.sampler_logprobs,
                            routed.rewards, routed.groups,
                            routing=None if mode == "off" else routed.routing)
-        eng.train_step(batch)  # warm-up
-        runs.append((eng, batch, {"mode": mode, "times": [],
-                                  "disagreement": eng.routing_stats.disagreement}))
-    for _ in range(repeats):  # round robin: a busy spell on a shared host hits every case alike
-        for eng, batch, row in runs:
-            t = time.perf_counter()
-            eng.train_step(batch)
-            row["times"].append(time.perf_counter() - t)
-    return _overheads([row for _, _, row in runs])
+        runs.append((lambda e=eng, b=batch: e.train_step(b), {"mode": mode}))
+    rows = round_robin(runs, repeats)
+    for row in rows:  # every step of a mode trains the same batch: one disagreement
+        row["disagreement"] = engines[row["mode"]].routing_stats.disagreement
+    return overheads(rows)
 
 
 RANK_MODES = ("off", "measure", "recompute")
@@ -223,32 +191,30 @@ def rank_group_steps(ranks: int, rollouts: int, repeats: int, threads: int) -> l
     _model, _task, batch = _routed_batch(rollouts)
     got = launch(rank_steps, ranks, args=(batch, repeats, threads), backend="gloo",
                  timeout_s=3600)
-    return _overheads(got[0])
+    return overheads(got[0])
 
 
 def _print_steps(rows: list[dict]) -> None:
-    print(f"{'routing_replay':14} {'median s':>9} {'best s':>8} {'overhead':>9} "
-          f"{'(best)':>8} {'(paired)':>9} {'disagreement':>12}")
-    for r in rows:
-        d = "–" if r["disagreement"] is None else f"{100 * r['disagreement']:.2f}%"
-        print(f"{r['mode']:14} {r['seconds']:9.4f} {r['best']:8.4f} "
-              f"{100 * r['overhead']:8.2f}% {100 * r['overhead_best']:7.2f}% "
-              f"{100 * r['overhead_paired']:8.2f}% {d:>12}")
+    print_table([Col("routing_replay", "14", "mode"), Col("median s", "9.4f", "seconds"),
+                 Col("best s", "8.4f", "best"), Col("overhead", ">9", pct("overhead", 9)),
+                 Col("(best)", ">8", pct("overhead_best", 8)),
+                 Col("(paired)", ">9", pct("overhead_paired", 9)),
+                 Col("disagreement", ">12", lambda r: "–" if r["disagreement"] is None
+                     else f"{100 * r['disagreement']:.2f}%")], rows)
 
 
 def _print(size_rows, tput_rows, step_rows, tokens, rollouts, rank_rows=(), ranks=0) -> None:
     print("1. routing record bytes per token; baseline: int64 top-k indices")
-    print(f"{'model':36} {'weights':>7} {'planned B':>9} {'encoded B':>9} {'int64 B':>8} "
-          f"{'vs int64':>8}")
-    for r in size_rows:
-        print(f"{r['model']:36} {r['weights']!s:>7} {r['planned']:9.0f} {r['encoded']:9.0f} "
-              f"{r['int64']:8.0f} {r['vs_int64']:8.3f}")
+    print_table([Col("model", "36", "model"), Col("weights", ">7", lambda r: str(r["weights"])),
+                 Col("planned B", "9.0f", "planned"), Col("encoded B", "9.0f", "encoded"),
+                 Col("int64 B", "8.0f", "int64"), Col("vs int64", "8.3f", "vs_int64")], size_rows)
     print(f"\n2. encode/decode of {tokens} tokens of Qwen3-30B-A3B routing (ids + bf16 weights); "
           "baseline: clone of the int64 indices")
-    print(f"{'device':6} {'op':40} {'ms':>9} {'Mtok/s':>8} {'MB/s':>9} {'clone/op':>9}")
-    for r in tput_rows:
-        print(f"{r['device']:6} {r['op']:40} {1e3 * r['seconds']:9.3f} "
-              f"{r['tokens_per_s'] / 1e6:8.3f} {r['mb_per_s']:9.1f} {r['baseline_over_op']:9.3f}")
+    print_table([Col("device", "6", "device"), Col("op", "40", "op"),
+                 Col("ms", "9.3f", lambda r: 1e3 * r["seconds"]),
+                 Col("Mtok/s", "8.3f", lambda r: r["tokens_per_s"] / 1e6),
+                 Col("MB/s", "9.1f", "mb_per_s"), Col("clone/op", "9.3f", "baseline_over_op")],
+                tput_rows)
     if step_rows:
         print(f"\n3. embedded learner step (CPU, tiny model, {rollouts} rollouts sampled on "
               "nvfp4_minite, learner nvfp4_minite); baseline: routing_replay=off")

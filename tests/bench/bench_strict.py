@@ -27,32 +27,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from libalign import models, strict_ops
 from libalign.models import strict
 
+from .measure import seconds
+
 PATHS = ("bf16", "nvfp4_minite")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time(fn, device: torch.device, repeat: int, warm: bool = True) -> float:
-    if warm:
-        fn()
-        _sync(device)
-    out = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
 
 
 # --- the engine step ---------------------------------------------------------------------------
@@ -107,7 +90,7 @@ def engine_table(device: torch.device, repeat: int) -> list[dict]:
             for stage in ("rollout", "score", "train"):
                 for m, side in sides.items():
                     times.setdefault((m, stage), []).append(
-                        _time(side.stages()[stage], device, 1, warm=False))
+                        seconds(side.stages()[stage], 1, device, warm=False))
         for m in (False, True):
             times[(m, "step")] = [sum(x) for x in zip(*(times[(m, s)] for s in
                                                         ("rollout", "score", "train")), strict=True)]
@@ -149,8 +132,8 @@ def op_table(device: torch.device, repeat: int, quick: bool) -> list[dict]:
     rows = []
 
     def add(name, m, stock, strict_fn, x):
-        t_n = _time(lambda: stock(x), device, repeat)
-        t_s = _time(lambda: strict_fn(x), device, repeat)
+        t_n = seconds(lambda: stock(x), repeat, device, statistics.median)
+        t_s = seconds(lambda: strict_fn(x), repeat, device, statistics.median)
         rows.append({"op": name, "rows": m, "normal_ms": t_n * 1e3, "strict_ms": t_s * 1e3,
                      "normal_invariant": _invariant(stock, x),
                      "strict_invariant": _invariant(strict_fn, x)})
