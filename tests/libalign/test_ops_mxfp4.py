@@ -10,6 +10,11 @@ pinned to torchao's ``to_mx`` and TE's formulas in tests/libalign/test_mxfp4.py.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from libalign import ops, weight_sync
+from libalign import _native, ops, weight_sync
 from libalign.errors import NonFiniteError, ShapeError, SpecError
 from libalign.numerics import MX_PRESETS
 from libalign.packing import swizzle_scales
@@ -240,3 +245,33 @@ def test_property_every_path_and_preset_equals_spec(arr, dtype):
                 assert_bitwise(ops.quantize(x, PRESETS[name], backend="kernel"), ref)
     finally:
         ops.set_cpu_kernel_path(None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["avx512", "avx2", "scalar"])
+def test_align_cpu_kernel_env_forces_the_path(path):
+    """A process started with ALIGN_CPU_KERNEL=<path> serves MXFP4 on that path, with the
+    spec's bits for every preset (E2M1 ties scaled over the exponent range, bf16 and fp32)."""
+    if _native.load("cpu") is None or path not in ops.cpu_kernel_paths():
+        pytest.skip(f"this CPU cannot run the {path} path")
+    probe = textwrap.dedent(f"""
+        import torch
+        from libalign import ops
+        from libalign.numerics import MX_PRESETS
+        from libalign.spec import PRESETS, quantize
+        from tests.libalign import inputs
+        assert ops.cpu_kernel_path() == {path!r}, ops.cpu_kernel_path()
+        for dtype in (torch.bfloat16, torch.float32):
+            x = inputs.tie_heavy((64, 256), torch.float32) * torch.exp2(
+                torch.randint(-140, 120, (64, 8), generator=inputs.gen(3)).float()
+            ).repeat_interleave(32, dim=-1)
+            x = x.to(dtype)
+            for name in MX_PRESETS:
+                q = ops.quantize(x, PRESETS[name], backend="kernel")
+                assert q.bitwise_equal(quantize(x, PRESETS[name])), (name, dtype)
+        print("ok")
+    """)
+    env = {**os.environ, "ALIGN_CPU_KERNEL": path}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=_native.CSRC.parent)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
