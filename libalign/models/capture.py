@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from ..errors import ShapeError, SpecError
-from .paths import add_observer, decoder_layers, experts_module
+from .paths import add_observer, decoder_layers, experts_module, wrapped_method
 
 TOKEN_ORDER_ROWS = ("fc1_out", "fc2_in", "fc2_out")
 
@@ -178,22 +178,11 @@ def force_routing(model: nn.Module, routing: Mapping[int, RoutingSpec]) -> Itera
     (the router's own probabilities of those experts are used). A forward pass whose token
     count differs raises :class:`~libalign.errors.ShapeError`. Nested blocks restore in order.
     """
-    plan = []
-    for layer, spec in routing.items():
-        router = _router_of(model, layer)
-        index, weights = _split(spec)
-        plan.append((layer, router, index, weights))
-    saved = []
-    try:
-        for layer, router, index, weights in plan:
-            before = router.__dict__.get("forward")  # None: the class's forward serves
-            original = router.forward
-            router.forward = _forced_forward(router, original, index, weights, layer)
-            saved.append((router, before))
+    routers = {layer: _router_of(model, layer) for layer in routing}
+    plan = {layer: _split(spec) for layer, spec in routing.items()}
+
+    def make(layer, original):
+        return _forced_forward(routers[layer], original, *plan[layer], layer)
+
+    with wrapped_method(routers, "forward", make):
         yield model
-    finally:
-        for router, before in reversed(saved):
-            if before is None:
-                router.__dict__.pop("forward", None)
-            else:
-                router.forward = before

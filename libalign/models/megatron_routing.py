@@ -33,6 +33,7 @@ from torch import nn
 
 from ..errors import SpecError
 from .megatron import experts_modules, moe_layers
+from .paths import wrapped_method
 from .routing_replay import RoutingStats, RoutingTable, check_replay_mode, check_table_fits
 
 
@@ -99,15 +100,5 @@ def replay_routing(model: nn.Module, table: RoutingTable | None, *, weights: str
             return torch.where(f, dense, probs), torch.where(f, rec_map, rmap)
         return routing
 
-    saved = []
-    try:
-        for i, router in routers.items():
-            saved.append((router, router.__dict__.get("routing")))
-            router.routing = make(i, router, router.routing)
+    with wrapped_method(routers, "routing", lambda i, original: make(i, routers[i], original)):
         yield stats
-    finally:
-        for router, before in reversed(saved):
-            if before is None:
-                router.__dict__.pop("routing", None)
-            else:
-                router.routing = before

@@ -155,6 +155,19 @@ def _release_if_idle(module: nn.Module) -> None:
         module.forward = glue.saved
 
 
+def _set_glue(module: nn.Module, layer: int, name: str, value, **also) -> None:
+    """Set the glue's ``name`` (``path``, ``act_hook`` or ``impl``) to ``value``, and the
+    fields in ``also``. None never installs the glue, and gives the module its own forward
+    back when nothing is left for the glue to do."""
+    glue = module.__dict__.get(_GLUE) if value is None else _glue_of(module, layer)
+    if glue is None:
+        return
+    for field_name, v in {name: value, **also}.items():
+        setattr(glue, field_name, v)
+    if value is None:
+        _release_if_idle(module)
+
+
 def add_observer(model: nn.Module, layer: int, fn: ExpertsObserver) -> Callable[[], None]:
     """Call ``fn(layer, record)`` after every experts call of ``layer``; returns the remover.
 
@@ -176,6 +189,28 @@ def add_observer(model: nn.Module, layer: int, fn: ExpertsObserver) -> Callable[
     return remove
 
 
+@contextmanager
+def wrapped_method(modules: Mapping[int, nn.Module], name: str,
+                   make: Callable[[int, Callable], Callable]) -> Iterator[None]:
+    """While inside, each module's ``name`` method is ``make(key, current method)``: an
+    attribute on the instance, never the class, as the glue above sets ``forward``. On exit,
+    also when the block raises, each module gets back what it had, in reverse order: its own
+    earlier attribute, or the class's method. How routing capture, replay and forcing wrap the
+    routers (``forward`` of a Hugging Face router, ``routing`` of a Megatron one)."""
+    saved = []
+    try:
+        for key, module in modules.items():
+            saved.append((module, module.__dict__.get(name)))
+            setattr(module, name, make(key, getattr(module, name)))
+        yield
+    finally:
+        for module, before in reversed(saved):
+            if before is None:
+                module.__dict__.pop(name, None)
+            else:
+                setattr(module, name, before)
+
+
 # layer-bound activation hook: hook(layer, site, activations, spec, token_of, expert_of)
 LayerActivationHook = Callable[..., object]
 
@@ -186,14 +221,7 @@ def set_activation_hook(model: nn.Module, layer: int, hook: LayerActivationHook 
     The hook only acts on layers running a quantized path; see
     :func:`libalign.gemm.moe_experts_forward` for when it is called and what it returns.
     """
-    module = experts_module(model, layer)
-    if hook is None:
-        glue = module.__dict__.get(_GLUE)
-        if glue is not None:
-            glue.act_hook = None
-            _release_if_idle(module)
-        return
-    _glue_of(module, layer).act_hook = hook
+    _set_glue(experts_module(model, layer), layer, "act_hook", hook)
 
 
 def set_experts_impl(model: nn.Module, impl: Callable | None) -> None:
@@ -205,14 +233,7 @@ def set_experts_impl(model: nn.Module, impl: Callable | None) -> None:
     no path set runs ``bf16`` through ``impl``.
     """
     for layer in moe_layer_indices(model):
-        module = experts_module(model, layer)
-        if impl is None:
-            glue = module.__dict__.get(_GLUE)
-            if glue is not None:
-                glue.impl = None
-                _release_if_idle(module)
-        else:
-            _glue_of(module, layer).impl = impl
+        _set_glue(experts_module(model, layer), layer, "impl", impl)
 
 
 _ROW_KEYS = "_libalign_row_keys"
@@ -313,17 +334,7 @@ def _check_backend(backend: str) -> None:
 
 
 def _assign(model: nn.Module, layer: int, path: gemm.ExecutionPath | None, backend: str) -> None:
-    module = experts_module(model, layer)
-    if path is None:
-        glue = module.__dict__.get(_GLUE)
-        if glue is not None:
-            glue.path = None
-            glue.backend = backend
-            _release_if_idle(module)
-        return
-    glue = _glue_of(module, layer)
-    glue.path = path
-    glue.backend = backend
+    _set_glue(experts_module(model, layer), layer, "path", path, backend=backend)
 
 
 def current_paths(model: nn.Module) -> dict[int, str | None]:

@@ -42,7 +42,7 @@ from torch import nn
 from ..errors import InputError, RoutingRecordError, SpecError
 from ..guidance import row_keys
 from ..routing_records import WEIGHT_DTYPE, RoutingRecord, id_dtype
-from .paths import decoder_layers, moe_layer_indices, row_keys_of
+from .paths import decoder_layers, moe_layer_indices, row_keys_of, wrapped_method
 
 REPLAY_MODES = ("off", "recompute", "record")
 
@@ -58,22 +58,8 @@ def routing_geometry(model: nn.Module) -> dict:
             "num_experts": int(cfg.num_experts)}
 
 
-@contextmanager
-def _wrapped(model: nn.Module, layers: Iterable[int], make) -> Iterator[None]:
-    """Install ``make(layer, original_forward)`` as each layer's router forward while inside."""
-    saved = []
-    try:
-        for layer in layers:
-            router = _router(model, layer)
-            saved.append((router, router.__dict__.get("forward")))
-            router.forward = make(layer, router.forward)
-        yield
-    finally:
-        for router, before in reversed(saved):
-            if before is None:
-                router.__dict__.pop("forward", None)
-            else:
-                router.forward = before
+def _routers(model: nn.Module, layers: Iterable[int]) -> dict[int, nn.Module]:
+    return {layer: _router(model, layer) for layer in layers}
 
 
 def _real_keys(model: nn.Module, rows: int) -> torch.Tensor:
@@ -159,7 +145,7 @@ def capture_routing(model: nn.Module, *, weights: bool = False) -> Iterator[Rout
             return out
         return forward
 
-    with _wrapped(model, cap.layers, make):
+    with wrapped_method(_routers(model, cap.layers), "forward", make):
         yield cap
 
 
@@ -332,5 +318,5 @@ def replay_routing(model: nn.Module, table: RoutingTable | None, *, weights: str
             return (logits, torch.where(f, new_w, w), new_idx, *out[3:])
         return forward
 
-    with _wrapped(model, geo["layers"], make):
+    with wrapped_method(_routers(model, geo["layers"]), "forward", make):
         yield stats
