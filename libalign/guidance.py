@@ -119,6 +119,17 @@ def token_of_key(keys: torch.Tensor) -> torch.Tensor:
     return keys & ~((1 << _POS_SHIFT) - 1)
 
 
+def key_parts(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sequence id, position)`` of row keys (int64 each)."""
+    return keys >> _SEQ_SHIFT, (keys >> _POS_SHIFT) & MAX_POSITION
+
+
+def indexed_keys(keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Token keys with a row index in the low bits (``index + 1``: an expert at fc2, a KV
+    head); padding rows (-1) stay -1."""
+    return torch.where(keys >= 0, keys | (index.to(torch.int64) + 1), keys)
+
+
 def select_layers(moe_layers: Sequence[int], last: int | None = None) -> list[int]:
     """The MoE layers whose sites are recorded: all (``last=None``) or the last ``last``."""
     layers = sorted(int(x) for x in moe_layers)
@@ -419,7 +430,7 @@ class GuidanceCapture:
             keys = torch.cat([p[0] for p in parts])
             order = torch.argsort(keys)
             keys = keys[order]
-            rows = SiteRows(((keys >> _POS_SHIFT) & MAX_POSITION).to(torch.int32),
+            rows = SiteRows(key_parts(keys)[1].to(torch.int32),
                             ((keys & 0xFFFF) - 1).to(torch.int16),
                             torch.cat([p[1] for p in parts])[order],
                             torch.cat([p[2] for p in parts])[order],
@@ -434,7 +445,7 @@ class GuidanceCapture:
         for (layer, site), (keys, rows) in self.pooled().items():
             if wanted is not None and layer not in wanted:
                 continue
-            seqs = keys >> _SEQ_SHIFT
+            seqs = key_parts(keys)[0]
             ids, counts = torch.unique_consecutive(seqs, return_counts=True)
             lo = 0
             for sid, c in zip(ids.tolist(), counts.tolist(), strict=True):

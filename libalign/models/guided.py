@@ -31,7 +31,7 @@ from torch import nn
 
 from .. import ops
 from ..errors import SpecError
-from ..guidance import ACT_SITES, GuidanceCapture, GuidanceTable, guided_quantize
+from ..guidance import ACT_SITES, GuidanceCapture, GuidanceTable, guided_quantize, indexed_keys
 from ..packing import unpack_nibbles
 from ..rounding import canonical_zero
 from ..spec import PRESETS, NumericsSpec
@@ -48,7 +48,7 @@ def _keys(model: nn.Module, a: torch.Tensor, token_of: torch.Tensor,
                         "libalign.models.score_sequences / generate / KVDecode (they set them)")
     keys = flat[token_of]
     if expert_of is not None:
-        keys = torch.where(keys >= 0, keys | (expert_of.to(torch.int64) + 1), keys)
+        keys = indexed_keys(keys, expert_of)
     return keys
 
 

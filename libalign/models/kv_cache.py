@@ -49,7 +49,13 @@ from torch import nn
 
 from .. import gemm, ops
 from ..errors import SpecError
-from ..guidance import GuidanceCapture, GuidanceTable, guided_quantize, select_layers
+from ..guidance import (
+    GuidanceCapture,
+    GuidanceTable,
+    guided_quantize,
+    indexed_keys,
+    select_layers,
+)
 from ..numerics import KV_PRESETS
 from ..spec import PRESETS, NumericsSpec, NVFP4Tensor, dequantize
 from .paths import decoder_layers, row_keys_of
@@ -302,8 +308,8 @@ def _head_row_keys(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         raise SpecError("KV guidance needs row keys for every forward call: run the model through "
                         "libalign.models.score_sequences / generate / KVDecode (they set them)")
     tok = flat.to(x.device).reshape(b, 1, t).expand(b, h, t)
-    head = torch.arange(1, h + 1, dtype=torch.int64, device=x.device).reshape(1, h, 1)
-    return torch.where(tok >= 0, tok | head, tok).reshape(-1)
+    head = torch.arange(h, device=x.device).reshape(1, h, 1)
+    return indexed_keys(tok, head).reshape(-1)
 
 
 class FP4KVCache(Cache):

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError, RoutingRecordError, SpecError
-from ..guidance import row_keys
+from ..guidance import key_parts, row_keys
 from ..routing_records import WEIGHT_DTYPE, RoutingRecord, id_dtype
 from .paths import decoder_layers, moe_layer_indices, row_keys_of, wrapped_method
 
@@ -69,13 +69,6 @@ def _real_keys(model: nn.Module, rows: int) -> torch.Tensor:
                         "the model through libalign.models.score_sequences / generate / "
                         "KVDecode or the learner engines (they set them)")
     return keys
-
-
-def key_parts(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sequence id, position)`` of token row keys (:func:`libalign.guidance.row_keys`)."""
-    seq_unit = int(row_keys(1, torch.zeros((), dtype=torch.int64)))
-    pos_unit = int(row_keys(0, torch.ones((), dtype=torch.int64)))
-    return keys // seq_unit, (keys % seq_unit) // pos_unit
 
 
 class RoutingCapture:

@@ -83,7 +83,7 @@ from alignd.formats.quant_configs import (
 )
 from alignd.infra.stores.guidance import GuidanceStore
 from libalign import gemm, ops
-from libalign.guidance import GuidanceCapture, row_keys
+from libalign.guidance import GuidanceCapture, indexed_keys, row_keys
 from libalign.models.routing_replay import RoutingCapture
 from libalign.spec import PRESETS, NumericsSpec, NVFP4Tensor
 
@@ -338,7 +338,7 @@ class RecordCapture:
             rows = a.shape[0] if expert_of is None else int(token_of.max()) + 1 if token_of.numel() else 0
             keys = self._token_keys(rows, a.device)[token_of]
             if expert_of is not None:
-                keys = torch.where(keys >= 0, keys | (expert_of.to(torch.int64) + 1), keys)
+                keys = indexed_keys(keys, expert_of)
             self.guidance.add(layer, site, q, keys)
             return q
 
