@@ -9,7 +9,7 @@ Three tables, each against a baseline measured in the same run:
    record per token (random codes), which must equal the planned one.
 2. **Throughput** on the CPU (and CUDA when present) for ``--tokens`` tokens through
    ``--layers`` layers of those shapes: the FP4 cache's write (:func:`libalign.ops.quantize` of
-   the K and V rows: the compiled kernel for ``kv_nvfp4``, the spec for ``kv_mxfp4``) and read
+   the K and V rows: the compiled kernels for ``kv_nvfp4`` and ``kv_mxfp4``) and read
    (:func:`libalign.models.kv_cache.dequantize_kv`: the spec's bits), and a record's encode
    and decode at ``b = 1``. Baseline: ``clone``, one copy of the bf16 K/V (what any pass
    over them must at least move); ``clone/op`` is the baseline's seconds over the row's
