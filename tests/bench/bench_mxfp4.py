@@ -19,7 +19,8 @@ untimed warm-up call each. GB/s = (BF16 bytes in + codes + scale bytes out) / se
 ``vs spec`` / ``vs torchao`` are the baseline's seconds over the row's (above 1 = faster).
 ``bits`` says whether the row's codes and scale bytes equal the spec's on the timed input
 (torchao's RCEIL equals ``mxfp4_te`` on BF16 input; see tests/libalign/test_mxfp4.py).
-``torch.set_num_threads`` is ``--threads`` (default: torch's own).
+``torch.set_num_threads`` is ``--threads`` (default 1, steadier on a shared host; the CPU
+kernel splits rows over that many threads too).
 
 Run: ``python -m tests.bench mxfp4 [-- --quick --device cuda --out DIR]``.
 """
@@ -176,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads, used by the spec, torchao and the CPU kernel alike "
+                    "(1: steadier on a shared host)")
     ap.add_argument("--quick", action="store_true", help="1 expert, 256 tokens, 2 repeats")
     ap.add_argument("--out", type=Path, default=None, help="write bench_mxfp4.json here")
     args = ap.parse_args(argv)
