@@ -36,11 +36,15 @@ class Job:
     """A subprocess some tests wait for: the node id parts of those tests, why it cannot run
     here (None: it can; the tests skip with the same reason), and its command and environment
     (the whole environment the process gets) given its folder; it runs in the repository
-    root, or in its folder with ``in_folder``."""
+    root, or in its folder with ``in_folder``.
+
+    ``command`` is called when the job is queued (at collection, before any test has changed
+    the environment), not when it starts; an argument that must be fresh when the process
+    starts (a free port) may be a callable, called then."""
 
     tests: tuple[str, ...]
     gap: Callable[[], str | None]
-    command: Callable[[Path], tuple[list[str], dict[str, str]]]
+    command: Callable[[Path], tuple[list, dict[str, str]]]
     timeout_s: float = 900.0
     in_folder: bool = False
 
@@ -91,13 +95,11 @@ def _kill(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _run(name: str) -> Finished:
-    job = JOBS[name]
+def _run(job: Job, folder: Path, cmd: list, env: dict[str, str]) -> Finished:
     with _state.lock:
         if _state.stopped:
             raise RuntimeError("the session's background jobs were stopped")
-        folder = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=_state.root))
-        cmd, env = job.command(folder)
+        cmd = [str(a()) if callable(a) else a for a in cmd]
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, cwd=folder if job.in_folder else ROOT, env=env, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -113,7 +115,8 @@ def _run(name: str) -> Finished:
 
 
 def start(names: Iterable[str]) -> None:
-    """Queue the jobs ``names`` (run one at a time, in this order) unless queued already."""
+    """Queue the jobs ``names`` (run one at a time, in this order) unless queued already; their
+    commands and environments are taken now."""
     with _state.lock:
         _state.stopped = False
         if _state.pool is None:
@@ -121,7 +124,10 @@ def start(names: Iterable[str]) -> None:
             _state.root = Path(tempfile.mkdtemp(prefix="libalign-test-jobs-"))
         for name in names:
             if name not in _state.futures:
-                _state.futures[name] = _state.pool.submit(_run, name)
+                job = JOBS[name]
+                folder = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=_state.root))
+                cmd, env = job.command(folder)
+                _state.futures[name] = _state.pool.submit(_run, job, folder, cmd, env)
 
 
 def start_for(nodeids: Iterable[str]) -> None:

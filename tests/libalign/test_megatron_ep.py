@@ -226,7 +226,7 @@ def _torchrun_probe(_folder):
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     return ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-             "--master-port", str(free_port()),
+             "--master-port", free_port,
              str(root / "tests" / "libalign" / "torchrun_probe.py")], env)
 
 

@@ -44,7 +44,7 @@ ABSENT_PROBE = ("import sys, alignd.sampler.sglang_engine, alignd.sampler.sglang
 
 background.register("sglang_quant", background.Job(
     ("test_sglang_quant.py::test_minite_method",), _sglang_gap,
-    lambda _folder: ([sys.executable, str(SCRIPT), str(free_port())], _env(True))))
+    lambda _folder: ([sys.executable, str(SCRIPT), free_port], _env(True))))
 background.register("sglang_absent", background.Job(
     ("test_sglang_quant.py::test_alignd_sampler_imports_without_sglang",), lambda: None,
     lambda _folder: ([sys.executable, "-c", ABSENT_PROBE], _env(False)), timeout_s=300))
