@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One lent-H200 call: GPU tests and benchmarks, logs under $OUT (the device machine keeps nothing).
 #   tests/bench/h200_run.sh STAGE [STAGE ...]    stages: tests, gemm, convert, megatron, strict,
-#                                               records (kv_guidance + routing + guidance on cuda)
+#                                               records (kv_guidance + routing + guidance on cuda),
+#                                               mxfp4, probe (profile_convert --timeline)
 # Wheels the image lacks (megatron-core, torchao) travel in .whl/ (carry it); each stage has its
 # own time limit so one that hangs leaves the others their share of the call.
 set -uo pipefail
@@ -43,6 +44,7 @@ for s in "$@"; do
                --device cuda --no-learner
              stage routing "${T_RECORDS:-60}" python3 -m tests.bench routing -- --device cuda --no-learner
              stage guidance "${T_RECORDS:-60}" python3 -m tests.bench guidance -- --device cuda ;;
+    mxfp4) stage mxfp4 "${T_MXFP4:-60}" python3 -m tests.bench mxfp4 -- --device cuda ;;
     probe) stage probe "${T_PROBE:-60}" python3 -m tests.bench.profile_convert --timeline ;;
     *) echo "unknown stage $s" >&2 ;;
   esac
