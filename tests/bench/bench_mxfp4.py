@@ -39,6 +39,9 @@ import torch
 from libalign import ops
 from libalign.spec import PRESETS, quantize
 
+from .measure import Col, sync
+from .measure import print_table as measure_table
+
 SCALE_MODES = {"mxfp4": "FLOOR", "kv_mxfp4": "FLOOR", "mxfp4_te": "RCEIL"}
 KV_HEADS, HEAD_DIM = 4, 128
 
@@ -55,11 +58,6 @@ class Row:
     bits: str
     vs_spec: float | None = None
     vs_torchao: float | None = None
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def workloads(experts: int, tokens: int, device: str) -> list[tuple[str, str, list[torch.Tensor]]]:
@@ -135,11 +133,11 @@ def measure(workload: str, preset: str, xs: list[torch.Tensor], device: str,
             best[name] = float("inf")
         for _ in range(repeats):
             for name, fn in runs.items():
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 for x in xs:
                     fn(x)
-                _sync(device)
+                sync(device)
                 best[name] = min(best[name], time.perf_counter() - t0)
     finally:
         if device == "cpu":
@@ -154,20 +152,18 @@ def measure(workload: str, preset: str, xs: list[torch.Tensor], device: str,
     return rows
 
 
-def _fmt(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}x"
+def _times(key: str) -> Callable[[dict], str]:
+    return lambda row: "-" if row[key] is None else f"{row[key]:.2f}x"
 
 
 def print_table(rows: list[Row], device: str, threads: int) -> None:
     print(f"MXFP4 quantize on {device} (torch threads {threads}; best of repeats, seconds "
           f"for the whole workload)")
-    head = f"{'workload':<36} {'preset':<9} {'quantizer':<15} {'ms':>9} {'GB/s':>7} " \
-           f"{'vs spec':>8} {'vs torchao':>10} {'bits':>6}"
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        print(f"{r.workload:<36} {r.preset:<9} {r.name:<15} {r.seconds * 1e3:>9.2f} "
-              f"{r.gbps:>7.2f} {_fmt(r.vs_spec):>8} {_fmt(r.vs_torchao):>10} {r.bits:>6}")
+    measure_table([Col("workload", "<36", "workload"), Col("preset", "<9", "preset"),
+                   Col("quantizer", "<15", "name"), Col("ms", ">9.2f", lambda r: r["seconds"] * 1e3),
+                   Col("GB/s", ">7.2f", "gbps"), Col("vs spec", ">8", _times("vs_spec")),
+                   Col("vs torchao", ">10", _times("vs_torchao")), Col("bits", ">6", "bits")],
+                  [asdict(r) for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,8 @@
 """What several benchmarks share: timing a callable on a device, timing steps round robin against
 a baseline row measured in the same run, and printing a table of rows.
 
-Used by bench_guidance, bench_kv_guidance, bench_routing and bench_strict (not a benchmark itself: ``python -m
-tests.bench`` runs the ``bench_*`` modules only).
+Used by bench_guidance, bench_kv_guidance, bench_mxfp4, bench_routing and bench_strict (not a
+benchmark itself: ``python -m tests.bench`` runs the ``bench_*`` modules only).
 """
 
 from __future__ import annotations
