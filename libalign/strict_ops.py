@@ -336,11 +336,13 @@ def _slot_sums(e, vf):
     if kordered_matmul_available(e):
         b, hkv, rep, tq, tk = e.shape
         a = e.reshape(b * hkv, rep * tq, tk)
+        # one pass over e: a column of ones beside V's columns sums e itself (products e * 1
+        # are exact), and every output column is its own sum in slot order
         v3 = vf.reshape(b * hkv, tk, -1).transpose(1, 2)
-        ones = torch.ones((1, 1, tk), dtype=torch.float32, device=e.device).expand(b * hkv, 1, tk)
-        num = kordered_matmul(a, v3, zero_init=True).reshape(b, hkv, rep, tq, -1)
-        den = kordered_matmul(a, ones, zero_init=True).reshape(b, hkv, rep, tq)
-        return den, num
+        ones = v3.new_ones((b * hkv, 1, tk))
+        sums = kordered_matmul(a, torch.cat([v3, ones], 1), zero_init=True)
+        sums = sums.reshape(b, hkv, rep, tq, -1)
+        return sums[..., -1], sums[..., :-1]
     den = torch.zeros_like(e[..., 0])
     num = torch.zeros((*e.shape[:-1], vf.shape[-1]), dtype=torch.float32, device=e.device)
     for j in range(e.shape[-1]):
