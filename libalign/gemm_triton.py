@@ -27,10 +27,10 @@ import warnings
 import torch
 
 from .errors import SpecError
+from .finite_checks import check_rows
 from .gemm_layout import GroupLayout, group_layout
 from .rounding import e4m3_bits_to_float, guide_tables
 from .spec import NumericsSpec
-from .spec import check_finite as raise_if_nonfinite
 
 _triton_module = None
 _capability: dict[str, tuple[int, int]] = {}
@@ -95,6 +95,11 @@ def _tiled(layout: GroupLayout) -> GroupLayout:
     return layout if layout.pad_to in (64, 128) else group_layout(layout.counts, 128)
 
 
+def _unpad_rows(lay: GroupLayout):
+    """Map row decode scales over ``lay``'s padded rows to the caller's rows."""
+    return lambda dec: lay.unpad(dec.reshape(-1, 1)).reshape(-1)
+
+
 def w4a4_grouped_triton(a: torch.Tensor, spec: NumericsSpec, w_inner: torch.Tensor,
                         w_dec: torch.Tensor, layout: GroupLayout,
                         out_dtype: torch.dtype = torch.bfloat16, *,
@@ -104,10 +109,11 @@ def w4a4_grouped_triton(a: torch.Tensor, spec: NumericsSpec, w_inner: torch.Tens
     ``a`` ``[rows, K]`` sorted by expert as ``layout`` says; ``w_inner`` the bf16 inner values
     ``[E, N, K]`` and ``w_dec`` ``[E, N]`` of :func:`libalign.gemm.prepare_weights`. Rows are
     padded to 128 per expert when the layout is not already padded to 64 or 128.
-    ``check_finite`` synchronises once to raise :class:`~libalign.errors.NonFiniteError`
-    for activations holding NaN/Inf. ``chunks`` row ranges overlap the activation pass of one
-    with the GEMM of the previous (default ``$ALIGN_GEMM_CHUNKS`` or 1); the bits are the same
-    for any value.
+    ``check_finite`` raises :class:`~libalign.errors.NonFiniteError` for activations holding
+    NaN/Inf: at once (one synchronisation), or when the enclosing
+    :func:`libalign.finite_checks.deferred_finite_checks` block ends. ``chunks`` row ranges
+    overlap the activation pass of one with the GEMM of the previous (default
+    ``$ALIGN_GEMM_CHUNKS`` or 1); the bits are the same for any value.
     """
     tk = _kernels_for(a, a.shape[-1])
     gap = triton_act_gap(spec)
@@ -126,9 +132,8 @@ def w4a4_grouped_triton(a: torch.Tensor, spec: NumericsSpec, w_inner: torch.Tens
     out, dec = tk.pipelined(ap, amax_floor=spec.amax_floor, tensor_amax=amax, w_inner=w_inner,
                             w_dec=w_dec, tile_expert=tiles, pad=lay.pad_to, out_dtype=out_dtype,
                             chunks=chunks)
-    # checked after the GEMM is queued, so the device never idles while the host looks
-    if check_finite and not bool(torch.isfinite(dec).all()):
-        raise_if_nonfinite(a, "activations")  # raises with counts and positions
+    if check_finite:  # after the GEMM is queued, so the device never idles while the host looks
+        check_rows(dec, a, "activations", _unpad_rows(lay))
     return lay.unpad(out)
 
 
@@ -264,6 +269,78 @@ def w4a4_grouped_triton_guided(a: torch.Tensor, spec: NumericsSpec, guide, w_inn
         amax_floor=spec.amax_floor, e4m3=e4m3, up=up, down=down)
     out = tk.grouped_gemm(inner, dec, w_inner, w_dec, lay.tile_expert(lay.pad_to, dev), lay.pad_to,
                           out_dtype)
-    if check_finite and not bool(torch.isfinite(dec).all()):
-        raise_if_nonfinite(a, "activations")
+    if check_finite:
+        check_rows(dec, a, "activations", _unpad_rows(lay))
     return lay.unpad(out)
+
+
+# --- FP4 rows read back in one pass (the learner's K/V) ---------------------------------------
+
+def triton_qdq_gap(spec: NumericsSpec, guide, x: torch.Tensor) -> str | None:
+    """Why :func:`triton_qdq_rows` cannot give ``x``'s rows as their FP4 bits read back, bit
+    for bit, or None when it can (``guide``: a :class:`~libalign.guidance.RowGuide` or None).
+
+    Beyond what the activation pass implements (:func:`triton_act_gap`, and with a guide
+    :func:`triton_guided_gap`, which also asks for :func:`fused_guidance`), a value read back
+    shows what a GEMM never sees: the sign of a zero (the pass writes +0.0, so the spec must
+    code every zero magnitude 0x0 and give a zero-scale block zero codes) and one decode scale
+    per row (outer domain ``row``). The spec's amax floor is passed to the pass, its
+    ``nonfinite='raise'`` checked on the row decode scales it writes.
+    """
+    from .spec import INPUT_DTYPES
+
+    if not triton_gemm_available(x.device):
+        return f"device {x.device} (the pass needs CUDA sm_90+ with Triton)"
+    if x.ndim != 2 or x.dtype not in INPUT_DTYPES:
+        return f"a {x.ndim}-D {x.dtype} input (rows [n, K] of float32, bfloat16 or float16)"
+    gap = triton_act_gap(spec) or triton_k_gap(x.shape[-1])
+    if gap is None and spec.outer_domain != "row":
+        gap = f"outer domain {spec.outer_domain!r} (reads need one decode scale a row)"
+    if gap is None and (spec.signed_zero != "positive" or spec.zero_scale_encode != "zero"):
+        gap = "signed zeros or a saturating zero scale (the pass reads zeros back as +0.0)"
+    if gap is None and guide is not None:
+        if not fused_guidance_enabled():
+            return "fused guidance is off (fused_guidance / ALIGN_FUSED_GUIDANCE=0)"
+        if tuple(guide.present.shape) != (x.shape[0],):
+            return "guidance for another number of rows"
+        gap = triton_guided_gap(spec, guide, x.shape[-1])
+    return gap
+
+
+def triton_qdq_rows(x: torch.Tensor, spec: NumericsSpec, guide=None) -> torch.Tensor:
+    """``x`` ``[n, K]`` quantized row by row under ``spec`` and read back, in ``x``'s dtype.
+
+    What an FP4 KV cache holds and attention reads: each row's NVFP4 codes (rounded to nearest
+    under its own scales, or, for a row ``guide`` marks present, under its record's scales
+    towards its record's low bits: :func:`libalign.guidance.guided_quantize`'s codes), then
+    ``(inner.float() * dec[:, None]).to(x.dtype)`` with ``inner = code * block scale`` exact
+    and ``dec`` the row decode scale: :func:`libalign.models.kv_cache.dequantize_kv`'s bits.
+    The unfused path runs about a dozen kernels (a guided one also synchronises on
+    ``nonzero``); this is one Triton pass (:func:`libalign._triton_w4a4.act_qdq` or its guided
+    twin with ``dequantize``), reading ``x`` and writing the values once, no codes kept.
+
+    A NaN/Inf in ``x`` raises :class:`~libalign.errors.NonFiniteError` naming the input
+    positions, as :func:`libalign.ops.quantize` does (now, or when an enclosing
+    :func:`libalign.finite_checks.deferred_finite_checks` block ends). SpecError where
+    :func:`triton_qdq_gap` names a gap.
+    """
+    gap = triton_qdq_gap(spec, guide, x)
+    if gap is not None:
+        raise SpecError(f"the fused FP4 read-back pass cannot serve {gap}")
+    tk = _kernels_for(x, x.shape[-1])
+    xc = x.contiguous()
+    if guide is None:
+        out, dec = tk.act_qdq(xc, amax_floor=spec.amax_floor, tensor_amax=None, dequantize=True)
+    else:
+        dev = x.device
+        src = torch.where(guide.present, guide.index, -1).to(torch.int32)
+        up, down = guide_tables(guide.bits, dev)
+        kb = x.shape[-1] // 16
+        out, dec = tk.guided_act_qdq(
+            xc, src=src, low=guide.low.contiguous(),
+            block_scales=guide.block_scales.view(torch.uint8).contiguous(),
+            row_scales=guide.row_scales.to(torch.float32).contiguous(), bits=guide.bits,
+            amax_floor=spec.amax_floor, e4m3=_e4m3_values(dev), up=up, down=down,
+            chunk=min(16, 1 << (kb - 1).bit_length()), dequantize=True)
+    check_rows(dec, x, "input")
+    return out

@@ -326,7 +326,9 @@ def set_finite_check(model: nn.Module, on: bool) -> None:
 
     On (the default), a NaN/Inf activation raises :class:`~libalign.errors.NonFiniteError` at
     its GEMM, at the price of one device synchronisation per call on the Triton backend:
-    each one drains the stream the host had queued ahead (two per MoE layer's forward).
+    each one drains the stream the host had queued ahead (two per MoE layer's forward),
+    unless the step runs inside :func:`libalign.finite_checks.deferred_finite_checks` (as
+    the learner's does), where the checks are read once, when the block ends.
     Off, such rows come out NaN, which a training loop's NaN loss or gradient-norm check
     then sees (Megatron skips such steps); the bits of finite inputs are the same.
     """

@@ -117,6 +117,43 @@ def test_unchecked_call_gives_nan_rows_and_the_same_bits_elsewhere():
     assert torch.equal(out[keep], clean[keep])
 
 
+@pytest.mark.parametrize("guided", [False, True])
+def test_deferred_check_raises_at_the_block_end_naming_the_call_and_row(guided):
+    """Inside deferred_finite_checks a NaN row raises no error at its GEMM (the output row is
+    NaN, the others are the checked call's bits) but at the block's end, naming the call and
+    the row; finite calls in the block pass and give the same bits as immediate checks."""
+    _need_triton()
+    from libalign.finite_checks import deferred_finite_checks
+    from libalign.guidance import RowGuide
+
+    w = torch.randn(2, 64, 64, dtype=torch.bfloat16, device=CUDA)
+    a = _acts(40, 64, seed=1)
+    ew = gemm.prepare_weights(w, "nvfp4_minite")
+    guide = None
+    if guided:  # no row present: every row rounds to nearest through the guided pass
+        kp, nb = 64, 4
+        guide = RowGuide(present=torch.zeros(40, dtype=torch.bool, device=CUDA),
+                         index=torch.zeros(40, dtype=torch.int64, device=CUDA),
+                         low=torch.zeros(1, kp, dtype=torch.uint8, device=CUDA),
+                         block_scales=torch.zeros(1, nb, dtype=torch.uint8, device=CUDA),
+                         row_scales=torch.ones(1, dtype=torch.float32, device=CUDA), bits=1)
+    clean = gemm.grouped_linear(a, ew, [20, 20], backend="triton", act_guide=guide)
+    bad = a.clone()
+    bad[23, 5] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"call 2 of 3.*\(23, 5\)"):
+        with deferred_finite_checks() as checks:
+            first = gemm.grouped_linear(a, ew, [20, 20], backend="triton", act_guide=guide)
+            out = gemm.grouped_linear(bad, ew, [20, 20], backend="triton", act_guide=guide)
+            gemm.grouped_linear(a, ew, [20, 20], backend="triton", act_guide=guide)
+            assert checks.count == 3  # queued, not yet read
+            assert torch.equal(first, clean) and torch.isnan(out[23]).all()
+            keep = torch.arange(40, device=CUDA) != 23
+            assert torch.equal(out[keep], clean[keep])
+    with deferred_finite_checks() as checks:
+        again = gemm.grouped_linear(a, ew, [20, 20], backend="triton", act_guide=guide)
+    assert checks.count == 0 and torch.equal(again, clean)
+
+
 def test_backward_is_the_bf16_straight_through_product():
     """Gradients of the fused path equal those of the bf16 product of the unquantized operands."""
     _need_triton()

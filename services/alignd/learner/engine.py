@@ -75,6 +75,7 @@ from torch import nn
 
 from libalign import gemm, models
 from libalign import metrics as lm
+from libalign.finite_checks import deferred_finite_checks
 from libalign.guidance import GuidanceRecord, GuidanceTable
 from libalign.models import strict as strict_mode
 from libalign.models.kv_cache import full_sequence_kwargs, guide_kv
@@ -367,9 +368,38 @@ class TorchLearnerEngine:
             p.grad = None
         local_tokens = sum(len(lp) for lp in batch.sampler_logprobs)
         tokens = self._global_count(local_tokens)
-        loss_sum, truncated, weights, clipped, ratios = 0.0, 0, 0, 0, []
+        ratios: list[torch.Tensor] = []
         n = len(batch.sequences)
         self._check_chunks(-(-n // self.batch_size))
+        # the expert GEMMs' NaN/Inf checks are read once, before any weight changes
+        with deferred_finite_checks():
+            loss_sum, truncated, weights, clipped = self._micro_batches(
+                batch, adv, table, tokens, ratios)
+        self._sync_grads()
+        for p, m in zip(self.params, self.master, strict=True):
+            m.grad = None if p.grad is None else p.grad.float()
+        norm = self._clip_grads()
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master, strict=True):
+                p.copy_(m.to(p.dtype))
+        self.steps += 1
+        r = torch.cat(ratios) if ratios else torch.zeros(0)
+        loss_sum, truncated, weights, clipped, r_sum, r_n, reward_sum, n_all = self._global_sums(
+            [loss_sum, truncated, weights, clipped, float(r.sum()), r.numel(),
+             float(sum(batch.rewards)), n])
+        return {"loss": loss_sum, "grad_norm": norm, "tokens": tokens,
+                "reward_mean": reward_sum / max(1, n_all),
+                "tis_truncated_fraction": truncated / max(1, weights),
+                "ppo_clipped_fraction": clipped / max(1, tokens),
+                "ratio_mean": r_sum / r_n if r_n else 1.0}
+
+    def _micro_batches(self, batch: TrainBatch, adv: torch.Tensor, table, tokens: int,
+                       ratios: list) -> tuple[float, int, int, int]:
+        """Forward and backward of every micro-batch of ``batch`` (gradients summed);
+        ``(loss, TIS-truncated, weights, PPO-clipped)`` sums, ``ratios`` appended to."""
+        loss_sum, truncated, weights, clipped = 0.0, 0, 0, 0
+        n = len(batch.sequences)
         for a in range(0, n, self.batch_size):
             b = min(n, a + self.batch_size)
             lps = self._forward(batch.sequences[a:b], batch.prompt_lens[a:b], list(range(a, b)),
@@ -391,24 +421,7 @@ class TorchLearnerEngine:
             loss = loss / tokens
             loss.backward()
             loss_sum += float(loss.detach())
-        self._sync_grads()
-        for p, m in zip(self.params, self.master, strict=True):
-            m.grad = None if p.grad is None else p.grad.float()
-        norm = self._clip_grads()
-        self.opt.step()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.master, strict=True):
-                p.copy_(m.to(p.dtype))
-        self.steps += 1
-        r = torch.cat(ratios) if ratios else torch.zeros(0)
-        loss_sum, truncated, weights, clipped, r_sum, r_n, reward_sum, n_all = self._global_sums(
-            [loss_sum, truncated, weights, clipped, float(r.sum()), r.numel(),
-             float(sum(batch.rewards)), n])
-        return {"loss": loss_sum, "grad_norm": norm, "tokens": tokens,
-                "reward_mean": reward_sum / max(1, n_all),
-                "tis_truncated_fraction": truncated / max(1, weights),
-                "ppo_clipped_fraction": clipped / max(1, tokens),
-                "ratio_mean": r_sum / r_n if r_n else 1.0}
+        return loss_sum, truncated, weights, clipped
 
     # --- what a data-parallel subclass distributes (one process: nothing) -----------------
 
