@@ -101,3 +101,12 @@ def test_finite_calls_pass_and_leave_nothing_queued():
             check_rows(*_rows()[::-1])
         assert checks.count == 5
     assert checks.count == 0
+
+
+def test_no_rows_is_nothing_to_check():
+    """An empty call (an expert-parallel rank with no tokens) queues nothing and raises nothing."""
+    x = torch.empty(0, 8)
+    check_rows(x.abs().amax(-1), x)
+    with deferred_finite_checks() as checks:
+        check_rows(x.abs().amax(-1), x)
+        assert checks.count == 0
