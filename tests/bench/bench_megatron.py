@@ -55,6 +55,13 @@ batch, so its ``rel L2`` equals ``nvfp4_minite_kv``'s). Their goal row divides
 ``nvfp4_trace_kv_rec`` by ``nvfp4_minite`` (TRACE's 7.4 % for weight, activation and KV
 guidance and the KV dequantization together).
 
+Routing replay (R3, issue 19): ``nvfp4_minite_r3`` is ``nvfp4_minite`` with every token's
+routing replayed from records (:func:`libalign.models.megatron_routing.replay_routing`, gate
+weights recomputed): the records are this model's own top-k on the batch, with every 10th
+token's experts shifted by one, so one token in ten is forced and the rest is compared and
+kept. Its goal row divides it by ``nvfp4_minite`` (R3's bookkeeping: per layer a key lookup,
+the set comparison and the forced probabilities).
+
 Run: ``python -m tests.bench megatron [-- --tokens 8192 --repeats 10 --json out.json]``.
 Without CUDA it prints that it skipped, unless ``--tiny`` (a 2-layer, 8-expert model small
 enough for a CPU smoke run). Works with megatron-core 0.16 and 0.19.
@@ -71,7 +78,7 @@ import time
 import torch
 
 PATHS = ("bf16", "nvfp4_naive", "nvfp4_minite", "nvfp4_minite_sync", "nvfp4_minite_nocheck",
-         "nvfp4_trace",
+         "nvfp4_trace", "nvfp4_minite_r3",
          "nvfp4_trace_rec", "nvfp4_trace_rec_unfused", "nvfp4_minite_kv", "nvfp4_trace_kv_rec")
 RECORD_BITS = 2
 GOALS = {"minite_model": 1.10, "quantize_ms": 5.0, "trace_rec_over_minite": 1.074}
@@ -196,10 +203,12 @@ def _run(args) -> dict:
         table = _records(mg, model, ids, keys, dev) if guided else None
         table_kv = _records(mg, model, ids, keys, dev, kv=True) \
             if "nvfp4_trace_kv_rec" in paths else None
+        routes = _routing_table(mg, model, ids, keys, dev, batch, seq) \
+            if any(p.endswith("_r3") for p in paths) else None
         samples = {p: {"model": [], "experts": [], "quantize": []} for p in paths}
         for path in paths:  # warm-up, compile, first quantization; quality check
             mg.set_path(model, _model_path(path))
-            with _path_ctx(mg, model, path, keys, table, table_kv):
+            with _path_ctx(mg, model, path, keys, table, table_kv, routes):
                 for _ in range(args.warmup):
                     model_step(path)
                     experts_step(path)
@@ -211,7 +220,7 @@ def _run(args) -> dict:
         for _ in range(repeats):
             for path in paths:
                 mg.set_path(model, _model_path(path))
-                with _path_ctx(mg, model, path, keys, table, table_kv):
+                with _path_ctx(mg, model, path, keys, table, table_kv, routes):
                     samples[path]["quantize"].append(timer(quantize_all))
                     samples[path]["model"].append(timer(lambda: model_step(path)))  # noqa: B023
                     samples[path]["experts"].append(timer(lambda: experts_step(path)))  # noqa: B023
@@ -246,7 +255,7 @@ def _goals(rows: dict) -> list[dict]:
         print(f"  {name:<44}{value:>9.3f}{unit:<3} goal <= {goal:g}{unit}  "
               f"{'met' if value <= goal else 'NOT met'}", flush=True)
 
-    print("goals (issue 21 item 5; same-run baselines):")
+    print("goals (issue 21 item 5, issue 19 rows; same-run baselines):")
     mn = rows.get("nvfp4_minite", {})
     add("nvfp4_minite whole model / bf16", mn.get("model_ratio"), GOALS["minite_model"], "x")
     for key, name in (("nvfp4_minite_sync", "nvfp4_minite, a sync per GEMM's check / bf16"),
@@ -256,7 +265,8 @@ def _goals(rows: dict) -> list[dict]:
         "ms")
     for key, name in (("nvfp4_trace_rec", "nvfp4_trace (records) whole model / minite"),
                       ("nvfp4_trace_rec_unfused", "  ... guided rounding before the act pass"),
-                      ("nvfp4_trace_kv_rec", "nvfp4_trace + FP4 KV (records) / minite")):
+                      ("nvfp4_trace_kv_rec", "nvfp4_trace + FP4 KV (records) / minite"),
+                      ("nvfp4_minite_r3", "nvfp4_minite + routing replay / minite")):
         if key in rows and mn:
             add(name, rows[key]["model_ms"] / mn["model_ms"], GOALS["trace_rec_over_minite"], "x")
     return out
@@ -264,7 +274,7 @@ def _goals(rows: dict) -> list[dict]:
 
 def _model_path(path: str) -> str:
     return "nvfp4_minite" if path in ("nvfp4_minite_nocheck", "nvfp4_minite_sync",
-                                      "nvfp4_minite_kv") else \
+                                      "nvfp4_minite_kv", "nvfp4_minite_r3") else \
         "nvfp4_trace" if path.startswith("nvfp4_trace") else path
 
 
@@ -304,6 +314,39 @@ def _records(mg, model, ids, keys, dev, kv: bool = False):
     return table
 
 
+def _routing_table(mg, model, ids, keys, dev, batch: int, seq: int):
+    """R3 records for the batch: the model's own top-k per token and MoE layer (captured from
+    Megatron's routers), every 10th token's experts shifted by one (forced on replay)."""
+    from libalign.models.paths import wrapped_method
+    from libalign.models.routing_replay import RoutingTable
+    from libalign.routing_records import RoutingRecord
+
+    routers = {i: layer.router for i, layer in mg.moe_layers(model).items()}
+    own: dict[int, torch.Tensor] = {}
+
+    def make(i, original):
+        def routing(logits, *args, **kwargs):
+            probs, rmap = original(logits, *args, **kwargs)
+            k = int(rmap[0].sum())
+            own[i] = rmap.nonzero()[:, 1].reshape(rmap.shape[0], k)  # ascending ids per token
+            return probs, rmap
+        return routing
+
+    mg.set_row_keys(model, keys)
+    try:
+        with torch.no_grad(), wrapped_method(routers, "routing", make):
+            mg.gpt_logits(model, ids)
+    finally:
+        mg.set_row_keys(model, None)
+    layers = sorted(own)
+    e = model.config.num_moe_experts
+    idx = torch.stack([own[i] for i in layers], 1)  # [s*b, L, k] in Megatron's [s, b] order
+    idx[::10] = (idx[::10] + 1) % e  # still k distinct experts, another set
+    idx = idx.reshape(seq, batch, len(layers), -1).to("cpu", torch.uint8 if e <= 256 else torch.int16)
+    recs = {b: RoutingRecord(idx[:, b].contiguous(), tuple(layers), e) for b in range(batch)}
+    return RoutingTable(recs, dev)
+
+
 def _megatron_version() -> str:
     try:
         from megatron.core import package_info
@@ -320,8 +363,10 @@ class _path_ctx:
     ``nvfp4_trace_rec`` (``table``'s records); FP4 K/V on the ``_kv`` rows (guided by
     ``table_kv`` on ``nvfp4_trace_kv_rec``, whose experts take its records too)."""
 
-    def __init__(self, mg, model, path, keys, table=None, table_kv=None):
+    def __init__(self, mg, model, path, keys, table=None, table_kv=None, routes=None):
         self.mg, self.model, self.keys = mg, model, keys
+        self.routes = routes if path.endswith("_r3") else None
+        self.r3_ctx = None
         self.on = path.startswith("nvfp4_trace")
         self.table = table if path.startswith("nvfp4_trace_rec") else \
             table_kv if path == "nvfp4_trace_kv_rec" else None
@@ -342,6 +387,12 @@ class _path_ctx:
             self.mg.set_row_keys(self.model, self.keys)
             self.ctx = self.mg.use_guidance(self.model, self.table)
             self.ctx.__enter__()
+        if self.routes is not None:
+            from libalign.models.megatron_routing import replay_routing
+
+            self.mg.set_row_keys(self.model, self.keys)
+            self.r3_ctx = replay_routing(self.model, self.routes, weights="recompute")
+            self.r3_ctx.__enter__()
         if self.kv:
             from libalign.models import megatron_kv
 
@@ -356,6 +407,9 @@ class _path_ctx:
             self.fused_ctx.__exit__(*exc)
         if self.kv_ctx is not None:
             self.kv_ctx.__exit__(*exc)
+        if self.r3_ctx is not None:
+            self.r3_ctx.__exit__(*exc)
+            self.mg.set_row_keys(self.model, None)
         if self.ctx is not None:
             self.ctx.__exit__(*exc)
             self.mg.set_row_keys(self.model, None)
