@@ -499,12 +499,10 @@ def grouped_linear(a: torch.Tensor, weights: ExpertWeights,
     activation pass; only where :func:`fuses_guidance` says so (else quantize them with
     ``guided_quantize`` and pass ``act_q``).
 
-    ``check_finite=False`` drops the Triton backend's NaN/Inf check of the activations, one
-    device synchronisation per call (which stalls a host that queues work ahead, as a
-    training step does; inside :func:`libalign.finite_checks.deferred_finite_checks` the
-    check is queued instead and read when the block ends): a row holding NaN/Inf then comes
-    out NaN instead of raising :class:`~libalign.errors.NonFiniteError`. The other backends
-    raise either way.
+    ``check_finite=False`` drops the Triton backend's NaN/Inf check (one device sync per call,
+    or queued inside :func:`libalign.finite_checks.deferred_finite_checks`): a NaN/Inf row
+    then comes out NaN instead of raising :class:`~libalign.errors.NonFiniteError`. The
+    other backends raise either way.
     """
     layout = counts if isinstance(counts, GroupLayout) else group_layout(counts)
     _check_grouped(a, weights, layout)
