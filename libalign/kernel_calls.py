@@ -187,7 +187,9 @@ class Pending:
     stored_out: torch.Tensor
     stored: torch.Tensor | None
     amax: torch.Tensor | None
-    flags: torch.Tensor | int  # a device int (CUDA, read later) or the CPU kernel's result
+    # a device int (CUDA, read later; launch_many: the call's flag buffer, one slot per
+    # tensor) or the CPU kernel's result
+    flags: torch.Tensor | int
 
 
 def launch(lib, x, spec, outer_amax, swizzled, out=None, flags=None, stream=None) -> Pending:
@@ -282,6 +284,191 @@ def finish(t: Pending, bad: int):
     return NVFP4Tensor(codes=codes,
                        block_scales=t.scales.reshape(*lead, k // spec.block_size).view(scale_dtype),
                        outer_scale=stored, spec=spec, shape=shape, outer_amax=amax)
+
+
+# --- several tensors, one output buffer (quantize_many) --------------------------------------
+
+#: Byte alignment of each output inside the shared buffer (the CUDA caching allocator's own
+#: block granularity: every view starts as aligned as a tensor of its own would).
+ALIGN = 512
+#: Flag buffers of this many ints at least; each holds one slot per tensor of a call.
+FLAG_SLOTS = 64
+
+# Zeroed CUDA flag buffers by device index, handed out one per call (see take_flags).
+_flag_pool: dict[int, list[torch.Tensor]] = {}
+
+
+def batchable(spec: NumericsSpec) -> bool:
+    """True when :func:`launch_many` serves ``spec``: the row domain (the encode kernel writes
+    the outer scales itself) or MXFP4 (no outer scale). The tensor and expert domains need a
+    max pass and torch ops between the kernels, so they go one tensor at a time."""
+    return spec.outer_domain == "row" or spec.is_mx
+
+
+def take_flags(dev: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 flag buffer of at least ``n`` slots on CUDA device ``dev``.
+
+    The buffers are reused: :func:`read_flags` reads one after the call's kernels, and a
+    buffer that came back all zero goes back to the pool, still zero, so a steady-state call
+    launches no fill before its first kernel. Each call takes its own buffer (a list pop is
+    atomic), so concurrent calls never share one; a flagged buffer is dropped, not cleaned.
+    """
+    pool = _flag_pool.setdefault(dev.index, [])
+    while pool:
+        buf = pool.pop()
+        if buf.numel() >= n:
+            return buf
+    return torch.zeros(max(n, FLAG_SLOTS), dtype=torch.int32, device=dev)
+
+
+def read_flags(buf: torch.Tensor) -> list[int]:
+    """The flags of every slot of ``buf`` (one device synchronisation, on the current stream
+    the kernels ran on); the buffer goes back to the pool when no kernel flagged anything."""
+    host = buf.tolist()
+    if not any(host):
+        _flag_pool.setdefault(buf.device.index, []).append(buf)
+    return host
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor's outputs lie in :func:`launch_many`'s buffer (byte offsets) and
+    their final shapes; ``params`` is the tensor's parameter block."""
+
+    params: _native.NvParams
+    codes: int
+    scales: int
+    amax: int
+    stored: int
+    codes_shape: tuple[int, ...]
+    scales_shape: tuple[int, ...]  # swizzled: the flat padded length
+    lead: tuple[int, ...]  # the outer maxima's shape (row domain)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One buffer's layout for a :func:`launch_many` call: ``nbytes`` in all, the first
+    ``zeroed`` of them filled with zeros (the swizzled scales that have padding)."""
+
+    slots: tuple[Slot, ...]
+    nbytes: int
+    zeroed: int
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides of ``shape``, in elements (as torch gives a contiguous tensor)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+@functools.lru_cache(maxsize=256)
+def plan_for(shapes: tuple[tuple[tuple[int, ...], torch.dtype], ...], spec: NumericsSpec,
+             swizzled: bool) -> Plan:
+    """The layout for tensors of these ``(shape, dtype)`` (cached: a converter quantizes the
+    same shapes every step). Swizzled scales with padding come first, so one fill zeroes all
+    of them; each output starts :data:`ALIGN`-aligned."""
+    row = spec.outer_domain == "row"
+    items, end = [], 0
+
+    def take(nbytes: int) -> int:
+        nonlocal end
+        at, end = end, end + -(-nbytes // ALIGN) * ALIGN
+        return at
+
+    for shape, _ in shapes:
+        e, m, k = shape if len(shape) == 3 else (1, *shape)
+        nb = k // spec.block_size
+        padded = swizzled and (m % 128 != 0 or nb % 4 != 0)
+        scales_len = e * swizzled_size(m, nb) if swizzled else e * m * nb
+        items.append((e, m, k, nb, scales_len, take(scales_len) if padded else None))
+    zeroed = end
+    slots = []
+    for (shape, dtype), (e, m, k, nb, scales_len, at) in zip(shapes, items, strict=True):
+        lead = shape[:-1]
+        codes = take(e * m * (k // 2))
+        scales = take(scales_len) if at is None else at
+        floats = 4 * e * m if row else 0
+        slots.append(Slot(params_for((e, m, k), dtype, spec, swizzled), codes, scales,
+                          take(floats), take(floats), (*lead, k // 2),
+                          (scales_len,) if swizzled else (*lead, nb), lead))
+    return Plan(tuple(slots), end, zeroed)
+
+
+def launch_many(lib, xs, spec, swizzled) -> tuple[list[Pending], torch.Tensor | None]:
+    """Launch the encode kernel of each tensor of ``xs`` (one device; :func:`batchable` spec;
+    every tensor checked and kernel-served), all outputs carved from one allocation.
+
+    Returns the launched calls (``flags`` of each: its CPU kernel's result, or on CUDA the
+    call's flag buffer, slot ``i`` for ``xs[i]``) and that buffer (None on the CPU). Before
+    the first launch the host looks up the layout (:func:`plan_for`), makes one
+    ``torch.empty`` (and one fill when swizzled scales have padding) and launches: the
+    kernels take raw addresses, so the output views are made after every launch, while the
+    device works.
+    """
+    dev = xs[0].device
+    cuda = dev.type == "cuda"
+    plan = plan_for(tuple((tuple(x.shape), x.dtype) for x in xs), spec, swizzled)
+    buf = torch.empty(plan.nbytes, dtype=torch.uint8, device=dev)
+    if plan.zeroed:
+        buf[:plan.zeroed].zero_()
+    base = buf.data_ptr()
+    flags = take_flags(dev, len(xs)) if cuda else None
+    results: list[int | torch.Tensor] = [flags] * len(xs)
+    same = not cuda or dev.index == torch.cuda.current_device()
+    with contextlib.nullcontext() if same else torch.cuda.device(dev):
+        stream = torch.cuda.current_stream(dev).cuda_stream if cuda else None
+        nthreads = torch.get_num_threads()
+        for i, (x, slot) in enumerate(zip(xs, plan.slots, strict=True)):
+            x3 = x if x.is_contiguous() else x.contiguous()
+            codes, scales = base + slot.codes, base + slot.scales
+            amax, stored = base + slot.amax, base + slot.stored
+            # the encode/decode pointers are read only outside the row domain; MXFP4 has no
+            # outer scale and its kernels never read them
+            if cuda:
+                code = lib.nvfp4_quantize_cuda(x3.data_ptr(), codes, scales, amax, stored, amax,
+                                               amax, slot.params, flags.data_ptr() + 4 * i,
+                                               stream)
+                check_launch(code, "quantize")
+                if code:
+                    raise RuntimeError(f"CUDA error {code} in the NVFP4 quantize kernel")
+            else:
+                bad = lib.nvfp4_quantize_cpu(x3.data_ptr(), codes, scales, amax, stored, amax,
+                                             amax, slot.params, nthreads)
+                check_launch(bad, "quantize")
+                results[i] = bad
+    return assemble(buf, xs, spec, swizzled, plan, results), flags
+
+
+def assemble(buf, xs, spec, swizzled, plan, flags) -> list[Pending]:
+    """The launched calls of :func:`launch_many`, their outputs viewed in ``buf`` in their
+    final shapes (one ``as_strided`` each: nothing left to reshape in :func:`batch_result`)."""
+    scale_dtype = torch.float8_e8m0fnu if spec.is_mx else torch.float8_e4m3fn
+    floats = buf.view(torch.float32)  # the buffer's length is a multiple of ALIGN
+    row = spec.outer_domain == "row"
+    pending = []
+    for x, s, bad in zip(xs, plan.slots, flags, strict=True):
+        codes = buf.as_strided(s.codes_shape, contiguous_strides(s.codes_shape), s.codes)
+        scales = buf.as_strided(s.scales_shape, contiguous_strides(s.scales_shape), s.scales)
+        scales = scales.view(scale_dtype)
+        amax = stored = None
+        if row:
+            strides = contiguous_strides(s.lead)
+            amax = floats.as_strided(s.lead, strides, s.amax // 4)
+            stored = floats.as_strided(s.lead, strides, s.stored // 4)
+        pending.append(Pending(x, spec, None, swizzled, None, codes, scales, amax, stored,
+                               stored, amax, bad))
+    return pending
+
+
+def batch_result(t: Pending):
+    """The result of a :func:`launch_many` call no kernel flagged (its views as they are)."""
+    if t.swizzled:
+        return GemmOperand(t.codes, t.scales, t.stored, t.amax, t.spec, tuple(t.x.shape))
+    return NVFP4Tensor(codes=t.codes, block_scales=t.scales, outer_scale=t.stored,
+                       spec=t.spec, shape=tuple(t.x.shape), outer_amax=t.amax)
 
 
 def quantize_kernel(lib, x, spec, outer_amax, swizzled, out=None):

@@ -195,6 +195,26 @@ def quantize(
     return kernel_calls.quantize_kernel(lib, x, spec, outer_amax, scale_layout == "swizzled", out)
 
 
+def _batch_library(tensors: list[torch.Tensor], spec: NumericsSpec):
+    """The kernel library that serves every tensor of a :func:`quantize_many` call in one
+    batch (:func:`kernel_calls.launch_many`), or None: the tensors go one at a time.
+
+    A batch needs a :func:`kernel_calls.batchable` spec and every tensor on one device with
+    no :func:`kernel_gap`. The tensors are checked in order and a check error propagates:
+    up to the tensor that fails, every one was kernel-served, so the per-tensor loop would
+    have raised the same error there with nothing returned.
+    """
+    if not tensors or not kernel_calls.batchable(spec):
+        return None
+    dev = None
+    for x in tensors:
+        _spec.check_input(x, spec)
+        dev = x.device if dev is None else dev
+        if x.device != dev or kernel_gap(x, spec, None) is not None:
+            return None
+    return _native.load(dev.type)
+
+
 def quantize_many(
     tensors: list[torch.Tensor],
     spec: NumericsSpec | None = None,
@@ -206,10 +226,25 @@ def quantize_many(
     Each call's error flags are read after every kernel has been launched, so a GPU runs
     the tensors back to back (a converter quantizing a layer, a sync quantizing a model).
     Errors are the same as :func:`quantize` raises, for the first failing tensor.
+
+    In the row domain and for MXFP4, when the kernels serve every tensor on one device, the
+    outputs of all tensors are views of one allocation (:func:`kernel_calls.launch_many`:
+    the host does the least before the first kernel). A result kept alone keeps that
+    buffer alive; ``clone()`` its tensors to keep one result's bytes only, and to write them
+    with safetensors, which refuses tensors sharing memory.
     """
     spec = PRESETS["minite"] if spec is None else spec
     if scale_layout not in SCALE_LAYOUTS:
         raise SpecError(f"scale_layout must be one of {SCALE_LAYOUTS}, got {scale_layout!r}")
+    lib = _batch_library(tensors, spec)
+    if lib is not None:
+        launched, flags = kernel_calls.launch_many(lib, tensors, spec, scale_layout == "swizzled")
+        results = [kernel_calls.batch_result(t) for t in launched]  # device at work
+        bad = [t.flags for t in launched] if flags is None else kernel_calls.read_flags(flags)
+        for i, t in enumerate(launched):
+            if bad[i]:  # in order: the first flagged tensor raises
+                results[i] = kernel_calls.finish(t, bad[i])
+        return results
     results: list = [None] * len(tensors)
     launched: list[tuple[int, kernel_calls.Pending]] = []
     flags, streams = {}, {}

@@ -1,0 +1,134 @@
+"""Pins ``ops.quantize_many``'s batched path (one output allocation for all tensors,
+``kernel_calls.launch_many``) to the spec, bit for bit, and to the per-tensor errors.
+
+The batch serves row-domain and MXFP4 calls whose tensors the kernels all serve on one
+device; everything else goes one tensor at a time. Both must return the spec's bits and
+raise the spec's typed error for the first failing tensor, with nothing returned.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from alignclient.errors import DTypeError, NonFiniteError, ShapeError, UndefinedScaleError
+
+from libalign import kernel_calls, ops
+from libalign.spec import PRESETS, quantize
+from tests.libalign import inputs
+from tests.libalign.test_ops_kernels import assert_bitwise
+from tests.libalign.test_ops_kernels import device  # noqa: F401  (the kernel-path fixture)
+
+ROW_AND_MX = ["minite", "te_row", "kv_nvfp4", "mxfp4", "mxfp4_te"]
+# 2-D and 3-D, rows not a multiple of 128, scale columns not a multiple of 4 (swizzle
+# padding), an empty stack, one row.
+SHAPES = [(2, 200, 768), (130, 2048), (3, 128, 512), (4, 0, 768), (1, 64), (2, 64, 8192)]
+
+
+def mixed(dtype=torch.bfloat16):
+    return [inputs.FAMILIES[f](s, dtype=torch.float32).to(dtype)
+            for f, s in zip(sorted(inputs.FAMILIES), SHAPES, strict=False)]
+
+
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+@pytest.mark.parametrize("preset", ROW_AND_MX)
+def test_batch_equals_spec_per_tensor(device, preset, layout):
+    """Mixed shapes in one call (swizzle-padded next to unpadded): each result is the spec's."""
+    spec = PRESETS[preset]
+    xs = mixed()
+    got = ops.quantize_many([x.to(device) for x in xs], spec, scale_layout=layout)
+    assert len(got) == len(xs)
+    for g, x in zip(got, xs, strict=True):
+        assert_bitwise(g.linear() if layout == "swizzled" else g, quantize(x, spec))
+        if layout == "swizzled":
+            assert torch.equal(g.block_scales.view(torch.uint8).cpu(),
+                               quantize(x, spec).swizzled_block_scales().view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_batch_mixed_dtypes(device, dtype):
+    """fp32/fp16 beside bf16 in one batch (each tensor its own parameter block)."""
+    xs = [inputs.randn((3, 40, 256), seed=1).to(dtype), inputs.randn((64, 512), seed=2)]
+    got = ops.quantize_many([x.to(device) for x in xs], PRESETS["minite"])
+    for g, x in zip(got, xs, strict=True):
+        assert_bitwise(g, quantize(x, PRESETS["minite"]))
+
+
+def test_batch_outputs_share_one_aligned_buffer(device):
+    """The batched results view one allocation, each output ALIGN-aligned in it (as aligned
+    as the allocation itself); a second call writes new memory, so the first call's results
+    keep their bits."""
+    xs = [inputs.randn((2, 200, 768), seed=3), inputs.randn((130, 2048), seed=4)]
+    first = ops.quantize_many([x.to(device) for x in xs], PRESETS["minite"])
+    tensors = [t for q in first for t in (q.codes, q.block_scales, q.outer_scale, q.outer_amax)]
+    base = {t.untyped_storage().data_ptr() for t in tensors}
+    assert len(base) == 1
+    assert all((t.data_ptr() - min(base)) % kernel_calls.ALIGN == 0 for t in tensors)
+    ops.quantize_many([inputs.randn(tuple(x.shape), seed=9).to(device) for x in xs],
+                      PRESETS["minite"])
+    for q, x in zip(first, xs, strict=True):
+        assert_bitwise(q, quantize(x, PRESETS["minite"]))
+
+
+@pytest.mark.parametrize("preset", ["minite", "mxfp4"])
+def test_first_flagged_tensor_raises_its_spec_error(device, preset):
+    """NaN in tensors 1 and 2: tensor 1's NonFiniteError (its positions); then a clean call
+    on the same device returns the spec's bits (no flag left over from the failed one)."""
+    spec = PRESETS[preset]
+    good = inputs.randn((2, 64, 256), seed=5)
+    bad1, bad2 = inputs.randn((2, 64, 256), seed=6), inputs.randn((64, 256), seed=7)
+    bad1[1, 3, 5] = float("nan")
+    bad2[7, 9] = float("inf")
+    with pytest.raises(NonFiniteError) as err:
+        ops.quantize_many([good.to(device), bad1.to(device), bad2.to(device)], spec)
+    assert "(1, 3, 5)" in str(err.value)
+    with pytest.raises(NonFiniteError) as err:
+        ops.quantize_many([good.to(device), bad2.to(device)], spec)
+    assert "(7, 9)" in str(err.value)
+    for _ in range(2):
+        got = ops.quantize_many([good.to(device), good[0].to(device)], spec)
+        assert_bitwise(got[0], quantize(good, spec))
+        assert_bitwise(got[1], quantize(good[0], spec))
+
+
+def test_undefined_scale_raises_in_the_batch(device):
+    """A preset dividing 0 by 0 on an all-zero row: the spec's UndefinedScaleError."""
+    spec = PRESETS["minite"].replace(amax_floor=None, zero_prescale_to=None)
+    if ops.kernel_gap(torch.zeros(1, 16), spec, None) is not None:
+        pytest.skip("the kernels do not serve this variant")
+    x = inputs.randn((4, 64))
+    x[2] = 0
+    try:
+        quantize(x, spec)
+    except UndefinedScaleError:
+        with pytest.raises(UndefinedScaleError):
+            ops.quantize_many([inputs.randn((8, 32)).to(device), x.to(device)], spec)
+    else:
+        assert_bitwise(ops.quantize_many([x.to(device)], spec)[0], quantize(x, spec))
+
+
+def test_check_errors_come_first_in_order(device):
+    """A shape or dtype error of tensor 1 is raised before any kernel flag is read, as the
+    per-tensor loop raised it (NaN in tensor 0 does not hide it)."""
+    nan = inputs.randn((8, 64))
+    nan[0, 0] = float("nan")
+    with pytest.raises(ShapeError):
+        ops.quantize_many([nan.to(device), inputs.randn((2, 3, 4, 64)).to(device)],
+                          PRESETS["minite"])
+    with pytest.raises(DTypeError):
+        ops.quantize_many([nan.to(device), torch.zeros(8, 64, dtype=torch.int32).to(device)],
+                          PRESETS["minite"])
+    with pytest.raises(ShapeError):
+        ops.quantize_many([inputs.randn((8, 64)).to(device), inputs.randn((8, 40)).to(device)],
+                          PRESETS["mxfp4"])
+
+
+def test_unbatched_calls_are_unchanged(device):
+    """A tensor the spec serves (K=40) or the tensor domain sends the call one tensor at a
+    time; bits and layouts as before."""
+    xs = [inputs.randn((2, 64, 256), seed=8), inputs.randn((8, 40))]
+    got = ops.quantize_many([x.to(device) for x in xs], PRESETS["minite"])
+    for g, x in zip(got, xs, strict=True):
+        assert_bitwise(g, quantize(x, PRESETS["minite"]))
+    got = ops.quantize_many([xs[0].to(device)], PRESETS["te"])
+    assert_bitwise(got[0], quantize(xs[0], PRESETS["te"]))
+    assert ops.quantize_many([], PRESETS["minite"]) == []
