@@ -9,7 +9,11 @@ steps:
     operation order of :mod:`libalign.scale_math` (true IEEE divisions through ``div_rn``,
     the E4M3 cast by the hardware converter, ties-to-even E2M1 by midpoint counting), then
     writes the exact inner values ``code * block_scale`` as bf16 and the row decode scales.
-    A row holding NaN/Inf gets a NaN decode scale, which the caller checks.
+    A row holding NaN/Inf gets a NaN decode scale, which the caller checks. With
+    ``dequantize`` it writes the values read back instead, ``fl(inner * dec)`` in the input's
+    dtype: a fake-quantized tensor (the learner's FP4 K/V,
+    :func:`libalign.gemm_triton.triton_qdq_rows`) in one pass. ``guided_act_qdq`` is the same
+    pass with the rows that have a sampler's record rounded by it (TRACE).
 ``grouped_gemm``
     A bf16 tensor-core GEMM over the padded expert layout: each ``BM``-row tile belongs to
     one expert (``tile_expert``), its weights are that expert's exact inner values; fp32
@@ -70,7 +74,7 @@ def _inner_values(x, enc, dec):
 @triton.jit
 def _act_qdq_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x, stride_i,
                     AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr, TENSOR_AMAX: tl.constexpr,
-                    ROWS: tl.constexpr, NB: tl.constexpr):
+                    ROWS: tl.constexpr, NB: tl.constexpr, DEQUANT: tl.constexpr):
     # a [ROWS, NB, 16] tile holds whole rows: one row per ROWS index, one 16-element block
     # per NB index, so block and row maxima are plain reductions (no reshapes)
     pid = tl.program_id(0)
@@ -89,6 +93,8 @@ def _act_qdq_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x, stride
         amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
     enc, dec = _outer(amax, AMAX_FLOOR, HAS_FLOOR)
     val = _inner_values(x, enc, dec)
+    if DEQUANT:  # the value read back: fl(inner * dec), one rounding to the output dtype
+        val = val * dec[:, None, None]
     tl.store(inner_ptr + r64 * stride_i + cols, val.to(inner_ptr.dtype.element_ty), mask=mask)
     tl.store(dec_ptr + rows, tl.where(poison == 0.0, dec, float("nan")), mask=rmask)
 
@@ -96,7 +102,8 @@ def _act_qdq_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x, stride
 @triton.jit
 def _act_qdq_chunked_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x, stride_i,
                             AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr,
-                            TENSOR_AMAX: tl.constexpr, ROWS: tl.constexpr, CB: tl.constexpr):
+                            TENSOR_AMAX: tl.constexpr, ROWS: tl.constexpr, CB: tl.constexpr,
+                            DEQUANT: tl.constexpr):
     # rows whose block count is not a power of two: walk them in chunks of CB blocks, once
     # for the row maxima and once to encode (the second read mostly hits L2), so no lane
     # idles on padding
@@ -124,22 +131,28 @@ def _act_qdq_chunked_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x
         mask = rmask[:, None, None] & (b < KB)[None, :, None]
         x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         val = _inner_values(x, enc, dec)
+        if DEQUANT:
+            val = val * dec[:, None, None]
         tl.store(inner_ptr + r64 * stride_i + cols, val.to(inner_ptr.dtype.element_ty), mask=mask)
     tl.store(dec_ptr + rows, tl.where(poison == 0.0, dec, float("nan")), mask=rmask)
 
 
 def act_qdq(x: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Tensor | None,
             out: torch.Tensor | None = None, dec_out: torch.Tensor | None = None,
-            elems: int = 4096, num_warps: int = 4, chunk: int | None = None):
+            elems: int = 4096, num_warps: int = 4, chunk: int | None = None,
+            dequantize: bool = False):
     """Inner values (bf16 ``[M, K]``) and fp32 row decode scales ``[M]`` of activations.
 
     Rows of a power-of-two block count are read once as whole-row tiles; others in chunks of
     ``chunk`` blocks (default 16; 0 forces whole-row tiles padded to a power of two).
+    ``dequantize`` writes the values read back instead, ``fl(inner * dec)`` rounded once to
+    ``x``'s dtype (what ``(inner.float() * dec[:, None]).to(x.dtype)`` gives).
     """
     m, k = x.shape
     if k % 16 or x.stride(1) != 1:
         raise ValueError("act_qdq needs contiguous rows whose length is a multiple of 16")
-    inner = torch.empty((m, k), dtype=torch.bfloat16, device=x.device) if out is None else out
+    inner = out if out is not None else torch.empty(
+        (m, k), dtype=x.dtype if dequantize else torch.bfloat16, device=x.device)
     dec = torch.empty((m,), dtype=torch.float32, device=x.device) if dec_out is None else dec_out
     if m == 0:
         return inner, dec
@@ -147,7 +160,7 @@ def act_qdq(x: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Ten
     nb = triton.next_power_of_2(kb)
     amax = tensor_amax if tensor_amax is not None else dec  # unused pointer when per row
     common = dict(AMAX_FLOOR=float(amax_floor or 0.0), HAS_FLOOR=amax_floor is not None,
-                  TENSOR_AMAX=tensor_amax is not None, num_warps=num_warps)
+                  TENSOR_AMAX=tensor_amax is not None, DEQUANT=dequantize, num_warps=num_warps)
     if nb == kb or chunk == 0 or (chunk is None and nb <= 8):  # whole rows in one tile
         rows = max(1, min(64, elems // (16 * nb)))
         _act_qdq_kernel[(triton.cdiv(m, rows),)](
@@ -229,7 +242,8 @@ def _guided_values(x, s, dec, g, up_ptr, down_ptr, BITS: tl.constexpr):
 def _guided_qdq_kernel(x_ptr, inner_ptr, dec_ptr, src_ptr, low_ptr, bs_ptr, rs_ptr, e4m3_ptr,
                        up_ptr, down_ptr, M, stride_x, stride_i, stride_low, stride_bs,
                        KB: tl.constexpr, AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr,
-                       BITS: tl.constexpr, ROWS: tl.constexpr, CB: tl.constexpr):
+                       BITS: tl.constexpr, ROWS: tl.constexpr, CB: tl.constexpr,
+                       DEQUANT: tl.constexpr):
     # rows with a record (src >= 0) take its block and row scales and its low code bits;
     # the others round to nearest under their own scales, as _act_qdq_chunked_kernel does
     pid = tl.program_id(0)
@@ -252,6 +266,7 @@ def _guided_qdq_kernel(x_ptr, inner_ptr, dec_ptr, src_ptr, low_ptr, bs_ptr, rs_p
         amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), axis=2), axis=1))
     enc, dec = _outer(amax, AMAX_FLOOR, HAS_FLOOR)
     rs = tl.load(rs_ptr + s64, mask=rmask & guided, other=1.0)
+    read_dec = tl.where(guided, rs, dec)  # the row's decode scale: the record's or its own
     for c in range(0, KB, CB):
         b = c + blk
         cols = b[None, :, None] * 16 + j[None, None, :]
@@ -265,15 +280,17 @@ def _guided_qdq_kernel(x_ptr, inner_ptr, dec_ptr, src_ptr, low_ptr, bs_ptr, rs_p
                     mask=gmask[:, :, None], other=0).to(tl.int32)
         val = tl.where(guided[:, None, None], _guided_values(x, s, rs, g, up_ptr, down_ptr, BITS),
                        own)
+        if DEQUANT:
+            val = val * read_dec[:, None, None]
         tl.store(inner_ptr + r64 * stride_i + cols, val.to(inner_ptr.dtype.element_ty), mask=mask)
-    dec = tl.where(guided, rs, dec)
-    tl.store(dec_ptr + rows, tl.where(poison == 0.0, dec, float("nan")), mask=rmask)
+    tl.store(dec_ptr + rows, tl.where(poison == 0.0, read_dec, float("nan")), mask=rmask)
 
 
 def guided_act_qdq(x: torch.Tensor, *, src: torch.Tensor, low: torch.Tensor,
                    block_scales: torch.Tensor, row_scales: torch.Tensor, bits: int,
                    amax_floor: float | None, e4m3: torch.Tensor, up: torch.Tensor,
-                   down: torch.Tensor, rows: int = 16, chunk: int = 16, num_warps: int = 4):
+                   down: torch.Tensor, rows: int = 16, chunk: int = 16, num_warps: int = 4,
+                   dequantize: bool = False):
     """Inner values (bf16 ``[M, K]``) and fp32 row decode scales ``[M]`` of guided activations.
 
     Row ``r`` with ``src[r] >= 0`` (int32) is rounded by record ``src[r]``: its low code bits
@@ -281,12 +298,12 @@ def guided_act_qdq(x: torch.Tensor, *, src: torch.Tensor, low: torch.Tensor,
     decode scale ``row_scales`` ``[n]`` (fp32); the other rows round to nearest under their
     own scales. ``e4m3`` is the fp32 value of each E4M3 byte, ``up``/``down`` the
     nearest-matching-level tables of ``bits`` (:func:`libalign.rounding.guide_tables`).
-    A row holding NaN/Inf gets a NaN decode scale.
+    A row holding NaN/Inf gets a NaN decode scale. ``dequantize``: as :func:`act_qdq`'s.
     """
     m, k = x.shape
     if k % 16 or x.stride(1) != 1 or low.stride(-1) != 1 or block_scales.stride(-1) != 1:
         raise ValueError("guided_act_qdq needs contiguous rows whose length is a multiple of 16")
-    inner = torch.empty((m, k), dtype=torch.bfloat16, device=x.device)
+    inner = torch.empty((m, k), dtype=x.dtype if dequantize else torch.bfloat16, device=x.device)
     dec = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m == 0:
         return inner, dec
@@ -294,7 +311,7 @@ def guided_act_qdq(x: torch.Tensor, *, src: torch.Tensor, low: torch.Tensor,
         x, inner, dec, src, low, block_scales, row_scales, e4m3, up, down, m,
         x.stride(0), inner.stride(0), low.stride(0), block_scales.stride(0), KB=k // 16,
         AMAX_FLOOR=float(amax_floor or 0.0), HAS_FLOOR=amax_floor is not None, BITS=bits,
-        ROWS=rows, CB=chunk, num_warps=num_warps)
+        ROWS=rows, CB=chunk, DEQUANT=dequantize, num_warps=num_warps)
     return inner, dec
 
 

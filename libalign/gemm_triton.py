@@ -30,7 +30,7 @@ from .errors import SpecError
 from .finite_checks import check_rows
 from .gemm_layout import GroupLayout, group_layout
 from .rounding import e4m3_bits_to_float, guide_tables
-from .spec import NumericsSpec
+from .spec import INPUT_DTYPES, NumericsSpec
 
 _triton_module = None
 _capability: dict[str, tuple[int, int]] = {}
@@ -287,8 +287,6 @@ def triton_qdq_gap(spec: NumericsSpec, guide, x: torch.Tensor) -> str | None:
     per row (outer domain ``row``). The spec's amax floor is passed to the pass, its
     ``nonfinite='raise'`` checked on the row decode scales it writes.
     """
-    from .spec import INPUT_DTYPES
-
     if not triton_gemm_available(x.device):
         return f"device {x.device} (the pass needs CUDA sm_90+ with Triton)"
     if x.ndim != 2 or x.dtype not in INPUT_DTYPES:

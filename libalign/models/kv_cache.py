@@ -17,7 +17,10 @@ compiled CPU/CUDA kernels for ``kv_nvfp4``; the spec for ``kv_mxfp4``, which has
 yet), keeps packed codes and scales only, and dequantizes the whole layer
 (:func:`libalign.spec.dequantize`'s bits, in the model's dtype; for ``kv_nvfp4`` through
 :func:`libalign.gemm.inner_values`' table gather) each time attention reads it. The
-attention therefore multiplies exactly the values the spec says the FP4 cache holds.
+attention therefore multiplies exactly the values the spec says the FP4 cache holds. A
+teacher-forced pass never reads its cache again, so its cache (:func:`full_sequence_kwargs`)
+keeps the values read instead of the codes; on a CUDA GPU with Triton one fused pass then
+quantizes each write and reads it back (:func:`fused_kv_read`: the same bits, guided or not).
 
 Who uses it, and how
 --------------------
@@ -49,9 +52,11 @@ from torch import nn
 
 from .. import gemm, ops
 from ..errors import SpecError
+from ..gemm_triton import triton_qdq_gap, triton_qdq_rows
 from ..guidance import (
     GuidanceCapture,
     GuidanceTable,
+    RowGuide,
     guided_quantize,
     indexed_keys,
     select_layers,
@@ -203,16 +208,23 @@ def straight_through(x: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
 
 
 class FP4KVLayer(DynamicLayer):
-    """One decoder layer's K/V as FP4 bits (module doc). Rows are ``[batch, heads, seq]``."""
+    """One decoder layer's K/V as FP4 bits (module doc). Rows are ``[batch, heads, seq]``.
+
+    ``keep_bits=False`` (a teacher-forced pass's cache, :func:`full_sequence_kwargs`) keeps the
+    values read instead of the codes: the same values, and with no capture or observer asking
+    for codes a CUDA GPU reads them back in one fused pass (:func:`fused_kv_read`).
+    """
 
     is_croppable = False
 
-    def __init__(self, model: nn.Module, layer: int):
+    def __init__(self, model: nn.Module, layer: int, keep_bits: bool = True):
         super().__init__()
         self.model = model
         self.layer = layer
         self.length = 0
+        self.keep_bits = keep_bits
         self.bits: dict[str, tuple | None] = {"k": None, "v": None}
+        self.reads: dict[str, torch.Tensor | None] = {"k": None, "v": None}
 
     def get_seq_length(self) -> int:
         """Tokens held."""
@@ -223,6 +235,7 @@ class FP4KVLayer(DynamicLayer):
         super().reset()
         self.length = 0
         self.bits = {"k": None, "v": None}
+        self.reads = {"k": None, "v": None}
 
     def crop(self, tokens_to_remove: int) -> None:
         """FP4 rows cannot be cropped here (a decode never does)."""
@@ -232,6 +245,7 @@ class FP4KVLayer(DynamicLayer):
         """Keep these batch rows."""
         self.bits = {s: None if b is None else tuple(None if t is None else t[indices] for t in b)
                      for s, b in self.bits.items()}
+        self.reads = {s: None if r is None else r[indices] for s, r in self.reads.items()}
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the batch (beam search)."""
@@ -253,15 +267,26 @@ class FP4KVLayer(DynamicLayer):
             b, h, t, d = x.shape
             rows = x.reshape(b * h * t, d)
             guide = None if st.guide is None else st.guide.lookup(self.layer, site, keys)
-            q = guided_quantize(rows.detach(), st.spec, guide) if guide is not None else \
-                ops.quantize(rows.detach(), st.spec)
-            if capture is not None:
-                capture.add(self.layer, site, q, keys)
-            if st.observer is not None:
-                st.observer(self.layer, site, rows.detach(), q, keys)
+            fused = capture is None and st.observer is None and not self.keep_bits
+            value = fused_kv_read(rows.detach(), st.spec, guide) if fused else None
+            q = None
+            if value is None:
+                q = guided_quantize(rows.detach(), st.spec, guide) if guide is not None else \
+                    ops.quantize(rows.detach(), st.spec)
+                if capture is not None:
+                    capture.add(self.layer, site, q, keys)
+                if st.observer is not None:
+                    st.observer(self.layer, site, rows.detach(), q, keys)
+                value = dequantize_kv(q, x.dtype)
+            read = straight_through(x, value.reshape(b, h, t, d))
+            if not self.keep_bits:  # earlier reads are held as values, without their graph
+                if self.reads[site] is not None:
+                    read = torch.cat([self.reads[site], read], dim=-2)
+                self.reads[site] = read.detach()
+                out.append(read)
+                continue
             new = _grid(q, (b, h, t))
             past = self.bits[site]
-            read = straight_through(x, dequantize_kv(q, x.dtype).reshape(b, h, t, d))
             if past is not None:
                 read = torch.cat([_dequantize_grid(past, st.spec, d, x.dtype), read], dim=-2)
                 new = tuple(None if p is None else torch.cat([p, n], dim=2)
@@ -272,9 +297,11 @@ class FP4KVLayer(DynamicLayer):
         return out[0], out[1]
 
     def nbytes(self) -> int:
-        """Bytes of codes and scales held (what an FP4 cache costs, against 2 bytes a bf16 value)."""
-        return sum(t.numel() * t.element_size() for b in self.bits.values() if b is not None
-                   for t in b if t is not None)
+        """Bytes of codes and scales held (what an FP4 cache costs, against 2 bytes a bf16 value;
+        with ``keep_bits=False``, of the values held)."""
+        held = [t for b in self.bits.values() if b is not None for t in b if t is not None]
+        held += [r for r in self.reads.values() if r is not None]
+        return sum(t.numel() * t.element_size() for t in held)
 
 
 def _grid(q: NVFP4Tensor, lead: tuple[int, int, int]) -> tuple:
@@ -300,6 +327,21 @@ def dequantize_kv(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (gemm.inner_values(q, torch.float32) * q.outer_dec.reshape(-1, 1)).to(dtype)
 
 
+def fused_kv_read(rows: torch.Tensor, spec: NumericsSpec, guide: RowGuide | None) -> torch.Tensor | None:
+    """``rows`` ``[n, head_dim]`` as the FP4 cache reads them back, from one fused Triton pass
+    (:func:`libalign.gemm_triton.triton_qdq_rows`), or None where that pass cannot serve
+    (CPU, no Triton, ``kv_mxfp4``, a head size that is not a multiple of 16, fused guidance
+    switched off: :func:`~libalign.gemm_triton.triton_qdq_gap`).
+
+    With None the caller quantizes (:func:`libalign.ops.quantize`, or
+    :func:`~libalign.guidance.guided_quantize` with ``guide``) and reads with
+    :func:`dequantize_kv`: the same bits, and the codes it may need (a capture, an observer).
+    """
+    if not rows.is_cuda or triton_qdq_gap(spec, guide, rows) is not None:
+        return None
+    return triton_qdq_rows(rows, spec, guide)
+
+
 def _head_row_keys(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Row keys of ``x`` ``[b, h, t, d]`` in its row order: the token's key with ``head + 1``."""
     flat = row_keys_of(model)
@@ -313,12 +355,14 @@ def _head_row_keys(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class FP4KVCache(Cache):
-    """A Hugging Face ``Cache`` of :class:`FP4KVLayer` s, one per decoder layer of ``model``."""
+    """A Hugging Face ``Cache`` of :class:`FP4KVLayer` s, one per decoder layer of ``model``
+    (``keep_bits``: see :class:`FP4KVLayer`)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, keep_bits: bool = True):
         if kv_state(model) is None:
             raise SpecError("an FP4 KV cache needs a KV format: set_kv_format(model, ...) first")
-        super().__init__(layers=[FP4KVLayer(model, i) for i in range(len(decoder_layers(model)))])
+        super().__init__(layers=[FP4KVLayer(model, i, keep_bits)
+                                 for i in range(len(decoder_layers(model)))])
 
     def nbytes(self) -> int:
         """Bytes of FP4 codes and scales held over all layers."""
@@ -339,7 +383,8 @@ def cache_kwarg(fn) -> str:
 def full_sequence_kwargs(model: nn.Module) -> dict:
     """Keyword arguments of a teacher-forced pass over whole sequences: ``use_cache=False``, or
     with a KV format a fresh FP4 cache, so attention reads K and V as the sampler's cache holds
-    them (differentiable: straight-through)."""
+    them (differentiable: straight-through). The cache keeps values, not codes, so on a CUDA GPU
+    one fused pass quantizes and reads each write (:func:`fused_kv_read`)."""
     if kv_state(model) is None:
         return {"use_cache": False}
-    return {"use_cache": True, cache_kwarg(model.forward): FP4KVCache(model)}
+    return {"use_cache": True, cache_kwarg(model.forward): FP4KVCache(model, keep_bits=False)}
