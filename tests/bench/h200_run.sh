@@ -2,7 +2,8 @@
 # One lent-H200 call: GPU tests and benchmarks, logs under $OUT (the device machine keeps nothing).
 #   tests/bench/h200_run.sh STAGE [STAGE ...]    stages: tests, gemm, convert, megatron, strict,
 #                                               records (kv_guidance + routing + guidance on cuda),
-#                                               mxfp4, probe (profile_convert --timeline)
+#                                               mxfp4, probe (profile_convert --timeline),
+#                                               gemmprobe (profile_gemm: eager host time)
 # Wheels the image lacks (megatron-core, torchao) travel in .whl/ (carry it); each stage has its
 # own time limit so one that hangs leaves the others their share of the call.
 set -uo pipefail
@@ -46,6 +47,7 @@ for s in "$@"; do
              stage guidance "${T_RECORDS:-60}" python3 -m tests.bench guidance -- --device cuda ;;
     mxfp4) stage mxfp4 "${T_MXFP4:-60}" python3 -m tests.bench mxfp4 -- --device cuda ;;
     probe) stage probe "${T_PROBE:-60}" python3 -m tests.bench.profile_convert --timeline ;;
+    gemmprobe) stage gemmprobe "${T_PROBE:-60}" python3 -m tests.bench.profile_gemm ;;
     *) echo "unknown stage $s" >&2 ;;
   esac
 done
