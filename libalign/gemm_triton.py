@@ -276,6 +276,22 @@ def w4a4_grouped_triton_guided(a: torch.Tensor, spec: NumericsSpec, guide, w_inn
 
 # --- FP4 rows read back in one pass (the learner's K/V) ---------------------------------------
 
+_FUSED_KV = [os.environ.get("ALIGN_FUSED_KV", "1") != "0"]
+
+
+@contextlib.contextmanager
+def fused_kv(on: bool = True):
+    """Read FP4 K/V back through :func:`triton_qdq_rows` (or not) inside the block
+    (process-wide; on by default, ``ALIGN_FUSED_KV=0`` turns it off for the process). Off, the
+    unfused path serves with the same bits (what the benchmark's ``_torchkv`` rows time)."""
+    before = _FUSED_KV[0]
+    _FUSED_KV[0] = bool(on)
+    try:
+        yield
+    finally:
+        _FUSED_KV[0] = before
+
+
 def triton_qdq_gap(spec: NumericsSpec, guide, x: torch.Tensor) -> str | None:
     """Why :func:`triton_qdq_rows` cannot give ``x``'s rows as their FP4 bits read back, bit
     for bit, or None when it can (``guide``: a :class:`~libalign.guidance.RowGuide` or None).
@@ -287,6 +303,8 @@ def triton_qdq_gap(spec: NumericsSpec, guide, x: torch.Tensor) -> str | None:
     per row (outer domain ``row``). The spec's amax floor is passed to the pass, its
     ``nonfinite='raise'`` checked on the row decode scales it writes.
     """
+    if not _FUSED_KV[0]:
+        return "the fused read-back is off (fused_kv / ALIGN_FUSED_KV=0)"
     if not triton_gemm_available(x.device):
         return f"device {x.device} (the pass needs CUDA sm_90+ with Triton)"
     if x.ndim != 2 or x.dtype not in INPUT_DTYPES:

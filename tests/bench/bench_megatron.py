@@ -53,7 +53,10 @@ FP4 KV rows (issue 19): ``nvfp4_minite_kv`` is ``nvfp4_minite`` with K and V qua
 rows all guided by records (captured from this model's own ``nvfp4_minite_kv`` forward on the
 batch, so its ``rel L2`` equals ``nvfp4_minite_kv``'s). Their goal row divides
 ``nvfp4_trace_kv_rec`` by ``nvfp4_minite`` (TRACE's 7.4 % for weight, activation and KV
-guidance and the KV dequantization together).
+guidance and the KV dequantization together). Both read K/V back in one fused Triton pass
+(:func:`libalign.gemm_triton.triton_qdq_rows`, the default on CUDA); their ``_torchkv`` twins
+take the unfused path instead (:func:`libalign.gemm_triton.fused_kv` off: ``ops.quantize`` or
+``guided_quantize``, then ``dequantize_kv``; the same bits), as before that pass existed.
 
 Routing replay (R3, issue 19): ``nvfp4_minite_r3`` is ``nvfp4_minite`` with every token's
 routing replayed from records (:func:`libalign.models.megatron_routing.replay_routing`, gate
@@ -79,7 +82,8 @@ import torch
 
 PATHS = ("bf16", "nvfp4_naive", "nvfp4_minite", "nvfp4_minite_sync", "nvfp4_minite_nocheck",
          "nvfp4_trace", "nvfp4_minite_r3",
-         "nvfp4_trace_rec", "nvfp4_trace_rec_unfused", "nvfp4_minite_kv", "nvfp4_trace_kv_rec")
+         "nvfp4_trace_rec", "nvfp4_trace_rec_unfused", "nvfp4_minite_kv", "nvfp4_trace_kv_rec",
+         "nvfp4_minite_kv_torchkv", "nvfp4_trace_kv_rec_torchkv")
 RECORD_BITS = 2
 GOALS = {"minite_model": 1.10, "quantize_ms": 5.0, "trace_rec_over_minite": 1.074}
 
@@ -202,7 +206,7 @@ def _run(args) -> dict:
         guided = any(p.startswith("nvfp4_trace_rec") for p in paths)
         table = _records(mg, model, ids, keys, dev) if guided else None
         table_kv = _records(mg, model, ids, keys, dev, kv=True) \
-            if "nvfp4_trace_kv_rec" in paths else None
+            if any(p.startswith("nvfp4_trace_kv_rec") for p in paths) else None
         routes = _routing_table(mg, model, ids, keys, dev, batch, seq) \
             if any(p.endswith("_r3") for p in paths) else None
         samples = {p: {"model": [], "experts": [], "quantize": []} for p in paths}
@@ -227,7 +231,7 @@ def _run(args) -> dict:
         mg.set_row_keys(model, None)
     base = {k: statistics.median(samples["bf16"][k]) for k in ("model", "experts")} \
         if "bf16" in samples else None
-    print(f"{'path':<22}{'model ms':>10}{'x bf16':>8}{'experts ms':>12}{'x bf16':>8}"
+    print(f"{'path':<28}{'model ms':>10}{'x bf16':>8}{'experts ms':>12}{'x bf16':>8}"
           f"{'quantize ms':>13}{'rel L2':>10}")
     for path in paths:
         r = results["paths"][path]
@@ -237,7 +241,7 @@ def _run(args) -> dict:
             r["model_ratio"] = r["model_ms"] / base["model"]
             r["experts_ratio"] = r["experts_ms"] / base["experts"]
         q = "-" if path == "bf16" else f"{r['quantize_ms']:.2f}"
-        print(f"{path:<22}{r['model_ms']:>10.2f}{r.get('model_ratio', math.nan):>8.3f}"
+        print(f"{path:<28}{r['model_ms']:>10.2f}{r.get('model_ratio', math.nan):>8.3f}"
               f"{r['experts_ms']:>12.2f}{r.get('experts_ratio', math.nan):>8.3f}{q:>13}"
               f"{r['rel_l2_vs_bf16']:>10.4f}", flush=True)
     results["goals"] = _goals(results["paths"])
@@ -266,15 +270,27 @@ def _goals(rows: dict) -> list[dict]:
     for key, name in (("nvfp4_trace_rec", "nvfp4_trace (records) whole model / minite"),
                       ("nvfp4_trace_rec_unfused", "  ... guided rounding before the act pass"),
                       ("nvfp4_trace_kv_rec", "nvfp4_trace + FP4 KV (records) / minite"),
+                      ("nvfp4_trace_kv_rec_torchkv", "  ... K/V read back by torch ops"),
                       ("nvfp4_minite_r3", "nvfp4_minite + routing replay / minite")):
         if key in rows and mn:
             add(name, rows[key]["model_ms"] / mn["model_ms"], GOALS["trace_rec_over_minite"], "x")
+    kv = rows.get("nvfp4_minite_kv", {})
+    ratios = [(f"{a} / {b}", rows[a]["model_ms"] / rows[b]["model_ms"]) for a, b in (
+        ("nvfp4_minite_kv", "nvfp4_minite"), ("nvfp4_minite_kv_torchkv", "nvfp4_minite"),
+        ("nvfp4_trace_kv_rec", "nvfp4_minite_kv"), ("nvfp4_trace_kv_rec_torchkv",
+                                                    "nvfp4_minite_kv_torchkv"))
+        if a in rows and b in rows]
+    if ratios and kv:  # the FP4 KV cost and the KV guidance's over it (no goal: TRACE's parts)
+        print("FP4 KV ratios (same run):")
+        for name, value in ratios:
+            print(f"  {name:<52}{value:>9.3f}x", flush=True)
     return out
 
 
 def _model_path(path: str) -> str:
     return "nvfp4_minite" if path in ("nvfp4_minite_nocheck", "nvfp4_minite_sync",
-                                      "nvfp4_minite_kv", "nvfp4_minite_r3") else \
+                                      "nvfp4_minite_kv", "nvfp4_minite_kv_torchkv",
+                                      "nvfp4_minite_r3") else \
         "nvfp4_trace" if path.startswith("nvfp4_trace") else path
 
 
@@ -369,10 +385,11 @@ class _path_ctx:
         self.r3_ctx = None
         self.on = path.startswith("nvfp4_trace")
         self.table = table if path.startswith("nvfp4_trace_rec") else \
-            table_kv if path == "nvfp4_trace_kv_rec" else None
+            table_kv if path.startswith("nvfp4_trace_kv_rec") else None
         self.kv = "_kv" in path
         self.unchecked = path.endswith("_nocheck")
         self.unfused = path.endswith("_unfused")
+        self.torch_kv = path.endswith("_torchkv")
         self.ctx = self.fused_ctx = self.kv_ctx = None
 
     def __enter__(self):
@@ -396,6 +413,11 @@ class _path_ctx:
         if self.kv:
             from libalign.models import megatron_kv
 
+            if self.torch_kv:
+                from libalign.gemm_triton import fused_kv
+
+                self.torch_kv_ctx = fused_kv(False)
+                self.torch_kv_ctx.__enter__()
             self.kv_ctx = megatron_kv.use_kv(self.model, "kv_nvfp4", self.table)
             self.kv_ctx.__enter__()
         return self
@@ -407,6 +429,8 @@ class _path_ctx:
             self.fused_ctx.__exit__(*exc)
         if self.kv_ctx is not None:
             self.kv_ctx.__exit__(*exc)
+            if self.torch_kv:
+                self.torch_kv_ctx.__exit__(*exc)
         if self.r3_ctx is not None:
             self.r3_ctx.__exit__(*exc)
             self.mg.set_row_keys(self.model, None)

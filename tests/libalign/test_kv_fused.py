@@ -8,9 +8,10 @@ for +0.0 fails too) for kv_nvfp4: plain and guided (every, some or no row with a
 1, 2 and 4 bits, the sampler's or random low bits), bf16 and fp32, head sizes 64 and 128
 (and 80, 144: padded and chunked tiles), a row of zeros; a NaN/Inf raises the same
 NonFiniteError; quantize_heads' straight-through gradient is unchanged. Where the pass
-cannot serve (CPU, kv_mxfp4, a head size not a multiple of 16, fused guidance off, a
-capture), the unfused path serves. Without Triton, the scratch interpreter check of the
-report stands in (Triton's interpreter rounds its casts differently from the hardware).
+cannot serve (CPU, kv_mxfp4, a head size not a multiple of 16, fused guidance or
+gemm_triton.fused_kv off, a capture), the unfused path serves. Without a GPU only the CPU
+cases run (Triton's interpreter rounds its casts differently from the hardware, so the bit
+tests need the GPU).
 """
 
 from __future__ import annotations
@@ -83,9 +84,13 @@ def _assert_same(got, want):
 
 
 def test_fused_read_is_not_used_on_the_cpu():
-    """On the CPU fused_kv_read answers None (the unfused path serves) and the gap says why."""
+    """On the CPU fused_kv_read answers None (the unfused path serves) and the gap says why;
+    fused_kv(False) holds inside its block only and is named first."""
     x = _rows(8, 64, torch.bfloat16, 0, "cpu")
     assert kv_cache.fused_kv_read(x, SPEC, None) is None
+    assert "device" in gemm_triton.triton_qdq_gap(SPEC, None, x)
+    with gemm_triton.fused_kv(False):
+        assert "off" in gemm_triton.triton_qdq_gap(SPEC, None, x)
     assert "device" in gemm_triton.triton_qdq_gap(SPEC, None, x)
 
 
@@ -152,6 +157,9 @@ def test_the_unfused_path_serves_where_the_pass_cannot():
     with gemm_triton.fused_guidance(False):
         assert kv_cache.fused_kv_read(x, SPEC, guide) is None
         assert "fused guidance" in gemm_triton.triton_qdq_gap(SPEC, guide, x)
+    with gemm_triton.fused_kv(False):
+        assert kv_cache.fused_kv_read(x, SPEC, None) is None
+    assert kv_cache.fused_kv_read(x, SPEC, guide) is not None
 
 
 @pytest.mark.gpu
