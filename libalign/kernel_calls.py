@@ -13,6 +13,13 @@ run back to back on a GPU with one synchronisation for all:
    spec's result for a corner the kernels do not reproduce, or the spec's typed error
    (:func:`raise_like_spec`) for a flagged input.
 
+:func:`launch_many` is step 1 for several tensors at once (``quantize_many`` in the row
+domain and MXFP4): one allocation holds every output, laid out by a cached
+:func:`plan_for`, so the host does the least possible before the first kernel starts. The
+CUDA flag ints come from a pool of zeroed buffers (:func:`take_flags`,
+:func:`read_flags`): a call that flags nothing leaves its buffer zero for the next one, so
+no fill kernel runs before the first quantize kernel.
+
 :class:`GemmOperand` lives here because :func:`finish` builds it; :mod:`libalign.ops`
 re-exports it.
 """
@@ -472,8 +479,9 @@ def batch_result(t: Pending):
 
 
 def quantize_kernel(lib, x, spec, outer_amax, swizzled, out=None):
-    t = launch(lib, x, spec, outer_amax, swizzled, out)
-    return finish(t, int(t.flags.item()) if isinstance(t.flags, torch.Tensor) else t.flags)
+    flags = take_flags(x.device, 1) if x.device.type == "cuda" else None
+    t = launch(lib, x, spec, outer_amax, swizzled, out, flags=flags)
+    return finish(t, t.flags if flags is None else read_flags(flags)[0])
 
 
 def raise_like_spec(x, spec, outer_amax):

@@ -259,14 +259,14 @@ def quantize_many(
         if x.device.type == "cuda":
             buf = flags.get(x.device)
             if buf is None:
-                buf = flags[x.device] = torch.zeros(len(tensors), dtype=torch.int32, device=x.device)
+                buf = flags[x.device] = kernel_calls.take_flags(x.device, len(tensors))
                 streams[x.device] = torch.cuda.current_stream(x.device).cuda_stream
             slot, stream = buf[i:i + 1], streams[x.device]
         t = kernel_calls.launch(lib, x, spec, None, scale_layout == "swizzled", flags=slot, stream=stream)
         launched.append((i, t))
         if isinstance(t.flags, torch.Tensor):  # assemble the result while the device works
             results[i] = kernel_calls.finish(t, 0)
-    host_flags = {dev: buf.tolist() for dev, buf in flags.items()}  # one sync per device
+    host_flags = {dev: kernel_calls.read_flags(buf) for dev, buf in flags.items()}  # a sync each
     for i, t in launched:
         bad = host_flags[t.x.device][i] if isinstance(t.flags, torch.Tensor) else t.flags
         if bad or results[i] is None:

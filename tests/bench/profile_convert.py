@@ -4,17 +4,60 @@
 SpeedOfLight ... python -m tests.bench.profile_convert`` quantizes one Qwen3-30B-A3B layer's
 gate/up and down stacks once each after a warm-up call on each shape, so the profiler sees
 exactly one steady-state launch of each.
+
+``--timeline`` (no ncu): where a ``quantize_many`` call's time goes, and the host time
+before its first kernel launch, with and without the profiler.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
+import time
 
 import torch
 
-from libalign import ops
+from libalign import _native, ops
 from libalign.spec import PRESETS
+
+
+class LaunchClock:
+    """Stands in for the CUDA kernel library: notes when the first quantize or amax launch
+    call of a call begins (``first``, perf_counter ns), then calls the real function."""
+
+    def __init__(self, lib):
+        self.lib, self.first = lib, None
+
+    def __getattr__(self, name):
+        fn = getattr(self.lib, name)
+        if name not in ("nvfp4_quantize_cuda", "nvfp4_amax_cuda"):
+            return fn
+
+        def timed(*args):
+            if self.first is None:
+                self.first = time.perf_counter_ns()
+            return fn(*args)
+        return timed
+
+
+def prelaunch_us(run, calls: int = 50) -> float:
+    """Median host µs from the start of ``run()`` to its first kernel launch call, the
+    device idle at each start (no profiler; the clock's wrapper adds well under 1 µs)."""
+    real = _native.load
+    clock = LaunchClock(real("cuda"))
+    _native.load = lambda kind: clock if kind == "cuda" else real(kind)
+    try:
+        times = []
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            clock.first = None
+            t0 = time.perf_counter_ns()
+            run()
+            times.append((clock.first - t0) / 1e3)
+    finally:
+        _native.load = real
+    return statistics.median(times)
 
 
 def timeline(preset: str, calls: int = 3) -> None:
@@ -42,13 +85,24 @@ def timeline(preset: str, calls: int = 3) -> None:
             continue
         gpu = e.device_type.name == "CUDA"
         if gpu:
-            kernels.append((e.time_range.start, e.time_range.end))
+            kernels.append((e.time_range.start, e.time_range.end, e.name))
         print(f"{'GPU' if gpu else 'CPU'} {e.time_range.start - t0:9.1f} "
               f"{e.time_range.end - e.time_range.start:9.1f}  {e.name[:90]}")
-    busy = sum(b - a for a, b in kernels)
+    busy = sum(b - a for a, b, _ in kernels)
     print(f"call {t1 - t0:.1f} us on the host; kernels busy {busy:.1f} us; first kernel at "
           f"{kernels[0][0] - t0 if kernels else float('nan'):.1f} us; last ends at "
           f"{kernels[-1][1] - t0 if kernels else float('nan'):.1f} us")
+    launches = [e.time_range.start - t0 for e in evs if t0 <= e.time_range.start <= t1
+                and e.device_type.name != "CUDA" and "Launch" in e.name]
+    first_q = next((a - t0 for a, _, name in kernels if "quantize" in name), float("nan"))
+    print(f"profiled: host reaches its first launch call at "
+          f"{launches[0] if launches else float('nan'):.1f} us; the first quantize kernel "
+          f"starts at {first_q:.1f} us")
+    spec = PRESETS[preset]
+    many = prelaunch_us(lambda: ops.quantize_many(stacks, spec))
+    single = prelaunch_us(lambda: ops.quantize(stacks[0], spec))
+    print(f"host before the first launch (no profiler, median of 50, device idle): "
+          f"quantize_many {many:.1f} us; ops.quantize of the first stack {single:.1f} us")
     out = os.environ.get("OUT")
     if out:
         prof.export_chrome_trace(os.path.join(out, f"quantize_many_{preset}.json"))

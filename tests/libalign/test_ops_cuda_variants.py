@@ -4,7 +4,8 @@ The CUDA library has two quantize kernels: a register-resident one (a group of l
 a whole row; ``auto`` picks it wherever a row fits) and the shared-memory one (rows too
 long for registers). ``auto`` alone would leave the second untested at the shapes the
 first takes, so this module re-collects the device tests of
-:mod:`tests.libalign.test_ops_kernels` under a ``device`` fixture that forces each variant
+:mod:`tests.libalign.test_ops_kernels` (and the batched ``quantize_many`` ones of
+:mod:`tests.libalign.test_ops_many`) under a ``device`` fixture that forces each variant
 (:func:`libalign.ops.cuda_kernel_variant`). Skipped without CUDA.
 """
 
@@ -28,6 +29,10 @@ from tests.libalign.test_ops_kernels import (  # noqa: F401  (re-collected here)
     test_swizzled_scales_equal_swizzled_spec,
     test_undefined_scale_raises_like_spec,
     test_zero_rows_and_zero_experts,
+)
+from tests.libalign.test_ops_many import (  # noqa: F401  (re-collected here)
+    test_batch_equals_spec_per_tensor,
+    test_first_flagged_tensor_raises_its_spec_error,
 )
 
 

@@ -14,9 +14,10 @@ from alignclient.errors import DTypeError, NonFiniteError, ShapeError, Undefined
 
 from libalign import kernel_calls, ops
 from libalign.spec import PRESETS, quantize
-from tests.libalign import inputs
+from tests.libalign import inputs, test_ops_kernels
 from tests.libalign.test_ops_kernels import assert_bitwise
-from tests.libalign.test_ops_kernels import device  # noqa: F401  (the kernel-path fixture)
+
+device = test_ops_kernels.device  # each CPU path, and CUDA
 
 ROW_AND_MX = ["minite", "te_row", "kv_nvfp4", "mxfp4", "mxfp4_te"]
 # 2-D and 3-D, rows not a multiple of 128, scale columns not a multiple of 4 (swizzle
