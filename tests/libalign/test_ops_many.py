@@ -133,3 +133,22 @@ def test_unbatched_calls_are_unchanged(device):
     got = ops.quantize_many([xs[0].to(device)], PRESETS["te"])
     assert_bitwise(got[0], quantize(xs[0], PRESETS["te"]))
     assert ops.quantize_many([], PRESETS["minite"]) == []
+
+
+def test_flag_pool_reuses_only_clean_buffers():
+    """take_flags hands out zeroed int32 buffers of at least n slots; read_flags puts a
+    buffer that came back all zero into the pool (the next take gets it, still zero) and
+    drops one a kernel flagged (the next take gets a fresh zeroed one)."""
+    dev = torch.device("cpu")
+    a = kernel_calls.take_flags(dev, 3)
+    assert a.dtype == torch.int32 and a.numel() >= max(3, kernel_calls.FLAG_SLOTS)
+    assert not a.any()
+    assert kernel_calls.read_flags(a) == [0] * a.numel()
+    b = kernel_calls.take_flags(dev, 2)
+    assert b is a
+    b[1] = kernel_calls.FLAG_NONFINITE
+    assert kernel_calls.read_flags(b)[1] == kernel_calls.FLAG_NONFINITE
+    c = kernel_calls.take_flags(dev, 2)
+    assert c is not b and not c.any()
+    big = kernel_calls.take_flags(dev, 5 * kernel_calls.FLAG_SLOTS)
+    assert big.numel() >= 5 * kernel_calls.FLAG_SLOTS and not big.any()
