@@ -301,8 +301,8 @@ ALIGN = 512
 #: Flag buffers of this many ints at least; each holds one slot per tensor of a call.
 FLAG_SLOTS = 64
 
-# Zeroed CUDA flag buffers by device index, handed out one per call (see take_flags).
-_flag_pool: dict[int, list[torch.Tensor]] = {}
+# Zeroed CUDA flag buffers by (device index, stream), handed out one per call (take_flags).
+_flag_pool: dict[tuple[int | None, int], list[torch.Tensor]] = {}
 
 
 def batchable(spec: NumericsSpec) -> bool:
@@ -312,15 +312,28 @@ def batchable(spec: NumericsSpec) -> bool:
     return spec.outer_domain == "row" or spec.is_mx
 
 
-def take_flags(dev: torch.device, n: int) -> torch.Tensor:
-    """A zeroed int32 flag buffer of at least ``n`` slots on CUDA device ``dev``.
+def flag_pool_key(dev: torch.device, stream: int | None = None) -> tuple[int | None, int]:
+    """The pool a call on ``dev`` takes its flags from: the device and its current stream's.
+
+    A buffer only ever serves the stream it was allocated on, so when a call drops one with
+    its kernels still queued (an error between launch and read), the caching allocator
+    reuses that memory only after them, in the same stream's order.
+    """
+    if stream is None:
+        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+    return dev.index, stream
+
+
+def take_flags(dev: torch.device, n: int, stream: int | None = None) -> torch.Tensor:
+    """A zeroed int32 flag buffer of at least ``n`` slots for a call on ``dev`` (CUDA) and
+    its current stream (``stream``: that stream's raw handle, when the caller has it).
 
     The buffers are reused: :func:`read_flags` reads one after the call's kernels, and a
     buffer that came back all zero goes back to the pool, still zero, so a steady-state call
     launches no fill before its first kernel. Each call takes its own buffer (a list pop is
     atomic), so concurrent calls never share one; a flagged buffer is dropped, not cleaned.
     """
-    pool = _flag_pool.setdefault(dev.index, [])
+    pool = _flag_pool.setdefault(flag_pool_key(dev, stream), [])
     while pool:
         buf = pool.pop()
         if buf.numel() >= n:
@@ -329,11 +342,11 @@ def take_flags(dev: torch.device, n: int) -> torch.Tensor:
 
 
 def read_flags(buf: torch.Tensor) -> list[int]:
-    """The flags of every slot of ``buf`` (one device synchronisation, on the current stream
-    the kernels ran on); the buffer goes back to the pool when no kernel flagged anything."""
+    """The flags of every slot of ``buf`` (one synchronisation of the current stream, which
+    the kernels ran on); the buffer goes back to its pool when no kernel flagged anything."""
     host = buf.tolist()
     if not any(host):
-        _flag_pool.setdefault(buf.device.index, []).append(buf)
+        _flag_pool.setdefault(flag_pool_key(buf.device), []).append(buf)
     return host
 
 
@@ -422,11 +435,11 @@ def launch_many(lib, xs, spec, swizzled) -> tuple[list[Pending], torch.Tensor | 
     if plan.zeroed:
         buf[:plan.zeroed].zero_()
     base = buf.data_ptr()
-    flags = take_flags(dev, len(xs)) if cuda else None
+    stream = torch.cuda.current_stream(dev).cuda_stream if cuda else None
+    flags = take_flags(dev, len(xs), stream) if cuda else None
     results: list[int | torch.Tensor] = [flags] * len(xs)
     same = not cuda or dev.index == torch.cuda.current_device()
     with contextlib.nullcontext() if same else torch.cuda.device(dev):
-        stream = torch.cuda.current_stream(dev).cuda_stream if cuda else None
         nthreads = torch.get_num_threads()
         for i, (x, slot) in enumerate(zip(xs, plan.slots, strict=True)):
             x3 = x if x.is_contiguous() else x.contiguous()
@@ -479,8 +492,10 @@ def batch_result(t: Pending):
 
 
 def quantize_kernel(lib, x, spec, outer_amax, swizzled, out=None):
-    flags = take_flags(x.device, 1) if x.device.type == "cuda" else None
-    t = launch(lib, x, spec, outer_amax, swizzled, out, flags=flags)
+    cuda = x.device.type == "cuda"
+    stream = torch.cuda.current_stream(x.device).cuda_stream if cuda else None
+    flags = take_flags(x.device, 1, stream) if cuda else None
+    t = launch(lib, x, spec, outer_amax, swizzled, out, flags=flags, stream=stream)
     return finish(t, t.flags if flags is None else read_flags(flags)[0])
 
 

@@ -259,8 +259,9 @@ def quantize_many(
         if x.device.type == "cuda":
             buf = flags.get(x.device)
             if buf is None:
-                buf = flags[x.device] = kernel_calls.take_flags(x.device, len(tensors))
                 streams[x.device] = torch.cuda.current_stream(x.device).cuda_stream
+                buf = flags[x.device] = kernel_calls.take_flags(x.device, len(tensors),
+                                                                streams[x.device])
             slot, stream = buf[i:i + 1], streams[x.device]
         t = kernel_calls.launch(lib, x, spec, None, scale_layout == "swizzled", flags=slot, stream=stream)
         launched.append((i, t))
