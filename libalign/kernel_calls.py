@@ -174,6 +174,20 @@ def outer_given(lib, x3, is_3d, spec, p, outer_amax, flags, stream, nthreads):
     return outer.enc.reshape(-1).contiguous(), outer.dec.reshape(-1).contiguous(), stored, amax
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent in CPU builds
+
+
+def current_stream_handle(dev: torch.device) -> int:
+    """The raw handle of CUDA device ``dev``'s current stream, as
+    ``torch.cuda.current_stream(dev).cuda_stream`` gives it but without building a Stream
+    object (torch's own raw getter, which Inductor uses; the public call where it is absent).
+    It is on the path before the first launch, where every µs counts. ``dev`` holds a tensor,
+    so CUDA is initialised."""
+    if _raw_stream is not None and dev.index is not None:
+        return _raw_stream(dev.index)
+    return torch.cuda.current_stream(dev).cuda_stream
+
+
 def check_launch(code: int, what: str) -> None:
     if code < 0:
         raise SpecError(f"the {what} kernel refused its parameters (code {code})")
@@ -214,7 +228,7 @@ def launch(lib, x, spec, outer_amax, swizzled, out=None, flags=None, stream=None
     if cuda and flags is None:
         flags = torch.zeros(1, dtype=torch.int32, device=dev)
     if cuda and stream is None:
-        stream = torch.cuda.current_stream(dev).cuda_stream
+        stream = current_stream_handle(dev)
     nthreads = torch.get_num_threads()
 
     row = spec.outer_domain == "row"
@@ -320,7 +334,7 @@ def flag_pool_key(dev: torch.device, stream: int | None = None) -> tuple[int | N
     reuses that memory only after them, in the same stream's order.
     """
     if stream is None:
-        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+        stream = current_stream_handle(dev) if dev.type == "cuda" else 0
     return dev.index, stream
 
 
@@ -435,7 +449,7 @@ def launch_many(lib, xs, spec, swizzled) -> tuple[list[Pending], torch.Tensor | 
     if plan.zeroed:
         buf[:plan.zeroed].zero_()
     base = buf.data_ptr()
-    stream = torch.cuda.current_stream(dev).cuda_stream if cuda else None
+    stream = current_stream_handle(dev) if cuda else None
     flags = take_flags(dev, len(xs), stream) if cuda else None
     results: list[int | torch.Tensor] = [flags] * len(xs)
     same = not cuda or dev.index == torch.cuda.current_device()
@@ -493,7 +507,7 @@ def batch_result(t: Pending):
 
 def quantize_kernel(lib, x, spec, outer_amax, swizzled, out=None):
     cuda = x.device.type == "cuda"
-    stream = torch.cuda.current_stream(x.device).cuda_stream if cuda else None
+    stream = current_stream_handle(x.device) if cuda else None
     flags = take_flags(x.device, 1, stream) if cuda else None
     t = launch(lib, x, spec, outer_amax, swizzled, out, flags=flags, stream=stream)
     return finish(t, t.flags if flags is None else read_flags(flags)[0])

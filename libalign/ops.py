@@ -259,7 +259,7 @@ def quantize_many(
         if x.device.type == "cuda":
             buf = flags.get(x.device)
             if buf is None:
-                streams[x.device] = torch.cuda.current_stream(x.device).cuda_stream
+                streams[x.device] = kernel_calls.current_stream_handle(x.device)
                 buf = flags[x.device] = kernel_calls.take_flags(x.device, len(tensors),
                                                                 streams[x.device])
             slot, stream = buf[i:i + 1], streams[x.device]

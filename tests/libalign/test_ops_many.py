@@ -150,3 +150,27 @@ def test_flag_pool_reuses_only_clean_buffers():
     assert c is not b and not c.any()
     big = kernel_calls.take_flags(dev, 5 * kernel_calls.FLAG_SLOTS)
     assert big.numel() >= 5 * kernel_calls.FLAG_SLOTS and not big.any()
+
+
+@pytest.mark.gpu
+def test_side_stream_and_its_raw_handle():
+    """On a side stream: current_stream_handle is that stream's handle, quantize_many's
+    kernels and flag read run on it (the spec's bits, a NaN raises), and the default
+    stream's handle comes back after the block."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert kernel_calls.current_stream_handle(dev) == torch.cuda.current_stream(dev).cuda_stream
+    xs = [inputs.randn((2, 200, 768), seed=10), inputs.randn((130, 2048), seed=11)]
+    bad = xs[1].clone()
+    bad[5, 7] = float("nan")
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        assert kernel_calls.current_stream_handle(dev) == side.cuda_stream
+        ys = [x.to(dev) for x in xs]
+        for _ in range(2):
+            got = ops.quantize_many(ys, PRESETS["minite"])
+            for g, x in zip(got, xs, strict=True):
+                assert_bitwise(g, quantize(x, PRESETS["minite"]))
+        with pytest.raises(NonFiniteError):
+            ops.quantize_many([ys[0], bad.to(dev)], PRESETS["minite"])
+        assert_bitwise(ops.quantize(ys[1], PRESETS["minite"]), quantize(xs[1], PRESETS["minite"]))
+    assert kernel_calls.current_stream_handle(dev) == torch.cuda.current_stream(dev).cuda_stream
