@@ -23,11 +23,11 @@ from libalign.spec import PRESETS
 
 
 class LaunchClock:
-    """Stands in for the CUDA kernel library: notes when the first quantize or amax launch
-    call of a call begins (``first``, perf_counter ns), then calls the real function."""
+    """Stands in for the CUDA kernel library: notes the perf_counter ns at which each
+    quantize or amax launch call begins and ends (``calls``), around the real function."""
 
     def __init__(self, lib):
-        self.lib, self.first = lib, None
+        self.lib, self.calls = lib, []
 
     def __getattr__(self, name):
         fn = getattr(self.lib, name)
@@ -35,29 +35,43 @@ class LaunchClock:
             return fn
 
         def timed(*args):
-            if self.first is None:
-                self.first = time.perf_counter_ns()
-            return fn(*args)
+            t = time.perf_counter_ns()
+            try:
+                return fn(*args)
+            finally:
+                self.calls.append((t, time.perf_counter_ns()))
         return timed
 
 
-def prelaunch_us(run, calls: int = 50) -> float:
-    """Median host µs from the start of ``run()`` to its first kernel launch call, the
-    device idle at each start (no profiler; the clock's wrapper adds well under 1 µs)."""
+def host_times(run, calls: int = 50) -> dict[str, float]:
+    """Medians over ``calls`` calls of ``run()``, each from an idle device (no profiler; the
+    clock's wrapper adds about a µs), in µs from the call's start: ``first`` (the first
+    launch call begins), ``in_launch`` (time inside the launch calls, the CUDA runtime's
+    part), ``last`` (the last launch call returns) and ``end`` (the call returns, after the
+    flag read has waited for the kernels); ``events``: CUDA events recorded right before and
+    after the call, as ``bench convert``'s ms column times it (host and device together)."""
     real = _native.load
     clock = LaunchClock(real("cuda"))
     _native.load = lambda kind: clock if kind == "cuda" else real(kind)
+    rows = []
     try:
-        times = []
         for _ in range(calls):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
-            clock.first = None
+            clock.calls = []
+            start.record()
             t0 = time.perf_counter_ns()
             run()
-            times.append((clock.first - t0) / 1e3)
+            t1 = time.perf_counter_ns()
+            stop.record()
+            stop.synchronize()
+            c = clock.calls
+            rows.append((c[0][0] - t0, sum(b - a for a, b in c), c[-1][1] - t0, t1 - t0,
+                         start.elapsed_time(stop) * 1e6))
     finally:
         _native.load = real
-    return statistics.median(times)
+    return {key: statistics.median(r[i] for r in rows) / 1e3
+            for i, key in enumerate(("first", "in_launch", "last", "end", "events"))}
 
 
 def timeline(preset: str, calls: int = 3) -> None:
@@ -99,10 +113,14 @@ def timeline(preset: str, calls: int = 3) -> None:
           f"{launches[0] if launches else float('nan'):.1f} us; the first quantize kernel "
           f"starts at {first_q:.1f} us")
     spec = PRESETS[preset]
-    many = prelaunch_us(lambda: ops.quantize_many(stacks, spec))
-    single = prelaunch_us(lambda: ops.quantize(stacks[0], spec))
-    print(f"host before the first launch (no profiler, median of 50, device idle): "
-          f"quantize_many {many:.1f} us; ops.quantize of the first stack {single:.1f} us")
+    print("host µs from the call's start, no profiler, median of 50 calls from an idle device:")
+    for name, run in (("quantize_many, both stacks", lambda: ops.quantize_many(stacks, spec)),
+                      ("quantize_many, K=2048 stack", lambda: ops.quantize_many(stacks[:1], spec)),
+                      ("ops.quantize, K=2048 stack", lambda: ops.quantize(stacks[0], spec))):
+        t = host_times(run)
+        print(f"  {name:28} first launch call at {t['first']:6.1f}; inside launch calls "
+              f"{t['in_launch']:6.1f}; last launch returns {t['last']:6.1f}; returns at "
+              f"{t['end']:7.1f}; events {t['events']:7.1f}")
     out = os.environ.get("OUT")
     if out:
         prof.export_chrome_trace(os.path.join(out, f"quantize_many_{preset}.json"))
