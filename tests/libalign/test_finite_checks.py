@@ -39,13 +39,13 @@ def test_inside_a_block_the_error_comes_at_its_end_naming_the_call():
     bad, bdec = _rows(bad={(1, 7): float("nan")})
     worse, wdec = _rows(bad={(0, 0): float("inf")})
     reached = False
-    with pytest.raises(NonFiniteError, match=r"call 2 of 3 in a deferred check") as e:
-        with deferred_finite_checks() as checks:
-            check_rows(gdec, good)
-            check_rows(bdec, bad)
-            check_rows(wdec, worse)
-            assert checks.count == 3
-            reached = True
+    raises = pytest.raises(NonFiniteError, match=r"call 2 of 3 in a deferred check")
+    with raises as e, deferred_finite_checks() as checks:
+        check_rows(gdec, good)
+        check_rows(bdec, bad)
+        check_rows(wdec, worse)
+        assert checks.count == 3
+        reached = True
     assert reached
     assert (e.value.count, e.value.nan, e.value.inf) == (1, 1, 0)
     assert e.value.first_indices == [(1, 7)]
@@ -61,11 +61,10 @@ def test_after_the_activations_are_gone_the_error_names_rows_in_the_callers_orde
     def unpad(d):
         return torch.cat([d[:4], d[6:]])
 
-    with pytest.raises(NonFiniteError, match="no longer held") as e:
-        with deferred_finite_checks():
-            check_rows(pdec, x, "activations", unpad)
-            del x, padded
-            gc.collect()
+    with pytest.raises(NonFiniteError, match="no longer held") as e, deferred_finite_checks():
+        check_rows(pdec, x, "activations", unpad)
+        del x, padded
+        gc.collect()
     assert (e.value.count, e.value.nan, e.value.inf) == (2, 1, 1)
     assert e.value.first_indices == [(3,), (5,)]
 
@@ -73,10 +72,9 @@ def test_after_the_activations_are_gone_the_error_names_rows_in_the_callers_orde
 def test_an_exception_inside_the_block_propagates_and_drops_the_checks():
     """A block that raises re-raises its own error, not the queued NonFiniteError."""
     bad, bdec = _rows(bad={(0, 0): float("nan")})
-    with pytest.raises(KeyError):
-        with deferred_finite_checks():
-            check_rows(bdec, bad)
-            raise KeyError("first")
+    with pytest.raises(KeyError), deferred_finite_checks():
+        check_rows(bdec, bad)
+        raise KeyError("first")
     check_rows(*_rows()[::-1])  # nothing is left queued: an immediate check of good rows passes
 
 
@@ -87,9 +85,8 @@ def test_blocks_nest_and_each_verifies_its_own_calls():
     bad, bdec = _rows(bad={(2, 2): float("nan")})
     with deferred_finite_checks() as outer:
         check_rows(gdec, good)
-        with pytest.raises(NonFiniteError, match="call 1 of 1"):
-            with deferred_finite_checks() as inner:
-                check_rows(bdec, bad)
+        with pytest.raises(NonFiniteError, match="call 1 of 1"), deferred_finite_checks() as inner:
+            check_rows(bdec, bad)
         assert inner.count == 0 and outer.count == 1
     assert outer.count == 0
 

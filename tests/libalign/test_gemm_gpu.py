@@ -140,15 +140,15 @@ def test_deferred_check_raises_at_the_block_end_naming_the_call_and_row(guided):
     clean = gemm.grouped_linear(a, ew, [20, 20], backend="triton", act_guide=guide)
     bad = a.clone()
     bad[23, 5] = float("nan")
-    with pytest.raises(NonFiniteError, match=r"call 2 of 3.*\(23, 5\)"):
-        with deferred_finite_checks() as checks:
-            first = gemm.grouped_linear(a, ew, [20, 20], backend="triton", act_guide=guide)
-            out = gemm.grouped_linear(bad, ew, [20, 20], backend="triton", act_guide=guide)
-            gemm.grouped_linear(a, ew, [20, 20], backend="triton", act_guide=guide)
-            assert checks.count == 3  # queued, not yet read
-            assert torch.equal(first, clean) and torch.isnan(out[23]).all()
-            keep = torch.arange(40, device=CUDA) != 23
-            assert torch.equal(out[keep], clean[keep])
+    raises = pytest.raises(NonFiniteError, match=r"call 2 of 3.*\(23, 5\)")
+    with raises, deferred_finite_checks() as checks:
+        first = gemm.grouped_linear(a, ew, [20, 20], backend="triton", act_guide=guide)
+        out = gemm.grouped_linear(bad, ew, [20, 20], backend="triton", act_guide=guide)
+        gemm.grouped_linear(a, ew, [20, 20], backend="triton", act_guide=guide)
+        assert checks.count == 3  # queued, not yet read
+        assert torch.equal(first, clean) and torch.isnan(out[23]).all()
+        keep = torch.arange(40, device=CUDA) != 23
+        assert torch.equal(out[keep], clean[keep])
     with deferred_finite_checks() as checks:
         again = gemm.grouped_linear(a, ew, [20, 20], backend="triton", act_guide=guide)
     assert checks.count == 0 and torch.equal(again, clean)
