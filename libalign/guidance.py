@@ -487,21 +487,30 @@ class GuidanceTable:
         self.bits = bits.pop() if bits else 4
         specs = {r.spec for r in records.values()}
         self.spec_names = specs
-        per_site: dict[tuple[int, str], list[tuple[torch.Tensor, SiteRows]]] = {}
+        per_site: dict[tuple[int, str], list[tuple[int, SiteRows]]] = {}
         for sid, rec in records.items():
             if not 0 <= sid <= MAX_SEQUENCE:
                 raise GuidanceRecordError(f"sequence id {sid} outside [0, {MAX_SEQUENCE}]")
             for site_key, rows in rec.sites.items():
-                rows = rows.to(device)
-                exp = rows.experts if site_key[1] in INDEXED_SITES else None
-                keys = row_keys(sid, rows.positions, exp)
-                per_site.setdefault(site_key, []).append((keys, rows))
+                per_site.setdefault(site_key, []).append((sid, rows))
+        # one concatenation, one move and one key computation per site (not per sequence)
+        dev = torch.device(device)
         self.sites: dict[tuple[int, str], tuple[torch.Tensor, SiteRows]] = {}
         for site_key, parts in per_site.items():
-            keys = torch.cat([p[0] for p in parts])
+            fields = {}
+            for f in ("positions", "experts", "codes", "block_scales", "row_scales"):
+                ts = [getattr(p[1], f) for p in parts]
+                if len({t.device for t in ts}) > 1:
+                    ts = [t.to(dev) for t in ts]
+                fields[f] = torch.cat(ts).to(dev)
+            sids = torch.repeat_interleave(
+                torch.tensor([p[0] for p in parts], dtype=torch.int64),
+                torch.tensor([p[1].rows for p in parts], dtype=torch.int64)).to(dev)
+            exp = fields["experts"] if site_key[1] in INDEXED_SITES else None
+            keys = row_keys(sids, fields["positions"], exp)
             order = torch.argsort(keys)
-            rows = SiteRows(*(torch.cat([getattr(p[1], f) for p in parts])[order] for f in
-                              ("positions", "experts", "codes", "block_scales", "row_scales")),
+            rows = SiteRows(*(fields[f][order] for f in ("positions", "experts", "codes",
+                                                          "block_scales", "row_scales")),
                             parts[0][1].k)
             self.sites[site_key] = (keys[order], rows)
 
