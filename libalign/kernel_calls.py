@@ -174,17 +174,9 @@ def outer_given(lib, x3, is_3d, spec, p, outer_amax, flags, stream, nthreads):
     return outer.enc.reshape(-1).contiguous(), outer.dec.reshape(-1).contiguous(), stored, amax
 
 
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent in CPU builds
-
-
 def current_stream_handle(dev: torch.device) -> int:
-    """The raw handle of CUDA device ``dev``'s current stream, as
-    ``torch.cuda.current_stream(dev).cuda_stream`` gives it but without building a Stream
-    object (torch's own raw getter, which Inductor uses; the public call where it is absent).
-    It is on the path before the first launch, where every µs counts. ``dev`` holds a tensor,
-    so CUDA is initialised."""
-    if _raw_stream is not None and dev.index is not None:
-        return _raw_stream(dev.index)
+    """The raw handle of CUDA device ``dev``'s current stream (what the kernels are launched
+    on), through torch's public API."""
     return torch.cuda.current_stream(dev).cuda_stream
 
 
