@@ -374,7 +374,7 @@ def _resolve_backend(backend: str, device: torch.device, path: ExecutionPath, k:
         return "triton"
     return "torch"
 
-
+_GROUPED_MM = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _DEVICE_KERNELS: dict[str, tuple[bool, bool]] = {}
 
 
@@ -398,9 +398,9 @@ def _per_expert(layout: GroupLayout, fn: Callable[[int, slice], torch.Tensor],
 
 
 def _bf16_grouped(a: torch.Tensor, w: torch.Tensor, layout: GroupLayout) -> torch.Tensor:
-    if a.is_cuda and hasattr(torch, "_grouped_mm") and a.dtype == torch.bfloat16 and a.shape[0]:
+    if a.is_cuda and _GROUPED_MM is not None and a.dtype == torch.bfloat16 and a.shape[0]:
         offs = torch.tensor(layout.offsets(padded=False)[1:], dtype=torch.int32, device=a.device)
-        return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+        return _GROUPED_MM(a, w.transpose(1, 2), offs=offs)
     wd = w.to(a.dtype)
     return _per_expert(layout, lambda e, s: a[s] @ wd[e].T, a.new_empty((a.shape[0], w.shape[1])))
 
