@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ..errors import InputError, ShapeError, SpecError
+from ..finite_checks import deferred_finite_checks
 from ..guidance import MAX_SEQUENCE, row_keys
 from .capture import RoutingSpec, force_routing
 from .kv_cache import cache_kwarg, full_sequence_kwargs, new_cache
@@ -152,9 +153,10 @@ def score_sequences(model: nn.Module, sequences: Sequence[Sequence[int]], prompt
             ids, mask, keys = right_padded_batch(chunk, ids_of[start:start + len(chunk)], pad_id,
                                                  dev)
             set_row_keys(model, keys)
-            try:
-                logits = model(input_ids=ids, attention_mask=mask,
-                               **full_sequence_kwargs(model)).logits
+            try:  # one read of the expert GEMMs' NaN/Inf checks a batch, not one a GEMM
+                with deferred_finite_checks():
+                    logits = model(input_ids=ids, attention_mask=mask,
+                                   **full_sequence_kwargs(model)).logits
             finally:
                 set_row_keys(model, None)
             out += [t.cpu() for t in completion_logprobs(
@@ -264,9 +266,10 @@ class KVDecode:
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor,
                  real: torch.Tensor) -> torch.Tensor:
         set_row_keys(self.model, torch.where(real, row_keys(self._sid, positions), -1))
-        try:
-            return self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
-                              use_cache=True, **{self.cache_kw: self.cache}).logits[:, -1]
+        try:  # the expert GEMMs' NaN/Inf checks read once a forward, before anything samples
+            with deferred_finite_checks():
+                return self.model(input_ids=ids, attention_mask=self.mask, position_ids=positions,
+                                  use_cache=True, **{self.cache_kw: self.cache}).logits[:, -1]
         finally:
             set_row_keys(self.model, None)
 

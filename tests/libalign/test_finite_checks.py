@@ -107,3 +107,29 @@ def test_no_rows_is_nothing_to_check():
     with deferred_finite_checks() as checks:
         check_rows(x.abs().amax(-1), x)
         assert checks.count == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_nan_token_stops_generation_and_scoring_with_the_typed_error(device):
+    """A prompt token whose embedding is NaN: generate and score_sequences raise
+    NonFiniteError from the expert GEMM's check (on CUDA at the end of the forward, before
+    anything samples from NaN logits), and the device still works afterwards."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("transformers")
+    from libalign import models
+
+    model = models.build_model(models.tiny_config(num_hidden_layers=1), seed=0, device=device)
+    emb = model.get_input_embeddings().weight
+    kept = emb[7].clone()
+    with torch.no_grad():
+        emb[7] = float("nan")
+    prompts = [[1, 2, 3], [4, 7, 5]]
+    with pytest.raises(NonFiniteError, match="activations"):
+        models.generate(model, prompts, "nvfp4_minite", max_new_tokens=3, pad_id=0)
+    with pytest.raises(NonFiniteError, match="activations"):
+        models.score_sequences(model, [[*p, 6] for p in prompts], [3, 3], "nvfp4_minite")
+    with torch.no_grad():
+        emb[7] = kept
+    clean = models.generate(model, prompts, "nvfp4_minite", max_new_tokens=3, pad_id=0)
+    assert len(clean.sequences[0]) > 3 and torch.isfinite(clean.logprobs[0]).all()
