@@ -259,8 +259,10 @@ class TorchLearnerEngine:
         try:
             for a in range(0, len(sequences), self.batch_size):
                 b = min(len(sequences), a + self.batch_size)
-                lps = self._forward([list(map(int, s)) for s in sequences[a:b]],
-                                    list(prompt_lens[a:b]), list(range(a, b)), table, grad=False)
+                with deferred_finite_checks():  # the GEMMs' NaN/Inf checks read once a batch
+                    lps = self._forward([list(map(int, s)) for s in sequences[a:b]],
+                                        list(prompt_lens[a:b]), list(range(a, b)), table,
+                                        grad=False)
                 out += [t.tolist() for t in lps]
         finally:
             self._route = None
