@@ -4,8 +4,13 @@
 #                                               records (kv_guidance + routing + guidance on cuda),
 #                                               mxfp4, probe (profile_convert --timeline),
 #                                               gemmprobe (profile_gemm: eager host time)
-# Wheels the image lacks (megatron-core, torchao) travel in .whl/ (carry it); each stage has its
-# own time limit so one that hangs leaves the others their share of the call.
+# Wheels the image lacks travel in .whl/ (git-ignored; carry it): megatron-core and torchao, and
+# for the services the expert-parallel tests import, redis, httpx (+ httpcore, h11, anyio,
+# certifi, idna), pydantic(-core, -settings, annotated-types, typing-inspection,
+# typing-extensions), python-dotenv, rich (+ pygments, markdown-it-py, mdurl), click, tenacity
+# and safetensors: `pip download --no-deps -d .whl NAME==VERSION`, with `--only-binary=:all:
+# --platform manylinux2014_x86_64 --python-version 3.12` for the compiled ones. Each stage has
+# its own time limit so one that hangs leaves the others their share of the call.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/h200_out}"; mkdir -p "$OUT"
