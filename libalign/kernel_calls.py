@@ -291,7 +291,7 @@ def finish(t: Pending, bad: int):
         out.outer_scale.copy_(stored)
         out.outer_amax.copy_(amax)
         stored, amax = out.outer_scale, out.outer_amax
-    scale_dtype = torch.float8_e8m0fnu if spec.is_mx else torch.float8_e4m3fn
+    scale_dtype = spec.scale_dtype
     if t.swizzled:
         return GemmOperand(codes, t.scales.view(scale_dtype), stored, amax, spec, shape)
     return NVFP4Tensor(codes=codes,
@@ -471,7 +471,7 @@ def launch_many(lib, xs, spec, swizzled) -> tuple[list[Pending], torch.Tensor | 
 def assemble(buf, xs, spec, swizzled, plan, flags) -> list[Pending]:
     """The launched calls of :func:`launch_many`, their outputs viewed in ``buf`` in their
     final shapes (one ``as_strided`` each: nothing left to reshape in :func:`batch_result`)."""
-    scale_dtype = torch.float8_e8m0fnu if spec.is_mx else torch.float8_e4m3fn
+    scale_dtype = spec.scale_dtype
     floats = buf.view(torch.float32)  # the buffer's length is a multiple of ALIGN
     row = spec.outer_domain == "row"
     pending = []

@@ -180,6 +180,12 @@ class NumericsSpec:
         """Block-scale format: ``e4m3`` (NVFP4) or ``e8m0`` (MXFP4); implied by ``op_order``."""
         return "e8m0" if self.is_mx else "e4m3"
 
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """The torch dtype block scales are viewed as: ``float8_e8m0fnu`` (MXFP4) or
+        ``float8_e4m3fn`` (NVFP4)."""
+        return torch.float8_e8m0fnu if self.is_mx else torch.float8_e4m3fn
+
     def _check_mx(self) -> None:
         """MXFP4 has one scale format, no outer scale and none of NVFP4's scale policies."""
         if self.block_size != MX_BLOCK_SIZE:

@@ -456,7 +456,7 @@ def normalized_with_scales(
     """
     shape = tuple(x.shape)
     size = spec.block_size
-    scale_dtype = torch.float8_e8m0fnu if spec.is_mx else torch.float8_e4m3fn
+    scale_dtype = spec.scale_dtype
     bits = block_scales.view(torch.uint8) if block_scales.dtype == scale_dtype else block_scales
     if bits.dtype != torch.uint8:
         raise DTypeError(f"block scales of spec {spec.name!r} must be {scale_dtype} or uint8, "
