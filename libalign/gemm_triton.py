@@ -163,23 +163,33 @@ def _e4m3_values(device: torch.device) -> torch.Tensor:
     return table
 
 
+class _Switch:
+    """A process-wide on/off choice between a fused pass and the unfused path (same bits):
+    on unless ``$env`` is ``0``; :meth:`scoped` sets it inside a ``with`` block."""
+
+    def __init__(self, env: str):
+        self.on = os.environ.get(env, "1") != "0"
+
+    @contextlib.contextmanager
+    def scoped(self, on: bool):
+        before, self.on = self.on, bool(on)
+        try:
+            yield
+        finally:
+            self.on = before
+
+
 _DECODE_FAILED: list[str] = []
-_TRITON_DECODE = [os.environ.get("ALIGN_TRITON_DECODE", "1") != "0"]
+_TRITON_DECODE = _Switch("ALIGN_TRITON_DECODE")
 
 
-@contextlib.contextmanager
 def triton_decode(on: bool = True):
     """Decode bf16 inner values with the Triton pass (or not) inside the block (process-wide).
 
     On by default (``ALIGN_TRITON_DECODE=0`` turns it off for the process): its GPU bit test
     (tests/libalign/test_gemm_gpu.py) passes on the H200. Off, the table gather serves, with
     the same bits."""
-    before = _TRITON_DECODE[0]
-    _TRITON_DECODE[0] = bool(on)
-    try:
-        yield
-    finally:
-        _TRITON_DECODE[0] = before
+    return _TRITON_DECODE.scoped(on)
 
 
 def triton_inner_values(codes: torch.Tensor, block_scales: torch.Tensor) -> torch.Tensor | None:
@@ -190,7 +200,7 @@ def triton_inner_values(codes: torch.Tensor, block_scales: torch.Tensor) -> torc
     warning; the caller's table gather then serves, with the same bits), as a failed kernel
     build leaves the spec serving.
     """
-    if _DECODE_FAILED or not _TRITON_DECODE[0]:
+    if _DECODE_FAILED or not _TRITON_DECODE.on:
         return None
     try:
         return _kernels_for(codes, 16).inner_from_codes(codes, block_scales,
@@ -204,25 +214,19 @@ def triton_inner_values(codes: torch.Tensor, block_scales: torch.Tensor) -> torc
 
 # --- guided rounding fused into the activation pass (TRACE) ----------------------------------
 
-_FUSED_GUIDANCE = [os.environ.get("ALIGN_FUSED_GUIDANCE", "1") != "0"]
+_FUSED_GUIDANCE = _Switch("ALIGN_FUSED_GUIDANCE")
 
 
 def fused_guidance_enabled() -> bool:
     """Whether guided activations go through the fused Triton pass: on by default (its GPU bit
     test, tests/libalign/test_guided_fused.py, passes on the H200); ``ALIGN_FUSED_GUIDANCE=0``
     or :func:`fused_guidance` turns it off."""
-    return _FUSED_GUIDANCE[0]
+    return _FUSED_GUIDANCE.on
 
 
-@contextlib.contextmanager
 def fused_guidance(on: bool = True):
     """Route guided activations through the fused pass (or not) inside the block (process-wide)."""
-    before = _FUSED_GUIDANCE[0]
-    _FUSED_GUIDANCE[0] = bool(on)
-    try:
-        yield
-    finally:
-        _FUSED_GUIDANCE[0] = before
+    return _FUSED_GUIDANCE.scoped(on)
 
 
 def triton_guided_gap(spec: NumericsSpec, guide, k: int) -> str | None:
@@ -241,6 +245,22 @@ def triton_guided_gap(spec: NumericsSpec, guide, k: int) -> str | None:
     return None
 
 
+def _record_rows(guide) -> torch.Tensor:
+    """int32 record index of each row of ``guide`` (a RowGuide), -1 where it has none."""
+    return torch.where(guide.present, guide.index, -1).to(torch.int32)
+
+
+def _guided_pass(tk, x: torch.Tensor, src: torch.Tensor, guide, spec: NumericsSpec, **kw):
+    """The guided activation pass over rows ``x`` (``src``: each row's record, -1 none) with
+    ``guide``'s records, low bits and level tables: ``(values, row decode scales)``."""
+    up, down = guide_tables(guide.bits, x.device)
+    return tk.guided_act_qdq(
+        x, src=src, low=guide.low.contiguous(),
+        block_scales=guide.block_scales.view(torch.uint8).contiguous(),
+        row_scales=guide.row_scales.to(torch.float32).contiguous(), bits=guide.bits,
+        amax_floor=spec.amax_floor, e4m3=_e4m3_values(x.device), up=up, down=down, **kw)
+
+
 def w4a4_grouped_triton_guided(a: torch.Tensor, spec: NumericsSpec, guide, w_inner: torch.Tensor,
                                w_dec: torch.Tensor, layout: GroupLayout,
                                out_dtype: torch.dtype = torch.bfloat16, *,
@@ -257,18 +277,11 @@ def w4a4_grouped_triton_guided(a: torch.Tensor, spec: NumericsSpec, guide, w_inn
     if gap is not None:
         raise SpecError(f"the fused guided pass cannot serve {gap}")
     lay = _tiled(layout)
-    dev = a.device
-    src = torch.where(guide.present, guide.index, -1).to(torch.int32)
+    src = _record_rows(guide)
     src = (lay.pad((src + 1).reshape(-1, 1)) - 1).reshape(-1).contiguous()  # padding: no record
-    e4m3 = _e4m3_values(dev)
-    up, down = guide_tables(guide.bits, dev)
-    inner, dec = tk.guided_act_qdq(
-        lay.pad(a.contiguous()), src=src, low=guide.low.contiguous(),
-        block_scales=guide.block_scales.view(torch.uint8).contiguous(),
-        row_scales=guide.row_scales.to(torch.float32).contiguous(), bits=guide.bits,
-        amax_floor=spec.amax_floor, e4m3=e4m3, up=up, down=down)
-    out = tk.grouped_gemm(inner, dec, w_inner, w_dec, lay.tile_expert(lay.pad_to, dev), lay.pad_to,
-                          out_dtype)
+    inner, dec = _guided_pass(tk, lay.pad(a.contiguous()), src, guide, spec)
+    out = tk.grouped_gemm(inner, dec, w_inner, w_dec, lay.tile_expert(lay.pad_to, a.device),
+                          lay.pad_to, out_dtype)
     if check_finite:
         check_rows(dec, a, "activations", _unpad_rows(lay))
     return lay.unpad(out)
@@ -276,20 +289,14 @@ def w4a4_grouped_triton_guided(a: torch.Tensor, spec: NumericsSpec, guide, w_inn
 
 # --- FP4 rows read back in one pass (the learner's K/V) ---------------------------------------
 
-_FUSED_KV = [os.environ.get("ALIGN_FUSED_KV", "1") != "0"]
+_FUSED_KV = _Switch("ALIGN_FUSED_KV")
 
 
-@contextlib.contextmanager
 def fused_kv(on: bool = True):
     """Read FP4 K/V back through :func:`triton_qdq_rows` (or not) inside the block
     (process-wide; on by default, ``ALIGN_FUSED_KV=0`` turns it off for the process). Off, the
     unfused path serves with the same bits (what the benchmark's ``_torchkv`` rows time)."""
-    before = _FUSED_KV[0]
-    _FUSED_KV[0] = bool(on)
-    try:
-        yield
-    finally:
-        _FUSED_KV[0] = before
+    return _FUSED_KV.scoped(on)
 
 
 def triton_qdq_gap(spec: NumericsSpec, guide, x: torch.Tensor) -> str | None:
@@ -303,7 +310,7 @@ def triton_qdq_gap(spec: NumericsSpec, guide, x: torch.Tensor) -> str | None:
     per row (outer domain ``row``). The spec's amax floor is passed to the pass, its
     ``nonfinite='raise'`` checked on the row decode scales it writes.
     """
-    if not _FUSED_KV[0]:
+    if not _FUSED_KV.on:
         return "the fused read-back is off (fused_kv / ALIGN_FUSED_KV=0)"
     if not triton_gemm_available(x.device):
         return f"device {x.device} (the pass needs CUDA sm_90+ with Triton)"
@@ -348,15 +355,8 @@ def triton_qdq_rows(x: torch.Tensor, spec: NumericsSpec, guide=None) -> torch.Te
     if guide is None:
         out, dec = tk.act_qdq(xc, amax_floor=spec.amax_floor, tensor_amax=None, dequantize=True)
     else:
-        dev = x.device
-        src = torch.where(guide.present, guide.index, -1).to(torch.int32)
-        up, down = guide_tables(guide.bits, dev)
         kb = x.shape[-1] // 16
-        out, dec = tk.guided_act_qdq(
-            xc, src=src, low=guide.low.contiguous(),
-            block_scales=guide.block_scales.view(torch.uint8).contiguous(),
-            row_scales=guide.row_scales.to(torch.float32).contiguous(), bits=guide.bits,
-            amax_floor=spec.amax_floor, e4m3=_e4m3_values(dev), up=up, down=down,
-            chunk=min(16, 1 << (kb - 1).bit_length()), dequantize=True)
+        out, dec = _guided_pass(tk, xc, _record_rows(guide), guide, spec,
+                                chunk=min(16, 1 << (kb - 1).bit_length()), dequantize=True)
     check_rows(dec, x, "input")
     return out
