@@ -267,17 +267,14 @@ class FP4KVLayer(DynamicLayer):
             b, h, t, d = x.shape
             rows = x.reshape(b * h * t, d)
             guide = None if st.guide is None else st.guide.lookup(self.layer, site, keys)
-            fused = capture is None and st.observer is None and not self.keep_bits
-            value = fused_kv_read(rows.detach(), st.spec, guide) if fused else None
-            q = None
-            if value is None:
-                q = guided_quantize(rows.detach(), st.spec, guide) if guide is not None else \
-                    ops.quantize(rows.detach(), st.spec)
+            def keep(q, site=site, rows=rows):  # the codes, where a capture or observer wants them
                 if capture is not None:
                     capture.add(self.layer, site, q, keys)
                 if st.observer is not None:
                     st.observer(self.layer, site, rows.detach(), q, keys)
-                value = dequantize_kv(q, x.dtype)
+
+            fused = capture is None and st.observer is None and not self.keep_bits
+            value, q = read_rows(rows.detach(), st.spec, guide, x.dtype, fused=fused, on_codes=keep)
             read = straight_through(x, value.reshape(b, h, t, d))
             if not self.keep_bits:  # earlier reads are held as values, without their graph
                 if self.reads[site] is not None:
@@ -325,6 +322,22 @@ def dequantize_kv(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
     if q.spec.is_mx or q.spec.op_order != "te":
         return dequantize(q, dtype)
     return (gemm.inner_values(q, torch.float32) * q.outer_dec.reshape(-1, 1)).to(dtype)
+
+
+def read_rows(rows: torch.Tensor, spec: NumericsSpec, guide: RowGuide | None, dtype: torch.dtype,
+              *, fused: bool = True, on_codes=None) -> tuple[torch.Tensor, NVFP4Tensor | None]:
+    """``rows`` ``[n, head_dim]`` (detached) as an FP4 cache reads them back in ``dtype``:
+    ``(values, codes)``. With ``fused`` (and where it serves) one pass gives the values and no
+    codes (:func:`fused_kv_read`); otherwise the rows are quantized (guided by ``guide`` where
+    it has records), ``on_codes(codes)`` sees them (a capture, an observer), and
+    :func:`dequantize_kv` reads them: the same values either way."""
+    value = fused_kv_read(rows, spec, guide) if fused else None
+    if value is not None:
+        return value, None
+    q = guided_quantize(rows, spec, guide) if guide is not None else ops.quantize(rows, spec)
+    if on_codes is not None:
+        on_codes(q)
+    return dequantize_kv(q, dtype), q
 
 
 def fused_kv_read(rows: torch.Tensor, spec: NumericsSpec, guide: RowGuide | None) -> torch.Tensor | None:

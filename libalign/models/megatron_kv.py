@@ -22,7 +22,7 @@ them (:func:`libalign.ops.quantize` or the guided rounding, then
 :func:`~libalign.models.kv_cache.dequantize_kv` and
 :func:`~libalign.models.kv_cache.straight_through`; on a CUDA GPU with Triton, where no capture
 asks for the codes, one fused pass gives the same values:
-:func:`~libalign.models.kv_cache.fused_kv_read`), and named as Hugging Face names them:
+:func:`~libalign.models.kv_cache.read_rows`), and named as Hugging Face names them:
 the token's row key (:func:`libalign.models.megatron.set_row_keys`) with ``head + 1`` in the
 index column. Only the row order differs (``[s, b, head]`` here, ``[b, head, s]`` there),
 which changes no row's bits and no lookup. Given the Hugging Face model's K and V bit for bit
@@ -43,11 +43,10 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .. import ops
 from ..errors import SpecError
-from ..guidance import GuidanceCapture, GuidanceTable, guided_quantize
+from ..guidance import GuidanceCapture, GuidanceTable
 from ..spec import NumericsSpec
-from .kv_cache import dequantize_kv, fused_kv_read, kv_spec_of, straight_through
+from .kv_cache import kv_spec_of, read_rows, straight_through
 from .megatron_modules import SDPACoreAttention
 
 
@@ -87,12 +86,8 @@ def quantize_heads(x: torch.Tensor, spec: NumericsSpec, layer: int, site: str,
     rows = x.reshape(-1, d).detach()
     keys = head_row_keys(tokens, x) if table is not None or capture is not None else None
     guide = None if table is None else table.lookup(layer, site, keys)
-    read = fused_kv_read(rows, spec, guide) if capture is None else None  # one pass on CUDA
-    if read is None:
-        q = guided_quantize(rows, spec, guide) if guide is not None else ops.quantize(rows, spec)
-        if capture is not None:
-            capture.add(layer, site, q, keys)
-        read = dequantize_kv(q, x.dtype)
+    keep = None if capture is None else (lambda q: capture.add(layer, site, q, keys))
+    read, _ = read_rows(rows, spec, guide, x.dtype, fused=capture is None, on_codes=keep)
     return straight_through(x, read.reshape(x.shape))
 
 
