@@ -9,7 +9,7 @@ import json
 
 import pytest
 from alignclient.errors import SpecError
-from alignd.learner.engine import TorchLearnerEngine
+from alignd.learner.engine import TorchLearnerEngine, TrainBatch
 from alignd.tools.cli import app
 from alignd.tools.demo.run import CONFIGS, STRICT_CONFIGS, DemoConfig
 from typer.testing import CliRunner
@@ -24,8 +24,11 @@ SMALL = ["--model", "tiny-random", "--num-prompts", "8", "--batch-size", "4", "-
 
 def test_demo_strict_configurations_have_zero_delta_on_every_step(tmp_path):
     """alignd demo --configs strict_bf16,strict_minite: every step's max |δ| is 0.0 exactly,
-    TIS is off, the learner trained (a gradient norm per step); the strict configurations are
-    not in the default set."""
+    TIS is off, and a step's gradient is nonzero exactly when some group's rewards differ
+    (which tokens were sampled, and so the rewards, depends on the CPU's kernels: a step of
+    uniform groups has advantage 0 and gradient 0.0); the strict configurations are not in the
+    default set. That a strict learner trains on signal is pinned without sampling in
+    :func:`test_strict_learner_trains_exactly_when_a_group_has_signal`."""
     assert not set(STRICT_CONFIGS) & set(DemoConfig().configs)
     assert not set(STRICT_CONFIGS) & set(CONFIGS)
     res = runner.invoke(app, ["demo", "--steps", "2", "--seeds", "1",
@@ -39,7 +42,7 @@ def test_demo_strict_configurations_have_zero_delta_on_every_step(tmp_path):
         assert not c["tis"] and not c["objective"]["tis"]
         for s in c["steps"]:
             assert s["tokens"] > 0 and s["max_abs_delta"] == 0.0, (c["name"], s)
-            assert s["train"]["grad_norm"] > 0
+            assert (s["train"]["grad_norm"] > 0) == (s["train"]["signal_rollouts"] > 0), s
         assert c["summary"]["p99_abs_delta"] == 0.0
 
 
@@ -89,3 +92,29 @@ def test_learner_engine_in_strict_mode_refuses_nvfp4_naive_and_scores_like_its_s
                             batch_size=4, eos_id=task.eos_id, pad_id=task.pad_id, seed=2)
     got = engine.score(r.sequences, r.prompt_lens)
     assert got == [t.tolist() for t in r.logprobs]
+
+
+@pytest.mark.parametrize("path", ["bf16", "nvfp4_minite"])
+def test_strict_learner_trains_exactly_when_a_group_has_signal(path):
+    """A strict learner's step on fixed rollouts (no sampling): a group whose rewards differ
+    gives a nonzero gradient and changes the weights; groups of equal rewards give advantage
+    0, a gradient norm of exactly 0.0 and ``signal_rollouts`` 0."""
+    task = models.SyntheticTask()
+    prompts = task.prompts(4, seed=5)
+    seqs = [[*p, *task.encode(str(i)), task.eos_id] for i, p in enumerate(prompts)]
+    plens = [len(p) for p in prompts]
+    samp = [[-1.0, -1.0]] * 4
+
+    def step(rewards):
+        engine = TorchLearnerEngine(models.build_model(models.tiny_config(), seed=1), path,
+                                    strict=True, use_tis=False, pad_id=task.pad_id, lr=1e-3)
+        before = {k: v.clone() for k, v in engine.export_weights().items()}
+        got = engine.train_step(TrainBatch(seqs, plens, samp, rewards, [0, 0, 1, 1]))
+        after = engine.export_weights()
+        changed = sum(not bool((before[k] == after[k]).all()) for k in before)
+        return got, changed
+
+    got, changed = step([1.0, 0.0, 1.0, 1.0])
+    assert got["signal_rollouts"] == 2 and got["grad_norm"] > 0 and changed > 0
+    got, changed = step([1.0, 1.0, 0.0, 0.0])
+    assert got["signal_rollouts"] == 0 and got["grad_norm"] == 0.0

@@ -354,7 +354,9 @@ class TorchLearnerEngine:
 
     def train_step(self, batch: TrainBatch) -> dict:
         """GRPO + TIS (PPO-clipped with ``ppo_clip_eps``) on ``batch``: one optimizer step
-        over all its rollouts."""
+        over all its rollouts. ``signal_rollouts`` in the result counts rollouts of nonzero
+        advantage: a group whose rewards are all equal teaches nothing, and a step of only such
+        groups has a gradient norm of exactly 0."""
         batch.check()
         adv = grpo_advantages(batch.rewards, batch.groups)
         table = self._table(batch.guidance)
@@ -387,11 +389,13 @@ class TorchLearnerEngine:
                 p.copy_(m.to(p.dtype))
         self.steps += 1
         r = torch.cat(ratios) if ratios else torch.zeros(0)
-        loss_sum, truncated, weights, clipped, r_sum, r_n, reward_sum, n_all = self._global_sums(
+        (loss_sum, truncated, weights, clipped, r_sum, r_n, reward_sum, n_all,
+         signal) = self._global_sums(
             [loss_sum, truncated, weights, clipped, float(r.sum()), r.numel(),
-             float(sum(batch.rewards)), n])
+             float(sum(batch.rewards)), n, int((adv != 0).sum())])
         return {"loss": loss_sum, "grad_norm": norm, "tokens": tokens,
                 "reward_mean": reward_sum / max(1, n_all),
+                "signal_rollouts": int(signal),
                 "tis_truncated_fraction": truncated / max(1, weights),
                 "ppo_clipped_fraction": clipped / max(1, tokens),
                 "ratio_mean": r_sum / r_n if r_n else 1.0}
