@@ -7,7 +7,9 @@ and a field added here appears on both. This module imports nothing from ``servi
 
 Ids. Version ids, rollout ids, consumer names and execution path names become Redis key
 parts and directory names, so they follow the id rule of :mod:`alignclient.ids`
-(:data:`~alignclient.ids.ID_PATTERN`), the one the daemon checks them with.
+(:data:`~alignclient.ids.ID_PATTERN`), the one the daemon checks them with. A path name is
+also at most :data:`MAX_PATH_LEN` characters and never ``other`` (:data:`OTHER_PATH`), the name
+of the aggregate the daemon reports the pairs past its cap under.
 
 Log-probabilities are finite and at most :data:`LOGPROB_MAX` (a probability cannot exceed
 1; rounding may push a certain token a hair above 0), as ``libalign.metrics`` requires.
@@ -110,6 +112,26 @@ def strict_int(value: Any) -> Any:
 
 
 SafeId = Annotated[str, Field(pattern=ID_PATTERN)]
+
+#: Longest execution path name a rollout or score may carry (characters).
+MAX_PATH_LEN = 64
+#: The learner and sampler path of the aggregate pair: the daemon records every (learner
+#: path, sampler path) pair past its cap (``ALIGN_MAX_PATH_PAIRS``) as ``other``/``other``, so
+#: no writer may name a path so.
+OTHER_PATH = "other"
+
+
+def check_path_name(name: str) -> str:
+    """``name`` unless it is :data:`OTHER_PATH`, the name reserved for the aggregate pair."""
+    if name == OTHER_PATH:
+        raise ValueError(f"path {OTHER_PATH!r} is reserved: it names the aggregate of the path "
+                         "pairs past the daemon's cap")
+    return name
+
+
+#: An execution path name: the id rule, at most :data:`MAX_PATH_LEN` characters, not ``other``.
+PathName = Annotated[str, Field(pattern=ID_PATTERN, max_length=MAX_PATH_LEN),
+                     AfterValidator(check_path_name)]
 LogProb = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=LOGPROB_MAX)]
 Reward = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 StrictInt = Annotated[int, BeforeValidator(strict_int)]
@@ -324,7 +346,7 @@ class Rollout(Wire):
     logprobs: list[LogProb] = Field(
         description="sampler log-probability of each completion token (tokens after the prompt)")
     reward: Reward | None = None
-    path: SafeId = Field(description="execution path the sampler ran")
+    path: PathName = Field(description="execution path the sampler ran")
     guidance: bool = Field(False, description="a guidance record was stored for this rollout")
     routing: RoutingWire | None = Field(None, description="the sampler's expert choices (R3)")
 
@@ -366,7 +388,7 @@ class Score(Wire):
 
     rollout_id: SafeId
     logprobs: list[LogProb] = Field(min_length=1, max_length=MAX_ROLLOUT_TOKENS)
-    path: SafeId = Field(description="execution path the learner ran")
+    path: PathName = Field(description="execution path the learner ran")
 
 
 class RolloutBatch(Wire):

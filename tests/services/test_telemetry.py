@@ -55,9 +55,9 @@ def test_bulk_histogram_matches_observe():
     assert a.value("libalign_logprob_abs_delta_sum", PAIR) == pytest.approx(
         ref.get_sample_value("libalign_logprob_abs_delta_sum", PAIR))
     assert a.value("libalign_logprob_abs_delta_count", PAIR) == 2000
-    a.observe_abs_deltas("someone-elses-path", "x", [0.1])
+    a.observe_abs_deltas("someone-elses-path", "x", [0.1])  # the pair the store recorded
     assert a.value("libalign_logprob_abs_delta_count",
-                   {"learner_path": "other", "sampler_path": "other"}) == 1
+                   {"learner_path": "someone-elses-path", "sampler_path": "x"}) == 1
     a.observe_abs_deltas("bf16", "nvfp4_minite", [])  # nothing observed, nothing changes
     assert a.value("libalign_logprob_abs_delta_count", PAIR) == 2000
 
@@ -108,8 +108,9 @@ def test_a_failed_read_serves_the_last_state(caplog):
     m.watch_cluster(read)
     m.versions_converted.inc()
     assert m.value("libalign_weight_version_lag") == 2
-    other = {"learner_path": "other", "sampler_path": "other"}
-    assert m.value("libalign_discrepancy_p99_abs", other) == 0.4  # unknown paths: one series
+    for lp, p99 in (("mystery", 0.3), ("other-mystery", 0.4)):  # the pairs as the store kept them
+        assert m.value("libalign_discrepancy_p99_abs", {"learner_path": lp,
+                                                        "sampler_path": "path"}) == p99
     state["ok"] = False
     text = generate_latest(m.registry).decode()
     assert "libalign_weight_version_lag 2.0" in text

@@ -144,7 +144,7 @@ class ApiState:
                             on_retry=lambda what, e: m.redis_retries.inc())
         self.registry = Registry(self.bus, s.key_prefix)
         self.rollouts = RolloutStore(self.binary, s.key_prefix, m, ttl_s=s.guidance_ttl_s,
-                                     retry=retry)
+                                     retry=retry, max_path_pairs=s.max_path_pairs)
         self.guidance = GuidanceStore(
             self.binary, prefix=s.key_prefix, budget_bytes=s.guidance_budget_bytes,
             ttl_s=s.guidance_ttl_s, chunk_bytes=s.guidance_chunk_bytes,

@@ -68,6 +68,8 @@ from libalign.spec import PRESETS
 
 #: Default cap of every event and work stream's length (``ALIGN_STREAM_MAXLEN``).
 DEFAULT_STREAM_MAXLEN = 10_000
+#: Default number of (learner path, sampler path) pairs kept apart (``ALIGN_MAX_PATH_PAIRS``).
+DEFAULT_MAX_PATH_PAIRS = 64
 
 #: ``cpu``, ``cuda`` or ``cuda:N``: where a service runs its torch work.
 DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
@@ -114,6 +116,11 @@ Strict = Annotated[bool, Field(
     "batch-invariant ops (libalign.models.strict), so the learner reproduces the sampler's "
     "log-probs bit for bit; an SGLang sampler requires servers started with "
     "--enable-deterministic-inference")]
+MaxPathPairs = Annotated[int, Field(
+    DEFAULT_MAX_PATH_PAIRS, ge=1, le=1_024, description="(learner path, sampler path) pairs the "
+    "discrepancy keeps apart, the first ones scored across all versions; scores of any further "
+    "pair are recorded under the pair other/other, so /v1/status and /metrics hold at most this "
+    "many pairs plus one")]
 StaleRollouts = Annotated[Literal["drop", "refuse"], Field(
     "drop", description="what happens to a rollout beyond max_version_diff: drop it (counted in "
     "libalign_rollouts_stale_total) or refuse it with stale_rollout (HTTP 409)")]
@@ -291,6 +298,7 @@ class LearnerSettings(GuidanceStoreSettings, LayoutSettings):
                             "after the first the policy ratio leaves 1 and ppo_clip_eps binds")
     max_version_diff: MaxVersionDiff
     stale_rollouts: StaleRollouts
+    max_path_pairs: MaxPathPairs
     routing_replay: Literal["off", "measure", "recompute", "record"] = Field(
         "off", description="routing replay (R3): recompute routes every token to the experts "
         "the sampler recorded, gate weights from the learner's router logits; record also "
@@ -351,6 +359,7 @@ class ApiSettings(GuidanceStoreSettings, ApiAddress):
     learner_path: LearnerPath
     max_version_diff: MaxVersionDiff
     stale_rollouts: StaleRollouts
+    max_path_pairs: MaxPathPairs
 
 
 class AllInOneSettings(ApiSettings, ConverterSettings, SamplerSettings, LearnerSettings):

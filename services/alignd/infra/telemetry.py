@@ -17,9 +17,14 @@ log p_sampler| per scored token, by ``learner_path`` and ``sampler_path``; its b
 1e-4 to 2 nats on a 1-2.5-5 grid, the range between "bit-identical but for reduction order"
 and "a different token distribution". Scoring a batch adds tens of thousands of tokens at
 once, and prometheus_client's ``Histogram`` takes one value per call, so this histogram is a
-:class:`BatchHistogram`: it counts a whole array per bucket in one vectorized pass. Path
-labels are execution path names (:data:`libalign.gemm.PATHS`); any other name is counted as
-``other``, so a client cannot grow the label set.
+:class:`BatchHistogram`: it counts a whole array per bucket in one vectorized pass. Its path
+labels, like those of the windowed gauges below, are the pairs the rollout store keeps apart
+(:mod:`alignd.infra.stores.rollouts`): at most ``max_path_pairs`` (learner path, sampler path)
+pairs, the first ones scored, and ``other``/``other``, the aggregate of every further pair
+(its buckets, sum and gauges cover the tokens of all of them). The histogram itself never
+holds more label sets than it was allowed (:meth:`Metrics.allow_path_pairs`), so writers
+inventing paths cannot grow ``/metrics``. ``libalign_rollout_tokens_total`` labels by the
+sampler path alone, an execution path name (:data:`libalign.gemm.PATHS`) or ``other``.
 
 Shared state, read from Redis when scraped. Whether each service has a live heartbeat
 (``libalign_service_up``), the weight-version lag and the windowed discrepancy
@@ -52,13 +57,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 from alignclient.errors import AlignError
+from alignclient.models import OTHER_PATH
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from alignd.infra.settings import ServiceSettings
+from alignd.infra.settings import DEFAULT_MAX_PATH_PAIRS, ServiceSettings
 from libalign.gemm import PATHS
 from libalign.ops import DeviceBackend, backends
 
@@ -109,7 +115,7 @@ def failure_reason(err: BaseException | str) -> str:
 
 def path_label(name: str) -> str:
     """Bounded ``learner_path``/``sampler_path`` label: a known execution path, else ``other``."""
-    return name if name in PATHS else "other"
+    return name if name in PATHS else OTHER_PATH
 
 
 def status_class(status: int) -> str:
@@ -124,12 +130,19 @@ class BatchHistogram(Collector):
     It exposes what a prometheus_client ``Histogram`` with the same name, labels and buckets
     would after one ``observe`` per value: a value lands in the first bucket whose upper
     bound is >= it (``searchsorted(side="left")``), ``_count`` is the ``+Inf`` bucket.
+    With ``max_series``, at most that many label sets besides ``overflow`` get their own
+    series; the values of any later new one are added to ``overflow``'s.
     """
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
-                 buckets: Sequence[float]):
+                 buckets: Sequence[float], *, max_series: int | None = None,
+                 overflow: Sequence[str] = ()):
         self.name, self.documentation = name, documentation
         self.labelnames = tuple(labelnames)
+        self.max_series, self.overflow = max_series, tuple(overflow)
+        if max_series is not None and len(self.overflow) != len(self.labelnames):
+            raise ValueError(f"{name}: max_series needs an overflow label set of "
+                             f"{len(self.labelnames)} values")
         self.bounds = np.asarray(sorted(buckets), dtype=np.float64)
         self.le = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
         self._lock = threading.Lock()
@@ -148,6 +161,10 @@ class BatchHistogram(Collector):
                              minlength=len(self.le))
         total = float(x.sum())
         with self._lock:
+            if (key not in self._counts and self.max_series is not None
+                    and key != self.overflow
+                    and len(self._counts) - (self.overflow in self._counts) >= self.max_series):
+                key = self.overflow
             if key in self._counts:
                 self._counts[key] += counts
                 self._sums[key] += total
@@ -254,8 +271,8 @@ class ClusterGauges(Collector):
                 fams["libalign_service_up"].add_metric(
                     [svc], 1.0 if state.services_up.get(svc) else 0.0)
             fams["libalign_weight_version_lag"].add_metric([], float(state.weight_version_lag))
-            gaps = {(path_label(g.learner_path), path_label(g.sampler_path)): g
-                    for g in state.gaps}  # two unknown pairs are both other/other: one series
+            # the pairs the rollout store keeps apart (bounded there), other/other among them
+            gaps = {(g.learner_path, g.sampler_path): g for g in state.gaps}
             for pair, g in gaps.items():
                 fams["libalign_discrepancy_p99_abs"].add_metric(list(pair), g.p99_abs)
                 fams["libalign_discrepancy_mean_abs"].add_metric(list(pair), g.mean_abs)
@@ -330,8 +347,13 @@ class Metrics:
         self.logprob_abs_delta = BatchHistogram(
             "libalign_logprob_abs_delta",
             "|log p_learner - log p_sampler| per scored token, nats.",
-            ["learner_path", "sampler_path"], ABS_DELTA_BUCKETS)
+            ["learner_path", "sampler_path"], ABS_DELTA_BUCKETS,
+            max_series=DEFAULT_MAX_PATH_PAIRS, overflow=(OTHER_PATH, OTHER_PATH))
         r.register(self.logprob_abs_delta)
+        self.scores_folded = Counter(
+            "libalign_scores_folded_total",
+            "Learner scores recorded under the path pair other/other because max_path_pairs "
+            "other pairs were already kept apart.", registry=r)
         self.rollouts_stale = Counter(
             "libalign_rollouts_stale_total",
             "Rollouts whose version was more than max_version_diff versions older than the "
@@ -405,9 +427,15 @@ class Metrics:
         self.versions_failed.labels(reason=failure_reason(err)).inc()
 
     def observe_abs_deltas(self, learner_path: str, sampler_path: str, abs_delta) -> None:
-        """Add many |δ| values (any array-like) to the histogram in one pass."""
-        self.logprob_abs_delta.observe_many([path_label(learner_path), path_label(sampler_path)],
-                                            abs_delta)
+        """Add many |δ| values (any array-like) to the histogram in one pass, under the pair
+        the rollout store recorded them under."""
+        self.logprob_abs_delta.observe_many([learner_path, sampler_path], abs_delta)
+
+    def allow_path_pairs(self, n: int) -> None:
+        """Let the |δ| histogram keep up to ``n`` path pairs apart besides other/other (a
+        rollout store calls it with its cap; the largest asked for holds)."""
+        h = self.logprob_abs_delta
+        h.max_series = max(n, h.max_series or 0)
 
     def watch_cluster(self, read: Callable[[], ClusterState] | None) -> None:
         """Expose the shared-state gauges from ``read()`` at every scrape (None: stop)."""

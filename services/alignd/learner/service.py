@@ -48,7 +48,8 @@ def build_loop(settings: LearnerSettings, *, lr: float = 2e-5, use_tis: bool = T
                                     pad_id=task.pad_id, strict=settings.strict,
                                     **objective_options(settings))
     bus = RedisBus.from_settings(settings)
-    rollouts = RolloutStore(binary_client(settings), settings.key_prefix, metrics=metrics)
+    rollouts = RolloutStore(binary_client(settings), settings.key_prefix, metrics=metrics,
+                            max_path_pairs=settings.max_path_pairs)
     guidance = GuidanceStore.from_settings(settings, metrics=metrics)
     return LearnerLoop(settings, engine, bus, rollouts=rollouts, guidance=guidance,
                        sampler_path=settings.sampler_path, run_id=run_id,

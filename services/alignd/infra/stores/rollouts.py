@@ -20,6 +20,20 @@ Keys (``P`` is the key prefix, ``v`` a version id, ``lp``/``sp`` learner/sampler
     P:delta:<v>:pairs            set     "<lp>:<sp>" pairs that have a δ string
     P:delta:<v>:scored           set     "<rollout id>:<lp>" already scored (idempotence)
     P:delta:index                zset    v -> server time of its latest score
+    P:path_pairs                 set     "<lp>:<sp>" pairs kept apart, all versions (capped)
+
+Path pairs. Path names come from writers (a trainer may register paths of its own,
+:func:`libalign.gemm.register_path`, that the daemon does not know), and every pair costs a δ
+string, a window read in each discrepancy and a series in ``/metrics``. So the store keeps at
+most ``max_path_pairs`` pairs apart (``ALIGN_MAX_PATH_PAIRS``): the first ones scored, across
+all versions, enter ``P:path_pairs``; the δ of any further pair is appended to the pair
+``other:other`` (:data:`~alignclient.models.OTHER_PATH`, a name no writer may use), whose
+window, histogram and gauges are then those of all such pairs together, and counted in
+``libalign_scores_folded_total``. The set expires with the δ keys (every score refreshes it),
+so while any version's δ lives, its pairs are in the set or are ``other:other``; a discrepancy
+read reports at most ``max_path_pairs`` pairs besides ``other:other`` whatever Redis holds
+(pairs written under a larger cap are left out of ``by_path``, logged, and still counted in
+the overall statistics).
 
 Why float32 strings. ``APPEND`` adds a batch's δ values to the end of a string in one
 command, and ``GETRANGE`` reads the last N of them without touching the rest: a window
@@ -67,6 +81,7 @@ from alignclient.errors import (
 )
 from alignclient.ids import check_version_id
 from alignclient.models import (
+    OTHER_PATH,
     DeltaStats,
     DeltaSummary,
     Discrepancy,
@@ -79,6 +94,7 @@ from alignclient.retry import RetryPolicy
 from pydantic import ValidationError
 
 from alignd.infra.bus import RedisBus
+from alignd.infra.settings import DEFAULT_MAX_PATH_PAIRS
 from alignd.infra.telemetry import Metrics, path_label
 from libalign.metrics import DEFAULT_TIS_CAP, delta_stats, tis_weights, token_deltas
 from libalign.routing_records import RoutingRecord
@@ -92,6 +108,8 @@ log = logging.getLogger(__name__)
 DEFAULT_TTL_S = 86_400.0
 #: At most this many versions are read to fill a window that spans versions.
 MAX_WINDOW_VERSIONS = 64
+#: The pair every pair past ``max_path_pairs`` is recorded under.
+OTHER_PAIR = f"{OTHER_PATH}:{OTHER_PATH}"
 
 # KEYS[1] rollouts hash. ARGV: ttl_ms, then id, json pairs. Returns the ids already there.
 _PUT_ROLLOUTS_LUA = """
@@ -105,21 +123,37 @@ if tonumber(ARGV[1]) > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
 return dup
 """
 
-# KEYS: delta, pairs, scored, index, then one key per path pair.
-# ARGV: ttl_ms, version, then per score: scored member, pair key index, pair name, bytes.
-# Returns one flag per score: 1 recorded now, 0 recorded before.
+# KEYS: delta, pairs, scored, index, pairs kept apart, the other pair's δ, then one key per
+# path pair. ARGV: ttl_ms, version, max pairs, other pair's name, then per score: scored
+# member, pair key index, pair name, bytes. A pair is kept apart if it already is or the
+# set has room; else its δ goes to the other pair. Returns one flag per score: bit 0 set if
+# recorded now (clear: recorded before), bit 1 set if its pair went to the other pair.
 _PUT_SCORES_LUA = """
-local ttl = tonumber(ARGV[1])
-local flags, added = {}, 0
-for i = 3, #ARGV, 4 do
+local ttl, cap, other = tonumber(ARGV[1]), tonumber(ARGV[3]), ARGV[4]
+local flags, added, dest = {}, 0, {}
+for i = 5, #ARGV, 4 do
+  local k, name = tonumber(ARGV[i + 1]), ARGV[i + 2]
+  if dest[k] == nil then
+    if redis.call('SISMEMBER', KEYS[5], name) == 1 then
+      dest[k] = k
+    elseif redis.call('SCARD', KEYS[5]) < cap then
+      redis.call('SADD', KEYS[5], name)
+      dest[k] = k
+    else
+      dest[k] = 6
+    end
+  end
+  local d = dest[k]
+  local folded = 0
+  if d == 6 then folded = 2 end
   if redis.call('SADD', KEYS[3], ARGV[i]) == 1 then
     redis.call('APPEND', KEYS[1], ARGV[i + 3])
-    redis.call('APPEND', KEYS[tonumber(ARGV[i + 1])], ARGV[i + 3])
-    redis.call('SADD', KEYS[2], ARGV[i + 2])
-    flags[#flags + 1] = 1
+    redis.call('APPEND', KEYS[d], ARGV[i + 3])
+    if d == 6 then redis.call('SADD', KEYS[2], other) else redis.call('SADD', KEYS[2], name) end
+    flags[#flags + 1] = 1 + folded
     added = added + 1
   else
-    flags[#flags + 1] = 0
+    flags[#flags + 1] = folded
   end
 end
 if added > 0 then
@@ -165,14 +199,21 @@ class RolloutStore:
     """Rollouts, learner scores and the δ they give, per weight version, in Redis."""
 
     def __init__(self, client: redis.Redis, prefix: str = "libalign", metrics: Metrics | None = None,
-                 *, ttl_s: float | None = DEFAULT_TTL_S, retry: RetryPolicy | None = None):
+                 *, ttl_s: float | None = DEFAULT_TTL_S, retry: RetryPolicy | None = None,
+                 max_path_pairs: int = DEFAULT_MAX_PATH_PAIRS):
         if client.connection_pool.connection_kwargs.get("decode_responses"):
             raise ConfigError("the rollout store needs a binary-safe client (decode_responses=False)")
         if ttl_s is not None and not ttl_s > 0:
             raise ConfigError(f"ttl_s must be positive (or None), not {ttl_s}")
+        if isinstance(max_path_pairs, bool) or not isinstance(max_path_pairs, int) \
+                or max_path_pairs < 1:
+            raise ConfigError(f"max_path_pairs must be a positive integer, not {max_path_pairs!r}")
         self.client = client
         self.prefix = prefix
         self.metrics = metrics
+        self.max_path_pairs = max_path_pairs
+        if metrics is not None:
+            metrics.allow_path_pairs(max_path_pairs)
         self.ttl_ms = 0 if ttl_s is None else max(1, round(ttl_s * 1000))
         on_retry = (lambda what, e: metrics.redis_retries.inc()) if metrics is not None else None
         self.bus = RedisBus(client, retry=retry, on_retry=on_retry)
@@ -192,6 +233,10 @@ class RolloutStore:
     @property
     def _index_key(self) -> str:
         return f"{self.prefix}:delta:index"
+
+    @property
+    def _path_pairs_key(self) -> str:
+        return f"{self.prefix}:path_pairs"
 
     # --- rollouts -----------------------------------------------------------------------
 
@@ -275,15 +320,17 @@ class RolloutStore:
         """Pair learner scores with stored rollouts, record δ, return the batch's statistics.
 
         A score already recorded (same rollout and learner path) is not counted again; the
-        statistics returned cover the whole batch either way.
+        statistics returned cover the whole batch either way, per pair as recorded (a pair
+        past ``max_path_pairs`` as ``other``/``other``).
         """
         if not scores:
             raise InputError("put_scores needs at least one score")
         scored = self._pair(scores, version)
         pairs: dict[str, int] = {}
         keys = [self._delta_key(version), self._delta_key(version, "pairs"),
-                self._delta_key(version, "scored"), self._index_key]
-        args: list[object] = [self.ttl_ms, version]
+                self._delta_key(version, "scored"), self._index_key, self._path_pairs_key,
+                self._delta_key(version, OTHER_PAIR)]
+        args: list[object] = [self.ttl_ms, version, self.max_path_pairs, OTHER_PAIR]
         for x in scored:
             pair = f"{x.score.path}:{x.rollout.path}"
             if pair not in pairs:
@@ -291,19 +338,21 @@ class RolloutStore:
                 pairs[pair] = len(keys)  # Lua indexes KEYS from 1
             args += [f"{x.score.rollout_id}:{x.score.path}", pairs[pair], pair,
                      x.delta.astype("<f4").tobytes()]
-        flags = self.bus.call(f"scores put {version}",
-                              lambda: self._put_scores(keys=keys, args=args))
-        fresh = [x for x, new in zip(scored, flags, strict=True) if int(new)]
-        dups = len(scored) - len(fresh)
+        flags = [int(f) for f in self.bus.call(f"scores put {version}",
+                                               lambda: self._put_scores(keys=keys, args=args))]
+        recorded = [(_OTHER if f & 2 else (x.score.path, x.rollout.path), x.delta)
+                    for x, f in zip(scored, flags, strict=True)]
+        fresh = [r for r, f in zip(recorded, flags, strict=True) if f & 1]
         if self.metrics is not None:
             for (lp, sp), d in _by_pair(fresh).items():
                 self.metrics.observe_abs_deltas(lp, sp, np.abs(d))
+            self.metrics.scores_folded.inc(sum(1 for f in flags if f == 3))
         all_d = np.concatenate([x.delta for x in scored])
         return DeltaSummary(
-            version_id=version, rollouts=len(scored), tokens=int(all_d.size), duplicates=dups,
-            stats=summarize(all_d),
+            version_id=version, rollouts=len(scored), tokens=int(all_d.size),
+            duplicates=len(scored) - len(fresh), stats=summarize(all_d),
             by_path=[PathDiscrepancy(learner_path=lp, sampler_path=sp, stats=summarize(d))
-                     for (lp, sp), d in sorted(_by_pair(scored).items())])
+                     for (lp, sp), d in sorted(_by_pair(recorded).items())])
 
     # --- discrepancy --------------------------------------------------------------------
 
@@ -362,7 +411,7 @@ class RolloutStore:
             raise InputError(f"window_tokens must be a positive integer, not {window_tokens!r}")
         versions = [check_version_id(version)] if version is not None else self.recent_versions()
         d, used = self._window(versions, window_tokens, None)
-        pairs = sorted({p for v in used for p in self._pairs(v)})
+        pairs = self._bounded(sorted({p for v in used for p in self._pairs(v)}))
         by_path = []
         for pair in pairs:
             lp, sp = pair.split(":", 1)
@@ -371,6 +420,17 @@ class RolloutStore:
             by_path.append(PathDiscrepancy(learner_path=lp, sampler_path=sp, stats=stats))
         return Discrepancy(version_id=version, versions=used, window_tokens=window_tokens,
                            stats=summarize(d), by_path=by_path)
+
+    def _bounded(self, pairs: list[str]) -> list[str]:
+        """``pairs`` (sorted), at most ``max_path_pairs`` of them besides other:other; the rest
+        (stored under a larger cap) left out and logged."""
+        kept = [p for p in pairs if p != OTHER_PAIR]
+        if len(kept) <= self.max_path_pairs:
+            return pairs
+        log.warning("the discrepancy window holds %d path pairs; the %d past max_path_pairs=%d "
+                    "are left out of by_path", len(kept), len(kept) - self.max_path_pairs,
+                    self.max_path_pairs)
+        return sorted(kept[:self.max_path_pairs] + [p for p in pairs if p == OTHER_PAIR])
 
 
 def routing_wire(record: RoutingRecord) -> RoutingWire:
@@ -400,9 +460,13 @@ def stored_rollout(version: str, rollout_id: str, raw: bytes) -> Rollout | None:
         return None
 
 
-def _by_pair(scored: list[_Scored]) -> dict[tuple[str, str], np.ndarray]:
-    """δ grouped by (learner path, sampler path), in batch order."""
+_OTHER = (OTHER_PATH, OTHER_PATH)
+
+
+def _by_pair(recorded: list[tuple[tuple[str, str], np.ndarray]]
+             ) -> dict[tuple[str, str], np.ndarray]:
+    """δ grouped by the (learner path, sampler path) pair it was recorded under, in batch order."""
     groups: dict[tuple[str, str], list[np.ndarray]] = {}
-    for x in scored:
-        groups.setdefault((x.score.path, x.rollout.path), []).append(x.delta)
+    for pair, delta in recorded:
+        groups.setdefault(pair, []).append(delta)
     return {k: np.concatenate(v) for k, v in groups.items()}
