@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from alignclient.errors import VersionExistsError
+from alignclient.errors import StateTransitionError, VersionExistsError
 from alignd.converter.main import run_converter
 from alignd.formats.published import write_published
 from alignd.formats.weight_store import TMP_PREFIX, WeightStore
@@ -408,7 +408,7 @@ def test_corrupted_shard_is_refused_and_the_old_version_keeps_serving(redis_url,
     before the sampler loads it. Survived: the sampler's checksum check refuses it, the
     version goes ``failed`` with a reason naming the checksum and the tensor, the sampler
     keeps serving the old version (rollouts for it still work), and a request for the
-    corrupted one is answered with an error instead of bad tokens."""
+    corrupted one is refused (StateTransitionError: failed) instead of bad tokens."""
     rig = Rig(redis_url, tmp_path)
     engine = sampler_engine(rig.settings.store_dir)
     rollouts = RolloutStore(redis.Redis.from_url(redis_url), rig.settings.key_prefix)
@@ -432,10 +432,10 @@ def test_corrupted_shard_is_refused_and_the_old_version_keeps_serving(redis_url,
                                           prompts=json.dumps(TASK.prompts(2, 0)),
                                           max_new_tokens=3))
     assert ok.error is None and len(ok.ids()) == 2
-    bad = svc.serve_request(RolloutRequest(request_id="bad", version_id="c2",
-                                           prompts=json.dumps(TASK.prompts(2, 0)),
-                                           max_new_tokens=3))
-    assert bad.error is not None and "failed" in bad.error
+    with pytest.raises(StateTransitionError, match="'c2': failed -> serving"):
+        svc.serve_request(RolloutRequest(request_id="bad", version_id="c2",
+                                         prompts=json.dumps(TASK.prompts(2, 0)),
+                                         max_new_tokens=3))
     assert engine.version_id == "c1"
 
 

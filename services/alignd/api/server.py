@@ -22,6 +22,10 @@
   within milliseconds of connecting, so it is never the oldest; a flood of idle sockets
   evicts only itself. Later requests of a kept-alive connection are covered by uvicorn's
   keep-alive timer while idle, not by this guard.
+* **Bounded shutdown** (uvicorn's ``timeout_graceful_shutdown``): on SIGTERM the server stops
+  accepting at once and waits at most ``shutdown_timeout_s`` for requests in flight (a
+  client trickling an upload included); what is still running then is cancelled, so the
+  process exits within the bound whatever its clients do.
 * **Bounded logs** (:class:`RepeatFilter`, on the handlers of the root and uvicorn loggers):
   within :data:`LOG_REPEAT_INTERVAL_S` only the first of identical records (same logger,
   level, source line and message) is written; the next one after the interval says how
@@ -282,6 +286,7 @@ def build_server(app: ASGIApp, settings: ApiSettings, *, host: str | None = None
         log_level=log_level, access_log=False, backlog=backlog,
         timeout_keep_alive=settings.api_keep_alive_s,
         limit_concurrency=settings.api_max_connections,
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,  # seconds; a float works
         http=head_deadline_protocol(AutoHTTPProtocol, heads))
     log.info("connections: %d open files, backlog %d, at most %d waiting %g s for a request "
              "head, 503 beyond %d", soft, backlog, waiting, settings.api_header_timeout_s,

@@ -11,8 +11,11 @@ pass (:mod:`alignd.infra.retention`: versions no sampler serves retired, old ret
 pruned with their store directories, old ModelOpt exports pruned, dead stream consumers and
 groups removed); a pass that
 fails is logged, never fatal, and the next one finishes its work.
-Configuration is :class:`~alignd.infra.settings.ConverterSettings` (``ALIGN_*`` variables);
-SIGTERM or SIGINT finish the current message and stop.
+Configuration is :class:`~alignd.infra.settings.ConverterSettings` (``ALIGN_*`` variables).
+SIGTERM or SIGINT stop it: a conversion in progress is abandoned before its next tensor and
+left pending, for the next converter to reclaim and redo (see
+:mod:`alignd.converter.worker`), and whatever cannot stop half-way is cut off
+``shutdown_timeout_s`` after the signal (:func:`~alignd.infra.service_main.run_service`).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def run_converter(settings: ConverterSettings, stop_event: threading.Event | Non
     store = WeightStore(settings.store_dir)
     sweep(store, settings.sweep_stale_s)
     registry = Registry(bus, settings.key_prefix)
-    worker = ConverterWorker(settings, bus, registry, store, metrics, on_step=on_step)
+    worker = ConverterWorker(settings, bus, registry, store, metrics, on_step=on_step, stop=stop)
     retention = Retention.from_settings(settings, bus, registry, store, metrics,
                                         exports=worker.exports)
     beat = ServiceHeartbeat(bus, "converter", safe_id(settings.consumer_name, "converter"),

@@ -29,6 +29,14 @@ shard; the message is acked and the service goes on. So does a full disk or quot
 once space is freed an operator retries the version. An unexpected error leaves the
 message pending, to be reclaimed and tried again, at most ``max_deliveries`` times.
 The message is acked only after the version's outcome is recorded in the registry.
+
+A conversion is resumable, never finished at any cost: once the worker's ``stop`` event is set
+(the service was told to stop) the conversion in progress is abandoned before its next
+tensor (:class:`ConversionStopped`): the staging directory is removed, the message is not
+acked and the version stays ``converting`` (not failed), so the next converter reclaims the
+message after ``claim_idle_ms`` and converts the version again from the start, to the same
+bits. A version already renamed into the store is finished (only the registry and the
+announcement are left).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from __future__ import annotations
 import errno
 import logging
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -69,22 +78,31 @@ NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
 #: Versions whose last unexpected error is remembered (the oldest is forgotten first).
 MAX_LAST_ERRORS = 256
 
-# Outcomes of handle(); every one but RETRY acks the message.
+# Outcomes of handle(); every one but RETRY and STOPPED acks the message.
 CONVERTED, FAILED, SKIPPED, DROPPED, RETRY = "converted", "failed", "skipped", "dropped", "retry"
+STOPPED = "stopped"
+
+
+class ConversionStopped(Exception):
+    """The service is stopping: the conversion in progress is abandoned, to be redone by the
+    converter that reclaims its message (not an error of the version)."""
 
 
 class ConverterWorker:
     """Turns ``published`` messages into converted (or failed) versions.
 
     ``on_step`` is called with a label after each durable step of a conversion (a shard
-    written, the manifest, the rename, the commit), in the thread that converts.
+    written, the manifest, the rename, the commit), in the thread that converts. Once
+    ``stop`` is set, a conversion in progress stops before its next tensor (STOPPED).
     """
 
     def __init__(self, settings: ConverterSettings, bus: RedisBus, registry: Registry,
                  store: WeightStore, metrics: Metrics, *,
-                 on_step: Callable[[str], None] | None = None):
+                 on_step: Callable[[str], None] | None = None,
+                 stop: threading.Event | None = None):
         self.settings = settings
         self.on_step = on_step
+        self.stop = stop if stop is not None else threading.Event()
         self.bus = bus
         self.registry = registry
         self.store = store
@@ -101,6 +119,10 @@ class ConverterWorker:
         """Process one message; ack it unless the outcome is RETRY. Returns the outcome."""
         try:
             outcome = self._process(msg)
+        except ConversionStopped as e:
+            log.info("message %s: %s; left pending for the converter that reclaims it",
+                     msg.id, e)
+            return STOPPED
         except BusUnavailableError:
             raise
         except Exception as e:
@@ -192,7 +214,8 @@ class ConverterWorker:
                 src, self.store, vid, spec, all_linear=self.settings.convert_all_linear,
                 quantize=quantize, share_fused=self.exports is not None,
                 device=self.settings.converter_device,
-                shard_bytes=self.settings.store_shard_bytes, overwrite=overwrite, on_step=self._step)
+                shard_bytes=self.settings.store_shard_bytes, overwrite=overwrite, on_step=self._step,
+                on_tensor=lambda name: self._stop_here(vid, name))
         except VersionExistsError:  # a concurrent converter committed first
             manifest = self.store.verify_version(vid)
         self._step("committed")
@@ -222,6 +245,12 @@ class ConverterWorker:
         except OSError:
             pass
         return f"{e} ({where}); free space, then retry the version (POST /v1/versions/<id>:retry)"
+
+    def _stop_here(self, vid: str, tensor: str) -> None:
+        """Before each tensor: abandon the conversion if the service is stopping."""
+        if self.stop.is_set():
+            raise ConversionStopped(f"stopping: conversion of {vid} abandoned before tensor "
+                                    f"{tensor!r}, its staging directory removed")
 
     def _step(self, label: str) -> None:
         """After each durable step of a conversion: log it, tell ``on_step``."""

@@ -8,7 +8,7 @@ ready-to-load and a script can convert a directory by hand.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,13 +94,16 @@ def convert_published(
     device: str = "cpu",
     quantize: bool = True,
     share_fused: bool = False,
+    on_tensor: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Convert the published version in ``src_dir`` into ``store`` as ``version_id``.
 
     Every shard is checked to exist before anything is written. Returns the manifest.
     ``quantize=False`` stores every tensor unquantized (a version for a bf16 sampler);
     ``share_fused`` quantizes fused siblings with one outer maximum (:func:`fused_outer_amax`:
-    what a ModelOpt export for SGLang needs).
+    what a ModelOpt export for SGLang needs). ``on_tensor`` is called with each tensor's name
+    after it is read and before it is quantized; what it raises abandons the conversion (the
+    staging directory is removed, the store is untouched).
     """
     spec = resolve_spec(spec)
     pub = HFCheckpoint(Path(src_dir))
@@ -108,9 +111,20 @@ def convert_published(
     source = {"path": str(pub.path), "tensors": len(pub.weight_map), "bytes": pub.total_bytes}
     extra = {"all_linear": all_linear, "quantized": quantize, "fused_share_outer": share_fused}
     amax = fused_outer_amax(pub, spec, all_linear=all_linear) if share_fused and quantize else {}
+    tensors = pub.iter_tensors()
+    if on_tensor is not None:
+        tensors = _told(tensors, on_tensor)
     return store.write_version(
-        version_id, pub.iter_tensors(), spec,
+        version_id, tensors, spec,
         select=make_select(all_linear) if quantize else (lambda name, t: False),
         shard_bytes=shard_bytes, source=source, extra=extra,
         overwrite=overwrite, on_step=on_step, device=device, outer_amax=amax,
     )
+
+
+def _told(tensors: Iterable[tuple[str, Any]], on_tensor: Callable[[str], None]
+          ) -> Iterator[tuple[str, Any]]:
+    """``tensors``, calling ``on_tensor(name)`` before each is passed on."""
+    for name, value in tensors:
+        on_tensor(name)
+        yield name, value

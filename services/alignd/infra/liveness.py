@@ -17,6 +17,15 @@ score the time of the last beat) remembers instances after their hash expired, s
 output can still list a dead instance as down with the age of its last beat; members
 older than :data:`FORGET_AFTER_S` are dropped.
 
+What an instance *holds* outlives its hash: the same script writes the weight versions it
+serves or is loading (``version`` and :attr:`ServiceHeartbeat.loading`) as a JSON list into
+the hash ``P:heartbeats:holds`` (field ``<service>:<name>``), which does not expire, and a
+clean stop (state ``stopped``) deletes that field. :func:`held_versions` reads it against
+the index's last-beat times: an instance that stopped beating without a clean stop (paused,
+partitioned, killed) still holds its versions for a grace period after its last beat, far
+longer than its heartbeat's ttl, so the retention pass (:mod:`alignd.infra.retention`) does
+not delete a version under a sampler that merely missed a few beats.
+
 An instance is *up* while its hash exists, its last beat is younger than ``ttl_s`` and its
 state is not ``stopped``. :class:`ServiceHeartbeat` beats from a daemon thread; a failed
 beat (Redis briefly down) is logged and retried at the next period, never raised.
@@ -46,7 +55,8 @@ FORGET_AFTER_S = 7 * 86_400.0
 #: Known service kinds.
 SERVICES = ("api", "converter", "sampler", "learner")
 
-# KEYS[1] hash, KEYS[2] index. ARGV: member, ttl_ms, pid, host, state, version, info.
+# KEYS[1] hash, KEYS[2] index, KEYS[3] holds. ARGV: member, ttl_ms, pid, host, state, version,
+# info, held versions (a JSON list).
 _BEAT_LUA = """
 local t = redis.call('TIME')
 local now = string.format('%d.%06d', t[1], t[2])
@@ -54,6 +64,11 @@ redis.call('HSET', KEYS[1], 'at', now, 'pid', ARGV[3], 'host', ARGV[4], 'state',
            'version', ARGV[6], 'info', ARGV[7])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('ZADD', KEYS[2], tonumber(now), ARGV[1])
+if ARGV[5] == 'stopped' or ARGV[8] == '[]' then
+  redis.call('HDEL', KEYS[3], ARGV[1])
+else
+  redis.call('HSET', KEYS[3], ARGV[1], ARGV[8])
+end
 return now
 """
 
@@ -65,6 +80,11 @@ def _text(x: Any) -> str:
 def heartbeat_key(prefix: str, service: str, name: str) -> str:
     """The hash of one instance."""
     return f"{prefix}:heartbeat:{service}:{name}"
+
+
+def holds_key(prefix: str) -> str:
+    """The hash of the versions each instance holds (field ``<service>:<name>``)."""
+    return f"{prefix}:heartbeats:holds"
 
 
 class ServiceHeartbeat:
@@ -89,6 +109,7 @@ class ServiceHeartbeat:
         self.prefix = prefix
         self.state = "running"
         self.version = ""
+        self.loading = ""
         self.beats = 0
         self._script = self.bus.client.register_script(_BEAT_LUA)
         self._thread: threading.Thread | None = None
@@ -98,12 +119,16 @@ class ServiceHeartbeat:
     def key(self) -> str:
         return heartbeat_key(self.prefix, self.service, self.name)
 
-    def set(self, *, state: str | None = None, version: str | None = None) -> None:
-        """Change the reported state or version (sent with the next beat)."""
+    def set(self, *, state: str | None = None, version: str | None = None,
+            loading: str | None = None) -> None:
+        """Change the reported state, version or version being loaded ("" for none; sent
+        with the next beat, or at once by :meth:`beat`)."""
         if state is not None:
             self.state = state
         if version is not None:
             self.version = version
+        if loading is not None:
+            self.loading = loading
 
     def beat(self) -> None:
         """Write one beat now (raises if Redis is unreachable).
@@ -111,14 +136,15 @@ class ServiceHeartbeat:
         What it says is read under the lock that orders the writes: a beat that waited
         behind another one never writes an older state or version over it.
         """
-        keys = [self.key, f"{self.prefix}:heartbeats"]
+        keys = [self.key, f"{self.prefix}:heartbeats", holds_key(self.prefix)]
         with self._lock:
             extra = dict(self.info()) if self.info is not None else {}
             state = str(extra.pop("state", self.state))
             version = str(extra.pop("version", self.version) or "")
+            held = [v for v in dict.fromkeys((version, self.loading)) if v]
             args = [f"{self.service}:{self.name}", max(1, round(self.ttl_s * 1000)),
                     os.getpid(), socket.gethostname(), state, version,
-                    json.dumps(extra, default=str)]
+                    json.dumps(extra, default=str), json.dumps(held)]
             self.bus.call(f"heartbeat {self.service}:{self.name}",
                           lambda: self._script(keys=keys, args=args))
             self.beats += 1
@@ -142,7 +168,8 @@ class ServiceHeartbeat:
         return self
 
     def stop(self) -> None:
-        """Stop beating and report ``stopped`` (best effort: Redis may be gone)."""
+        """Stop beating and report ``stopped``, which also lets go of the versions held
+        (best effort: Redis may be gone; they are then held for the grace period)."""
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
@@ -161,11 +188,13 @@ class ServiceHeartbeat:
 
 
 def list_heartbeats(client: redis.Redis | RedisBus, prefix: str = "libalign",
-                    ttl_s: float | None = None) -> list[dict[str, Any]]:
+                    ttl_s: float | None = None, *, now: float | None = None
+                    ) -> list[dict[str, Any]]:
     """Every known instance: service, name, age_s, up, state, version, info (sorted).
 
     ``up`` needs the hash to exist (its own expiry is the instance's ttl) and, if
-    ``ttl_s`` is given, a beat younger than that.
+    ``ttl_s`` is given, a beat younger than that. Ages are taken at ``now`` (epoch seconds;
+    default the Redis server's clock, the one beats are stamped with).
     """
     bus = client if isinstance(client, RedisBus) else RedisBus(client)
     index = f"{prefix}:heartbeats"
@@ -177,11 +206,16 @@ def list_heartbeats(client: redis.Redis | RedisBus, prefix: str = "libalign",
         return pipe.execute()
 
     (sec, usec), rows = bus.call("heartbeats list", members)
-    now = sec + usec / 1e6
+    now = sec + usec / 1e6 if now is None else now
     rows = [(_text(m), float(score)) for m, score in rows]
     stale = [m for m, score in rows if now - score > FORGET_AFTER_S]
     if stale:
-        bus.call("heartbeats forget", lambda: bus.client.zrem(index, *stale))
+        def forget() -> None:
+            pipe = bus.client.pipeline(transaction=False)
+            pipe.zrem(index, *stale)
+            pipe.hdel(holds_key(prefix), *stale)
+            pipe.execute()
+        bus.call("heartbeats forget", forget)
     rows = [(m, score) for m, score in rows if m not in stale]
 
     def hashes() -> list:
@@ -207,3 +241,37 @@ def list_heartbeats(client: redis.Redis | RedisBus, prefix: str = "libalign",
                     "state": state if h else "gone", "version": h.get("version", ""),
                     "info": info if isinstance(info, dict) else {"value": info}})
     return sorted(out, key=lambda d: (d["service"], d["name"]))
+
+
+def held_versions(client: redis.Redis | RedisBus, prefix: str = "libalign", *,
+                  grace_s: float, now: float | None = None) -> dict[str, list[str]]:
+    """``<service>:<name>`` -> the weight versions that instance holds (serves or is loading).
+
+    An instance holds what its last beat named until it stops cleanly, or until ``grace_s``
+    after that beat (its heartbeat lapsed and nobody saw it go: it may only be paused).
+    Ages are taken at ``now`` (default the Redis server's clock).
+    """
+    bus = client if isinstance(client, RedisBus) else RedisBus(client)
+
+    def read() -> list[Any]:
+        pipe = bus.client.pipeline(transaction=False)
+        pipe.time()
+        pipe.zrange(f"{prefix}:heartbeats", 0, -1, withscores=True)
+        pipe.hgetall(holds_key(prefix))
+        return pipe.execute()
+
+    (sec, usec), beats, holds = bus.call("heartbeats held versions", read)
+    now = sec + usec / 1e6 if now is None else now
+    last = {_text(m): float(score) for m, score in beats}
+    out: dict[str, list[str]] = {}
+    for member, raw in holds.items():
+        member = _text(member)
+        if member not in last or now - last[member] > grace_s:
+            continue
+        try:
+            versions = json.loads(_text(raw))
+        except ValueError:
+            continue
+        if isinstance(versions, list):
+            out[member] = [str(v) for v in versions if v]
+    return out

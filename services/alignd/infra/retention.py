@@ -7,8 +7,12 @@ and every sampler that ever ran leaves a consumer and a group on the streams. On
 interval after it starts) does four things, in this order:
 
 1. **Retire.** A ``serving`` version moves to ``retired`` (a history entry with the reason)
-   when no live service names it in its heartbeat (:mod:`alignd.infra.liveness`: a sampler
-   reports the version it serves) and ``retain_versions`` newer versions serve. A ``failed``
+   when it is not in use and ``retain_versions`` newer versions serve. *In use* means held
+   by a service instance (:func:`alignd.infra.liveness.held_versions`): a sampler names in
+   its heartbeat the version it serves and, before it reads a version's bits, the one it is
+   loading; what its last beat named stays held for ``held_version_grace_s`` after that beat
+   unless it stopped cleanly, so a sampler paused or cut off past its heartbeat's ttl keeps
+   its version (a live heartbeat's ``version`` counts too). A ``failed``
    version does too once it has been failed for ``retired_ttl_s`` without an operator
    retrying it, unless it is among the newest ``retain_versions`` versions. ``published``,
    ``converting``, ``converted`` and ``loading`` versions are never touched: they are work in
@@ -24,8 +28,9 @@ interval after it starts) does four things, in this order:
    ``.tmp-*`` leftover that the store's sweep removes); the next pass finds it retired and
    old, discards nothing more and deletes the record. Nothing is ever deleted while a
    record could still send a reader to it: only ``retired`` versions are pruned, and no
-   sampler loads a retired one. ``retired_ttl_s`` should exceed the longest load, so a
-   sampler that began loading a version just before it was retired finishes reading it.
+   sampler loads a retired one. A sampler that read a version's record just before a pass
+   retired it finds out after its load (it checks the record again, see
+   :meth:`alignd.sampler.service.SamplerService.load`) and serves nothing from it.
 3. **Exports.** With a ModelOpt export root (the converter's ``sampler_layout=modelopt``),
    the exports of pruned versions go with them (step 2, also under an ``sglang_export_dir``
    outside the store), and of the other exports only the newest ``retain_exports`` are kept,
@@ -67,7 +72,7 @@ from alignd.formats.modelopt_export import ModelOptExport
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.events import SAMPLER_GROUP_PREFIX, sampler_group, sync_stream
-from alignd.infra.liveness import list_heartbeats
+from alignd.infra.liveness import held_versions, list_heartbeats
 from alignd.infra.registry import Registry, VersionAge
 from alignd.infra.settings import ConverterSettings
 from alignd.infra.telemetry import Metrics
@@ -136,7 +141,8 @@ class Retention:
                  streams: list[str], retain_versions: int, retired_ttl_s: float,
                  dead_consumer_idle_ms: int, actor: str = "retention",
                  metrics: Metrics | None = None, exports: ModelOptExport | None = None,
-                 retain_exports: int = 3):
+                 retain_exports: int = 3, heartbeat_ttl_s: float | None = None,
+                 held_grace_s: float = 600.0, clock: Callable[[], float] | None = None):
         if retain_versions < 1:
             raise ValueError(f"retain_versions must be at least 1, got {retain_versions}")
         self.bus, self.registry, self.store = bus, registry, store
@@ -148,15 +154,21 @@ class Retention:
         self.metrics = metrics
         self.exports = exports
         self.retain_exports = retain_exports
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.grace_s = held_grace_s
+        self.clock = clock
         self._clean = bus.client.register_script(_CLEAN_LUA)
 
     @classmethod
     def from_settings(cls, settings: ConverterSettings, bus: RedisBus, registry: Registry,
                       store: WeightStore, metrics: Metrics | None = None,
-                      exports: ModelOptExport | None = None) -> Retention:
+                      exports: ModelOptExport | None = None,
+                      clock: Callable[[], float] | None = None) -> Retention:
         """The pass a converter runs, with its settings' limits and streams (and the exports
-        it writes, if any)."""
+        it writes, if any); ``clock`` replaces the Redis server's (epoch seconds)."""
         return cls(bus, registry, store, streams=run_streams(settings), exports=exports,
+                   heartbeat_ttl_s=settings.service_heartbeat_ttl_s,
+                   held_grace_s=settings.held_version_grace_s, clock=clock,
                    retain_exports=settings.retain_exports,
                    retain_versions=settings.retain_versions,
                    retired_ttl_s=settings.retired_ttl_s,
@@ -166,8 +178,14 @@ class Retention:
     def run(self) -> RetentionReport:
         """One pass: retire, prune, remove dead consumers and groups; returns what it did."""
         report = RetentionReport()
-        live = [h for h in list_heartbeats(self.bus, self.registry.prefix) if h["up"]]
-        in_use = {h["version"] for h in live if h["version"]}
+        now = self._now()
+        live = [h for h in list_heartbeats(self.bus, self.registry.prefix,
+                                           ttl_s=self.heartbeat_ttl_s, now=now) if h["up"]]
+        held = held_versions(self.bus, self.registry.prefix, grace_s=self.grace_s, now=now)
+        in_use = ({h["version"] for h in live if h["version"]}
+                  | {v for versions in held.values() for v in versions})
+        # an instance within its grace keeps its consumers and its own group too
+        live += [{"service": m.split(":", 1)[0], "name": m.split(":", 1)[1]} for m in held]
         self._retire(self.registry.ages(), in_use, report)
         ages = self.registry.ages()
         self._prune(ages, in_use, report)
@@ -183,7 +201,10 @@ class Retention:
         return report
 
     def _now(self) -> float:
-        """The Redis server's clock, the one the registry's timestamps come from."""
+        """The clock given, else the Redis server's: the one the registry's timestamps and
+        the heartbeats come from."""
+        if self.clock is not None:
+            return self.clock()
         sec, usec = self.bus.call("retention time", self.bus.client.time)
         return sec + usec / 1e6
 

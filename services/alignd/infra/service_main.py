@@ -6,18 +6,24 @@ A service's ``main()`` is one call, ``run_service(log, ConverterSettings, run)``
 2. the service's settings class is read from its ``ALIGN_*`` variables; a bad value is logged
    and the process exits 2, before anything starts;
 3. SIGTERM and SIGINT set a :class:`threading.Event` that ``run`` watches, so the service
-   finishes the work in hand and stops cleanly;
+   stops taking work and stops cleanly; one that is still running ``shutdown_timeout_s``
+   after the signal (a load, a generation or a checksum pass that cannot stop half-way) is
+   ended by :func:`exit_after_stop` with status :data:`EXIT_CUT_OFF`, its work left for
+   another instance to take over (a message not acknowledged is reclaimed);
 4. ``run(settings, stop)`` builds the service and runs it; it returns the exit status (None
    means 0), and an :class:`~alignclient.errors.AlignError` escaping it is logged and exits 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from alignclient.errors import AlignError
@@ -29,6 +35,9 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 S = TypeVar("S", bound=ServiceSettings)
 
+#: Exit status of a service cut off ``shutdown_timeout_s`` after the signal to stop.
+EXIT_CUT_OFF = 3
+
 
 def stop_on_signals(*, ignore: bool = False) -> threading.Event:
     """An event SIGTERM and SIGINT set (``ignore``: both are ignored and it is never set)."""
@@ -36,6 +45,36 @@ def stop_on_signals(*, ignore: bool = False) -> threading.Event:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN if ignore else (lambda *_: stop.set()))
     return stop
+
+
+@contextlib.contextmanager
+def exit_after_stop(stop: threading.Event, timeout_s: float, log: logging.Logger,
+                    exit_fn: Callable[[int], None] = os._exit) -> Iterator[threading.Thread]:
+    """While the block runs, a thread that, ``timeout_s`` after ``stop`` is set, logs that the
+    service did not stop in time and ends the process (``exit_fn(EXIT_CUT_OFF)``, no clean-up:
+    what it was doing stays unacknowledged, for another instance). Leaving the block ends
+    the thread (a service that stopped in time never hears from it)."""
+    done = threading.Event()
+
+    def watch() -> None:
+        stop.wait()
+        t0 = time.monotonic()
+        if done.wait(timeout_s):
+            return
+        log.error("still running %.1f s after the signal to stop (shutdown_timeout_s): exiting "
+                  "with the work in hand left for another instance", time.monotonic() - t0)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        exit_fn(EXIT_CUT_OFF)
+
+    thread = threading.Thread(target=watch, daemon=True, name="shutdown-deadline")
+    thread.start()
+    try:
+        yield thread
+    finally:
+        done.set()
+        stop.set()
+        thread.join()
 
 
 def load_settings(log: logging.Logger, settings_cls: type[S]) -> S | None:
@@ -58,8 +97,9 @@ def run_service(log: logging.Logger, settings_cls: type[S],
     if settings is None:
         return 2
     stop = stop_on_signals()
-    try:
-        return run(settings, stop) or 0
-    except AlignError as e:
-        log.error("stopped: %s", e)
-        return 1
+    with exit_after_stop(stop, settings.shutdown_timeout_s, log):
+        try:
+            return run(settings, stop) or 0
+        except AlignError as e:
+            log.error("stopped: %s", e)
+            return 1

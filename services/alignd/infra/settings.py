@@ -155,6 +155,10 @@ class ServiceSettings(AlignSettings):
     service_heartbeat_s: float = Field(2.0, gt=0, description="period of a service's heartbeat")
     service_heartbeat_ttl_s: float = Field(10.0, gt=0,
                                            description="a heartbeat older than this means down")
+    shutdown_timeout_s: float = Field(
+        15.0, gt=0, description="longest time from SIGTERM or SIGINT to exit: work still in "
+        "hand then is left to another instance (a conversion is reclaimed and redone, a "
+        "rollout request reclaimed); the API waits this long for requests in flight")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="serve /metrics (0: any)")
     metrics_addr: str = Field("0.0.0.0", description="address the metrics server binds")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
@@ -246,6 +250,18 @@ class ConverterSettings(DeliverySettings, LayoutSettings):
                                         "(retire, prune, dead consumers) while the converter runs")
     dead_consumer_idle_ms: int = Field(3_600_000, gt=0, description="a stream consumer idle this "
                                        "long with nothing pending is removed from its group")
+    held_version_grace_s: float = Field(
+        600.0, gt=0, description="a version a sampler served or was loading is kept in use this "
+        "long after that sampler's last heartbeat unless it stopped cleanly (a paused or cut-off "
+        "sampler keeps its version); must exceed service_heartbeat_ttl_s")
+
+    @model_validator(mode="after")
+    def _grace_beyond_heartbeat(self) -> ConverterSettings:
+        """A sampler that missed a few beats must still hold its versions."""
+        if self.held_version_grace_s <= self.service_heartbeat_ttl_s:
+            raise ValueError(f"held_version_grace_s={self.held_version_grace_s} must exceed "
+                             f"service_heartbeat_ttl_s={self.service_heartbeat_ttl_s}")
+        return self
 
 
 class SamplerSettings(DeliverySettings, GuidanceStoreSettings, ExportSettings):

@@ -4,7 +4,10 @@ Built from :class:`~alignd.infra.settings.SamplerSettings`: the engine
 (``ALIGN_SAMPLER_ENGINE``: the embedded torch one, :mod:`alignd.sampler.embedded`, or an SGLang
 server, :mod:`alignd.sampler.sglang_sampler`) with its rollout and guidance stores, then a
 :class:`~alignd.sampler.service.SamplerService` polled until SIGTERM or SIGINT, beating as
-service ``sampler`` and serving ``/metrics`` when ``ALIGN_METRICS_PORT`` is set.
+service ``sampler`` and serving ``/metrics`` when ``ALIGN_METRICS_PORT`` is set. On a signal
+it takes no new work; a load or a generation in progress is cut off after
+``ALIGN_SHUTDOWN_TIMEOUT_S`` (:func:`~alignd.infra.service_main.run_service`), its request
+left pending for another sampler to reclaim.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def run_sampler(settings: SamplerSettings, engine: SamplerEngine, stop: threadin
     """Serve with ``engine`` until ``stop`` is set."""
     bus = bus or RedisBus.from_settings(settings, stop_event=stop)
     svc = SamplerService(settings, engine, bus, rollouts=rollouts, guidance=guidance,
-                         metrics=metrics)
+                         metrics=metrics, stop=stop)
     svc.heartbeat = ServiceHeartbeat(bus, "sampler", settings.sampler_name,
                                      settings.service_heartbeat_s, settings.service_heartbeat_ttl_s,
                                      info=lambda: {"path": engine.path},

@@ -14,6 +14,14 @@ Three inputs, polled in turn:
 
 Every stream is the key prefix's own, so a sampler never takes another run's work.
 
+A sampler serves only versions the registry lets it serve (``converted``, ``loading`` or
+``serving``): the retention pass (:mod:`alignd.infra.retention`) may retire and prune a
+version nobody holds. So the sampler names a version in its heartbeat (``loading``) *before*
+it reads its bits, and checks the record again after the load, before it generates and
+before it stores rollouts: a version retired or pruned meanwhile is refused with a typed
+error (:class:`~alignclient.errors.StateTransitionError` naming its state, or
+:class:`~alignclient.errors.VersionNotFoundError` once pruned), and nothing is stored for it.
+
 Loading moves the registry's version ``converted -> loading -> serving`` (the first sampler to
 get there does; later ones just load) and, when the store's bits fail verification or do not
 fit the sampler's path, ``-> failed`` with the reason; the engine keeps serving what it had.
@@ -31,14 +39,20 @@ import contextlib
 import inspect
 import json
 import logging
+import threading
 import time
 
-from alignclient.errors import AlignError, EventError, StateTransitionError
+from alignclient.errors import (
+    AlignError,
+    EventError,
+    StateTransitionError,
+    VersionNotFoundError,
+)
 from pydantic import ValidationError
 
 from alignd.infra.bus import ClaimKeeper, Message, RedisBus
 from alignd.infra.events import ConvertedEvent, sampler_group, sync_stream
-from alignd.infra.registry import Registry
+from alignd.infra.registry import Registry, VersionRecord
 from alignd.infra.settings import SamplerSettings
 from alignd.infra.stores.rollouts import Rollout, routing_wire
 from alignd.infra.telemetry import Metrics
@@ -61,7 +75,8 @@ class SamplerService:
     """One sampler: an engine plus the Redis plumbing around it."""
 
     def __init__(self, settings: SamplerSettings, engine: SamplerEngine, bus: RedisBus, *,
-                 rollouts, guidance=None, metrics: Metrics | None = None):
+                 rollouts, guidance=None, metrics: Metrics | None = None,
+                 stop: threading.Event | None = None):
         self.settings = settings
         self.engine = engine
         self.bus = bus
@@ -77,18 +92,37 @@ class SamplerService:
         self.ready_stream = ready_stream(settings.key_prefix)
         self.load_seconds: dict[str, float] = {}
         self.heartbeat = None  # a ServiceHeartbeat when run as a service
+        self.stop = stop if stop is not None else threading.Event()
         self._next_claim = 0.0
 
     # --- loading ------------------------------------------------------------------------
 
+    def servable(self, version_id: str) -> VersionRecord:
+        """The record of ``version_id`` if the registry lets it be served; otherwise a typed
+        refusal: VersionNotFoundError (pruned, or never registered), StateTransitionError
+        naming its state (retired, failed, not converted yet)."""
+        rec = self.registry.get(version_id)
+        if rec.state not in LOADABLE:
+            raise StateTransitionError(version_id, rec.state, "serving",
+                                       f"sampler {self.name} serves only "
+                                       f"{', '.join(LOADABLE)} versions")
+        return rec
+
     def load(self, version_id: str) -> bool:
-        """Load ``version_id`` through the registry's states; False if it cannot be served."""
-        if self.engine.version_id == version_id:
-            return True
+        """Load ``version_id`` through the registry's states; False if it cannot be served.
+
+        The heartbeat names the version as being loaded before its bits are read, and the
+        record is read again after the load: a version retired or pruned meanwhile is not
+        served (False), whatever the engine holds now.
+        """
         rec = self.registry.get(version_id)
         if rec.state not in LOADABLE:
             log.info("version %s is %s; not loadable", version_id, rec.state)
+            if self.engine.version_id == version_id and self.heartbeat is not None:
+                self.heartbeat.set(version="")  # the engine's copy is served no more
             return False
+        if self.engine.version_id == version_id:
+            return True
         # a version left ``loading`` under this sampler's name is one a predecessor of ours
         # (the same sampler, killed mid-load) started: finish its move to ``serving``
         mine = rec.state == "loading" and rec.owner == self.name
@@ -98,6 +132,7 @@ class SamplerService:
                 mine = True
             except StateTransitionError:
                 pass  # another sampler is loading it; load our copy anyway
+        self._hold(version_id)
         t0 = time.perf_counter()
         try:
             self.engine.load(version_id)
@@ -107,6 +142,17 @@ class SamplerService:
             if mine:
                 with contextlib.suppress(StateTransitionError):
                     self.registry.fail(version_id, f"{e.code}: {e}", actor=self.name)
+            return False
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat.set(state="running", loading="")
+        try:  # retired (or pruned) while it loaded: the engine's copy is not served
+            self.servable(version_id)
+        except (StateTransitionError, VersionNotFoundError) as e:
+            log.error("version %s was loaded but is not servable any more: %s", version_id, e)
+            self.metrics.sampler_loads.labels(outcome="refused").inc()
+            if self.heartbeat is not None:
+                self.heartbeat.set(version="")
             return False
         self.load_seconds[version_id] = time.perf_counter() - t0
         self.metrics.sampler_loads.labels(outcome="loaded").inc()
@@ -121,6 +167,18 @@ class SamplerService:
                 log.warning("version %s: %s", version_id, e)
         log.info("serving %s (loaded in %.2fs)", version_id, self.load_seconds[version_id])
         return True
+
+    def _hold(self, version_id: str) -> None:
+        """Name ``version_id`` in the heartbeat as being loaded, now (one beat), so a retention
+        pass from here on keeps it; a beat that fails is logged (the check after the load
+        still refuses a version retired meanwhile)."""
+        if self.heartbeat is None:
+            return
+        self.heartbeat.set(state="loading", loading=version_id)
+        try:
+            self.heartbeat.beat()
+        except Exception as e:  # Redis briefly down: the registry read after the load decides
+            log.warning("heartbeat naming %s as loading not written: %s", version_id, e)
 
     def for_me(self, target_path: str | None) -> bool:
         """Whether a version converted for ``target_path`` (None: the default preset) fits this
@@ -145,9 +203,10 @@ class SamplerService:
         """Generate and store the rollouts of one request; the ready event says what happened."""
         t0 = time.perf_counter()
         base = dict(request_id=req.request_id, version_id=req.version_id, sampler=self.name)
-        if not self.load(req.version_id):
+        if not self.load(req.version_id):  # pruned: VersionNotFoundError
+            self.servable(req.version_id)  # retired or failed: the typed refusal
             return RolloutsReady(**base, error=f"version {req.version_id!r} cannot be served "
-                                 f"(state {self.registry.get(req.version_id).state})")
+                                 f"by this sampler (state {self.registry.state(req.version_id)})")
         prompts = [p for p in req.prompt_list() for _ in range(req.samples_per_prompt)]
         bits = req.guidance_bits or None
         ids = [f"{req.request_id}-{i:05d}" for i in range(len(prompts))]
@@ -170,6 +229,7 @@ class SamplerService:
                          routing=routing_wire(route[i]) if i in route else None)
                  for i, (rid, s, p, lp) in enumerate(zip(ids, gen.sequences, gen.prompt_lens,
                                                          gen.logprobs, strict=True))]
+        self.servable(req.version_id)  # retired while it generated: nothing is stored
         if bits is not None and self.guidance is not None:
             self.guidance.put_many(req.version_id, {ids[i]: rec.encode()
                                                     for i, rec in gen.guidance.items()})
@@ -193,7 +253,9 @@ class SamplerService:
         self.load_latest()
 
     def step(self, block_ms: int = 100) -> int:
-        """Poll each input once; returns how many messages were handled."""
+        """Poll each input once; returns how many messages were handled. Once ``stop`` is
+        set no new work is taken (a message read and not handled stays pending: another
+        sampler reclaims it)."""
         handled = 0
         for m in self.bus.read(self.settings.converted_stream, self.group, self.name, count=8,
                                block_ms=1):
@@ -205,7 +267,11 @@ class SamplerService:
                 log.error("converted event %s: %s", m.id, e)
             self.bus.ack(m.stream, self.group, m.id)
             handled += 1
+            if self.stop.is_set():
+                return handled
         handled += self._sync()
+        if self.stop.is_set():
+            return handled
         msgs = []
         now = time.monotonic()
         if now >= self._next_claim:  # requests a dead sampler took and never answered
