@@ -319,8 +319,10 @@ def trained_tiny_model(*, cache_dir: str | os.PathLike | None = None, device: st
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
         write_dir_atomically(final, write)
-    model = Qwen3MoeForCausalLM.from_pretrained(final, dtype=torch.bfloat16)
-    return model.to(device).eval(), task
+    # loaded at torch's default dtype, then cast (the same bf16 bits): from_pretrained with
+    # another dtype switches the process-wide default while it loads, under every other thread
+    model = Qwen3MoeForCausalLM.from_pretrained(final, dtype=torch.get_default_dtype())
+    return model.to(device=device, dtype=torch.bfloat16).eval(), task
 
 
 def training_report(*, cache_dir=None, steps: int | None = None, seed: int = 0,

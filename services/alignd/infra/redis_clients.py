@@ -26,6 +26,12 @@ speaks the commands the daemon uses (strings, hashes, sets, sorted sets, Streams
 consumer groups and ``XAUTOCLAIM``, ``MULTI``/``EXEC``, Lua with ``cjson``, key expiry),
 so the same code path runs with zero setup.
 
+An embedded server has a name. ``redis_url`` unset is the process's ``default`` server;
+``embedded://NAME`` names another one, created on first use. :func:`run_namespace` gives a run
+a private, freshly named server and drops it when the run ends, so two runs in one process, one
+after the other or at once, never see each other's keys (``alignd demo`` runs every
+configuration so); :func:`embedded_names` lists the servers a process holds.
+
 What the embedded mode is for: the README's zero-setup path, where ``alignd`` runs the
 API, converter, sampler and learner as threads of *one* process on a laptop, and quick
 experiments and tests of logic that does not care where Redis lives.
@@ -49,7 +55,10 @@ What it is not:
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -61,47 +70,96 @@ from alignd.infra.settings import ServiceSettings
 if TYPE_CHECKING:  # fakeredis is imported on first use: a deployment never pays for it
     import fakeredis
 
+S = TypeVar("S", bound=ServiceSettings)
+
 #: Socket timeout of text clients (the bus adds its own longest blocking read).
 TEXT_TIMEOUT_S = 10.0
 #: Socket timeout of binary clients: a 256 MB guidance record takes a while to move.
 BINARY_TIMEOUT_S = 30.0
 
+#: Scheme of a named embedded server's URL: ``embedded://NAME``.
+EMBEDDED_SCHEME = "embedded://"
+#: Name of the server ``redis_url`` unset selects.
+DEFAULT_EMBEDDED = "default"
+
 _lock = threading.Lock()
-_server: fakeredis.FakeServer | None = None
+_servers: dict[str, fakeredis.FakeServer] = {}
 
 
-def embedded_server() -> fakeredis.FakeServer:
-    """The process-wide embedded server, created on the first call (thread-safe)."""
-    global _server
+def embedded_name(url: str | None) -> str | None:
+    """The embedded server ``url`` selects (None: ``default``), or None for a real server."""
+    if url is None:
+        return DEFAULT_EMBEDDED
+    if url.startswith(EMBEDDED_SCHEME):
+        name = url[len(EMBEDDED_SCHEME):]
+        if not name or "/" in name:
+            raise ValueError(f"embedded Redis URL {url!r}: expected embedded://NAME")
+        return name
+    return None
+
+
+def embedded_server(name: str = DEFAULT_EMBEDDED) -> fakeredis.FakeServer:
+    """The embedded server called ``name``, created on the first call (thread-safe)."""
     with _lock:
-        if _server is None:
+        server = _servers.get(name)
+        if server is None:
             import fakeredis
 
-            _server = fakeredis.FakeServer()
-        return _server
+            server = _servers[name] = fakeredis.FakeServer()
+        return server
+
+
+def embedded_names() -> list[str]:
+    """The embedded servers this process holds, by name."""
+    with _lock:
+        return sorted(_servers)
+
+
+def release_embedded(name: str) -> None:
+    """Drop the embedded server ``name`` and its keys; clients made before keep talking to
+    the dropped server (which nobody else reaches) until they are dropped."""
+    with _lock:
+        _servers.pop(name, None)
 
 
 def reset_embedded() -> None:
-    """Forget the embedded server; the next client gets a new, empty one (for tests).
+    """Forget the default embedded server; the next client gets a new, empty one (for tests)."""
+    release_embedded(DEFAULT_EMBEDDED)
 
-    Clients made before keep talking to the old server until they are dropped.
+
+@contextmanager
+def run_namespace(settings: S) -> Iterator[S]:
+    """``settings`` on a private embedded server for the length of a run.
+
+    On the embedded default, the settings yielded name a freshly created server
+    (``embedded://run-<random>``), dropped with every key on it when the block ends, however it
+    ends: whatever the run left behind, a later or concurrent run never reads it. Settings for a
+    real Redis come back unchanged: there, ``key_prefix`` separates runs.
     """
-    global _server
-    with _lock:
-        _server = None
+    if embedded_name(settings.redis_url) is None:
+        yield settings
+        return
+    name = f"run-{uuid.uuid4().hex[:12]}"
+    embedded_server(name)
+    try:
+        yield settings.model_copy(update={"redis_url": EMBEDDED_SCHEME + name})
+    finally:
+        release_embedded(name)
 
 
 def client_for(url: str | None, *, decode_responses: bool,
                socket_timeout_s: float) -> redis.Redis:
-    """A client for ``url`` (None: the embedded server), with no hidden retries.
+    """A client for ``url`` (None or ``embedded://NAME``: an embedded server), with no
+    hidden retries.
 
     ``socket_timeout_s`` bounds every read from a real server (and connecting to it, at
     most 2 s); the embedded server has no sockets and ignores it.
     """
-    if url is None:
+    name = embedded_name(url)
+    if name is not None:
         import fakeredis
 
-        return fakeredis.FakeRedis(server=embedded_server(), decode_responses=decode_responses,
+        return fakeredis.FakeRedis(server=embedded_server(name), decode_responses=decode_responses,
                                    retry=Retry(NoBackoff(), 0))
     return redis.Redis.from_url(
         url, decode_responses=decode_responses, socket_timeout=socket_timeout_s,

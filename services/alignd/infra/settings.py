@@ -53,6 +53,7 @@ Delivery timing, in short: a consumer that is working on a message refreshes it 
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import warnings
@@ -75,9 +76,15 @@ DEFAULT_MAX_PATH_PAIRS = 64
 DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
 
 
+_instances = itertools.count(1)
+
+
 def default_process_name() -> str:
-    """Host name and process id: unique per running process, stable in its logs."""
-    return f"{socket.gethostname()}-{os.getpid()}"
+    """Host name and process id, then a count of the settings made in this process after the
+    first: unique per service instance (two instances in one process never share a consumer
+    name or a heartbeat), stable in its logs."""
+    n = next(_instances)
+    return f"{socket.gethostname()}-{os.getpid()}" + (f"-{n}" if n > 1 else "")
 
 
 def known_preset(name: str) -> str:

@@ -256,12 +256,14 @@ def up(
 ) -> None:
     """All services in one process (embedded Redis unless ALIGN_REDIS_URL is set) until Ctrl-C."""
     # the sampler and the learner run the tiny model (transformers, the models extra)
+    from alignd.infra.redis_clients import embedded_name
     from alignd.learner.service import build_loop
     from alignd.sampler.embedded import build_sampler
     from alignd.tools.in_process import ApiThread, ServiceThreads
 
     def run(settings: AllInOneSettings, stop: threading.Event) -> None:
-        if settings.redis_url is None:
+        embedded = embedded_name(settings.redis_url) is not None
+        if embedded:
             settings = settings.model_copy(update={"dev_mode": True})
         metrics = Metrics()
         engine, rollouts, guidance = build_sampler(settings, metrics=metrics)
@@ -270,7 +272,7 @@ def up(
                 ApiThread(settings, metrics, enabled=api) as url:
             console.print(f"alignd up: converter, sampler ({settings.sampler_path})"
                           + (f", API {url}" if url else "")
-                          + (" on the embedded Redis" if settings.redis_url is None else ""))
+                          + (" on the embedded Redis" if embedded else ""))
             if learner_steps:
                 loop = build_loop(settings, metrics=metrics)
                 for step in range(learner_steps):

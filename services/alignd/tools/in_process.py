@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
+from alignclient.errors import ConfigError
 
 from alignd.api.app import create_app
 from alignd.api.server import build_server
 from alignd.converter.main import run_converter
+from alignd.infra.redis_clients import embedded_name
 from alignd.infra.settings import AllInOneSettings, ApiSettings
 from alignd.infra.telemetry import Metrics
 from alignd.sampler.engine import SamplerEngine
@@ -24,15 +27,74 @@ from alignd.sampler.main import run_sampler
 
 #: Seconds the API gets to bind its port before the caller goes on without it.
 API_START_S = 10.0
+#: Seconds the service threads get to stop once told to.
+STOP_S = 60.0
+
+
+class ThreadsLeftRunningError(RuntimeError):
+    """Threads a run started were still running when it ended (named in the message)."""
+
+
+def join_all(threads: list[threading.Thread], timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` in all for ``threads``; ThreadsLeftRunningError naming those
+    still alive after it."""
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    alive = [t.name for t in threads if t.is_alive()]
+    if alive:
+        raise ThreadsLeftRunningError(f"thread(s) {', '.join(alive)} still running "
+                                      f"{timeout_s:g} s after they were told to stop")
+
+
+#: (Redis URL or embedded name, key prefix) -> (store directory, how many ServiceThreads use it)
+_namespaces: dict[tuple[str, str], tuple[Path, int]] = {}
+_namespaces_lock = threading.Lock()
+
+
+def _claim(settings: AllInOneSettings) -> tuple[str, str]:
+    """Take the settings' Redis namespace for their store; ConfigError if another
+    :class:`ServiceThreads` of this process serves another store in it."""
+    key = (embedded_name(settings.redis_url) or settings.redis_url or "", settings.key_prefix)
+    store = Path(settings.store_dir).resolve()
+    with _namespaces_lock:
+        held, users = _namespaces.get(key, (store, 0))
+        if held != store:
+            where = f"embedded Redis {key[0]!r}" if embedded_name(settings.redis_url) else \
+                "this Redis"
+            raise ConfigError(
+                f"key prefix {key[1]!r} on the {where} already serves the weight store {held} "
+                f"in this process; a second run with store {store} would take its events and "
+                "versions: give it its own namespace (alignd.infra.redis_clients.run_namespace, "
+                "ALIGN_REDIS_URL=embedded://NAME or another ALIGN_KEY_PREFIX)")
+        _namespaces[key] = (store, users + 1)
+    return key
+
+
+def _release(key: tuple[str, str]) -> None:
+    with _namespaces_lock:
+        store, users = _namespaces[key]
+        if users > 1:
+            _namespaces[key] = (store, users - 1)
+        else:
+            del _namespaces[key]
 
 
 class ServiceThreads:
-    """The converter and a sampler (serving with ``engine``) as daemon threads, until closed."""
+    """The converter and a sampler (serving with ``engine``) as daemon threads, until closed.
+
+    Two instances in one process that share a Redis namespace (URL or embedded server, and
+    key prefix) must share the weight store too: they are then one deployment with two
+    converters and two samplers. One on another store is refused (ConfigError), never
+    cross-wired: give each run its own namespace with
+    :func:`~alignd.infra.redis_clients.run_namespace`.
+    """
 
     def __init__(self, settings: AllInOneSettings, engine: SamplerEngine, *, rollouts,
                  guidance=None, metrics: Metrics | None = None,
                  stop: threading.Event | None = None):
         self.stop = stop if stop is not None else threading.Event()
+        self._key = _claim(settings)
         self.threads = [
             threading.Thread(target=run_converter, args=(settings, self.stop),
                              kwargs=dict(metrics=metrics), name="converter", daemon=True),
@@ -43,11 +105,16 @@ class ServiceThreads:
         for t in self.threads:
             t.start()
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the threads and wait for them."""
+    def close(self, timeout_s: float = STOP_S) -> None:
+        """Stop the threads and wait for them (ThreadsLeftRunningError if they outlive
+        ``timeout_s``); the namespace is released either way."""
         self.stop.set()
-        for t in self.threads:
-            t.join(timeout_s)
+        try:
+            join_all(self.threads, timeout_s)
+        finally:
+            if self._key is not None:
+                _release(self._key)
+                self._key = None
 
     def __enter__(self) -> ServiceThreads:
         return self
@@ -88,4 +155,4 @@ class ApiThread:
         if self.server is not None:
             self.server.should_exit = True
             if self.thread is not None:
-                self.thread.join(10)
+                join_all([self.thread], STOP_S)

@@ -76,6 +76,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -85,7 +86,7 @@ from alignclient.errors import InputError
 
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
-from alignd.infra.redis_clients import binary_client
+from alignd.infra.redis_clients import binary_client, run_namespace
 from alignd.infra.settings import AllInOneSettings
 from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.stores.rollouts import RolloutStore
@@ -201,23 +202,36 @@ STEP_STAGES = ("publish", "sync", "rollout", "score", "train")
 
 class Services:
     """Converter and sampler threads (:class:`~alignd.tools.in_process.ServiceThreads`) for one
-    configuration, a sampler engine on ``model``, and the stores and bus the learner loop uses."""
+    configuration, a sampler engine on ``model``, and the stores and bus the learner loop uses,
+    all on a Redis namespace of the run's own (:func:`~alignd.infra.redis_clients.run_namespace`:
+    on the embedded default, a private server dropped at :meth:`close`). ``settings`` is the
+    run's settings, the ones every other client of the run must be built from."""
 
     def __init__(self, settings: AllInOneSettings, model, task, metrics: Metrics):
-        self.stop = threading.Event()
-        self.bus = RedisBus.from_settings(settings, stop_event=self.stop)
-        self.rollouts = RolloutStore(binary_client(settings), settings.key_prefix, metrics=metrics)
-        self.guidance = GuidanceStore.from_settings(settings, metrics=metrics)
-        engine = TorchSamplerEngine(model, WeightStore(settings.store_dir), settings.sampler_path,
-                                    eos_id=task.eos_id, pad_id=task.pad_id,
-                                    guidance_last_layers=settings.guidance_last_layers,
-                                    strict=settings.strict)
-        self.threads = ServiceThreads(settings, engine, rollouts=self.rollouts,
-                                      guidance=self.guidance, metrics=metrics, stop=self.stop)
+        self._scope = ExitStack()
+        try:
+            self.settings = settings = self._scope.enter_context(run_namespace(settings))
+            self.stop = threading.Event()
+            self.bus = RedisBus.from_settings(settings, stop_event=self.stop)
+            self.rollouts = RolloutStore(binary_client(settings), settings.key_prefix,
+                                         metrics=metrics)
+            self.guidance = GuidanceStore.from_settings(settings, metrics=metrics)
+            engine = TorchSamplerEngine(model, WeightStore(settings.store_dir),
+                                        settings.sampler_path, eos_id=task.eos_id,
+                                        pad_id=task.pad_id,
+                                        guidance_last_layers=settings.guidance_last_layers,
+                                        strict=settings.strict)
+            self.threads = ServiceThreads(settings, engine, rollouts=self.rollouts,
+                                          guidance=self.guidance, metrics=metrics,
+                                          stop=self.stop)
+            self._scope.callback(self.threads.close)
+        except BaseException:
+            self._scope.close()
+            raise
 
     def close(self) -> None:
-        """Stop the threads and wait for them."""
-        self.threads.close()
+        """Stop the threads, wait for them and drop the run's namespace."""
+        self._scope.close()
 
 
 def _summary(deltas: list[np.ndarray], results: list[IterationResult]) -> dict:
@@ -284,6 +298,7 @@ def run_demo(cfg: DemoConfig, *,
         run = ConfigRun(name, sampler_path, learner_path, tis, seed,
                         routing_replay=s.routing_replay)
         svc = Services(s, copy.deepcopy(base_model), task, metrics)
+        s = svc.settings
         try:
             torch.manual_seed(seed)
             engine = TorchLearnerEngine(copy.deepcopy(base_model), learner_path, lr=cfg.lr,
