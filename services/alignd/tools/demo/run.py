@@ -214,7 +214,7 @@ class Services:
             self.stop = threading.Event()
             self.bus = RedisBus.from_settings(settings, stop_event=self.stop)
             self.rollouts = RolloutStore(binary_client(settings), settings.key_prefix,
-                                         metrics=metrics)
+                                         metrics=metrics, max_path_pairs=settings.max_path_pairs)
             self.guidance = GuidanceStore.from_settings(settings, metrics=metrics)
             engine = TorchSamplerEngine(model, WeightStore(settings.store_dir),
                                         settings.sampler_path, eos_id=task.eos_id,
