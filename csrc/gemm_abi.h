@@ -1,6 +1,6 @@
 // The C ABI of libalign's native Blackwell grouped NVFP4 GEMM (csrc/gemm_nvfp4_sm100.cu).
 //
-// Like nvfp4_abi.h, a plain C surface reached through ctypes (libalign/_native.py, build
+// Like nvfp4_abi.h, a plain C surface reached through ctypes (libalign/kernels/native.py, build
 // kind "gemm_sm100"); the CUTLASS headers are needed to build it, not to call it.
 //
 // What it computes, for each expert e of E (libalign.gemm's three steps):

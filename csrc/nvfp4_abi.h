@@ -1,6 +1,6 @@
 // The C ABI of libalign's compiled NVFP4 kernels: the one bindings surface.
 //
-// Python reaches these through ctypes (libalign/_native.py); nothing here depends on
+// Python reaches these through ctypes (libalign/kernels/native.py); nothing here depends on
 // Python or PyTorch headers, so a build is one compiler call and takes seconds.
 // Every kernel reproduces libalign.spec.quantize bit for bit for the parameters below;
 // anything else (compressed-tensors' bf16 scale math, Hadamard rotation, stochastic
@@ -15,7 +15,7 @@ extern "C" {
 enum { NV_IN_BF16 = 0, NV_IN_FP16 = 1, NV_IN_FP32 = 2 };
 enum { NV_ORDER_TE = 0, NV_ORDER_TORCHAO = 1, NV_ORDER_MODELOPT = 2 };
 // MXFP4 (E8M0 scale per 32 values, no outer scale): the op_order names the E8M0 rule
-// (libalign/scale_math.py: mx_floor, mx_ceil, mx_even, mx_te). With these the kernels read
+// (libalign/spec/scale_math.py: mx_floor, mx_ceil, mx_even, mx_te). With these the kernels read
 // no outer scale (outer_mode GIVEN, enc/dec unused), k must be a multiple of 32, and scales
 // receives one E8M0 byte per 32 values (experts*rows*k/32, or the swizzled size of k/32
 // columns). The NVFP4 scale policies (floors, zero substitution) do not apply.

@@ -1,7 +1,7 @@
 // NVFP4 scalar numerics shared by the CPU and CUDA kernels.
 //
 // Each function is the fp32 operation sequence of one step of libalign.spec.quantize
-// (see libalign/scale_math.py for the orders): one IEEE rounding per operation, in the
+// (see libalign/spec/scale_math.py for the orders): one IEEE rounding per operation, in the
 // same association, never fused. On the device the explicit __fdiv_rn/__fmul_rn
 // intrinsics keep nvcc from contracting or approximating; on the host the build uses
 // -ffp-contract=off and no fast-math.

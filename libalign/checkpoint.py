@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import DTypeError, LayoutError, ShapeError
-from .spec import PRESETS, NumericsSpec, NVFP4Tensor, check_finite
+from libalign.errors import DTypeError, LayoutError, ShapeError
+from libalign.spec import PRESETS, NumericsSpec, NVFP4Tensor, check_finite
 
 FORMATS = ("modelopt", "compressed-tensors")
 

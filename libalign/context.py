@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ShapeError
-from .spec import NumericsSpec, NVFP4Tensor, quantize
+from libalign.errors import ShapeError
+from libalign.spec import NumericsSpec, NVFP4Tensor, quantize
 
 CONTEXTS = ("original", "low_amplitude", "high_amplitude", "zero_padding")
 

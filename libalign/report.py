@@ -4,7 +4,7 @@ For one synthetic MoE layer of expert weights (seeded, BF16, heavy-tailed rows l
 checkpoints) it quantizes under every preset and reports size, quality against the BF16
 original, how many codes and scale bytes differ from the ``minite`` preset, and how long
 the reference took. The reference is the truth; beside it the report runs the fast path
-(:func:`libalign.ops.quantize`: the compiled kernel where one serves the preset, else the
+(:func:`libalign.kernels.quantize`: the compiled kernel where one serves the preset, else the
 spec again) on the same tensor, says which backend served it, whether its bits equal the
 reference's, and its bandwidth.
 """
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops
-from .spec import PRESETS, NumericsSpec, dequantize, quantize
+from libalign.kernels import ops
+from libalign.spec import PRESETS, NumericsSpec, dequantize, quantize
 
 
 @dataclass(frozen=True)

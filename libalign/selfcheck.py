@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .constants import E2M1_MIDPOINTS, E2M1_VALUES, E4M3_MAX
-from .context import context_swap
-from .packing import pack_nibbles, swizzle_scales, unpack_nibbles, unswizzle_scales
-from .rounding import e2m1_code_values, e4m3_bits_to_float, round_e2m1, round_e4m3_bits
-from .spec import PRESETS, dequantize, encode_with_scales, quantize, roundtrip_codes
+from libalign.context import context_swap
+from libalign.spec import PRESETS, dequantize, encode_with_scales, quantize, roundtrip_codes
+from libalign.spec.constants import E2M1_MIDPOINTS, E2M1_VALUES, E4M3_MAX
+from libalign.spec.packing import pack_nibbles, swizzle_scales, unpack_nibbles, unswizzle_scales
+from libalign.spec.rounding import e2m1_code_values, e4m3_bits_to_float, round_e2m1, round_e4m3_bits
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ a background job (tests/background.py) run last, and their jobs start once they 
 import pytest
 import torch
 
+from libalign.kernels import config as kernel_config
 from tests import background
 
 
@@ -35,3 +36,11 @@ def one_thread():
 
     with cpu_threads(1):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _kernel_config_read_again():
+    """After each test, libalign's kernel configuration is read from the (restored)
+    environment at its next use: a test that changed it leaves nothing behind."""
+    yield
+    kernel_config.configure(None)

@@ -14,7 +14,7 @@ One door, five rooms; every name is importable from ``libalign.metrics``:
   bootstrap over a handful of values would claim more than it knows;
 * :mod:`~libalign.metrics.distance` – how far apart two activation tensors are
   (:func:`relative_l2`, :func:`symmetric_relative_l2`);
-* :mod:`~libalign.metrics.routing` – how two paths' top-k expert choices agree
+* :mod:`~libalign.routing.agreement` – how two paths' top-k expert choices agree
   (:func:`routing_agreement`).
 
 Each module's docstring states its definitions (quantile rule, clipping band, estimators),
@@ -22,7 +22,7 @@ so a number on a dashboard can be traced to one formula. Inputs are validated an
 with typed errors (:mod:`libalign.errors`) naming the argument and, for NaN/Inf, where.
 """
 
-from .bootstrap import (
+from libalign.metrics.bootstrap import (
     BootstrapCI,
     WeightedStat,
     bootstrap_ci,
@@ -32,7 +32,7 @@ from .bootstrap import (
     paired_bootstrap_ci,
     quantile_stat,
 )
-from .deltas import (
+from libalign.metrics.deltas import (
     DEFAULT_CLIP_BOUNDS,
     DEFAULT_TIS_CAP,
     LOGPROB_TOLERANCE,
@@ -46,9 +46,18 @@ from .deltas import (
     tis_weights,
     token_deltas,
 )
-from .distance import relative_l2, symmetric_relative_l2
-from .intervals import MeanInterval, mean_interval, t_quantile, t_two_sided_probability
-from .routing import RoutingAgreement, routing_agreement, routing_agreement_by_layer
+from libalign.metrics.distance import relative_l2, symmetric_relative_l2
+from libalign.metrics.intervals import (
+    MeanInterval,
+    mean_interval,
+    t_quantile,
+    t_two_sided_probability,
+)
+from libalign.routing.agreement import (
+    RoutingAgreement,
+    routing_agreement,
+    routing_agreement_by_layer,
+)
 
 __all__ = [
     "DEFAULT_CLIP_BOUNDS", "DEFAULT_TIS_CAP", "LOGPROB_TOLERANCE", "QUANTILES", "TIS_LEVELS",

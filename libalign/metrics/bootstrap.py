@@ -32,9 +32,15 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..errors import DTypeError, InputError, ShapeError
-from ._checks import check_bounds, check_finite_tensor, check_real_tensor, check_same_shape, jsonable
-from .deltas import DEFAULT_CLIP_BOUNDS
+from libalign.arg_checks import (
+    check_bounds,
+    check_finite_tensor,
+    check_real_tensor,
+    check_same_shape,
+    jsonable,
+)
+from libalign.errors import DTypeError, InputError, ShapeError
+from libalign.metrics.deltas import DEFAULT_CLIP_BOUNDS
 
 _CHUNK_ELEMENTS = 1 << 22
 """Bootstrap counts are built ``R × n`` at a time with ``R × n`` about this many elements."""

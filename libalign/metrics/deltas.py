@@ -69,8 +69,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..errors import DTypeError, InputError, NonFiniteError, ShapeError
-from ._checks import check_bounds, check_float_tensor, check_same_shape, jsonable
+from libalign.arg_checks import check_bounds, check_float_tensor, check_same_shape, jsonable
+from libalign.errors import DTypeError, InputError, NonFiniteError, ShapeError
 
 LOGPROB_TOLERANCE = 1e-6
 """Log-probabilities above this are refused (a probability cannot exceed 1; rounding can

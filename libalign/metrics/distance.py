@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import InputError, ShapeError
-from ._checks import check_finite_tensor, check_real_tensor, check_same_shape
+from libalign.arg_checks import check_finite_tensor, check_real_tensor, check_same_shape
+from libalign.errors import InputError, ShapeError
 
 
 def _norm_dims(dim, ndim: int):

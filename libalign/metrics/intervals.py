@@ -34,8 +34,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from ..errors import InputError
-from ._checks import jsonable
+from libalign.arg_checks import jsonable
+from libalign.errors import InputError
 
 _BISECTIONS = 200
 """Bisection steps on θ ∈ (0, π/2): far more than float64 needs (≈ 60)."""

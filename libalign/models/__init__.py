@@ -27,7 +27,7 @@ network does the difference arise? This package supplies the pieces to ask it on
   decoding that reports log-probs as it goes) and single-layer replay for the 2×2 input/path
   swap;
 * :mod:`~libalign.models.strict` – strict execution: every shape-dependent op of the model
-  replaced by one batch-invariant form (:mod:`libalign.strict_ops`), shared by decode and
+  replaced by one batch-invariant form (:mod:`libalign.strict.ops`), shared by decode and
   scoring, so the learner reproduces the sampler's log-probs bit for bit (δ = 0)
   (``with strict.use_strict(model): ...``).
 
@@ -40,18 +40,18 @@ Typical use::
     deltas = [l - s for l, s in zip(learner, rollout.logprobs)]              # δ per token
 """
 
-from .capture import capture, force_routing, to_token_order
-from .config import build_model, qwen3_30b_a3b_shaped_config, tiny_config
-from .guided import CodeAgreement, capture_guidance, use_guidance
-from .kv_cache import FP4KVCache, capture_kv, kv_format, set_kv_format, use_kv_format
-from .kv_guided import (
+from libalign.models.capture import capture, force_routing, to_token_order
+from libalign.models.config import build_model, qwen3_30b_a3b_shaped_config, tiny_config
+from libalign.models.guided import CodeAgreement, capture_guidance, use_guidance
+from libalign.models.kv_cache import FP4KVCache, capture_kv, kv_format, set_kv_format, use_kv_format
+from libalign.models.kv_guided import (
     KVAgreement,
     check_records,
     count_kv_agreement,
     model_geometry,
     use_kv_guidance,
 )
-from .paths import (
+from libalign.models.paths import (
     add_observer,
     clear_weight_cache,
     current_paths,
@@ -64,7 +64,7 @@ from .paths import (
     set_path,
     use_path,
 )
-from .routing_replay import (
+from libalign.models.routing_replay import (
     RoutingCapture,
     RoutingStats,
     RoutingTable,
@@ -72,9 +72,15 @@ from .routing_replay import (
     replay_routing,
     routing_geometry,
 )
-from .scoring import GenerationResult, generate, replay_layer, replay_moe, score_sequences
-from .task import SyntheticTask
-from .train import (
+from libalign.models.scoring import (
+    GenerationResult,
+    generate,
+    replay_layer,
+    replay_moe,
+    score_sequences,
+)
+from libalign.models.task import SyntheticTask
+from libalign.models.train import (
     DEFAULT_STEPS,
     cache_root,
     checkpoint_dir,

@@ -47,8 +47,8 @@ from contextlib import ExitStack, contextmanager
 import torch
 from torch import nn
 
-from ..errors import ShapeError, SpecError
-from .paths import add_observer, decoder_layers, experts_module, wrapped_method
+from libalign.errors import ShapeError, SpecError
+from libalign.models.paths import add_observer, decoder_layers, experts_module, wrapped_method
 
 TOKEN_ORDER_ROWS = ("fc1_out", "fc2_in", "fc2_out")
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from ..errors import ConfigError
-from .task import SyntheticTask
+from libalign.errors import ConfigError
+from libalign.models.task import SyntheticTask
 
 
 def tiny_config(**overrides) -> Qwen3MoeConfig:

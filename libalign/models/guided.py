@@ -29,13 +29,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .. import ops
-from ..errors import SpecError
-from ..guidance import ACT_SITES, GuidanceCapture, GuidanceTable, guided_quantize, indexed_keys
-from ..packing import unpack_nibbles
-from ..rounding import canonical_zero
-from ..spec import PRESETS, NumericsSpec
-from .paths import moe_layer_indices, row_keys_of, set_activation_hook
+from libalign.errors import SpecError
+from libalign.guidance import (
+    ACT_SITES,
+    GuidanceCapture,
+    GuidanceTable,
+    guided_quantize,
+    indexed_keys,
+)
+from libalign.kernels import ops
+from libalign.models.paths import moe_layer_indices, row_keys_of, set_activation_hook
+from libalign.spec import PRESETS, NumericsSpec
+from libalign.spec.packing import unpack_nibbles
+from libalign.spec.rounding import canonical_zero
 
 
 def _keys(model: nn.Module, a: torch.Tensor, token_of: torch.Tensor,

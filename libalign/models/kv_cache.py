@@ -5,14 +5,14 @@ What is stored
 A decoder layer's attention writes, for every token, one key and one value row per key/value
 head (``head_dim`` values each, after ``k_norm`` and the rotary embedding: what Hugging Face
 hands to ``Cache.update``). :class:`FP4KVCache` keeps those rows as FP4 bits in a KV preset
-(:data:`libalign.numerics.KV_PRESETS`):
+(:data:`libalign.spec.presets.KV_PRESETS`):
 
 * ``kv_nvfp4``: row-scaled NVFP4, one outer scale per head row and one E4M3 scale per 16
   values;
 * ``kv_mxfp4``: MXFP4, one E8M0 scale per 32 values (``head_dim`` a multiple of 32).
 
 A row's bits depend on that row alone (the row is the scale domain), so the cache quantizes
-each token's rows once, when they are written, through :func:`libalign.ops.quantize` (the
+each token's rows once, when they are written, through :func:`libalign.kernels.quantize` (the
 compiled CPU/CUDA kernels for ``kv_nvfp4``; the spec for ``kv_mxfp4``, which has no kernel
 yet), keeps packed codes and scales only, and dequantizes the whole layer
 (:func:`libalign.spec.dequantize`'s bits, in the model's dtype; for ``kv_nvfp4`` through
@@ -50,10 +50,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from .. import gemm, ops
-from ..errors import SpecError
-from ..gemm_triton import triton_qdq_gap, triton_qdq_rows
-from ..guidance import (
+from libalign import gemm
+from libalign.errors import SpecError
+from libalign.gemm.triton_grouped import triton_qdq_gap, triton_qdq_rows
+from libalign.guidance import (
     GuidanceCapture,
     GuidanceTable,
     RowGuide,
@@ -61,9 +61,10 @@ from ..guidance import (
     indexed_keys,
     select_layers,
 )
-from ..numerics import KV_PRESETS
-from ..spec import PRESETS, NumericsSpec, NVFP4Tensor, dequantize
-from .paths import decoder_layers, row_keys_of
+from libalign.kernels import ops
+from libalign.models.paths import decoder_layers, row_keys_of
+from libalign.spec import PRESETS, NumericsSpec, NVFP4Tensor, dequantize
+from libalign.spec.presets import KV_PRESETS
 
 try:
     from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
@@ -342,11 +343,11 @@ def read_rows(rows: torch.Tensor, spec: NumericsSpec, guide: RowGuide | None, dt
 
 def fused_kv_read(rows: torch.Tensor, spec: NumericsSpec, guide: RowGuide | None) -> torch.Tensor | None:
     """``rows`` ``[n, head_dim]`` as the FP4 cache reads them back, from one fused Triton pass
-    (:func:`libalign.gemm_triton.triton_qdq_rows`), or None where that pass cannot serve
+    (:func:`libalign.gemm.triton_grouped.triton_qdq_rows`), or None where that pass cannot serve
     (CPU, no Triton, ``kv_mxfp4``, a head size that is not a multiple of 16, fused guidance
-    switched off: :func:`~libalign.gemm_triton.triton_qdq_gap`).
+    switched off: :func:`~libalign.gemm.triton_grouped.triton_qdq_gap`).
 
-    With None the caller quantizes (:func:`libalign.ops.quantize`, or
+    With None the caller quantizes (:func:`libalign.kernels.quantize`, or
     :func:`~libalign.guidance.guided_quantize` with ``guide``) and reads with
     :func:`dequantize_kv`: the same bits, and the codes it may need (a capture, an observer).
     """

@@ -39,13 +39,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..errors import GuidanceMismatchError
-from ..guidance import KV_SITES, GuidanceRecord, GuidanceTable
-from ..packing import unpack_nibbles
-from ..rounding import bracket_levels, e2m1_levels
-from ..spec import NumericsSpec, normalized_with_scales
-from .kv_cache import guide_kv, kv_format, observe_kv
-from .paths import decoder_layers
+from libalign.errors import GuidanceMismatchError
+from libalign.guidance import KV_SITES, GuidanceRecord, GuidanceTable
+from libalign.models.kv_cache import guide_kv, kv_format, observe_kv
+from libalign.models.paths import decoder_layers
+from libalign.spec import NumericsSpec, normalized_with_scales
+from libalign.spec.packing import unpack_nibbles
+from libalign.spec.rounding import bracket_levels, e2m1_levels
 
 
 def model_geometry(model: nn.Module) -> dict[str, int]:

@@ -78,11 +78,11 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("libalign.models.megatron needs megatron-core: pip install "
                       "'libalign[megatron]'") from e
 
-from .. import gemm
-from ..errors import ConfigError, SpecError
-from ..guidance import GuidanceTable
-from .megatron_cpu import cpu_shims, fix_missing_te
-from .megatron_modules import (
+from libalign import gemm
+from libalign.errors import ConfigError, SpecError
+from libalign.guidance import GuidanceTable
+from libalign.models.megatron_cpu import cpu_shims, fix_missing_te
+from libalign.models.megatron_modules import (
     LibalignGroupedLinear,
     LibalignGroupedMLP,
     MegatronActivationHook,
@@ -327,7 +327,7 @@ def set_finite_check(model: nn.Module, on: bool) -> None:
     On (the default), a NaN/Inf activation raises :class:`~libalign.errors.NonFiniteError` at
     its GEMM, at the price of one device synchronisation per call on the Triton backend:
     each one drains the stream the host had queued ahead (two per MoE layer's forward),
-    unless the step runs inside :func:`libalign.finite_checks.deferred_finite_checks` (as
+    unless the step runs inside :func:`libalign.gemm.finite_checks.deferred_finite_checks` (as
     the learner's does), where the checks are read once, when the block ends.
     Off, such rows come out NaN, which a training loop's NaN loss or gradient-norm check
     then sees (Megatron skips such steps); the bits of finite inputs are the same.

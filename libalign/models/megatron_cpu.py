@@ -58,7 +58,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from .megatron_parallel import free_port
+from libalign.models.megatron_parallel import free_port
 
 _LOCK = threading.Lock()
 _DEPTH = 0

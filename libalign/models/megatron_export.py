@@ -63,8 +63,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import ConfigError, ShapeError
-from .megatron import hf_config_value, moe_layers
+from libalign.errors import ConfigError, ShapeError
+from libalign.models.megatron import hf_config_value, moe_layers
 
 EXPERT_LAYOUTS = ("fused", "per_expert", "local", "none")
 _EXTRA = "_extra_state"

@@ -18,7 +18,7 @@ norm and rotary embedding) and hands them to its core-attention slot, which liba
 with :class:`~libalign.models.megatron_modules.SDPACoreAttention` under
 ``numerics="qwen3"``. :func:`use_kv` sets that module's ``kv_hook`` in every layer: each
 site's rows are quantized exactly as :class:`~libalign.models.kv_cache.FP4KVLayer` quantizes
-them (:func:`libalign.ops.quantize` or the guided rounding, then
+them (:func:`libalign.kernels.quantize` or the guided rounding, then
 :func:`~libalign.models.kv_cache.dequantize_kv` and
 :func:`~libalign.models.kv_cache.straight_through`; on a CUDA GPU with Triton, where no capture
 asks for the codes, one fused pass gives the same values:
@@ -43,11 +43,11 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..errors import SpecError
-from ..guidance import GuidanceCapture, GuidanceTable
-from ..spec import NumericsSpec
-from .kv_cache import kv_spec_of, read_rows, straight_through
-from .megatron_modules import SDPACoreAttention
+from libalign.errors import SpecError
+from libalign.guidance import GuidanceCapture, GuidanceTable
+from libalign.models.kv_cache import kv_spec_of, read_rows, straight_through
+from libalign.models.megatron_modules import SDPACoreAttention
+from libalign.spec import NumericsSpec
 
 
 def attention_modules(model: nn.Module) -> dict[int, SDPACoreAttention]:

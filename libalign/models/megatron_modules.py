@@ -56,9 +56,9 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("libalign.models.megatron_modules needs megatron-core: pip install "
                       "'libalign[megatron]'") from e
 
-from .. import gemm
-from ..errors import ConfigError, SpecError
-from ..guidance import RowGuide, guided_quantize
+from libalign import gemm
+from libalign.errors import ConfigError, SpecError
+from libalign.guidance import RowGuide, guided_quantize
 
 PathLike = str | gemm.ExecutionPath
 # hook(layer, site, activations, spec, row_keys) -> their NVFP4 quantization, a RowGuide (the

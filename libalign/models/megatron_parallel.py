@@ -59,7 +59,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from ..errors import ConfigError, DistributedRunError
+from libalign.errors import ConfigError, DistributedRunError
 
 NO_MULTICAST_ENV = {
     "NCCL_NVLS_ENABLE": "0",

@@ -31,10 +31,15 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..errors import SpecError
-from .megatron import experts_modules, moe_layers
-from .paths import wrapped_method
-from .routing_replay import RoutingStats, RoutingTable, check_replay_mode, check_table_fits
+from libalign.errors import SpecError
+from libalign.models.megatron import experts_modules, moe_layers
+from libalign.models.paths import wrapped_method
+from libalign.models.routing_replay import (
+    RoutingStats,
+    RoutingTable,
+    check_replay_mode,
+    check_table_fits,
+)
 
 
 def routing_geometry(model: nn.Module) -> dict:

@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .. import gemm
-from ..errors import SpecError
+from libalign import gemm
+from libalign.errors import SpecError
 
 _GLUE = "_libalign_glue"
 _WEIGHTS = "_libalign_weight_cache"

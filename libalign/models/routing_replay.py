@@ -7,7 +7,7 @@ forward it keeps the top-k expert ids (and, asked, the gate weights) of every re
 keyed by the sequence id and position the decoding helpers name
 (:func:`libalign.models.paths.set_row_keys`; padding and finished rows have no key).
 :meth:`RoutingCapture.records` turns what was kept into one
-:class:`~libalign.routing_records.RoutingRecord` per sequence.
+:class:`~libalign.routing.records.RoutingRecord` per sequence.
 
 Learner side
 ------------
@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..errors import InputError, RoutingRecordError, SpecError
-from ..guidance import key_parts, row_keys
-from ..routing_records import WEIGHT_DTYPE, RoutingRecord, id_dtype
-from .paths import decoder_layers, moe_layer_indices, row_keys_of, wrapped_method
+from libalign.errors import InputError, RoutingRecordError, SpecError
+from libalign.guidance import key_parts, row_keys
+from libalign.models.paths import decoder_layers, moe_layer_indices, row_keys_of, wrapped_method
+from libalign.routing.records import WEIGHT_DTYPE, RoutingRecord, id_dtype
 
 REPLAY_MODES = ("off", "recompute", "record")
 

@@ -44,12 +44,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..errors import InputError, ShapeError, SpecError
-from ..finite_checks import deferred_finite_checks
-from ..guidance import MAX_SEQUENCE, row_keys
-from .capture import RoutingSpec, force_routing
-from .kv_cache import cache_kwarg, full_sequence_kwargs, new_cache
-from .paths import (
+from libalign.errors import InputError, ShapeError, SpecError
+from libalign.gemm.finite_checks import deferred_finite_checks
+from libalign.guidance import MAX_SEQUENCE, row_keys
+from libalign.models.capture import RoutingSpec, force_routing
+from libalign.models.kv_cache import cache_kwarg, full_sequence_kwargs, new_cache
+from libalign.models.paths import (
     PathAssignment,
     decoder_layers,
     experts_module,
@@ -57,7 +57,7 @@ from .paths import (
     set_row_keys,
     use_path,
 )
-from .strict import log_softmax_for
+from libalign.models.strict import log_softmax_for
 
 try:
     from transformers.cache_utils import DynamicCache

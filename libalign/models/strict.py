@@ -6,7 +6,7 @@ The sampler decodes with a KV cache, one token per step, prompts left-padded; th
 the finished sequences in one pass, right-padded. On the same weights the two should report the
 same log-probability for every token; with stock kernels they do not quite, even in BF16 (a
 GEMM, a reduction or a vectorized ``exp`` picks its summation order from the call's shape, see
-:mod:`libalign.strict_ops`). miniTE's *strict* configuration closes that gap completely: every
+:mod:`libalign.strict.ops`). miniTE's *strict* configuration closes that gap completely: every
 shape-dependent operation gets one batch-invariant implementation shared by both sides, and
 the learner's log-probs equal the sampler's bit for bit (δ = 0), so RL needs no importance
 correction.
@@ -15,7 +15,7 @@ correction.
 attributes only, like :mod:`libalign.models.paths`; :func:`disable` gives everything back):
 
 ==========================  =====================================================================
-what                        strict form (:mod:`libalign.strict_ops`)
+what                        strict form (:mod:`libalign.strict.ops`)
 ==========================  =====================================================================
 every ``nn.Linear``         ``linear``: fp32 accumulation in K order, one rounding (q/k/v/o, LM
                             head)
@@ -66,9 +66,10 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeTopKRouter,
 )
 
-from .. import gemm, strict_ops
-from ..errors import ConfigError, ShapeError, SpecError
-from .paths import set_experts_impl
+from libalign import gemm
+from libalign.errors import ConfigError, ShapeError, SpecError
+from libalign.models.paths import set_experts_impl
+from libalign.strict import ops as strict_ops
 
 STRICT_ATTENTION = "libalign_strict"
 """The attention implementation name strict mode registers and sets on the model's config."""
@@ -89,7 +90,7 @@ def _strict_mask(*args, **kwargs):
 def strict_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
                      **kwargs) -> tuple[torch.Tensor, None]:
-    """Hugging Face attention-interface entry: :func:`libalign.strict_ops.attention` on the
+    """Hugging Face attention-interface entry: :func:`libalign.strict.ops.attention` on the
     mask the model built (boolean, True = attend); returns ``[B, Tq, H, D]``."""
     if attention_mask is None:
         raise SpecError("strict attention needs the materialized mask; the model's config must "
@@ -205,7 +206,7 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     and ``act_fn`` are ignored: the products are strict ones and the activation SiLU).
 
     Rows are sorted by expert (stable) exactly as there, FC1, ``silu(gate) * up`` and FC2 run
-    per expert through :func:`libalign.strict_ops.matmul_f32`, each row is weighted by its
+    per expert through :func:`libalign.strict.ops.matmul_f32`, each row is weighted by its
     router weight, and each token's ``k`` expert outputs are added in fp32 in its top-k order
     (slot 0 first), then rounded once to the hidden dtype.
     """

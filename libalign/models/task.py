@@ -38,7 +38,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 
-from ..errors import InputError
+from libalign.errors import InputError
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 SYMBOLS = (*SPECIALS, *"0123456789", "+", "=")

@@ -65,11 +65,12 @@ from pathlib import Path
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from ..atomic_dir import DestinationExistsError, atomic_directory, sweep_stale
-from ..errors import ConfigError
-from .config import build_model, tiny_config
-from .scoring import generate
-from .task import SyntheticTask
+from libalign.atomic_dir import DestinationExistsError, atomic_directory, sweep_stale
+from libalign.errors import ConfigError
+from libalign.kernels import config
+from libalign.models.config import build_model, tiny_config
+from libalign.models.scoring import generate
+from libalign.models.task import SyntheticTask
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,6 @@ STOP_WINDOW = 10
 EVAL_PROMPTS = 512
 EVAL_PATHS = ("bf16", "nvfp4_naive", "nvfp4_minite")
 META_FILE = "training.json"
-ENV_CACHE = "ALIGN_MODEL_CACHE"
 #: a temporary directory of a writer that is gone is swept once this old (seconds)
 STALE_AFTER_S = 3600.0
 _VOLATILE = {"transformers_version", "_name_or_path", "architectures", "dtype", "id2label", "label2id",
@@ -95,7 +95,7 @@ _VOLATILE = {"transformers_version", "_name_or_path", "architectures", "dtype", 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     """Where trained tiny models are kept (see the module docstring)."""
-    root = cache_dir or os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "libalign" / "models"
+    root = cache_dir or config.current().model_cache or Path.home() / ".cache" / "libalign" / "models"
     return Path(root).expanduser()
 
 

@@ -78,7 +78,7 @@ def test_base_install_runs_native_cpu_kernels_outside_the_checkout(envs, tmp_pat
     probe = textwrap.dedent(f"""
         import importlib.util, warnings
         warnings.simplefilter("error")          # a fallback warning fails the probe
-        import torch, libalign, libalign.ops as ops
+        import torch, libalign, libalign.kernels as ops
         from libalign.spec import PRESETS, quantize, dequantize
         assert "site-packages" in libalign.__file__, libalign.__file__
         x = torch.randn(64, 64).to(torch.bfloat16)

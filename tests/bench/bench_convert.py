@@ -16,7 +16,7 @@ CPU rows the best of ``--repeats`` wall times. ``fresh`` rows allocate their out
 the call (what a caller pays); ``reused`` rows write into outputs of an earlier call. On
 the CPU the table names the kernel's instruction-set path (the libalign rows run the best
 one), adds a ``CPU path`` row for each path this CPU runs (scalar, avx2, avx512, forced
-with ``libalign.ops.set_cpu_kernel_path``) and bit-checks each path. Pin it to the cores it
+with ``libalign.kernels.set_cpu_kernel_path``) and bit-checks each path. Pin it to the cores it
 should use (``taskset -c 0,1``); the kernel uses ``torch.get_num_threads()`` threads.
 
 Table 2, whole sync: the expert set of ``--layers`` layers moves from the learner's
@@ -53,9 +53,9 @@ from pathlib import Path
 
 import torch
 
-from libalign import ops
+from libalign.kernels import ops
 from libalign.spec import PRESETS, quantize
-from libalign.weight_sync import empty_destination, quantize_into
+from libalign.sync import empty_destination, quantize_into
 
 SHAPES = ((1536, 2048), (2048, 768))
 
@@ -141,7 +141,7 @@ def time_rows(rows: list[Row], device: str, repeats: int) -> None:
 
 
 def libalign_row(name, stacks, preset, layout="linear", reuse=False, batched=False) -> Row:
-    """libalign.ops.quantize over both stacks (fresh or reused outputs), or quantize_many."""
+    """libalign.kernels.quantize over both stacks (fresh or reused outputs), or quantize_many."""
     spec = PRESETS[preset]
     outs: list = []
 

@@ -9,7 +9,7 @@ Rows, all measured in this run on the same inputs (median of CUDA-event timings)
 * ``bf16``: ``torch._grouped_mm`` on the bf16 operands — the named baseline;
 * ``minite``: :func:`libalign.gemm.grouped_linear` on the ``nvfp4_minite`` path, activation
   quantization (row scales) included, with the NaN/Inf check queued as a learner's step queues
-  it (inside :func:`libalign.finite_checks.deferred_finite_checks`, read once after the timed
+  it (inside :func:`libalign.gemm.finite_checks.deferred_finite_checks`, read once after the timed
   calls: the step's one synchronisation);
 * ``sync``: the same with the check read at every call (one device sync each: the behaviour
   outside a deferred block);
@@ -39,8 +39,8 @@ from contextlib import nullcontext
 import torch
 
 from libalign import gemm
-from libalign.finite_checks import deferred_finite_checks
-from libalign.gemm_triton import triton_gemm_available, w4a4_grouped_triton
+from libalign.gemm.finite_checks import deferred_finite_checks
+from libalign.gemm.triton_grouped import triton_gemm_available, w4a4_grouped_triton
 
 CELLS = [("FC1", 2048, 1536), ("FC2", 768, 2048)]
 ROWS = (256, 1024, 4096, 8192)
@@ -100,7 +100,7 @@ def _check(a, ew, counts, out) -> float:
 
 def _qdq_sweep(repeats: int) -> None:
     """Activation-pass bandwidth for tile sizes and warps against a copy of the same bytes."""
-    from libalign import _triton_w4a4 as tk
+    from libalign.gemm import triton_kernels as tk
 
     print("activation pass sweep (graph-replayed; GB/s = bytes read + written)")
     for k in (2048, 768):
@@ -203,7 +203,7 @@ def main(argv: list[str]) -> int:
     if not triton_gemm_available("cuda"):
         print("bench gemm: Triton W4A4 kernels unavailable on this device")
         return 1
-    from libalign import _triton_w4a4 as tk
+    from libalign.gemm import triton_kernels as tk
 
     dev = "cuda"
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ Three tables, each against a baseline measured in the same run:
    the full-code record (``b = 4``); the ``encoded`` column is the length of an actual encoded
    record per token (random codes), which must equal the planned one.
 2. **Throughput** on the CPU (and CUDA when present) for ``--tokens`` tokens through
-   ``--layers`` layers of those shapes: the FP4 cache's write (:func:`libalign.ops.quantize` of
+   ``--layers`` layers of those shapes: the FP4 cache's write (:func:`libalign.kernels.quantize` of
    the K and V rows: the compiled kernels for ``kv_nvfp4`` and ``kv_mxfp4``) and read
    (:func:`libalign.models.kv_cache.dequantize_kv`: the spec's bits), and a record's encode
    and decode at ``b = 1``. Baseline: ``clone``, one copy of the bf16 K/V (what any pass
@@ -34,9 +34,9 @@ from pathlib import Path
 
 import torch
 
-from libalign import ops
 from libalign.guidance import GuidanceRecord, SiteRows
-from libalign.guidance_sizes import size_for_config
+from libalign.guidance.sizes import size_for_config
+from libalign.kernels import ops
 from libalign.models.kv_cache import dequantize_kv
 from libalign.spec import PRESETS
 

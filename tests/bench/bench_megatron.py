@@ -37,12 +37,13 @@ The goal rows at the end (issue 21 item 5) divide by the same run's numbers: ``n
 model time over ``bf16`` (goal <= 1.10), the weight quantization per step of
 ``nvfp4_minite`` (goal <= 5 ms), and ``nvfp4_trace_rec`` model time over ``nvfp4_minite``
 (goal <= 1.074, TRACE's own overhead figure). Every step runs inside
-:func:`libalign.finite_checks.deferred_finite_checks`, as the learner's does: each expert GEMM
+:func:`libalign.gemm.finite_checks.deferred_finite_checks`, as the learner's does: each expert GEMM
 queues its NaN/Inf check and the step reads them all once at its end.
 ``nvfp4_minite_sync`` checks at every GEMM instead (one device synchronisation each, which
 stalls the host's queue: the behaviour outside a deferred block), ``nvfp4_minite_nocheck``
 not at all (:func:`libalign.models.megatron.set_finite_check`). ``nvfp4_trace_rec`` rounds the
-guided rows inside the Triton activation pass (:func:`libalign.gemm_triton.fused_guidance`, the default);
+guided rows inside the Triton activation pass
+(:func:`libalign.gemm.triton_grouped.fused_guidance`, the default);
 ``nvfp4_trace_rec_unfused`` quantizes them first (:func:`libalign.guidance.guided_quantize`:
 dozens of tensor passes), as before that pass existed.
 
@@ -54,8 +55,8 @@ rows all guided by records (captured from this model's own ``nvfp4_minite_kv`` f
 batch, so its ``rel L2`` equals ``nvfp4_minite_kv``'s). Their goal row divides
 ``nvfp4_trace_kv_rec`` by ``nvfp4_minite`` (TRACE's 7.4 % for weight, activation and KV
 guidance and the KV dequantization together). Both read K/V back in one fused Triton pass
-(:func:`libalign.gemm_triton.triton_qdq_rows`, the default on CUDA); their ``_torchkv`` twins
-take the unfused path instead (:func:`libalign.gemm_triton.fused_kv` off: ``ops.quantize`` or
+(:func:`libalign.gemm.triton_grouped.triton_qdq_rows`, the default on CUDA); their ``_torchkv`` twins
+take the unfused path instead (:func:`libalign.gemm.triton_grouped.fused_kv` off: ``ops.quantize`` or
 ``guided_quantize``, then ``dequantize_kv``; the same bits), as before that pass existed.
 
 Routing replay (R3, issue 19): ``nvfp4_minite_r3`` is ``nvfp4_minite`` with every token's
@@ -137,7 +138,7 @@ def _config(args):
 def _run(args) -> dict:
     from contextlib import nullcontext
 
-    from libalign.finite_checks import deferred_finite_checks
+    from libalign.gemm.finite_checks import deferred_finite_checks
     from libalign.models import megatron as mg
     from libalign.models.megatron_cpu import cpu_shims, single_process_group
 
@@ -300,8 +301,8 @@ def _records(mg, model, ids, keys, dev, kv: bool = False):
     forward with FP4 K/V, whose K/V rows are captured too)."""
     from contextlib import nullcontext
 
-    from libalign import ops
     from libalign.guidance import GuidanceCapture, GuidanceTable
+    from libalign.kernels import ops
     from libalign.models import megatron_kv
     from libalign.spec import PRESETS
 
@@ -335,7 +336,7 @@ def _routing_table(mg, model, ids, keys, dev, batch: int, seq: int):
     Megatron's routers), every 10th token's experts shifted by one (forced on replay)."""
     from libalign.models.paths import wrapped_method
     from libalign.models.routing_replay import RoutingTable
-    from libalign.routing_records import RoutingRecord
+    from libalign.routing.records import RoutingRecord
 
     routers = {i: layer.router for i, layer in mg.moe_layers(model).items()}
     own: dict[int, torch.Tensor] = {}
@@ -396,7 +397,7 @@ class _path_ctx:
         if self.unchecked:
             self.mg.set_finite_check(self.model, False)
         if self.unfused:
-            from libalign.gemm_triton import fused_guidance
+            from libalign.gemm.triton_grouped import fused_guidance
 
             self.fused_ctx = fused_guidance(False)
             self.fused_ctx.__enter__()
@@ -414,7 +415,7 @@ class _path_ctx:
             from libalign.models import megatron_kv
 
             if self.torch_kv:
-                from libalign.gemm_triton import fused_kv
+                from libalign.gemm.triton_grouped import fused_kv
 
                 self.torch_kv_ctx = fused_kv(False)
                 self.torch_kv_ctx.__enter__()

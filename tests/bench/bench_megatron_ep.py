@@ -13,7 +13,7 @@ layer, and feeds its own ``--tokens`` tokens. Then, per rank:
    forward and the straight-through bf16 product backward), interleaved round by round,
    every round started together (a barrier), timed with CUDA events; medians.
 2. **Sharded conversion.** Each rank quantizes its own expert slices on its own GPU (the fused
-   kernel behind :func:`libalign.ops.quantize`) and writes its part of one version
+   kernel behind :func:`libalign.kernels.quantize`) and writes its part of one version
    (:func:`alignd.learner.sharded_publish.publish_sharded`); the last part to land commits
    the merged manifest. Per rank: the kernel alone (input GB/s of bf16 weights, best of three,
    into reused outputs; ranks sharing a GPU take turns) and the whole part (device-to-host
@@ -99,7 +99,7 @@ def rank_main(info, o: dict) -> dict:
     from alignd.formats.weight_store import WeightStore
     from alignd.learner.sharded_publish import publish_sharded
 
-    from libalign import ops
+    from libalign.kernels import ops
     from libalign.models import megatron as mg
     from libalign.models.megatron_cpu import cpu_shims
     from libalign.models.megatron_export import export_hf_state_dict, local_expert_stacks

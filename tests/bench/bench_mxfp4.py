@@ -1,4 +1,4 @@
-"""MXFP4 quantize throughput: the compiled kernels behind ``libalign.ops`` against the spec
+"""MXFP4 quantize throughput: the compiled kernels behind ``libalign.kernels`` against the spec
 and torchao's ``to_mx``, all measured in this run on the same inputs.
 
 Workloads (BF16, seeded standard-normal data): one Qwen3-30B-A3B MoE layer's expert
@@ -8,7 +8,7 @@ KV-cache write of ``--tokens`` tokens of 4 KV heads of 128 (K and V rows) under
 ``kv_mxfp4``. Rows:
 
 * ``spec``: :func:`libalign.spec.quantize`, the baseline of ``vs spec``;
-* ``kernel <path>``: :func:`libalign.ops.quantize` (``backend='kernel'``) on each CPU
+* ``kernel <path>``: :func:`libalign.kernels.quantize` (``backend='kernel'``) on each CPU
   instruction-set path this CPU has (forced as ``ALIGN_CPU_KERNEL`` does), or ``kernel
   cuda`` on a GPU;
 * ``torchao to_mx``: ``torchao.prototype.mx_formats.mx_tensor.to_mx`` in the matching
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from libalign import ops
+from libalign.kernels import ops
 from libalign.spec import PRESETS, quantize
 
 from .measure import Col, sync

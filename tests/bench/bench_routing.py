@@ -2,7 +2,7 @@
 
 Three tables, each against a baseline measured in the same run:
 
-1. **Bytes per token** of a routing record (:mod:`libalign.routing_records`) for the tiny demo
+1. **Bytes per token** of a routing record (:mod:`libalign.routing.records`) for the tiny demo
    model (4 MoE layers, top-2 of 8), Qwen3-30B-A3B (48 layers, top-8 of 128) and a
    256-expert and a 512-expert model (one and two bytes an id), ids only and with bf16 gate
    weights; ``encoded`` is the length an actual record's :meth:`to_bytes` gives, which must
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from libalign.routing_records import RoutingRecord, bytes_per_token, id_dtype
+from libalign.routing.records import RoutingRecord, bytes_per_token, id_dtype
 
 from .measure import Col, overheads, pct, print_table, round_robin, seconds
 

@@ -9,7 +9,7 @@ Two tables, each with its baseline measured in the same run:
   0 exactly);
 * **ops** at miniTE shapes (Qwen3-30B-A3B: hidden 2048, 32/4 heads of 128, 128 experts top-8
   with intermediate 768, vocabulary 151936): each batch-invariant op of
-  :mod:`libalign.strict_ops` against the stock kernel it replaces, at a decode batch and a
+  :mod:`libalign.strict.ops` against the stock kernel it replaces, at a decode batch and a
   prefill batch, and whether a row's bits are the same computed alone and inside the batch
   (``invariant``: strict always; the stock kernel as measured here).
 
@@ -30,8 +30,9 @@ import statistics
 
 import torch
 
-from libalign import models, strict_ops
+from libalign import models
 from libalign.models import strict
+from libalign.strict import ops as strict_ops
 
 from .measure import seconds
 

@@ -18,7 +18,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from libalign import ops
+from libalign.kernels import ops
 from libalign.spec import PRESETS, quantize
 
 SHAPES = ((1536, 2048), (2048, 768))

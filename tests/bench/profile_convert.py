@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from libalign import _native, ops
+from libalign.kernels import native, ops
 from libalign.spec import PRESETS
 
 
@@ -50,9 +50,9 @@ def host_times(run, calls: int = 50) -> dict[str, float]:
     part), ``last`` (the last launch call returns) and ``end`` (the call returns, after the
     flag read has waited for the kernels); ``events``: CUDA events recorded right before and
     after the call, as ``bench convert``'s ms column times it (host and device together)."""
-    real = _native.load
+    real = native.load
     clock = LaunchClock(real("cuda"))
-    _native.load = lambda kind: clock if kind == "cuda" else real(kind)
+    native.load = lambda kind: clock if kind == "cuda" else real(kind)
     rows = []
     try:
         for _ in range(calls):
@@ -69,7 +69,7 @@ def host_times(run, calls: int = 50) -> dict[str, float]:
             rows.append((c[0][0] - t0, sum(b - a for a, b in c), c[-1][1] - t0, t1 - t0,
                          start.elapsed_time(stop) * 1e6))
     finally:
-        _native.load = real
+        native.load = real
     return {key: statistics.median(r[i] for r in rows) / 1e3
             for i, key in enumerate(("first", "in_launch", "last", "end", "events"))}
 

@@ -6,7 +6,7 @@ of ``bench gemm`` at ``--rows`` rows per expert:
 
 * host µs per call of a loop of back-to-back calls (the enqueue rate, device left to run)
   for the layers of the call: ``torch._grouped_mm`` (the bf16 baseline), the two Triton
-  kernels alone on preallocated buffers, :func:`libalign.gemm_triton.w4a4_grouped_triton`,
+  kernels alone on preallocated buffers, :func:`libalign.gemm.triton_grouped.w4a4_grouped_triton`,
   and :func:`libalign.gemm.grouped_linear` without and with the (deferred) NaN/Inf check;
 * a ``cProfile`` table of the ``grouped_linear`` loop (top functions by own time).
 
@@ -24,8 +24,8 @@ import time
 import torch
 
 from libalign import gemm
-from libalign.finite_checks import deferred_finite_checks
-from libalign.gemm_triton import triton_gemm_available, w4a4_grouped_triton
+from libalign.gemm.finite_checks import deferred_finite_checks
+from libalign.gemm.triton_grouped import triton_gemm_available, w4a4_grouped_triton
 
 
 def _host_us(fn, calls: int) -> float:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() or not triton_gemm_available("cuda"):
         print("profile_gemm needs a CUDA device with Triton; skipped")
         return 0
-    from libalign import _triton_w4a4 as tk
+    from libalign.gemm import triton_kernels as tk
 
     torch.manual_seed(0)
     for name, k, n in (("FC1", 2048, 1536), ("FC2", 768, 2048)):

@@ -26,7 +26,7 @@ from alignd.infra.settings import AllInOneSettings
 from alignd.tools.cli import SERVICES
 
 import libalign
-import libalign._native as native
+import libalign.kernels.native as native
 
 tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ (tomllib) reads pyproject.toml")
 
@@ -39,9 +39,9 @@ REQUIRED = {"REDIS_PASSWORD": "redis-pw-1", "ALIGN_API_TOKEN": "api-token-2",
 # the libalign containers and their roles
 ALIGN = ("api", "converter", "sampler", "learner", "sampler-cpu", "learner-cpu")
 GPU, CPU = ("sampler", "learner"), ("sampler-cpu", "learner-cpu")
-# ALIGN_* variables that libalign reads itself (not Settings fields), and the file that reads each
-DIRECT_ENV = {"ALIGN_MODEL_CACHE": "libalign/models/train.py",
-              "ALIGN_KERNEL_CACHE": "libalign/_native.py"}
+# ALIGN_* variables libalign reads itself (KernelConfig, not Settings), and the file reading each
+DIRECT_ENV = {"ALIGN_MODEL_CACHE": "libalign/kernels/config.py",
+              "ALIGN_KERNEL_CACHE": "libalign/kernels/config.py"}
 
 
 def _missing(what: str, how: str):
@@ -552,7 +552,7 @@ def test_gpu_image_is_cuda_based():
 
 @pytest.mark.parametrize("kind", sorted(DOCKERFILES))
 def test_kernel_sources_go_where_libalign_looks(kind):
-    """The wheel carries csrc/ as libalign/csrc (setup.py), where libalign._native.CSRC looks
+    """The wheel carries csrc/ as libalign/csrc (setup.py), where libalign.kernels.native.CSRC looks
     first; the image build fails unless the installed CSRC is that folder and holds the
     sources. (In the checkout CSRC is the top-level csrc/.)"""
     assert Path(libalign.__file__).resolve().parent.parent / "csrc" == native.CSRC

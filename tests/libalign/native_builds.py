@@ -4,8 +4,8 @@
 CUTLASS grouped GEMM for sm_100a, the same source for sm_90, and the quantize kernels for sm_90
 and sm_100a, 30 to 100 s of one CPU core each (most of it cicc and ptxas). As jobs they overlap
 the rest of the run; each writes into its own folder (never the user's kernel cache): the two
-library builds through ``_native.build`` with ``ALIGN_KERNEL_CACHE`` pointing there, the sm_90
-variant with ``_native.build_command``'s command for another ``-gencode``.
+library builds through ``native.build`` with ``ALIGN_KERNEL_CACHE`` pointing there, the sm_90
+variant with ``native.build_command``'s command for another ``-gencode``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from libalign import _native
+from libalign.kernels import native
 from tests import background
 
 
@@ -27,7 +27,7 @@ def nvcc_gap() -> str | None:
 def nvcc_sm100_gap() -> str | None:
     """Why no sm_100a build can run here (no nvcc, or one without compute_100), or None."""
     gap = nvcc_gap()
-    if gap is None and "compute_100" not in _native.nvcc_archs(shutil.which("nvcc")):
+    if gap is None and "compute_100" not in native.nvcc_archs(shutil.which("nvcc")):
         gap = "this nvcc cannot target sm_100a"
     return gap
 
@@ -35,8 +35,8 @@ def nvcc_sm100_gap() -> str | None:
 def cutlass_gap() -> str | None:
     """Why the CUTLASS headers cannot be used here, or None."""
     try:
-        _native.find_cutlass()
-    except _native.KernelBuildError as exc:
+        native.find_cutlass()
+    except native.KernelBuildError as exc:
         return f"CUTLASS headers absent: {exc}"
     return None
 
@@ -48,26 +48,26 @@ def sm100_gap() -> str | None:
 
 def cuda_archs() -> str:
     """``ALIGN_CUDA_ARCHS`` of the quantize build: sm_90, and sm_100a where nvcc knows it."""
-    return "90,100a" if "compute_100" in _native.nvcc_archs(shutil.which("nvcc")) else "90"
+    return "90,100a" if "compute_100" in native.nvcc_archs(shutil.which("nvcc")) else "90"
 
 
 def variant_command(out: Path, arch_flag: str, *extra: str) -> list[str]:
-    """gemm_nvfp4_sm100.cu's build command (``_native.build_command``) with another
+    """gemm_nvfp4_sm100.cu's build command (``native.build_command``) with another
     ``-gencode`` and extra flags (``-D...``), writing ``out``."""
-    src = _native.CSRC / _native.SOURCES["gemm_sm100"]
+    src = native.CSRC / native.SOURCES["gemm_sm100"]
     cmd = [arch_flag if a.startswith("-gencode") else a
-           for a in _native.build_command("gemm_sm100", src, out)]
+           for a in native.build_command("gemm_sm100", src, out)]
     cmd[1:1] = list(extra)
     return cmd
 
 
 def built_library(done: background.Finished) -> Path:
-    """The library a ``_native.build`` job printed (its last line)."""
+    """The library a ``native.build`` job printed (its last line)."""
     return Path(done.stdout.strip().splitlines()[-1])
 
 
 def _build(kind: str, folder: Path, **env: str) -> tuple[list[str], dict[str, str]]:
-    code = f"from libalign import _native; print(_native.build({kind!r}))"
+    code = f"from libalign import _native; print(native.build({kind!r}))"
     return [sys.executable, "-c", code], {**os.environ, "ALIGN_KERNEL_CACHE": str(folder), **env}
 
 

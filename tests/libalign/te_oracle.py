@@ -2,7 +2,7 @@
 
 Written in NumPy float32 scalars-by-array arithmetic with ml_dtypes' float8_e4m3fn for
 the E4M3 cast and a nearest-value search for E2M1, so it shares no code and no algorithm
-with ``libalign.rounding``. The formulas (TE's ``NVFP4QuantizerRef``, 1x16 tiles)::
+with ``libalign.spec.rounding``. The formulas (TE's ``NVFP4QuantizerRef``, 1x16 tiles)::
 
     S_enc = min(2688 / A, FLT_MAX); S_enc = 1 where S_enc == 0; S_dec = 1 / S_enc
     s     = e4m3(clamp(min(v * (S_enc * (1/6)), FLT_MAX), -448, 448))

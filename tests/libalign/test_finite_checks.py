@@ -1,4 +1,4 @@
-"""Pins libalign.finite_checks: immediate checks raise at the call, deferred ones at the end
+"""Pins libalign.gemm.finite_checks: immediate checks raise at the call, deferred ones at the end
 of their block, naming the call, with element detail while the activations live and row
 detail (in the caller's rows) after they are gone; an exception inside a block wins."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from alignclient.errors import NonFiniteError
 
-from libalign.finite_checks import check_rows, deferred_finite_checks
+from libalign.gemm.finite_checks import check_rows, deferred_finite_checks
 
 
 def _rows(m: int = 6, k: int = 8, bad: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:

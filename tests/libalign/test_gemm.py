@@ -41,8 +41,8 @@ def test_inner_values_are_exact_in_bf16_and_times_outer_equal_dequantize():
 
 def _field_by_field(q, dtype):
     """Inner values decoded field by field: each code's E2M1 value times its block's E4M3 value."""
-    from libalign.packing import unpack_nibbles
-    from libalign.rounding import e2m1_code_values, e4m3_bits_to_float
+    from libalign.spec.packing import unpack_nibbles
+    from libalign.spec.rounding import e2m1_code_values, e4m3_bits_to_float
 
     vals = e2m1_code_values(unpack_nibbles(q.codes))
     s32 = e4m3_bits_to_float(q.block_scales)

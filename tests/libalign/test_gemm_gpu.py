@@ -11,7 +11,8 @@ import pytest
 import torch
 from alignclient.errors import NonFiniteError
 
-from libalign import gemm, gemm_triton
+from libalign import gemm
+from libalign.gemm import triton_grouped
 from libalign.spec import PRESETS, quantize
 
 pytestmark = pytest.mark.gpu
@@ -20,7 +21,7 @@ CUDA = "cuda"
 
 
 def _need_triton():
-    if not torch.cuda.is_available() or not gemm_triton.triton_gemm_available(CUDA):
+    if not torch.cuda.is_available() or not triton_grouped.triton_gemm_available(CUDA):
         pytest.skip("needs a CUDA device of sm_90+ with Triton")
 
 
@@ -40,7 +41,7 @@ def _acts(m, k, seed, ties=False):
 def test_activation_pass_bits_equal_spec(preset, ties, k):
     """Triton inner values and row decode scales equal the spec's, bit for bit."""
     _need_triton()
-    from libalign import _triton_w4a4 as tk
+    from libalign.gemm import triton_kernels as tk
 
     spec = PRESETS[preset]
     a = _acts(333, k, seed=k + ties, ties=ties)
@@ -123,7 +124,7 @@ def test_deferred_check_raises_at_the_block_end_naming_the_call_and_row(guided):
     NaN, the others are the checked call's bits) but at the block's end, naming the call and
     the row; finite calls in the block pass and give the same bits as immediate checks."""
     _need_triton()
-    from libalign.finite_checks import deferred_finite_checks
+    from libalign.gemm.finite_checks import deferred_finite_checks
     from libalign.guidance import RowGuide
 
     w = torch.randn(2, 64, 64, dtype=torch.bfloat16, device=CUDA)
@@ -174,7 +175,7 @@ def test_backward_is_the_bf16_straight_through_product():
 def test_chunked_and_whole_row_activation_passes_agree(k):
     """Walking a row in chunks (two reads) gives the same bits as one whole-row tile."""
     _need_triton()
-    from libalign import _triton_w4a4 as tk
+    from libalign.gemm import triton_kernels as tk
 
     a = _acts(300, k, seed=k)
     whole = tk.act_qdq(a, amax_floor=1e-12, tensor_amax=None, chunk=0)
@@ -191,9 +192,9 @@ def test_pipelined_chunks_give_the_same_bits():
     a = _acts(sum(counts), 256, seed=11)
     ew = gemm.prepare_weights(w, "nvfp4_minite")
     lay = gemm.group_layout(counts, 128)
-    one = gemm_triton.w4a4_grouped_triton(a, ew.path.act_spec, ew.inner, ew.dec, lay, chunks=1)
+    one = triton_grouped.w4a4_grouped_triton(a, ew.path.act_spec, ew.inner, ew.dec, lay, chunks=1)
     for chunks in (2, 3, 7):
-        many = gemm_triton.w4a4_grouped_triton(a, ew.path.act_spec, ew.inner, ew.dec, lay, chunks=chunks)
+        many = triton_grouped.w4a4_grouped_triton(a, ew.path.act_spec, ew.inner, ew.dec, lay, chunks=chunks)
         assert torch.equal(one, many)
 
 
@@ -215,8 +216,8 @@ def test_guided_rounding_and_records_on_the_device():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from libalign.guidance import GuidanceRecord, RowGuide, SiteRows, guided_quantize
-    from libalign.packing import unpack_nibbles
-    from libalign.rounding import low_bits
+    from libalign.spec.packing import unpack_nibbles
+    from libalign.spec.rounding import low_bits
 
     x = _acts(300, 2048, seed=5)
     spec = PRESETS["minite"]
@@ -259,7 +260,7 @@ def test_inner_values_on_the_device_equal_the_cpu_bits(dtype):
     every = NVFP4Tensor(codes, scales.view(torch.float8_e4m3fn), torch.ones(256), PRESETS["minite"],
                         (256, 512))
     ints = torch.int16 if dtype == torch.bfloat16 else torch.int32
-    from libalign.gemm_triton import triton_decode
+    from libalign.gemm.triton_grouped import triton_decode
 
     with warnings.catch_warnings(), triton_decode():
         warnings.simplefilter("error", RuntimeWarning)

@@ -20,19 +20,20 @@ import pytest
 import torch
 from alignclient.errors import DTypeError, ShapeError, SpecError
 
-from libalign import _native, gemm_cutlass
-from libalign.packing import swizzle_scales, swizzled_size, unswizzle_scales
-from tests import background
+from libalign.gemm import cutlass_grouped
+from libalign.kernels import native
+from libalign.spec.packing import swizzle_scales, swizzled_size, unswizzle_scales
+from tests import background, kernel_env
 from tests.libalign import native_builds
 
 ARCH, SHAPE = 1, 2  # NV_GEMM_ERR_ARCH, NV_GEMM_ERR_SHAPE in csrc/gemm_abi.h
 
 
-def _headers_or_skip() -> _native.CutlassHeaders:
+def _headers_or_skip() -> native.CutlassHeaders:
     gap = native_builds.cutlass_gap()
     if gap:
         pytest.skip(gap)
-    return _native.find_cutlass()
+    return native.find_cutlass()
 
 
 def _nvcc_sm100_or_skip() -> None:
@@ -44,14 +45,14 @@ def _nvcc_sm100_or_skip() -> None:
 @pytest.fixture
 def fresh_native(tmp_path, monkeypatch):
     """An empty kernel cache and no loaded libraries, restored afterwards."""
-    monkeypatch.setenv("ALIGN_KERNEL_CACHE", str(tmp_path / "cache"))
-    _native.forget()
+    kernel_env.setenv(monkeypatch, "ALIGN_KERNEL_CACHE", str(tmp_path / "cache"))
+    native.forget()
     yield tmp_path / "cache"
-    _native.forget()
+    native.forget()
 
 
-def _valid_args(**over) -> _native.GemmSm100Args:
-    a = _native.GemmSm100Args(experts=2, n=64, k=128, a_dec_per_row=1, w_dec_mode=2)
+def _valid_args(**over) -> native.GemmSm100Args:
+    a = native.GemmSm100Args(experts=2, n=64, k=128, a_dec_per_row=1, w_dec_mode=2)
     for f in ("row_offsets", "a_codes", "a_scales", "a_dec", "w_codes", "w_scales", "w_dec",
               "out"):
         setattr(a, f, 4096)  # never dereferenced: every path below refuses first
@@ -62,7 +63,7 @@ def _valid_args(**over) -> _native.GemmSm100Args:
 
 def _check_abi_without_device(lib: ctypes.CDLL) -> None:
     """What the library answers on a machine where no sm_100a kernel can run."""
-    assert lib.nvfp4_gemm_sm100_args_size() == ctypes.sizeof(_native.GemmSm100Args)
+    assert lib.nvfp4_gemm_sm100_args_size() == ctypes.sizeof(native.GemmSm100Args)
     assert lib.nvfp4_gemm_sm100_available() == 0
     size = ctypes.c_size_t(123)
     assert lib.nvfp4_gemm_sm100_workspace_size(ctypes.byref(_valid_args()), ctypes.byref(size)) == ARCH
@@ -73,7 +74,7 @@ def _check_abi_without_device(lib: ctypes.CDLL) -> None:
 
 def _load_variant(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    _native.declare(lib, "gemm_sm100")
+    native.declare(lib, "gemm_sm100")
     return lib
 
 
@@ -84,20 +85,20 @@ def _load_variant(path: Path) -> ctypes.CDLL:
 @pytest.mark.slow
 def test_sm100a_library_compiles_with_cutlass_and_answers_without_a_device(fresh_native,
                                                                            monkeypatch):
-    """nvcc builds the CUTLASS grouped GEMM for sm_100a (``_native.build`` into an empty
+    """nvcc builds the CUTLASS grouped GEMM for sm_100a (``native.build`` into an empty
     cache); a later build finds it by content; the library loads and says 'no device'."""
     _nvcc_sm100_or_skip()
     headers = _headers_or_skip()
-    cmd = _native.build_command("gemm_sm100", Path("x.cu"), Path("x.so"))
+    cmd = native.build_command("gemm_sm100", Path("x.cu"), Path("x.so"))
     assert "-gencode=arch=compute_100a,code=sm_100a" in cmd
     assert f"-I{headers.include}" in cmd and f"-I{headers.util_include}" in cmd
     built = background.result("gemm_sm100")
     assert built.returncode == 0, built.tail()
     print(f"gemm_sm100 build: {built.seconds:.1f} s (CUTLASS {'.'.join(map(str, headers.version))})")
-    monkeypatch.setenv("ALIGN_KERNEL_CACHE", str(built.folder))
-    path = _native.build("gemm_sm100")
+    kernel_env.setenv(monkeypatch, "ALIGN_KERNEL_CACHE", str(built.folder))
+    path = native.build("gemm_sm100")
     assert path == native_builds.built_library(built) and path.stat().st_size > 0  # by content
-    lib = _native.load_or_raise("gemm_sm100")
+    lib = native.load_or_raise("gemm_sm100")
     _check_abi_without_device(lib)
     bad_k = _valid_args(k=48)  # K not a multiple of 32
     assert lib.nvfp4_grouped_gemm_sm100(ctypes.byref(bad_k), None, 0, None) == SHAPE
@@ -131,26 +132,26 @@ def test_stub_build_answers_unsupported_architecture(tmp_path):
 
 def test_cutlass_dir_env_must_hold_headers(tmp_path, monkeypatch):
     """A wrong ALIGN_CUTLASS_DIR is a KernelBuildError naming it, not a silent fallback."""
-    monkeypatch.setenv(_native.CUTLASS_ENV, str(tmp_path / "nowhere"))
-    with pytest.raises(_native.KernelBuildError, match=r"ALIGN_CUTLASS_DIR=.*nowhere"):
-        _native.find_cutlass()
+    monkeypatch.setenv(native.CUTLASS_ENV, str(tmp_path / "nowhere"))
+    with pytest.raises(native.KernelBuildError, match=r"ALIGN_CUTLASS_DIR=.*nowhere"):
+        native.find_cutlass()
 
 
 def test_missing_cutlass_package_says_how_to_get_it(monkeypatch):
     """No env var and no nvidia-cutlass: the error names the package and the env var."""
-    monkeypatch.delenv(_native.CUTLASS_ENV, raising=False)
-    monkeypatch.setattr(_native, "cutlass_package_root", lambda: None)
-    with pytest.raises(_native.KernelBuildError, match=r"nvidia-cutlass.*ALIGN_CUTLASS_DIR"):
-        _native.find_cutlass()
+    monkeypatch.delenv(native.CUTLASS_ENV, raising=False)
+    monkeypatch.setattr(native, "cutlass_package_root", lambda: None)
+    with pytest.raises(native.KernelBuildError, match=r"nvidia-cutlass.*ALIGN_CUTLASS_DIR"):
+        native.find_cutlass()
 
 
 def test_cutlass_dir_env_accepts_a_source_tree(monkeypatch):
     """ALIGN_CUTLASS_DIR may name the package folder or its source/ tree; the version is read."""
     headers = _headers_or_skip()
     for root in (headers.root, headers.root.parent):
-        monkeypatch.setenv(_native.CUTLASS_ENV, str(root))
-        found = _native.find_cutlass()
-        assert found.include == headers.include and found.version >= (*_native.CUTLASS_MIN_VERSION, 0)
+        monkeypatch.setenv(native.CUTLASS_ENV, str(root))
+        found = native.find_cutlass()
+        assert found.include == headers.include and found.version >= (*native.CUTLASS_MIN_VERSION, 0)
 
 
 def test_too_old_cutlass_is_refused(tmp_path, monkeypatch):
@@ -165,20 +166,20 @@ def test_too_old_cutlass_is_refused(tmp_path, monkeypatch):
     util = tmp_path / "tools" / "util" / "include" / "cutlass" / "util"
     util.mkdir(parents=True)
     (util / "packed_stride.hpp").write_text("")
-    monkeypatch.setenv(_native.CUTLASS_ENV, str(tmp_path))
-    with pytest.raises(_native.KernelBuildError, match=r"3\.5\.0 .* too old"):
-        _native.find_cutlass()
+    monkeypatch.setenv(native.CUTLASS_ENV, str(tmp_path))
+    with pytest.raises(native.KernelBuildError, match=r"3\.5\.0 .* too old"):
+        native.find_cutlass()
 
 
 def test_strict_load_refuses_when_kernels_disabled(fresh_native, monkeypatch):
     """ALIGN_KERNELS=spec: load_or_raise raises instead of building."""
-    monkeypatch.setenv("ALIGN_KERNELS", "spec")
-    with pytest.raises(_native.KernelBuildError, match="ALIGN_KERNELS=spec"):
-        _native.load_or_raise("gemm_sm100")
+    kernel_env.setenv(monkeypatch, "ALIGN_KERNELS", "spec")
+    with pytest.raises(native.KernelBuildError, match="ALIGN_KERNELS=spec"):
+        native.load_or_raise("gemm_sm100")
     assert not fresh_native.exists()
 
 
-# ---- the gemm_cutlass API on a machine without Blackwell ------------------------------------------
+# ---- the cutlass_grouped API on a machine without Blackwell ------------------------------------------
 
 def _operands(counts=(3, 0, 130), n=16, k=64, device="cpu"):
     """Valid operands (random bits) for experts with ``counts`` rows each."""
@@ -191,7 +192,7 @@ def _operands(counts=(3, 0, 130), n=16, k=64, device="cpu"):
     w_lin = torch.randint(0, 127, (e, n, k16), generator=g, dtype=torch.uint8)
     return dict(
         a_codes=torch.randint(0, 256, (m, k // 2), generator=g, dtype=torch.uint8),
-        a_scales=gemm_cutlass.grouped_activation_scales(a_lin.view(torch.float8_e4m3fn), offsets),
+        a_scales=cutlass_grouped.grouped_activation_scales(a_lin.view(torch.float8_e4m3fn), offsets),
         a_dec=torch.rand(m, generator=g),
         row_offsets=offsets,
         w_codes=torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.uint8),
@@ -202,20 +203,20 @@ def _operands(counts=(3, 0, 130), n=16, k=64, device="cpu"):
 
 def test_unavailable_on_cpu_without_building(fresh_native):
     """On a CPU device (or with no CUDA at all) the answer is False, and nothing is built."""
-    assert gemm_cutlass.native_grouped_gemm_available("cpu") is False
-    assert "not a CUDA device" in gemm_cutlass.native_grouped_gemm_gap("cpu")
+    assert cutlass_grouped.native_grouped_gemm_available("cpu") is False
+    assert "not a CUDA device" in cutlass_grouped.native_grouped_gemm_gap("cpu")
     if not torch.cuda.is_available():
-        assert gemm_cutlass.native_grouped_gemm_available() is False
-        assert gemm_cutlass.native_grouped_gemm_gap("cuda") == "no CUDA device is visible"
+        assert cutlass_grouped.native_grouped_gemm_available() is False
+        assert cutlass_grouped.native_grouped_gemm_gap("cuda") == "no CUDA device is visible"
     elif torch.cuda.get_device_capability()[0] != 10:
-        assert gemm_cutlass.native_grouped_gemm_available("cuda") is False
-    assert not _native.attempted("gemm_sm100") and not fresh_native.exists()
+        assert cutlass_grouped.native_grouped_gemm_available("cuda") is False
+    assert not native.attempted("gemm_sm100") and not fresh_native.exists()
 
 
 def test_call_on_cpu_raises_spec_error():
     """Well-formed operands on a device without the kernel: SpecError saying why."""
     with pytest.raises(SpecError, match="no native grouped GEMM serves this call: device cpu"):
-        gemm_cutlass.native_grouped_gemm(**_operands())
+        cutlass_grouped.native_grouped_gemm(**_operands())
 
 
 @pytest.mark.parametrize("change, error, match", [
@@ -239,7 +240,7 @@ def test_bad_operands_raise_typed_errors(change, error, match):
     operands = _operands()
     change(operands)
     with pytest.raises(error, match=match):
-        gemm_cutlass.native_grouped_gemm(**operands)
+        cutlass_grouped.native_grouped_gemm(**operands)
 
 
 def test_scalar_and_per_expert_decode_scales_are_accepted():
@@ -248,7 +249,7 @@ def test_scalar_and_per_expert_decode_scales_are_accepted():
     for a_dec, w_dec in ((torch.ones(1), torch.ones(3)), (torch.ones(()), torch.ones(1))):
         operands.update(a_dec=a_dec, w_dec=w_dec)
         with pytest.raises(SpecError):
-            gemm_cutlass.native_grouped_gemm(**operands)
+            cutlass_grouped.native_grouped_gemm(**operands)
 
 
 def test_grouped_activation_scales_are_per_expert_swizzles_back_to_back():
@@ -256,7 +257,7 @@ def test_grouped_activation_scales_are_per_expert_swizzles_back_to_back():
     counts, k16 = (3, 0, 130, 128), 6
     offsets = [0, 3, 3, 133, 261]
     lin = torch.randint(0, 127, (sum(counts), k16), dtype=torch.uint8).view(torch.float8_e4m3fn)
-    flat = gemm_cutlass.grouped_activation_scales(lin, torch.tensor(offsets))
+    flat = cutlass_grouped.grouped_activation_scales(lin, torch.tensor(offsets))
     cols = -(-k16 // 4) * 4
     assert flat.dtype == torch.float8_e4m3fn
     assert flat.numel() == sum(-(-c // 128) * 128 for c in counts) * cols

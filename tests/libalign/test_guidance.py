@@ -30,10 +30,10 @@ from libalign.guidance import (
     select_layers,
     unpack_planes,
 )
-from libalign.guidance_sizes import size_per_token, trace_reference_size
-from libalign.packing import unpack_nibbles
-from libalign.rounding import bracket_levels, e2m1_levels, low_bits
+from libalign.guidance.sizes import size_per_token, trace_reference_size
 from libalign.spec import PRESETS, normalized_with_scales, quantize
+from libalign.spec.packing import unpack_nibbles
+from libalign.spec.rounding import bracket_levels, e2m1_levels, low_bits
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BITS = (1, 2, 3, 4)

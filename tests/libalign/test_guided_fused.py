@@ -1,7 +1,7 @@
 """Pins guided rounding fused into the GEMM's activation pass to guided_quantize's bits.
 
 On a CUDA device with Triton, ``grouped_linear(a, w, counts, act_guide=guide)`` under
-:func:`libalign.gemm_triton.fused_guidance` must give the bits of ``act_q =
+:func:`libalign.gemm.triton_grouped.fused_guidance` must give the bits of ``act_q =
 guided_quantize(a, spec, guide)``; elsewhere ``act_guide`` is refused (callers quantize
 first, as the Megatron experts do). Without a GPU, ``test_triton_interpreted`` checks the
 fused kernel's guided rows in Triton's interpreter.
@@ -13,11 +13,12 @@ import pytest
 import torch
 from alignclient.errors import NonFiniteError, SpecError
 
-from libalign import gemm, gemm_triton
+from libalign import gemm
+from libalign.gemm import triton_grouped
 from libalign.guidance import RowGuide, guided_quantize
-from libalign.packing import unpack_nibbles
-from libalign.rounding import low_bits
 from libalign.spec import PRESETS, quantize
+from libalign.spec.packing import unpack_nibbles
+from libalign.spec.rounding import low_bits
 
 SPEC = PRESETS["minite"]
 
@@ -58,7 +59,7 @@ def test_act_guide_is_refused_where_the_pass_does_not_fuse():
     x, guide = _case(6, 32, 2, seed=0)
     w = (torch.randn(2, 8, 32) * 0.05).to(torch.bfloat16)
     ew = gemm.prepare_weights(w, "nvfp4_trace")
-    with gemm_triton.fused_guidance(True):
+    with triton_grouped.fused_guidance(True):
         assert not gemm.fuses_guidance(x, ew, guide)
         assert not gemm.fuses_guidance(x, gemm.prepare_weights(w, "bf16"), guide)
         for kwargs in ({}, {"act_q": quantize(x, SPEC)}):
@@ -68,18 +69,18 @@ def test_act_guide_is_refused_where_the_pass_does_not_fuse():
 
 def test_fused_guidance_switch_restores_itself():
     """fused_guidance(on) holds inside its block only, and the gap names records of another width."""
-    before = gemm_triton.fused_guidance_enabled()
-    with gemm_triton.fused_guidance(not before):
-        assert gemm_triton.fused_guidance_enabled() is (not before)
-    assert gemm_triton.fused_guidance_enabled() is before
+    before = triton_grouped.fused_guidance_enabled()
+    with triton_grouped.fused_guidance(not before):
+        assert triton_grouped.fused_guidance_enabled() is (not before)
+    assert triton_grouped.fused_guidance_enabled() is before
     _, guide = _case(6, 32, 2, seed=0)
-    assert gemm_triton.triton_guided_gap(SPEC, guide, 32) is None
-    assert "width" in gemm_triton.triton_guided_gap(SPEC, guide, 48)
-    assert gemm_triton.triton_guided_gap(PRESETS["torchao"], guide, 32) is not None
+    assert triton_grouped.triton_guided_gap(SPEC, guide, 32) is None
+    assert "width" in triton_grouped.triton_guided_gap(SPEC, guide, 48)
+    assert triton_grouped.triton_guided_gap(PRESETS["torchao"], guide, 32) is not None
 
 
 def _need_triton():
-    if not torch.cuda.is_available() or not gemm_triton.triton_gemm_available("cuda"):
+    if not torch.cuda.is_available() or not triton_grouped.triton_gemm_available("cuda"):
         pytest.skip("needs a CUDA device of sm_90+ with Triton")
 
 
@@ -91,8 +92,8 @@ def test_fused_guided_pass_gives_the_unfused_bits(bits, k, n):
     with uneven and empty experts, absent rows and random low bits; its inner values and
     decode scales equal the spec's."""
     _need_triton()
-    from libalign import _triton_w4a4 as tk
-    from libalign.rounding import e4m3_bits_to_float, guide_tables
+    from libalign.gemm import triton_kernels as tk
+    from libalign.spec.rounding import e4m3_bits_to_float, guide_tables
 
     counts = [130, 0, 1, 257, 64, 3]
     w = (torch.randn(len(counts), n, k, device="cuda") * 0.02).to(torch.bfloat16)
@@ -102,7 +103,7 @@ def test_fused_guided_pass_gives_the_unfused_bits(bits, k, n):
                          random_bits=random_bits, grid=grid)
         want = gemm.grouped_linear(x, ew, counts, backend="triton",
                                    act_q=guided_quantize(x, SPEC, guide))
-        with gemm_triton.fused_guidance(True):
+        with triton_grouped.fused_guidance(True):
             got = gemm.grouped_linear(x, ew, counts, backend="triton", act_guide=guide)
         assert torch.equal(got, want)
         src = torch.where(guide.present, guide.index, -1).to(torch.int32)
@@ -126,5 +127,5 @@ def test_fused_guided_pass_raises_on_nan():
     x[17, 5] = float("nan")
     ew = gemm.prepare_weights(torch.randn(2, 64, 64, dtype=torch.bfloat16, device="cuda"),
                               "nvfp4_trace")
-    with gemm_triton.fused_guidance(True), pytest.raises(NonFiniteError, match="17"):
+    with triton_grouped.fused_guidance(True), pytest.raises(NonFiniteError, match="17"):
         gemm.grouped_linear(x, ew, [20, 20], backend="triton", act_guide=guide)

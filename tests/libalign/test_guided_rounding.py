@@ -10,10 +10,11 @@ from alignclient.errors import SpecError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from libalign.constants import E2M1_MAGNITUDES, E2M1_MIDPOINTS, E2M1_VALUES
 from libalign.guidance import RowGuide, guided_quantize
-from libalign.packing import unpack_nibbles
-from libalign.rounding import (
+from libalign.spec import PRESETS, dequantize, normalized_with_scales, quantize
+from libalign.spec.constants import E2M1_MAGNITUDES, E2M1_MIDPOINTS, E2M1_VALUES
+from libalign.spec.packing import unpack_nibbles
+from libalign.spec.rounding import (
     SIGNED_ZERO_POLICIES,
     bracket_levels,
     e2m1_code_values,
@@ -24,7 +25,6 @@ from libalign.rounding import (
     round_e2m1_guided,
     round_e4m3_bits,
 )
-from libalign.spec import PRESETS, dequantize, normalized_with_scales, quantize
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 BITS = (1, 2, 3, 4)

@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 
-from libalign import models, ops
+from libalign import models
 from libalign.guidance import GuidanceCapture, GuidanceRecord, GuidanceTable
-from libalign.guidance_sizes import size_for_config, size_per_token, trace_reference_size
+from libalign.guidance.sizes import size_for_config, size_per_token, trace_reference_size
+from libalign.kernels import ops
 from libalign.models import kv_cache
 from libalign.spec import PRESETS, dequantize, quantize
 

@@ -1,4 +1,4 @@
-"""Pins the fused FP4 K/V read-back (gemm_triton.triton_qdq_rows, through
+"""Pins the fused FP4 K/V read-back (triton_grouped.triton_qdq_rows, through
 kv_cache.fused_kv_read and megatron_kv.quantize_heads) to the unfused path's bits.
 
 The unfused path quantizes each head row (``ops.quantize``, or ``guided_quantize`` with the
@@ -9,7 +9,7 @@ for +0.0 fails too) for kv_nvfp4: plain and guided (every, some or no row with a
 (and 80, 144: padded and chunked tiles), a row of zeros; a NaN/Inf raises the same
 NonFiniteError; quantize_heads' straight-through gradient is unchanged. Where the pass
 cannot serve (CPU, kv_mxfp4, a head size not a multiple of 16, fused guidance or
-gemm_triton.fused_kv off, a capture), the unfused path serves. Without a GPU only the CPU
+triton_grouped.fused_kv off, a capture), the unfused path serves. Without a GPU only the CPU
 cases run (Triton's interpreter rounds its casts differently from the hardware, so the bit
 tests need the GPU).
 """
@@ -20,18 +20,19 @@ import pytest
 import torch
 from alignclient.errors import NonFiniteError
 
-from libalign import gemm_triton, ops
+from libalign.gemm import triton_grouped
 from libalign.guidance import GuidanceCapture, GuidanceTable, RowGuide, guided_quantize
+from libalign.kernels import ops
 from libalign.models import kv_cache, megatron_kv
-from libalign.packing import unpack_nibbles
-from libalign.rounding import low_bits
 from libalign.spec import PRESETS, quantize
+from libalign.spec.packing import unpack_nibbles
+from libalign.spec.rounding import low_bits
 
 SPEC = PRESETS["kv_nvfp4"]
 
 
 def _need_triton():
-    if not torch.cuda.is_available() or not gemm_triton.triton_gemm_available("cuda"):
+    if not torch.cuda.is_available() or not triton_grouped.triton_gemm_available("cuda"):
         pytest.skip("needs a CUDA device of sm_90+ with Triton")
 
 
@@ -88,10 +89,10 @@ def test_fused_read_is_not_used_on_the_cpu():
     fused_kv(False) holds inside its block only and is named first."""
     x = _rows(8, 64, torch.bfloat16, 0, "cpu")
     assert kv_cache.fused_kv_read(x, SPEC, None) is None
-    assert "device" in gemm_triton.triton_qdq_gap(SPEC, None, x)
-    with gemm_triton.fused_kv(False):
-        assert "off" in gemm_triton.triton_qdq_gap(SPEC, None, x)
-    assert "device" in gemm_triton.triton_qdq_gap(SPEC, None, x)
+    assert "device" in triton_grouped.triton_qdq_gap(SPEC, None, x)
+    with triton_grouped.fused_kv(False):
+        assert "off" in triton_grouped.triton_qdq_gap(SPEC, None, x)
+    assert "device" in triton_grouped.triton_qdq_gap(SPEC, None, x)
 
 
 @pytest.mark.gpu
@@ -138,7 +139,7 @@ def test_nan_raises_the_unfused_error(guided):
     with pytest.raises(NonFiniteError) as want:
         _unfused(x, guide)
     with pytest.raises(NonFiniteError) as got:
-        gemm_triton.triton_qdq_rows(x, SPEC, guide)
+        triton_grouped.triton_qdq_rows(x, SPEC, guide)
     assert str(got.value) == str(want.value) and "(17, 5)" in str(got.value)
 
 
@@ -149,15 +150,15 @@ def test_the_unfused_path_serves_where_the_pass_cannot():
     _need_triton()
     x = _rows(16, 64, torch.bfloat16, seed=1, device="cuda")
     assert kv_cache.fused_kv_read(x, PRESETS["kv_mxfp4"], None) is None
-    assert "op_order" in gemm_triton.triton_qdq_gap(PRESETS["kv_mxfp4"], None, x)
-    assert "K=72" in gemm_triton.triton_qdq_gap(SPEC, None, _rows(16, 72, torch.bfloat16, 1,
+    assert "op_order" in triton_grouped.triton_qdq_gap(PRESETS["kv_mxfp4"], None, x)
+    assert "K=72" in triton_grouped.triton_qdq_gap(SPEC, None, _rows(16, 72, torch.bfloat16, 1,
                                                                   "cuda"))
-    assert "zero" in gemm_triton.triton_qdq_gap(PRESETS["te_row"], None, x)
+    assert "zero" in triton_grouped.triton_qdq_gap(PRESETS["te_row"], None, x)
     guide = _guide(x, 2, 0.6, seed=2)
-    with gemm_triton.fused_guidance(False):
+    with triton_grouped.fused_guidance(False):
         assert kv_cache.fused_kv_read(x, SPEC, guide) is None
-        assert "fused guidance" in gemm_triton.triton_qdq_gap(SPEC, guide, x)
-    with gemm_triton.fused_kv(False):
+        assert "fused guidance" in triton_grouped.triton_qdq_gap(SPEC, guide, x)
+    with triton_grouped.fused_kv(False):
         assert kv_cache.fused_kv_read(x, SPEC, None) is None
     assert kv_cache.fused_kv_read(x, SPEC, guide) is not None
 

@@ -447,7 +447,7 @@ def test_megatron_replay_refuses_bad_records(hf, routed):
     """Missing records under R3 and records of another top-k are refused by type and field."""
     from alignclient.errors import RoutingMismatchError, RoutingMissingError
 
-    from libalign.routing_records import RoutingRecord
+    from libalign.routing.records import RoutingRecord
 
     r, recs = routed
     meg = MegatronLearnerEngine.from_hf_state_dict(hf.state_dict(), CFG, "bf16",

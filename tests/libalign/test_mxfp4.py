@@ -18,11 +18,12 @@ from torchao.prototype.mx_formats.config import ScaleCalculationMode
 from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
 from torchao.prototype.mx_formats.utils import to_blocked
 
-from libalign import ops, weight_sync
+from libalign import sync
 from libalign.errors import NonFiniteError, ShapeError, SpecError
-from libalign.numerics import MX_PRESETS, NumericsSpec
-from libalign.packing import swizzle_scales
+from libalign.kernels import ops
 from libalign.spec import PRESETS, dequantize, encode_with_scales, quantize, roundtrip_codes
+from libalign.spec.packing import swizzle_scales
+from libalign.spec.presets import MX_PRESETS, NumericsSpec
 
 from .inputs import FAMILIES, gen
 from .te_oracle import e2m1_nearest
@@ -244,7 +245,7 @@ def test_nonfinite_input_is_refused(bad):
 
 
 def test_ops_serves_mxfp4_with_the_kernel_and_torchaos_swizzle():
-    """libalign.ops serves MXFP4 with the compiled CPU kernel; its bits, and its in-place
+    """libalign.kernels serves MXFP4 with the compiled CPU kernel; its bits, and its in-place
     swizzled scales, equal torchao's (tests/libalign/test_ops_mxfp4.py pins every path)."""
     x = FAMILIES["mixed"]((200, 256), torch.bfloat16)
     spec = PRESETS["mxfp4"]
@@ -266,10 +267,10 @@ def test_ops_serves_mxfp4_with_the_kernel_and_torchaos_swizzle():
 def test_weight_sync_writes_mxfp4_into_its_destinations():
     spec = PRESETS["mxfp4_te"]
     xs = [FAMILIES["ties"]((2, 64, 128), torch.bfloat16), FAMILIES["randn"]((96, 64))]
-    dests = [weight_sync.empty_destination(x, spec) for x in xs]
+    dests = [sync.empty_destination(x, spec) for x in xs]
     assert dests[0].block_scales.dtype == torch.float8_e8m0fnu
     assert tuple(dests[0].block_scales.shape) == (2, 64, 4) and dests[0].outer_scale is None
-    weight_sync.quantize_into(xs, dests, spec)
+    sync.quantize_into(xs, dests, spec)
     for x, d in zip(xs, dests, strict=True):
         assert d.bitwise_equal(quantize(x, spec))
 

@@ -20,10 +20,10 @@ from libalign.guidance import (
     guided_quantize,
     row_keys,
 )
-from libalign.numerics import MX_PRESETS
-from libalign.packing import unpack_nibbles
-from libalign.rounding import bracket_levels, e2m1_levels, low_bits
 from libalign.spec import PRESETS, normalized_with_scales, quantize
+from libalign.spec.packing import unpack_nibbles
+from libalign.spec.presets import MX_PRESETS
+from libalign.spec.rounding import bracket_levels, e2m1_levels, low_bits
 
 BITS = (1, 2, 3, 4)
 

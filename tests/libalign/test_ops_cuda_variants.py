@@ -6,7 +6,7 @@ long for registers). ``auto`` alone would leave the second untested at the shape
 first takes, so this module re-collects the device tests of
 :mod:`tests.libalign.test_ops_kernels` (and the batched ``quantize_many`` ones of
 :mod:`tests.libalign.test_ops_many`) under a ``device`` fixture that forces each variant
-(:func:`libalign.ops.cuda_kernel_variant`). Skipped without CUDA.
+(:func:`libalign.kernels.cuda_kernel_variant`). Skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 from alignclient.errors import SpecError
 
-from libalign import _native, ops
+from libalign.kernels import native, ops
 from tests.libalign.test_ops_kernels import (  # noqa: F401  (re-collected here)
     test_families_match_spec,
     test_nonfinite_raises_like_spec,
@@ -41,7 +41,7 @@ def device(request):
     """'cuda', with every quantize call served by one kernel variant."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    if _native.load("cuda") is None:
+    if native.load("cuda") is None:
         pytest.fail("the CUDA kernel did not build on a machine with a CUDA device")
     with ops.cuda_kernel_variant(request.param):
         yield "cuda"

@@ -14,9 +14,9 @@ from alignclient.errors import ConfigError, NonFiniteError, SpecError, Undefined
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from libalign import _native, ops
-from libalign.packing import swizzle_scales
+from libalign.kernels import native, ops
 from libalign.spec import PRESETS, quantize, shared_outer_amax
+from libalign.spec.packing import swizzle_scales
 from tests.libalign import inputs
 
 KERNEL_PRESETS = ["minite", "te", "te_row", "torchao", "modelopt"]
@@ -35,7 +35,7 @@ def device(request):
     instruction-set path (skipped where this CPU lacks it; scalar runs everywhere)."""
     kind = request.param
     if kind.startswith("cpu"):
-        if _native.load("cpu") is None:
+        if native.load("cpu") is None:
             pytest.fail("the CPU kernel did not build (g++ is part of the test set-up)")
         path = kind.removeprefix("cpu-")
         if path not in ops.cpu_kernel_paths():
@@ -47,7 +47,7 @@ def device(request):
         finally:
             ops.set_cpu_kernel_path(None)
     else:
-        if _native.load("cuda") is None:
+        if native.load("cuda") is None:
             pytest.fail("the CUDA kernel did not build on a machine with a CUDA device")
         yield "cuda"
 
@@ -177,7 +177,7 @@ def test_cpu_kernel_runs_the_best_path_this_cpu_has():
     """The library picks its path at run time from the CPU's features: AVX-512 where
     /proc/cpuinfo lists AVX512F/BW/VL/DQ, else AVX2 where it lists AVX2 and F16C, else
     scalar; a forced path serves until restored."""
-    flags = set(_native.cpu_flags().split())
+    flags = set(native.cpu_flags().split())
     if not flags:
         pytest.skip("no /proc/cpuinfo flags to compare with")
     want = ["scalar"]
@@ -197,7 +197,7 @@ def test_cpu_kernel_path_refuses_what_the_cpu_lacks():
     best = ops.cpu_kernel_path()
     with pytest.raises(ConfigError, match="unknown CPU kernel path 'sse4'"):
         ops.set_cpu_kernel_path("sse4")
-    lacking = [p for p in _native.CPU_PATHS if p not in ops.cpu_kernel_paths()]
+    lacking = [p for p in native.CPU_PATHS if p not in ops.cpu_kernel_paths()]
     for path in lacking:
         with pytest.raises(ConfigError, match=f"'{path}' needs instructions this CPU lacks"):
             ops.set_cpu_kernel_path(path)
@@ -266,7 +266,7 @@ def test_rows_longer_than_shared_memory_match_spec(device, preset):
 
 def test_quantize_many_matches_spec_and_raises_like_quantize(device):
     """quantize_many: one sync for all; each result is the spec's; the first bad tensor raises."""
-    from libalign.ops import quantize_many
+    from libalign.kernels import quantize_many
 
     xs = [inputs.randn((2, 64, 256), seed=s) for s in range(3)] + [inputs.randn((8, 40))]
     for preset in ("minite", "torchao"):

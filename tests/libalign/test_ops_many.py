@@ -1,5 +1,5 @@
 """Pins ``ops.quantize_many``'s batched path (one output allocation for all tensors,
-``kernel_calls.launch_many``) to the spec, bit for bit, and to the per-tensor errors.
+``calls.launch_many``) to the spec, bit for bit, and to the per-tensor errors.
 
 The batch serves row-domain and MXFP4 calls whose tensors the kernels all serve on one
 device; everything else goes one tensor at a time. Both must return the spec's bits and
@@ -12,7 +12,7 @@ import pytest
 import torch
 from alignclient.errors import DTypeError, NonFiniteError, ShapeError, UndefinedScaleError
 
-from libalign import kernel_calls, ops
+from libalign.kernels import calls, ops
 from libalign.spec import PRESETS, quantize
 from tests.libalign import inputs, test_ops_kernels
 from tests.libalign.test_ops_kernels import assert_bitwise
@@ -63,7 +63,7 @@ def test_batch_outputs_share_one_aligned_buffer(device):
     tensors = [t for q in first for t in (q.codes, q.block_scales, q.outer_scale, q.outer_amax)]
     base = {t.untyped_storage().data_ptr() for t in tensors}
     assert len(base) == 1
-    assert all((t.data_ptr() - min(base)) % kernel_calls.ALIGN == 0 for t in tensors)
+    assert all((t.data_ptr() - min(base)) % calls.ALIGN == 0 for t in tensors)
     ops.quantize_many([inputs.randn(tuple(x.shape), seed=9).to(device) for x in xs],
                       PRESETS["minite"])
     for q, x in zip(first, xs, strict=True):
@@ -98,7 +98,7 @@ def test_undefined_scale_raises_in_the_batch(device, order):
     spec = PRESETS[order].replace(outer_domain="row")
     x = inputs.randn((4, 64))
     x[2] = 0
-    assert kernel_calls.batchable(spec) and ops.kernel_gap(x, spec, None) is None
+    assert calls.batchable(spec) and ops.kernel_gap(x, spec, None) is None
     with pytest.raises(UndefinedScaleError):
         quantize(x, spec)
     with pytest.raises(UndefinedScaleError):
@@ -138,18 +138,18 @@ def test_flag_pool_reuses_only_clean_buffers():
     buffer that came back all zero into the pool (the next take gets it, still zero) and
     drops one a kernel flagged (the next take gets a fresh zeroed one)."""
     dev = torch.device("cpu")
-    a = kernel_calls.take_flags(dev, 3)
-    assert a.dtype == torch.int32 and a.numel() >= max(3, kernel_calls.FLAG_SLOTS)
+    a = calls.take_flags(dev, 3)
+    assert a.dtype == torch.int32 and a.numel() >= max(3, calls.FLAG_SLOTS)
     assert not a.any()
-    assert kernel_calls.read_flags(a) == [0] * a.numel()
-    b = kernel_calls.take_flags(dev, 2)
+    assert calls.read_flags(a) == [0] * a.numel()
+    b = calls.take_flags(dev, 2)
     assert b is a
-    b[1] = kernel_calls.FLAG_NONFINITE
-    assert kernel_calls.read_flags(b)[1] == kernel_calls.FLAG_NONFINITE
-    c = kernel_calls.take_flags(dev, 2)
+    b[1] = calls.FLAG_NONFINITE
+    assert calls.read_flags(b)[1] == calls.FLAG_NONFINITE
+    c = calls.take_flags(dev, 2)
     assert c is not b and not c.any()
-    big = kernel_calls.take_flags(dev, 5 * kernel_calls.FLAG_SLOTS)
-    assert big.numel() >= 5 * kernel_calls.FLAG_SLOTS and not big.any()
+    big = calls.take_flags(dev, 5 * calls.FLAG_SLOTS)
+    assert big.numel() >= 5 * calls.FLAG_SLOTS and not big.any()
 
 
 @pytest.mark.gpu
@@ -158,13 +158,13 @@ def test_side_stream_and_its_raw_handle():
     kernels and flag read run on it (the spec's bits, a NaN raises), and the default
     stream's handle comes back after the block."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    assert kernel_calls.current_stream_handle(dev) == torch.cuda.current_stream(dev).cuda_stream
+    assert calls.current_stream_handle(dev) == torch.cuda.current_stream(dev).cuda_stream
     xs = [inputs.randn((2, 200, 768), seed=10), inputs.randn((130, 2048), seed=11)]
     bad = xs[1].clone()
     bad[5, 7] = float("nan")
     side = torch.cuda.Stream(dev)
     with torch.cuda.stream(side):
-        assert kernel_calls.current_stream_handle(dev) == side.cuda_stream
+        assert calls.current_stream_handle(dev) == side.cuda_stream
         ys = [x.to(dev) for x in xs]
         for _ in range(2):
             got = ops.quantize_many(ys, PRESETS["minite"])
@@ -173,4 +173,4 @@ def test_side_stream_and_its_raw_handle():
         with pytest.raises(NonFiniteError):
             ops.quantize_many([ys[0], bad.to(dev)], PRESETS["minite"])
         assert_bitwise(ops.quantize(ys[1], PRESETS["minite"]), quantize(xs[1], PRESETS["minite"]))
-    assert kernel_calls.current_stream_handle(dev) == torch.cuda.current_stream(dev).cuda_stream
+    assert calls.current_stream_handle(dev) == torch.cuda.current_stream(dev).cuda_stream

@@ -1,6 +1,6 @@
 """Pins the compiled MXFP4 kernels (CPU paths and CUDA) to the spec, bit for bit (atol=0).
 
-``libalign.ops.quantize`` / ``quantize_many`` serve the MXFP4 presets (``mxfp4``,
+``libalign.kernels.quantize`` / ``quantize_many`` serve the MXFP4 presets (``mxfp4``,
 ``mxfp4_ceil``, ``mxfp4_even``, ``mxfp4_te``, ``kv_mxfp4``) with the kernels; every test
 here compares packed codes and E8M0 scale bytes (linear and 128x4 swizzled) with
 :func:`libalign.spec.quantize` on the same input, on each CPU instruction-set path this
@@ -22,11 +22,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from libalign import _native, ops, weight_sync
+from libalign import sync
 from libalign.errors import NonFiniteError, ShapeError, SpecError
-from libalign.numerics import MX_PRESETS
-from libalign.packing import swizzle_scales
+from libalign.kernels import native, ops
 from libalign.spec import PRESETS, quantize
+from libalign.spec.packing import swizzle_scales
+from libalign.spec.presets import MX_PRESETS
 from tests.libalign import inputs, test_ops_kernels
 from tests.libalign.test_mxfp4 import e8m0_edges
 
@@ -210,8 +211,8 @@ def test_quantize_many_and_out_buffers(device):
     again = ops.quantize(inputs.tie_heavy((3, 40, 256)).to(device), spec, out=first)
     assert again.codes.data_ptr() == first.codes.data_ptr()
     assert_bitwise(again, quantize(inputs.tie_heavy((3, 40, 256)), spec))
-    dest = weight_sync.empty_destination(xs[1].to(device), PRESETS["mxfp4_te"])
-    weight_sync.quantize_into([xs[1].to(device)], [dest], PRESETS["mxfp4_te"])
+    dest = sync.empty_destination(xs[1].to(device), PRESETS["mxfp4_te"])
+    sync.quantize_into([xs[1].to(device)], [dest], PRESETS["mxfp4_te"])
     assert_bitwise(dest, quantize(xs[1], PRESETS["mxfp4_te"]))
 
 
@@ -252,12 +253,12 @@ def test_property_every_path_and_preset_equals_spec(arr, dtype):
 def test_align_cpu_kernel_env_forces_the_path(path):
     """A process started with ALIGN_CPU_KERNEL=<path> serves MXFP4 on that path, with the
     spec's bits for every preset (E2M1 ties scaled over the exponent range, bf16 and fp32)."""
-    if _native.load("cpu") is None or path not in ops.cpu_kernel_paths():
+    if native.load("cpu") is None or path not in ops.cpu_kernel_paths():
         pytest.skip(f"this CPU cannot run the {path} path")
     probe = textwrap.dedent(f"""
         import torch
         from libalign import ops
-        from libalign.numerics import MX_PRESETS
+        from libalign.spec.presets import MX_PRESETS
         from libalign.spec import PRESETS, quantize
         from tests.libalign import inputs
         assert ops.cpu_kernel_path() == {path!r}, ops.cpu_kernel_path()
@@ -273,5 +274,5 @@ def test_align_cpu_kernel_env_forces_the_path(path):
     """)
     env = {**os.environ, "ALIGN_CPU_KERNEL": path}
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=_native.CSRC.parent)
+                          timeout=300, cwd=native.CSRC.parent)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from alignclient.errors import DTypeError, LayoutError, ShapeError
 
-from libalign.packing import (
+from libalign.spec.packing import (
     pack_nibbles,
     swizzle_scales,
     swizzled_size,

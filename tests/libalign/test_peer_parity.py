@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from libalign.packing import unpack_nibbles
 from libalign.spec import PRESETS, dequantize, quantize
+from libalign.spec.packing import unpack_nibbles
 from tests.libalign import inputs, peers, te_oracle
 
 DTYPES = [torch.bfloat16, torch.float32]

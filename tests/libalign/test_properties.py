@@ -7,15 +7,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from libalign.constants import E2M1_MAGNITUDES
-from libalign.packing import pack_nibbles, unpack_nibbles
-from libalign.rounding import (
-    e2m1_code_values,
-    e4m3_bits_to_float,
-    round_e2m1,
-    round_e4m3_bits,
-)
 from libalign.spec import PRESETS, dequantize, encode_with_scales, quantize, roundtrip_codes
+from libalign.spec.constants import E2M1_MAGNITUDES
+from libalign.spec.packing import pack_nibbles, unpack_nibbles
+from libalign.spec.rounding import e2m1_code_values, e4m3_bits_to_float, round_e2m1, round_e4m3_bits
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

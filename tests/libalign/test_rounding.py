@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from libalign.constants import E2M1_VALUES
-from libalign.rounding import (
+from libalign.spec.constants import E2M1_VALUES
+from libalign.spec.rounding import (
     canonical_zero,
     e2m1_code_values,
     e4m3_bits_to_float,

@@ -17,7 +17,7 @@ from libalign.models.routing_replay import (
     replay_routing,
     routing_geometry,
 )
-from libalign.routing_records import RoutingRecord, bytes_per_token, check_routing
+from libalign.routing.records import RoutingRecord, bytes_per_token, check_routing
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 from alignclient.errors import NonFiniteError, ShapeError, SpecError, UndefinedScaleError
 
-from libalign.hadamard import rht16, rht16_inverse
-from libalign.packing import unpack_nibbles
 from libalign.spec import PRESETS, NumericsSpec, dequantize, quantize
+from libalign.spec.hadamard import rht16, rht16_inverse
+from libalign.spec.packing import unpack_nibbles
 
 
 def _codes(q):

@@ -14,17 +14,10 @@ pytest.importorskip("transformers")
 
 from alignclient.errors import ConfigError, SpecError
 
-from libalign import strict_ops
-from libalign.models import (
-    build_model,
-    generate,
-    score_sequences,
-    strict,
-    tiny_config,
-    use_path,
-)
-from libalign.models.replay import replay_decode
+from libalign.models import build_model, generate, score_sequences, strict, tiny_config, use_path
 from libalign.models.scoring import completion_logprobs, right_padded_batch
+from libalign.models.teacher_forcing import replay_decode
+from libalign.strict import ops as strict_ops
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,5 +1,5 @@
 """Strict execution on a CUDA device: decode equals scoring bit for bit there, the strict ops
-(IEEE element-wise operations, and the Triton K-ordered product of :mod:`libalign.strict_triton`)
+(IEEE element-wise operations, and the Triton K-ordered product of :mod:`libalign.strict.triton_matmul`)
 give the CPU's bits, and so does the tiny model's strict scoring. Run on the H200.
 """
 
@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from libalign import strict_ops
 from libalign.models import build_model, generate, score_sequences, strict, tiny_config
-from libalign.strict_triton import kordered_matmul
+from libalign.strict import ops as strict_ops
+from libalign.strict.triton_matmul import kordered_matmul
 
 pytestmark = pytest.mark.gpu
 

@@ -2,9 +2,9 @@
 
 Where Triton is installed but no GPU is (a CI runner), each script runs in a subprocess with
 ``TRITON_INTERPRET=1``, which executes the kernels with NumPy on the CPU: the inner-value
-decode (:func:`libalign._triton_w4a4.inner_from_codes`) must give
+decode (:func:`libalign.gemm.triton_kernels.inner_from_codes`) must give
 :func:`libalign.gemm.inner_values`'s bits for every scale and code byte, and the fused guided
-pass (:func:`libalign._triton_w4a4.guided_act_qdq`) guided_quantize's values on the rows that
+pass (:func:`libalign.gemm.triton_kernels.guided_act_qdq`) guided_quantize's values on the rows that
 have a record. Rows rounded under their own scales are left to the GPU tests: the
 interpreter's E4M3 conversion is not the hardware's. Skipped without Triton.
 """
@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DECODE = textwrap.dedent("""
     import torch
     from libalign import _triton_w4a4 as tk, gemm
-    from libalign.rounding import e4m3_bits_to_float
+    from libalign.spec.rounding import e4m3_bits_to_float
     from libalign.spec import NVFP4Tensor, PRESETS, quantize
     e4m3 = e4m3_bits_to_float(torch.arange(256, dtype=torch.uint8))
     codes = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # row s: every code byte
@@ -45,7 +45,7 @@ GUIDED = textwrap.dedent("""
     import torch
     from libalign import _triton_w4a4 as tk, gemm
     from libalign.guidance import guided_quantize
-    from libalign.rounding import e4m3_bits_to_float, guide_tables
+    from libalign.spec.rounding import e4m3_bits_to_float, guide_tables
     from tests.libalign.test_guided_fused import SPEC, _case
     e4m3 = e4m3_bits_to_float(torch.arange(256, dtype=torch.uint8))
     for k, bits, rnd, grid in ((64, 1, False, False), (96, 2, True, False), (256, 3, False, False),

@@ -1,4 +1,4 @@
-"""libalign.weight_sync.quantize_into: destinations hold the spec's bits, errors name the source.
+"""libalign.sync.quantize_into: destinations hold the spec's bits, errors name the source.
 
 On the CPU every call goes through the CPU kernel (or the spec) and is copied in; on a CUDA
 device (marked gpu) both the colocated path (the kernel writes the destination) and the
@@ -13,7 +13,7 @@ import torch
 from alignclient.errors import NonFiniteError, SpecError
 
 from libalign.spec import PRESETS, quantize
-from libalign.weight_sync import empty_destination, quantize_into
+from libalign.sync import empty_destination, quantize_into
 from tests.libalign import inputs
 from tests.libalign.test_ops_kernels import assert_bitwise
 

@@ -82,7 +82,7 @@ def replay_ranks(info, hf_sd, rollouts, records, modes, guidance=None):
     from alignd.learner.megatron_engine import MegatronLearnerEngine
     from alignd.learner.ranks import RankGroupEngine, follow
 
-    from libalign.routing_records import RoutingRecord
+    from libalign.routing.records import RoutingRecord
 
     seqs, plens, samp = rollouts
     n = len(seqs)

@@ -62,9 +62,10 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from sglang.srt.runtime_context import SpawnRanks, publish  # noqa: E402
 from sglang.srt.server_args import QUANTIZATION_CHOICES, ServerArgs  # noqa: E402
 
-from libalign import gemm, ops  # noqa: E402
+from libalign import gemm  # noqa: E402
 from libalign.checkpoint import to_modelopt  # noqa: E402
 from libalign.guidance import row_keys  # noqa: E402
+from libalign.kernels import ops  # noqa: E402
 from libalign.models import paths  # noqa: E402
 from libalign.models.config import build_model, tiny_config  # noqa: E402
 from libalign.models.guided import capture_guidance  # noqa: E402

@@ -124,7 +124,7 @@ def test_guidance_size_counts_routing_records_of_every_moe_layer(tmp_path):
     from alignd.tools.cli import app
     from typer.testing import CliRunner
 
-    from libalign.guidance_sizes import size_for_config
+    from libalign.guidance.sizes import size_for_config
 
     runner = CliRunner()
     res = runner.invoke(app, ["guidance-size", "--routing", "weights"], terminal_width=200)

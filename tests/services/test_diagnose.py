@@ -26,7 +26,7 @@ from alignd.tools.diagnose.run import DiagnoseConfig, run_diagnosis, write_outpu
 from typer.testing import CliRunner
 
 from libalign import metrics, models
-from libalign.models.replay import replay_decode
+from libalign.models.teacher_forcing import replay_decode
 
 runner = CliRunner()
 SMALL = ["--model", "tiny-random", "--num-prompts", "8", "--batch-size", "4", "--n-boot", "50",

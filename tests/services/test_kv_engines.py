@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from alignclient.errors import GuidanceMismatchError
-from alignd.learner.engine import GUIDED_PATHS, TorchLearnerEngine, TrainBatch
+from alignd.learner.engine import TorchLearnerEngine, TrainBatch
 from alignd.sampler.engine import TorchSamplerEngine
 
 from libalign import gemm, models
@@ -38,7 +38,7 @@ def test_kv_paths_name_their_format():
     for kv in ("kv_nvfp4", "kv_mxfp4"):
         assert gemm.get_path(f"nvfp4_minite_{kv}").kv_spec.name == kv
         assert gemm.get_path(f"nvfp4_trace_{kv}").kv_spec.name == kv
-        assert f"nvfp4_trace_{kv}" in GUIDED_PATHS
+        assert f"nvfp4_trace_{kv}" in gemm.guided_paths()
     assert gemm.get_path("nvfp4_minite").kv_spec is None
 
 
@@ -111,7 +111,7 @@ def test_guidance_size_counts_kv_by_format():
     from alignd.tools.cli import app
     from typer.testing import CliRunner
 
-    from libalign.guidance_sizes import size_for_config
+    from libalign.guidance.sizes import size_for_config
 
     runner = CliRunner()
     cfg = models.qwen3_30b_a3b_shaped_config(48)

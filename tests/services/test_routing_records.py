@@ -23,7 +23,7 @@ from alignd.learner.loop import LearnerLoop
 from alignd.sampler.engine import TorchSamplerEngine
 
 from libalign import models
-from libalign.routing_records import RoutingRecord
+from libalign.routing.records import RoutingRecord
 from libalign.spec import PRESETS
 from tests.services.test_api import AUTH, env, publish  # noqa: F401  (env is a fixture)
 from tests.services.test_rl_loop import TASK, deploy  # noqa: F401  (deploy is a fixture)

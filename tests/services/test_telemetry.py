@@ -21,7 +21,8 @@ from alignd.infra.telemetry import (
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.exposition import generate_latest
 
-from libalign.ops import DeviceBackend
+from libalign.kernels import DeviceBackend
+from tests import kernel_env
 from tests.services.conftest import free_port
 
 PAIR = {"learner_path": "bf16", "sampler_path": "nvfp4_minite"}
@@ -127,7 +128,7 @@ def test_kernel_backends_are_reported_per_device(monkeypatch):
     for device, b in got.items():
         assert b.backend in (device, "spec")
         assert m.value("libalign_kernel_backend_info", {"device": device, "backend": b.backend}) == 1
-    monkeypatch.setenv("ALIGN_KERNELS", "spec")  # the compiled kernels switched off
+    kernel_env.setenv(monkeypatch, "ALIGN_KERNELS", "spec")  # the compiled kernels switched off
     m.report_kernel_backends()
     assert samples(m.registry, "libalign_kernel_backend_info") == {
         (("backend", "spec"), ("device", d)): 1.0 for d in want}  # the old series are gone
@@ -140,7 +141,7 @@ def test_kernel_backends_are_reported_per_device(monkeypatch):
 
 def test_a_service_reports_its_backends_on_its_metrics_port(monkeypatch, caplog):
     """serve_metrics_for reports the kernel backends, serves them on /metrics and logs why."""
-    monkeypatch.setenv("ALIGN_KERNELS", "spec")
+    kernel_env.setenv(monkeypatch, "ALIGN_KERNELS", "spec")
     port = free_port()
     settings = types.SimpleNamespace(metrics_port=port, metrics_addr="127.0.0.1")
     with caplog.at_level(logging.INFO, logger="alignd.infra.telemetry"):

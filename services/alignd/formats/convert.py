@@ -1,7 +1,7 @@
 """One conversion without Redis: a published BF16 directory to a store version.
 
 This is the whole data path of the converter service (read shards, quantize selected
-tensors with :func:`libalign.ops.quantize`, write an atomic, checksummed store version)
+tensors with :func:`libalign.kernels.quantize`, write an atomic, checksummed store version)
 with none of the messaging around it, so a benchmark can time publish -> converted ->
 ready-to-load and a script can convert a directory by hand.
 """

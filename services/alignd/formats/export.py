@@ -104,9 +104,9 @@ from alignd.formats.quant_configs import (
     modelopt_hf_quant_config,
     modelopt_quantization_config,
 )
-from libalign import ops
 from libalign.atomic_dir import TMP_PREFIX, DestinationExistsError, atomic_directory, sha256_file
 from libalign.checkpoint import to_format
+from libalign.kernels import ops
 from libalign.spec import NumericsSpec, NVFP4Tensor, check_finite, shared_outer_amax
 
 MANIFEST_VERSION = 1

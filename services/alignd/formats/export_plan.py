@@ -20,8 +20,8 @@ from alignclient.errors import LayoutError, SpecError
 from alignd.formats.hf_checkpoint import ST_DTYPES, HFCheckpoint, SourceTensor
 from alignd.formats.selection import fused_groups, select_for_export
 from libalign.checkpoint import FORMATS, stored_layout
-from libalign.numerics import MX_PRESETS
 from libalign.spec import PRESETS, NumericsSpec
+from libalign.spec.presets import MX_PRESETS
 
 #: Presets that make sense for a stored checkpoint (``te_row`` is an activation variant);
 #: the MXFP4 ones store in compressed-tensors' ``mxfp4-pack-quantized`` layout only.

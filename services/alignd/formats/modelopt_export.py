@@ -85,7 +85,12 @@ from alignd.formats.quant_configs import (
 from alignd.formats.selection import FUSED_SIBLINGS, is_embedding, module_parts
 from alignd.formats.weight_store import DEFAULT_SHARD_BYTES, Item, WeightStore
 from libalign import gemm
-from libalign.atomic_dir import TMP_PREFIX, DestinationExistsError, atomic_directory, discard_directory
+from libalign.atomic_dir import (
+    TMP_PREFIX,
+    DestinationExistsError,
+    atomic_directory,
+    discard_directory,
+)
 from libalign.checkpoint import to_modelopt
 from libalign.spec import PRESETS, NumericsSpec, NVFP4Tensor
 

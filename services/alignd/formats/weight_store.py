@@ -80,7 +80,6 @@ from alignclient.ids import check_version_id
 
 from alignd.formats.hf_checkpoint import MANIFEST_NAME, items
 from alignd.formats.selection import Select
-from libalign import ops
 from libalign.atomic_dir import (
     TMP_PREFIX,
     DestinationExistsError,
@@ -89,6 +88,7 @@ from libalign.atomic_dir import (
     fsync_path,
     sweep_stale,
 )
+from libalign.kernels import ops
 from libalign.spec import NumericsSpec, NVFP4Tensor
 
 FORMAT = "libalign-nvfp4"
@@ -285,7 +285,7 @@ class WeightStore:
 
         ``tensors`` yields ``(name, tensor)``: a float tensor for which ``select(name,
         tensor)`` is true (every tensor when ``select`` is None) is quantized with
-        :func:`libalign.ops.quantize` under ``spec``; other tensors are stored raw; an
+        :func:`libalign.kernels.quantize` under ``spec``; other tensors are stored raw; an
         :class:`NVFP4Tensor` is stored as given. Errors of one tensor are re-raised with
         its name. ``on_step`` is called after each durable step (a shard, the manifest).
         """
@@ -389,7 +389,7 @@ class WeightStore:
                  ) -> tuple[dict[str, Any], dict[str, tuple[str, torch.Tensor]]]:
         """Manifest entry (without checksums) and stored tensors of one input tensor.
 
-        ``outer_amax`` is passed to :func:`libalign.ops.quantize` (a slice of a tensor
+        ``outer_amax`` is passed to :func:`libalign.kernels.quantize` (a slice of a tensor
         quantized with the whole tensor's outer maximum, see sharded_version).
         """
         if isinstance(value, NVFP4Tensor):

@@ -26,10 +26,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from alignclient.errors import AlignError
+from alignclient.errors import AlignError, ConfigError
 from pydantic import ValidationError
 
 from alignd.infra.settings import ServiceSettings
+from libalign.kernels import config as kernel_config
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -95,6 +96,11 @@ def run_service(log: logging.Logger, settings_cls: type[S],
     """The exit status of a service process whose settings are ``settings_cls`` (see module doc)."""
     settings = load_settings(log, settings_cls)
     if settings is None:
+        return 2
+    try:  # the kernels' configuration, read from the environment once, here at the edge
+        kernel_config.configure(kernel_config.from_env())
+    except ConfigError as e:
+        log.error("configuration error: %s", e)
         return 2
     stop = stop_on_signals()
     with exit_after_stop(stop, settings.shutdown_timeout_s, log):

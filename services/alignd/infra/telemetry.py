@@ -42,7 +42,7 @@ from ``published`` to ``serving``.
 Kernels. ``libalign_kernel_backend_info{device, backend}`` is 1 for the implementation that
 serves NVFP4 quantization on each device type of the process: the compiled kernel (``cpu``,
 ``cuda``) or ``spec``, the reference implementation that a missing or failed kernel build
-falls back to (same bits, about 20x slower), as :func:`libalign.ops.backends` finds them. A
+falls back to (same bits, about 20x slower), as :func:`libalign.kernels.backends` finds them. A
 service reports it when it starts (:func:`serve_metrics_for`), so a fallback shows in
 ``/metrics``, not only in a warning; its log says why (the build or load error).
 """
@@ -66,7 +66,7 @@ from prometheus_client.utils import floatToGoString
 
 from alignd.infra.settings import DEFAULT_MAX_PATH_PAIRS, ServiceSettings
 from libalign.gemm import PATHS
-from libalign.ops import DeviceBackend, backends
+from libalign.kernels import DeviceBackend, backends
 
 log = logging.getLogger(__name__)
 
@@ -443,7 +443,7 @@ class Metrics:
 
     def report_kernel_backends(self, found: Mapping[str, DeviceBackend] | None = None
                                ) -> dict[str, DeviceBackend]:
-        """Set ``libalign_kernel_backend_info`` from ``found`` (default: :func:`libalign.ops.backends`,
+        """Set ``libalign_kernel_backend_info`` from ``found`` (default: :func:`libalign.kernels.backends`,
         which builds or loads the kernels now)."""
         found = dict(backends() if found is None else found)
         self.kernel_backend.clear()

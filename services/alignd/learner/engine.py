@@ -5,7 +5,7 @@ The protocol
 A learner engine holds the policy being trained. It can
 
 * :meth:`~LearnerEngine.score` sequences teacher-forced under its execution path (with the
-  sampler's guidance records when the path is guided, :data:`GUIDED_PATHS`), the learner
+  sampler's guidance records when the path is guided, :attr:`ExecutionPath.guided`), the learner
   side of δ. A path with a KV format (``nvfp4_trace_kv_nvfp4``) also quantizes K and V in
   its forward (straight-through backward), rounded as the sampler's K/V records say after
   :func:`libalign.models.check_records` has refused records made for another model, bit
@@ -75,7 +75,7 @@ from torch import nn
 
 from libalign import gemm, models
 from libalign import metrics as lm
-from libalign.finite_checks import deferred_finite_checks
+from libalign.gemm.finite_checks import deferred_finite_checks
 from libalign.guidance import GuidanceRecord, GuidanceTable
 from libalign.models import strict as strict_mode
 from libalign.models.kv_cache import full_sequence_kwargs, guide_kv
@@ -87,12 +87,8 @@ from libalign.models.routing_replay import (
     routing_geometry,
 )
 from libalign.models.scoring import completion_logprobs, right_padded_batch
-from libalign.numerics import KV_PRESETS
-from libalign.routing_records import RoutingRecord, check_routing
+from libalign.routing.records import RoutingRecord, check_routing
 
-GUIDED = "nvfp4_trace"
-#: learner paths that round by the sampler's guidance records (activations, and K/V with a KV format)
-GUIDED_PATHS = frozenset({GUIDED, *(f"{GUIDED}_{kv}" for kv in KV_PRESETS)})
 #: routing replay modes: off; measure (count disagreement only); recompute (R3: forced experts,
 #: the learner's gate weights); record (forced experts and the sampler's gate weights)
 ROUTING_REPLAY = ("off", "measure", "recompute", "record")
@@ -213,7 +209,7 @@ class TorchLearnerEngine:
     # --- the learner's log-probs ----------------------------------------------------------
 
     def _table(self, guidance):
-        if self.path not in GUIDED_PATHS or not guidance:
+        if not gemm.get_path(self.path).guided or not guidance:
             return None
         kv_spec = gemm.get_path(self.path).kv_spec
         if kv_spec is not None:

@@ -58,11 +58,12 @@ from alignd.infra.work import (
     requests_stream,
     sampling_seed,
 )
-from alignd.learner.engine import GUIDED_PATHS, LearnerEngine, TrainBatch
+from alignd.learner.engine import LearnerEngine, TrainBatch
 from alignd.learner.sharded_publish import announce_converted
+from libalign import gemm
 from libalign.guidance import GuidanceRecord
 from libalign.models.kv_guided import check_records
-from libalign.routing_records import RoutingRecord, check_routing
+from libalign.routing.records import RoutingRecord, check_routing
 
 
 @dataclass
@@ -223,7 +224,7 @@ class LearnerLoop:
                               max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                               seed=sampling_seed(self.seed, step),
                               guidance_bits=self.settings.guidance_bits
-                              if self.engine.path in GUIDED_PATHS else 0,
+                              if gemm.get_path(self.engine.path).guided else 0,
                               routing=self.replay_mode != "off")
 
     def rollout(self, vid: str, step: int) -> RolloutsReady:

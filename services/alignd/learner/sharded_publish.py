@@ -4,7 +4,7 @@ A learner with expert parallelism ``P`` holds each MoE layer's ``E`` experts spr
 ranks (GPUs). Gathering them to one place before conversion moves every expert weight over the
 interconnect and serializes the quantization on one device. Here each rank instead quantizes
 its own slice ``[E/P, N, K]`` of every expert stack on its own device (the fused BF16->NVFP4
-kernel behind :func:`libalign.ops.quantize`) and writes it as one *part* of the version
+kernel behind :func:`libalign.kernels.quantize`) and writes it as one *part* of the version
 (:func:`alignd.formats.sharded_version.write_part`); the dense tensors (embeddings, attention,
 norms, routers), replicated on every rank, are written once, by expert-parallel rank 0. The
 version becomes visible to samplers only when the last part lands and one merged manifest is

@@ -11,7 +11,7 @@ A sampler engine serves one weight version at a time. It can
 * :meth:`~SamplerEngine.generate` completions for prompts, reporting the log-prob it
   assigned to every token it drew and, on request, the guidance records of its activation
   rounding (TRACE) and, on request, the routing records of its MoE layers (the top-k expert
-  ids of every token it fed, :mod:`libalign.routing_records`, for routing replay, R3);
+  ids of every token it fed, :mod:`libalign.routing.records`, for routing replay, R3);
 * :meth:`~SamplerEngine.score` given sequences the way it decodes (KV cache, teacher-forced).
 
 :class:`TorchSamplerEngine` implements it on a Hugging Face model through
@@ -43,9 +43,9 @@ from alignd.formats.weight_store import WeightStore
 from libalign import gemm, models
 from libalign.guidance import GuidanceRecord, select_layers
 from libalign.models import strict as strict_mode
-from libalign.models.replay import replay_decode
 from libalign.models.routing_replay import capture_routing
-from libalign.routing_records import RoutingRecord
+from libalign.models.teacher_forcing import replay_decode
+from libalign.routing.records import RoutingRecord
 from libalign.spec import NVFP4Tensor
 
 

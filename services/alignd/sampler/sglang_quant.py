@@ -82,8 +82,9 @@ from alignd.formats.quant_configs import (
     minite_quantization_config,
 )
 from alignd.infra.stores.guidance import GuidanceStore
-from libalign import gemm, ops
+from libalign import gemm
 from libalign.guidance import GuidanceCapture, indexed_keys, row_keys
+from libalign.kernels import ops
 from libalign.models.routing_replay import RoutingCapture
 from libalign.spec import PRESETS, NumericsSpec, NVFP4Tensor
 

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 from alignclient import AlignClient
-from alignclient.errors import AlignError
+from alignclient.errors import AlignError, ConfigError
 from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import (
@@ -33,14 +33,26 @@ from alignd.infra.service_main import run_service
 from alignd.infra.settings import AllInOneSettings, ApiAddress, ApiSettings
 from alignd.infra.telemetry import Metrics
 from libalign.atomic_dir import DestinationExistsError
-from libalign.guidance_sizes import size_for_config, trace_reference_size
-from libalign.ops import backends
+from libalign.guidance.sizes import size_for_config, trace_reference_size
+from libalign.kernels import backends
+from libalign.kernels import config as kernel_config
 from libalign.selfcheck import run_selfcheck
 from libalign.spec import PRESETS
 
 app = typer.Typer(add_completion=False, help="libalign: learner-sampler alignment for NVFP4 RL.")
 console = Console()
 log = logging.getLogger("alignd")
+
+
+@app.callback()
+def _edge() -> None:
+    """Read the kernels' configuration (ALIGN_KERNELS, ALIGN_CPU_KERNEL, ...) from the
+    environment once, as every command starts."""
+    try:
+        kernel_config.configure(kernel_config.from_env())
+    except ConfigError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _selfcheck_table() -> bool:
@@ -59,7 +71,7 @@ def _backends_table() -> None:
     with warnings.catch_warnings():  # a fallback is shown in the table, with its reason
         warnings.simplefilter("ignore", RuntimeWarning)
         served = backends()
-    t = Table(title="quantize kernels (libalign.ops.backends)")
+    t = Table(title="quantize kernels (libalign.kernels.backends)")
     for col in ("device", "backend", "why"):
         t.add_column(col)
     for b in served.values():

@@ -97,7 +97,7 @@ from alignd.infra.bus import RedisBus
 from alignd.infra.settings import DEFAULT_MAX_PATH_PAIRS
 from alignd.infra.telemetry import Metrics, path_label
 from libalign.metrics import DEFAULT_TIS_CAP, delta_stats, tis_weights, token_deltas
-from libalign.routing_records import RoutingRecord
+from libalign.routing.records import RoutingRecord
 
 __all__ = ["DEFAULT_TTL_S", "DeltaSummary", "Discrepancy", "Rollout", "RolloutStore", "Score",
            "summarize"]

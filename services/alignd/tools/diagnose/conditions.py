@@ -25,13 +25,11 @@ from dataclasses import dataclass
 
 from alignclient.errors import InputError, SpecError
 
-from libalign.gemm import PATHS
+from libalign.gemm import GUIDED, PATHS
 
 DEFAULT_CONDITIONS = ("bf16/bf16", "bf16/nvfp4_naive", "bf16/nvfp4_minite",
                       "nvfp4_minite/nvfp4_minite", "nvfp4_trace/nvfp4_minite")
 FLOOR = "bf16/bf16"
-GUIDED = "nvfp4_trace"
-"""The learner path that consumes its sampler's guidance records (needs a recording sampler)."""
 EXTERNAL = "external"
 """Sampler name of log-probs supplied in a sequences file (no path re-runs them)."""
 

@@ -25,7 +25,7 @@ from alignd.tools.diagnose.conditions import GUIDED, Condition
 from libalign import models
 from libalign.gemm import PATHS
 from libalign.guidance import GuidanceCapture, GuidanceRecord, GuidanceTable, select_layers
-from libalign.models.replay import replay_decode
+from libalign.models.teacher_forcing import replay_decode
 
 
 def guided_conditions(conds: Sequence[Condition]) -> list[Condition]:

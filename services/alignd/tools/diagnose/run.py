@@ -17,7 +17,7 @@ cancels in a paired resample. So the primary measurement is:
 1. **Shared tokens.** Rollouts are generated once, by the generating sampler (``--generate-path``,
    by default the floor's sampler, bf16), seeded, at temperature 1, in fixed batches.
 2. Every sampler path reports its log-probs on those tokens by the same KV-cached decode,
-   teacher-forced (:func:`libalign.models.replay.replay_decode`); for the generating path this
+   teacher-forced (:func:`libalign.models.teacher_forcing.replay_decode`); for the generating path this
    reproduces the generator's own log-probs (checked and reported).
 3. Every learner path scores those tokens teacher-forced.
 4. Every condition therefore has δ on identical tokens, and ``stat(condition) − stat(floor)``
@@ -66,9 +66,9 @@ from alignd.tools.diagnose.conditions import (
 )
 from libalign import models
 from libalign.models import strict as strict_mode
-from libalign.models.replay import replay_decode
 from libalign.models.routing_replay import capture_routing
-from libalign.rounding import GUIDE_BITS
+from libalign.models.teacher_forcing import replay_decode
+from libalign.spec.rounding import GUIDE_BITS
 
 MODELS = ("tiny", "tiny-random", "qwen3-30b-a3b-shaped")
 

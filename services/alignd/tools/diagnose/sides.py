@@ -1,11 +1,11 @@
 """The two sides of a diagnosis, run in batches with progress: sampling and learner scoring.
 
 The sampler side on given tokens, the teacher-forced KV-cached replay of a path, is
-:func:`libalign.models.replay.replay_decode` (the sampler service scores with it too); the
+:func:`libalign.models.teacher_forcing.replay_decode` (the sampler service scores with it too); the
 report states whether replaying the generating path reproduced the generator's own log-probs
 bit for bit.
 
-Batches are fixed by order (:func:`~libalign.models.replay.batch_ranges`: ``batch_size``
+Batches are fixed by order (:func:`~libalign.models.teacher_forcing.batch_ranges`: ``batch_size``
 consecutive sequences), the same on every path and in the replay, so batch composition is
 not a difference between conditions.
 """
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from libalign import models
-from libalign.models.replay import Progress, batch_ranges
+from libalign.models.teacher_forcing import Progress, batch_ranges
 
 
 def sample(model: nn.Module, prompts: Sequence[Sequence[int]], path: str, *, max_new_tokens: int,

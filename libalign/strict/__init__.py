@@ -1,0 +1,8 @@
+"""Batch-invariant operations: one result per row, whatever else is in the call.
+
+* :mod:`~libalign.strict.ops`: the operations strict execution runs (matmul in a fixed
+  K order, softmax, log_softmax, norms), each giving row ``i`` the same bits alone or in a batch.
+* :mod:`~libalign.strict.triton_matmul`: the K-ordered product as one Triton kernel on a GPU.
+
+:mod:`libalign.models.strict` puts them into a Qwen3-MoE model.
+"""
