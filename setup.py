@@ -3,7 +3,7 @@
 The repository keeps the product's top-level folders; the wheel installs only align-named
 import packages: ``libalign`` (the numerical core, from ``libalign/``), ``alignd`` (the
 daemon and its tools, from ``services/alignd/``) and ``libalign.csrc`` (the kernel sources
-of ``csrc/``, which ``libalign._native`` compiles on first use). ``alignclient`` is its own
+of ``csrc/``, which ``libalign.kernels.native`` compiles on first use). ``alignclient`` is its own
 distribution (``clients/``).
 """
 

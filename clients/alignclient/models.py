@@ -283,7 +283,7 @@ class RoutingWire(Wire):
     """The sampler's routing of one rollout (R3), compact: the top-k expert ids of every token
     it fed (prompt and completion but the last token) at every MoE layer, as base64 of the
     raw little-endian array ``[positions, len(layers), top_k]`` (one byte an id up to 256
-    experts, two above: ``libalign.routing_records``), optionally the gate weights (bf16)."""
+    experts, two above: ``libalign.routing.records``), optionally the gate weights (bf16)."""
 
     layers: list[StrictInt] = Field(min_length=1, max_length=MAX_ROUTING_LAYERS,
                                     description="MoE layer indices, increasing")
