@@ -72,7 +72,7 @@ from libalign.kernels import config
 
 def _find_csrc() -> Path:
     """The kernel sources: ``libalign/csrc`` of an installed wheel, else the checkout's ``csrc/``."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parent.parent  # libalign/
     for candidate in (package / "csrc", package.parent / "csrc"):
         if (candidate / "nvfp4_abi.h").is_file():
             return candidate

@@ -67,7 +67,7 @@ def built_library(done: background.Finished) -> Path:
 
 
 def _build(kind: str, folder: Path, **env: str) -> tuple[list[str], dict[str, str]]:
-    code = f"from libalign import _native; print(native.build({kind!r}))"
+    code = f"from libalign.kernels import native; print(native.build({kind!r}))"
     return [sys.executable, "-c", code], {**os.environ, "ALIGN_KERNEL_CACHE": str(folder), **env}
 
 

@@ -132,14 +132,14 @@ def test_stub_build_answers_unsupported_architecture(tmp_path):
 
 def test_cutlass_dir_env_must_hold_headers(tmp_path, monkeypatch):
     """A wrong ALIGN_CUTLASS_DIR is a KernelBuildError naming it, not a silent fallback."""
-    monkeypatch.setenv(native.CUTLASS_ENV, str(tmp_path / "nowhere"))
+    kernel_env.setenv(monkeypatch, native.CUTLASS_ENV, str(tmp_path / "nowhere"))
     with pytest.raises(native.KernelBuildError, match=r"ALIGN_CUTLASS_DIR=.*nowhere"):
         native.find_cutlass()
 
 
 def test_missing_cutlass_package_says_how_to_get_it(monkeypatch):
     """No env var and no nvidia-cutlass: the error names the package and the env var."""
-    monkeypatch.delenv(native.CUTLASS_ENV, raising=False)
+    kernel_env.delenv(monkeypatch, native.CUTLASS_ENV)
     monkeypatch.setattr(native, "cutlass_package_root", lambda: None)
     with pytest.raises(native.KernelBuildError, match=r"nvidia-cutlass.*ALIGN_CUTLASS_DIR"):
         native.find_cutlass()
@@ -149,7 +149,7 @@ def test_cutlass_dir_env_accepts_a_source_tree(monkeypatch):
     """ALIGN_CUTLASS_DIR may name the package folder or its source/ tree; the version is read."""
     headers = _headers_or_skip()
     for root in (headers.root, headers.root.parent):
-        monkeypatch.setenv(native.CUTLASS_ENV, str(root))
+        kernel_env.setenv(monkeypatch, native.CUTLASS_ENV, str(root))
         found = native.find_cutlass()
         assert found.include == headers.include and found.version >= (*native.CUTLASS_MIN_VERSION, 0)
 
@@ -166,7 +166,7 @@ def test_too_old_cutlass_is_refused(tmp_path, monkeypatch):
     util = tmp_path / "tools" / "util" / "include" / "cutlass" / "util"
     util.mkdir(parents=True)
     (util / "packed_stride.hpp").write_text("")
-    monkeypatch.setenv(native.CUTLASS_ENV, str(tmp_path))
+    kernel_env.setenv(monkeypatch, native.CUTLASS_ENV, str(tmp_path))
     with pytest.raises(native.KernelBuildError, match=r"3\.5\.0 .* too old"):
         native.find_cutlass()
 

@@ -257,7 +257,7 @@ def test_align_cpu_kernel_env_forces_the_path(path):
         pytest.skip(f"this CPU cannot run the {path} path")
     probe = textwrap.dedent(f"""
         import torch
-        from libalign import ops
+        from libalign.kernels import ops
         from libalign.spec.presets import MX_PRESETS
         from libalign.spec import PRESETS, quantize
         from tests.libalign import inputs

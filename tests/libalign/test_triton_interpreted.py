@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 DECODE = textwrap.dedent("""
     import torch
-    from libalign import _triton_w4a4 as tk, gemm
+    from libalign import gemm
+    from libalign.gemm import triton_kernels as tk
     from libalign.spec.rounding import e4m3_bits_to_float
     from libalign.spec import NVFP4Tensor, PRESETS, quantize
     e4m3 = e4m3_bits_to_float(torch.arange(256, dtype=torch.uint8))
@@ -43,7 +44,8 @@ DECODE = textwrap.dedent("""
 
 GUIDED = textwrap.dedent("""
     import torch
-    from libalign import _triton_w4a4 as tk, gemm
+    from libalign import gemm
+    from libalign.gemm import triton_kernels as tk
     from libalign.guidance import guided_quantize
     from libalign.spec.rounding import e4m3_bits_to_float, guide_tables
     from tests.libalign.test_guided_fused import SPEC, _case
