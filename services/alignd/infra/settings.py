@@ -146,6 +146,10 @@ class ServiceSettings(AlignSettings):
         None, description="redis://host:port/db; None selects the embedded single-process default")
     redis_retry_s: float | None = Field(
         None, description="give up on an unreachable Redis after this long (None: retry forever)")
+    redis_allow_unverified_policy: bool = Field(
+        False, description="start even when the Redis server's maxmemory-policy can be read "
+        "neither by CONFIG GET nor by INFO (logged as a warning, counted in "
+        "libalign_redis_policy_unverified_total); any policy but noeviction is refused")
     block_ms: int = Field(1_000, gt=0, description="longest wait of one blocking stream read")
     key_prefix: str = Field(DEFAULT_KEY_PREFIX, min_length=1,
                             description="prefix of every Redis key and stream the daemon owns")
