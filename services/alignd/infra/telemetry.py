@@ -557,7 +557,7 @@ class TrainerMetrics:
     same histogram as :attr:`Metrics.logprob_abs_delta`) and the four gap gauges of
     :data:`CLUSTER_GAUGES`, here over the last batch the trainer observed rather than the
     daemon's window. The push families count what became of each batch sent to the daemon in
-    the background: ``delivered``, ``dropped`` (the bounded queue was full), ``rejected`` (the
+    the background: ``delivered``, ``dropped`` (the queue was at its batch or byte bound), ``rejected`` (the
     API refused it: a 4xx other than a retryable one) or ``abandoned`` (the bounded retries ran
     out, or the monitor closed first); retried attempts and the queue depth beside them.
     """
@@ -592,6 +592,10 @@ class TrainerMetrics:
         self.push_queue = Gauge(
             "libalign_integration_push_queue_batches",
             "Batches waiting in the trainer's push queue.", registry=r)
+        self.push_queue_bytes = Gauge(
+            "libalign_integration_push_queue_bytes",
+            "Bytes of the batches the trainer's push queue holds (waiting or being sent); "
+            "a batch that would take it past its byte bound is dropped.", registry=r)
         for outcome in PUSH_OUTCOMES:
             self.pushes.labels(outcome=outcome)
 
