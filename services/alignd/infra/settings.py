@@ -143,7 +143,8 @@ class ServiceSettings(AlignSettings):
     """What every service reads: where Redis and the store are, the streams, liveness, metrics."""
 
     redis_url: str | None = Field(
-        None, description="redis://host:port/db; None selects the embedded single-process default")
+        None, description="redis://host:port/db; None selects the embedded single-process "
+        "default, embedded://NAME another in-process server of that name")
     redis_retry_s: float | None = Field(
         None, description="give up on an unreachable Redis after this long (None: retry forever)")
     redis_allow_unverified_policy: bool = Field(
