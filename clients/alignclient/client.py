@@ -6,19 +6,27 @@ how to read the reply, whether it may be retried), built by the methods of
 runs a call on an ``httpx.Client`` and returns the result; :class:`AsyncAlignClient` runs
 it on an ``httpx.AsyncClient`` and returns an awaitable of the same result.
 
+Deadline. ``timeout`` bounds each socket operation (a connect, a write, a read); ``deadline_s``
+bounds the whole call: every attempt, every wait between attempts, and every byte of the
+answer, however slowly the server sends it (:mod:`alignclient.deadline`). A call that runs
+out of time raises :class:`~alignclient.errors.ApiTimeoutError`. The default deadline is
+what the timeouts and retries allowed before: ``timeout * (retries + 1) + max_backoff_s *
+retries``.
+
 Retries. A call is retried by the contract's one retry policy
 (:class:`~alignclient.retry.RetryPolicy`: backoff from ``backoff_s``, doubling, at most
-``max_backoff_s``, with jitter), at most ``retries`` times when the API could not be reached
-or answered 502/503/504 (503 is what the API says when Redis is unreachable), but only
-if the call is idempotent: repeating it cannot apply its effect twice. GETs, the
-guidance PUT (it replaces the record), the read-only POSTs (spec check, guidance batch)
+``max_backoff_s``, with jitter), at most ``retries`` times and within its deadline, when
+:func:`alignclient.retry.transient` says the failure may pass: the API could not be reached,
+or it answered 500/502/503/504 (503 is what the API says when Redis is unreachable), the
+last ones only if the call is idempotent: repeating it cannot apply its effect twice. GETs,
+the guidance PUT (it replaces the record), the read-only POSTs (spec check, guidance batch)
 and leases are idempotent by nature; publishing a version, storing rollouts and scores
-and requesting a sync are idempotent by design: a version id or rollout id is created at
-most once (the repeat answers 409), a score already recorded is not counted again, and
-sync events are delivered at least once anyway. A call that is not idempotent is
-retried only when the connection was never made (nothing reached the server), never
-after a timeout. So a publish retried after a lost reply may answer 409
-``version_exists`` although this very call created the version: ``get_version`` tells.
+and requesting a sync are idempotent by design: publishing the same published directory
+again answers the version it already made (``event_id`` None: nothing is announced twice),
+a rollout id is stored at most once (the repeat answers 409 ``rollout_exists``), a score
+already recorded is not counted again, and sync events are delivered at least once anyway.
+A call that is not idempotent is retried only when the connection was never made (nothing
+reached the server), never after a timeout or an error answer.
 
 Token. The one ``token`` argument is sent as ``Authorization: Bearer <token>`` on every
 request, reads included: the API guards its reads as well as its writes. Give a writer the
@@ -29,12 +37,16 @@ reads raise :class:`~alignclient.errors.UnauthorizedError` unless the API serves
 openly (``ALIGN_OPEN_READS``, or a token-less dev-mode API). ``/healthz``, ``/readyz`` and
 ``/metrics`` never need one.
 
-Errors come back as the contract's classes (:mod:`alignclient.errors`), the ones the daemon raises.
+Errors come back as the contract's classes (:mod:`alignclient.errors`), the ones the daemon
+raises. A success answer whose body does not follow the contract (not JSON, a field missing
+or of the wrong type) raises :class:`~alignclient.errors.BadResponseError` naming the route
+and the field, never a pydantic error.
 """
 
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +55,15 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from .errors import ApiUnreachableError, InputError, error_from_response
+from .deadline import AsyncDeadlineTransport, DeadlineTransport, deadline_scope
+from .errors import (
+    AlignError,
+    ApiTimeoutError,
+    ApiUnreachableError,
+    BadResponseError,
+    InputError,
+    error_from_response,
+)
 from .framing import MEDIA_TYPE, decode_frames
 from .models import (
     DeltaSummary,
@@ -65,7 +85,7 @@ from .models import (
     VersionDetail,
     VersionList,
 )
-from .retry import RETRY_STATUSES, RetryPolicy, http_transient
+from .retry import RetryPolicy, transient
 
 
 def _seg(value: str) -> str:
@@ -106,19 +126,38 @@ def _model(model: type[BaseModel]) -> Callable[[httpx.Response], Any]:
     return lambda r: model.model_validate_json(r.content)
 
 
+def _problems(e: Exception) -> str:
+    """What is wrong with an answer, field by field (pydantic), or the parser's own words."""
+    if isinstance(e, ValidationError):
+        listed = [f"{'.'.join(map(str, err['loc'])) or e.title}: {err['msg']}"
+                  for err in e.errors()[:5]]
+        more = f" (and {e.error_count() - 5} more)" if e.error_count() > 5 else ""
+        return "; ".join(listed) + more
+    return f"{type(e).__name__}: {e}" if not isinstance(e, AlignError) else str(e)
+
+
 class _Routes(abc.ABC):
     """The routes as :class:`Call`\\ s; subclasses decide how a call runs (``_do``)."""
 
     def __init__(self, base_url: str, token: str | None, timeout: float, retries: int,
-                 backoff_s: float, max_backoff_s: float):
+                 backoff_s: float, max_backoff_s: float, deadline_s: float | None):
         if retries < 0:
             raise InputError(f"retries must be >= 0, not {retries}")
+        if not timeout > 0:
+            raise InputError(f"timeout must be > 0 seconds, not {timeout}")
+        if deadline_s is None:
+            deadline_s = timeout * (retries + 1) + max_backoff_s * retries
+        if not deadline_s > 0:
+            raise InputError(f"deadline_s must be > 0 seconds (or None), not {deadline_s}")
         self.base_url = base_url.rstrip("/")
         self.token = token
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
-        self.retry = RetryPolicy(initial_s=backoff_s, max_s=max_backoff_s, attempts=retries + 1)
+        self.timeout_s = float(timeout)
+        self.deadline_s = float(deadline_s)
+        self.retry = RetryPolicy(initial_s=backoff_s, max_s=max_backoff_s, attempts=retries + 1,
+                                 deadline_s=self.deadline_s)
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeout = httpx.Timeout(timeout)
 
@@ -127,21 +166,37 @@ class _Routes(abc.ABC):
         """Run one call: blocking in :class:`AlignClient`, a coroutine in :class:`AsyncAlignClient`."""
 
     @staticmethod
-    def _retry_when(call: Call) -> dict[str, Callable]:
-        """What :attr:`retry` repeats for ``call``: transport errors, and for an idempotent
-        call the statuses of :data:`~alignclient.retry.RETRY_STATUSES`."""
-        return {"transient": lambda e: http_transient(e, idempotent=call.idempotent),
-                "again": lambda r: call.idempotent and r.status_code in RETRY_STATUSES}
+    def _transient(call: Call) -> Callable[[BaseException], bool]:
+        """What :attr:`retry` repeats for ``call``: :func:`alignclient.retry.transient`."""
+        return lambda e: transient(e, idempotent=call.idempotent)
+
+    def _attempt_timeout(self, deadline: float) -> httpx.Timeout:
+        """The per-operation timeout of one attempt, never past the call's deadline."""
+        return httpx.Timeout(max(1e-3, min(self.timeout_s, deadline - time.monotonic())))
 
     def _finish(self, call: Call, resp: httpx.Response) -> Any:
-        if resp.is_success:
+        """The parsed answer, or the typed error it carries (BadResponseError if unparsable)."""
+        if not resp.is_success:
+            raise error_from_response(resp.status_code, resp.content, method=call.method,
+                                      url=str(resp.request.url), context=call.context)
+        try:
             return call.parse(resp)
-        raise error_from_response(resp.status_code, resp.content, method=call.method,
-                                  url=str(resp.request.url), context=call.context)
+        except ValueError as e:  # pydantic's ValidationError, FramingError, a bad encoding
+            err = BadResponseError(f"{call.method} {call.path} answered {resp.status_code} with "
+                                   f"a body that does not follow the contract: {_problems(e)}")
+            err.method, err.url = call.method, str(resp.request.url)
+            raise err from e
 
-    def _unreachable(self, call: Call, e: Exception, attempts: int) -> ApiUnreachableError:
-        err = ApiUnreachableError(f"{call.method} {self.base_url}{call.path}: "
-                                  f"{type(e).__name__}: {e} (after {attempts} attempt(s))")
+    def _unreachable(self, call: Call, e: Exception, attempts: int,
+                     deadline: float) -> ApiUnreachableError:
+        where = f"{call.method} {self.base_url}{call.path}"
+        if time.monotonic() >= deadline - 1e-3:
+            err: ApiUnreachableError = ApiTimeoutError(
+                f"{where}: no complete answer within the call's deadline of {self.deadline_s:g} s "
+                f"({type(e).__name__}: {e}; after {attempts} attempt(s))")
+        else:
+            err = ApiUnreachableError(f"{where}: {type(e).__name__}: {e} "
+                                      f"(after {attempts} attempt(s))")
         err.method, err.url = call.method, self.base_url + call.path
         return err
 
@@ -288,26 +343,31 @@ class AlignClient(_Routes):
 
     def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0,
                  retries: int = 3, *, backoff_s: float = 0.2, max_backoff_s: float = 5.0,
-                 transport: httpx.BaseTransport | None = None):
-        super().__init__(base_url, token, timeout, retries, backoff_s, max_backoff_s)
+                 deadline_s: float | None = None, transport: httpx.BaseTransport | None = None):
+        super().__init__(base_url, token, timeout, retries, backoff_s, max_backoff_s, deadline_s)
         self._http = httpx.Client(base_url=self.base_url, headers=self._headers,
-                                  timeout=self._timeout, transport=transport)
+                                  timeout=self._timeout,
+                                  transport=transport if transport is not None
+                                  else DeadlineTransport())
 
     def _do(self, call: Call) -> Any:
         attempts = 0
+        deadline = time.monotonic() + self.deadline_s
 
-        def once() -> httpx.Response:
+        def once() -> Any:
             nonlocal attempts
             attempts += 1
-            return self._http.request(call.method, call.path, json=call.json,
+            resp = self._http.request(call.method, call.path, json=call.json,
                                       content=call.content, params=call.params,
-                                      headers=call.headers)
+                                      headers=call.headers,
+                                      timeout=self._attempt_timeout(deadline))
+            return self._finish(call, resp)
 
         try:
-            resp = self.retry.call(once, **self._retry_when(call))
+            with deadline_scope(deadline):
+                return self.retry.call(once, transient=self._transient(call))
         except httpx.TransportError as e:
-            raise self._unreachable(call, e, attempts) from e
-        return self._finish(call, resp)
+            raise self._unreachable(call, e, attempts, deadline) from e
 
     def close(self) -> None:
         """Close the connection pool."""
@@ -325,26 +385,32 @@ class AsyncAlignClient(_Routes):
 
     def __init__(self, base_url: str, token: str | None = None, timeout: float = 30.0,
                  retries: int = 3, *, backoff_s: float = 0.2, max_backoff_s: float = 5.0,
+                 deadline_s: float | None = None,
                  transport: httpx.AsyncBaseTransport | None = None):
-        super().__init__(base_url, token, timeout, retries, backoff_s, max_backoff_s)
+        super().__init__(base_url, token, timeout, retries, backoff_s, max_backoff_s, deadline_s)
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers,
-                                       timeout=self._timeout, transport=transport)
+                                       timeout=self._timeout,
+                                       transport=transport if transport is not None
+                                       else AsyncDeadlineTransport())
 
     async def _do(self, call: Call) -> Any:  # type: ignore[override]
         attempts = 0
+        deadline = time.monotonic() + self.deadline_s
 
-        async def once() -> httpx.Response:
+        async def once() -> Any:
             nonlocal attempts
             attempts += 1
-            return await self._http.request(call.method, call.path, json=call.json,
+            resp = await self._http.request(call.method, call.path, json=call.json,
                                             content=call.content, params=call.params,
-                                            headers=call.headers)
+                                            headers=call.headers,
+                                            timeout=self._attempt_timeout(deadline))
+            return self._finish(call, resp)
 
         try:
-            resp = await self.retry.acall(once, **self._retry_when(call))
+            with deadline_scope(deadline):
+                return await self.retry.acall(once, transient=self._transient(call))
         except httpx.TransportError as e:
-            raise self._unreachable(call, e, attempts) from e
-        return self._finish(call, resp)
+            raise self._unreachable(call, e, attempts, deadline) from e
 
     async def aclose(self) -> None:
         """Close the connection pool."""

@@ -522,6 +522,21 @@ class ApiUnreachableError(RemoteError):
     code = "api_unreachable"
 
 
+class ApiTimeoutError(ApiUnreachableError):
+    """The call's total deadline passed before the API answered in full: however the time went
+    (a slow connect, a server that answers a byte at a time, retries), the call ends at it."""
+
+    code = "api_timeout"
+
+
+class BadResponseError(RemoteError):
+    """The API answered with a success status but a body that does not follow the contract
+    (not JSON, a field missing or of the wrong type, broken framing); the message names the
+    route and the field. ``status`` is None: the reply's success status is not an error's."""
+
+    code = "bad_response"
+
+
 def _subclasses(cls: type) -> list[type]:
     out = []
     for sub in cls.__subclasses__():

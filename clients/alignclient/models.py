@@ -241,7 +241,10 @@ class PublishResponse(Reply):
 
     version: VersionInfo
     stream: str
-    event_id: str
+    event_id: str | None = Field(description=(
+        "stream id of the published event; None when the call repeated the registration of "
+        "the same published directory, which answers the version it made and announces "
+        "nothing again"))
 
 
 class SyncRequest(Wire):

@@ -4,7 +4,23 @@ Every component that talks over a network retries the same way: the Redis bus (a
 stores and heartbeats on it), this client, and the engine adapters (SGLang). A
 :class:`RetryPolicy` says *how* to retry; the caller says *what* counts as transient,
 because only the caller knows whether a failed call may be repeated (see
-:func:`http_transient` for HTTP, and ``alignd.infra.bus`` for Redis).
+:func:`transient` for a call of the control API, :func:`http_transient` for any HTTP
+request, and ``alignd.infra.bus`` for Redis).
+
+What a failed call of the control API means is decided here, once: the client's own
+retries and a trainer's background push both ask :func:`transient` and :func:`refused`.
+
+* It never reached the server (connection refused, connect timeout): transient, whatever
+  the call.
+* The server may have run it (a timeout, a broken connection, a 5xx answer: 500 when the
+  daemon failed inside, 502/504 from a gateway, 503 while Redis is away or the API is
+  overloaded): transient for a retry-safe (idempotent) call, which repeating cannot apply
+  twice; never for another one. Two 5xx answers say the fault lasts and are not transient:
+  501 (the daemon cannot do this) and 507 (the guidance store is full and may evict nothing).
+* The server refused it (a 4xx: unknown version, bad input, no token, a conflict): a
+  refusal, never transient; sending it again gets the same answer.
+* An answer that does not follow the contract (:class:`~alignclient.errors.BadResponseError`)
+  is neither: something between client and daemon is broken, and repeating will not mend it.
 
 How a call is retried (the loop itself is `tenacity <https://tenacity.readthedocs.io>`_'s):
 
@@ -31,13 +47,22 @@ from typing import Any, TypeVar
 import httpx
 import tenacity
 
-from .errors import InputError
+from .errors import (
+    AlignError,
+    ApiUnreachableError,
+    BadResponseError,
+    BusUnavailableError,
+    InputError,
+    OverloadedError,
+    RemoteError,
+)
 
 T = TypeVar("T")
 
-#: HTTP statuses that say "try again later": a gateway, or a server still starting or
-#: without its backend (the API answers 503 while Redis is unreachable).
-RETRY_STATUSES = frozenset({502, 503, 504})
+#: HTTP statuses that say "the server may have failed for now": 500 (the daemon failed
+#: inside), a gateway (502, 504), or a server without its backend or too busy (503).
+#: Repeated only for a retry-safe call (:func:`transient`).
+RETRY_STATUSES = frozenset({500, 502, 503, 504})
 #: httpx errors raised before a request left this process: repeating it cannot do its
 #: effect twice, whatever the request.
 NEVER_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
@@ -49,6 +74,35 @@ def http_transient(error: BaseException, *, idempotent: bool) -> bool:
     if isinstance(error, NEVER_SENT):
         return True
     return idempotent and isinstance(error, httpx.TransportError)
+
+
+def transient(error: BaseException, *, idempotent: bool) -> bool:
+    """Whether a failed call of the control API may succeed if sent again (module doc).
+
+    An httpx error: as :func:`http_transient` says. :class:`ApiUnreachableError` (the client
+    gave up on the transport): for an idempotent call, or when its cause never left this
+    process. An error answer: its status is one of :data:`RETRY_STATUSES` and the call is
+    idempotent. An error raised in this process without a status: Redis away or overloaded,
+    for an idempotent call. Anything else, a malformed answer included: not transient.
+    """
+    if isinstance(error, httpx.HTTPError):
+        return http_transient(error, idempotent=idempotent)
+    if isinstance(error, ApiUnreachableError):
+        cause = error.__cause__
+        return idempotent or (cause is not None and http_transient(cause, idempotent=False))
+    if not isinstance(error, AlignError) or isinstance(error, BadResponseError):
+        return False
+    status = getattr(error, "status", None)
+    if status is None and not isinstance(error, RemoteError):
+        return idempotent and isinstance(error, BusUnavailableError | OverloadedError)
+    return idempotent and status in RETRY_STATUSES
+
+
+def refused(error: BaseException) -> bool:
+    """Whether the daemon refused a call (an error answer with a 4xx status): sending it again
+    gets the same answer."""
+    status = getattr(error, "status", None)
+    return isinstance(error, AlignError) and status is not None and 400 <= status < 500
 
 
 @dataclass(frozen=True)

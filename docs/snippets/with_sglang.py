@@ -1,4 +1,4 @@
-"""With SGLang: serve a version from SGLang servers and measure the gap (README "With SGLang").
+"""With SGLang: serve a version from SGLang servers and measure the gap (docs/engines/sglang.md).
 
 Start each server from the model (or a first export) with untempered log-probs reported and
 said to be so, and the converter with the layout SGLang loads::

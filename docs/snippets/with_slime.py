@@ -1,4 +1,4 @@
-"""With slime: log the execution gap from slime's per-sample tensors (README "With slime").
+"""With slime: log the execution gap from slime's per-sample tensors (docs/engines/slime.md).
 
 slime keeps one 1-D tensor per sample: ``log_probs`` (Megatron's), ``rollout_log_probs``
 (SGLang's) and ``loss_masks``. The monitor takes one tensor per sequence; select the

@@ -1,4 +1,4 @@
-"""With verl: log the execution gap from the batch verl already holds (README "With verl").
+"""With verl: log the execution gap from the batch verl already holds (docs/engines/verl.md).
 
 In verl's PPO step, ``batch`` carries ``old_log_probs`` (the actor's recomputation),
 ``rollout_log_probs`` (the rollout engine's) and ``response_mask``. One Monitor per trainer

@@ -58,7 +58,13 @@ MoE expert block), :mod:`~libalign.gemm.row_groups` (rows grouped by expert), th
 
 from libalign.gemm.backends import BACKENDS
 from libalign.gemm.grouped import fuses_guidance, grouped_linear
-from libalign.gemm.inner import epilogue, inner_table, inner_values, row_decode_scales, w4a4_reference
+from libalign.gemm.inner import (
+    epilogue,
+    inner_table,
+    inner_values,
+    row_decode_scales,
+    w4a4_reference,
+)
 from libalign.gemm.moe import ActivationHook, Observer, moe_experts_forward, take_rows
 from libalign.gemm.paths import GUIDED, PATHS, ExecutionPath, get_path, guided_paths, register_path
 from libalign.gemm.row_groups import PAD_CHOICES, GroupLayout, group_layout

@@ -17,7 +17,9 @@ PACKAGES = ("libalign", "alignd", "alignclient")
 #: Where each import package's source lives in the repository.
 SOURCE_DIRS = {"libalign": ROOT / "libalign", "alignd": ROOT / "services" / "alignd",
                "alignclient": ROOT / "clients" / "alignclient"}
-MAX_MODULE_LINES = 600
+#: A module holds one concept; this ceiling only catches one that grew into several (split it by
+#: concept: never cut its explanations to fit).
+MAX_MODULE_LINES = 800
 
 
 def _modules() -> dict[str, Path]:
@@ -170,7 +172,7 @@ def test_private_use_check_sees_both_forms():
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_module_is_a_small_room(module):
-    """No module is longer than a reader can hold (about 600 lines)."""
+    """No module outgrows one concept (a generous ceiling of 800 lines)."""
     lines = len(MODULES[module].read_text().splitlines())
     assert lines <= MAX_MODULE_LINES, f"{MODULES[module].relative_to(ROOT)}: {lines} lines"
 

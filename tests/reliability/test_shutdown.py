@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,7 @@ from alignd.formats.convert import convert_published, resolve_spec
 from alignd.formats.weight_store import TMP_PREFIX, WeightStore
 from alignd.infra.liveness import held_versions
 from alignd.infra.service_main import EXIT_CUT_OFF, exit_after_stop
+from alignd.infra.settings import ServiceSettings
 
 from tests.reliability.test_faults import PATH, REPO, Rig, model_weights, wait_for
 from tests.services.conftest import free_port, stop_processes, tiny_experts
@@ -104,7 +106,8 @@ def test_a_converter_stopped_mid_conversion_is_resumed_bit_identically(redis_url
 def test_the_deadline_thread_cuts_off_only_a_late_stop():
     """Pinned: ``exit_after_stop`` calls its exit with status 3 once the stop event has been
     set for the timeout, never while the service is not stopping, and not at all when the
-    block is left in time (its thread ends with the block)."""
+    block is left in time (its thread ends with the block). The default bound (15 s) is half
+    the compose file's ``stop_grace_period``."""
     calls: list[int] = []
     stop = threading.Event()
     with exit_after_stop(stop, 0.05, logging.getLogger("t"), calls.append) as t:
@@ -118,6 +121,8 @@ def test_the_deadline_thread_cuts_off_only_a_late_stop():
                          calls.append) as t:
         pass
     assert not t.is_alive() and calls == []
+    grace = re.search(r"stop_grace_period: (\d+)s", (REPO / "docker-compose.yml").read_text())
+    assert ServiceSettings.model_fields["shutdown_timeout_s"].default == 15.0 <= int(grace.group(1)) / 2
 
 
 # --- SIGTERM to exit, each service a process -------------------------------------------------

@@ -122,9 +122,11 @@ def test_errors_come_back_as_the_daemons_classes(api):
         with pytest.raises(E.VersionNotFoundError, match="'nope'") as ei:
             c.get_version("nope")
         assert ei.value.status == 404 and ei.value.version_id == "nope"
-        c.publish_version("v1")
+        first = c.publish_version("v1")
+        again = c.publish_version("v1")  # the same directory: the version it made, no new event
+        assert again.version == first.version and first.event_id and again.event_id is None
         with pytest.raises(E.VersionExistsError):
-            c.publish_version("v1")
+            c.publish_version("v1", target_path="nvfp4_minite")
         with pytest.raises(E.VersionNotFoundError, match="published store"):
             c.publish_version("v7")
         with pytest.raises(E.StateTransitionError):
@@ -248,8 +250,9 @@ def test_async_client(api):
             assert (await c.healthz()).status == "ok"
             pub = await c.publish_version("v2")
             assert pub.version.version_id == "v2"
+            assert (await c.publish_version("v2")).event_id is None  # the same directory again
             with pytest.raises(E.VersionExistsError):
-                await c.publish_version("v2")
+                await c.publish_version("v2", target_path="nvfp4_minite")
             await c.put_rollouts("v2", [rollout("a"), rollout("b")])
             results = await asyncio.gather(c.get_rollouts("v2"), c.get_spec(), c.get_status())
             assert results[0].rollout_ids == ["a", "b"]

@@ -33,6 +33,7 @@ STATUS_BY_CODE = {
     "version_exists": 409, "version_not_found": 404, "weight_update_failed": 502,
     "weight_version_mismatch": 409, "loop_error": 502, "invalid_framing": 422,
     "remote_error": 500, "api_unreachable": 503, "overloaded": 503,
+    "api_timeout": 504, "bad_response": 502,
     "stale_rollout": 409, "engine_mismatch": 409, "tempered_logprobs": 500,
     "invalid_routing": 422, "routing_mismatch": 422, "routing_missing": 422,
 }

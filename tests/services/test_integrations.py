@@ -1,8 +1,9 @@
 """Pins alignd.integrations: the gap under slime's, verl's and libalign's names (against verl's
 own function where verl imports, and against copies of both frameworks' formulas), the
 Prometheus families on the trainer's registry, the background push (never blocking a step,
-counted, bounded, landing once the API is back), publishing from tensors, guidance as tensors,
-and the README snippets."""
+counted, bounded in batches and bytes, retried through a 500, landing once the API is back),
+publishing from tensors (retryable after a failed registration, nothing left behind), guidance
+as tensors, every call ending by its deadline, and the README snippets."""
 
 from __future__ import annotations
 
@@ -17,11 +18,20 @@ import numpy as np
 import pytest
 import torch
 from alignclient import AlignClient
-from alignclient.errors import InputError, NonFiniteError, ShapeError
+from alignclient.errors import (
+    ApiTimeoutError,
+    ForbiddenError,
+    InputError,
+    InternalError,
+    NonFiniteError,
+    ShapeError,
+    VersionExistsError,
+    VersionNotFoundError,
+)
 from alignclient.retry import RetryPolicy
 from alignd.api.app import create_app
 from alignd.formats.convert import convert_published
-from alignd.formats.published import write_published
+from alignd.formats.published import publish_id, write_published
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus, connect
 from alignd.infra.events import event_stream
@@ -33,6 +43,7 @@ from libalign.guidance import GuidanceRecord, SiteRows
 from libalign.metrics import delta_stats, tis_weights, token_deltas
 from tests.services.api_server import TOKEN, api_settings, serve
 from tests.services.conftest import free_port, tiny_experts
+from tests.services.faulty_servers import Drip, FailSome
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = RetryPolicy(initial_s=0.02, max_s=0.2, attempts=10_000)
@@ -284,6 +295,145 @@ def test_bounded_retries_abandon_and_a_refused_batch_is_rejected(daemon):
         assert mon.flush(30)
         assert mon.metrics.value("libalign_integration_pushes_total", {"outcome": "rejected"}) == 2
         assert mon.metrics.value("libalign_integration_push_retries_total") == 0
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["500-before-running", "500-answer-lost"])
+def test_a_500_then_200_daemon_gets_every_batch_delivered(daemon, before):
+    """Every batch's first scores request answers 500 (before the daemon ran it, or after, its
+    answer lost): all 20 batches are delivered on their retry (20 retries, none rejected), and
+    the daemon counts each token once."""
+    app = FailSome(daemon.app, lambda method, path, n: path.endswith("/scores") and n % 2 == 1,
+                   before=before)
+    learner, sampler, mask = batch(b=4, t=16, seed=11)
+    completions = torch.randint(0, 1000, (4, 16))
+    with serve(app) as url, Monitor(api=url, token=TOKEN, retry=FAST, run_id="f") as mon:
+        for step in range(20):
+            mon.observe(learner, sampler, mask, version="v1", step=step, completions=completions,
+                        prompts=[[1, 2]] * 4)
+        assert mon.flush(60)
+        outcomes = {o: mon.metrics.value("libalign_integration_pushes_total", {"outcome": o})
+                    for o in ("delivered", "rejected", "abandoned", "dropped")}
+        assert outcomes == {"delivered": 20, "rejected": 0, "abandoned": 0, "dropped": 0}
+        assert mon.metrics.value("libalign_integration_push_retries_total") == 20 == app.failed
+        with AlignClient(url, token=TOKEN) as api:
+            assert api.get_discrepancy("v1", window_tokens=100_000).stats.count == \
+                20 * int(mask.sum())
+
+
+def test_the_push_queue_is_bounded_in_bytes():
+    """With the API down and a bound of 3.5 batches' bytes, 3 batches are held (the one being
+    sent counts) and the other 7 dropped and counted; the bytes gauge says 3 batches; a step
+    stays fast; close abandons the held ones and the gauge returns to 0."""
+    learner, sampler, mask = batch(b=8, t=64, seed=12)
+    mask[:] = True
+    completions = torch.randint(0, 1000, (8, 64))
+    one = 8 * 64 * (8 + 8 + 8) + 8 * 2 * 8  # two float64 log-probs and a token id; prompts
+    mon = Monitor(api=f"http://127.0.0.1:{free_port()}", push_queue_bytes=int(3.5 * one),
+                  retry=RetryPolicy(initial_s=1.0, max_s=1.0, attempts=100))
+    took = []
+    for step in range(10):
+        t0 = time.perf_counter()
+        mon.observe(learner, sampler, mask, version="v1", step=step, completions=completions,
+                    prompts=[[1, 2]] * 8)
+        took.append(time.perf_counter() - t0)
+    assert statistics.median(took) < 0.05, took
+    assert mon.metrics.value("libalign_integration_pushes_total", {"outcome": "dropped"}) == 7
+    assert mon.pusher.held_bytes == 3 * one
+    assert mon.metrics.value("libalign_integration_push_queue_bytes") == 3 * one
+    assert mon.close(timeout_s=0.2) and not mon.pusher.alive
+    assert mon.metrics.value("libalign_integration_pushes_total", {"outcome": "abandoned"}) == 3
+    assert mon.metrics.value("libalign_integration_push_queue_bytes") == 0
+
+
+def test_calls_to_a_dripping_daemon_end_by_the_deadline_and_close_joins(tmp_path):
+    """A daemon answering a byte every 0.2 s (over 20 s an answer): with timeout_s=1,
+    fetch_guidance and WeightPublisher.publish raise ApiTimeoutError within 5 s each, and
+    close() returns True within 5 s with the push thread (caught in a dripping call) ended."""
+    learner, sampler, mask = batch(seed=13)
+    with Drip("body") as drip:
+        assert drip.drip_s > 20
+        mon = Monitor(api=drip.url, timeout_s=1.0)
+        t0 = time.monotonic()
+        with pytest.raises(ApiTimeoutError):
+            mon.fetch_guidance("v1", ["r1"])
+        assert time.monotonic() - t0 < 5
+        pub = WeightPublisher(tmp_path / "store", api=drip.url, timeout_s=1.0)
+        t0 = time.monotonic()
+        with pytest.raises(ApiTimeoutError):
+            pub.publish(tiny_experts(2, 16, 32), "v9")
+        assert time.monotonic() - t0 < 5
+        accepted = drip.accepted
+        mon.observe(learner, sampler, mask, version="v1", rollout_ids=list("abcd"))
+        deadline = time.monotonic() + 10
+        while drip.accepted == accepted:  # the push thread is in its dripping call
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        assert mon.close(timeout_s=0.2) is True
+        assert time.monotonic() - t0 < 5 and not mon.pusher.alive
+
+
+def registered(registry: Registry, version_id: str) -> bool:
+    try:
+        registry.get(version_id)
+    except VersionNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("before", [True, False], ids=["500-before-running", "500-answer-lost"])
+def test_publish_again_after_a_500_ends_with_one_version(redis_url, tmp_path, before):
+    """The registration answers 500 (before the API ran it, or after, its answer lost) to a
+    publisher that does not retry: publish raises InternalError and keeps the directory; the
+    same publish again succeeds, ending with one version, one published event, the directory
+    it registered and no leftovers. Other tensors under the id raise VersionExistsError naming
+    the tensor and change nothing."""
+    store, sd = tmp_path / "store", tiny_experts(2, 16, 32)
+    settings = api_settings(redis_url, store)
+    app = FailSome(create_app(settings, redis_give_up_s=0.3),
+                   lambda method, path, n: method == "POST" and path == "/v1/versions" and n == 1,
+                   before=before)
+    bus = RedisBus(connect(redis_url))
+    registry = Registry(bus, "libalign")
+    with serve(app) as url, AlignClient(url, token=TOKEN, retries=0) as once:
+        pub = WeightPublisher(store, api=once)
+        with pytest.raises(InternalError):
+            pub.publish(sd, "v2")
+        path = WeightStore(store).published_path("v2")
+        assert path.is_dir() and registered(registry, "v2") is (not before)
+        assert pub.publish(sd, "v2") == "published"
+        assert [v.version_id for v in once.list_versions().versions] == ["v2"]
+        events = bus.client.xrange(settings.published_stream)
+        assert [e[1]["version_id"] for e in events] == ["v2"]
+        rec = registry.get("v2")
+        assert rec.path == str(path) and rec.meta["publish_id"] == publish_id(path)
+        assert sorted(p.name for p in path.parent.iterdir()) == ["v2"]
+        other = {k: v + 1 for k, v in sd.items()}
+        with pytest.raises(VersionExistsError, match="holds other values"):
+            pub.publish(other, "v2")
+        assert publish_id(path) == rec.meta["publish_id"]
+
+
+def test_publish_retries_a_500_itself_and_a_refusal_leaves_nothing(redis_url, tmp_path):
+    """With its own client (3 retries), a registration whose answer is lost behind a 500 is
+    retried and answered with the version it made: one publish call, one version, one event.
+    A refused registration (wrong token, 403) removes the directory the call wrote."""
+    store, sd = tmp_path / "store", tiny_experts(2, 16, 32)
+    settings = api_settings(redis_url, store)
+    app = FailSome(create_app(settings, redis_give_up_s=0.3),
+                   lambda method, path, n: method == "POST" and path == "/v1/versions" and n == 1,
+                   before=False)
+    bus = RedisBus(connect(redis_url))
+    registry = Registry(bus, "libalign")
+    with serve(app) as url:
+        assert WeightPublisher(store, api=url, token=TOKEN).publish(sd, "v3") == "published"
+        assert app.failed == 1 and registry.get("v3").state == "published"
+        events = bus.client.xrange(settings.published_stream)
+        assert [e[1]["version_id"] for e in events] == ["v3"]
+        with pytest.raises(ForbiddenError):
+            WeightPublisher(store, api=url, token="wrong-token").publish(sd, "v4")
+        assert sorted(p.name for p in (store / "published").iterdir()) == ["v3"]
+        assert not registered(registry, "v4")
 
 
 def test_push_arguments_are_checked_in_the_step():

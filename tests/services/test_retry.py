@@ -1,5 +1,6 @@
 """Pins the one retry policy (alignclient.retry): backoff shape, attempts, deadline, stop event,
-transient-only retries, result retries, the async form and the HTTP classification."""
+transient-only retries, result retries, the async form, the HTTP classification and the one
+classification of a failed API call (transient, refused)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,15 @@ import time
 
 import httpx
 import pytest
-from alignclient.errors import InputError
-from alignclient.retry import RetryPolicy, http_transient
+from alignclient.errors import (
+    ApiUnreachableError,
+    BadResponseError,
+    BusUnavailableError,
+    InputError,
+    error_from_response,
+)
+from alignclient.retry import RetryPolicy, http_transient, refused
+from alignclient.retry import transient as api_transient
 
 
 class Flaky:
@@ -117,6 +125,54 @@ def test_http_transient_repeats_only_what_cannot_apply_twice():
     assert http_transient(never_sent, idempotent=False) and http_transient(never_sent, idempotent=True)
     assert http_transient(timed_out, idempotent=True) and not http_transient(timed_out, idempotent=False)
     assert not http_transient(ValueError("x"), idempotent=True)
+
+
+def answer(status: int, code: str | None = None):
+    """The typed error the client raises for an error answer (a foreign body without code)."""
+    body = b"<html>proxy</html>" if code is None else \
+        b'{"error": {"code": "%s", "type": "X", "message": "m"}}' % code.encode()
+    return error_from_response(status, body, method="POST", url="http://api/v1/x")
+
+
+def unreachable(cause: Exception) -> ApiUnreachableError:
+    try:
+        raise ApiUnreachableError("gave up") from cause
+    except ApiUnreachableError as e:
+        return e
+
+
+REQ = httpx.Request("POST", "http://api/")
+
+
+@pytest.mark.parametrize(("error", "if_idempotent", "if_not", "is_refusal"), [
+    (httpx.ConnectError("refused", request=REQ), True, True, False),
+    (httpx.ReadTimeout("slow", request=REQ), True, False, False),
+    (unreachable(httpx.ConnectError("refused", request=REQ)), True, True, False),
+    (unreachable(httpx.ReadTimeout("slow", request=REQ)), True, False, False),
+    (answer(500, "internal_error"), True, False, False),
+    (answer(500), True, False, False),
+    (answer(502), True, False, False),
+    (answer(503, "bus_unavailable"), True, False, False),
+    (answer(503, "overloaded"), True, False, False),
+    (answer(504, "engine_timeout"), True, False, False),
+    (answer(501, "guidance_unsupported"), False, False, False),
+    (answer(507, "guidance_budget"), False, False, False),
+    (answer(400, "malformed_body"), False, False, True),
+    (answer(401, "unauthorized"), False, False, True),
+    (answer(404, "version_not_found"), False, False, True),
+    (answer(409, "version_exists"), False, False, True),
+    (answer(422, "invalid_input"), False, False, True),
+    (BadResponseError("GET /v1/spec: sha256: Field required"), False, False, False),
+    (BusUnavailableError("Redis away"), True, False, False),
+    (ValueError("x"), False, False, False),
+])
+def test_one_classification_of_a_failed_api_call(error, if_idempotent, if_not, is_refusal):
+    """transient(error, idempotent): a connection never made always; a timeout, a broken
+    connection or a 500/502/503/504 answer only for a retry-safe call; 501, 507, every 4xx and
+    a malformed answer never. refused(error): exactly the 4xx answers."""
+    assert api_transient(error, idempotent=True) is if_idempotent
+    assert api_transient(error, idempotent=False) is if_not
+    assert refused(error) is is_refusal
 
 
 @pytest.mark.parametrize("kw", [{"initial_s": -1}, {"factor": 0.5}, {"jitter": 1.0},

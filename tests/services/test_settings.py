@@ -129,10 +129,11 @@ def test_validated_at_start(clean_env, monkeypatch):
 
 
 def test_documented_variables_are_read(clean_env):
-    """Every ALIGN_* variable the README documents is a settings field, is read by libalign
-    itself (kernels, caches) or is interpolated by the compose file (``${ALIGN_BIND_ADDR...}``),
-    and the settings ones reach their field."""
-    documented = set(re.findall(r"\bALIGN_[A-Z][A-Z_]*[A-Z]\b", (ROOT / "README.md").read_text()))
+    """Every ALIGN_* variable the README and docs/ document is a settings field, is read by
+    libalign itself (kernels, caches) or is interpolated by the compose file
+    (``${ALIGN_BIND_ADDR...}``), and the settings ones reach their field."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    documented = set(re.findall(r"\bALIGN_[A-Z][A-Z_]*[A-Z]\b", "\n".join(p.read_text() for p in docs)))
     assert "ALIGN_REDIS_URL" in documented
     fields = set(AllInOneSettings.model_fields)
     core = "\n".join(p.read_text() for p in (ROOT / "libalign").rglob("*.py"))

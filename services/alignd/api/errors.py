@@ -25,7 +25,9 @@ import logging
 import redis
 from alignclient.errors import (
     AlignError,
+    ApiTimeoutError,
     ApiUnreachableError,
+    BadResponseError,
     BusUnavailableError,
     EngineMismatchError,
     EngineRequestError,
@@ -97,6 +99,8 @@ HTTP_STATUS: dict[type[AlignError], int] = {
     BusUnavailableError: 503,
     EngineUnavailableError: 503,
     ApiUnreachableError: 503,
+    ApiTimeoutError: 504,
+    BadResponseError: 502,
     OverloadedError: 503,
     EngineTimeoutError: 504,
     GuidanceBudgetError: 507,

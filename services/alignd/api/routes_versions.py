@@ -10,8 +10,17 @@ fails when it runs, so the one way the ``XADD`` could fail then, the stream's ke
 holding another type, is checked before the transaction (and answered 500
 ``invalid_config``). So no failure leaves a record without its event or an event
 without its record. One ambiguity remains, as with any remote write: if the reply to a
-successful ``EXEC`` is lost and the call is retried, the retry answers 409
-``version_exists``; ``GET`` the version to see that it was published.
+successful ``EXEC`` is lost and the call is retried, the retry finds the version already
+there.
+
+Publishing is therefore idempotent on the directory: the version's record keeps the published
+directory's identity (:func:`alignd.formats.published.publish_id`, written into its index when
+the directory was made; kept in the record's meta, left out of the version's wire form), and a
+publish of an existing id whose directory is still that same directory, with the same
+``target_path``, answers 200 with the version it made (``event_id`` None: nothing is announced
+twice). A publish of an existing id from another directory (the
+version was published from other weights, or its directory was removed and written again)
+answers 409 ``version_exists``; so does one from a directory without an identity.
 
 Listing is paged and costs the page, not the history: ``GET /v1/versions?limit=&before=``
 answers the newest ``limit`` versions created before version ``before`` and the next page's
@@ -26,7 +35,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from alignclient.errors import StateTransitionError, VersionNotFoundError
+from alignclient.errors import StateTransitionError, VersionExistsError, VersionNotFoundError
 from alignclient.ids import ID_PATTERN
 from alignclient.models import (
     HistoryEntry,
@@ -38,10 +47,11 @@ from alignclient.models import (
     VersionInfo,
     VersionList,
 )
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Response
 
 from alignd.api.state import BEARER, KnownVersion, State, error_responses
 from alignd.formats.hf_checkpoint import HFCheckpoint
+from alignd.formats.published import PUBLISH_ID_KEY, publish_id
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.events import PublishedEvent, SyncEvent, sync_stream
 from alignd.infra.registry import STATES, VersionRecord
@@ -54,27 +64,40 @@ SYNCABLE = ("converted", "loading", "serving")
 
 
 def version_info(rec: VersionRecord) -> VersionInfo:
-    """The wire form of a registry record."""
+    """The wire form of a registry record (its meta as the publisher gave it: without the
+    published directory's identity, which the registry keeps for repeated publishes)."""
+    meta = {k: v for k, v in rec.meta.items() if k != PUBLISH_ID_KEY}
     return VersionInfo(version_id=rec.version_id, state=rec.state, path=rec.path,
                        reason=rec.reason, owner=rec.owner, created_at=rec.created_at,
-                       updated_at=rec.updated_at, meta=rec.meta)
+                       updated_at=rec.updated_at, meta=meta)
 
 
 @router.post("/versions", operation_id="publish_version", response_model=PublishResponse,
              status_code=201, responses=ERRORS, dependencies=BEARER)
-def publish_version(req: PublishRequest, st: State) -> PublishResponse:
+def publish_version(req: PublishRequest, st: State, response: Response) -> PublishResponse:
     """Register a BF16 version already written to the published store and announce it."""
     path = WeightStore(st.settings.store_dir).published_path(req.version_id)
     if not path.is_dir():
         raise VersionNotFoundError(req.version_id, f"published store ({path})")
     HFCheckpoint(path).check_shards()  # LayoutError / MissingShardError: 422
+    identity = publish_id(path)
     event = PublishedEvent(version_id=req.version_id, path=str(path), target_path=req.target_path)
     meta = dict(req.meta)
     if req.target_path:
         meta.setdefault("target_path", req.target_path)
-    rec, event_id = st.registry.create_and_announce(
-        req.version_id, str(path), st.settings.published_stream, event.to_fields(), actor="api",
-        meta=meta)
+    if identity is not None:
+        meta[PUBLISH_ID_KEY] = identity
+    try:
+        rec, event_id = st.registry.create_and_announce(
+            req.version_id, str(path), st.settings.published_stream, event.to_fields(),
+            actor="api", meta=meta)
+    except VersionExistsError:
+        rec = st.registry.get(req.version_id)
+        if (identity is None or rec.meta.get(PUBLISH_ID_KEY) != identity or rec.path != str(path)
+                or rec.meta.get("target_path") != meta.get("target_path")):
+            raise
+        response.status_code = 200  # the same directory again: the version it already made
+        event_id = None
     return PublishResponse(version=version_info(rec), stream=st.settings.published_stream,
                            event_id=event_id)
 

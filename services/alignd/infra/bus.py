@@ -26,7 +26,10 @@ Delivery is therefore at least once: handlers must be idempotent. Every Redis ca
 through :meth:`RedisBus.call`, which retries connection errors and timeouts (a restarting
 Redis answers ``LOADING`` or refuses connections for a while) with the project's one retry
 policy (:class:`alignclient.retry.RetryPolicy`: jittered exponential backoff, a deadline),
-and recreates the group if Redis came back empty (``NOGROUP``).
+and recreates the group if Redis came back empty (``NOGROUP``). What no retry fixes is not
+retried: bad credentials (which redis-py raises as a connection error), a command the ACL
+user may not run and a write a full server refuses come back at once as the typed errors of
+:func:`alignd.infra.redis_checks.refusal` (a configuration error, "Redis is full").
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import redis
 from alignclient.errors import BusUnavailableError
 from alignclient.retry import RetryPolicy
 
+from alignd.infra.redis_checks import CREDENTIAL_ERRORS, refusal
 from alignd.infra.redis_clients import client_for, text_client
 from alignd.infra.settings import DEFAULT_STREAM_MAXLEN, ServiceSettings
 
@@ -53,8 +57,9 @@ RETRYABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
 def redis_transient(error: BaseException) -> bool:
-    """Whether a Redis call that raised ``error`` may be tried again (:data:`RETRYABLE`)."""
-    return isinstance(error, RETRYABLE)
+    """Whether a Redis call that raised ``error`` may be tried again (:data:`RETRYABLE`, but
+    never refused credentials, which redis-py raises as a connection error)."""
+    return isinstance(error, RETRYABLE) and not isinstance(error, CREDENTIAL_ERRORS)
 
 #: Error replies that mean "the consumer group (or its whole stream) is gone". Redis says
 #: NOGROUP; the embedded server answers XREADGROUP on a missing stream with XGROUP's
@@ -127,7 +132,8 @@ class RedisBus:
         return cls(text_client(settings, socket_timeout_s=timeout), retry=retry, **kw)
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
-        """Run ``fn``, retrying connection errors by :attr:`retry`; raise BusUnavailableError."""
+        """Run ``fn``, retrying connection errors by :attr:`retry`; raise BusUnavailableError,
+        or at once the typed error of a refusal no retry fixes (see the module docstring)."""
         start = time.monotonic()
 
         def on_retry(_attempt: int, wait_s: float, error: BaseException | None) -> None:
@@ -138,7 +144,12 @@ class RedisBus:
         try:
             return self.retry.call(fn, transient=redis_transient, stop_event=self.stop_event,
                                    on_retry=on_retry)
-        except RETRYABLE as e:
+        except redis.exceptions.RedisError as e:
+            typed = refusal(e, what)
+            if typed is not None:
+                raise typed from e
+            if not isinstance(e, RETRYABLE):
+                raise
             waited = time.monotonic() - start
             raise BusUnavailableError(f"{what}: Redis unreachable for {waited:.1f}s: {e}") from e
 

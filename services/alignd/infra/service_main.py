@@ -4,7 +4,8 @@ A service's ``main()`` is one call, ``run_service(log, ConverterSettings, run)``
 
 1. log lines go to stderr (from ``INFO``, then from the settings' ``log_level``);
 2. the service's settings class is read from its ``ALIGN_*`` variables; a bad value is logged
-   and the process exits 2, before anything starts;
+   and the process exits 2, before anything starts; so does a Redis server the start-up check
+   (:func:`check_redis`) refuses: one that may evict keys, bad credentials, missing permissions;
 3. SIGTERM and SIGINT set a :class:`threading.Event` that ``run`` watches, so the service
    stops taking work and stops cleanly; one that is still running ``shutdown_timeout_s``
    after the signal (a load, a generation or a checksum pass that cannot stop half-way) is
@@ -26,9 +27,14 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from alignclient.errors import AlignError, ConfigError
+import redis
+from alignclient.errors import AlignError, BusUnavailableError, ConfigError
+from alignclient.retry import RetryPolicy
 from pydantic import ValidationError
 
+from alignd.infra.bus import RedisBus
+from alignd.infra.redis_checks import check_server
+from alignd.infra.redis_clients import text_client
 from alignd.infra.settings import ServiceSettings
 from libalign.kernels import config as kernel_config
 
@@ -78,9 +84,32 @@ def exit_after_stop(stop: threading.Event, timeout_s: float, log: logging.Logger
         thread.join()
 
 
+def check_redis(log: logging.Logger, settings: ServiceSettings) -> bool:
+    """Whether the settings' Redis passes the start-up check (:func:`alignd.infra.redis_checks.
+    check_server`; an embedded server always does); a refusal is logged as a configuration
+    error naming the fix. Connection errors are retried for ``redis_retry_s``."""
+    if settings.redis_url is None:
+        return True
+    client = text_client(settings)
+    bus = RedisBus(client, retry=RetryPolicy(deadline_s=settings.redis_retry_s))
+    try:
+        bus.call("Redis start-up check", lambda: check_server(
+            client, key_prefix=settings.key_prefix,
+            allow_unverified=settings.redis_allow_unverified_policy))
+        return True
+    except ConfigError as e:
+        log.error("configuration error: %s", e)
+    except (BusUnavailableError, redis.exceptions.RedisError) as e:
+        log.error("Redis start-up check failed: %s", e)
+    finally:
+        client.close()
+    return False
+
+
 def load_settings(log: logging.Logger, settings_cls: type[S]) -> S | None:
     """Logging set up and ``settings_cls`` read from the environment; None (logged as 'bad
-    settings', naming each field) when they do not validate."""
+    settings', naming each field) when they do not validate, or when their Redis fails the
+    start-up check (:func:`check_redis`)."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=LOG_FORMAT)
     try:
         settings = settings_cls()
@@ -88,7 +117,7 @@ def load_settings(log: logging.Logger, settings_cls: type[S]) -> S | None:
         log.error("bad settings: %s", e)
         return None
     logging.getLogger().setLevel(settings.log_level)
-    return settings
+    return settings if check_redis(log, settings) else None
 
 
 def run_service(log: logging.Logger, settings_cls: type[S],

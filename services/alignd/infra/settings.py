@@ -119,7 +119,7 @@ MaxVersionDiff = Annotated[int | None, Field(
     None, ge=0, description="a rollout whose version is more than this many versions older than "
     "the newest (registry creation order) is dropped or refused (None: no bound; TRACE uses 3)")]
 Strict = Annotated[bool, Field(
-    False, description="strict execution (issue 20): the embedded engines run libalign's "
+    False, description="strict execution: the embedded engines run libalign's "
     "batch-invariant ops (libalign.models.strict), so the learner reproduces the sampler's "
     "log-probs bit for bit; an SGLang sampler requires servers started with "
     "--enable-deterministic-inference")]
@@ -143,9 +143,14 @@ class ServiceSettings(AlignSettings):
     """What every service reads: where Redis and the store are, the streams, liveness, metrics."""
 
     redis_url: str | None = Field(
-        None, description="redis://host:port/db; None selects the embedded single-process default")
+        None, description="redis://host:port/db; None selects the embedded single-process "
+        "default, embedded://NAME another in-process server of that name")
     redis_retry_s: float | None = Field(
         None, description="give up on an unreachable Redis after this long (None: retry forever)")
+    redis_allow_unverified_policy: bool = Field(
+        False, description="start even when the Redis server's maxmemory-policy can be read "
+        "neither by CONFIG GET nor by INFO (logged as a warning, counted in "
+        "libalign_redis_policy_unverified_total); any policy but noeviction is refused")
     block_ms: int = Field(1_000, gt=0, description="longest wait of one blocking stream read")
     key_prefix: str = Field(DEFAULT_KEY_PREFIX, min_length=1,
                             description="prefix of every Redis key and stream the daemon owns")
@@ -247,7 +252,7 @@ class ConverterSettings(DeliverySettings, LayoutSettings):
     sweep_stale_s: float = Field(3_600.0, ge=0, description="age of .tmp-* leftovers to delete")
     sweep_interval_s: float = Field(600.0, gt=0, description="period of the .tmp-* leftover "
                                     "sweep while the converter runs (it also sweeps on start)")
-    # retention (issue 23 item 4): the converter is the run's janitor
+    # retention: the converter is the run's janitor
     retain_versions: int = Field(3, ge=1, description="newest versions kept with their store "
                                  "directories, besides any version a live sampler serves")
     retired_ttl_s: float = Field(3_600.0, ge=0, description="time a retired version keeps its "
@@ -308,7 +313,7 @@ class LearnerSettings(GuidanceStoreSettings, LayoutSettings):
     strict: Strict
     sampler_path: SamplerPath
     guidance_bits: int = Field(1, ge=1, le=4, description="bits a value kept in guidance records")
-    # the objective (issue 19 item 5; alignd.learner.engine)
+    # the objective (alignd.learner.engine)
     tis_cap: float = Field(2.0, gt=0, allow_inf_nan=False, description="truncated importance "
                            "sampling cap C of min(pi_learner / p_sampler, C) (TRACE uses 5)")
     tis_level: Literal["token", "sequence", "geometric"] = Field(
@@ -350,12 +355,12 @@ class ApiSettings(GuidanceStoreSettings, ApiAddress):
     """The control API: its door (token, body limits) and what its routes report."""
 
     api_token: str | None = Field(None, description="bearer token every mutating route requires")
-    # reads (issue 23 item 6)
+    # reads
     read_token: str | None = Field(None, description="bearer token the read routes accept besides "
                                    "api_token (rollouts, guidance, versions, status)")
     open_reads: bool = Field(False, description="serve the read routes without a token "
                              "(healthz, readyz, metrics and the page itself are always open)")
-    # overload (issue 23 item 5)
+    # overload
     api_header_timeout_s: float = Field(10.0, gt=0, description="time a connection has to send a "
                                         "whole request head before it is closed")
     api_keep_alive_s: float = Field(5.0, gt=0, description="idle time of a kept-alive connection "

@@ -101,6 +101,22 @@ ABS_DELTA_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 
 _REQUEST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
+#: Values of ``reason`` (libalign_redis_refusals_total) and ``cause`` (..._vanished_total).
+REDIS_REFUSAL_REASONS, VANISHED_CAUSES = ("oom", "auth", "noperm"), ("expired", "lost", "unknown")
+
+# Process-wide: counted wherever this process meets them (bus, stores, start-up check, see
+# alignd.infra.redis_checks); every Metrics registers them on its own registry.
+REDIS_REFUSALS = Counter(
+    "libalign_redis_refusals_total", "Redis commands refused for a reason no retry fixes: oom "
+    "(full, noeviction), auth (bad credentials), noperm (the ACL user may not run it).",
+    ["reason"], registry=None)
+REDIS_POLICY_UNVERIFIED = Counter(
+    "libalign_redis_policy_unverified_total", "Start-up checks that could not read the Redis "
+    "maxmemory-policy and went on (redis_allow_unverified_policy).", registry=None)
+PROCESS_COUNTERS = (REDIS_REFUSALS, REDIS_POLICY_UNVERIFIED)
+for _reason in REDIS_REFUSAL_REASONS:
+    REDIS_REFUSALS.labels(reason=_reason)
+
 
 def failure_reason(err: BaseException | str) -> str:
     """Bounded ``reason`` label of an error (its code if known, else ``other``)."""
@@ -289,6 +305,8 @@ class Metrics:
         r = self.registry
         self.cluster = ClusterGauges()
         r.register(self.cluster)  # first: see ClusterGauges
+        for counter in PROCESS_COUNTERS:
+            r.register(counter)
         self.conversion_stage_seconds = Histogram(
             "libalign_conversion_stage_seconds",
             "Seconds one version's conversion spent per stage (read, quantize, write).",
@@ -341,6 +359,13 @@ class Metrics:
         self.guidance_get_bytes = Counter(
             "libalign_guidance_get_bytes_total", "Guidance record bytes read and verified.",
             registry=r)
+        self.guidance_vanished = Counter(
+            "libalign_guidance_vanished_total", "Guidance versions whose keys Redis removed: "
+            "expired (TTL ran out), lost (gone before the deadline: evicted, or deleted outside "
+            "the store), unknown (no deadline recorded).", ["cause"], registry=r)
+        self.guidance_lost_records = Counter(
+            "libalign_guidance_lost_records_total", "Guidance records found gone while their "
+            "version was still stored (evicted, or deleted outside the store).", registry=r)
         self.guidance_refused_puts = Counter(
             "libalign_guidance_refused_puts_total",
             "Guidance puts refused because the byte budget had no room.", registry=r)
@@ -404,6 +429,8 @@ class Metrics:
             self.versions_failed.labels(reason=reason)
         for action in RETENTION_ACTIONS:
             self.retention_actions.labels(action=action)
+        for cause in VANISHED_CAUSES:
+            self.guidance_vanished.labels(cause=cause)
         for in_use in ("true", "false"):
             self.guidance_evictions.labels(in_use=in_use)
         for outcome in ("loaded", "refused"):
@@ -530,7 +557,7 @@ class TrainerMetrics:
     same histogram as :attr:`Metrics.logprob_abs_delta`) and the four gap gauges of
     :data:`CLUSTER_GAUGES`, here over the last batch the trainer observed rather than the
     daemon's window. The push families count what became of each batch sent to the daemon in
-    the background: ``delivered``, ``dropped`` (the bounded queue was full), ``rejected`` (the
+    the background: ``delivered``, ``dropped`` (the queue was at its batch or byte bound), ``rejected`` (the
     API refused it: a 4xx other than a retryable one) or ``abandoned`` (the bounded retries ran
     out, or the monitor closed first); retried attempts and the queue depth beside them.
     """
@@ -565,6 +592,10 @@ class TrainerMetrics:
         self.push_queue = Gauge(
             "libalign_integration_push_queue_batches",
             "Batches waiting in the trainer's push queue.", registry=r)
+        self.push_queue_bytes = Gauge(
+            "libalign_integration_push_queue_bytes",
+            "Bytes of the batches the trainer's push queue holds (waiting or being sent); "
+            "a batch that would take it past its byte bound is dropped.", registry=r)
         for outcome in PUSH_OUTCOMES:
             self.pushes.labels(outcome=outcome)
 

@@ -4,7 +4,8 @@ Inside its training loop a trainer calls :class:`Monitor` with the two log-proba
 tensors it already holds: the gap comes back under slime's, verl's and libalign's names
 (:mod:`alignd.integrations.gap`), the Prometheus families go on the trainer's registry under
 libalign's names, and the batch is pushed to the daemon in the background
-(:mod:`alignd.integrations.push`: bounded queue, bounded retries, never blocking the step).
+(:mod:`alignd.integrations.push`: a queue bounded in batches and bytes, bounded retries, never
+blocking the step).
 :class:`WeightPublisher` publishes a weight version from the state dict in memory.
 
 This package sits above the services in the layers (it reuses the learner's
@@ -14,7 +15,12 @@ the metrics and the store for a foreign process.
 
 from alignd.integrations.gap import SLIME_ABS_DIFF, VERL_KEYS, BatchGap, gap_metrics
 from alignd.integrations.monitor import Monitor, WeightPublisher
-from alignd.integrations.push import DEFAULT_PUSH_RETRY, PushBatch, ScorePusher
+from alignd.integrations.push import (
+    DEFAULT_PUSH_QUEUE_BYTES,
+    DEFAULT_PUSH_RETRY,
+    PushBatch,
+    ScorePusher,
+)
 
-__all__ = ["DEFAULT_PUSH_RETRY", "SLIME_ABS_DIFF", "VERL_KEYS", "BatchGap", "Monitor", "PushBatch",
-           "ScorePusher", "WeightPublisher", "gap_metrics"]
+__all__ = ["DEFAULT_PUSH_QUEUE_BYTES", "DEFAULT_PUSH_RETRY", "SLIME_ABS_DIFF", "VERL_KEYS",
+           "BatchGap", "Monitor", "PushBatch", "ScorePusher", "WeightPublisher", "gap_metrics"]

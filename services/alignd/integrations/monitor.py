@@ -31,11 +31,28 @@ iterable of ``(name, tensor)``; tensors on any device):
   ``POST /v1/versions``; the converter service converts it. The API has no route that takes
   tensors (a multi-GB body through the front door would be the wrong transport), so this is
   the path for a trainer that can see the store but not Redis.
+
+  Publishing this way may simply be called again when it fails. Registration is retried
+  within the client's deadline (a 500 or a lost answer included: the API answers a repeated
+  registration of the same directory with the version it made). If it still fails, the
+  directory stays when the daemon may have registered it (it could not be reached, or
+  answered 5xx), and a later ``publish`` of the same id with the same tensors finds it,
+  checks that it holds exactly those bytes (:func:`alignd.formats.published.differs_from`)
+  and registers it, ending with one version; other tensors under the same id raise
+  ``VersionExistsError`` naming the first difference. When the daemon refused the version
+  (a 4xx) the directory this call wrote is removed again, so nothing is left that no
+  version owns.
+
+Bounded calls. Every call to the daemon made here, on the training thread or on the push
+thread, ends within ``timeout_s`` (the client's total deadline, :mod:`alignclient.deadline`),
+however slowly the daemon answers; an answer that does not follow the contract raises
+:class:`~alignclient.errors.BadResponseError` naming the route and the field.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -43,13 +60,13 @@ from typing import Literal
 
 import torch
 from alignclient import AlignClient
-from alignclient.errors import DTypeError, InputError, ShapeError
+from alignclient.errors import AlignError, DTypeError, InputError, ShapeError, VersionExistsError
 from alignclient.ids import check_rollout_id
-from alignclient.retry import RetryPolicy
+from alignclient.retry import RetryPolicy, refused
 from prometheus_client import CollectorRegistry
 
 from alignd.formats.convert import resolve_spec, target_spec
-from alignd.formats.published import write_published
+from alignd.formats.published import differs_from, write_published
 from alignd.formats.selection import make_select
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus, connect
@@ -57,17 +74,31 @@ from alignd.infra.events import DEFAULT_KEY_PREFIX, event_stream
 from alignd.infra.registry import Registry
 from alignd.infra.telemetry import TrainerMetrics
 from alignd.integrations.gap import BatchGap, gap_metrics
-from alignd.integrations.push import DEFAULT_PUSH_RETRY, PushBatch, ScorePusher, as_prompts, split_rows
+from alignd.integrations.push import (
+    DEFAULT_PUSH_QUEUE_BATCHES,
+    DEFAULT_PUSH_QUEUE_BYTES,
+    DEFAULT_PUSH_RETRY,
+    PushBatch,
+    ScorePusher,
+    as_prompts,
+    split_rows,
+)
 from alignd.learner.sharded_publish import announce_converted
+from libalign.atomic_dir import discard_directory
 from libalign.guidance import GuidanceRecord
 from libalign.metrics import DEFAULT_TIS_CAP, TISWeights, TokenInput, tis_weights, token_deltas
 
+log = logging.getLogger(__name__)
 
-def _client(api: AlignClient | str | None, token: str | None, timeout_s: float) -> AlignClient | None:
-    """A client of ``api`` (a URL: no retries of its own, the caller retries), or None."""
+
+def _client(api: AlignClient | str | None, token: str | None, timeout_s: float,
+            retries: int = 0) -> AlignClient | None:
+    """A client of ``api`` whose every call ends within ``timeout_s`` (a URL), or None; a
+    client given is used as it is."""
     if api is None or isinstance(api, AlignClient):
         return api
-    return AlignClient(api, token=token, timeout=timeout_s, retries=0)
+    return AlignClient(api, token=token, timeout=timeout_s, retries=retries,
+                       max_backoff_s=min(5.0, timeout_s / 4), deadline_s=timeout_s)
 
 
 def _valid_rows(x: TokenInput, mask: torch.Tensor | None, n_seq: int, name: str
@@ -94,13 +125,16 @@ class Monitor:
 
     ``registry`` is where the Prometheus families go (a fresh one when None; the trainer
     serves it, e.g. with :func:`alignd.infra.telemetry.serve_metrics`). ``api`` (a URL or an
-    :class:`~alignclient.AlignClient`) enables the background push with at most
-    ``push_queue`` batches waiting. ``learner_path``/``sampler_path`` label the metrics and the
-    pushed rollouts and scores (execution path names of :data:`libalign.gemm.PATHS`).
+    :class:`~alignclient.AlignClient`) enables the background push, holding at most
+    ``push_queue`` batches and ``push_queue_bytes`` bytes of them (256 MiB by default; a batch
+    past either bound is dropped and counted). A URL gets a client whose every call ends within
+    ``timeout_s``. ``learner_path``/``sampler_path`` label the metrics and the pushed rollouts
+    and scores (execution path names of :data:`libalign.gemm.PATHS`).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None, api: AlignClient | str | None = None,
-                 token: str | None = None, *, push_queue: int = 1000, learner_path: str = "bf16",
+                 token: str | None = None, *, push_queue: int = DEFAULT_PUSH_QUEUE_BATCHES,
+                 push_queue_bytes: int = DEFAULT_PUSH_QUEUE_BYTES, learner_path: str = "bf16",
                  sampler_path: str = "nvfp4_minite", tis_cap: float = DEFAULT_TIS_CAP,
                  retry: RetryPolicy = DEFAULT_PUSH_RETRY, timeout_s: float = 10.0,
                  run_id: str | None = None):
@@ -111,7 +145,8 @@ class Monitor:
         self.tis_cap = tis_cap
         self.run_id = run_id or uuid.uuid4().hex[:8]
         self._batches = itertools.count()
-        self.pusher = (ScorePusher(self.api, self.metrics, queue_size=push_queue, retry=retry)
+        self.pusher = (ScorePusher(self.api, self.metrics, queue_size=push_queue,
+                                   queue_bytes=push_queue_bytes, retry=retry)
                        if self.api is not None else None)
 
     def observe(self, learner_logp: TokenInput, sampler_logp: TokenInput,
@@ -191,12 +226,16 @@ class Monitor:
         """Wait for queued pushes to land (or be given up); True if the queue drained."""
         return True if self.pusher is None else self.pusher.flush(timeout_s)
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Give queued pushes ``timeout_s``, stop the push thread, close the client."""
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Give queued pushes ``timeout_s``, stop the push thread and wait for it (at most the
+        client's deadline more), close the client. True when the push thread has ended; False
+        (logged) when it had to be abandoned still running."""
+        ended = True
         if self.pusher is not None:
-            self.pusher.close(timeout_s)
+            ended = self.pusher.close(timeout_s)
         if self.api is not None:
             self.api.close()
+        return ended
 
     def __enter__(self) -> Monitor:
         return self
@@ -210,13 +249,14 @@ class WeightPublisher:
 
     ``store_dir`` is the weight store the daemon uses (``ALIGN_STORE_DIR``). Give ``redis_url``
     (or a ``bus``) to convert here and announce the version as converted; give only ``api`` to
-    write the BF16 version for the converter service.
+    write the BF16 version for the converter service (a URL gets a client that retries the
+    registration ``retries`` times, all within ``timeout_s``).
     """
 
     def __init__(self, store_dir: Path | str, *, api: AlignClient | str | None = None,
                  token: str | None = None, redis_url: str | None = None,
                  bus: RedisBus | None = None, key_prefix: str = DEFAULT_KEY_PREFIX,
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, retries: int = 3):
         if bus is None and redis_url is not None:
             bus = RedisBus(connect(redis_url))
         if bus is None and api is None:
@@ -225,7 +265,7 @@ class WeightPublisher:
         self.store = WeightStore(Path(store_dir))
         self.bus = bus
         self.key_prefix = key_prefix
-        self.api = _client(api, token, timeout_s)
+        self.api = _client(api, token, timeout_s, retries)
 
     def publish(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
                 version_id: str, *, target_path: str | None = None, preset: str = "minite",
@@ -235,9 +275,7 @@ class WeightPublisher:
         when converted here, ``published`` when left to the converter service)."""
         items = tensors.items() if isinstance(tensors, Mapping) else tensors
         if self.bus is None:
-            assert self.api is not None
-            write_published(self.store.published_root, version_id, items)
-            self.api.publish_version(version_id, meta=meta, target_path=target_path)
+            self._publish_bf16(items, version_id, target_path, meta)
             return "published"
         spec, quantize = target_spec(resolve_spec(preset), target_path)
         self.store.write_version(
@@ -249,3 +287,28 @@ class WeightPublisher:
                            event_stream(self.key_prefix, "converted"), self.store, version_id,
                            spec.name, target_path=target_path, actor="trainer")
         return "converted"
+
+    def _publish_bf16(self, items, version_id: str, target_path: str | None,
+                      meta: Mapping[str, object] | None) -> None:
+        """Write the BF16 version (or find this very version left by an earlier attempt) and
+        register it; remove what this call wrote when the daemon refuses it (module doc)."""
+        assert self.api is not None
+        path = self.store.published_path(version_id)
+        wrote = False
+        try:
+            write_published(self.store.published_root, version_id, items)
+            wrote = True
+        except VersionExistsError as e:
+            why = differs_from(path, items)
+            if why is not None:
+                raise VersionExistsError(version_id, f"published store ({why})") from e
+        try:
+            self.api.publish_version(version_id, meta=meta, target_path=target_path)
+        except AlignError as e:
+            if wrote and refused(e):
+                discard_directory(path)
+            else:
+                log.warning("registering version %s failed (%s: %s); its published directory "
+                            "stays, and publishing the same tensors again registers it",
+                            version_id, type(e).__name__, e)
+            raise

@@ -1,7 +1,7 @@
 """The SGLang sampler as a service builds it: the HTTP engine, its exports, the rollout store.
 
 The counterpart of :mod:`alignd.sampler.embedded` for running at scale: the model lives in SGLang
-servers (started separately, see the README, "Running at scale — SGLang sampler") and this
+servers (started separately, see docs/engines/sglang.md) and this
 process is the thin sampler around them, taking rollout requests from Redis, driving the
 servers, storing rollouts. :func:`build_sglang_sampler` reads the ``sglang_*`` fields of
 :class:`~alignd.infra.settings.SamplerSettings`; a keyword argument given overrides its field.

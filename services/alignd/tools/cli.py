@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
+import re
 import threading
 import time
 import warnings
@@ -336,6 +338,26 @@ def status(
     g = st.guidance
     console.print(f"guidance store: {g.versions} versions, {g.rollouts} rollouts, "
                   f"{g.stored_bytes / 1e6:.1f} MB")
+
+
+@app.command()
+def config(
+    as_list: bool = typer.Option(False, "--list", help="print the reference of every ALIGN_* "
+                                 "variable as a Markdown table (docs/operations/settings.md)"),
+) -> None:
+    """The ALIGN_* settings: those set in this environment, or with --list all of them."""
+    from alignd.tools.settings_table import markdown, rows
+
+    if as_list:
+        typer.echo(markdown(), nl=False)
+        return
+    known = {r["variable"].strip("`") for r in rows()}
+    for var in sorted(v for v in os.environ if v in known):
+        value = os.environ[var]
+        if any(secret in var for secret in ("TOKEN", "KEY", "PASSWORD")):
+            value = "***"
+        value = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", value)  # a password inside a URL
+        typer.echo(f"{var}={value}")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -35,8 +35,16 @@ larger than the whole budget is always refused.
 
 TTL. With ``ttl_s`` every key of a version expires at one moment, ``ttl_s`` after the
 version's first put (later puts to it share that deadline). Every script first drops
-expired versions from the accounting and leaves an "expired" tombstone, so a reader learns
-why its version is gone.
+versions whose keys are gone from the accounting and leaves a tombstone, so a reader learns
+why its version is gone: "expired" when its deadline had passed, "lost" when its keys
+vanished before it (or had no TTL): a Redis that evicts under ``maxmemory``, or a delete
+outside the store. Lost versions are logged as errors; ``libalign_guidance_vanished_total``
+counts each version once by cause. A record gone while its version is still stored is
+reported the same way (:class:`GuidanceEvictedError` saying "lost", an error in the log,
+``libalign_guidance_lost_records_total``). The start-up check
+(:mod:`alignd.infra.redis_checks`) refuses an evicting Redis, so "lost" means something is
+wrong with the server or with who else writes to it. ``clock`` (epoch seconds) replaces the
+server's clock in the scripts, for tests that move time.
 
 Payload path. ``"socket"`` (a real Redis) streams chunks on connections of the store's
 own and overlaps checksums with the transfer; ``"pipeline"`` (the embedded in-process
@@ -53,7 +61,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -168,10 +176,12 @@ class GuidanceStore:
         metrics: Metrics | None = None,
         socket_timeout_s: float = BINARY_TIMEOUT_S,
         payload_path: Literal["auto", "socket", "pipeline"] = "auto",
+        clock: Callable[[], float] | None = None,
     ):
         """``retry``: how connection errors are retried (None: the bus's default);
         ``socket_timeout_s`` applies to a client made from a URL;
-        ``payload_path``: see the module docstring."""
+        ``payload_path``: see the module docstring; ``clock``: epoch seconds the scripts use
+        instead of the server's clock (None: the server's), deadlines and tombstones included."""
         if on_in_use not in ("evict", "refuse"):
             raise ConfigError(f"on_in_use must be 'evict' or 'refuse', not {on_in_use!r}")
         if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
@@ -203,6 +213,7 @@ class GuidanceStore:
         self.on_in_use = on_in_use
         self.tombstone_ttl_s = int(tombstone_ttl_s)
         self.metrics = metrics
+        self.clock = clock
         #: "socket" or "pipeline": how payload bytes move (see guidance_wire).
         self.payload_path: Literal["socket", "pipeline"] = (
             ("pipeline" if is_embedded(client) else "socket") if payload_path == "auto"
@@ -240,14 +251,46 @@ class GuidanceStore:
     # --- small helpers --------------------------------------------------------------
 
     def _argv(self, *extra: object) -> list[object]:
-        """ARGV of a script: P, tombstone TTL, TTL text (see guidance_common.lua), ``extra``."""
+        """ARGV of a script: P, tombstone TTL, TTL text, clock (guidance_common.lua), ``extra``."""
         ttl_text = "" if self.ttl_s is None else f" of {self.ttl_s:g} s"
-        return [self.prefix, self.tombstone_ttl_s, ttl_text, *extra]
+        now = "" if self.clock is None else f"{self.clock():.6f}"
+        return [self.prefix, self.tombstone_ttl_s, ttl_text, now, *extra]
+
+    def _now(self) -> float:
+        return time.time() if self.clock is None else self.clock()
 
     def _script(self, name: str, *extra: object) -> Any:
         fn = self._scripts[name]
-        return self.bus.call(f"guidance {name}",
-                             lambda: fn(keys=self.keys.script_keys, args=self._argv(*extra)))
+        return self._settle(self.bus.call(
+            f"guidance {name}", lambda: fn(keys=self.keys.script_keys, args=self._argv(*extra))))
+
+    def _settle(self, reply: list) -> Any:
+        """A script's own reply, once the versions it found gone are logged and counted."""
+        gone, body = reply
+        for i in range(0, len(gone), 2):
+            version, cause = gone[i].decode(), gone[i + 1].decode()
+            if cause == "expired":
+                log.info("guidance store: version %r expired (its TTL ran out)", version)
+            elif cause == "lost":
+                log.error("guidance store: version %r is lost: Redis removed its keys before "
+                          "their deadline (an evicting maxmemory-policy, or a delete outside "
+                          "the store)", version)
+            else:
+                log.warning("guidance store: version %r is gone and no deadline was recorded "
+                            "for it: it expired, or Redis evicted it", version)
+            if self.metrics is not None:
+                self.metrics.guidance_vanished.labels(cause=cause).inc()
+        return body
+
+    def _lost_record(self, version: str, rollout_id: str, what: str) -> GuidanceEvictedError:
+        """The error for a record whose keys are gone while its version is stored (counted)."""
+        log.error("guidance store: rollout %r of version %r is lost: %s while the version is "
+                  "still stored", rollout_id, version, what)
+        if self.metrics is not None:
+            self.metrics.guidance_lost_records.inc()
+        return GuidanceEvictedError(version, rollout_id, detail=(
+            f"lost: {what} while weight version {version!r} is still stored: evicted by a "
+            "maxmemory-policy other than noeviction, or deleted outside the guidance store"))
 
     def _set_stored(self, total: int) -> None:
         if self.metrics is not None:
@@ -309,6 +352,7 @@ class GuidanceStore:
     def _put_outcome(self, version: str, views: dict[str, memoryview], size: int,
                      reply: list) -> PutResult:
         """Turn the commit script's reply into a PutResult, or raise the refusal."""
+        reply = self._settle(reply)
         status = reply[0].decode()
         if status == "too_large":
             self._count_refusal()
@@ -363,6 +407,7 @@ class GuidanceStore:
         out: dict[str, bytes] = {}
         absent: list[str] = []
         todo = ids
+        gens: dict[str, str] = {}
         for attempt in range(2):
             metas = self._metas(version, todo)
             absent += [r for r in todo if metas[r] is None]
@@ -373,16 +418,39 @@ class GuidanceStore:
             if not stale:
                 break
             if attempt == 1:
-                raise GuidanceNotFoundError(version, stale[0], detail="replaced or removed "
+                r = stale[0]
+                if gens.get(r) == found[r].gen:  # the same meta twice, its chunks gone
+                    raise self._lost_record(version, r, "chunks of its record are gone")
+                raise GuidanceNotFoundError(version, r, detail="replaced or removed "
                                             "while being read, twice in a row")
+            gens = {r: found[r].gen for r in stale}
             todo = stale
         if self.metrics is not None:
             self.metrics.guidance_hits.inc(len(out))
             self.metrics.guidance_get_bytes.inc(sum(len(b) for b in out.values()))
             self.metrics.guidance_misses.inc(len(absent))
+        lost = [self._lost_record(version, r, "its meta key is gone")
+                for r in self._listed(version, absent)]
+        if lost and missing == "raise":
+            raise lost[0]
         if absent and missing == "raise":
             raise self._missing_error(version, absent[0])
         return {r: out[r] for r in ids if r in out}
+
+    def _listed(self, version: str, ids: list[str]) -> list[str]:
+        """Those of ``ids`` the version's rollout set names (a record there and without a
+        meta is lost, not unknown)."""
+        if not ids:
+            return []
+        key = self.keys.rollouts(version)
+
+        def ask() -> list:
+            pipe = self.client.pipeline(transaction=False)
+            for r in ids:
+                pipe.sismember(key, r)
+            return pipe.execute()
+        return [r for r, yes in zip(ids, self.bus.call(f"guidance rollouts {version}", ask),
+                                    strict=True) if yes]
 
     def _metas(self, version: str, ids: list[str]) -> dict[str, Meta | None]:
         """One pipelined round trip: the meta of every rollout in ``ids`` (None if absent)."""
@@ -406,17 +474,30 @@ class GuidanceStore:
             pipe = self.client.pipeline(transaction=False)
             pipe.exists(self.keys.version(version))
             pipe.get(self.keys.tombstone(version))
+            pipe.zscore(self.keys.lost, version)
             return pipe.execute()
-        exists, tomb = self.bus.call(f"guidance lookup {version}", look)
+        exists, tomb, lost_at = self.bus.call(f"guidance lookup {version}", look)
         if exists:
             return GuidanceNotFoundError(version, rollout_id)
-        if tomb is None:
+        if tomb is None and lost_at is None:
             return GuidanceNotFoundError(version)
-        t = json.loads(tomb)
-        at = float(t.get("at", 0.0))
-        detail = (f"weight version {version!r} was evicted at {_when(at)}, "
-                  f"{max(0.0, time.time() - at):.0f} s ago: {t.get('reason', 'no reason recorded')}")
-        return GuidanceEvictedError(version, rollout_id, detail=detail)
+        t = json.loads(tomb) if tomb is not None else {
+            "at": lost_at, "cause": "lost", "reason": "lost: Redis removed its keys, and its "
+            "tombstone since: evicted by a maxmemory-policy other than noeviction, or deleted "
+            "outside the guidance store"}
+        at, cause = float(t.get("at", 0.0)), t.get("cause")
+        deadline = float(t.get("deadline_ms") or 0) / 1000
+        reason = t.get("reason", "no reason recorded")
+        if cause == "lost":
+            before = f", before its deadline {_when(deadline)}" if deadline else ""
+            detail = f"weight version {version!r} was lost (found gone at {_when(at)}{before}): "
+        else:
+            if cause == "expired" and deadline:
+                at = deadline
+            verb = "expired" if cause == "expired" else "was evicted"
+            detail = (f"weight version {version!r} {verb} at {_when(at)}, "
+                      f"{max(0.0, self._now() - at):.0f} s ago: ")
+        return GuidanceEvictedError(version, rollout_id, detail=detail + reason)
 
     def rollouts(self, version: str) -> list[str]:
         """Sorted rollout ids stored for ``version``; not found / evicted if none."""

@@ -1,5 +1,5 @@
 -- commit: the last command of a put's MULTI/EXEC, after the SETs of the new chunks.
--- ARGV[4..9]: version, generation, budget bytes (-1: none), on_in_use ('evict' | 'refuse'),
+-- ARGV[5..10]: version, generation, budget bytes (-1: none), on_in_use ('evict' | 'refuse'),
 -- ttl_ms (0: none), chunk size; then four per rollout: id, length, chunks, crc32.
 -- Reconciles expired versions, checks the budget, evicts whole versions (oldest first put
 -- first, unleased before leased), deletes the replaced generations' chunks, writes the
@@ -8,12 +8,12 @@
 --     or {'too_large', bytes the version would hold, total}     (nothing written)
 --     or {'in_use', bytes still missing, total, leased version, its lessees, ...}
 -- A refusal removes the new chunks again, so that the transaction leaves nothing behind.
-local v, gen, budget, on_in_use = ARGV[4], ARGV[5], tonumber(ARGV[6]), ARGV[7]
-local ttl_ms, cs = tonumber(ARGV[8]), ARGV[9]
+local v, gen, budget, on_in_use = ARGV[5], ARGV[6], tonumber(ARGV[7]), ARGV[8]
+local ttl_ms, cs = tonumber(ARGV[9]), ARGV[10]
 local now = now_s()
 reconcile(now)
 local recs, delta = {}, 0
-for k = 10, #ARGV, 4 do
+for k = 11, #ARGV, 4 do
   local r, len, n = ARGV[k], tonumber(ARGV[k + 1]), tonumber(ARGV[k + 2])
   local old = redis.call('HMGET', rkey(v, r), 'len', 'n', 'gen')
   delta = delta + len - tonumber(old[1] or '0')
@@ -30,7 +30,7 @@ local evict = {}
 if budget >= 0 and total + delta > budget then
   if mine + delta > budget then
     unlink_new()
-    return {'too_large', mine + delta, total}
+    return done({'too_large', mine + delta, total})
   end
   local need = total + delta - budget
   local leased = {}
@@ -52,7 +52,7 @@ if budget >= 0 and total + delta > budget then
         out[#out + 1] = e[1]
         out[#out + 1] = table.concat(e[2], ',')
       end
-      return out
+      return done(out)
     end
     for _, e in ipairs(leased) do
       if need > 0 then
@@ -66,14 +66,14 @@ local reply = {'ok', 0}
 for _, e in ipairs(evict) do
   local c, who = e[1], e[2]
   local b = drop_version(c)
-  local why = 'evicted to keep the guidance store within its budget of ' .. ARGV[6] ..
+  local why = 'evicted to keep the guidance store within its budget of ' .. ARGV[7] ..
               ' bytes, making room for version ' .. v
   if #who > 0 then
     why = 'evicted while in use by ' .. table.concat(who, ', ') .. " (on_in_use='evict'): " ..
-          'the budget of ' .. ARGV[6] .. ' bytes had no room for version ' .. v ..
+          'the budget of ' .. ARGV[7] .. ' bytes had no room for version ' .. v ..
           ' otherwise'
   end
-  tombstone(c, now, why, who, b, tonumber(ARGV[2]))
+  tombstone(c, now, why, who, b, tonumber(ARGV[2]), 'evicted')
   reply[#reply + 1] = c
   reply[#reply + 1] = b
   reply[#reply + 1] = table.concat(who, ',')
@@ -86,9 +86,12 @@ if redis.call('EXISTS', vk) == 0 then
   redis.call('HSET', vk, 'created', string.format('%.6f', now), 'seq', seq,
              'deadline_ms', string.format('%d', deadline))
   redis.call('ZADD', INDEX, seq, v)
+  redis.call('HSET', DEADLINE, v, string.format('%d', deadline))
   redis.call('DEL', tkey(v))
+  redis.call('ZREM', LOST, v)
 else
   deadline = tonumber(redis.call('HGET', vk, 'deadline_ms') or '0')
+  redis.call('HSETNX', DEADLINE, v, string.format('%d', deadline))
 end
 local created = string.format('%.6f', now)
 local rs = vk .. ':rollouts'
@@ -112,4 +115,4 @@ if deadline > 0 then
 end
 redis.call('HINCRBY', BYTES, v, delta)
 reply[2] = redis.call('INCRBY', TOTAL, delta)
-return reply
+return done(reply)

@@ -9,4 +9,4 @@ for _, v in ipairs(redis.call('ZRANGE', INDEX, 0, -1)) do
   out[#out + 1] = redis.call('HGET', vkey(v), 'created') or '0'
   out[#out + 1] = table.concat(lessees(v), ',')
 end
-return out
+return done(out)

@@ -1,3 +1,3 @@
 -- reconcile: drop expired versions from the accounting. Reply: the total after it.
 reconcile(now_s())
-return tonumber(redis.call('GET', TOTAL) or '0')
+return done(tonumber(redis.call('GET', TOTAL) or '0'))

@@ -7,6 +7,8 @@ Key layout (``P`` is ``<key_prefix>:guidance``, ``v`` a version id, ``r`` a roll
     P:seq                    string counter behind that order
     P:bytes                  hash   v -> payload bytes the version holds
     P:total                  string payload bytes of all versions (the budget's measure)
+    P:deadline               hash   v -> deadline_ms, when its TTL runs out (0: no TTL)
+    P:lost                   zset   v -> when it was found lost (the newest 10,000; no TTL)
     P:v:<v>                  hash   created (server time), seq, deadline_ms (0: no TTL)
     P:v:<v>:rollouts         set    rollout ids of the version
     P:v:<v>:r:<r>            hash   len, n (chunks), cs (chunk size), gen, crc, created
@@ -27,8 +29,15 @@ scripts, which is why the store needs one Redis (standalone or Sentinel), not Cl
 
 Why reconcile first. With a TTL every key of a version expires at one moment, and Redis
 deletes expired keys by itself without telling anybody. So every script that reads the
-accounting first drops versions whose ``P:v:<v>`` is gone and leaves an "expired"
-tombstone for them.
+accounting first drops versions whose ``P:v:<v>`` is gone and leaves a tombstone for them.
+``P:deadline`` (no TTL of its own) keeps each version's deadline after its keys are gone, so
+the tombstone tells why: gone at or after the deadline, the version *expired*; gone before
+it (or without a TTL at all) it was *lost*: a server under a ``maxmemory-policy`` other than
+``noeviction`` evicted it, or something outside the store deleted it. Every script's reply
+names the versions it found gone, with the cause, so the store counts and logs each once
+(versions written before ``P:deadline`` existed are reported with the cause ``unknown``).
+``P:lost`` remembers lost versions after their tombstone (which has a TTL, and which a
+``volatile-*`` policy evicts first) is gone, so a reader is still told "lost".
 
 The scripts live beside this module as ``guidance_<name>.lua`` (shipped as package data),
 one file each with its arguments and reply written at its top; :func:`source` prepends
@@ -65,8 +74,8 @@ class GuidanceKeys:
 
     @property
     def script_keys(self) -> list[str]:
-        """KEYS of every script: P:index, P:bytes, P:total, P:seq."""
-        return [f"{self.prefix}:{k}" for k in ("index", "bytes", "total", "seq")]
+        """KEYS of every script: P:index, P:bytes, P:total, P:seq, P:deadline."""
+        return [f"{self.prefix}:{k}" for k in ("index", "bytes", "total", "seq", "deadline")]
 
     def version(self, v: str) -> str:
         return f"{self.prefix}:v:{v}"
@@ -82,3 +91,7 @@ class GuidanceKeys:
 
     def tombstone(self, v: str) -> str:
         return f"{self.prefix}:tomb:{v}"
+
+    @property
+    def lost(self) -> str:
+        return f"{self.prefix}:lost"

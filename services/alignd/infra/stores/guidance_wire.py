@@ -48,6 +48,7 @@ import redis
 from alignclient.errors import GuidanceChecksumError, StoreError
 from redis.connection import ConnectionInterface
 
+from alignd.infra.redis_checks import refusal
 from alignd.infra.stores.guidance_scripts import GuidanceKeys
 
 log = logging.getLogger(__name__)
@@ -245,12 +246,14 @@ class PayloadWire:
         try:
             results = self._transaction(sets, commit)
         except redis.exceptions.ResponseError as e:  # EXECABORT: nothing was applied
-            raise StoreError(f"guidance put {version}: Redis refused the transaction: {e}") from e
+            raise refusal(e, f"guidance put {version}") or StoreError(
+                f"guidance put {version}: Redis refused the transaction: {e}") from e
         script = results[-1]
         if isinstance(script, Exception):
             # the SETs ran but the script did not: remove the unreferenced new chunks
             self._unlink_quietly([cmd[1] for cmd in sets])
-            raise StoreError(f"guidance put {version}: the commit script failed: {script}")
+            raise refusal(script, f"guidance put {version}") or StoreError(
+                f"guidance put {version}: the commit script failed: {script}")
         return script
 
     def _unlink_quietly(self, keys: list[bytes]) -> None:

@@ -18,6 +18,7 @@ over seeds, with the 95 % band of that mean over seeds when there are several.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -143,9 +144,19 @@ def summary_table(report: dict) -> Table:
     return t
 
 
+#: matplotlib's pyplot and its text parser keep process-wide state: one figure at a time, so
+#: two runs in one process (threads) can both draw
+_PLOT_LOCK = threading.Lock()
+
+
 def plot_demo(report: dict, path: Path) -> Path:
     """Mean |δ| and reward per step per configuration: moving averages, mean over seeds, 95 %
     band over seeds (see the module docstring)."""
+    with _PLOT_LOCK:
+        return _plot_demo(report, path)
+
+
+def _plot_demo(report: dict, path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
