@@ -51,7 +51,7 @@ global index with the names of the released checkpoints
 (``[E/P, ...]``, global experts ``ep_rank * E/P ..``); :func:`local_expert_ranges` says which
 slice. ``expert_layout="none"`` leaves the experts out (the dense tensors alone). A sharded
 conversion quantizes :func:`local_expert_stacks` (the slices, not copied) where they live
-(:mod:`alignd.learner.sharded_publish`) and communicates nothing.
+(:mod:`alignd.sync.sharded`) and communicates nothing.
 """
 
 from __future__ import annotations

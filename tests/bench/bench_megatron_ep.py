@@ -14,7 +14,7 @@ layer, and feeds its own ``--tokens`` tokens. Then, per rank:
    every round started together (a barrier), timed with CUDA events; medians.
 2. **Sharded conversion.** Each rank quantizes its own expert slices on its own GPU (the fused
    kernel behind :func:`libalign.kernels.quantize`) and writes its part of one version
-   (:func:`alignd.learner.sharded_publish.publish_sharded`); the last part to land commits
+   (:func:`alignd.sync.sharded.publish_sharded`); the last part to land commits
    the merged manifest. Per rank: the kernel alone (input GB/s of bf16 weights, best of three,
    into reused outputs; ranks sharing a GPU take turns) and the whole part (device-to-host
    copy, checksums, fsynced files; rank 0 also writes the dense tensors). Baseline in the same run: rank 0
@@ -97,7 +97,7 @@ def rank_main(info, o: dict) -> dict:
     from alignd.formats.convert import resolve_spec
     from alignd.formats.selection import make_select
     from alignd.formats.weight_store import WeightStore
-    from alignd.learner.sharded_publish import publish_sharded
+    from alignd.sync.sharded import publish_sharded
 
     from libalign.kernels import ops
     from libalign.models import megatron as mg

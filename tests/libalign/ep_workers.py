@@ -53,7 +53,7 @@ def forward_backward(info, hf_sd, batches, path="bf16", publish=()):
                "env": {k: os.environ.get(k) for k in NO_MULTICAST_ENV}}
         if publish:
             from alignd.formats.weight_store import WeightStore
-            from alignd.learner.sharded_publish import publish_sharded
+            from alignd.sync.sharded import publish_sharded
 
             out["published"] = {}
             for root, vid, spec in publish:
@@ -126,7 +126,7 @@ def train_one_step(info, hf_sd, path="bf16", shares=None, batch_size=8, publish=
         out = {"stats": stats, "weights": eng.export_weights(), "place": None}
         if publish is not None:
             from alignd.formats.weight_store import WeightStore
-            from alignd.learner.sharded_publish import expert_parallel_place, publish_sharded
+            from alignd.sync.sharded import expert_parallel_place, publish_sharded
 
             out["place"] = expert_parallel_place()[:2] + expert_parallel_place()[3:]
             res = publish_sharded(eng.model, config(), WeightStore(publish[0]), publish[1],

@@ -30,7 +30,6 @@ from alignd.formats.published import write_published
 from alignd.formats.weight_store import TMP_PREFIX, WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.events import ConvertedEvent, PublishedEvent, SyncEvent, sync_stream
-from alignd.infra.publish import publish_version
 from alignd.infra.registry import Registry
 from alignd.infra.settings import AllInOneSettings
 from alignd.infra.stores.rollouts import RolloutStore
@@ -38,6 +37,7 @@ from alignd.infra.work import READY, REQUESTS, RolloutRequest, RolloutsReady
 from alignd.sampler.engine import TorchSamplerEngine
 from alignd.sampler.main import run_sampler
 from alignd.sampler.service import SamplerService
+from alignd.sync.bf16 import publish_version
 
 from libalign import models
 from tests.services.conftest import stop_processes, tiny_experts

@@ -57,7 +57,7 @@ def learner_with_dying_follower(info, hf_sd, redis_url, store_dir, sampler_path)
     import signal
 
     from alignd.learner import ranks
-    from alignd.learner.sharded_publish import publish_sharded
+    from alignd.sync.sharded import publish_sharded
 
     if info.rank == 1:
         def dying(*args, **kwargs):

@@ -16,10 +16,10 @@ from alignd.formats.selection import is_expert_weight
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.events import ConvertedEvent, PublishedEvent
-from alignd.infra.publish import publish_version
 from alignd.infra.registry import Registry
 from alignd.infra.settings import ConverterSettings
 from alignd.infra.telemetry import Metrics, serve_metrics
+from alignd.sync.bf16 import publish_version
 
 from libalign.spec import PRESETS
 from libalign.spec import quantize as spec_quantize

@@ -15,10 +15,10 @@ import pytest
 from alignd.converter.main import run_converter
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
-from alignd.infra.publish import publish_version
 from alignd.infra.registry import Registry
 from alignd.infra.settings import ConverterSettings
 from alignd.infra.telemetry import Metrics
+from alignd.sync.bf16 import publish_version
 
 from libalign.spec import PRESETS
 

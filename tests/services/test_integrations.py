@@ -35,9 +35,9 @@ from alignd.formats.published import publish_id, write_published
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus, connect
 from alignd.infra.events import event_stream
-from alignd.infra.publish import publish_version
 from alignd.infra.registry import Registry
 from alignd.integrations import SLIME_ABS_DIFF, VERL_KEYS, Monitor, WeightPublisher, gap_metrics
+from alignd.sync.bf16 import publish_version
 
 from libalign.guidance import GuidanceRecord, SiteRows
 from libalign.metrics import delta_stats, tis_weights, token_deltas

@@ -19,11 +19,11 @@ from alignd.formats.sharded_version import Piece, write_part
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.liveness import ServiceHeartbeat
-from alignd.infra.publish import publish_version
 from alignd.infra.registry import Registry
 from alignd.infra.retention import Retention
 from alignd.infra.settings import ConverterSettings, LearnerSettings
 from alignd.learner.loop import LearnerLoop
+from alignd.sync.bf16 import publish_version
 from safetensors.torch import load_file
 
 from libalign.checkpoint import from_modelopt

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from alignclient.errors import StateTransitionError, VersionExistsError, VersionNotFoundError
+from alignclient.errors import StateTransitionError, VersionNotFoundError
 from alignclient.ids import ID_PATTERN
 from alignclient.models import (
     HistoryEntry,
@@ -51,10 +51,11 @@ from fastapi import APIRouter, Query, Response
 
 from alignd.api.state import BEARER, KnownVersion, State, error_responses
 from alignd.formats.hf_checkpoint import HFCheckpoint
-from alignd.formats.published import PUBLISH_ID_KEY, publish_id
+from alignd.formats.published import PUBLISH_ID_KEY
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.events import PublishedEvent, SyncEvent, sync_stream
 from alignd.infra.registry import STATES, VersionRecord
+from alignd.sync.announce import announce_published
 
 router = APIRouter(prefix="/v1", tags=["versions"])
 ERRORS = error_responses(401, 403, 404, 409, 413, 422, 503)
@@ -80,24 +81,11 @@ def publish_version(req: PublishRequest, st: State, response: Response) -> Publi
     if not path.is_dir():
         raise VersionNotFoundError(req.version_id, f"published store ({path})")
     HFCheckpoint(path).check_shards()  # LayoutError / MissingShardError: 422
-    identity = publish_id(path)
-    event = PublishedEvent(version_id=req.version_id, path=str(path), target_path=req.target_path)
-    meta = dict(req.meta)
-    if req.target_path:
-        meta.setdefault("target_path", req.target_path)
-    if identity is not None:
-        meta[PUBLISH_ID_KEY] = identity
-    try:
-        rec, event_id = st.registry.create_and_announce(
-            req.version_id, str(path), st.settings.published_stream, event.to_fields(),
-            actor="api", meta=meta)
-    except VersionExistsError:
-        rec = st.registry.get(req.version_id)
-        if (identity is None or rec.meta.get(PUBLISH_ID_KEY) != identity or rec.path != str(path)
-                or rec.meta.get("target_path") != meta.get("target_path")):
-            raise
+    rec, _, event_id = announce_published(st.registry, st.settings.published_stream, path,
+                                          req.version_id, target_path=req.target_path,
+                                          meta=dict(req.meta), actor="api")
+    if event_id is None:
         response.status_code = 200  # the same directory again: the version it already made
-        event_id = None
     return PublishResponse(version=version_info(rec), stream=st.settings.published_stream,
                            event_id=event_id)
 

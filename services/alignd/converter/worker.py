@@ -63,10 +63,11 @@ from alignd.formats.convert import convert_published, resolve_spec, target_spec
 from alignd.formats.modelopt_export import exports_for, holds
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import ClaimKeeper, Message, RedisBus
-from alignd.infra.events import ConvertedEvent, PublishedEvent
+from alignd.infra.events import PublishedEvent
 from alignd.infra.registry import Registry
 from alignd.infra.settings import ConverterSettings
 from alignd.infra.telemetry import Metrics
+from alignd.sync.announce import converted_event
 from libalign.spec import NumericsSpec
 
 log = logging.getLogger(__name__)
@@ -274,10 +275,7 @@ class ConverterWorker:
     def _announce(self, vid: str, manifest: dict[str, Any] | None = None,
                   target_path: str | None = None) -> None:
         """Put a ``converted`` event for ``vid`` on the converted stream."""
-        manifest = manifest if manifest is not None else self.store.read_manifest(vid)
         spec, _ = target_spec(self.spec, target_path)
-        event = ConvertedEvent(
-            version_id=vid, path=str(self.store.version_path(vid)), preset=spec.name,
-            tensors=manifest["totals"]["tensors"], stored_bytes=manifest["totals"]["stored_bytes"],
-            target_path=target_path)
+        event = converted_event(self.store, vid, spec.name, manifest=manifest,
+                                target_path=target_path)
         self.bus.publish(self.settings.converted_stream, event.to_fields())

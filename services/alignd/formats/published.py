@@ -6,7 +6,7 @@ index), read back with :class:`~alignd.formats.hf_checkpoint.HFCheckpoint`. The 
 writes it through :func:`write_published`, which builds the directory under a temporary
 name and renames it into place (:mod:`libalign.atomic_dir`), so a converter never
 opens a half-written version. Registering the version and announcing it on the bus come
-after the files, in :mod:`alignd.infra.publish`.
+after the files, in :mod:`alignd.sync.bf16`.
 
 Tensors are written shard by shard from any iterable of ``(name, tensor)``, so the
 learner never needs all its weights in one dict.

@@ -21,7 +21,7 @@ iterable of ``(name, tensor)``; tensors on any device):
   converter's own code path (:meth:`~alignd.formats.weight_store.WeightStore.write_version`
   under the target path's spec and the converter's selection), written atomically into the
   store's NVFP4 directory and announced as ``converted`` (the registry walks ``published →
-  converting → converted``, :func:`alignd.learner.sharded_publish.announce_converted`, the
+  converting → converted``, :func:`alignd.sync.announce.announce_converted`, the
   same step the expert-parallel learner takes): no BF16 checkpoint is ever written, and the
   samplers load it as soon as they see the event. ``device="cuda"`` quantizes on the GPU the
   tensors live on; the stored bits are the same on every device;
@@ -83,7 +83,7 @@ from alignd.integrations.push import (
     as_prompts,
     split_rows,
 )
-from alignd.learner.sharded_publish import announce_converted
+from alignd.sync.announce import announce_converted
 from libalign.atomic_dir import discard_directory
 from libalign.guidance import GuidanceRecord
 from libalign.metrics import DEFAULT_TIS_CAP, TISWeights, TokenInput, tis_weights, token_deltas

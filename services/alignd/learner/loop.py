@@ -45,7 +45,6 @@ from alignd.formats.convert import resolve_spec, target_spec
 from alignd.formats.modelopt_export import exports_for, holds
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
-from alignd.infra.publish import publish_version
 from alignd.infra.registry import Registry
 from alignd.infra.settings import LearnerSettings
 from alignd.infra.staleness import StalenessGuard
@@ -59,7 +58,8 @@ from alignd.infra.work import (
     sampling_seed,
 )
 from alignd.learner.engine import LearnerEngine, TrainBatch
-from alignd.learner.sharded_publish import announce_converted
+from alignd.sync.announce import announce_converted
+from alignd.sync.bf16 import publish_version
 from libalign import gemm
 from libalign.guidance import GuidanceRecord
 from libalign.models.kv_guided import check_records

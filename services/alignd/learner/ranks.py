@@ -20,7 +20,7 @@ How the work is shared
   copies of its last rollout (scored, then dropped) so that every rank runs the same number of
   micro-batches.
 * **publish**: :meth:`RankGroupEngine.publish_converted` has every rank quantize and write its
-  part of the version (:func:`~alignd.learner.sharded_publish.publish_sharded`); the loop
+  part of the version (:func:`~alignd.sync.sharded.publish_sharded`); the loop
   then registers and announces it as converted, with no converter in between.
 
 Guidance records (``nvfp4_trace``): every rank gets all of them, keyed by global rollout
@@ -49,7 +49,7 @@ from alignclient.errors import ConfigError, InputError
 from alignd.formats.weight_store import WeightStore
 from alignd.learner.engine import TrainBatch
 from alignd.learner.megatron_engine import MegatronLearnerEngine
-from alignd.learner.sharded_publish import publish_sharded
+from alignd.sync.sharded import publish_sharded
 from libalign.models.routing_replay import RoutingStats
 
 STOP = "stop"

@@ -1,9 +1,10 @@
-"""Publishing a version: files first, then the registry, then the event.
+"""The BF16 transport for the converter: the learner's weights as a published directory.
 
 The learner's BF16 weights are written as a published version
-(:func:`alignd.formats.published.write_published`, atomic), the version is created in the
-registry, and a ``published`` event carrying its id and path goes on the stream, in that
-order, so whoever sees the event finds everything it names.
+(:func:`alignd.formats.published.write_published`, atomic), then the version is created in the
+registry and a ``published`` event carrying its id and path goes on the stream
+(:func:`alignd.sync.announce.announce_published`, one transaction), in that order, so
+whoever sees the event finds everything it names. The converter takes it from there.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from alignd.formats.published import DEFAULT_SHARD_BYTES, write_published
 from alignd.infra.bus import RedisBus
 from alignd.infra.events import PublishedEvent
 from alignd.infra.registry import Registry
+from alignd.sync.announce import announce_published
 
 
 def publish_version(
@@ -34,7 +36,5 @@ def publish_version(
     ``target_path`` names the sampler execution path the version is converted for.
     """
     path = write_published(published_root, version_id, tensors, shard_bytes=shard_bytes)
-    event = PublishedEvent(version_id=version_id, path=str(path), target_path=target_path)
-    registry.create_and_announce(version_id, str(path), stream, event.to_fields(), actor=actor,
-                                 meta={"target_path": target_path} if target_path else None)
-    return event
+    return announce_published(registry, stream, path, version_id, target_path=target_path,
+                              actor=actor).event

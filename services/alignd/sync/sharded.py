@@ -31,9 +31,6 @@ from alignd.formats.convert import resolve_spec
 from alignd.formats.selection import make_select
 from alignd.formats.sharded_version import PartResult, Piece, write_part
 from alignd.formats.weight_store import DEFAULT_SHARD_BYTES, WeightStore
-from alignd.infra.bus import RedisBus
-from alignd.infra.events import ConvertedEvent
-from alignd.infra.registry import Registry
 from libalign import spec as spec_mod
 from libalign.spec import NumericsSpec
 
@@ -113,27 +110,3 @@ def publish_sharded(model: nn.Module, hf_config, store: WeightStore, version_id:
                       shard_bytes=shard_bytes, device=device, on_step=on_step,
                       source={"kind": "megatron", "ep_size": ep_size},
                       extra={"all_linear": all_linear, "quantized": quantize, **(extra or {})})
-
-
-def announce_converted(registry: Registry, bus: RedisBus, stream: str, store: WeightStore,
-                       version_id: str, preset: str, *, target_path: str | None = None,
-                       actor: str = "learner") -> dict[str, Any]:
-    """Register a version the learner converted itself and tell the samplers to load it.
-
-    The registry walks the usual states (``published`` -> ``converting`` -> ``converted``, each
-    with its time, so stage timings read the same as for the converter service), then a
-    ``converted`` event goes to ``stream``. Nothing reaches the converter's stream: there is
-    nothing left to convert. The version must already be committed (checksums verified here).
-    ``preset`` names the spec it was converted with, as the converter's events do.
-    """
-    manifest = store.verify_version(version_id)
-    registry.create(version_id, str(store.version_path(version_id)), actor=actor,
-                    meta={"target_path": target_path, "parts": manifest.get("num_parts", 1)})
-    registry.transition(version_id, "converting", actor=actor)
-    registry.transition(version_id, "converted", actor=actor, expect_owner=actor)
-    event = ConvertedEvent(version_id=version_id, path=str(store.version_path(version_id)),
-                           preset=preset, tensors=manifest["totals"]["tensors"],
-                           stored_bytes=manifest["totals"]["stored_bytes"],
-                           target_path=target_path)
-    bus.publish(stream, event.to_fields())
-    return manifest

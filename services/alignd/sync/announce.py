@@ -1,0 +1,98 @@
+"""Announcing a version: the registry record and the event, built in one place.
+
+Every way a version enters the daemon ends here. A BF16 version for the converter is
+*published*: its directory is registered and a ``published`` event goes to the converter's
+stream in one Redis transaction (:func:`announce_published`). An NVFP4 version made by the
+converter, or by the learner itself, is *converted*: a ``converted`` event, built by
+:func:`converted_event` from the store's manifest, tells the samplers to load it
+(:func:`announce_converted` walks the registry through the converter's states first, for a
+version no converter touched).
+
+A published directory has an identity (``publish_id`` in its index, see
+:mod:`alignd.formats.published`): registering the same directory again answers the version it
+already made, with no second event, so a publish whose answer was lost may be sent again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from alignclient.errors import VersionExistsError
+
+from alignd.formats.published import PUBLISH_ID_KEY, publish_id
+from alignd.formats.weight_store import WeightStore
+from alignd.infra.bus import RedisBus
+from alignd.infra.events import ConvertedEvent, PublishedEvent
+from alignd.infra.registry import Registry, VersionRecord
+
+
+class Announced(NamedTuple):
+    """What :func:`announce_published` did: the record, the event, and the event's stream id
+    (None when the same directory was registered before and nothing new was announced)."""
+
+    record: VersionRecord
+    event: PublishedEvent
+    event_id: str | None
+
+
+def announce_published(registry: Registry, stream: str, path: Path, version_id: str, *,
+                       target_path: str | None = None, meta: dict[str, str] | None = None,
+                       actor: str = "learner") -> Announced:
+    """Register the published directory ``path`` as ``version_id`` and put its ``published``
+    event on ``stream`` (one transaction).
+
+    The same directory registered again (same identity, path and target) answers the existing
+    record and no new event; any other registration of a taken id raises VersionExistsError.
+    """
+    identity = publish_id(path)
+    event = PublishedEvent(version_id=version_id, path=str(path), target_path=target_path)
+    meta = dict(meta or {})
+    if target_path:
+        meta.setdefault("target_path", target_path)
+    if identity is not None:
+        meta[PUBLISH_ID_KEY] = identity
+    try:
+        rec, event_id = registry.create_and_announce(version_id, str(path), stream,
+                                                     event.to_fields(), actor=actor,
+                                                     meta=meta or None)
+    except VersionExistsError:
+        rec = registry.get(version_id)
+        if (identity is None or rec.meta.get(PUBLISH_ID_KEY) != identity or rec.path != str(path)
+                or rec.meta.get("target_path") != meta.get("target_path")):
+            raise
+        return Announced(rec, event, None)
+    return Announced(rec, event, event_id)
+
+
+def converted_event(store: WeightStore, version_id: str, preset: str, *,
+                    manifest: dict[str, Any] | None = None,
+                    target_path: str | None = None) -> ConvertedEvent:
+    """The ``converted`` event of a committed store version (its manifest read if not given)."""
+    manifest = manifest if manifest is not None else store.read_manifest(version_id)
+    return ConvertedEvent(version_id=version_id, path=str(store.version_path(version_id)),
+                          preset=preset, tensors=manifest["totals"]["tensors"],
+                          stored_bytes=manifest["totals"]["stored_bytes"],
+                          target_path=target_path)
+
+
+def announce_converted(registry: Registry, bus: RedisBus, stream: str, store: WeightStore,
+                       version_id: str, preset: str, *, target_path: str | None = None,
+                       actor: str = "learner") -> dict[str, Any]:
+    """Register a version the learner converted itself and tell the samplers to load it.
+
+    The registry walks the usual states (``published`` -> ``converting`` -> ``converted``, each
+    with its time, so stage timings read the same as for the converter service), then a
+    ``converted`` event goes to ``stream``. Nothing reaches the converter's stream: there is
+    nothing left to convert. The version must already be committed (checksums verified here).
+    ``preset`` names the spec it was converted with, as the converter's events do. Returns the
+    verified manifest.
+    """
+    manifest = store.verify_version(version_id)
+    registry.create(version_id, str(store.version_path(version_id)), actor=actor,
+                    meta={"target_path": target_path, "parts": manifest.get("num_parts", 1)})
+    registry.transition(version_id, "converting", actor=actor)
+    registry.transition(version_id, "converted", actor=actor, expect_owner=actor)
+    bus.publish(stream, converted_event(store, version_id, preset, manifest=manifest,
+                                        target_path=target_path).to_fields())
+    return manifest
