@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import redis
-from alignd.infra.bus import RedisBus
 from alignd.infra.settings import AllInOneSettings
 from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.stores.rollouts import RolloutStore
@@ -24,7 +23,7 @@ def settings_for(redis_url: str, store_dir: str, sampler_path: str) -> AllInOneS
 
 def learner_ranks(info, hf_sd, redis_url, store_dir, sampler_path, learner_path, steps):
     """Rank 0 runs the RL loop through a RankGroupEngine; the other ranks follow."""
-    from alignd.learner.loop import LearnerLoop
+    from alignd.learner.loop import LearnerLoop, LoopParts, RolloutPlan
     from alignd.learner.megatron_engine import MegatronLearnerEngine
     from alignd.learner.ranks import RankGroupEngine, follow
 
@@ -36,12 +35,13 @@ def learner_ranks(info, hf_sd, redis_url, store_dir, sampler_path, learner_path,
         group = RankGroupEngine(eng)
         try:
             s = settings_for(redis_url, store_dir, sampler_path)
-            loop = LearnerLoop(s, group, RedisBus.from_settings(s),
-                               rollouts=RolloutStore(redis.Redis.from_url(redis_url), s.key_prefix),
-                               guidance=GuidanceStore(redis_url, budget_bytes=1 << 26),
-                               sampler_path=sampler_path, prompts=lambda step: TASK.prompts(2, step),
-                               reward=TASK.verify, prompts_per_step=2, samples_per_prompt=2,
-                               max_new_tokens=4, timeout_s=60)
+            parts = LoopParts.build(
+                s, rollouts=RolloutStore(redis.Redis.from_url(redis_url), s.key_prefix),
+                guidance=GuidanceStore(redis_url, budget_bytes=1 << 26))
+            loop = LearnerLoop(s, group, parts, RolloutPlan(
+                prompts=lambda step: TASK.prompts(2, step), reward=TASK.verify,
+                sampler_path=sampler_path, prompts_per_step=2, samples_per_prompt=2,
+                max_new_tokens=4, timeout_s=60))
             results = loop.run(steps)
         finally:
             group.close()

@@ -22,7 +22,7 @@ from alignd.infra.liveness import ServiceHeartbeat
 from alignd.infra.registry import Registry
 from alignd.infra.retention import Retention
 from alignd.infra.settings import ConverterSettings, LearnerSettings
-from alignd.learner.loop import LearnerLoop
+from alignd.learner.loop import LearnerLoop, LoopParts, RolloutPlan
 from alignd.sync.bf16 import publish_version
 from safetensors.torch import load_file
 
@@ -130,7 +130,7 @@ def test_a_sharded_version_exports_bit_for_bit_like_the_whole_one(tmp_path):
             items.update({n: t for n, t in sd.items() if not n.endswith("_proj")})
         write_part(store, "sharded", part, 2, items, NAIVE,
                    select=lambda name, t: name.endswith("_proj"))
-    assert store.read_manifest("sharded").get("format_version") == 2
+    assert store.read_manifest("sharded").format_version == 2
     ex = ModelOptExport(store, model_dir(tmp_path))
     a, b = exported(ex("whole")), exported(ex("sharded"))
     assert set(a) == set(b) and all(same_bits(a[k], b[k]) for k in a)
@@ -253,7 +253,7 @@ def test_the_converter_writes_each_version_once_in_the_layout_the_sampler_loads(
     got = exported(ex.path("v1"))
     gate, up = (got[f"model.layers.0.mlp.experts.1.{p}_proj.weight_scale_2"] for p in ("gate", "up"))
     assert same_bits(gate, up)  # siblings quantized with one maximum for SGLang's fused w13
-    assert store.read_manifest("v1")["extra"]["fused_share_outer"] is True
+    assert store.read_manifest("v1").extra["fused_share_outer"] is True
 
 
 def test_retention_keeps_the_newest_exports_and_those_a_sampler_needs(redis_url, tmp_path):
@@ -308,8 +308,9 @@ def test_a_learner_that_converts_its_own_parts_exports_them_before_announcing(re
     settings = LearnerSettings(redis_url=redis_url, store_dir=tmp_path / "store",
                                sampler_layout="modelopt", sglang_model_dir=model_dir(tmp_path))
     bus = RedisBus.from_settings(settings)
-    loop = LearnerLoop(settings, PartsEngine(), bus, rollouts=None, sampler_path="nvfp4_naive",
-                       prompts=lambda n: [[1]] * n, reward=lambda p, c: 0.0, run_id="ep")
+    loop = LearnerLoop(settings, PartsEngine(), LoopParts.build(settings, bus=bus, stores=False),
+                       RolloutPlan(prompts=lambda n: [[1]] * n, reward=lambda p, c: 0.0,
+                                   sampler_path="nvfp4_naive", run_id="ep"))
     vid = loop.publish(1)
     assert Registry(bus, settings.key_prefix).state(vid) == "converted"
     path = loop.exports.path(vid)

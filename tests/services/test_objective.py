@@ -18,7 +18,7 @@ from alignd.infra.settings import AllInOneSettings, ApiSettings, LearnerSettings
 from alignd.infra.staleness import StalenessGuard, versions_after
 from alignd.infra.telemetry import Metrics
 from alignd.learner.engine import TorchLearnerEngine, TrainBatch
-from alignd.learner.loop import LearnerLoop
+from alignd.learner.loop import LearnerLoop, LoopParts, RolloutPlan
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
@@ -180,9 +180,9 @@ def _loop(redis_url, tmp_path, engine_kw=None, **settings) -> tuple[LearnerLoop,
     s = AllInOneSettings(redis_url=redis_url, store_dir=tmp_path / "store", **settings)
     metrics = Metrics()
     eng = TorchLearnerEngine(_model(), pad_id=TASK.pad_id, **(engine_kw or {}))
-    loop = LearnerLoop(s, eng, RedisBus.from_settings(s), rollouts=None,
-                       sampler_path=s.sampler_path, prompts=lambda step: [],
-                       reward=TASK.verify, metrics=metrics)
+    loop = LearnerLoop(s, eng, LoopParts.build(s, metrics=metrics, stores=False),
+                       RolloutPlan(prompts=lambda step: [], reward=TASK.verify,
+                                   sampler_path=s.sampler_path))
     loop.current_version = "v4"
     return loop, metrics
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 
 import pytest
@@ -19,7 +20,7 @@ from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.work import sampling_seed
 from alignd.learner.engine import TorchLearnerEngine
-from alignd.learner.loop import LearnerLoop, LoopError
+from alignd.learner.loop import LearnerLoop, LoopError, LoopParts, RolloutPlan
 from alignd.sampler.engine import TorchSamplerEngine
 from alignd.sampler.main import run_sampler
 
@@ -59,11 +60,12 @@ class Deployment:
 
     def loop(self, learner_path, **kw):
         eng = TorchLearnerEngine(self.learner_model, learner_path, pad_id=TASK.pad_id, lr=1e-4)
-        return LearnerLoop(self.settings, eng, self.bus, rollouts=self.rollouts,
-                           guidance=self.guidance, sampler_path=self.settings.sampler_path,
-                           prompts=lambda step: TASK.prompts(2, step),
-                           reward=TASK.verify, prompts_per_step=2, samples_per_prompt=2,
-                           max_new_tokens=4, timeout_s=60, **kw)
+        parts = LoopParts.build(self.settings, bus=self.bus, rollouts=self.rollouts,
+                                guidance=self.guidance)
+        return LearnerLoop(self.settings, eng, parts, RolloutPlan(
+            prompts=lambda step: TASK.prompts(2, step), reward=TASK.verify,
+            sampler_path=self.settings.sampler_path, prompts_per_step=2, samples_per_prompt=2,
+            max_new_tokens=4, timeout_s=60, **kw))
 
     def close(self):
         self.stop.set()
@@ -107,7 +109,8 @@ def test_a_failed_version_stops_the_loop_with_its_reason(deploy):
     """A version the sampler cannot serve (converted with another spec) fails by name."""
     d = deploy("nvfp4_naive")
     loop = d.loop("bf16")
-    loop.sampler_path = None  # no target: the converter's preset (minite), not servable by naive
+    # no target: the converter's preset (minite), not servable by naive
+    loop.plan = dataclasses.replace(loop.plan, sampler_path=None)
     with pytest.raises(LoopError, match=r"failed: .*needs 'te_expert'"):
         loop.iteration(0)
 
@@ -180,9 +183,9 @@ def test_rollout_requests_sample_with_a_seed_per_run_seed_and_step(redis_url, tm
 
     def loop(seed):
         eng = TorchLearnerEngine(model, "bf16", pad_id=TASK.pad_id)
-        return LearnerLoop(settings, eng, RedisBus.from_settings(settings), rollouts=None,
-                           sampler_path="bf16", prompts=lambda step: TASK.prompts(2, step),
-                           reward=TASK.verify, seed=seed)
+        return LearnerLoop(settings, eng, LoopParts.build(settings, stores=False),
+                           RolloutPlan(prompts=lambda step: TASK.prompts(2, step),
+                                       reward=TASK.verify, sampler_path="bf16", seed=seed))
 
     seeds = {(s, t): loop(s).rollout_request("v1", t).seed for s in range(3) for t in range(4)}
     assert len(set(seeds.values())) == len(seeds)

@@ -19,7 +19,7 @@ from alignd.formats.weight_store import WeightStore
 from alignd.infra.stores.rollouts import routing_record, routing_wire
 from alignd.infra.telemetry import Metrics
 from alignd.learner.engine import TorchLearnerEngine
-from alignd.learner.loop import LearnerLoop
+from alignd.learner.loop import LearnerLoop, LoopParts, RolloutPlan
 from alignd.sampler.engine import TorchSamplerEngine
 
 from libalign import models
@@ -120,7 +120,8 @@ def test_rest_api_stores_and_returns_routing(env, sampler):  # noqa: F811
 
 def _loop_for(engine, metrics):
     loop = LearnerLoop.__new__(LearnerLoop)  # only the routing check is exercised
-    loop.engine, loop.metrics = engine, metrics
+    loop.engine = engine
+    loop.parts = LoopParts(bus=None, registry=None, store=None, staleness=None, metrics=metrics)
     return loop
 
 
@@ -157,10 +158,11 @@ def test_r3_iteration_through_the_services(deploy):  # noqa: F811
     d = deploy("nvfp4_minite")
     eng = TorchLearnerEngine(d.learner_model, "nvfp4_minite", pad_id=TASK.pad_id, lr=1e-4,
                              routing_replay="recompute")
-    loop = LearnerLoop(d.settings, eng, d.bus, rollouts=d.rollouts, guidance=d.guidance,
-                       sampler_path="nvfp4_minite", prompts=lambda step: TASK.prompts(2, step),
-                       reward=TASK.verify, prompts_per_step=2, samples_per_prompt=2,
-                       max_new_tokens=4, timeout_s=60)
+    loop = LearnerLoop(d.settings, eng, LoopParts.build(d.settings, bus=d.bus, rollouts=d.rollouts,
+                                                        guidance=d.guidance),
+                       RolloutPlan(prompts=lambda step: TASK.prompts(2, step), reward=TASK.verify,
+                                   sampler_path="nvfp4_minite", prompts_per_step=2,
+                                   samples_per_prompt=2, max_new_tokens=4, timeout_s=60))
     r = loop.iteration(0)
     stored = d.rollouts.get_rollouts(r.version_id)
     assert stored and all(x.routing is not None for x in stored)

@@ -205,6 +205,21 @@ class RedisBus:
                     out.append(Message(stream, msg_id, dict(fields)))
         return out
 
+    def last_id(self, stream: str) -> str:
+        """The id of ``stream``'s newest entry (``0-0`` when empty): where a reader that wants
+        only what comes next starts (:meth:`read_after`)."""
+        last = self.call(f"XREVRANGE {stream}", lambda: self.client.xrevrange(stream, count=1))
+        return last[0][0] if last else "0-0"
+
+    def read_after(self, stream: str, after: str, *, count: int = 64,
+                   block_ms: int = 200) -> list[Message]:
+        """XREAD the entries of ``stream`` after id ``after`` (no consumer group: every reader
+        sees every entry), waiting up to ``block_ms`` for one."""
+        reply = self.call(f"XREAD {stream}", lambda: self.client.xread(
+            {stream: after}, count=count, block=block_ms))
+        return [Message(stream, msg_id, dict(fields)) for _name, entries in reply or []
+                for msg_id, fields in entries if fields is not None]
+
     def reclaim(self, stream: str, group: str, consumer: str, *, min_idle_ms: int,
                 count: int = 100, limit: int | None = None) -> list[Message]:
         """XAUTOCLAIM messages idle at least ``min_idle_ms`` (at most ``limit``); trimmed ones are acked.

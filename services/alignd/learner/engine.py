@@ -67,7 +67,7 @@ import math
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from alignclient.errors import ConfigError, InputError
@@ -151,6 +151,28 @@ class LearnerEngine(Protocol):
 
     def objective(self) -> dict:
         """The objective's settings: ``tis``, ``tis_cap``, ``tis_level``, ``ppo_clip_eps``."""
+
+
+@runtime_checkable
+class SupportsConvertedPublish(Protocol):
+    """An engine that converts its own weights and writes the NVFP4 version itself (every
+    expert-parallel rank its own experts); the loop then announces it as converted."""
+
+    def publish_converted(self, store, version_id: str, spec, *, quantize: bool = True) -> None:
+        """Write ``version_id`` (NVFP4 under ``spec``, or as it is with ``quantize=False``)."""
+
+
+@runtime_checkable
+class SupportsRoutingReplay(Protocol):
+    """An engine that scores and trains routed as the sampler recorded (routing replay)."""
+
+    routing_replay: str
+    """``off``, ``measure``, ``recompute`` or ``record`` (:data:`ROUTING_REPLAY`)"""
+    routing_stats: RoutingStats
+    """the disagreement counted by the last scoring pass"""
+
+    def routing_geometry(self) -> dict:
+        """``num_layers`` / ``top_k`` / ``num_experts`` a routing record must fit."""
 
 
 def grpo_advantages(rewards: Sequence[float], groups: Sequence[int]) -> torch.Tensor:

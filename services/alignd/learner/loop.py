@@ -28,7 +28,15 @@ One iteration of :class:`LearnerLoop` is one policy version's round trip:
    right after publishing it, so its own batches are 0 versions old.
 
 The seconds of each stage are measured (publish, convert, load from the registry's history;
-rollout, score, train here) and returned with the statistics.
+rollout, score, train here, with one :class:`Stopwatch`) and returned with the statistics.
+
+The loop is built from three things: the settings, the learner engine, and its collaborators
+(:class:`LoopParts`: bus, registry, weight store, rollout and guidance stores, staleness rule,
+exports; :meth:`LoopParts.build` makes them from the settings) plus what each step asks for
+(:class:`RolloutPlan`: prompts, reward, group size, seed). Optional engine abilities are
+protocols (:class:`~alignd.learner.engine.SupportsConvertedPublish`,
+:class:`~alignd.learner.engine.SupportsRoutingReplay`), and every Redis call goes through the
+bus, the registry and the stores.
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from alignclient.errors import LoopError, RoutingMissingError
@@ -45,10 +54,12 @@ from alignd.formats.convert import resolve_spec, target_spec
 from alignd.formats.modelopt_export import exports_for, holds
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
+from alignd.infra.redis_clients import binary_client
 from alignd.infra.registry import Registry
 from alignd.infra.settings import LearnerSettings
 from alignd.infra.staleness import StalenessGuard
-from alignd.infra.stores.rollouts import Rollout, Score, routing_record
+from alignd.infra.stores.guidance import GuidanceStore
+from alignd.infra.stores.rollouts import Rollout, RolloutStore, Score, routing_record
 from alignd.infra.telemetry import Metrics
 from alignd.infra.work import (
     RolloutRequest,
@@ -57,7 +68,12 @@ from alignd.infra.work import (
     requests_stream,
     sampling_seed,
 )
-from alignd.learner.engine import LearnerEngine, TrainBatch
+from alignd.learner.engine import (
+    LearnerEngine,
+    SupportsConvertedPublish,
+    SupportsRoutingReplay,
+    TrainBatch,
+)
 from alignd.sync.announce import announce_converted
 from alignd.sync.bf16 import publish_version
 from libalign import gemm
@@ -86,143 +102,182 @@ class IterationResult:
     """The seed the rollouts were sampled with (:func:`~alignd.infra.work.sampling_seed`)."""
 
 
-class LearnerLoop:
-    """Drives iterations against the services over one Redis and one weight store."""
+@dataclass(frozen=True)
+class RolloutPlan:
+    """What every step asks the samplers for, and how its rollouts are rewarded."""
 
-    def __init__(self, settings: LearnerSettings, engine: LearnerEngine, bus: RedisBus, *, rollouts,
-                 guidance=None, sampler_path: str, prompts: Callable[[int], list[list[int]]],
-                 reward: Callable[[list[int], list[int]], float], run_id: str | None = None,
-                 prompts_per_step: int = 8, samples_per_prompt: int = 8,
-                 max_new_tokens: int = 8, temperature: float = 1.0, timeout_s: float = 300.0,
-                 metrics: Metrics | None = None, seed: int = 0):
-        self.settings = settings
-        self.engine = engine
-        self.bus = bus
-        self.registry = Registry(bus, settings.key_prefix)
-        self.staleness = StalenessGuard(self.registry, settings.max_version_diff,
-                                        settings.stale_rollouts, metrics)
-        self.metrics = metrics
+    prompts: Callable[[int], list[list[int]]]
+    """step -> the step's prompts (token ids)"""
+    reward: Callable[[list[int], list[int]], float]
+    """(prompt, completion) -> reward"""
+    sampler_path: str | None
+    """the execution path the samplers run, versions are converted for it (None: the
+    converter's preset)"""
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 8
+    """one GRPO group per prompt"""
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    seed: int = 0
+    """step ``t`` samples with :func:`~alignd.infra.work.sampling_seed` ``(seed, t)``"""
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    """prefix of the run's version and request ids"""
+    timeout_s: float = 300.0
+    """longest wait for a version to serve and for a request's rollouts"""
+
+
+@dataclass
+class LoopParts:
+    """The loop's collaborators over one Redis and one weight store (see :meth:`build`)."""
+
+    bus: RedisBus
+    registry: Registry
+    store: WeightStore
+    staleness: StalenessGuard
+    rollouts: RolloutStore | None = None
+    guidance: GuidanceStore | None = None
+    exports: object | None = None
+    """ModelOpt exports of the versions the loop converts itself (``sampler_layout``)"""
+    metrics: Metrics | None = None
+
+    @classmethod
+    def build(cls, settings: LearnerSettings, *, metrics: Metrics | None = None,
+              bus: RedisBus | None = None, stores: bool = True,
+              rollouts: RolloutStore | None = None,
+              guidance: GuidanceStore | None = None) -> LoopParts:
+        """Everything from ``settings`` (a given ``bus``, ``rollouts`` or ``guidance`` is used
+        as it is; ``stores=False`` leaves the stores out, for a loop that only publishes)."""
+        bus = bus or RedisBus.from_settings(settings)
+        registry = Registry(bus, settings.key_prefix)
+        store = WeightStore(settings.store_dir)
+        if stores and rollouts is None:
+            rollouts = RolloutStore(binary_client(settings), settings.key_prefix, metrics=metrics,
+                                    max_path_pairs=settings.max_path_pairs)
+        if stores and guidance is None:
+            guidance = GuidanceStore.from_settings(settings, metrics=metrics)
+        return cls(bus=bus, registry=registry, store=store, rollouts=rollouts, guidance=guidance,
+                   staleness=StalenessGuard(registry, settings.max_version_diff,
+                                            settings.stale_rollouts, metrics),
+                   exports=exports_for(settings.sampler_layout, store, settings.sglang_model_dir,
+                                       settings.sglang_export_dir),
+                   metrics=metrics)
+
+
+class Stopwatch:
+    """Seconds per stage: ``with watch("train"): ...`` adds the block's time under ``train``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t
+
+
+@dataclass
+class Collected:
+    """One step's rollouts as the learner reads them back."""
+
+    ids: list[str]
+    items: list[Rollout]
+    guidance: dict[int, GuidanceRecord] | None
+    routing: dict[int, RoutingRecord] | None
+
+    @property
+    def sequences(self) -> list[list[int]]:
+        return [list(r.tokens) for r in self.items]
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        return [r.prompt_len for r in self.items]
+
+    @property
+    def sampler_logprobs(self) -> list[list[float]]:
+        return [list(r.logprobs) for r in self.items]
+
+
+class LearnerLoop:
+    """Drives iterations against the services: ``settings``, an ``engine``, its ``parts`` and
+    the ``plan`` of every step."""
+
+    def __init__(self, settings: LearnerSettings, engine: LearnerEngine, parts: LoopParts,
+                 plan: RolloutPlan):
+        self.settings, self.engine, self.parts, self.plan = settings, engine, parts, plan
         self.current_version: str | None = None
         """The newest version this loop published: what staleness is measured against."""
-        self.store = WeightStore(settings.store_dir)
-        self.exports = exports_for(settings.sampler_layout, self.store, settings.sglang_model_dir,
-                                   settings.sglang_export_dir)
-        """ModelOpt exports of the versions this loop converts itself (sampler_layout)."""
-        self.rollouts = rollouts
-        self.guidance = guidance
-        self.sampler_path = sampler_path
-        self.prompts = prompts
-        self.reward = reward
-        self.run_id = run_id or uuid.uuid4().hex[:8]
-        self.prompts_per_step = prompts_per_step
-        self.samples_per_prompt = samples_per_prompt
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.timeout_s = timeout_s
-        self.seed = seed
-        """The run's seed: step ``t`` samples with :func:`~alignd.infra.work.sampling_seed`
-        ``(seed, t)``, so runs with different seeds differ in sampling too."""
         self.requests_stream = requests_stream(settings.key_prefix)
         self.ready_stream = ready_stream(settings.key_prefix)
-        self._ready_last = self._tail(self.ready_stream)
+        self._ready_last = parts.bus.last_id(self.ready_stream)
 
-    def _tail(self, stream: str) -> str:
-        last = self.bus.call("tail", lambda: self.bus.client.xrevrange(stream, count=1))
-        return last[0][0] if last else "0-0"
+    @property
+    def run_id(self) -> str:
+        return self.plan.run_id
+
+    @property
+    def bus(self) -> RedisBus:
+        return self.parts.bus
+
+    @property
+    def exports(self):
+        return self.parts.exports
 
     # --- stages ---------------------------------------------------------------------------
 
     def publish(self, step: int) -> str:
         """Write, register and announce the current weights; returns the version id.
 
-        An engine that converts its own weights (``publish_converted``: the expert-parallel
-        :class:`~alignd.learner.ranks.RankGroupEngine`, each rank quantizing its experts)
-        writes the NVFP4 version itself (and with ``sampler_layout=modelopt`` its ModelOpt
-        export, from the parts) and announces it as converted; any other engine
+        An engine that converts its own weights (:class:`SupportsConvertedPublish`: the
+        expert-parallel :class:`~alignd.learner.ranks.RankGroupEngine`, each rank quantizing its
+        experts) writes the NVFP4 version itself (and with ``sampler_layout=modelopt`` its
+        ModelOpt export, from the parts) and announces it as converted; any other engine
         publishes BF16 weights for the converter service.
         """
-        vid = f"{self.run_id}-{step:05d}"
-        if hasattr(self.engine, "publish_converted"):
-            spec, quantize = target_spec(resolve_spec(self.settings.preset), self.sampler_path)
-            self.engine.publish_converted(self.store, vid, spec, quantize=quantize)
-            if self.exports is not None and holds(spec, quantize):  # for SGLang samplers, once
-                self.exports.write(vid)
-            announce_converted(self.registry, self.bus, self.settings.converted_stream,
-                               self.store, vid, spec.name, target_path=self.sampler_path)
+        p, vid = self.parts, f"{self.plan.run_id}-{step:05d}"
+        if isinstance(self.engine, SupportsConvertedPublish):
+            spec, quantize = target_spec(resolve_spec(self.settings.preset), self.plan.sampler_path)
+            self.engine.publish_converted(p.store, vid, spec, quantize=quantize)
+            if p.exports is not None and holds(spec, quantize):  # for SGLang samplers, once
+                p.exports.write(vid)
+            announce_converted(p.registry, p.bus, self.settings.converted_stream, p.store, vid,
+                               spec.name, target_path=self.plan.sampler_path)
         else:
-            publish_version(self.store.published_root, self.registry, self.bus,
+            publish_version(p.store.published_root, p.registry, p.bus,
                             self.settings.published_stream, vid, self.engine.export_weights(),
-                            actor="learner", target_path=self.sampler_path)
+                            actor="learner", target_path=self.plan.sampler_path)
         self.current_version = vid
         return vid
 
-    def objective(self) -> dict:
-        """The engine's objective settings and the staleness rule, as the learner reports them."""
-        return {**self.engine.objective(), "ppo_epochs": self.settings.ppo_epochs,
-                **self.staleness.describe()}
-
-    def train(self, vid: str, batch: TrainBatch) -> dict:
-        """``ppo_epochs`` optimizer steps on ``batch`` (rollouts of version ``vid``; the last
-        step's statistics), unless ``vid`` is more than ``max_version_diff`` versions older
-        than :attr:`current_version`: then ``{"dropped_stale": rollouts}`` (StaleRolloutError
-        under ``stale_rollouts=refuse``)."""
-        if not self.staleness.admit(vid, self.current_version or vid,
-                                    rollouts=len(batch.sequences)):
-            return {"dropped_stale": len(batch.sequences)}
-        for _ in range(self.settings.ppo_epochs):
-            stats = self.engine.train_step(batch)
-        return stats
-
-    @property
-    def replay_mode(self) -> str:
-        """The engine's routing replay mode (``off`` for engines without one)."""
-        return getattr(self.engine, "routing_replay", "off")
-
-    def routing_records(self, vid: str, items: list[Rollout]) -> dict[int, RoutingRecord] | None:
-        """The rollouts' routing records by batch index, checked against ``vid`` and the
-        engine's model (None with routing replay off). Under ``recompute``/``record`` a rollout
-        without a record is counted and refused (RoutingMissingError)."""
-        if self.replay_mode == "off":
-            return None
-        recs = {i: routing_record(r.routing) for i, r in enumerate(items) if r.routing is not None}
-        missing = [r.rollout_id for r in items if r.routing is None]
-        if missing and self.replay_mode != "measure":
-            if self.metrics is not None:
-                self.metrics.rollouts_unreplayed.inc(len(missing))
-            raise RoutingMissingError(f"routing replay ({self.replay_mode}) needs a routing "
-                                      f"record for every rollout; {len(missing)} of "
-                                      f"{len(items)} of version {vid} have none, e.g. "
-                                      f"{missing[0]!r}")
-        check_routing(recs, positions={i: len(items[i].tokens) - 1 for i in recs},
-                      version=vid, **self.engine.routing_geometry())
-        return recs
-
     def wait_serving(self, vid: str) -> dict[str, float]:
         """Block until ``vid`` serves; seconds per stage from the registry's history."""
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.plan.timeout_s
         while True:
-            rec = self.registry.get(vid)
+            rec = self.parts.registry.get(vid)
             if rec.state == "serving":
                 break
             if rec.state == "failed":
                 raise LoopError(f"version {vid} failed: {rec.reason}")
             if time.monotonic() > deadline:
-                raise LoopError(f"version {vid} not serving after {self.timeout_s:.0f}s "
+                raise LoopError(f"version {vid} not serving after {self.plan.timeout_s:.0f}s "
                                 f"(state {rec.state})")
             time.sleep(0.01)
-        at = {h.to_state: h.at for h in self.registry.history(vid)}
+        at = {h.to_state: h.at for h in self.parts.registry.history(vid)}
         return {"convert": at["converted"] - at["published"],
                 "load": at["serving"] - at["converted"],
                 "sync": at["serving"] - at["published"]}
 
     def rollout_request(self, vid: str, step: int) -> RolloutRequest:
         """The request for ``step``'s rollouts of ``vid``: the step's prompts, a group per
-        prompt, sampled with seed ``sampling_seed(self.seed, step)``."""
-        return RolloutRequest(request_id=f"{self.run_id}-{step:05d}-r", version_id=vid,
-                              prompts=json.dumps(self.prompts(step)),
-                              samples_per_prompt=self.samples_per_prompt,
-                              max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                              seed=sampling_seed(self.seed, step),
+        prompt, sampled with seed ``sampling_seed(plan.seed, step)``."""
+        plan = self.plan
+        return RolloutRequest(request_id=f"{plan.run_id}-{step:05d}-r", version_id=vid,
+                              prompts=json.dumps(plan.prompts(step)),
+                              samples_per_prompt=plan.samples_per_prompt,
+                              max_new_tokens=plan.max_new_tokens, temperature=plan.temperature,
+                              seed=sampling_seed(plan.seed, step),
                               guidance_bits=self.settings.guidance_bits
                               if gemm.get_path(self.engine.path).guided else 0,
                               routing=self.replay_mode != "off")
@@ -232,62 +287,85 @@ class LearnerLoop:
         req = self.rollout_request(vid, step)
         rid = req.request_id
         self.bus.publish(self.requests_stream, req.to_fields())
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.plan.timeout_s
         while time.monotonic() < deadline:
-            got = self.bus.call("wait ready", lambda: self.bus.client.xread(
-                {self.ready_stream: self._ready_last}, count=64, block=200))
-            for _stream, entries in got or []:
-                for mid, fields in entries:
-                    self._ready_last = mid
-                    ev = RolloutsReady.from_fields(fields)
-                    if ev.request_id != rid:
-                        continue
-                    if ev.error:
-                        raise LoopError(f"sampler {ev.sampler} could not serve {rid}: {ev.error}")
-                    return ev
-        raise LoopError(f"no rollouts for request {rid} after {self.timeout_s:.0f}s")
+            for msg in self.bus.read_after(self.ready_stream, self._ready_last):
+                self._ready_last = msg.id
+                ev = RolloutsReady.from_fields(msg.fields)
+                if ev.request_id != rid:
+                    continue
+                if ev.error:
+                    raise LoopError(f"sampler {ev.sampler} could not serve {rid}: {ev.error}")
+                return ev
+        raise LoopError(f"no rollouts for request {rid} after {self.plan.timeout_s:.0f}s")
+
+    def collect(self, vid: str, ready: RolloutsReady) -> Collected:
+        """The request's rollouts read back, with their guidance and routing records checked
+        against ``vid`` and the engine's model."""
+        ids = ready.ids()
+        items = self.parts.rollouts.get_rollouts(vid, ids)
+        recs = None
+        if ready.guidance and self.parts.guidance is not None:
+            blobs = self.parts.guidance.get_many(vid, ids)
+            recs = {i: GuidanceRecord.decode(blobs[r]) for i, r in enumerate(ids)}
+            check_records(recs, version=vid, bits=self.settings.guidance_bits)
+        return Collected(ids, items, recs, self.routing_records(vid, items))
+
+    def score(self, vid: str, got: Collected) -> tuple[list[list[float]], dict, dict]:
+        """The learner's teacher-forced log-probs of ``got`` (routed as recorded under routing
+        replay), reported to the rollout store; the scores, the batch's δ summary and the
+        routing disagreement."""
+        seqs, plens = got.sequences, got.prompt_lens
+        mine = self.engine.score(seqs, plens, got.guidance) if got.routing is None else \
+            self.engine.score(seqs, plens, got.guidance, got.routing)
+        route = self.engine.routing_stats.to_dict() if got.routing is not None else {}
+        delta = self.parts.rollouts.put_scores(vid, [
+            Score(rollout_id=r, logprobs=lp, path=self.engine.path)
+            for r, lp in zip(got.ids, mine, strict=True)])
+        return mine, delta.model_dump(), route
+
+    def train(self, vid: str, batch: TrainBatch) -> dict:
+        """``ppo_epochs`` optimizer steps on ``batch`` (rollouts of version ``vid``; the last
+        step's statistics), unless ``vid`` is more than ``max_version_diff`` versions older
+        than :attr:`current_version`: then ``{"dropped_stale": rollouts}`` (StaleRolloutError
+        under ``stale_rollouts=refuse``)."""
+        if not self.parts.staleness.admit(vid, self.current_version or vid,
+                                          rollouts=len(batch.sequences)):
+            return {"dropped_stale": len(batch.sequences)}
+        for _ in range(self.settings.ppo_epochs):
+            stats = self.engine.train_step(batch)
+        return stats
+
+    def train_batch(self, got: Collected, mine: list[list[float]]) -> TrainBatch:
+        """The rollouts with their rewards and GRPO groups (``π_old``: the learner's scores
+        when the objective clips)."""
+        seqs, plens = got.sequences, got.prompt_lens
+        rewards = [float(self.plan.reward(s[:p], s[p:])) for s, p in zip(seqs, plens, strict=True)]
+        groups = [i // self.plan.samples_per_prompt for i in range(len(seqs))]
+        old = mine if self.engine.objective().get("ppo_clip_eps") is not None else None
+        return TrainBatch(seqs, plens, got.sampler_logprobs, rewards, groups, got.guidance, old,
+                          got.routing)
+
+    # --- the round trip -------------------------------------------------------------------
 
     def iteration(self, step: int) -> IterationResult:
         """One version's round trip (see the module doc)."""
-        sec: dict[str, float] = {}
-        t = time.perf_counter()
-        vid = self.publish(step)
-        sec["publish"] = time.perf_counter() - t
-        sec.update(self.wait_serving(vid))
-        t = time.perf_counter()
-        ready = self.rollout(vid, step)
-        seed = sampling_seed(self.seed, step)
-        sec["rollout"] = time.perf_counter() - t
-        t = time.perf_counter()
-        ids = ready.ids()
-        items = self.rollouts.get_rollouts(vid, ids)
-        seqs = [list(r.tokens) for r in items]
-        plens = [r.prompt_len for r in items]
-        samp = [list(r.logprobs) for r in items]
-        recs = None
-        if ready.guidance and self.guidance is not None:
-            blobs = self.guidance.get_many(vid, ids)
-            recs = {i: GuidanceRecord.decode(blobs[r]) for i, r in enumerate(ids)}
-            check_records(recs, version=vid, bits=self.settings.guidance_bits)
-        routing = self.routing_records(vid, items)
-        mine = self.engine.score(seqs, plens, recs) if routing is None else \
-            self.engine.score(seqs, plens, recs, routing)
-        route_stats = self.engine.routing_stats.to_dict() if routing is not None else {}
-        delta = self.rollouts.put_scores(vid, [Score(rollout_id=r, logprobs=lp,
-                                                     path=self.engine.path)
-                                               for r, lp in zip(ids, mine, strict=True)])
-        sec["score"] = time.perf_counter() - t
-        t = time.perf_counter()
-        rewards = [float(self.reward(s[:p], s[p:])) for s, p in zip(seqs, plens, strict=True)]
-        groups = [i // self.samples_per_prompt for i in range(len(seqs))]
-        old = mine if self.engine.objective().get("ppo_clip_eps") is not None else None
-        train = self.train(vid, TrainBatch(seqs, plens, samp, rewards, groups, recs, old,
-                                           routing))
-        sec["train"] = time.perf_counter() - t
-        summary = delta.model_dump() if hasattr(delta, "model_dump") else dict(delta)
-        flat = [a - b for x, y in zip(mine, samp, strict=True) for a, b in zip(x, y, strict=True)]
-        return IterationResult(step, vid, sum(rewards) / len(rewards), summary, train, sec, flat,
-                               route_stats, seed)
+        watch = Stopwatch()
+        with watch("publish"):
+            vid = self.publish(step)
+        watch.seconds.update(self.wait_serving(vid))
+        with watch("rollout"):
+            ready = self.rollout(vid, step)
+        with watch("score"):
+            got = self.collect(vid, ready)
+            mine, delta, route = self.score(vid, got)
+        with watch("train"):
+            batch = self.train_batch(got, mine)
+            train = self.train(vid, batch)
+        flat = [a - b for x, y in zip(mine, batch.sampler_logprobs, strict=True)
+                for a, b in zip(x, y, strict=True)]
+        return IterationResult(step, vid, sum(batch.rewards) / len(batch.rewards), delta, train,
+                               watch.seconds, flat, route, sampling_seed(self.plan.seed, step))
 
     def run(self, steps: int, start: int = 0,
             on_step: Callable[[IterationResult], None] | None = None) -> list[IterationResult]:
@@ -299,3 +377,35 @@ class LearnerLoop:
             if on_step:
                 on_step(r)
         return out
+
+    # --- the objective and routing replay -------------------------------------------------
+
+    def objective(self) -> dict:
+        """The engine's objective settings and the staleness rule, as the learner reports them."""
+        return {**self.engine.objective(), "ppo_epochs": self.settings.ppo_epochs,
+                **self.parts.staleness.describe()}
+
+    @property
+    def replay_mode(self) -> str:
+        """The engine's routing replay mode (``off`` for engines without one)."""
+        return self.engine.routing_replay if isinstance(self.engine, SupportsRoutingReplay) \
+            else "off"
+
+    def routing_records(self, vid: str, items: list[Rollout]) -> dict[int, RoutingRecord] | None:
+        """The rollouts' routing records by batch index, checked against ``vid`` and the
+        engine's model (None with routing replay off). Under ``recompute``/``record`` a rollout
+        without a record is counted and refused (RoutingMissingError)."""
+        if self.replay_mode == "off":
+            return None
+        recs = {i: routing_record(r.routing) for i, r in enumerate(items) if r.routing is not None}
+        missing = [r.rollout_id for r in items if r.routing is None]
+        if missing and self.replay_mode != "measure":
+            if self.parts.metrics is not None:
+                self.parts.metrics.rollouts_unreplayed.inc(len(missing))
+            raise RoutingMissingError(f"routing replay ({self.replay_mode}) needs a routing "
+                                      f"record for every rollout; {len(missing)} of "
+                                      f"{len(items)} of version {vid} have none, e.g. "
+                                      f"{missing[0]!r}")
+        check_routing(recs, positions={i: len(items[i].tokens) - 1 for i in recs},
+                      version=vid, **self.engine.routing_geometry())
+        return recs

@@ -13,15 +13,11 @@ import threading
 
 from alignclient.errors import AlignError
 
-from alignd.infra.bus import RedisBus
 from alignd.infra.liveness import ServiceHeartbeat
-from alignd.infra.redis_clients import binary_client
 from alignd.infra.settings import LearnerSettings
-from alignd.infra.stores.guidance import GuidanceStore
-from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.telemetry import Metrics, serve_metrics_for
 from alignd.learner.engine import LearnerEngine, TorchLearnerEngine
-from alignd.learner.loop import LearnerLoop
+from alignd.learner.loop import LearnerLoop, LoopParts, RolloutPlan
 from libalign import models
 
 log = logging.getLogger("alignd.learner")
@@ -47,16 +43,12 @@ def build_loop(settings: LearnerSettings, *, lr: float = 2e-5, use_tis: bool = T
         engine = TorchLearnerEngine(model, settings.learner_path, lr=lr, use_tis=use_tis,
                                     pad_id=task.pad_id, strict=settings.strict,
                                     **objective_options(settings))
-    bus = RedisBus.from_settings(settings)
-    rollouts = RolloutStore(binary_client(settings), settings.key_prefix, metrics=metrics,
-                            max_path_pairs=settings.max_path_pairs)
-    guidance = GuidanceStore.from_settings(settings, metrics=metrics)
-    return LearnerLoop(settings, engine, bus, rollouts=rollouts, guidance=guidance,
-                       sampler_path=settings.sampler_path, run_id=run_id,
-                       prompts=lambda step: task.prompts(prompts_per_step, step, split="train"),
-                       reward=task.verify, prompts_per_step=prompts_per_step,
-                       samples_per_prompt=samples_per_prompt,
-                       max_new_tokens=task.max_completion_len, metrics=metrics)
+    plan = RolloutPlan(prompts=lambda step: task.prompts(prompts_per_step, step, split="train"),
+                       reward=task.verify, sampler_path=settings.sampler_path,
+                       prompts_per_step=prompts_per_step, samples_per_prompt=samples_per_prompt,
+                       max_new_tokens=task.max_completion_len,
+                       **({"run_id": run_id} if run_id else {}))
+    return LearnerLoop(settings, engine, LoopParts.build(settings, metrics=metrics), plan)
 
 
 def run_loop(loop: LearnerLoop, settings: LearnerSettings, stop: threading.Event, steps: int,

@@ -33,7 +33,7 @@ import threading
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 from alignclient.errors import ManifestError, ShapeError, SpecError
@@ -78,13 +78,20 @@ class SamplerEngine(Protocol):
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  temperature: float = 1.0, seed: int = 0,
-                 guidance_bits: int | None = None, routing: bool = False) -> Generation:
-        """Sample completions; with ``guidance_bits``, also the guidance records; with
-        ``routing``, the routing records (an engine that cannot record them is only asked
-        when a learner replays routing)."""
+                 guidance_bits: int | None = None) -> Generation:
+        """Sample completions; with ``guidance_bits``, also the guidance records."""
 
     def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> list[list[float]]:
         """Teacher-forced log-probs of the completion tokens, as this engine decodes them."""
+
+
+@runtime_checkable
+class RecordsRouting(Protocol):
+    """A sampler engine that records each rollout's routing: ``generate(..., routing=True)``
+    fills :attr:`Generation.routing` (what a learner's routing replay needs)."""
+
+    records_routing: bool
+    """True: the engine takes ``routing=True`` in :meth:`SamplerEngine.generate`"""
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -94,6 +101,8 @@ def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 class TorchSamplerEngine:
     """The embedded sampler: a Hugging Face Qwen3-MoE running one execution path."""
+
+    records_routing: ClassVar[bool] = True
 
     def __init__(self, model: nn.Module, store: WeightStore, path: str = "nvfp4_minite", *,
                  batch_size: int = 64, eos_id: int | None = None, pad_id: int = 0,

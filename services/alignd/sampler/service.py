@@ -36,7 +36,6 @@ write-once).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import logging
 import threading
@@ -63,7 +62,7 @@ from alignd.infra.work import (
     ready_stream,
     requests_stream,
 )
-from alignd.sampler.engine import SamplerEngine
+from alignd.sampler.engine import RecordsRouting, SamplerEngine
 
 log = logging.getLogger("alignd.sampler")
 
@@ -215,7 +214,7 @@ class SamplerService:
                      req.request_id)
             return RolloutsReady(**base, rollout_ids=json.dumps(ids), guidance=bits is not None,
                                  seconds=time.perf_counter() - t0)
-        if req.routing and "routing" not in inspect.signature(self.engine.generate).parameters:
+        if req.routing and not isinstance(self.engine, RecordsRouting):
             return RolloutsReady(**base, error=f"sampler engine {type(self.engine).__name__} "
                                  "cannot record routing (routing replay needs the embedded "
                                  "engine)")

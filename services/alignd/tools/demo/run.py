@@ -92,7 +92,7 @@ from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.telemetry import Metrics
 from alignd.learner.engine import TorchLearnerEngine
-from alignd.learner.loop import IterationResult, LearnerLoop
+from alignd.learner.loop import IterationResult, LearnerLoop, LoopParts, RolloutPlan
 from alignd.learner.service import objective_options
 from alignd.sampler.engine import TorchSamplerEngine
 from alignd.tools.demo.report import aggregate, plot_demo
@@ -304,15 +304,16 @@ def run_demo(cfg: DemoConfig, *,
             engine = TorchLearnerEngine(copy.deepcopy(base_model), learner_path, lr=cfg.lr,
                                         use_tis=tis, pad_id=task.pad_id, strict=s.strict,
                                         **objective_options(s))
-            loop = LearnerLoop(
-                s, engine, svc.bus, rollouts=svc.rollouts, guidance=svc.guidance,
-                sampler_path=sampler_path, run_id=f"{name}-s{seed}-{uuid.uuid4().hex[:6]}",
+            plan = RolloutPlan(
                 prompts=lambda step, seed=seed: rng_prompts(
                     cfg.prompts_per_step, seed * 100_003 + step, split="train"),
-                reward=task.verify, prompts_per_step=cfg.prompts_per_step,
-                samples_per_prompt=cfg.samples_per_prompt,
-                max_new_tokens=task.max_completion_len, temperature=cfg.temperature,
-                metrics=metrics, seed=seed)
+                reward=task.verify, sampler_path=sampler_path,
+                prompts_per_step=cfg.prompts_per_step, samples_per_prompt=cfg.samples_per_prompt,
+                max_new_tokens=task.max_completion_len, temperature=cfg.temperature, seed=seed,
+                run_id=f"{name}-s{seed}-{uuid.uuid4().hex[:6]}")
+            parts = LoopParts.build(s, metrics=metrics, bus=svc.bus, rollouts=svc.rollouts,
+                                    guidance=svc.guidance)
+            loop = LearnerLoop(s, engine, parts, plan)
             run.objective = loop.objective()
             warmup = torch.optim.lr_scheduler.LambdaLR(
                 engine.opt, lambda i: min(1.0, (i + 1) / max(1, cfg.lr_warmup_steps)))
