@@ -29,11 +29,10 @@ from libalign.gemm.finite_checks import check_rows
 from libalign.gemm.row_groups import GroupLayout, group_layout
 from libalign.kernels import config
 from libalign.spec import INPUT_DTYPES, NumericsSpec
-from libalign.spec.rounding import e4m3_bits_to_float, guide_tables
+from libalign.spec.rounding import e4m3_table, guide_tables
 
 _triton_module = None
 _capability: dict[str, tuple[int, int]] = {}
-_E4M3: dict[str, torch.Tensor] = {}
 
 
 def _kernels():
@@ -153,15 +152,6 @@ def w4a4_grouped_triton_quantized(a_inner: torch.Tensor, a_dec: torch.Tensor,
     return lay.unpad(out)
 
 
-def _e4m3_values(device: torch.device) -> torch.Tensor:
-    """The fp32 value of each E4M3 byte on ``device`` (cached)."""
-    table = _E4M3.get(str(device))
-    if table is None:
-        table = _E4M3[str(device)] = e4m3_bits_to_float(
-            torch.arange(256, dtype=torch.uint8, device=device))
-    return table
-
-
 _DECODE_FAILED: list[str] = []
 
 
@@ -184,7 +174,7 @@ def triton_inner_values(codes: torch.Tensor, block_scales: torch.Tensor) -> torc
         return None
     try:
         return _kernels_for(codes, 16).inner_from_codes(codes, block_scales,
-                                                        _e4m3_values(codes.device))
+                                                        e4m3_table(codes.device))
     except Exception as e:  # a compile failure of this Triton version
         _DECODE_FAILED.append(f"{type(e).__name__}: {e}")
         warnings.warn(f"the Triton inner-value pass failed ({_DECODE_FAILED[0][:200]}); "
@@ -234,7 +224,7 @@ def _guided_pass(tk, x: torch.Tensor, src: torch.Tensor, guide, spec: NumericsSp
         x, src=src, low=guide.low.contiguous(),
         block_scales=guide.block_scales.view(torch.uint8).contiguous(),
         row_scales=guide.row_scales.to(torch.float32).contiguous(), bits=guide.bits,
-        amax_floor=spec.amax_floor, e4m3=_e4m3_values(x.device), up=up, down=down, **kw)
+        amax_floor=spec.amax_floor, e4m3=e4m3_table(x.device), up=up, down=down, **kw)
 
 
 def w4a4_grouped_triton_guided(a: torch.Tensor, spec: NumericsSpec, guide, w_inner: torch.Tensor,

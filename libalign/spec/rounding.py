@@ -282,6 +282,16 @@ def _e4m3_table(device: torch.device | str = "cpu") -> torch.Tensor:
 _TABLES: dict[str, torch.Tensor] = {}
 
 
+def e4m3_table(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The fp32 value of each E4M3 byte ``[256]`` on ``device``, decoded once per device (the
+    one table every E4M3 decode, the GPU kernels' included, reads)."""
+    key = str(device)
+    table = _TABLES.get(key)
+    if table is None:
+        table = _TABLES[key] = _e4m3_table(device)
+    return table
+
+
 def e4m3_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
     """E4M3 bytes (uint8 or float8_e4m3fn) -> exact fp32 values."""
     if bits.dtype == torch.float8_e8m0fnu:
@@ -289,11 +299,7 @@ def e4m3_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
                          "e8m0_bits_to_float or block_scale_values")
     if bits.dtype == torch.float8_e4m3fn:
         bits = bits.view(torch.uint8)
-    key = str(bits.device)
-    table = _TABLES.get(key)
-    if table is None:
-        table = _TABLES[key] = _e4m3_table(bits.device)
-    return table[bits.to(torch.int64)]
+    return e4m3_table(bits.device)[bits.to(torch.int64)]
 
 
 def e8m0_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
