@@ -149,7 +149,7 @@ def grouped_linear(a: torch.Tensor, weights: ExpertWeights,
     ``a`` is ``[rows, K]``; ``counts`` gives each expert's rows (or a :class:`GroupLayout`).
     Backends: ``reference`` (float64 accumulation), ``torch`` (fp32 matmul of exact inner
     values), ``triton`` (fused Hopper kernel), ``native`` (Blackwell FP4 tensor cores through
-    CUTLASS; compiled, not yet run on hardware), ``auto`` (native on Blackwell, else triton
+    CUTLASS), ``auto`` (native on Blackwell, else triton
     on a CUDA device that has it, else torch).
     Differentiable in ``a`` and ``weights.weight`` with the straight-through estimator.
 
