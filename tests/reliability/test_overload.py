@@ -50,6 +50,7 @@ from alignd.infra.registry import Registry
 
 from tests.services.api_server import TOKEN, publish_files
 from tests.services.conftest import free_port
+from tests.services.moved_time import FakeClock
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PREFIX = "ovl"
@@ -333,7 +334,7 @@ def test_header_deadline_closes_idle_connections_and_spares_slow_heads(redis_url
         slow = socket.create_connection(("127.0.0.1", port), timeout=10)
         for piece in (b"GET /healthz HTTP/1.1\r\n", b"Host: slow\r\n", b"\r\n"):
             slow.sendall(piece)
-            time.sleep(0.4)
+            time.sleep(0.2)  # 0.6 s in all: well inside the 1.5 s deadline on a busy host
         answer = slow.recv(4096)
         t0 = time.monotonic()
         closed_after = []
@@ -347,7 +348,7 @@ def test_header_deadline_closes_idle_connections_and_spares_slow_heads(redis_url
         slow.close()
     assert answer.startswith(b"HTTP/1.1 200"), answer
     assert again.startswith(b"HTTP/1.1 200"), again
-    assert max(closed_after) < 3.0  # all within the 1.5 s deadline (+ the 1.2 s spent above)
+    assert max(closed_after) < 3.0  # all within the 1.5 s deadline (+ the 0.6 s spent above)
 
 
 # --- in-process pieces -----------------------------------------------------------------------
@@ -411,8 +412,9 @@ def test_status_snapshot_is_computed_once_for_concurrent_callers():
 
 
 def test_repeated_log_records_are_written_once_per_interval():
-    """1,000 identical errors write one line; the next after the interval says 999 were held
-    back; different records pass meanwhile, from other lines or the same one."""
+    """1,000 identical errors within one interval (the filter's clock stands still) write one
+    line; the next, once the clock moved past the interval, says 999 were held back;
+    different records pass meanwhile, from other lines or the same one."""
     records: list[logging.LogRecord] = []
 
     class Keep(logging.Handler):
@@ -423,7 +425,8 @@ def test_repeated_log_records_are_written_once_per_interval():
     log.propagate = False
     log.setLevel(logging.INFO)
     handler = Keep()
-    handler.addFilter(RepeatFilter(interval_s=0.3))
+    clock = FakeClock(start=1000.0)
+    handler.addFilter(RepeatFilter(interval_s=0.3, clock=clock))
     log.addHandler(handler)
 
     def storm(n: int) -> None:
@@ -438,7 +441,7 @@ def test_repeated_log_records_are_written_once_per_interval():
         storm(1_000)
         log.warning("something else")
         versions(5)  # one line, different messages: all written
-        time.sleep(0.35)
+        clock.advance(0.35)
         storm(1)
     finally:
         log.removeHandler(handler)

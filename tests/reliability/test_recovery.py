@@ -23,12 +23,14 @@ from alignclient.errors import StateTransitionError, VersionExistsError
 from alignd.api.app import create_app
 from alignd.converter.main import run_converter
 from alignd.formats.weight_store import TMP_PREFIX, WeightStore
+from alignd.infra.liveness import list_heartbeats
 from alignd.infra.stores.rollouts import RolloutStore
 from alignd.sampler.service import SamplerService
 
 from libalign.atomic_dir import writer_tag
 from tests.reliability.test_faults import PATH, Rig, model_weights, sampler_engine
 from tests.services.api_server import TOKEN, api_settings, serve
+from tests.services.moved_time import wait_until
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -164,7 +166,9 @@ def test_leftovers_are_swept_on_a_timer_while_the_converter_runs(redis_url, tmp_
     thread = threading.Thread(target=run_converter, args=(rig.settings, stop), daemon=True)
     thread.start()
     try:
-        time.sleep(0.5)  # past the sweep on start
+        # past the sweep on start: the converter sweeps before its first heartbeat
+        wait_until(lambda: any(h["service"] == "converter" for h in list_heartbeats(
+            rig.bus, rig.settings.key_prefix)), "the converter's first heartbeat")
         store = rig.store
         stale = [_leftover(store.versions_root, f"{TMP_PREFIX}k1.1-1.0123abcd", 7200),
                  _leftover(store.versions_root, f"{TMP_PREFIX}k2", 7200),

@@ -12,7 +12,6 @@ between a version's directories and its record is finished by the next.
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
@@ -31,6 +30,7 @@ from alignd.sampler.service import SamplerService
 
 from tests.reliability.test_faults import Rig, model_weights, sampler_engine, wait_for
 from tests.services.api_server import TOKEN, api_settings, serve
+from tests.services.moved_time import age_pending
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
@@ -195,18 +195,20 @@ def groups(rig: Rig, stream: str) -> list[str]:
 def test_restarted_samplers_leave_no_growing_groups_or_consumers(redis_url, tmp_path):
     """Fault: every sampler restart under a new name (the default: host and pid) left its own
     group on the converted stream and a consumer in the shared ``samplers`` group behind: 10
-    restarts, 10 of each. Held: one pass (dead after 200 ms idle) leaves only the live
-    sampler's, and with a pass after each of 10 more restarts the counts stay at 1; a dead
-    consumer that still holds a pending request stays until a live sampler reclaimed it; the
-    converter's group and the shared group are never destroyed; another prefix's groups
-    are not touched."""
-    rig = Rig(redis_url, tmp_path, dead_consumer_idle_ms=200)
+    restarts, 10 of each. Held: a pass whose idle threshold (a minute) nobody has passed yet
+    removes nothing; one whose threshold everyone has passed (0 ms: the idle time is the
+    server's, so it is not waited for) leaves only the live sampler's, kept by its
+    heartbeat, and with such a pass after each of 10 more restarts the counts stay at 1; a
+    dead consumer that still holds a pending request stays until a live sampler reclaimed
+    it; the converter's group and the shared group are never destroyed; another prefix's
+    groups are not touched."""
+    rig = Rig(redis_url, tmp_path)
     conv, reqs = rig.settings.converted_stream, f"{rig.settings.key_prefix}:events:rollout_requests"
     assert conv in run_streams(rig.settings) and reqs in run_streams(rig.settings)
     rig.bus.ensure_group(rig.settings.published_stream, rig.settings.converter_group)
     other = "otherrun:events:converted"
     rig.bus.ensure_group(other, sampler_group("gone"))
-    pass_ = retention(rig, dead_consumer_idle_ms=200)
+    pass_ = retention(rig, dead_consumer_idle_ms=0)  # everyone idle past it: only heartbeats keep
 
     def restart(i: int) -> SamplerService:
         """Sampler ``i`` starts, is told of a converted version and serves one request (Redis
@@ -226,7 +228,8 @@ def test_restarted_samplers_leave_no_growing_groups_or_consumers(redis_url, tmp_
             live.heartbeat.stop()
         live = restart(i)
     assert len(groups(rig, conv)) == 10 and len(consumers(rig, reqs, SAMPLER_GROUP)) == 10
-    time.sleep(0.3)  # everyone idle past 200 ms; the live one is kept by its heartbeat
+    early = retention(rig, dead_consumer_idle_ms=60_000).run()
+    assert (early.consumers_removed, early.groups_destroyed) == ([], [])
     report = pass_.run()
     assert len(report.groups_destroyed) == 9 and len(report.consumers_removed) == 9 + 9
     assert groups(rig, conv) == [sampler_group(live.name)]
@@ -234,21 +237,22 @@ def test_restarted_samplers_leave_no_growing_groups_or_consumers(redis_url, tmp_
     # a dead sampler that took a request and never answered it
     req = RolloutRequest(request_id="held", version_id="a0", prompts="[[1]]", max_new_tokens=1)
     rig.bus.publish(reqs, req.to_fields())
-    assert len(rig.bus.read(reqs, SAMPLER_GROUP, live.name, count=1, block_ms=10)) == 1
+    [held_msg] = rig.bus.read(reqs, SAMPLER_GROUP, live.name, count=1, block_ms=10)
+    held_id = held_msg.id
     holder = live.name
     for i in range(10, 20):
         live.heartbeat.stop()
         live = restart(i) if i != 10 else sampler(rig, f"host-{1000 + i}")
         if i == 10:  # this one only joins: it has not read the request stream yet
             live.setup()
-        time.sleep(0.3)
         pass_.run()
         assert groups(rig, conv) == [sampler_group(live.name)], i
         names = consumers(rig, reqs, SAMPLER_GROUP)
         if i < 15:
             assert holder in names and len(names) <= 2, (i, names)
         if i == 14:  # a live sampler takes the request over and answers it
-            taken = rig.bus.reclaim(reqs, SAMPLER_GROUP, live.name, min_idle_ms=100)
+            age_pending(rig.bus.client, reqs, SAMPLER_GROUP, held_id, 60_000)  # its holder's silence
+            taken = rig.bus.reclaim(reqs, SAMPLER_GROUP, live.name, min_idle_ms=30_000)
             assert [m.fields["request_id"] for m in taken] == ["held"]
             rig.bus.ack(reqs, SAMPLER_GROUP, taken[0].id)
         if i > 15:

@@ -51,7 +51,8 @@ Switches (plain attributes, set by a test between calls)
     shift ``input_token_logprobs`` by this many positions (an off-by-one server);
     ``sticky_version``: updates keep the old ``weight_version``. ``max_in_flight`` is the most
     ``/generate`` calls that ran at once. ``calls`` records every request in order:
-    ``(method, path, body, status)``.
+    ``(method, path, body, status)``, once answered; ``arrived`` counts the requests per
+    route as they arrive (before any ``delay``).
 
 Server set-up (constructor arguments)
     ``api_key``: SGLang's ``--api-key`` (``add_api_key_middleware``: 401 ``{"error":
@@ -77,6 +78,7 @@ import hashlib
 import json
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -219,6 +221,7 @@ class SGLangContract:
         self.max_in_flight = 0
         self.aborted_epoch = 0  # bumped by an abort pause; requests of an older epoch abort
         self.calls: list[Call] = []
+        self.arrived: Counter[str] = Counter()
         self.app = self._build()
 
     # --- the fake model -----------------------------------------------------------------
@@ -259,6 +262,7 @@ class SGLangContract:
 
     async def _gate(self, request: Request, body: Any) -> Response | None:
         path = request.url.path
+        self.arrived[path] += 1
         if self.unavailable.get(path, 0) > 0:
             self.unavailable[path] -= 1
             self._record(request, body, 503)

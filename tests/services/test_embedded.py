@@ -29,6 +29,7 @@ from alignd.infra.settings import AllInOneSettings
 from alignd.infra.stores.guidance import GuidanceStore
 from alignd.infra.telemetry import Metrics
 
+from tests.services.moved_time import age_pending, idle_ms, wait_until
 from tests.services.test_registry import drive
 
 S, G = "t:stream", "grp"
@@ -188,16 +189,19 @@ def test_bus_blocking_read_wakes_on_publish(cfg):
 
 
 def test_bus_reclaim_and_claim_keeper(cfg):
-    """A message left by a consumer is reclaimed once idle, with its delivery counted; a
-    ClaimKeeper keeps a live consumer's message from being reclaimed; trimmed entries are
+    """A message left by a consumer is reclaimed once idle past min_idle_ms (both messages'
+    idle time set to a minute, not waited for), with its delivery counted; a ClaimKeeper
+    resets a live consumer's message before the reclaim sees it; trimmed entries are
     dropped; a group lost with the data is recreated."""
     bus = RedisBus.from_settings(cfg)
     bus.ensure_group(S, G)
     ids = [bus.publish(S, {"n": str(i)}) for i in range(2)]
     dead, alive = bus.read(S, G, "dead", count=2, block_ms=50)
     with ClaimKeeper(bus, alive, G, "dead", period_s=0.03) as hb:
-        time.sleep(0.25)
-        [got] = bus.reclaim(S, G, "rescuer", min_idle_ms=150)
+        for m in (dead, alive):
+            age_pending(bus.client, S, G, m.id, 60_000)
+        wait_until(lambda: idle_ms(bus.client, S, G, alive.id) < 30_000, "the keeper's touch")
+        [got] = bus.reclaim(S, G, "rescuer", min_idle_ms=30_000)
     assert not hb.lost
     assert (got.id, got.reclaimed, got.deliveries) == (ids[0], True, 2)
     assert bus.touch(S, G, "dead", dead.id) is False  # it belongs to the rescuer now

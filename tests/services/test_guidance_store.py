@@ -45,6 +45,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from .moved_time import FakeClock, expire_now
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -405,31 +407,40 @@ def test_record_larger_than_budget_is_refused(backend):
 
 
 def test_lease_expires(backend):
-    """A lease that is not renewed runs out and no longer protects its version."""
+    """A lease is a key with the lease's TTL: once Redis expires it (done here at once, as
+    at the TTL's end) it no longer protects its version and the next eviction takes it."""
     with backend(budget_bytes=1500) as s:
         s.put("v1", "r", blob(1000))
-        s.acquire("v1", "learner-0", ttl_s=0.15)
+        s.acquire("v1", "learner-0", ttl_s=30)
         assert s.versions()[0].leased_by == ("learner-0",)
-        assert 0 < s.client.pttl("t:guidance:v:v1:lessees") <= 150
-        time.sleep(0.25)
+        lease = "t:guidance:v:v1:lease:learner-0"
+        assert 0 < s.client.pttl(lease) <= 30_000
+        assert 0 < s.client.pttl("t:guidance:v:v1:lessees") <= 30_000
+        assert expire_now(s.client, lease) == 1
         assert s.versions()[0].leased_by == ()
         res = s.put("v2", "r", blob(1000))
         assert [(e.version, e.in_use_by) for e in res.evicted] == [("v1", ())]
 
 
 def test_ttl_expiry_reconciles_accounting(backend):
-    """All keys of a version expire together; the next script drops it from the index
-    and the totals and leaves an 'expired' tombstone."""
-    with backend(ttl_s=0.3, chunk_bytes=100) as s:
+    """Every key of a version gets one deadline, the store's clock plus ttl_s; once they
+    expired (done here at once) with the clock past the deadline, the next script drops
+    the version from the index and the totals and leaves an 'expired' tombstone."""
+    clock = FakeClock()
+    with backend(ttl_s=60, chunk_bytes=100, clock=clock) as s:
         s.put("v1", "r", blob(1000))
-        assert 0 < s.client.pttl("t:guidance:v:v1:c:r:" + s.client.hget(
-            "t:guidance:v:v1:r:r", "gen").decode() + ":9") <= 300
-        time.sleep(0.45)
+        keys = list(s.client.scan_iter(match="t:guidance:v:v1*"))
+        assert len(keys) == 10 + 3  # 10 chunks, the meta, the version hash, its rollouts
+        deadline_ms = int(s.client.hget("t:guidance:v:v1", "deadline_ms"))
+        assert abs(deadline_ms - (clock() + 60) * 1000) <= 1
+        assert {s.client.pexpiretime(k) for k in keys} == {deadline_ms}
+        clock.advance(61)  # past the deadline
+        assert expire_now(s.client, *keys) == len(keys)
         assert s.client.zrange("t:guidance:index", 0, -1) == [b"v1"]  # not reconciled yet
         res = s.put("v2", "r", blob(10))
         assert res.total_bytes == 10
         assert [v.version for v in s.versions()] == ["v2"]
-        with pytest.raises(GuidanceEvictedError, match=r"expired: its TTL of 0\.3 s"):
+        with pytest.raises(GuidanceEvictedError, match=r"expired: its TTL of 60 s"):
             s.get("v1", "r")
         assert_consistent(s)
 

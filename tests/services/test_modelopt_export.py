@@ -5,6 +5,7 @@ alike; what SGLang cannot load is refused by name; retention prunes exports no s
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from alignclient.errors import LayoutError, VersionNotFoundError
 from alignd.converter.main import run_converter
 from alignd.formats.convert import convert_published
+from alignd.formats.hf_checkpoint import MANIFEST_NAME
 from alignd.formats.modelopt_export import ModelOptExport
 from alignd.formats.published import write_published
 from alignd.formats.selection import make_select
@@ -267,10 +269,12 @@ def test_retention_keeps_the_newest_exports_and_those_a_sampler_needs(redis_url,
     store = WeightStore(settings.store_dir)
     ex = ModelOptExport(store, model_dir(tmp_path), settings.sglang_export_dir)
     vids = [f"v{i}" for i in range(6)]
+    t0 = time.time() - 3600
     for i, vid in enumerate(vids):
         store.write_version(vid, stacks(seed=i), NAIVE, select=EXPERTS)
         ex(vid)
-        time.sleep(0.01)  # distinct manifest times: the order is the export order
+        # exports are listed by manifest time: distinct times in export order, set, not waited for
+        os.utime(ex.path(vid) / MANIFEST_NAME, (t0 + i, t0 + i))
         reg.create(vid, str(store.version_path(vid)))
         states = {"v0": "converted", "v1": "serving"}.get(vid, "serving")
         for s in ("converting", "converted", "loading", "serving"):

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from .conftest import free_port, stop_processes
+from .moved_time import wait_until
 
 pytest.importorskip("transformers")
 
@@ -163,8 +164,8 @@ def test_megatron_learner_over_two_ranks_needs_no_converter(private_redis, tmp_p
         finally:
             stop_processes(learner, sampler)
     assert learner.returncode == 0, (tmp_path / "sampler.log").read_text()[-3000:]
-    time.sleep(0.5)
-    assert len(ranks) >= 2 and not any(_alive(pid) for pid in ranks)  # 2 ranks (+ spawn helper)
+    assert len(ranks) >= 2  # 2 ranks (+ spawn helper)
+    wait_until(lambda: not any(_alive(pid) for pid in ranks), "the learner's ranks to exit")
     steps = [json.loads(x) for x in lines]
     assert 2 <= len(steps) < 50
     assert [s["version_id"] for s in steps[:2]] == ["ep-00000", "ep-00001"]

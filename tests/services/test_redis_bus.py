@@ -15,6 +15,8 @@ from alignd.infra.bus import ClaimKeeper, RedisBus, connect
 from alignd.infra.events import PublishedEvent
 from alignd.infra.settings import DEFAULT_STREAM_MAXLEN
 
+from .moved_time import age_pending, idle_ms, wait_until
+
 S, G = "t:stream", "grp"
 
 
@@ -39,7 +41,8 @@ def test_read_ack_and_pending(redis_url):
 
 def test_reclaim_after_consumer_process_is_killed(redis_url):
     """A consumer SIGKILLed after reading leaves the message pending; a live one reclaims it
-    once it is idle long enough, with the delivery counted, and only then."""
+    once it is idle past min_idle_ms (its idle time set there, not waited for), with the
+    delivery counted, and only then."""
     bus = bus_for(redis_url)
     bus.ensure_group(S, G)
     mid = bus.publish(S, {"version_id": "v1", "path": "/p"})
@@ -53,8 +56,8 @@ def test_reclaim_after_consumer_process_is_killed(redis_url):
     assert proc.returncode == -9
     assert bus.pending_count(S, G) == 1
     assert bus.reclaim(S, G, "rescuer", min_idle_ms=60_000) == []  # not idle long enough
-    time.sleep(0.25)
-    [msg] = bus.reclaim(S, G, "rescuer", min_idle_ms=200)
+    age_pending(bus.client, S, G, mid, 60_000)
+    [msg] = bus.reclaim(S, G, "rescuer", min_idle_ms=60_000)
     assert (msg.id, msg.reclaimed, msg.deliveries) == (mid, True, 2)
     assert msg.fields["version_id"] == "v1"
     bus.ack(S, G, msg.id)
@@ -62,18 +65,21 @@ def test_reclaim_after_consumer_process_is_killed(redis_url):
 
 
 def test_claim_keeper_keeps_message_from_reclaim(redis_url):
-    """A touched message is not idle; touching someone else's message fails."""
+    """A ClaimKeeper resets its message's idle time (set here to a minute, as if its consumer
+    had been slow that long) before another consumer's reclaim sees it; touching someone
+    else's message fails; once the keeper stops, the message idle past min_idle_ms is taken."""
     bus = bus_for(redis_url)
     bus.ensure_group(S, G)
     bus.publish(S, {"x": "1"})
     [msg] = bus.read(S, G, "worker", block_ms=100)
     with ClaimKeeper(bus, msg, G, "worker", period_s=0.05) as hb:
-        time.sleep(0.4)
-        assert bus.reclaim(S, G, "thief", min_idle_ms=200) == []
+        age_pending(bus.client, S, G, msg.id, 60_000)
+        wait_until(lambda: idle_ms(bus.client, S, G, msg.id) < 30_000, "the keeper's touch")
+        assert bus.reclaim(S, G, "thief", min_idle_ms=30_000) == []
     assert not hb.lost
     assert bus.touch(S, G, "thief", msg.id) is False
-    time.sleep(0.25)
-    [stolen] = bus.reclaim(S, G, "thief", min_idle_ms=200)
+    age_pending(bus.client, S, G, msg.id, 60_000)
+    [stolen] = bus.reclaim(S, G, "thief", min_idle_ms=30_000)
     assert stolen.id == msg.id and bus.touch(S, G, "worker", msg.id) is False
 
 

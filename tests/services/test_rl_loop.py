@@ -25,6 +25,7 @@ from alignd.sampler.engine import TorchSamplerEngine
 from alignd.sampler.main import run_sampler
 
 from libalign import models
+from tests.services.moved_time import age_pending
 
 TASK = models.SyntheticTask()
 
@@ -133,7 +134,8 @@ def test_sync_request_switches_the_served_version(deploy):
 
 
 def test_a_request_a_dead_sampler_took_is_served_by_another(deploy):
-    """A rollout request read by a sampler that died before answering is reclaimed and served."""
+    """A rollout request read by a sampler that died before answering is reclaimed, once idle
+    past claim_idle_ms (its idle time set to twice that, not waited for), and served."""
     import json
     import time
 
@@ -148,7 +150,8 @@ def test_a_request_a_dead_sampler_took_is_served_by_another(deploy):
     d.bus.publish(REQUESTS, req.to_fields())
     taken = d.bus.read(REQUESTS, SAMPLER_GROUP, "dead-sampler", count=1, block_ms=100)
     assert [m.fields["request_id"] for m in taken] == ["orphan"]  # taken, never answered
-    settings = d.settings.model_copy(update={"sampler_name": "s2", "claim_idle_ms": 1000,
+    age_pending(d.bus.client, REQUESTS, SAMPLER_GROUP, taken[0].id, 120_000)
+    settings = d.settings.model_copy(update={"sampler_name": "s2", "claim_idle_ms": 60_000,
                                              "heartbeat_ms": 100})
     engine = TorchSamplerEngine(models.build_model(models.tiny_config(num_hidden_layers=2), seed=5),
                                 WeightStore(settings.store_dir), "nvfp4_minite", batch_size=16,

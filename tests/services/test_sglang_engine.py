@@ -41,6 +41,7 @@ from libalign.gemm import get_path
 from libalign.spec import PRESETS
 from tests.services.api_server import serve
 from tests.services.conftest import free_port, tiny_experts
+from tests.services.moved_time import wait_until
 from tests.services.sglang_contract import SGLangContract, check_modelopt_dir
 
 EOS = 7
@@ -231,15 +232,17 @@ def test_503_while_the_server_starts_is_retried_until_it_answers(rig):
 
 
 def test_timeouts_and_unreachable_servers_are_typed(rig, tmp_path):
-    """A slow /generate -> EngineTimeoutError (not retried); no server -> EngineUnavailableError."""
+    """A slow /generate -> EngineTimeoutError, sent once (not retried: the server saw one
+    arrive, and one answered once its delay ran out); no server -> EngineUnavailableError."""
     r = rig()
     r.engine.load("v1")
     r.contract.delay["/generate"] = 1.0
     r.engine.timeouts = SGLangTimeouts(**{**FAST.__dict__, "generate_s": 0.2})
     with pytest.raises(EngineTimeoutError, match=r"no answer within 0\.2s"):
         r.engine.generate([[1]], max_new_tokens=2)
-    time.sleep(1.0)  # the slow call lands
-    assert sum(c.path == "/generate" for c in r.contract.calls) == 1  # never sent twice
+    assert r.contract.arrived["/generate"] == 1  # never sent twice
+    wait_until(lambda: any(c.path == "/generate" for c in r.contract.calls), "the slow call")
+    assert sum(c.path == "/generate" for c in r.contract.calls) == 1
     nowhere = SGLangSamplerEngine(f"http://127.0.0.1:{free_port()}", r.exporter,
                                   timeouts=SGLangTimeouts(**{**FAST.__dict__,
                                                              "retry_deadline_s": 0.2}))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import runpy
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from alignd.formats.weight_store import WeightStore
 from alignd.sampler.sglang_engine import SGLangSamplerEngine, SGLangTimeouts, row_seed
 
 from tests.services.api_server import serve
+from tests.services.moved_time import wait_until
 from tests.services.sglang_contract import SGLangContract
 from tests.services.sglang_router_contract import RouterContract
 from tests.services.test_sglang_engine import EOS, FAST, ORIGINAL, expected, model_dir, store_version
@@ -197,11 +197,11 @@ def test_calls_run_concurrently_and_a_switch_waits_for_them(fleet):
     first = threading.Thread(target=run, args=("first", lambda: engine.generate(
         [[5]], max_new_tokens=2)))
     first.start()
-    while c.in_flight == 0:
-        time.sleep(0.005)
+    wait_until(lambda: c.in_flight, "the first generation running")
     load = threading.Thread(target=run, args=("load", lambda: engine.load("v2")))
     load.start()
-    time.sleep(0.1)  # the load now waits for the first generation
+    # the load now waits for the first generation (the switch lock holds new calls back)
+    wait_until(lambda: engine._switch._writers_waiting or not load.is_alive(), "the load waiting")
     later = threading.Thread(target=run, args=("later", lambda: engine.generate(
         [[5]], max_new_tokens=2)))
     later.start()

@@ -48,6 +48,7 @@ import resource
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -110,9 +111,12 @@ class RepeatFilter(logging.Filter):
     VERDICT = "align_repeat_verdict"
     MAX_KINDS = 1024
 
-    def __init__(self, interval_s: float = LOG_REPEAT_INTERVAL_S) -> None:
+    def __init__(self, interval_s: float = LOG_REPEAT_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: the seconds the windows are measured in (monotonic; tests move it)."""
         super().__init__()
         self.interval_s = interval_s
+        self.clock = clock
         self.kinds: dict[tuple, list] = {}  # kind -> [window start, held back in it]
         self.lock = threading.Lock()
 
@@ -121,7 +125,7 @@ class RepeatFilter(logging.Filter):
         if verdict is not None:
             return verdict
         kind = (record.name, record.levelno, record.pathname, record.lineno, record.getMessage())
-        now = time.monotonic()
+        now = self.clock()
         with self.lock:
             entry = self.kinds.get(kind)
             if entry is not None and now - entry[0] < self.interval_s:
