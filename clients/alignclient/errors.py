@@ -296,9 +296,16 @@ class ChecksumMismatchError(StoreError):
 
 
 class ManifestError(StoreError):
-    """A stored version's manifest is missing, unparsable or disagrees with its files."""
+    """A stored version's manifest is missing, unparsable or disagrees with its files.
+    ``field`` names the manifest field that is missing or malformed, when one is
+    (``totals.tensors``, ``tensors['w'].stored['w_scale'].sha256``)."""
 
     code = "invalid_manifest"
+    field: str | None = None
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class WeightUpdateError(StoreError):

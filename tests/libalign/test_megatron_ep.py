@@ -294,7 +294,7 @@ def test_four_ranks_two_expert_parallel_groups_train_and_publish(train_runs, hf_
         assert (got != want).float().mean().item() <= 0.01, k
         assert (got.float() - want.float()).abs().max().item() <= 2.5e-3, k
     store = WeightStore(tmp_path)
-    assert store.read_manifest("v")["num_parts"] == 2
+    assert store.read_manifest("v").num_parts == 2
     ref_store = WeightStore(tmp_path / "ref")
     ref_store.write_version("ref", four[0]["weights"], PRESETS["minite"], select=make_select())
     _assert_same_version(store.read_version("v"), ref_store.read_version("ref"))

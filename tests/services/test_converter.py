@@ -78,7 +78,7 @@ def test_happy_path(env):
     assert bus.pending_count(settings.published_stream, settings.converter_group) == 0
     [ev] = converted_events(env)
     assert (ev.version_id, ev.path, ev.preset) == ("v1", str(store.version_path("v1")), "minite")
-    assert ev.tensors == len(sd) and ev.stored_bytes == store.read_manifest("v1")["totals"]["stored_bytes"]
+    assert ev.tensors == len(sd) and ev.stored_bytes == store.read_manifest("v1").totals.stored_bytes
     assert_bits_equal_spec(store, "v1", sd, PRESETS["minite"])
     assert metrics.value("libalign_versions_converted_total") == 1
     assert metrics.value("libalign_conversion_stage_seconds_count", {"stage": "quantize"}) == 1
@@ -175,10 +175,10 @@ def test_duplicate_event_reuses_the_version(env):
     settings, bus, reg, store = env
     ev = publish(env, "v", tiny_experts(experts=2))
     run_converter(settings, max_messages=1)
-    created = store.read_manifest("v")["created_at"]
+    created = store.read_manifest("v").created_at
     bus.publish(settings.published_stream, ev.to_fields())
     run_converter(settings, max_messages=1)
-    assert store.read_manifest("v")["created_at"] == created
+    assert store.read_manifest("v").created_at == created
     assert [e.version_id for e in converted_events(env)] == ["v", "v"]
     assert [h.to_state for h in reg.history("v")].count("converted") == 1
     assert bus.pending_count(settings.published_stream, settings.converter_group) == 0

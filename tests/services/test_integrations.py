@@ -467,8 +467,8 @@ def test_publish_from_tensors_converts_here_bit_identical_to_the_converter(redis
     src = write_published(tmp_path / "pub", "v1", sd)
     want = convert_published(src, ref, "v1", "minite")
     got = store.verify_version("v1")
-    assert {n: e["stored"] for n, e in got["tensors"].items()} == \
-        {n: e["stored"] for n, e in want["tensors"].items()}
+    assert {n: e.stored for n, e in got.tensors.items()} == \
+        {n: e.stored for n, e in want.tensors.items()}
     last = pub.bus.client.xrevrange(event_stream("libalign", "converted"), count=1)
     assert last and last[0][1]["version_id"] == "v1"
 

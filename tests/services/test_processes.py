@@ -175,5 +175,5 @@ def test_megatron_learner_over_two_ranks_needs_no_converter(private_redis, tmp_p
     store = WeightStore(settings.store_dir)
     for s in steps:
         assert registry.state(s["version_id"]) == "serving"
-        assert store.read_manifest(s["version_id"])["num_parts"] == 2
+        assert store.read_manifest(s["version_id"]).num_parts == 2
     assert sampler.returncode == 0, (tmp_path / "sampler.log").read_text()[-3000:]

@@ -25,6 +25,7 @@ from alignclient.errors import (
     VersionExistsError,
     VersionNotFoundError,
 )
+from alignd.formats.manifest import Manifest, PartInfo
 from alignd.formats.sharded_version import (
     Piece,
     commit_version,
@@ -147,12 +148,12 @@ def test_sharded_read_back_is_bit_identical_to_unsharded(tmp_path, domain, n):
     assert [results[i].committed for i in range(n)] == [True] + [False] * (n - 1)
     assert_version_equal(store, "v", ref)
     m = store.read_manifest("v")
-    assert m["format_version"] == 2 and m["num_parts"] == n and len(m["parts"]) == n
-    assert [p["start"] for p in m["tensors"][GATE_UP]["pieces"]] == even_cuts(6, n)[:-1]
-    assert m["tensors"][GATE_UP]["shape"] == [6, 32, 64] and "file" in m["tensors"]["model.norm.weight"]
-    assert all(f.startswith("part-") for f in m["files"])
-    assert m["totals"]["source_bytes"] == sum(t.numel() * 2 for t in state.values())
-    assert m["totals"]["stored_bytes"] == sum(r.stored_bytes for r in results.values())
+    assert m.format_version == 2 and m.num_parts == n and len(m.parts) == n
+    assert [p.start for p in m.tensors[GATE_UP].pieces] == even_cuts(6, n)[:-1]
+    assert m.tensors[GATE_UP].shape == (6, 32, 64) and m.tensors["model.norm.weight"].file
+    assert all(f.startswith("part-") for f in m.files)
+    assert m.totals.source_bytes == sum(t.numel() * 2 for t in state.values())
+    assert m.totals.stored_bytes == sum(r.stored_bytes for r in results.values())
     assert results[0].version_manifest == m
     store.verify_version("v")
     assert store.list_versions() == ["ref", "v"]
@@ -186,7 +187,7 @@ def test_invisible_until_the_last_part_and_sweep_spares_young_staging(tmp_path):
     for i in (0, 1):
         r = write_part(store, "v", i, 3, parts[i], spec, select=select)
         assert not r.committed and r.version_manifest is None
-        assert r.manifest["part"] == {"index": i, "num_parts": 3} and r.seconds > 0
+        assert r.manifest.part == PartInfo(index=i, num_parts=3) and r.seconds > 0
         assert r.source_bytes > 0 and r.stored_bytes > 0
     assert store.list_versions() == [] and not store.has_version("v")
     with pytest.raises(VersionNotFoundError):
@@ -392,8 +393,8 @@ def test_rank_killed_mid_part_never_tears_the_version(tmp_path):
         assert len(leftovers) == 1 and list(leftovers[0].glob("nvfp4-*.safetensors"))
         assert not (leftovers[0] / "manifest.json").exists()
         part0 = staging / part_dir_name(0, 2)
-        m0 = json.loads((part0 / "manifest.json").read_text())
-        assert len(m0["files"]) >= 3
+        m0 = Manifest.from_dict(json.loads((part0 / "manifest.json").read_text()))
+        assert len(m0.files) >= 3
         for fname, expected in WeightStore._by_file(m0).items():
             store._load_file("v", part0, fname, expected, verify=True)
         # rank 1 runs again

@@ -54,12 +54,12 @@ def test_round_trip_is_bit_exact_with_modelopt_names(tmp_path):
     manifest = store.write_version("v1", sd, spec, select=is_expert_weight)
     sv = store.read_version("v1")
     name = "model.layers.0.mlp.experts.3.down_proj.weight"
-    entry = manifest["tensors"][name]
-    assert entry["kind"] == "nvfp4" and entry["shape"] == [128, 64] and entry["dtype"] == "bfloat16"
-    assert manifest["specs"][entry["spec"]] == spec.to_dict()
-    roles = {sn: m["role"] for sn, m in entry["stored"].items()}
+    entry = manifest.tensors[name]
+    assert entry.kind == "nvfp4" and entry.shape == (128, 64) and entry.dtype == "bfloat16"
+    assert manifest.specs[entry.spec] == spec.to_dict() and manifest.spec_of(entry) == spec
+    roles = {sn: m.role for sn, m in entry.stored.items()}
     assert roles == {name: "codes", name + "_scale": "block_scales", name + "_scale_2": "outer_scale"}
-    assert entry["stored"][name + "_scale_2"]["shape"] == [128]  # row domain: one per row
+    assert entry.stored[name + "_scale_2"].shape == (128,)  # row domain: one per row
     for n, t in sd.items():
         got = sv[n]
         if is_expert_weight(n, t):
@@ -67,14 +67,14 @@ def test_round_trip_is_bit_exact_with_modelopt_names(tmp_path):
             assert got.bitwise_equal(ref), n
             assert got.spec == spec and got.shape == tuple(t.shape)
         else:
-            assert manifest["tensors"][n]["kind"] == "raw"
+            assert manifest.tensors[n].kind == "raw"
             assert got.dtype == t.dtype and torch.equal(got, t), n
-    totals = manifest["totals"]
-    assert totals["tensors"] == len(sd) and totals["raw_tensors"] == 3
-    assert totals["source_bytes"] == sum(t.numel() * 2 for t in sd.values())
-    assert totals["stored_bytes"] == sum(p.stat().st_size for p in sv.path.glob("*.safetensors"))
-    assert set(manifest["timings"]) == {"read_s", "quantize_s", "write_s", "total_s"}
-    assert json.loads((sv.path / "manifest.json").read_text()) == manifest
+    totals = manifest.totals
+    assert totals.tensors == len(sd) and totals.raw_tensors == 3
+    assert totals.source_bytes == sum(t.numel() * 2 for t in sd.values())
+    assert totals.stored_bytes == sum(p.stat().st_size for p in sv.path.glob("*.safetensors"))
+    assert set(manifest.timings.to_dict()) == {"read_s", "quantize_s", "write_s", "total_s"}
+    assert json.loads((sv.path / "manifest.json").read_text()) == manifest.to_dict()
     assert store.list_versions() == ["v1"]
 
 
@@ -83,14 +83,14 @@ def test_shards_split_and_every_checksum_matches(tmp_path):
     store = WeightStore(tmp_path)
     sd = tiny_experts(experts=3)
     manifest = store.write_version("v", sd, PRESETS["te"], select=is_expert_weight, shard_bytes=8000)
-    assert manifest["totals"]["files"] > 3
+    assert manifest.totals.files > 3
     sv = store.read_version("v")
-    for name, entry in manifest["tensors"].items():
+    for name, entry in manifest.tensors.items():
         item = sv[name]
         parts = {"codes": "codes", "block_scales": "block_scales", "outer_scale": "outer_scale"}
-        for sn, meta in entry["stored"].items():
-            t = item if meta["role"] == "raw" else getattr(item, parts[meta["role"]])
-            assert tensor_sha256(t) == meta["sha256"], sn
+        for sn, meta in entry.stored.items():
+            t = item if meta.role == "raw" else getattr(item, parts[meta.role])
+            assert tensor_sha256(t) == meta.sha256, sn
     assert store.verify_version("v") == manifest
 
 
@@ -102,7 +102,7 @@ def test_flipped_byte_is_named(tmp_path):
                                    shard_bytes=10_000)
     victim = "model.layers.0.mlp.experts.1.up_proj.weight_scale"
     owner = victim.removesuffix("_scale")
-    file = store.version_path("v") / manifest["tensors"][owner]["file"]
+    file = store.version_path("v") / manifest.tensors[owner].file
     raw = bytearray(file.read_bytes())
     raw[tensor_offset(file, victim) + 5] ^= 0x01
     file.write_bytes(bytes(raw))
@@ -119,7 +119,7 @@ def test_missing_or_foreign_files_are_manifest_errors(tmp_path):
     store = WeightStore(tmp_path)
     m = store.write_version("v", tiny_experts(experts=2), PRESETS["minite"], select=is_expert_weight,
                             shard_bytes=10_000)
-    (store.version_path("v") / next(iter(m["files"]))).unlink()
+    (store.version_path("v") / next(iter(m.files))).unlink()
     with pytest.raises(ManifestError, match="missing"):
         store.verify_version("v")
     (store.version_path("v") / "manifest.json").write_text("{not json")
@@ -209,7 +209,7 @@ def test_exists_overwrite_and_delete(tmp_path):
         store.write_version("v", sd, PRESETS["te"])
     assert status_for(ei.value) == 409
     m = store.write_version("v", sd, PRESETS["te"], overwrite=True)
-    assert "te" in m["specs"] and store.read_version("v").manifest == m
+    assert "te" in m.specs and store.read_version("v").manifest == m
     store.delete_version("v")
     assert store.list_versions() == [] and list(store.versions_root.iterdir()) == []
     with pytest.raises(VersionNotFoundError):
@@ -260,10 +260,10 @@ def test_convert_published_selection_and_dtype(tmp_path):
     store = WeightStore(tmp_path / "store")
     sd = tiny_experts(experts=2)
     src = write_published(store.published_root, "v", sd)
-    kinds = {n: e["kind"] for n, e in convert_published(src, store, "v", "minite")["tensors"].items()}
+    kinds = {n: e.kind for n, e in convert_published(src, store, "v", "minite").tensors.items()}
     assert kinds["model.layers.0.self_attn.q_proj.weight"] == "raw"
     m = convert_published(src, store, "v-all", "minite", all_linear=True)
-    kinds = {n: e["kind"] for n, e in m["tensors"].items()}
+    kinds = {n: e.kind for n, e in m.tensors.items()}
     assert kinds["model.layers.0.self_attn.q_proj.weight"] == "nvfp4"
     assert kinds["model.layers.0.mlp.gate.weight"] == "raw"
     assert kinds["model.layers.0.input_layernorm.weight"] == "raw"

@@ -47,7 +47,6 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from alignclient.errors import (
     BusUnavailableError,
@@ -60,6 +59,7 @@ from alignclient.errors import (
 )
 
 from alignd.formats.convert import convert_published, resolve_spec, target_spec
+from alignd.formats.manifest import Manifest
 from alignd.formats.modelopt_export import exports_for, holds
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import ClaimKeeper, Message, RedisBus
@@ -193,11 +193,11 @@ class ConverterWorker:
         self.metrics.observe_conversion(manifest, time.perf_counter() - t0)
         self._announce(vid, manifest, event.target_path)
         log.info("version %s converted: %d tensors, %d bytes, %.2fs", vid,
-                 manifest["totals"]["tensors"], manifest["totals"]["stored_bytes"],
+                 manifest.totals.tensors, manifest.totals.stored_bytes,
                  time.perf_counter() - t0)
         return CONVERTED
 
-    def _convert(self, vid: str, src: str, target_path: str | None = None) -> dict[str, Any]:
+    def _convert(self, vid: str, src: str, target_path: str | None = None) -> Manifest:
         """The store version of ``vid``: reused if complete and verified, else written."""
         spec, quantize = target_spec(self.spec, target_path)
         overwrite = False
@@ -272,7 +272,7 @@ class ConverterWorker:
         log.error("version %s failed: %s", vid, reason)
         return FAILED
 
-    def _announce(self, vid: str, manifest: dict[str, Any] | None = None,
+    def _announce(self, vid: str, manifest: Manifest | None = None,
                   target_path: str | None = None) -> None:
         """Put a ``converted`` event for ``vid`` on the converted stream."""
         spec, _ = target_spec(self.spec, target_path)

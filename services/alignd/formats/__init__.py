@@ -11,6 +11,8 @@ cache shares.
 * :mod:`.published` – the learner's BF16 versions (an HF checkpoint under ``published/``);
 * :mod:`.weight_store` / :mod:`.sharded_version` – NVFP4 versions for samplers, written whole
   or by expert-parallel parts, checksummed;
+* :mod:`.manifest` – a store version's ``manifest.json`` as one typed, frozen ``Manifest``
+  (the file format, read with field-naming errors and written back unchanged);
 * :mod:`.convert` – a published version into the weight store (the converter's data path);
 * :mod:`.modelopt_export` – a store version re-laid out as the ModelOpt NVFP4 checkpoint SGLang
   loads (written once per version, never quantized again);

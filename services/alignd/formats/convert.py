@@ -17,6 +17,7 @@ from alignclient.errors import AlignError, SpecError
 from safetensors import safe_open
 
 from alignd.formats.hf_checkpoint import HFCheckpoint
+from alignd.formats.manifest import Manifest
 from alignd.formats.selection import (
     fused_groups,
     is_expert_weight,
@@ -95,7 +96,7 @@ def convert_published(
     quantize: bool = True,
     share_fused: bool = False,
     on_tensor: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
+) -> Manifest:
     """Convert the published version in ``src_dir`` into ``store`` as ``version_id``.
 
     Every shard is checked to exist before anything is written. Returns the manifest.

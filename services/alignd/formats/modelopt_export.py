@@ -215,7 +215,7 @@ class ModelOptExport:
             spec = NumericsSpec.from_dict(
                 json.loads((self.path(version_id) / MANIFEST_NAME).read_text())["numerics_spec"])
         else:
-            specs = self.store.read_manifest(version_id).get("specs") or {}
+            specs = self.store.read_manifest(version_id).specs
             spec = next((NumericsSpec.from_dict(d) for d in specs.values()), None)
         have = sglang_method(spec) if spec is not None else None
         if want is None or have != want:
@@ -235,7 +235,7 @@ class ModelOptExport:
                               "started from (config.json, tokenizer): set ALIGN_EXPORT_MODEL_DIR")
         t0 = time.perf_counter()
         source = self.store.read_manifest(version_id)  # VersionNotFoundError when absent
-        if not any(e["kind"] == "nvfp4" for e in source["tensors"].values()):
+        if not any(e.kind == "nvfp4" for e in source.tensors.values()):
             raise LayoutError(f"version {version_id!r} holds no NVFP4 tensor (a bf16 version); "
                               "an SGLang sampler serves ModelOpt NVFP4 versions (nvfp4_naive)")
         facts: dict[str, Any] = {"excluded": [], "converted": 0, "spec": None, "method": None}
@@ -340,8 +340,8 @@ class ModelOptExport:
             "producer": {"name": "libalign", "version": libalign.__version__},
             "created_unix": time.time(),
             "source": {"store_version": str(self.store.version_path(version_id)),
-                       "created_at": source.get("created_at"),
-                       "num_parts": len(source.get("parts") or [None])},
+                       "created_at": source.created_at,
+                       "num_parts": len(source.parts or [None])},
             "numerics_spec": facts["spec"].to_dict(),
             "sglang_method": facts["method"],
             "tensors_converted": facts["converted"],

@@ -50,7 +50,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,17 +59,21 @@ from alignclient.errors import InputError, ManifestError, VersionExistsError
 from alignclient.ids import check_version_id
 
 from alignd.formats.hf_checkpoint import MANIFEST_NAME
-from alignd.formats.selection import Select
-from alignd.formats.weight_store import (
-    DEFAULT_SHARD_BYTES,
-    FORMAT,
+from alignd.formats.manifest import (
     SHARDED_FORMAT_VERSION,
-    SUFFIXES,
-    WeightStore,
-    manifest_totals,
-    scalar_outer,
-    spec_key,
+    FileEntry,
+    Manifest,
+    PartInfo,
+    PartSummary,
+    PieceRange,
+    TensorEntry,
+    TensorPiece,
+    Timings,
+    Totals,
+    default_naming,
 )
+from alignd.formats.selection import Select
+from alignd.formats.weight_store import DEFAULT_SHARD_BYTES, WeightStore, scalar_outer, spec_key
 from libalign.atomic_dir import TMP_PREFIX, DestinationExistsError, atomic_directory, fsync_path
 from libalign.spec import NumericsSpec, NVFP4Tensor
 
@@ -98,13 +102,13 @@ class Piece:
 class PartResult:
     """What :func:`write_part` did: the part's manifest and whether the version is visible."""
 
-    manifest: dict[str, Any]
+    manifest: Manifest
     committed: bool
     seconds: float
     source_bytes: int
     stored_bytes: int
     #: the merged manifest when ``committed``
-    version_manifest: dict[str, Any] | None = None
+    version_manifest: Manifest | None = None
 
 
 def _check_parts(version_id: str, num_parts: int, part: int | None = None) -> None:
@@ -190,9 +194,8 @@ def write_part(
                 f"outer scale for the whole tensor; pass the whole tensor's amax")
         entry, stored = store.prepare_entry(name, t, spec, select, specs, device,
                                        outer_amax=value.outer_amax)
-        entry["piece"] = {"start": value.start, "stop": value.start + t.shape[0],
-                          "total": value.total}
-        return entry, stored
+        piece = PieceRange(start=value.start, stop=value.start + t.shape[0], total=value.total)
+        return replace(entry, piece=piece), stored
 
     def step(what: str) -> None:
         # keep the staging directory young while this part is written, so a sweep
@@ -206,7 +209,7 @@ def write_part(
         with atomic_directory(pdir) as tmp:
             manifest = store.write_into(
                 tmp, version_id, tensors, prepare, shard_bytes=shard_bytes, source=source,
-                extra=extra, on_step=step, fields={"part": {"index": part, "num_parts": num_parts}})
+                extra=extra, on_step=step, part=PartInfo(index=part, num_parts=num_parts))
     except DestinationExistsError as e:
         raise VersionExistsError(version_id, f"weight store (part {part} of {num_parts} is "
                                              f"already written)") from e
@@ -215,18 +218,19 @@ def write_part(
         on_step("part")
     merged = commit_version(store, version_id, num_parts) if commit else None
     return PartResult(manifest=manifest, committed=merged is not None, seconds=seconds,
-                      source_bytes=manifest["totals"]["source_bytes"],
-                      stored_bytes=manifest["totals"]["stored_bytes"], version_manifest=merged)
+                      source_bytes=manifest.totals.source_bytes,
+                      stored_bytes=manifest.totals.stored_bytes, version_manifest=merged)
 
 
-def _part_manifests(staging: Path, num_parts: int) -> list[dict[str, Any]] | None:
+def _part_manifests(staging: Path, version_id: str, num_parts: int) -> list[Manifest] | None:
     """Every part's manifest in part order, or None while one is missing."""
     out = []
     for i in range(num_parts):
         try:
-            out.append(json.loads((staging / part_dir_name(i, num_parts) / MANIFEST_NAME).read_text()))
+            raw = json.loads((staging / part_dir_name(i, num_parts) / MANIFEST_NAME).read_text())
         except FileNotFoundError:
             return None
+        out.append(Manifest.from_dict(raw, where=f"sharded weight version {version_id!r} part {i}"))
     return out
 
 
@@ -244,7 +248,7 @@ def part_status(store: WeightStore, version_id: str, num_parts: int) -> dict[str
             "committed": committed}
 
 
-def commit_version(store: WeightStore, version_id: str, num_parts: int) -> dict[str, Any] | None:
+def commit_version(store: WeightStore, version_id: str, num_parts: int) -> Manifest | None:
     """Publish the version if every part is written; return its merged manifest.
 
     Returns the manifest when the version is (now, or already) visible and None while a
@@ -255,7 +259,7 @@ def commit_version(store: WeightStore, version_id: str, num_parts: int) -> dict[
     staging = staging_path(store, version_id, num_parts)
     if store.has_version(version_id):
         return store.read_manifest(version_id)
-    manifests = _part_manifests(staging, num_parts)
+    manifests = _part_manifests(staging, version_id, num_parts)
     if manifests is None:
         return store.read_manifest(version_id) if store.has_version(version_id) else None
     merged = merge_part_manifests(version_id, num_parts, manifests)
@@ -267,7 +271,7 @@ def commit_version(store: WeightStore, version_id: str, num_parts: int) -> dict[
             if p.name.startswith(f"{TMP_PREFIX}part-"):
                 shutil.rmtree(p, ignore_errors=True)
         with open(staging / tmp_name, "w") as f:
-            f.write(json.dumps(merged, indent=1))
+            f.write(json.dumps(merged.to_dict(), indent=1))
             f.flush()
             os.fsync(f.fileno())
         os.replace(staging / tmp_name, staging / MANIFEST_NAME)
@@ -287,33 +291,30 @@ def commit_version(store: WeightStore, version_id: str, num_parts: int) -> dict[
 
 
 def merge_part_manifests(version_id: str, num_parts: int,
-                         manifests: list[dict[str, Any]]) -> dict[str, Any]:
+                         manifests: list[Manifest]) -> Manifest:
     """The merged manifest of a sharded version from its parts' manifests (part order)."""
     specs: dict[str, dict] = {}
-    files: dict[str, dict[str, int]] = {}
-    tensors: dict[str, dict[str, Any]] = {}
+    files: dict[str, FileEntry] = {}
+    tensors: dict[str, TensorEntry | None] = {}
     whole_part: dict[str, int] = {}
-    pieces: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    pieces: dict[str, list[tuple[int, TensorEntry]]] = {}
     owner: dict[str, str] = {}  # stored name -> logical tensor
     where = f"sharded weight version {version_id!r}"
     for i, m in enumerate(manifests):
-        if m.get("format") != FORMAT or m.get("version_id") != version_id or \
-                m.get("part") != {"index": i, "num_parts": num_parts}:
+        if m.version_id != version_id or m.part != PartInfo(index=i, num_parts=num_parts):
             raise ManifestError(f"{where}: part {i} manifest is not part {i} of {num_parts} of "
                                 f"this version")
         prefix = part_dir_name(i, num_parts)
-        for fname, meta in m["files"].items():
+        for fname, meta in m.files.items():
             files[f"{prefix}/{fname}"] = meta
-        for name, e in m["tensors"].items():
-            e = dict(e)
-            if e.get("spec") is not None:
-                e["spec"] = spec_key(NumericsSpec.from_dict(m["specs"][e["spec"]]), specs)
-            e["file"] = f"{prefix}/{e['file']}"
-            for sn in e["stored"]:
+        for name, e in m.tensors.items():
+            e = replace(e, spec=None if e.spec is None else spec_key(m.spec(e.spec), specs),
+                        file=f"{prefix}/{e.file}")
+            for sn in e.stored:
                 if owner.setdefault(sn, name) != name:
                     raise ManifestError(f"{where}: stored name {sn!r} of tensor {name!r} "
                                         f"(part {i}) is also used by tensor {owner[sn]!r}")
-            if "piece" not in e:
+            if e.piece is None:
                 if name in whole_part or name in pieces:
                     other = whole_part.get(name, pieces.get(name, [(None,)])[0][0])
                     raise ManifestError(f"{where}: tensor {name!r} is written by part {i} and "
@@ -326,67 +327,65 @@ def merge_part_manifests(version_id: str, num_parts: int,
                                     f"{whole_part[name]} and a piece in part {i}")
             if name not in pieces:
                 pieces[name] = []
-                tensors[name] = {}  # placeholder keeps first-appearance order
+                tensors[name] = None  # placeholder keeps first-appearance order
             pieces[name].append((i, e))
     for name, ps in pieces.items():
         tensors[name] = _merge_pieces(where, name, ps)
-    first = manifests[0]
-    timings = {k: round(sum(m["timings"].get(k, 0.0) for m in manifests), 6)
-               for k in first["timings"]}
+    merged = {name: e for name, e in tensors.items() if e is not None}
     source: dict[str, Any] = {}
     extra: dict[str, Any] = {}
     for m in manifests:
-        source.update(m.get("source") or {})
-        extra.update(m.get("extra") or {})
-    return {
-        "format": FORMAT,
-        "format_version": SHARDED_FORMAT_VERSION,
-        "version_id": version_id,
-        "created_at": max(m["created_at"] for m in manifests),
-        "naming": {role: f"<name>{suffix}" for role, suffix in SUFFIXES.items()},
-        "num_parts": num_parts,
-        "specs": specs,
-        "tensors": tensors,
-        "files": files,
-        "totals": manifest_totals(tensors, files),
-        "timings": timings,
-        "parts": [{"part": i, "created_at": m["created_at"], "timings": m["timings"],
-                   "totals": m["totals"], "source": m.get("source") or {},
-                   "extra": m.get("extra") or {}} for i, m in enumerate(manifests)],
-        "source": source,
-        "extra": extra,
-    }
+        source.update(m.source)
+        extra.update(m.extra)
+    return Manifest(
+        format_version=SHARDED_FORMAT_VERSION,
+        version_id=version_id,
+        created_at=max(m.created_at for m in manifests),
+        naming=default_naming(),
+        num_parts=num_parts,
+        specs=specs,
+        tensors=merged,
+        files=files,
+        totals=Totals.of(merged, files),
+        timings=Timings.sum([m.timings for m in manifests]),
+        parts=tuple(PartSummary(part=i, created_at=m.created_at, timings=m.timings,
+                                totals=m.totals, source=m.source, extra=m.extra)
+                    for i, m in enumerate(manifests)),
+        source=source,
+        extra=extra,
+    )
 
 
-def _merge_pieces(where: str, name: str, ps: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+def _merge_pieces(where: str, name: str, ps: list[tuple[int, TensorEntry]]) -> TensorEntry:
     """One logical entry from a tensor's pieces; they must tile [0, total) exactly."""
-    ps = sorted(ps, key=lambda ie: (ie[1]["piece"]["start"], ie[0]))
+    ps = sorted(ps, key=lambda ie: (ie[1].piece.start, ie[0]))  # type: ignore[union-attr]
     first = ps[0][1]
-    total = first["piece"]["total"]
-    same = ("kind", "dtype", "spec")
+    assert first.piece is not None
+    total = first.piece.total
     expect = 0
     for i, e in ps:
-        pc = e["piece"]
-        if any(e.get(k) != first.get(k) for k in same) or e["shape"][1:] != first["shape"][1:] \
-                or pc["total"] != total:
+        pc = e.piece
+        assert pc is not None
+        if (e.kind, e.dtype, e.spec) != (first.kind, first.dtype, first.spec) \
+                or e.shape[1:] != first.shape[1:] or pc.total != total:
             raise ManifestError(f"{where}: tensor {name!r}: the piece in part {i} differs from "
                                 f"the others in kind, dtype, spec, trailing shape or total")
-        if pc["start"] != expect:
-            what = "gap" if pc["start"] > expect else "overlap"
+        if pc.start != expect:
+            what = "gap" if pc.start > expect else "overlap"
             raise ManifestError(f"{where}: tensor {name!r}: pieces leave a {what} at row "
-                                f"{min(expect, pc['start'])} (part {i} starts at {pc['start']}, "
+                                f"{min(expect, pc.start)} (part {i} starts at {pc.start}, "
                                 f"rows before it end at {expect})")
-        expect = pc["stop"]
+        expect = pc.stop
     if expect != total:
         raise ManifestError(f"{where}: tensor {name!r}: pieces end at row {expect}, the tensor "
                             f"has {total}")
-    src = [e["source_bytes"] for _i, e in ps]
-    return {
-        "kind": first["kind"],
-        "shape": [total, *first["shape"][1:]],
-        "dtype": first["dtype"],
-        **({"spec": first["spec"]} if "spec" in first else {}),
-        "source_bytes": None if any(s is None for s in src) else sum(src),
-        "pieces": [{"start": e["piece"]["start"], "stop": e["piece"]["stop"],
-                    "file": e["file"], "stored": e["stored"]} for _i, e in ps],
-    }
+    src = [e.source_bytes for _i, e in ps]
+    return TensorEntry(
+        kind=first.kind,
+        shape=(total, *first.shape[1:]),
+        dtype=first.dtype,
+        spec=first.spec,
+        source_bytes=None if any(s is None for s in src) else sum(s or 0 for s in src),
+        pieces=tuple(TensorPiece(start=e.piece.start, stop=e.piece.stop,  # type: ignore[union-attr]
+                                 file=e.file or "", stored=e.stored) for _i, e in ps),
+    )

@@ -26,12 +26,12 @@ linear layer ``X = "<layer>.weight"``) is stored as three tensors:
 Tensors the converter does not quantize (norms, embeddings, routers) are stored as they
 came (``kind: raw``), so a version is a complete, loadable model.
 
-``manifest.json`` records, per logical tensor: kind, logical shape, source dtype, the key
-of its numerics spec in the ``specs`` table (full :meth:`NumericsSpec.to_dict`), the file
-holding it, and for each stored tensor its role, dtype, shape, byte count and the SHA-256
-of its bytes. Then totals, per-file sizes and the stage timings of the write (read,
-quantize, write seconds). Readers check every stored tensor against it and raise
-:class:`ChecksumMismatchError` naming the tensor.
+``manifest.json`` (:class:`~alignd.formats.manifest.Manifest`, its one home) records, per
+logical tensor: kind, logical shape, source dtype, the key of its numerics spec in the
+``specs`` table (full :meth:`NumericsSpec.to_dict`), the file holding it, and for each stored
+tensor its role, dtype, shape, byte count and the SHA-256 of its bytes. Then totals, per-file
+sizes and the stage timings of the write (read, quantize, write seconds). Readers check every
+stored tensor against it and raise :class:`ChecksumMismatchError` naming the tensor.
 
 Atomicity: a version is built in a hidden ``.tmp-*`` sibling, every shard fsynced as it
 is written, then renamed into place (:mod:`libalign.atomic_dir`). A writer killed
@@ -60,7 +60,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,20 @@ from alignclient.errors import (
 from alignclient.ids import check_version_id
 
 from alignd.formats.hf_checkpoint import MANIFEST_NAME, items
+from alignd.formats.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    SHARDED_FORMAT_VERSION,
+    SUFFIXES,
+    FileEntry,
+    Manifest,
+    PartInfo,
+    StoredTensor,
+    TensorEntry,
+    Timings,
+    Totals,
+    default_naming,
+)
 from alignd.formats.selection import Select
 from libalign.atomic_dir import (
     TMP_PREFIX,
@@ -91,12 +105,7 @@ from libalign.atomic_dir import (
 from libalign.kernels import ops
 from libalign.spec import NumericsSpec, NVFP4Tensor
 
-FORMAT = "libalign-nvfp4"
-FORMAT_VERSION = 1
-#: format_version of a sharded version's merged manifest (entries may carry ``pieces``)
-SHARDED_FORMAT_VERSION = 2
 DEFAULT_SHARD_BYTES = 1 << 30
-SUFFIXES = {"codes": "", "block_scales": "_scale", "outer_scale": "_scale_2"}
 
 Item = torch.Tensor | NVFP4Tensor
 
@@ -123,19 +132,6 @@ def named_error(e: AlignError, name: str) -> AlignError:
             out = InputError(f"tensor {name!r}: {e}")
     out.tensor = name  # type: ignore[attr-defined]
     return out
-
-
-def manifest_totals(entries: Mapping[str, dict[str, Any]],
-                    files: Mapping[str, dict[str, int]]) -> dict[str, int]:
-    """The ``totals`` block of a manifest: tensor counts by kind, source and stored bytes."""
-    return {
-        "tensors": len(entries),
-        "nvfp4_tensors": sum(e["kind"] == "nvfp4" for e in entries.values()),
-        "raw_tensors": sum(e["kind"] == "raw" for e in entries.values()),
-        "source_bytes": sum(e["source_bytes"] or 0 for e in entries.values()),
-        "stored_bytes": sum(f["bytes"] for f in files.values()),
-        "files": len(files),
-    }
 
 
 class StageTimer:
@@ -170,7 +166,7 @@ class StoredVersion:
 
     version_id: str
     path: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
     tensors: dict[str, Item]
 
     def __getitem__(self, name: str) -> Item:
@@ -208,28 +204,51 @@ def scalar_outer(spec: NumericsSpec, ndim: int) -> bool:
     return spec.outer_domain == "tensor" or (spec.outer_domain == "expert" and ndim == 2)
 
 
-def _join_pieces(version_id: str, name: str, entry: dict[str, Any], manifest: dict[str, Any],
+def _join_pieces(version_id: str, name: str, entry: TensorEntry, manifest: Manifest,
                  parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Role -> tensor of a pieced entry: dim-0 concatenation in piece order.
 
     A scalar outer scale (see :func:`scalar_outer`) is the same in every piece, since
     every piece was quantized with the whole tensor's amax; it is checked and kept once.
     """
-    scalar = False
-    if entry["kind"] == "nvfp4":
-        scalar = scalar_outer(NumericsSpec.from_dict(manifest["specs"][entry["spec"]]),
-                              len(entry["shape"]))
+    spec = manifest.spec_of(entry)
+    scalar = spec is not None and scalar_outer(spec, len(entry.shape))
     out: dict[str, torch.Tensor] = {}
     for role in parts[0]:
         ts = [p[role] for p in parts]
         if role == "outer_scale" and scalar:
             if any(not torch.equal(t.view(torch.int32), ts[0].view(torch.int32)) for t in ts[1:]):
                 raise ManifestError(f"weight version {version_id!r}: tensor {name!r} has pieces "
-                                    f"with different {entry['spec']!r} outer scales")
+                                    f"with different {entry.spec!r} outer scales")
             out[role] = ts[0]
         else:
             out[role] = torch.cat(ts, dim=0)
     return out
+
+
+def _item(version_id: str, name: str, entry: TensorEntry, manifest: Manifest,
+          parts: list[dict[str, torch.Tensor]]) -> Item:
+    """The tensor of one entry from the role -> tensor maps of its locations (one, or its pieces
+    in row order): the raw tensor, or an NVFP4Tensor under the entry's spec."""
+    got = _join_pieces(version_id, name, entry, manifest, parts) if entry.pieces is not None \
+        else parts[0]
+    if entry.kind == "raw":
+        return got["raw"]
+    return NVFP4Tensor(got["codes"], got["block_scales"], got.get("outer_scale"),
+                       manifest.spec_of(entry), entry.shape)
+
+
+def _check_stored(version_id: str, sn: str, t: torch.Tensor, meta: StoredTensor,
+                  verify: bool) -> None:
+    """A loaded stored tensor against its manifest record: dtype, shape, (``verify``) SHA-256."""
+    if dtype_name(t.dtype) != meta.dtype or tuple(t.shape) != meta.shape:
+        raise ManifestError(f"weight version {version_id!r}: tensor {sn!r} is "
+                            f"{dtype_name(t.dtype)}{list(t.shape)}, the manifest says "
+                            f"{meta.dtype}{list(meta.shape)}")
+    if verify:
+        actual = tensor_sha256(t)
+        if actual != meta.sha256:
+            raise ChecksumMismatchError(version_id, sn, meta.sha256, actual)
 
 
 class WeightStore:
@@ -275,7 +294,7 @@ class WeightStore:
         on_step: Callable[[str], None] | None = None,
         device: str = "cpu",
         outer_amax: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, Any]:
+    ) -> Manifest:
         """Quantize and write a version atomically; return its manifest.
 
         ``device`` is where tensors are quantized (``cuda`` runs the GPU kernel; the
@@ -308,45 +327,50 @@ class WeightStore:
         version_id: str,
         tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
         prepare: Callable[[str, Any, dict[str, dict]],
-                          tuple[dict[str, Any], dict[str, tuple[str, torch.Tensor]]]],
+                          tuple[TensorEntry, dict[str, tuple[str, torch.Tensor]]]],
         *,
         shard_bytes: int,
         source: dict[str, Any] | None,
         extra: dict[str, Any] | None,
         on_step: Callable[[str], None] | None,
-        fields: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
+        part: PartInfo | None = None,
+    ) -> Manifest:
         """Write shards and ``manifest.json`` of ``tensors`` into the directory ``out``.
 
         ``prepare(name, value, specs)`` turns one input into its manifest entry (without
-        file and checksums) and its stored tensors (see :meth:`prepare_entry`). Every file is
-        fsynced as it is written; making ``out`` visible is the caller's business.
-        ``fields`` are added to the manifest's top level.
+        file and stored tensors) and its stored tensors (see :meth:`prepare_entry`). Every
+        file is fsynced as it is written; making ``out`` visible is the caller's business.
+        ``part`` marks the manifest as that part's of a sharded version.
         """
         pairs = items(tensors)
         timer = StageTimer()
         t_start = time.perf_counter()
-        entries: dict[str, dict[str, Any]] = {}
+        entries: dict[str, TensorEntry] = {}
         specs: dict[str, dict] = {}
-        files: dict[str, dict[str, int]] = {}
+        files: dict[str, FileEntry] = {}
         taken: set[str] = set()
         pending: dict[str, torch.Tensor] = {}
+        roles: dict[str, str] = {}  # stored name -> role, of the pending tensors
         owners: list[str] = []
+        stored_names: dict[str, list[str]] = {}
         size = 0
 
         def flush() -> None:
             """Checksum, write and fsync the pending tensors as the next shard."""
-            nonlocal pending, owners, size
+            nonlocal pending, roles, owners, size
             fname = f"nvfp4-{len(files) + 1:05d}.safetensors"
             with timer.stage("write"):
                 for owner in owners:
-                    entries[owner]["file"] = fname
-                    for sn, meta in entries[owner]["stored"].items():
-                        meta["sha256"] = tensor_sha256(pending[sn])
+                    entries[owner] = replace(entries[owner], file=fname, stored={
+                        sn: StoredTensor(role=roles[sn], dtype=dtype_name(pending[sn].dtype),
+                                         shape=tuple(pending[sn].shape),
+                                         bytes=pending[sn].numel() * pending[sn].element_size(),
+                                         sha256=tensor_sha256(pending[sn]))
+                        for sn in stored_names[owner]})
                 safetensors.torch.save_file(pending, out / fname)
                 fsync_path(out / fname)
-            files[fname] = {"bytes": (out / fname).stat().st_size, "tensors": len(pending)}
-            pending, owners, size = {}, [], 0
+            files[fname] = FileEntry(bytes=(out / fname).stat().st_size, tensors=len(pending))
+            pending, roles, owners, size = {}, {}, [], 0
             if on_step is not None:
                 on_step(f"shard {fname}")
 
@@ -362,22 +386,19 @@ class WeightStore:
             nb = sum(t.numel() * t.element_size() for _r, t in stored.values())
             if pending and size + nb > shard_bytes:
                 flush()
-            entry["stored"] = {sn: {"role": role, "dtype": dtype_name(t.dtype),
-                                    "shape": list(t.shape),
-                                    "bytes": t.numel() * t.element_size()}
-                               for sn, (role, t) in stored.items()}
             entries[name] = entry
+            stored_names[name] = list(stored)
             taken.update(stored)
             pending.update({sn: t for sn, (_r, t) in stored.items()})
+            roles.update({sn: role for sn, (role, _t) in stored.items()})
             owners.append(name)
             size += nb
         if pending or not files:
             flush()
         manifest = self._manifest(version_id, entries, specs, files, timer,
-                                  time.perf_counter() - t_start, source, extra)
-        manifest.update(fields or {})
+                                  time.perf_counter() - t_start, source, extra, part)
         with timer.stage("write"):
-            (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1))
+            (out / MANIFEST_NAME).write_text(json.dumps(manifest.to_dict(), indent=1))
             fsync_path(out / MANIFEST_NAME)
         if on_step is not None:
             on_step("manifest")
@@ -386,8 +407,8 @@ class WeightStore:
     def prepare_entry(self, name: str, value: Any, spec: NumericsSpec, select: Select | None,
                  specs: dict[str, dict], device: str = "cpu",
                  outer_amax: torch.Tensor | None = None,
-                 ) -> tuple[dict[str, Any], dict[str, tuple[str, torch.Tensor]]]:
-        """Manifest entry (without checksums) and stored tensors of one input tensor.
+                 ) -> tuple[TensorEntry, dict[str, tuple[str, torch.Tensor]]]:
+        """Manifest entry (without file and stored tensors) and stored tensors of one input.
 
         ``outer_amax`` is passed to :func:`libalign.kernels.quantize` (a slice of a tensor
         quantized with the whole tensor's outer maximum, see sharded_version).
@@ -397,8 +418,8 @@ class WeightStore:
         elif isinstance(value, torch.Tensor):
             if select is not None and not select(name, value):
                 t = value.detach().contiguous().cpu()
-                entry = {"kind": "raw", "shape": list(t.shape), "dtype": dtype_name(t.dtype),
-                         "source_bytes": t.numel() * t.element_size()}
+                entry = TensorEntry(kind="raw", shape=tuple(t.shape), dtype=dtype_name(t.dtype),
+                                    source_bytes=t.numel() * t.element_size())
                 return entry, {name: ("raw", t)}
             try:
                 q = ops.quantize(value.to(device), spec, outer_amax=outer_amax).to("cpu")
@@ -408,48 +429,53 @@ class WeightStore:
         else:
             raise InputError(f"tensor {name!r} is a {type(value).__name__}, "
                              f"not a torch.Tensor or NVFP4Tensor")
-        entry = {"kind": "nvfp4", "shape": list(q.shape), "dtype": source_dtype,
-                 "spec": spec_key(q.spec, specs),
-                 "source_bytes": (math.prod(q.shape) * value.element_size()
-                                  if isinstance(value, torch.Tensor) else None)}
+        entry = TensorEntry(kind="nvfp4", shape=tuple(q.shape), dtype=source_dtype,
+                            spec=spec_key(q.spec, specs),
+                            source_bytes=(math.prod(q.shape) * value.element_size()
+                                          if isinstance(value, torch.Tensor) else None))
         return entry, _stored_tensors(name, q)
 
     @staticmethod
-    def _manifest(version_id, entries, specs, files, timer, elapsed, source, extra) -> dict[str, Any]:
-        """The manifest dict (checksums already filled in)."""
-        return {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "version_id": version_id,
-            "created_at": time.time(),
-            "naming": {role: f"<name>{suffix}" for role, suffix in SUFFIXES.items()},
-            "specs": specs,
-            "tensors": entries,
-            "files": files,
-            "totals": manifest_totals(entries, files),
-            "timings": {**{f"{k}_s": round(v, 6) for k, v in timer.seconds.items()},
-                        "total_s": round(elapsed, 6)},
-            "source": source or {},
-            "extra": extra or {},
-        }
+    def _manifest(version_id: str, entries: dict[str, TensorEntry], specs: dict[str, dict],
+                  files: dict[str, FileEntry], timer: StageTimer, elapsed: float,
+                  source: dict[str, Any] | None, extra: dict[str, Any] | None,
+                  part: PartInfo | None) -> Manifest:
+        """The manifest of a write (checksums already filled in)."""
+        s = timer.seconds
+        return Manifest(
+            format_version=FORMAT_VERSION,
+            version_id=version_id,
+            created_at=time.time(),
+            naming=default_naming(),
+            specs=specs,
+            tensors=entries,
+            files=files,
+            totals=Totals.of(entries, files),
+            timings=Timings(read_s=round(s["read"], 6), quantize_s=round(s["quantize"], 6),
+                            write_s=round(s["write"], 6), total_s=round(elapsed, 6)),
+            source=source or {},
+            extra=extra or {},
+            part=part,
+        )
 
-    def read_manifest(self, version_id: str) -> dict[str, Any]:
+    def read_manifest(self, version_id: str) -> Manifest:
         """The version's manifest; VersionNotFoundError or ManifestError."""
         path = self.version_path(version_id)
         if not path.is_dir():
             raise VersionNotFoundError(version_id, "weight store")
         try:
-            manifest = json.loads((path / MANIFEST_NAME).read_text())
+            raw = json.loads((path / MANIFEST_NAME).read_text())
         except (OSError, ValueError) as e:
             raise ManifestError(f"weight version {version_id!r}: manifest unreadable: {e}") from e
-        if (manifest.get("format") != FORMAT or manifest.get("version_id") != version_id
-                or manifest.get("format_version") not in (FORMAT_VERSION, SHARDED_FORMAT_VERSION)):
+        if (not isinstance(raw, dict) or raw.get("format") != FORMAT
+                or raw.get("version_id") != version_id
+                or raw.get("format_version") not in (FORMAT_VERSION, SHARDED_FORMAT_VERSION)):
             raise ManifestError(f"weight version {version_id!r}: manifest is not a {FORMAT} "
                                 f"manifest of this version")
-        return manifest
+        return Manifest.from_dict(raw, where=f"weight version {version_id!r}")
 
     def _load_file(self, version_id: str, path: Path, fname: str,
-                   expected: dict[str, dict[str, Any]], verify: bool) -> dict[str, torch.Tensor]:
+                   expected: Mapping[str, StoredTensor], verify: bool) -> dict[str, torch.Tensor]:
         """Load one shard and check names, dtypes, shapes and (if ``verify``) checksums."""
         try:
             loaded = safetensors.torch.load_file(path / fname)
@@ -462,34 +488,26 @@ class WeightStore:
             raise ManifestError(f"weight version {version_id!r}: {fname} lacks {sorted(missing)} "
                                 f"and has unlisted {sorted(unexpected)}")
         for sn, meta in expected.items():
-            t = loaded[sn]
-            if dtype_name(t.dtype) != meta["dtype"] or list(t.shape) != meta["shape"]:
-                raise ManifestError(f"weight version {version_id!r}: tensor {sn!r} is "
-                                    f"{dtype_name(t.dtype)}{list(t.shape)}, the manifest says "
-                                    f"{meta['dtype']}{meta['shape']}")
-            if verify:
-                actual = tensor_sha256(t)
-                if actual != meta["sha256"]:
-                    raise ChecksumMismatchError(version_id, sn, meta["sha256"], actual)
+            _check_stored(version_id, sn, loaded[sn], meta, verify)
         return loaded
 
     @staticmethod
-    def _by_file(manifest: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    def _by_file(manifest: Manifest) -> dict[str, dict[str, StoredTensor]]:
         """File name -> stored name -> stored-tensor metadata (pieces included)."""
-        out: dict[str, dict[str, dict[str, Any]]] = {f: {} for f in manifest["files"]}
-        for name, entry in manifest["tensors"].items():
-            for loc in entry.get("pieces") or [entry]:
-                if loc.get("file") not in out:
-                    raise ManifestError(f"tensor {name!r} names file {loc.get('file')!r}, which "
-                                        f"the manifest does not list")
-                clash = set(out[loc["file"]]).intersection(loc["stored"])
+        out: dict[str, dict[str, StoredTensor]] = {f: {} for f in manifest.files}
+        for name, entry in manifest.tensors.items():
+            for fname, stored in entry.locations():
+                if fname not in out:
+                    raise ManifestError(f"tensor {name!r} names file {fname!r}, which "
+                                        f"the manifest does not list", field=f"tensors[{name!r}]")
+                clash = set(out[fname]).intersection(stored)
                 if clash:
                     raise ManifestError(f"tensor {name!r}: stored name(s) {sorted(clash)} listed "
-                                        f"twice in file {loc['file']}")
-                out[loc["file"]].update(loc["stored"])
+                                        f"twice in file {fname}", field=f"tensors[{name!r}]")
+                out[fname].update(stored)
         return out
 
-    def verify_version(self, version_id: str) -> dict[str, Any]:
+    def verify_version(self, version_id: str) -> Manifest:
         """Check every stored tensor against the manifest, one shard at a time; return it."""
         manifest = self.read_manifest(version_id)
         path = self.version_path(version_id)
@@ -505,18 +523,9 @@ class WeightStore:
         for fname, expected in self._by_file(manifest).items():
             loaded[fname] = self._load_file(version_id, path, fname, expected, verify)
         tensors: dict[str, Item] = {}
-        for name, entry in manifest["tensors"].items():
-            if "pieces" in entry:
-                parts = [self._roles(loaded[p["file"]], p["stored"]) for p in entry["pieces"]]
-                roles = _join_pieces(version_id, name, entry, manifest, parts)
-            else:
-                roles = self._roles(loaded[entry["file"]], entry["stored"])
-            if entry["kind"] == "raw":
-                tensors[name] = roles["raw"]
-                continue
-            spec = NumericsSpec.from_dict(manifest["specs"][entry["spec"]])
-            tensors[name] = NVFP4Tensor(roles["codes"], roles["block_scales"],
-                                        roles.get("outer_scale"), spec, tuple(entry["shape"]))
+        for name, entry in manifest.tensors.items():
+            parts = [self._roles(loaded[fname], stored) for fname, stored in entry.locations()]
+            tensors[name] = _item(version_id, name, entry, manifest, parts)
         return StoredVersion(version_id, path, manifest, tensors)
 
     def iter_version(self, version_id: str) -> Iterator[tuple[str, Item]]:
@@ -529,7 +538,7 @@ class WeightStore:
         with contextlib.ExitStack() as stack:
             opened: dict[str, Any] = {}
 
-            def roles(fname: str, stored: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
+            def roles(fname: str, stored: Mapping[str, StoredTensor]) -> dict[str, torch.Tensor]:
                 if fname not in opened:
                     if not (path / fname).is_file():
                         raise ManifestError(f"weight version {version_id!r}: file {fname} is "
@@ -539,34 +548,19 @@ class WeightStore:
                 out = {}
                 for sn, meta in stored.items():
                     t = opened[fname].get_tensor(sn)
-                    if dtype_name(t.dtype) != meta["dtype"] or list(t.shape) != meta["shape"]:
-                        raise ManifestError(f"weight version {version_id!r}: tensor {sn!r} is "
-                                            f"{dtype_name(t.dtype)}{list(t.shape)}, the manifest "
-                                            f"says {meta['dtype']}{meta['shape']}")
-                    actual = tensor_sha256(t)
-                    if actual != meta["sha256"]:
-                        raise ChecksumMismatchError(version_id, sn, meta["sha256"], actual)
-                    out[meta["role"]] = t
+                    _check_stored(version_id, sn, t, meta, verify=True)
+                    out[meta.role] = t
                 return out
 
-            for name, entry in manifest["tensors"].items():
-                if "pieces" in entry:
-                    parts = [roles(p["file"], p["stored"]) for p in entry["pieces"]]
-                    got = _join_pieces(version_id, name, entry, manifest, parts)
-                else:
-                    got = roles(entry["file"], entry["stored"])
-                if entry["kind"] == "raw":
-                    yield name, got["raw"]
-                    continue
-                spec = NumericsSpec.from_dict(manifest["specs"][entry["spec"]])
-                yield name, NVFP4Tensor(got["codes"], got["block_scales"], got.get("outer_scale"),
-                                        spec, tuple(entry["shape"]))
+            for name, entry in manifest.tensors.items():
+                parts = [roles(fname, stored) for fname, stored in entry.locations()]
+                yield name, _item(version_id, name, entry, manifest, parts)
 
     @staticmethod
-    def _roles(loaded: dict[str, torch.Tensor], stored: dict[str, dict[str, Any]]
+    def _roles(loaded: dict[str, torch.Tensor], stored: Mapping[str, StoredTensor]
                ) -> dict[str, torch.Tensor]:
         """Role -> loaded tensor of one stored entry (a whole tensor or one piece)."""
-        return {meta["role"]: loaded[sn] for sn, meta in stored.items()}
+        return {meta.role: loaded[sn] for sn, meta in stored.items()}
 
     def delete_version(self, version_id: str) -> None:
         """Remove a version: renamed out of sight first, then its files deleted."""

@@ -54,6 +54,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
 
 import numpy as np
 from alignclient.errors import AlignError
@@ -67,6 +68,9 @@ from prometheus_client.utils import floatToGoString
 from alignd.infra.settings import DEFAULT_MAX_PATH_PAIRS, ServiceSettings
 from libalign.gemm import PATHS
 from libalign.kernels import DeviceBackend, backends
+
+if TYPE_CHECKING:
+    from alignd.formats.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -438,15 +442,14 @@ class Metrics:
         for outcome in ("served", "error"):
             self.sampler_requests.labels(outcome=outcome)
 
-    def observe_conversion(self, manifest: dict, total_s: float) -> None:
+    def observe_conversion(self, manifest: Manifest, total_s: float) -> None:
         """Record one successful conversion from its manifest's timings and totals."""
-        timings = manifest.get("timings", {})
         for s in STAGES:
-            self.conversion_stage_seconds.labels(stage=s).observe(float(timings.get(f"{s}_s", 0.0)))
+            self.conversion_stage_seconds.labels(stage=s).observe(
+                float(getattr(manifest.timings, f"{s}_s")))
         self.conversion_seconds.observe(total_s)
-        totals = manifest.get("totals", {})
-        self.conversion_input_bytes.inc(int(totals.get("source_bytes", 0)))
-        self.conversion_output_bytes.inc(int(totals.get("stored_bytes", 0)))
+        self.conversion_input_bytes.inc(manifest.totals.source_bytes)
+        self.conversion_output_bytes.inc(manifest.totals.stored_bytes)
         self.versions_converted.inc()
 
     def observe_failure(self, err: BaseException | str) -> None:

@@ -16,10 +16,11 @@ already made, with no second event, so a publish whose answer was lost may be se
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from alignclient.errors import VersionExistsError
 
+from alignd.formats.manifest import Manifest
 from alignd.formats.published import PUBLISH_ID_KEY, publish_id
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
@@ -66,19 +67,19 @@ def announce_published(registry: Registry, stream: str, path: Path, version_id: 
 
 
 def converted_event(store: WeightStore, version_id: str, preset: str, *,
-                    manifest: dict[str, Any] | None = None,
+                    manifest: Manifest | None = None,
                     target_path: str | None = None) -> ConvertedEvent:
     """The ``converted`` event of a committed store version (its manifest read if not given)."""
     manifest = manifest if manifest is not None else store.read_manifest(version_id)
     return ConvertedEvent(version_id=version_id, path=str(store.version_path(version_id)),
-                          preset=preset, tensors=manifest["totals"]["tensors"],
-                          stored_bytes=manifest["totals"]["stored_bytes"],
+                          preset=preset, tensors=manifest.totals.tensors,
+                          stored_bytes=manifest.totals.stored_bytes,
                           target_path=target_path)
 
 
 def announce_converted(registry: Registry, bus: RedisBus, stream: str, store: WeightStore,
                        version_id: str, preset: str, *, target_path: str | None = None,
-                       actor: str = "learner") -> dict[str, Any]:
+                       actor: str = "learner") -> Manifest:
     """Register a version the learner converted itself and tell the samplers to load it.
 
     The registry walks the usual states (``published`` -> ``converting`` -> ``converted``, each
@@ -90,7 +91,7 @@ def announce_converted(registry: Registry, bus: RedisBus, stream: str, store: We
     """
     manifest = store.verify_version(version_id)
     registry.create(version_id, str(store.version_path(version_id)), actor=actor,
-                    meta={"target_path": target_path, "parts": manifest.get("num_parts", 1)})
+                    meta={"target_path": target_path, "parts": manifest.num_parts or 1})
     registry.transition(version_id, "converting", actor=actor)
     registry.transition(version_id, "converted", actor=actor, expect_owner=actor)
     bus.publish(stream, converted_event(store, version_id, preset, manifest=manifest,
