@@ -44,7 +44,8 @@ def announce_published(registry: Registry, stream: str, path: Path, version_id: 
     event on ``stream`` (one transaction).
 
     The same directory registered again (same identity, path and target) answers the existing
-    record and no new event; any other registration of a taken id raises VersionExistsError.
+    record and no new event, unless that version failed (then, as for any other registration of
+    a taken id, VersionExistsError: a failed version is retried, ``POST .../{id}:retry``).
     """
     identity = publish_id(path)
     event = PublishedEvent(version_id=version_id, path=str(path), target_path=target_path)
@@ -60,7 +61,8 @@ def announce_published(registry: Registry, stream: str, path: Path, version_id: 
     except VersionExistsError:
         rec = registry.get(version_id)
         if (identity is None or rec.meta.get(PUBLISH_ID_KEY) != identity or rec.path != str(path)
-                or rec.meta.get("target_path") != meta.get("target_path")):
+                or rec.meta.get("target_path") != meta.get("target_path")
+                or rec.state == "failed"):  # a failed version is retried, not re-published
             raise
         return Announced(rec, event, None)
     return Announced(rec, event, event_id)
