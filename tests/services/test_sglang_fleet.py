@@ -201,7 +201,7 @@ def test_calls_run_concurrently_and_a_switch_waits_for_them(fleet):
     load = threading.Thread(target=run, args=("load", lambda: engine.load("v2")))
     load.start()
     # the load now waits for the first generation (the switch lock holds new calls back)
-    wait_until(lambda: engine._switch._writers_waiting or not load.is_alive(), "the load waiting")
+    wait_until(lambda: engine.switch.switch_waiting or not load.is_alive(), "the load waiting")
     later = threading.Thread(target=run, args=("later", lambda: engine.generate(
         [[5]], max_new_tokens=2)))
     later.start()

@@ -242,7 +242,8 @@ class SGLangSamplerEngine:
                                      client=client if len(urls) == 1 else None) for u in urls]
         """The servers that get weight switches (a router's workers once it was asked)."""
         self.base_url = self.router.url if self.router else self.servers[0].url
-        self._switch = SwitchLock()
+        self.switch = SwitchLock()
+        """Calls read it, a weight switch writes it (no call straddles two versions)."""
         self._loading = threading.Lock()
         self._pick_lock = threading.Lock()
         self._removed: set[str] = set()  # router workers taken out of the router by us
@@ -286,7 +287,7 @@ class SGLangSamplerEngine:
             for s in set(self.servers) - set(fit):
                 s.version = None  # not the server this sampler needs: out of rotation
             if fit:
-                with self._switch.writing():
+                with self.switch.writing():
                     outcomes.update(self._each(lambda s: s.switch(
                         version_id, model_path, pause_mode=self.pause_mode,
                         load_format=self.load_format, seconds=s.seconds), fit))
@@ -326,7 +327,7 @@ class SGLangSamplerEngine:
         rows = [self._tokens(p, f"prompt {i}") for i, p in enumerate(prompts)]
         if max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        with self._switch.reading():
+        with self.switch.reading():
             self._require_loaded()
             if not rows:
                 return Generation(self._version, [], [], [], [])
@@ -365,7 +366,7 @@ class SGLangSamplerEngine:
                                  "(the first token has no log-prob to score)")
         out: list[list[float]] = [[] for _ in rows]
         todo = [i for i, (row, p) in enumerate(zip(rows, lens, strict=True)) if len(row) > p]
-        with self._switch.reading():
+        with self.switch.reading():
             self._require_loaded()
             if not todo:
                 return out

@@ -136,6 +136,12 @@ class SwitchLock:
         self._writing = False
         self._writers_waiting = 0
 
+    @property
+    def switch_waiting(self) -> bool:
+        """True while a switch waits for the calls in flight (new calls are held back)."""
+        with self._cond:
+            return bool(self._writers_waiting)
+
     @contextmanager
     def reading(self) -> Iterator[None]:
         """Held by one generate or score call."""
