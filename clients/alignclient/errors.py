@@ -281,6 +281,13 @@ class StoreError(AlignError):
     code = "store_error"
 
 
+class RedisFullError(StoreError):
+    """Redis refused a write for lack of memory (``maxmemory`` reached under ``noeviction``);
+    nothing was written. Retrying does not help until memory is freed."""
+
+    code = "redis_full"
+
+
 class ChecksumMismatchError(StoreError):
     """A stored tensor's bytes do not match the SHA-256 its manifest records."""
 

@@ -35,6 +35,7 @@ from alignclient.errors import (
     ConfigError,
     GuidanceEvictedError,
     GuidanceNotFoundError,
+    RedisFullError,
     StoreError,
 )
 from alignclient.models import Rollout
@@ -254,14 +255,14 @@ def test_a_full_redis_refuses_writes_typed_counted_and_whole(server, admin):
     admin.config_set("maxmemory", "1")
     before = refusals("oom")
     full = "Redis is full: OOM command not allowed"
-    with pytest.raises(StoreError, match=full):
+    with pytest.raises(RedisFullError, match=full):
         store.put_many("v1", {"a": b"x" * 100_000, "b": b"y" * 10})
-    with pytest.raises(StoreError, match=full):
+    with pytest.raises(RedisFullError, match=full):
         piped.put("v1", "a", b"x" * 1000)
-    with pytest.raises(StoreError, match=full):
+    with pytest.raises(RedisFullError, match=full):
         registry.create_and_announce("v1", "/published/v1", "t:events:published",
                                      {"version_id": "v1"})
-    with pytest.raises(StoreError, match=full):
+    with pytest.raises(RedisFullError, match=full):
         rollouts.put_rollouts("v1", [rollout])
     assert refusals("oom") == before + 4
     assert sorted(admin.keys("*")) == keys

@@ -22,7 +22,7 @@ STATUS_BY_CODE = {
     "align_error": 500, "bus_unavailable": 503, "checksum_mismatch": 500, "invalid_config": 500,
     "invalid_dtype": 422, "distributed_run_failed": 500, "engine_request_failed": 502,
     "engine_timeout": 504, "engine_unavailable": 503, "invalid_event": 422, "forbidden": 403,
-    "guidance_budget": 507, "guidance_checksum": 422, "guidance_evicted": 410,
+    "guidance_budget": 507, "redis_full": 507, "guidance_checksum": 422, "guidance_evicted": 410,
     "guidance_not_found": 404, "invalid_guidance": 422, "guidance_mismatch": 422,
     "guidance_unsupported": 501,
     "invalid_input": 422, "internal_error": 500, "invalid_layout": 422, "malformed_body": 400,

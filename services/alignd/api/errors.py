@@ -45,6 +45,7 @@ from alignclient.errors import (
     MethodNotAllowedError,
     OverloadedError,
     PayloadTooLargeError,
+    RedisFullError,
     RemoteError,
     RolloutExistsError,
     RolloutNotFoundError,
@@ -104,6 +105,7 @@ HTTP_STATUS: dict[type[AlignError], int] = {
     OverloadedError: 503,
     EngineTimeoutError: 504,
     GuidanceBudgetError: 507,
+    RedisFullError: 507,
 }
 
 

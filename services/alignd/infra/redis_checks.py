@@ -29,7 +29,8 @@ users, so it is not checked.
 and counts it in ``libalign_redis_refusals_total{reason}``:
 
 * ``oom``: a full ``noeviction`` server refused a write (``OOM command not allowed when used
-  memory > 'maxmemory'``): a :class:`~alignclient.errors.StoreError` that says "Redis is full".
+  memory > 'maxmemory'``): a :class:`~alignclient.errors.RedisFullError` (HTTP 507) that says
+  "Redis is full".
   A refused command writes nothing; a transaction (``MULTI``/``EXEC``) is refused whole and a
   script is refused at its first write, so the daemon's atomic writes are never half-done;
 * ``auth`` (``WRONGPASS``, ``NOAUTH``, a refused ``AUTH``/``HELLO``) and ``noperm`` (``NOPERM``,
@@ -47,7 +48,7 @@ import uuid
 from dataclasses import dataclass
 
 import redis
-from alignclient.errors import AlignError, ConfigError, StoreError
+from alignclient.errors import AlignError, ConfigError, RedisFullError
 
 from alignd.infra.redis_clients import is_embedded
 from alignd.infra.telemetry import REDIS_POLICY_UNVERIFIED, REDIS_REFUSALS
@@ -170,7 +171,7 @@ def refusal(error: BaseException, what: str) -> AlignError | None:
             "it scripting, reads, writes and streams on the key prefix's keys (ACL SETUSER)")
     if _is_oom(error):
         REDIS_REFUSALS.labels(reason="oom").inc()
-        return StoreError(
+        return RedisFullError(
             f"Redis is full: OOM command not allowed when used memory > 'maxmemory' ({what}); "
             "the command was refused and wrote nothing. Free memory (delete old versions, "
             "lower the guidance budget or the TTLs) or raise maxmemory")
