@@ -53,9 +53,9 @@ from alignd.api.state import BEARER, KnownVersion, State, error_responses
 from alignd.formats.hf_checkpoint import HFCheckpoint
 from alignd.formats.published import PUBLISH_ID_KEY
 from alignd.formats.weight_store import WeightStore
-from alignd.infra.events import PublishedEvent, SyncEvent, sync_stream
+from alignd.infra.events import SyncEvent, sync_stream
 from alignd.infra.registry import STATES, VersionRecord
-from alignd.sync.announce import announce_published
+from alignd.sync.announce import announce_published, announce_retry
 
 router = APIRouter(prefix="/v1", tags=["versions"])
 ERRORS = error_responses(401, 403, 404, 409, 413, 422, 503)
@@ -95,12 +95,8 @@ def publish_version(req: PublishRequest, st: State, response: Response) -> Publi
              dependencies=BEARER)
 def retry_version(version_id: str, st: State) -> PublishResponse:
     """Move a failed version back to published and announce it again, for the converter."""
-    rec = st.registry.get(version_id)
-    event = PublishedEvent(version_id=version_id, path=rec.path,
-                           target_path=rec.meta.get("target_path"))
-    rec, event_id = st.registry.retry_and_announce(
-        version_id, st.settings.published_stream, event.to_fields(), actor="api",
-        reason=f"retried by an operator (was: {rec.reason})")
+    rec, _, event_id = announce_retry(st.registry, st.settings.published_stream, version_id,
+                                      actor="api")
     return PublishResponse(version=version_info(rec), stream=st.settings.published_stream,
                            event_id=event_id)
 

@@ -68,6 +68,20 @@ def announce_published(registry: Registry, stream: str, path: Path, version_id: 
     return Announced(rec, event, event_id)
 
 
+def announce_retry(registry: Registry, stream: str, version_id: str, *,
+                   actor: str = "api") -> Announced:
+    """Move the failed ``version_id`` back to ``published`` and put a new ``published`` event on
+    ``stream`` (one transaction), for the converter to take it again; a version that is not
+    ``failed`` is refused (StateTransitionError)."""
+    rec = registry.get(version_id)
+    event = PublishedEvent(version_id=version_id, path=rec.path,
+                           target_path=rec.meta.get("target_path"))
+    rec, event_id = registry.retry_and_announce(
+        version_id, stream, event.to_fields(), actor=actor,
+        reason=f"retried by an operator (was: {rec.reason})")
+    return Announced(rec, event, event_id)
+
+
 def converted_event(store: WeightStore, version_id: str, preset: str, *,
                     manifest: Manifest | None = None,
                     target_path: str | None = None) -> ConvertedEvent:
