@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import runpy
-import statistics
 import time
 from pathlib import Path
 
@@ -224,20 +223,17 @@ def daemon(redis_url, tmp_path):
 
 
 def test_push_never_blocks_a_step_and_lands_once_the_api_is_back(daemon):
-    """With the API unreachable a step (observe + queueing the push) takes well under 50 ms
-    (median of 20 steps), the failed attempts are counted; once the API serves, every queued
-    batch is delivered and the daemon holds its rollouts and δ."""
+    """With the API unreachable 20 steps (observe + queueing the push) return, the failed
+    attempts are counted; once the API serves, every queued batch is delivered and the daemon
+    holds its rollouts and δ. (That a step never waits on a push is pinned, without a clock, by
+    :func:`test_observe_returns_while_a_push_hangs`.)"""
     port = free_port()
     mon = Monitor(api=f"http://127.0.0.1:{port}", token=TOKEN, retry=FAST, run_id="t")
     learner, sampler, mask = batch(b=8, t=64, seed=6)
     completions = torch.randint(0, 1000, (8, 64))
-    took = []
     for step in range(20):
-        t0 = time.perf_counter()
         mon.observe(learner, sampler, mask, version="v1", step=step, completions=completions,
                     prompts=[[1, 2]] * 8)
-        took.append(time.perf_counter() - t0)
-    assert statistics.median(took) < 0.05, took
     deadline = time.monotonic() + 10
     while mon.metrics.value("libalign_integration_push_retries_total") == 0:
         assert time.monotonic() < deadline
@@ -254,6 +250,24 @@ def test_push_never_blocks_a_step_and_lands_once_the_api_is_back(daemon):
             assert disc.stats.max_abs == pytest.approx(float((learner - sampler)[mask].abs().max()),
                                                        rel=1e-6)
     mon.close()
+
+
+def test_observe_returns_while_a_push_hangs():
+    """A daemon that answers one byte a second (a push takes minutes): 5 steps return while
+    the push thread is still inside its first call, so no push has an outcome yet (delivered,
+    retried or dropped) and the batches wait in the queue. A step that waited on its push would
+    have returned only once that call had ended. When the daemon goes away the push call fails
+    at once and ``close`` joins the push thread."""
+    learner, sampler, mask = batch(b=4, t=16, seed=8)
+    drip = Drip(interval_s=1.0)
+    with drip:
+        mon = Monitor(api=drip.url, token=TOKEN, retry=FAST, run_id="h", timeout_s=600.0)
+        for step in range(5):
+            mon.observe(learner, sampler, mask, version="v1", step=step)
+        outcomes = mon.metrics.value("libalign_integration_pushes_total", {"outcome": "delivered"})
+        retries = mon.metrics.value("libalign_integration_push_retries_total")
+        assert outcomes == 0 and retries == 0 and drip.drip_s > 60
+    assert mon.close(timeout_s=0.0) is True
 
 
 def test_a_full_queue_drops_and_counts_without_blocking():
@@ -330,13 +344,9 @@ def test_the_push_queue_is_bounded_in_bytes():
     one = 8 * 64 * (8 + 8 + 8) + 8 * 2 * 8  # two float64 log-probs and a token id; prompts
     mon = Monitor(api=f"http://127.0.0.1:{free_port()}", push_queue_bytes=int(3.5 * one),
                   retry=RetryPolicy(initial_s=1.0, max_s=1.0, attempts=100))
-    took = []
     for step in range(10):
-        t0 = time.perf_counter()
         mon.observe(learner, sampler, mask, version="v1", step=step, completions=completions,
                     prompts=[[1, 2]] * 8)
-        took.append(time.perf_counter() - t0)
-    assert statistics.median(took) < 0.05, took
     assert mon.metrics.value("libalign_integration_pushes_total", {"outcome": "dropped"}) == 7
     assert mon.pusher.held_bytes == 3 * one
     assert mon.metrics.value("libalign_integration_push_queue_bytes") == 3 * one
