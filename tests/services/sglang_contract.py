@@ -220,6 +220,10 @@ class SGLangContract:
         self.in_flight = 0
         self.max_in_flight = 0
         self.aborted_epoch = 0  # bumped by an abort pause; requests of an older epoch abort
+        # an aborted request keeps running until this many flushes were refused (None: its
+        # whole ``/generate:running`` delay), so a test sees a flush refused while it drains
+        self.drain_after_refused_flushes: int | None = None
+        self.refused_flushes = 0
         self.calls: list[Call] = []
         self.arrived: Counter[str] = Counter()
         self.app = self._build()
@@ -376,6 +380,7 @@ class SGLangContract:
             if self.busy_flushes > 0:
                 self.busy_flushes -= 1
             status = 200 if ok else 400
+            self.refused_flushes += status == 400
             self._record(request, body, status)
             return PlainTextResponse(
                 "Cache flushed.\nPlease check backend logs for more details. (When there are "
@@ -498,7 +503,7 @@ class SGLangContract:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            await asyncio.sleep(self.delay.get("/generate:running", 0.0))
+            await self._run_for(self.delay.get("/generate:running", 0.0), epoch)
         finally:
             self.in_flight -= 1
         aborted = self.aborted_epoch != epoch
@@ -508,6 +513,18 @@ class SGLangContract:
                                  aborted))
         self._record(request, body, 200)
         return JSONResponse(out[0] if single else out)
+
+    async def _run_for(self, seconds: float, epoch: int) -> None:
+        """A running request's time on the server: ``seconds``, or, aborted (an abort pause
+        after it started) with ``drain_after_refused_flushes`` set, until that many flushes
+        have been refused."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + seconds
+        while loop.time() < end:
+            if (self.drain_after_refused_flushes is not None and self.aborted_epoch != epoch
+                    and self.refused_flushes >= self.drain_after_refused_flushes):
+                return
+            await asyncio.sleep(min(0.005, max(0.0, end - loop.time())))
 
     def _one(self, rid: str, row: list[int], sp: dict, lp_on: bool, start: int | None,
              with_text: bool, aborted: bool) -> dict:

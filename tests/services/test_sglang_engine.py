@@ -251,10 +251,13 @@ def test_timeouts_and_unreachable_servers_are_typed(rig, tmp_path):
 
 
 def test_flush_cache_is_retried_while_requests_drain(rig):
-    """A request in flight when the load starts ends aborted; flush succeeds once it drained."""
+    """A request in flight when the load starts ends aborted; a flush while it drains is refused
+    (400) and retried, and succeeds once it drained. The request runs until the first flush is
+    refused (no race with the host's speed)."""
     r = rig()
     r.engine.load("v1")
-    r.contract.delay["/generate:running"] = 0.4
+    r.contract.delay["/generate:running"] = 60.0
+    r.contract.drain_after_refused_flushes = 1
     other = {}
 
     def another_client():
@@ -268,7 +271,7 @@ def test_flush_cache_is_retried_while_requests_drain(rig):
         time.sleep(0.005)
     r.contract.calls.clear()
     r.engine.load("v2")
-    t.join(5)
+    t.join(30)
     flushes = [c.status for c in r.contract.calls if c.path == "/flush_cache"]
     assert flushes[-1] == 200 and 400 in flushes
     assert other["answer"][0]["meta_info"]["finish_reason"]["type"] == "abort"
