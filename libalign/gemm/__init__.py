@@ -66,7 +66,15 @@ from libalign.gemm.inner import (
     w4a4_reference,
 )
 from libalign.gemm.moe import ActivationHook, Observer, moe_experts_forward, take_rows
-from libalign.gemm.paths import GUIDED, PATHS, ExecutionPath, get_path, guided_paths, register_path
+from libalign.gemm.paths import (
+    GUIDED,
+    PATHS,
+    Backend,
+    ExecutionPath,
+    get_path,
+    guided_paths,
+    register_path,
+)
 from libalign.gemm.row_groups import PAD_CHOICES, GroupLayout, group_layout
 from libalign.gemm.weights import (
     ExpertWeights,
@@ -76,7 +84,7 @@ from libalign.gemm.weights import (
 )
 
 __all__ = [
-    "BACKENDS", "GUIDED", "PAD_CHOICES", "PATHS", "ActivationHook", "ExecutionPath",
+    "BACKENDS", "GUIDED", "PAD_CHOICES", "PATHS", "ActivationHook", "Backend", "ExecutionPath",
     "ExpertWeights", "GroupLayout", "Observer", "epilogue", "fuses_guidance", "get_path",
     "group_layout", "grouped_linear", "guided_paths", "inner_table", "inner_values",
     "moe_experts_forward", "prepare_weights", "quantize_activations", "register_path",

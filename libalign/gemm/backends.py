@@ -14,14 +14,20 @@ import torch
 
 from libalign.errors import SpecError
 from libalign.gemm.cutlass_grouped import native_grouped_gemm_gap
-from libalign.gemm.paths import ExecutionPath
+from libalign.gemm.paths import Backend, ExecutionPath
 from libalign.gemm.triton_grouped import triton_act_gap, triton_gemm_available, triton_k_gap
 
-BACKENDS = ("auto", "reference", "torch", "triton", "native")
+BACKENDS = Backend.values()
 
-def resolve_backend(backend: str, device: torch.device, path: ExecutionPath, k: int) -> str:
+
+def resolve_backend(backend: str, device: torch.device, path: ExecutionPath, k: int) -> Backend:
+    """The backend that serves a call of ``k`` columns on ``device``: ``backend`` when named
+    (SpecError with the reason when it cannot serve the call), else the path's, else the
+    fastest that can (see the module doc)."""
     if backend not in BACKENDS:
         raise SpecError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == Backend.AUTO:
+        backend = path.backend
     if backend == "triton":
         if not triton_gemm_available(device):
             raise SpecError(f"the triton W4A4 backend needs a CUDA device with Triton, got {device}")
@@ -33,16 +39,17 @@ def resolve_backend(backend: str, device: torch.device, path: ExecutionPath, k: 
         gap = native_grouped_gemm_gap(device) if path.quantized else "the bf16 path"
         if gap is not None:
             raise SpecError(f"the native Blackwell W4A4 backend cannot serve this call: {gap}")
-    if backend != "auto":
-        return backend
+    if backend != Backend.AUTO:
+        return Backend(backend)
     if not path.quantized or device.type != "cuda":
-        return "torch"
+        return Backend.TORCH
     native, triton = device_kernels(device)
     if native:
-        return "native"
+        return Backend.NATIVE
     if triton and triton_k_gap(k) is None and triton_act_gap(path.act_spec) is None:
-        return "triton"
-    return "torch"
+        return Backend.TRITON
+    return Backend.TORCH
+
 
 DEVICE_KERNELS_SEEN: dict[str, tuple[bool, bool]] = {}
 

@@ -20,6 +20,17 @@ from dataclasses import dataclass
 
 from libalign.errors import SpecError
 from libalign.spec import PRESETS, NumericsSpec
+from libalign.spec.choices import Choice
+
+
+class Backend(Choice):
+    """Which grouped-GEMM backend serves a call (:mod:`libalign.gemm.backends`)."""
+
+    AUTO = "auto"
+    REFERENCE = "reference"
+    TORCH = "torch"
+    TRITON = "triton"
+    NATIVE = "native"
 
 #: The guided path's name: ``nvfp4_minite``'s numerics, rounded as the sampler's records say.
 GUIDED = "nvfp4_trace"
@@ -44,8 +55,16 @@ class ExecutionPath:
     guided: bool = False
     """True when the path rounds as the sampler's guidance records say (TRACE): the learner
     needs the rollout's records, the sampler records them. The spec is its unguided twin's."""
+    backend: Backend = Backend.AUTO
+    """The grouped-GEMM backend a call on this path uses unless it names one (``auto``: the
+    fastest that serves the call on its device)."""
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "backend", Backend(self.backend))
+        except ValueError:
+            raise SpecError(f"path {self.name!r}: backend must be one of {Backend.values()}, "
+                            f"got {self.backend!r}") from None
         if (self.weight_spec is None) != (self.act_spec is None):
             raise SpecError(f"path {self.name!r}: quantize both operands or neither")
         for what, spec in (("weight", self.weight_spec), ("activation", self.act_spec)):

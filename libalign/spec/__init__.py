@@ -5,6 +5,8 @@ atol=0). Its modules, from the numbers up:
 
 * :mod:`~libalign.spec.constants`: the numbers that define the formats (E2M1 values, E4M3
   limits, block sizes). Numbers only.
+* :mod:`~libalign.spec.choices`: the closed choices a spec makes (outer domain, operation
+  order, signed zero, outer convention) as string enums.
 * :mod:`~libalign.spec.rounding`: fp32 to E2M1 codes and to E4M3 bytes, bit-exact, with the
   signed-zero and guided-rounding variants.
 * :mod:`~libalign.spec.scale_math`: the fp32 operation orders that turn maxima into scales, one

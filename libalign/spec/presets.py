@@ -77,6 +77,7 @@ import torch
 
 from libalign.errors import SpecError
 from libalign.spec import scale_math
+from libalign.spec.choices import OpOrder, OuterConvention, OuterDomain, SignedZero
 from libalign.spec.constants import (
     BLOCK_SIZE,
     FLT_MAX,
@@ -91,8 +92,8 @@ from libalign.spec.rounding import (
     saturate_e4m3,
 )
 
-OUTER_DOMAINS = ("none", "tensor", "expert", "row")
-OUTER_CONVENTIONS = ("amax", "enc", "dec")
+OUTER_DOMAINS = OuterDomain.values()
+OUTER_CONVENTIONS = OuterConvention.values()
 
 
 @dataclass(frozen=True)
@@ -133,20 +134,20 @@ class NumericsSpec:
     """
 
     name: str = "custom"
-    outer_domain: str = "row"
-    op_order: str = "te"
+    outer_domain: OuterDomain = OuterDomain.ROW
+    op_order: OpOrder = OpOrder.TE
     amax_floor: float | None = MINITE_AMAX_FLOOR
     block_scale_floor: float | None = None
     zero_prescale_to: float | None = None
     zero_scale_to: float | None = None
     zero_scale_encode: str = "zero"
-    signed_zero: str = "positive"
+    signed_zero: SignedZero = SignedZero.POSITIVE
     nonfinite: str = "raise"
     k_remainder: str = "pad"
     hadamard: bool = False
     hadamard_signs: tuple[int, ...] = HADAMARD_SIGNS
     stochastic_rounding: bool = False
-    outer_convention: str = "dec"
+    outer_convention: OuterConvention = OuterConvention.DEC
     scale_math_dtype: str = "float32"
     block_size: int = field(default=BLOCK_SIZE)
 
@@ -164,6 +165,9 @@ class NumericsSpec:
         for attr, allowed in choices.items():
             if getattr(self, attr) not in allowed:
                 raise SpecError(f"{attr} must be one of {allowed}, got {getattr(self, attr)!r}")
+        for attr, kind in (("outer_domain", OuterDomain), ("op_order", OpOrder),
+                           ("signed_zero", SignedZero), ("outer_convention", OuterConvention)):
+            object.__setattr__(self, attr, kind(getattr(self, attr)))  # the member of the string
         if self.is_mx:
             self._check_mx()
         elif self.block_size != BLOCK_SIZE:

@@ -63,6 +63,7 @@ from __future__ import annotations
 import torch
 
 from libalign.errors import DTypeError, SpecError
+from libalign.spec.choices import SignedZero
 from libalign.spec.constants import (
     E2M1_MAGNITUDES,
     E2M1_MAX,
@@ -75,7 +76,7 @@ from libalign.spec.constants import (
     E8M0_NAN_BITS,
 )
 
-SIGNED_ZERO_POLICIES = ("positive", "sign_of_input", "sign_of_nonzero")
+SIGNED_ZERO_POLICIES = SignedZero.values()
 
 _STRICT_MIDPOINTS = (0.25, 1.25, 2.5, 5.0)  # upper neighbour odd: pass only when >
 _INCLUSIVE_MIDPOINTS = (0.75, 1.75, 3.5)  # upper neighbour even: pass when >=

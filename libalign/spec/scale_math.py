@@ -70,6 +70,7 @@ from dataclasses import dataclass
 import torch
 
 from libalign.errors import SpecError
+from libalign.spec.choices import OpOrder
 from libalign.spec.constants import (
     E2M1_MAX,
     E2M1_MAX_POW2,
@@ -79,10 +80,10 @@ from libalign.spec.constants import (
 )
 
 #: NVFP4 orders (E4M3 block scales, an outer scale).
-NV_ORDERS = ("te", "torchao", "modelopt", "compressed_tensors")
+NV_ORDERS = tuple(o.value for o in OpOrder if not o.is_mx)
 #: MXFP4 orders (E8M0 block scales, no outer scale).
-MX_ORDERS = ("mx_floor", "mx_ceil", "mx_even", "mx_te")
-OP_ORDERS = NV_ORDERS + MX_ORDERS
+MX_ORDERS = tuple(o.value for o in OpOrder if o.is_mx)
+OP_ORDERS = OpOrder.values()
 
 _F32 = torch.float32
 

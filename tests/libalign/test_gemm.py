@@ -313,3 +313,38 @@ def test_native_backend_is_refused_without_blackwell():
     w, a = _w(2, 16, 32), _a(4, 32)
     with pytest.raises(SpecError, match="native Blackwell"):
         gemm.grouped_linear(a, gemm.prepare_weights(w, "nvfp4_minite"), [2, 2], backend="native")
+
+
+def test_a_path_names_its_backend_and_its_guidance_as_fields():
+    """ExecutionPath carries ``guided`` and ``backend`` as fields: the built-in guided paths are
+    exactly those with ``guided`` (nvfp4_trace and its KV twins), a path whose backend is
+    ``reference`` multiplies with the float64 reference (its bits equal w4a4_reference) unless
+    a call names another backend, and an unknown backend is a SpecError naming the path."""
+    assert gemm.guided_paths() == {"nvfp4_trace", "nvfp4_trace_kv_nvfp4", "nvfp4_trace_kv_mxfp4"}
+    assert gemm.get_path(gemm.GUIDED).guided and not gemm.get_path("nvfp4_minite").guided
+    minite = gemm.get_path("nvfp4_minite")
+    ref = gemm.ExecutionPath("minite_reference", minite.weight_spec, minite.act_spec,
+                             backend="reference")
+    assert ref.backend is gemm.Backend.REFERENCE and f"{ref.backend}" == "reference"
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 32, 64, generator=g).to(torch.bfloat16)
+    a = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    got = gemm.grouped_linear(a, gemm.prepare_weights(w, ref), [2, 3])
+    qa = quantize(a, PRESETS["minite"])
+    qw = quantize(w, PRESETS["minite"])
+    want = torch.cat([
+        gemm.w4a4_reference(gemm.take_rows(qa, torch.arange(0, 2)),
+                            gemm.take_rows(_expert(qw, 0), torch.arange(32))),
+        gemm.w4a4_reference(gemm.take_rows(qa, torch.arange(2, 5)),
+                            gemm.take_rows(_expert(qw, 1), torch.arange(32)))])
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    with pytest.raises(SpecError, match="path 'bad': backend must be one of"):
+        gemm.ExecutionPath("bad", backend="cublas")
+
+
+def _expert(q, e: int):
+    """Expert ``e`` of an NVFP4 stack ``[E, N, K]`` as a 2-D NVFP4 tensor ``[N, K]``."""
+    from libalign.spec import NVFP4Tensor
+
+    outer = q.outer_scale[e] if q.outer_scale is not None and q.outer_scale.ndim else q.outer_scale
+    return NVFP4Tensor(q.codes[e], q.block_scales[e], outer, q.spec, (q.shape[1], q.k))

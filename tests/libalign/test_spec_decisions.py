@@ -233,3 +233,25 @@ def test_spec_validation_and_serialization():
         NumericsSpec.from_dict({"colour": "red"})
     with pytest.raises(AttributeError):
         PRESETS["minite"].outer_domain = "tensor"
+
+
+def test_spec_choices_are_enums_that_read_as_their_strings():
+    """A spec's closed choices are enum members (OuterDomain, OpOrder, SignedZero,
+    OuterConvention) that equal, print, format and serialize as their strings: a spec made from
+    strings equals one made from members, its dict is the same JSON as before, and a value
+    outside the set is a SpecError listing the choices."""
+    import json
+
+    from libalign.spec.choices import OpOrder, OuterConvention, OuterDomain, SignedZero
+
+    s = PRESETS["modelopt"]
+    assert s.outer_domain is OuterDomain.TENSOR and s.op_order is OpOrder.MODELOPT
+    assert s.signed_zero is SignedZero.SIGN_OF_NONZERO and s.outer_convention in OuterConvention
+    assert s.outer_domain == "tensor" and f"{s.op_order}" == "modelopt" and repr(s.op_order) == "'modelopt'"
+    same = s.replace(outer_domain="tensor", op_order="modelopt")
+    assert same == s and json.dumps(same.to_dict()) == json.dumps(s.to_dict())
+    assert json.loads(json.dumps(s.to_dict()))["outer_domain"] == "tensor"
+    assert OpOrder("mx_te").is_mx and not OpOrder.TE.is_mx
+    with pytest.raises(SpecError, match=r"outer_domain must be one of \('none', 'tensor', "
+                       r"'expert', 'row'\), got 'block'"):
+        s.replace(outer_domain="block")
