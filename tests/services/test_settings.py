@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from alignclient.errors import ConfigError
+from alignclient.errors import ConfigError, LoopError
 from alignd.infra import settings as settings_mod
 from alignd.infra.bus import RedisBus
 from alignd.infra.service_main import run_service
@@ -195,8 +195,9 @@ def test_run_service_bad_settings_exit_2(clean_env, own_signals, monkeypatch, ca
 
 
 def test_run_service_status_errors_and_log_level(clean_env, own_signals, monkeypatch, caplog):
-    """``run``'s status is the exit status (None: 0); an AlignError is logged and exits 1;
-    ALIGN_LOG_LEVEL sets the level."""
+    """``run``'s status is the exit status (None: 0); an AlignError is logged and exits 1, a
+    ConfigError (a configuration error found while running) exits 2; ALIGN_LOG_LEVEL sets the
+    level."""
     log = logging.getLogger("t")
     monkeypatch.setenv("ALIGN_LOG_LEVEL", "WARNING")
     got = []
@@ -204,12 +205,16 @@ def test_run_service_status_errors_and_log_level(clean_env, own_signals, monkeyp
     assert got == ["WARNING"] and logging.getLogger().level == logging.WARNING
     assert run_service(log, ServiceSettings, lambda s, stop: 3) == 3
 
-    def fail(settings, stop):
+    def misconfigured(settings, stop):
         raise ConfigError("no engine here")
 
+    def fail(settings, stop):
+        raise LoopError("the loop stopped")
+
     with caplog.at_level(logging.ERROR):
+        assert run_service(log, ServiceSettings, misconfigured) == 2
         assert run_service(log, ServiceSettings, fail) == 1
-    assert "no engine here" in caplog.text
+    assert "configuration error: no engine here" in caplog.text and "the loop stopped" in caplog.text
 
 
 def test_run_service_stops_on_sigterm(clean_env, own_signals):

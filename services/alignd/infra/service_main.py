@@ -12,7 +12,9 @@ A service's ``main()`` is one call, ``run_service(log, ConverterSettings, run)``
    ended by :func:`exit_after_stop` with status :data:`EXIT_CUT_OFF`, its work left for
    another instance to take over (a message not acknowledged is reclaimed);
 4. ``run(settings, stop)`` builds the service and runs it; it returns the exit status (None
-   means 0), and an :class:`~alignclient.errors.AlignError` escaping it is logged and exits 1.
+   means 0), and an :class:`~alignclient.errors.AlignError` escaping it is logged and exits 1
+   (a :class:`~alignclient.errors.ConfigError`, such as credentials Redis refuses mid-run,
+   exits 2, as at start).
 """
 
 from __future__ import annotations
@@ -135,6 +137,9 @@ def run_service(log: logging.Logger, settings_cls: type[S],
     with exit_after_stop(stop, settings.shutdown_timeout_s, log):
         try:
             return run(settings, stop) or 0
+        except ConfigError as e:  # e.g. credentials Redis refuses mid-run
+            log.error("configuration error: %s", e)
+            return 2
         except AlignError as e:
             log.error("stopped: %s", e)
             return 1
