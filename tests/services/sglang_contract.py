@@ -223,6 +223,9 @@ class SGLangContract:
         # an aborted request keeps running until this many flushes were refused (None: its
         # whole ``/generate:running`` delay), so a test sees a flush refused while it drains
         self.drain_after_refused_flushes: int | None = None
+        # a running request also stays until this many run at once (None: no such wait), so a
+        # test sees concurrency without racing the host's speed
+        self.hold_until_in_flight: int | None = None
         self.refused_flushes = 0
         self.calls: list[Call] = []
         self.arrived: Counter[str] = Counter()
@@ -519,6 +522,10 @@ class SGLangContract:
         after it started) with ``drain_after_refused_flushes`` set, until that many flushes
         have been refused."""
         loop = asyncio.get_running_loop()
+        hold_end = loop.time() + 30.0
+        while self.hold_until_in_flight is not None and self.max_in_flight < \
+                self.hold_until_in_flight and loop.time() < hold_end:
+            await asyncio.sleep(0.005)
         end = loop.time() + seconds
         while loop.time() < end:
             if (self.drain_after_refused_flushes is not None and self.aborted_epoch != epoch

@@ -181,6 +181,7 @@ def test_calls_run_concurrently_and_a_switch_waits_for_them(fleet):
     (c,), _, engine, _ = fleet()
     engine.load("v1")
     c.delay["/generate:running"] = 0.4
+    c.hold_until_in_flight = 2  # the pair's first call runs until the second has arrived
     out: dict[str, object] = {}
 
     def run(key, fn):
@@ -193,6 +194,7 @@ def test_calls_run_concurrently_and_a_switch_waits_for_them(fleet):
     for t in pair:
         t.join(10)
     assert c.max_in_flight == 2 and out["a"].version_id == out["b"].version_id == "v1"
+    c.hold_until_in_flight = None
     c.calls.clear()
     first = threading.Thread(target=run, args=("first", lambda: engine.generate(
         [[5]], max_new_tokens=2)))
