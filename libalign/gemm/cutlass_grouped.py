@@ -16,8 +16,6 @@ own and laid one after the other (:func:`grouped_activation_scales`).
 The library is built by :mod:`libalign.kernels.native` (kind ``gemm_sm100``) for compute capability
 10.x only, with the CUTLASS headers of the ``nvidia-cutlass`` package; it has no spec
 fallback, so :func:`native_grouped_gemm_gap` says why it cannot run where it cannot.
-Compiled in the tests, never run here: no Blackwell device has been available to this
-project.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def quantized_grouped(a: torch.Tensor, w: ExpertWeights, layout: GroupLayout,
         return w4a4_grouped_triton(a, spec, w.inner, w.dec, layout, out_dtype, check_finite=checked)
     if act_q is None:
         check_finite(a, "activations")
-    if backend == "native":  # Blackwell FP4 tensor cores (compiled for sm_100a, never run here)
+    if backend == "native":  # Blackwell FP4 tensor cores (sm_100a)
         if w.operand is None:
             raise SpecError("these weights were not prepared on a device with the native GEMM")
         qa = act_q if act_q is not None else ops.quantize(a.detach(), spec)
