@@ -11,7 +11,7 @@ a fused pass and its unfused twin agree exactly). They live in one frozen
   starts), which is how tests and benchmarks compare a fused pass with its unfused twin;
 * code reads :func:`current`, never ``os.environ``.
 
-:data:`VARIABLES` lists every variable with its type, default and meaning; the settings page
+:func:`variables` lists every variable with its type, default and meaning; the settings page
 of the docs is generated from it and from the daemon's settings classes.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import itertools
 import os
 import threading
@@ -32,7 +33,7 @@ from libalign.errors import ConfigError
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Every process-wide kernel choice (each field's variable is in :data:`VARIABLES`)."""
+    """Every process-wide kernel choice (each field's variable is in :func:`variables`)."""
 
     kernels: str = "auto"
     """``auto``: compiled kernels where they build and serve; ``spec``: the reference serves
@@ -104,7 +105,10 @@ def _field_docs() -> dict[str, str]:
     return docs
 
 
-def _variables() -> tuple[Variable, ...]:
+@functools.cache
+def variables() -> tuple[Variable, ...]:
+    """Every variable :class:`KernelConfig` reads, in field order (made on first call, from the
+    field docstrings in this file: only the settings page asks)."""
     docs = _field_docs()
     out = []
     for f in dataclasses.fields(KernelConfig):
@@ -114,9 +118,6 @@ def _variables() -> tuple[Variable, ...]:
                             if isinstance(default, bool) else str(default), docs.get(f.name, "")))
     return tuple(out)
 
-
-#: Every variable :class:`KernelConfig` reads, in field order.
-VARIABLES: tuple[Variable, ...] = _variables()
 
 
 def _parse(field: dataclasses.Field, name: str, raw: str):

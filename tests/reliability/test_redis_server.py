@@ -23,7 +23,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,6 +49,7 @@ from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.telemetry import Metrics
 
 from tests.services.conftest import REDIS_SERVER, RedisServer
+from tests.services.moved_time import FakeClock
 
 ROOT = Path(__file__).resolve().parents[2]
 PASSWORD = "pw-7e1c93a05b2d48f6"
@@ -278,18 +278,8 @@ def test_a_full_redis_refuses_writes_typed_counted_and_whole(server, admin):
 # --- guidance: eviction told from expiry -----------------------------------------------------
 
 
-class Clock:
-    """Epoch seconds that move only when told."""
-
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture(params=["redis", "embedded"])
-def guidance(request, tmp_path) -> Iterator[tuple[GuidanceStore, Metrics, Clock]]:
+def guidance(request, tmp_path) -> Iterator[tuple[GuidanceStore, Metrics, FakeClock]]:
     """A guidance store (TTL one hour, the injected clock, metrics) on a real server or the
     embedded one."""
     if request.param == "redis":
@@ -300,7 +290,7 @@ def guidance(request, tmp_path) -> Iterator[tuple[GuidanceStore, Metrics, Clock]
         import fakeredis
 
         target, stop = fakeredis.FakeRedis(), lambda: None
-    m, clock = Metrics(), Clock()
+    m, clock = Metrics(), FakeClock()
     store = GuidanceStore(target, prefix="t", ttl_s=3600.0, metrics=m, clock=clock)
     yield store, m, clock
     store.close()

@@ -47,6 +47,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from alignclient.errors import LoopError, RoutingMissingError
 
@@ -180,22 +181,23 @@ class Stopwatch:
 
 @dataclass
 class Collected:
-    """One step's rollouts as the learner reads them back."""
+    """One step's rollouts as the learner reads them back (token lists built once, for both
+    scoring and training)."""
 
     ids: list[str]
     items: list[Rollout]
     guidance: dict[int, GuidanceRecord] | None
     routing: dict[int, RoutingRecord] | None
 
-    @property
+    @cached_property
     def sequences(self) -> list[list[int]]:
         return [list(r.tokens) for r in self.items]
 
-    @property
+    @cached_property
     def prompt_lens(self) -> list[int]:
         return [r.prompt_len for r in self.items]
 
-    @property
+    @cached_property
     def sampler_logprobs(self) -> list[list[float]]:
         return [list(r.logprobs) for r in self.items]
 

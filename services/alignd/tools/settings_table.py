@@ -9,7 +9,7 @@ processes that read it. A variable's "read by" cell is the union over the classe
 its field. To document another class, add one entry: any pydantic model whose
 ``model_config`` names an ``env_prefix`` works. libalign's kernel configuration
 (:class:`libalign.kernels.config.KernelConfig`, read by any process that quantizes) has a table
-of its own, made from :data:`libalign.kernels.config.VARIABLES`.
+of its own, made from :func:`libalign.kernels.config.variables`.
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def kernel_rows() -> list[dict[str, str]]:
     return [{"variable": f"`{v.name}`",
              "type": _cell(v.type.replace("Path", "path").replace(" | None", " or unset")),
              "default": "unset" if v.default == "unset" else f"`{v.default}`",
-             "description": _cell(v.description)} for v in kernel_config.VARIABLES]
+             "description": _cell(v.description)} for v in kernel_config.variables()]
 
 
 def _table(table: list[dict[str, str]]) -> list[str]:
