@@ -162,6 +162,31 @@ def per_expert(name: str, q: NVFP4Tensor) -> Iterator[tuple[str, NVFP4Tensor, sl
             yield f"{prefix}.{e}.{last}.weight", qe, None
 
 
+def modelopt_parts(name: str, q: NVFP4Tensor
+                   ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """The ModelOpt tensors of NVFP4 tensor ``name``: ``(module weight name, {"weight",
+    "weight_scale", "weight_scale_2"})`` for a 2-D ``<module>.weight``, one per expert
+    projection for a 3-D stack (:func:`per_expert`; a split ``gate_up_proj`` keeps the
+    expert's scalar outer scale, or its own rows' scales). LayoutError when SGLang has no
+    method or no name for it (:func:`exportable`)."""
+    rows_scaled = exportable(q, name) == MINITE_METHOD
+    if len(q.shape) == 2:
+        if not name.endswith(".weight"):
+            raise LayoutError(f"tensor {name!r}: a 2-D NVFP4 tensor must be a '<module>.weight'")
+        parts: Iterable[tuple[str, NVFP4Tensor, slice | None]] = [(name, q, None)]
+    elif len(q.shape) == 3:
+        parts = per_expert(name, q)
+    else:
+        raise LayoutError(f"tensor {name!r} has shape {q.shape}; the ModelOpt layout "
+                          "stores 2-D weights and 3-D expert stacks are split")
+    for weight, qe, rows in parts:
+        stored_as = to_modelopt(qe, row_scaled_ok=rows_scaled)
+        if rows is not None:  # a scalar outer scale is the expert's; row scales split
+            stored_as = {k: (v.clone() if k == "weight_scale_2" and not rows_scaled
+                             else v[rows].clone()) for k, v in stored_as.items()}
+        yield weight, stored_as
+
+
 def exports_for(layout: str, store: WeightStore, model_dir: Path | str | None,
                 root: Path | str | None = None, **kw: Any) -> ModelOptExport | None:
     """The exports a writer of versions makes for ``layout`` (a ``sampler_layout`` setting):
@@ -270,23 +295,8 @@ class ModelOptExport:
                 raise LayoutError(f"tensor {name!r} ({value.spec.name!r}) needs SGLang method "
                                   f"{method!r}, the version's earlier tensors {facts['method']!r}")
             facts["spec"], facts["method"] = facts["spec"] or value.spec, method
-            rows_scaled = method == MINITE_METHOD
-            if len(value.shape) == 2:
-                if not name.endswith(".weight"):
-                    raise LayoutError(f"tensor {name!r}: a 2-D NVFP4 tensor must be a "
-                                      "'<module>.weight'")
-                parts: Iterable[tuple[str, NVFP4Tensor, slice | None]] = [(name, value, None)]
-            elif len(value.shape) == 3:
-                parts = per_expert(name, value)
-            else:
-                raise LayoutError(f"tensor {name!r} has shape {value.shape}; the ModelOpt layout "
-                                  "stores 2-D weights and 3-D expert stacks are split")
-            for weight, q, rows in parts:
-                stored_as = to_modelopt(q, row_scaled_ok=rows_scaled)
-                if rows is not None:  # a scalar outer scale is the expert's; row scales split
-                    stored_as = {k: (v.clone() if k == "weight_scale_2" and not rows_scaled
-                                     else v[rows].clone()) for k, v in stored_as.items()}
-                if not rows_scaled:  # per-row scales need no shared maximum
+            for weight, stored_as in modelopt_parts(name, value):
+                if method != MINITE_METHOD:  # per-row scales need no shared maximum
                     self._same_outer(weight, stored_as["weight_scale_2"], outer)
                 facts["converted"] += 1
                 module = weight.removesuffix(".weight")

@@ -113,3 +113,38 @@ def announce_converted(registry: Registry, bus: RedisBus, stream: str, store: We
     bus.publish(stream, converted_event(store, version_id, preset, manifest=manifest,
                                         target_path=target_path).to_fields())
     return manifest
+
+
+class RefitStages:
+    """The registry states of a version refit from tensors (:mod:`alignd.sync.refit`), walked as
+    for a converter-made version, so staleness and ``libalign_sync_stage_seconds`` read the
+    same: ``published`` and ``converting`` when the refit starts (:meth:`begin`), ``converted``
+    when every bucket is sent, ``loading`` then ``serving`` once the server confirmed the last
+    (:meth:`done`), ``failed`` with the reason otherwise (:meth:`failed`). The record's path is
+    ``refit:<transport>``: no store directory holds the version."""
+
+    def __init__(self, registry: Registry, version_id: str, transport: str, *,
+                 actor: str = "learner", meta: dict[str, str] | None = None):
+        self.registry, self.version_id, self.actor = registry, version_id, actor
+        self.transport, self.meta = transport, dict(meta or {})
+
+    @property
+    def path(self) -> str:
+        """The record's path."""
+        return f"refit:{self.transport}"
+
+    def begin(self) -> None:
+        """Register the version and mark it converting (VersionExistsError if the id is taken)."""
+        self.registry.create(self.version_id, self.path, actor=self.actor,
+                             meta={"transport": self.transport, **self.meta})
+        self.registry.transition(self.version_id, "converting", actor=self.actor)
+
+    def done(self) -> None:
+        """Every bucket sent and the server confirmed: converted, loading, serving."""
+        for state in ("converted", "loading", "serving"):
+            self.registry.transition(self.version_id, state, actor=self.actor)
+
+    def failed(self, reason: str) -> None:
+        """Mark the version failed with ``reason`` (a version never begun is left alone)."""
+        self.registry.transition(self.version_id, "failed", actor=self.actor,
+                                 reason=reason or "refit failed")

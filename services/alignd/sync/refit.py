@@ -1,0 +1,189 @@
+"""A refit: one weight version from a trainer's named tensors to a server's parameters, in
+buckets, with the conversion of one bucket hidden behind the transfer of the one before.
+
+The transports (:mod:`~alignd.sync.tensor`, :mod:`~alignd.sync.distributed`) differ only in
+how a bucket crosses to the server; this module is what they share:
+
+1. The named tensors go through :func:`alignd.sync.stream.quantize_named` (``spec`` set: the
+   NVFP4 refit) or unchanged (``spec`` None: the BF16 refit of the same tensors, the
+   baseline a benchmark compares with), then into buckets (:func:`alignd.sync.buckets.buckets`).
+2. Each bucket gets its :class:`~alignd.sync.buckets.RefitHeader` (version, index, and on the
+   last one the tensor count and the digest of every entry) and is handed to the transport's
+   ``send``. Sends run on one worker thread, one at a time and in order, while the caller's
+   thread quantizes and packs the next bucket: at most two buckets exist at once, the one in
+   flight and the one being built. A send that fails stops the refit (the next bucket is
+   not sent) and its error is raised in the caller.
+3. The version is announced to the daemon as a converter-made version is
+   (:class:`alignd.sync.announce.RefitStages`): ``published`` and ``converting`` when the
+   refit starts, ``converted`` once every bucket is sent, then ``loading`` and ``serving``
+   once the server confirmed, so the registry, staleness and the sync-latency histogram read
+   the same whichever way a version travelled. A failure marks it ``failed`` with the reason.
+
+Timing (:class:`RefitReport`): seconds spent producing buckets (quantize and pack, on the
+caller's thread), seconds in ``send`` (the worker), and the wall time of the whole refit;
+with the overlap the wall time is near the larger of the two, not their sum.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+from alignclient.errors import InputError, WeightUpdateError
+
+from alignd.sync.announce import RefitStages
+from alignd.sync.buckets import Bucket, Digest, RefitHeader, buckets
+from alignd.sync.stream import DEFAULT_BUCKET_BYTES, quantize_named
+from libalign.spec import NumericsSpec
+
+#: ``send(bucket, header)``: hand one bucket to the server; returns once the server holds it.
+Send = Callable[[Bucket, RefitHeader], None]
+
+
+@dataclass
+class RefitReport:
+    """What one refit moved and where its time went."""
+
+    version_id: str
+    buckets: int = 0
+    tensors: int = 0
+    bytes: int = 0
+    produce_s: float = 0.0
+    send_s: float = 0.0
+    wall_s: float = 0.0
+    digest: str = ""
+
+
+def refit_buckets(named: Iterable[tuple[str, torch.Tensor]], spec: NumericsSpec | str | None, *,
+                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, all_linear: bool = False,
+                  device: torch.device | str | None = None) -> Iterator[Bucket]:
+    """The buckets of a refit: ``named`` quantized under ``spec`` (None: unchanged)."""
+    stream = named if spec is None else quantize_named(named, spec, all_linear=all_linear,
+                                                       bucket_bytes=bucket_bytes)
+    return buckets(stream, bucket_bytes, device)
+
+
+class _Sender:
+    """One worker thread sending buckets in order; the first error stops it."""
+
+    def __init__(self, send: Send, report: RefitReport):
+        self.send, self.report = send, report
+        self.q: queue.Queue = queue.Queue(maxsize=1)  # one bucket waits while one is in flight
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="refit-send", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            if self.error is not None:
+                continue  # drain: nothing more is sent after a failure
+            bucket, header = item
+            t0 = time.perf_counter()
+            try:
+                self.send(bucket, header)
+            except BaseException as e:  # raised in the caller's thread by put()/close()
+                self.error = e
+            self.report.send_s += time.perf_counter() - t0
+
+    def put(self, bucket: Bucket, header: RefitHeader) -> None:
+        self._raise()
+        self.q.put((bucket, header))
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join()
+        self._raise()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def run_refit(named: Iterable[tuple[str, torch.Tensor]], send: Send, *, version_id: str,
+              spec: NumericsSpec | str | None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+              all_linear: bool = False, model: str | None = None,
+              quantization: str | None = None, device: torch.device | str | None = None,
+              header_entries: bool = True, stages: RefitStages | None = None) -> RefitReport:
+    """Send version ``version_id`` of ``named`` through ``send``, bucket by bucket (see the
+    module doc). ``quantization`` and ``model`` go into every header for the receiver to check;
+    ``header_entries`` puts each bucket's entries in its header (a libalign receiver rebuilds
+    the bucket from them); ``stages`` announces the version to the daemon (module doc).
+    Returns the report once the last bucket was sent."""
+    if not version_id or not isinstance(version_id, str):
+        raise InputError(f"version_id must be a non-empty str, got {version_id!r}")
+    report = RefitReport(version_id)
+    if stages is not None:
+        stages.begin()
+    try:
+        _run(named, send, report, spec, bucket_bytes, all_linear, model, quantization, device,
+             header_entries)
+    except BaseException as e:
+        if stages is not None:
+            stages.failed(f"{type(e).__name__}: {e}"[:500])
+        raise
+    if stages is not None:
+        stages.done()
+    return report
+
+
+def _run(named, send, report, spec, bucket_bytes, all_linear, model, quantization, device,
+         header_entries) -> None:
+    version_id = report.version_id
+    spec_name = None if spec is None else (spec if isinstance(spec, str) else spec.name)
+    digest = Digest()
+    sender = _Sender(send, report)
+    t_wall = time.perf_counter()
+    pending: tuple[Bucket, RefitHeader] | None = None
+    try:
+        produced = refit_buckets(named, spec, bucket_bytes=bucket_bytes, all_linear=all_linear,
+                                 device=device)
+        while True:
+            t0 = time.perf_counter()
+            b = next(produced, None)
+            if b is not None and b.flat.device.type == "cuda":  # bytes there before a send
+                torch.cuda.current_stream(b.flat.device).synchronize()
+            report.produce_s += time.perf_counter() - t0
+            if b is None:
+                break
+            if pending is not None:
+                sender.put(*pending)
+            digest.add(b.entries)
+            header = RefitHeader(version_id, report.buckets, model=model,
+                                 quantization=quantization, spec=spec_name,
+                                 entries=[e.to_dict() for e in b.entries] if header_entries else [])
+            report.buckets += 1
+            report.tensors += len(b.entries)
+            report.bytes += b.nbytes
+            pending = (b, header)
+        if pending is None:
+            raise InputError(f"refit of {version_id!r}: no tensors to send")
+        b, header = pending
+        last = replace(header, last=True, tensors=digest.count, digest=digest.hexdigest())
+        sender.put(b, last)
+        pending = None
+    except BaseException:
+        sender.q.put(None)
+        sender.thread.join()
+        raise
+    sender.close()
+    report.wall_s = time.perf_counter() - t_wall
+    report.digest = digest.hexdigest()
+
+
+def check_ok(answer: object, what: str) -> None:
+    """An SGLang-style ``(success, message)`` answer (tuple or dict) that failed, as an error."""
+    ok, msg = True, ""
+    if isinstance(answer, tuple) and len(answer) >= 2:
+        ok, msg = bool(answer[0]), str(answer[1])
+    elif isinstance(answer, dict) and "success" in answer:
+        ok, msg = bool(answer["success"]), str(answer.get("message", ""))
+    if not ok:
+        raise WeightUpdateError(f"{what}: {msg}")
+
