@@ -119,8 +119,10 @@ class RefitStages:
     """The registry states of a version refit from tensors (:mod:`alignd.sync.refit`), walked as
     for a converter-made version, so staleness and ``libalign_sync_stage_seconds`` read the
     same: ``published`` and ``converting`` when the refit starts (:meth:`begin`), ``converted``
-    when every bucket is sent, ``loading`` then ``serving`` once the server confirmed the last
-    (:meth:`done`), ``failed`` with the reason otherwise (:meth:`failed`). The record's path is
+    and ``loading`` once every bucket is quantized and packed (:meth:`produced`), ``serving``
+    once the server confirmed the last (:meth:`serving`), ``failed`` with the reason otherwise
+    (:meth:`failed`); the ``convert`` stage is then the conversion, ``load`` the transfer of
+    what was left and the server's load. The record's path is
     ``refit:<transport>``: no store directory holds the version."""
 
     def __init__(self, registry: Registry, version_id: str, transport: str, *,
@@ -139,10 +141,15 @@ class RefitStages:
                              meta={"transport": self.transport, **self.meta})
         self.registry.transition(self.version_id, "converting", actor=self.actor)
 
-    def done(self) -> None:
-        """Every bucket sent and the server confirmed: converted, loading, serving."""
-        for state in ("converted", "loading", "serving"):
+    def produced(self) -> None:
+        """Every bucket quantized and packed (the last still on its way): ``converted``, then
+        ``loading``."""
+        for state in ("converted", "loading"):
             self.registry.transition(self.version_id, state, actor=self.actor)
+
+    def serving(self) -> None:
+        """The server confirmed the last bucket: ``serving``."""
+        self.registry.transition(self.version_id, "serving", actor=self.actor)
 
     def failed(self, reason: str) -> None:
         """Mark the version failed with ``reason`` (a version never begun is left alone)."""

@@ -15,8 +15,8 @@ how a bucket crosses to the server; this module is what they share:
    not sent) and its error is raised in the caller.
 3. The version is announced to the daemon as a converter-made version is
    (:class:`alignd.sync.announce.RefitStages`): ``published`` and ``converting`` when the
-   refit starts, ``converted`` once every bucket is sent, then ``loading`` and ``serving``
-   once the server confirmed, so the registry, staleness and the sync-latency histogram read
+   refit starts, ``converted`` and ``loading`` once every bucket is produced, ``serving``
+   once the server confirmed the last, so the registry, staleness and the sync-latency histogram read
    the same whichever way a version travelled. A failure marks it ``failed`` with the reason.
 
 Timing (:class:`RefitReport`): seconds spent producing buckets (quantize and pack, on the
@@ -123,18 +123,18 @@ def run_refit(named: Iterable[tuple[str, torch.Tensor]], send: Send, *, version_
         stages.begin()
     try:
         _run(named, send, report, spec, bucket_bytes, all_linear, model, quantization, device,
-             header_entries)
+             header_entries, stages)
     except BaseException as e:
         if stages is not None:
             stages.failed(f"{type(e).__name__}: {e}"[:500])
         raise
     if stages is not None:
-        stages.done()
+        stages.serving()
     return report
 
 
 def _run(named, send, report, spec, bucket_bytes, all_linear, model, quantization, device,
-         header_entries) -> None:
+         header_entries, stages) -> None:
     version_id = report.version_id
     spec_name = None if spec is None else (spec if isinstance(spec, str) else spec.name)
     digest = Digest()
@@ -166,6 +166,8 @@ def _run(named, send, report, spec, bucket_bytes, all_linear, model, quantizatio
             raise InputError(f"refit of {version_id!r}: no tensors to send")
         b, header = pending
         last = replace(header, last=True, tensors=digest.count, digest=digest.hexdigest())
+        if stages is not None:
+            stages.produced()
         sender.put(b, last)
         pending = None
     except BaseException:
