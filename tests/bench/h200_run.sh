@@ -3,7 +3,8 @@
 #   tests/bench/h200_run.sh STAGE [STAGE ...]    stages: tests, gemm, convert, megatron, strict,
 #                                               records (kv_guidance + routing + guidance on cuda),
 #                                               mxfp4, probe (profile_convert --timeline),
-#                                               gemmprobe (profile_gemm: eager host time)
+#                                               gemmprobe (profile_gemm: eager host time),
+#                                               refit (bench_refit: NVFP4 vs BF16 refit by CUDA IPC)
 # Wheels the image lacks travel in .whl/ (git-ignored; carry it): megatron-core and torchao, and
 # for the services the expert-parallel tests import, redis, httpx (+ httpcore, h11, anyio,
 # certifi, idna), pydantic(-core, -settings, annotated-types, typing-inspection,
@@ -52,6 +53,8 @@ for s in "$@"; do
              stage guidance "${T_RECORDS:-60}" python3 -m tests.bench guidance -- --device cuda ;;
     mxfp4) stage mxfp4 "${T_MXFP4:-60}" python3 -m tests.bench mxfp4 -- --device cuda ;;
     probe) stage probe "${T_PROBE:-60}" python3 -m tests.bench.profile_convert --timeline ;;
+    refit) stage refit "${T_REFIT:-240}" python3 -m tests.bench refit -- --device cuda \
+             --json "$OUT/refit.json" ${REFIT_ARGS:-} ;;
     gemmprobe) stage gemmprobe "${T_PROBE:-60}" python3 -m tests.bench.profile_gemm ;;
     *) echo "unknown stage $s" >&2 ;;
   esac
