@@ -392,3 +392,38 @@ def test_distributed_refit_over_gloo_applies_each_version_whole():
         got = dict(applied[v])
         assert set(got) == set(want) and reports[v][1] == len(want)
         assert all(same(got[n], t) for n, t in want.items())
+
+
+# --- the trainers' adapters ----------------------------------------------------------------------
+
+def test_miles_quantize_params_follows_the_checkpoints_config():
+    from alignclient.errors import ConfigError
+    from alignd.formats.quant_configs import minite_quantization_config
+    from alignd.integrations.refit import quantize_params, verl_weights
+
+    sd = stack_model()
+    qkv = [(n, t) for n, t in sd.items() if "self_attn" in n]
+    config = minite_quantization_config(["model.layers.0.self_attn.k_proj"])
+    out = dict(quantize_params(None, "decoder.layers.0.self_attention.linear_qkv.weight", qkv,
+                               config))
+    assert out["model.layers.0.self_attn.k_proj.weight"] is sd["model.layers.0.self_attn.k_proj.weight"]
+    want = to_modelopt(ops.quantize(sd["model.layers.0.self_attn.q_proj.weight"], MINITE),
+                       row_scaled_ok=True)
+    for key, w in want.items():
+        assert same(out[f"model.layers.0.self_attn.q_proj.{key}"], w)
+    assert "model.layers.0.self_attn.v_proj.weight_scale_2" in out
+    # verl's generator: the same tensors, the router and norms untouched
+    streamed = dict(verl_weights(iter(sd.items()), {"quant_method": "libalign_minite"}))
+    assert streamed["model.layers.0.mlp.gate.weight"] is sd["model.layers.0.mlp.gate.weight"]
+    assert "model.layers.0.mlp.experts.0.down_proj.weight_scale" in streamed
+    for bad in ({"quant_method": "modelopt_fp4"}, None):
+        with pytest.raises(ConfigError):
+            quantize_params(None, "x", qkv, bad)
+
+
+def test_the_refit_snippet_runs():
+    import runpy
+    from pathlib import Path
+
+    runpy.run_path(str(Path(__file__).resolve().parents[2] / "docs" / "snippets" /
+                       "refit_from_tensors.py"), run_name="__main__")

@@ -16,6 +16,13 @@ The walk, end to end:
    an SGLang server from disk (:mod:`alignd.sampler.sglang_engine`), and switch only once the
    whole version has arrived and verified.
 
+**Refit from tensors**, without a directory: a trainer's named tensors are quantized on the way
+(:mod:`~alignd.sync.stream`), packed into flattened buckets (:mod:`~alignd.sync.buckets`) and
+sent by the shared sender (:mod:`~alignd.sync.refit`) over SGLang's colocated
+(:mod:`~alignd.sync.tensor`) or broadcast (:mod:`~alignd.sync.distributed`) protocol; a
+receiver stages a version and applies it whole (:mod:`~alignd.sync.receive`). The version walks
+the same registry states (:class:`~alignd.sync.announce.RefitStages`).
+
 Trainers that use the daemon in-process reach the same functions through
 :class:`alignd.integrations.WeightPublisher` or the API (``POST /v1/versions`` registers a
 published directory with :func:`~alignd.sync.announce.announce_published`).
