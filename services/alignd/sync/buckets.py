@@ -160,21 +160,32 @@ def pack(named: Sequence[tuple[str, torch.Tensor]], device: torch.device | str |
 def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
             device: torch.device | str | None = None) -> Iterator[Bucket]:
     """``named`` packed into buckets of about ``bucket_bytes`` each (see the module doc)."""
+    for bucket, _last in ended_buckets(named, bucket_bytes, device):
+        yield bucket
+
+
+def ended_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                  device: torch.device | str | None = None) -> Iterator[tuple[Bucket, bool]]:
+    """:func:`buckets` with whether each is the last: known by looking one tensor ahead (the
+    one that did not fit), never a bucket ahead."""
     if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise InputError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-    open_, size = [], 0
+    open_: list[tuple[str, torch.Tensor]] = []
+    size = 0
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise DTypeError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
         dtype_named(t.dtype)
         n = t.numel() * t.element_size()
         if open_ and size + n > bucket_bytes:
-            yield pack(open_, device)
+            bucket = pack(open_, device)
             open_, size = [], 0
+            yield bucket, False
+            del bucket
         open_.append((name, t))
         size += n
     if open_:
-        yield pack(open_, device)
+        yield pack(open_, device), True
 
 
 @dataclass(frozen=True)

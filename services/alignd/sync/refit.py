@@ -36,7 +36,7 @@ import torch
 from alignclient.errors import InputError, WeightUpdateError
 
 from alignd.sync.announce import RefitStages
-from alignd.sync.buckets import Bucket, Digest, RefitHeader, buckets
+from alignd.sync.buckets import Bucket, Digest, RefitHeader, ended_buckets
 from alignd.sync.stream import DEFAULT_BUCKET_BYTES, quantize_named
 from libalign.spec import NumericsSpec
 
@@ -60,19 +60,25 @@ class RefitReport:
 
 def refit_buckets(named: Iterable[tuple[str, torch.Tensor]], spec: NumericsSpec | str | None, *,
                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, all_linear: bool = False,
-                  device: torch.device | str | None = None) -> Iterator[Bucket]:
-    """The buckets of a refit: ``named`` quantized under ``spec`` (None: unchanged)."""
+                  device: torch.device | str | None = None) -> Iterator[tuple[Bucket, bool]]:
+    """The buckets of a refit, each with whether it is the last: ``named`` quantized under
+    ``spec`` (None: unchanged)."""
     stream = named if spec is None else quantize_named(named, spec, all_linear=all_linear,
                                                        bucket_bytes=bucket_bytes)
-    return buckets(stream, bucket_bytes, device)
+    return ended_buckets(stream, bucket_bytes, device)
 
 
 class _Sender:
-    """One worker thread sending buckets in order; the first error stops it."""
+    """One worker thread sending buckets in order; the first error stops it.
+
+    :meth:`put` returns once the worker took the bucket and the one before it was sent, so
+    the caller builds the next bucket while exactly one is in flight.
+    """
 
     def __init__(self, send: Send, report: RefitReport):
         self.send, self.report = send, report
-        self.q: queue.Queue = queue.Queue(maxsize=1)  # one bucket waits while one is in flight
+        self.q: queue.Queue = queue.Queue(maxsize=1)
+        self.idle = threading.Semaphore(1)  # released when a send ends
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="refit-send", daemon=True)
         self.thread.start()
@@ -82,27 +88,38 @@ class _Sender:
             item = self.q.get()
             if item is None:
                 return
-            if self.error is not None:
-                continue  # drain: nothing more is sent after a failure
             bucket, header = item
+            del item
             t0 = time.perf_counter()
             try:
-                self.send(bucket, header)
+                if self.error is None:  # nothing more is sent after a failure
+                    self.send(bucket, header)
             except BaseException as e:  # raised in the caller's thread by put()/close()
                 self.error = e
-            self.report.send_s += time.perf_counter() - t0
+            finally:
+                del bucket  # freed before the caller may build another
+                self.report.send_s += time.perf_counter() - t0
+                self.idle.release()
 
     def put(self, bucket: Bucket, header: RefitHeader) -> None:
+        self.idle.acquire()
         self._raise()
         self.q.put((bucket, header))
 
     def close(self) -> None:
+        self.idle.acquire()
         self.q.put(None)
         self.thread.join()
         self._raise()
 
+    def stop(self) -> None:
+        """End the worker after a failure on the caller's side (its send, if any, finishes)."""
+        self.q.put(None)
+        self.thread.join()
+
     def _raise(self) -> None:
         if self.error is not None:
+            self.idle.release()
             raise self.error
 
 
@@ -140,20 +157,19 @@ def _run(named, send, report, spec, bucket_bytes, all_linear, model, quantizatio
     digest = Digest()
     sender = _Sender(send, report)
     t_wall = time.perf_counter()
-    pending: tuple[Bucket, RefitHeader] | None = None
     try:
         produced = refit_buckets(named, spec, bucket_bytes=bucket_bytes, all_linear=all_linear,
                                  device=device)
         while True:
             t0 = time.perf_counter()
-            b = next(produced, None)
-            if b is not None and b.flat.device.type == "cuda":  # bytes there before a send
-                torch.cuda.current_stream(b.flat.device).synchronize()
+            item = next(produced, None)
+            if item is not None and item[0].flat.device.type == "cuda":  # bytes there first
+                torch.cuda.current_stream(item[0].flat.device).synchronize()
             report.produce_s += time.perf_counter() - t0
-            if b is None:
+            if item is None:
                 break
-            if pending is not None:
-                sender.put(*pending)
+            b, last = item
+            del item
             digest.add(b.entries)
             header = RefitHeader(version_id, report.buckets, model=model,
                                  quantization=quantization, spec=spec_name,
@@ -161,18 +177,17 @@ def _run(named, send, report, spec, bucket_bytes, all_linear, model, quantizatio
             report.buckets += 1
             report.tensors += len(b.entries)
             report.bytes += b.nbytes
-            pending = (b, header)
-        if pending is None:
+            if last:
+                header = replace(header, last=True, tensors=digest.count,
+                                 digest=digest.hexdigest())
+                if stages is not None:
+                    stages.produced()
+            sender.put(b, header)
+            del b  # the worker holds the bucket in flight; this thread builds the next
+        if report.buckets == 0:
             raise InputError(f"refit of {version_id!r}: no tensors to send")
-        b, header = pending
-        last = replace(header, last=True, tensors=digest.count, digest=digest.hexdigest())
-        if stages is not None:
-            stages.produced()
-        sender.put(b, last)
-        pending = None
     except BaseException:
-        sender.q.put(None)
-        sender.thread.join()
+        sender.stop()
         raise
     sender.close()
     report.wall_s = time.perf_counter() - t_wall
