@@ -289,6 +289,17 @@ def test_the_receiver_refuses_non_finite_oversize_and_failed_applies():
     with pytest.raises(NonFiniteError, match=r"mlp\.gate\.weight"):
         for h, ts in bucketed(nan):
             RefitReceiver(lambda n: None).receive(h, ts)
+    # the same as a whole bucket (checked a dtype run at a time), and in E4M3 scale bytes
+    b = next(buckets(nan, 1 << 20))
+    with pytest.raises(NonFiniteError, match=r"mlp\.gate\.weight"):
+        RefitReceiver(lambda n: None).receive_bucket(RefitHeader("v", 0), b)
+    q = list(quantize_named(named, "minite"))
+    scale = next(i for i, (n, _) in enumerate(q) if n.endswith("experts.1.up_proj.weight_scale"))
+    broken_scale = q[scale][1].clone()
+    broken_scale.view(torch.uint8)[0, 0] = 0x7F
+    q[scale] = (q[scale][0], broken_scale)
+    with pytest.raises(NonFiniteError, match=r"experts\.1\.up_proj\.weight_scale"):
+        RefitReceiver(lambda n: None).receive_bucket(RefitHeader("v", 0), next(buckets(q, 1 << 20)))
     with pytest.raises(PayloadTooLargeError):
         RefitReceiver(lambda n: None, max_bucket_bytes=100).receive(*bucketed(named)[0])
 

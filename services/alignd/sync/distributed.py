@@ -113,4 +113,4 @@ def receive_distributed(receiver: RefitReceiver, *, names: Sequence[str],
     entries = layout(names[1:], dtypes[1:], shapes[1:])
     bucket = Bucket.empty(entries, device)
     dist.broadcast(bucket.flat, src=src, group=group)
-    return receiver.receive(RefitHeader.from_tensor(head), bucket.tensors())
+    return receiver.receive_bucket(RefitHeader.from_tensor(head), bucket)

@@ -68,6 +68,28 @@ def check_finite(name: str, t: torch.Tensor) -> None:
                                  bad.nonzero()[:4].tolist())
 
 
+def check_bucket_finite(bucket: Bucket) -> None:
+    """:func:`check_finite` over a bucket, one check per run of same-dtype entries (a packed
+    bucket holds each dtype's tensors together); the failing tensor is then named."""
+    runs: list[list[BucketEntry]] = []
+    for e in bucket.entries:
+        if runs and runs[-1][-1].dtype == e.dtype and runs[-1][-1].end_idx == e.start_idx:
+            runs[-1].append(e)
+        else:
+            runs.append([e])
+    for run in runs:
+        dtype = run[0].dtype
+        if not (dtype.is_floating_point and (dtype.itemsize > 1 or dtype == torch.float8_e4m3fn)):
+            continue
+        span = bucket.flat[run[0].start_idx:run[-1].end_idx].view(dtype)
+        try:
+            check_finite("bucket", span)
+        except NonFiniteError:
+            for e in run:  # the error path only: name the tensor
+                check_finite(e.name, bucket.flat[e.start_idx:e.end_idx].view(dtype))
+            raise
+
+
 class RefitReceiver:
     """Stages a version's buckets, verifies them, applies the version whole (module doc)."""
 
@@ -110,36 +132,53 @@ class RefitReceiver:
         if BUFFER_NAME in by_name:
             flat = by_name.pop(BUFFER_NAME).reshape(-1).view(torch.uint8)
             entries = [BucketEntry.from_dict(d) for d in header.entries]
-            tensors, nbytes = Bucket(flat, entries).tensors(), flat.numel()
-        else:
-            tensors = list(by_name.items())
-            nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
-        return self.receive(header, tensors, nbytes=nbytes)
+            return self.receive_bucket(header, Bucket(flat, entries))
+        return self.receive(header, list(by_name.items()))
 
-    def receive(self, header: RefitHeader, tensors: Sequence[tuple[str, torch.Tensor]], *,
-                nbytes: int | None = None) -> str | None:
-        """Take one bucket; returns the version id when it completed and applied a version."""
+    def receive(self, header: RefitHeader,
+                tensors: Sequence[tuple[str, torch.Tensor]]) -> str | None:
+        """Take one bucket given as named tensors; returns the version id when it completed
+        and applied a version."""
+        return self._locked(header, tensors, None)
+
+    def receive_bucket(self, header: RefitHeader, bucket: Bucket) -> str | None:
+        """Take one bucket as its buffer and entries: checked a dtype range at a time (the
+        layout puts each dtype's tensors together) and staged with one copy."""
+        return self._locked(header, None, bucket)
+
+    def _locked(self, header, tensors, bucket) -> str | None:
         with self._lock:
             try:
-                return self._receive(header, tensors, nbytes)
+                return self._receive(header, tensors, bucket)
             except Exception:
                 self._reset()
                 raise
 
-    def _receive(self, header: RefitHeader, tensors, nbytes) -> str | None:
+    def _receive(self, header: RefitHeader, tensors, bucket: Bucket | None) -> str | None:
         self._check_header(header)
-        size = nbytes if nbytes is not None else sum(t.numel() * t.element_size()
-                                                     for _, t in tensors)
+        if bucket is not None:
+            size = bucket.nbytes
+            shapes = [(e.name, e.shape, e.dtype) for e in bucket.entries]
+        else:
+            size = sum(t.numel() * t.element_size() for _, t in tensors)
+            shapes = [(n, t.shape, t.dtype) for n, t in tensors]
         if size > self.max_bucket_bytes:
             raise PayloadTooLargeError(f"bucket {header.bucket} of {header.version_id!r}", size,
                                        self.max_bucket_bytes)
-        staged = []
-        for name, t in tensors:
-            self._check_tensor(name, t)
-            staged.append((name, t.to(self.stage_device or t.device, copy=True)))
-        self._digest.add(BucketEntry(n, t.shape, t.dtype, 0, 0, 0) for n, t in tensors)
+        for name, shape, dtype in shapes:
+            self._check_entry(name, shape, dtype)
+        if bucket is not None:
+            check_bucket_finite(bucket)
+            flat = bucket.flat.to(self.stage_device or bucket.flat.device, copy=True)
+            staged = Bucket(flat, bucket.entries).tensors()
+        else:
+            staged = []
+            for name, t in tensors:
+                check_finite(name, t)
+                staged.append((name, t.to(self.stage_device or t.device, copy=True)))
+        self._digest.add(BucketEntry(n, s, d, 0, 0, 0) for n, s, d in shapes)
         self._staged += staged
-        self._names.update(n for n, _ in tensors)
+        self._names.update(n for n, _, _ in shapes)
         self._next += 1
         if not header.last:
             return None
@@ -182,7 +221,7 @@ class RefitReceiver:
             raise LayoutError(f"bucket {h.bucket} of version {h.version_id!r} arrived; "
                               f"bucket {self._next} was next")
 
-    def _check_tensor(self, name: str, t: torch.Tensor) -> None:
+    def _check_entry(self, name: str, shape: torch.Size, dtype: torch.dtype) -> None:
         if name in self._names:
             raise LayoutError(f"tensor {name!r} arrived twice in version {self.version!r}")
         if self.expect is not None:
@@ -190,8 +229,7 @@ class RefitReceiver:
             if want is None:
                 raise EngineMismatchError(f"tensor {name!r} is not one this receiver's model "
                                           "loads", field="model")
-            if want != (tuple(t.shape), t.dtype):
+            if want != (tuple(shape), dtype):
                 raise EngineMismatchError(
-                    f"tensor {name!r} is {tuple(t.shape)} {t.dtype}; this receiver's model "
+                    f"tensor {name!r} is {tuple(shape)} {dtype}; this receiver's model "
                     f"loads {want[0]} {want[1]}", field="model")
-        check_finite(name, t)
