@@ -74,6 +74,7 @@ Server set-up (constructor arguments)
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import math
@@ -117,7 +118,9 @@ SAMPLING_FIELDS = {
 
 #: Routes this contract treats as ADMIN_OPTIONAL (--admin-api-key alone unlocks them).
 ADMIN_ROUTES = ("/pause_generation", "/flush_cache", "/update_weights_from_disk",
-                "/continue_generation")
+                "/continue_generation", "/begin_weight_update", "/end_weight_update",
+                "/update_weights_from_tensor", "/update_weights_from_distributed",
+                "/init_weights_update_group")
 
 
 class _Lenient(BaseModel):
@@ -168,6 +171,65 @@ class ContinueBody(_Lenient):
     """``ContinueGenerationReqInput``."""
 
     torch_empty_cache: bool = True
+    rid: str | None = None
+    http_worker_ipc: str | None = None
+
+
+class BeginWeightUpdateBody(_Lenient):
+    """``BeginWeightUpdateReqInput`` (SGLang 0.5.23)."""
+
+    selector: Literal["target", "draft", "all"] = "all"
+    rid: str | None = None
+    http_worker_ipc: str | None = None
+
+
+class EndWeightUpdateBody(_Lenient):
+    """``EndWeightUpdateReqInput``."""
+
+    rid: str | None = None
+    http_worker_ipc: str | None = None
+
+
+class UpdateFromTensorBody(_Lenient):
+    """``UpdateWeightsFromTensorReqInput``: over HTTP each payload is base64."""
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+    rid: str | None = None
+    http_worker_ipc: str | None = None
+
+
+class UpdateFromDistributedBody(_Lenient):
+    """``UpdateWeightsFromDistributedReqInput``."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+    rid: str | None = None
+    http_worker_ipc: str | None = None
+
+
+class InitGroupBody(_Lenient):
+    """``InitWeightsUpdateGroupReqInput``."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
     rid: str | None = None
     http_worker_ipc: str | None = None
 
@@ -227,6 +289,11 @@ class SGLangContract:
         # test sees concurrency without racing the host's speed
         self.hold_until_in_flight: int | None = None
         self.refused_flushes = 0
+        # weight-update sessions: whether one is open, the groups joined, and the next answer
+        # of a route made to fail (path -> SGLang's message)
+        self.session_open = False
+        self.groups: dict[str, int] = {}
+        self.fail_weight_route: dict[str, str] = {}
         self.calls: list[Call] = []
         self.arrived: Counter[str] = Counter()
         self.app = self._build()
@@ -443,6 +510,77 @@ class SGLangContract:
             return JSONResponse({"success": ok, "message": message, "num_paused_requests": 0},
                                 status_code=200 if ok else 400)
 
+        def weight_answer(request: Request, body: Any, ok: bool, message: str) -> Response:
+            if ok and request.url.path in self.fail_weight_route:
+                ok, message = False, self.fail_weight_route.pop(request.url.path)
+            self._record(request, body, 200 if ok else 400)
+            return JSONResponse({"success": ok, "message": message},
+                                status_code=200 if ok else 400)
+
+        async def weight_body(request: Request, model: type[BaseModel]):
+            body = await self._body(request)
+            if (gated := await self._gate(request, body)) is not None:
+                return body, gated
+            return body, self._validate(request, body, model)
+
+        @app.post("/begin_weight_update")
+        async def begin_weight_update(request: Request) -> Response:
+            body, parsed = await weight_body(request, BeginWeightUpdateBody)
+            if isinstance(parsed, Response):
+                return parsed
+            if self.session_open:  # scheduler_components/weight_updater.py's words
+                return weight_answer(request, body, False, "a weight-update session is "
+                                     "already open; call end_weight_update() first")
+            self.session_open = True
+            return weight_answer(request, body, True, "Success")
+
+        @app.post("/end_weight_update")
+        async def end_weight_update(request: Request) -> Response:
+            body, parsed = await weight_body(request, EndWeightUpdateBody)
+            if isinstance(parsed, Response):
+                return parsed
+            if not self.session_open:
+                return weight_answer(request, body, False, "no weight-update session is "
+                                     "open; call begin_weight_update() first")
+            self.session_open = False
+            return weight_answer(request, body, True, "Success")
+
+        @app.post("/update_weights_from_tensor")
+        async def update_weights_from_tensor(request: Request) -> Response:
+            body, parsed = await weight_body(request, UpdateFromTensorBody)
+            if isinstance(parsed, Response):
+                return parsed
+            try:
+                for payload in parsed.serialized_named_tensors:
+                    base64.b64decode(payload, validate=True)
+            except ValueError as e:
+                return self._bad_request(request, body, f"serialized_named_tensors: {e}")
+            return weight_answer(request, body, True, self._weight_loaded(
+                request.url.path, parsed, "Success"))
+
+        @app.post("/init_weights_update_group")
+        async def init_weights_update_group(request: Request) -> Response:
+            body, parsed = await weight_body(request, InitGroupBody)
+            if isinstance(parsed, Response):
+                return parsed
+            self.groups[parsed.group_name] = parsed.world_size
+            return weight_answer(request, body, True, "Succeeded to initialize custom "
+                                 "process group.")
+
+        @app.post("/update_weights_from_distributed")
+        async def update_weights_from_distributed(request: Request) -> Response:
+            body, parsed = await weight_body(request, UpdateFromDistributedBody)
+            if isinstance(parsed, Response):
+                return parsed
+            if not len(parsed.names) == len(parsed.dtypes) == len(parsed.shapes):
+                return self._bad_request(request, body, "names, dtypes and shapes differ in "
+                                         "length")
+            if parsed.group_name not in self.groups:
+                return weight_answer(request, body, False, "Failed to update parameter "
+                                     f"online: group {parsed.group_name!r} is not initialized")
+            return weight_answer(request, body, True, self._weight_loaded(
+                request.url.path, parsed, "Succeeded to update parameter online."))
+
         @app.api_route("/generate", methods=["POST", "PUT"])
         async def generate(request: Request) -> Response:
             body = await self._body(request)
@@ -454,6 +592,14 @@ class SGLangContract:
             return await self._generate(request, body, parsed)
 
         return app
+
+    def _weight_loaded(self, path: str, parsed: Any, message: str) -> str:
+        """A tensor or distributed update that loads (unless made to fail): the version named,
+        as the tokenizer manager's ``_update_weight_version_if_provided``."""
+        if parsed.weight_version is not None and path not in self.fail_weight_route:
+            self.weight_version = parsed.weight_version
+            message += f" Weight version updated to {parsed.weight_version}."
+        return message
 
     async def _generate(self, request: Request, body: Any, req: GenerateBody) -> Response:
         if req.input_ids is None:

@@ -361,7 +361,7 @@ def test_strict_mode_refuses_a_server_without_deterministic_inference(fleet):
     """deterministic=True (ALIGN_STRICT): a server that does not report
     enable_deterministic_inference, or reports an attention backend without a deterministic
     form, is refused (EngineMismatchError naming the field) before it is paused; one started
-    with --enable-deterministic-inference (triton or unnamed backend) loads and serves; without
+    with --enable-deterministic-inference (triton, fa4 or unnamed backend) loads and serves; without
     strict mode the flag is not asked for."""
     strict = {"deterministic": True}
     (c,), (url,), engine, _ = fleet(engine_kw=strict)
@@ -370,11 +370,12 @@ def test_strict_mode_refuses_a_server_without_deterministic_inference(fleet):
         engine.load("v1")
     assert e.value.field == "enable_deterministic_inference" and engine.version_id is None
     assert [x.path for x in c.calls] == ["/get_server_info"]
-    (c,), _, engine, _ = fleet(engine_kw=strict, deterministic=True, attention_backend="fa4")
-    with pytest.raises(EngineMismatchError, match="attention backend 'fa4'") as e:
+    (c,), _, engine, _ = fleet(engine_kw=strict, deterministic=True,
+                               attention_backend="torch_native")
+    with pytest.raises(EngineMismatchError, match="attention backend 'torch_native'") as e:
         engine.load("v1")
     assert e.value.field == "attention_backend" and [x.path for x in c.calls] == ["/get_server_info"]
-    for backend in ("triton", None):
+    for backend in ("triton", "fa4", None):
         (c,), _, engine, _ = fleet(engine_kw=strict, deterministic=True, attention_backend=backend)
         engine.load("v1")
         gen = engine.generate([[1, 2]], max_new_tokens=3, seed=4)

@@ -30,6 +30,19 @@ The weight switch on one server (:meth:`SGLangServer.switch`)
     ``GET /health``; ``POST /pause_generation``; ``POST /flush_cache`` until it answers 200;
     ``POST /update_weights_from_disk``; ``GET /get_model_info`` must report the version and the
     export's path; ``POST /continue_generation`` always, also after a failure; ``GET /health``.
+
+Refits from tensors (SGLang 0.5.23's weight-update routes)
+    :meth:`~SGLangServer.begin_weight_update`, :meth:`~SGLangServer.update_weights_from_tensor`,
+    :meth:`~SGLangServer.init_weights_update_group`,
+    :meth:`~SGLangServer.update_weights_from_distributed` and
+    :meth:`~SGLangServer.end_weight_update` post SGLang's request bodies
+    (``io_struct``'s ``*ReqInput``) and return its ``{"success", "message"}`` answer, so an
+    :class:`SGLangServer` is the HTTP sink of :func:`alignd.sync.tensor.send_tensor_refit` and
+    :func:`alignd.sync.distributed.send_distributed_refit` (their ``TensorSink`` and
+    ``DistributedSink``). SGLang answers a failure with 400 and ``success: false``:
+    :class:`~alignclient.errors.WeightUpdateError` with its message. SGLang prepares loaded
+    weights for its GEMMs (``process_weights_after_loading``) at ``end_weight_update``, not
+    after each tensor or broadcast update: a refit of a quantized server is a session.
 """
 
 from __future__ import annotations
@@ -68,9 +81,10 @@ MODELOPT_QUANTIZATIONS = ("modelopt_fp4", "modelopt", None)
 #: (:func:`alignd.formats.modelopt_export.path_method`): ``libalign_minite`` only by name.
 QUANTIZATIONS = {MODELOPT_METHOD: MODELOPT_QUANTIZATIONS, MINITE_METHOD: (MINITE_METHOD,)}
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
-#: The attention backends SGLang runs batch-invariantly (``server_args``'
-#: ``DETERMINISTIC_ATTENTION_BACKEND_CHOICES``); a deterministic server reports one of them.
-DETERMINISTIC_ATTENTION_BACKENDS = ("flashinfer", "fa3", "triton")
+#: The attention backends SGLang runs batch-invariantly (0.5.23's
+#: ``DETERMINISTIC_ATTENTION_BACKEND_CHOICES``, ``ascend`` and ``intel_xpu`` on their own
+#: hardware); a deterministic server reports one of them.
+DETERMINISTIC_ATTENTION_BACKENDS = ("fa3", "fa4", "flashinfer", "triton", "ascend", "intel_xpu")
 TRUE_WORDS = ("true", "1", "yes", "y")
 FALSE_WORDS = ("false", "0", "no", "n")
 
@@ -460,6 +474,74 @@ class SGLangServer:
                 f"SGLang at {self.url} could not load version {version_id!r} from {model_path}: "
                 f"{answer.get('message', '')} (it keeps serving {self.version!r})")
         return answer
+
+    # --- weight-update sessions: refits from tensors ---------------------------------------
+
+    def weight_route(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST route`` of SGLang's weight-update family (admin level, not retried once
+        sent): its ``{"success", "message"}`` answer; ``success: false`` (SGLang answers 400)
+        is :class:`WeightUpdateError` with SGLang's message, an answer of another shape
+        :class:`EngineRequestError`."""
+        r = self.request("POST", route, body, timeout=self.timeouts.update_s, idempotent=False,
+                         admin=True)
+        answer = self.decode(r, route, allow_400=True)
+        if not isinstance(answer, dict) or "success" not in answer:
+            raise EngineRequestError(f"{route} at {self.url} answered {answer!r:.200}")
+        if not answer["success"]:
+            raise WeightUpdateError(f"POST {route} at {self.url} failed: "
+                                    f"{answer.get('message', '')}")
+        return answer
+
+    def begin_weight_update(self) -> dict[str, Any]:
+        """``POST /begin_weight_update``: open a weight-update session (SGLang undoes any
+        in-place repacking so the layers take checkpoint-format tensors again). One session
+        at a time: a second is refused until :meth:`end_weight_update`."""
+        return self.weight_route("/begin_weight_update", {})
+
+    def update_weights_from_tensor(self, *, serialized_named_tensors: list[str],
+                                   load_format: str | None, flush_cache: bool,
+                                   weight_version: str | None) -> dict[str, Any]:
+        """``POST /update_weights_from_tensor``: load one payload per tensor-parallel rank
+        (base64 of SGLang's ``MultiprocessingSerializer``, :func:`alignd.sync.tensor.serialize`:
+        CUDA tensors travel as IPC handles, so the server must share the sender's GPUs).
+        ``weight_version`` renames what the server serves once it loaded."""
+        self.version = None  # the weights change; what is served is known once checked
+        return self.weight_route("/update_weights_from_tensor", {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "load_format": load_format, "flush_cache": flush_cache,
+            "abort_all_requests": False, "weight_version": weight_version})
+
+    def init_weights_update_group(self, *, master_address: str, master_port: int,
+                                  rank_offset: int, world_size: int, group_name: str,
+                                  backend: str) -> dict[str, Any]:
+        """``POST /init_weights_update_group``: the server's ranks join process group
+        ``group_name`` of ``world_size`` ranks at ``master_address:master_port`` (theirs from
+        ``rank_offset``; the trainer joins as rank 0 meanwhile: the call returns once all
+        have)."""
+        return self.weight_route("/init_weights_update_group", {
+            "master_address": master_address, "master_port": int(master_port),
+            "rank_offset": int(rank_offset), "world_size": int(world_size),
+            "group_name": group_name, "backend": backend})
+
+    def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str],
+                                        shapes: list[list[int]], group_name: str,
+                                        load_format: str | None, flush_cache: bool,
+                                        weight_version: str | None) -> dict[str, Any]:
+        """``POST /update_weights_from_distributed``: receive the tensors ``names``
+        (``dtypes``, ``shapes``) broadcast over ``group_name`` from rank 0 and load them; the
+        call returns once they are loaded, so the sender broadcasts while it waits."""
+        self.version = None  # the weights change; what is served is known once checked
+        return self.weight_route("/update_weights_from_distributed", {
+            "names": list(names), "dtypes": list(dtypes),
+            "shapes": [[int(x) for x in s] for s in shapes], "group_name": group_name,
+            "load_format": load_format, "flush_cache": flush_cache,
+            "abort_all_requests": False, "weight_version": weight_version})
+
+    def end_weight_update(self) -> dict[str, Any]:
+        """``POST /end_weight_update``: close the session; SGLang runs every layer's
+        ``process_weights_after_loading`` on what was loaded (a ``libalign_minite`` or
+        ``modelopt_fp4`` layer prepares its bits for the GEMM there)."""
+        return self.weight_route("/end_weight_update", {})
 
     def resume(self, failure: BaseException | None) -> None:
         """``POST /continue_generation``; its own failure is raised unless it would hide
