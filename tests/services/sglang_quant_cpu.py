@@ -15,7 +15,15 @@ the tiny Qwen3-MoE's experts with the path ``nvfp4_minite`` and the bits install
 same layers loaded from the files the ModelOpt exporter writes for a row-scaled version
 (alignd.formats.modelopt_export: a weight-store version of minite expert stacks and a dense
 gate/up pair, with its config.json read through SGLang's registry), against libalign's path on
-the store's bits.
+the store's bits. Then a refit into SGLang's own Qwen3MoeForCausalLM (libalign's tiny model's
+sizes): libalign's Hugging Face tensors streamed by alignd.sync.stream.quantize_named into
+staged refit buckets (alignd.sync.tensor.send_tensor_refit), each deserialized and handed to
+alignd.sync.tensor.load_refit as SGLang's update_weights_from_tensor does with a custom loader,
+the version applied through the model's own load_weights, the layers prepared by SGLang's
+DefaultModelLoader.postprocess_weights as its end_weight_update does; compared layer by layer
+(MoE blocks, q/k/v and o projections) with libalign's nvfp4_minite path, and for the
+tensor-scaled modelopt preset loaded into SGLang's modelopt_fp4 layers, parameter by parameter
+with the streamed bits. Last, alignd's deterministic attention backends against SGLang's.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import json
 import os
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import torch
@@ -35,6 +44,22 @@ import torch
 _tv = torch.library.Library("torchvision", "FRAGMENT")
 _tv.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
 _tv.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+
+# SGLang's RotaryEmbedding imports its fallback rotary kernel from vllm when it is built on a
+# host that is neither CUDA nor its CPU engine (which needs sgl_kernel); building SGLang's
+# Qwen3-MoE model class here needs that import to succeed. No attention runs in these checks,
+# so the stand-in only raises.
+_vllm, _vllm_ops = types.ModuleType("vllm"), types.ModuleType("vllm._custom_ops")
+
+
+def _no_rotary_kernel(*_args, **_kwargs):
+    raise NotImplementedError("no attention runs in these checks")
+
+
+_vllm_ops.rotary_embedding = _no_rotary_kernel
+_vllm._custom_ops = _vllm_ops
+sys.modules.setdefault("vllm", _vllm)
+sys.modules.setdefault("vllm._custom_ops", _vllm_ops)
 
 # the caller's port, never an inherited one (a pytest process that ran the Megatron tests
 # carries their MASTER_PORT, which may be taken by now)
@@ -49,6 +74,9 @@ from alignd.infra.redis_clients import binary_client, reset_embedded  # noqa: E4
 from alignd.infra.settings import GuidanceStoreSettings  # noqa: E402
 from alignd.infra.stores.guidance import GuidanceStore  # noqa: E402
 from alignd.sampler import sglang_quant as sq  # noqa: E402
+from alignd.sampler.sglang_server import DETERMINISTIC_ATTENTION_BACKENDS  # noqa: E402
+from alignd.sync.stream import quantize_named  # noqa: E402
+from alignd.sync.tensor import deserialize, load_refit, receiver_for, send_tensor_refit  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from sglang.srt.distributed.parallel_state import (  # noqa: E402
     init_distributed_environment,
@@ -57,10 +85,23 @@ from sglang.srt.distributed.parallel_state import (  # noqa: E402
 from sglang.srt.layers.linear import MergedColumnParallelLinear  # noqa: E402
 from sglang.srt.layers.moe.fused_moe_triton import FusedMoE  # noqa: E402
 from sglang.srt.layers.moe.topk import StandardTopKOutput  # noqa: E402
+from sglang.srt.layers.moe.utils import initialize_moe_config  # noqa: E402
 from sglang.srt.layers.quantization import QUANTIZATION_METHODS, get_quantization_config  # noqa: E402
+from sglang.srt.layers.quantization.modelopt_quant import (  # noqa: E402
+    ModelOptFp4Config,
+    ModelOptFp4LinearMethod,
+    ModelOptNvFp4FusedMoEMethod,
+)
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from sglang.srt.model_loader.loader import DefaultModelLoader  # noqa: E402
+from sglang.srt.model_loader.utils import set_default_torch_dtype  # noqa: E402
+from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM  # noqa: E402
 from sglang.srt.runtime_context import SpawnRanks, publish  # noqa: E402
-from sglang.srt.server_args import QUANTIZATION_CHOICES, ServerArgs  # noqa: E402
+from sglang.srt.server_args import (  # noqa: E402
+    DETERMINISTIC_ATTENTION_BACKEND_CHOICES,
+    QUANTIZATION_CHOICES,
+    ServerArgs,
+)
 
 from libalign import gemm  # noqa: E402
 from libalign.checkpoint import to_modelopt  # noqa: E402
@@ -80,9 +121,15 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         if b.dtype == torch.bfloat16 else b)
 
 
-def setup() -> None:
-    publish(ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1, device="cpu"),
+def publish_args(**kw) -> None:
+    """Publish one CPU rank's server arguments (``kw`` added) and the MoE flags they set."""
+    publish(ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1, device="cpu", **kw),
             role="test", ranks=SpawnRanks(world_rank=0))
+    initialize_moe_config()
+
+
+def setup() -> None:
+    publish_args()
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
     initialize_model_parallel(backend="gloo")
 
@@ -111,13 +158,15 @@ def check_linear(cfg: sq.MiniteConfig) -> None:
                                        quant_config=cfg, prefix="model.layers.0.mlp.gate_up_proj")
     assert isinstance(layer.quant_method, sq.MiniteLinearMethod)
     assert layer.weight_scale_2.shape == (2 * n, 1)
+    for name in ("weight", "weight_scale", "weight_scale_2"):  # what register() asks SGLang for
+        assert getattr(layer, name).weight_loader == layer.weight_loader_v2, name
     w = torch.randn(2 * n, k).to(torch.bfloat16) * torch.logspace(-3, 1, 2 * n).reshape(-1, 1).bfloat16()
     q = ops.quantize(w, MINITE)
     for shard, rows in ((0, slice(0, n)), (1, slice(n, 2 * n))):  # gate, then up, as a model loads
         part = to_modelopt(gemm.take_rows(q, torch.arange(2 * n)[rows]), row_scaled_ok=True)
-        for name, t in part.items():
-            layer.weight_loader_v2(getattr(layer, name), t, shard) if hasattr(layer, "weight_loader_v2") \
-                else layer.weight_loader(getattr(layer, name), t, shard)
+        for name, t in part.items():  # as a model's load_weights calls it
+            param = getattr(layer, name)
+            param.weight_loader(param, t, shard)
     layer.quant_method.process_weights_after_loading(layer)
     x = (torch.randn(2, 5, k) * torch.logspace(-2, 2, 5).reshape(1, 5, 1)).to(torch.bfloat16)
     x[0, 1] = 0  # an all-zero row
@@ -377,9 +426,8 @@ def check_export() -> None:
     assert isinstance(layer.quant_method, sq.MiniteLinearMethod)
     for shard, proj in enumerate(("gate_proj", "up_proj")):
         for key in ("weight", "weight_scale", "weight_scale_2"):
-            t = files[f"{pre}.shared.{proj}.{key}"]
-            layer.weight_loader_v2(getattr(layer, key), t, shard) if hasattr(layer, "weight_loader_v2") \
-                else layer.weight_loader(getattr(layer, key), t, shard)
+            param = getattr(layer, key)
+            param.weight_loader(param, files[f"{pre}.shared.{proj}.{key}"], shard)
     layer.quant_method.process_weights_after_loading(layer)
     a = x[:7]
     cat = type(qg)(torch.cat([qg.codes, qu.codes])[None], torch.cat([qg.block_scales, qu.block_scales])[None],
@@ -390,6 +438,179 @@ def check_export() -> None:
     print("ok export")
 
 
+# --- a refit into SGLang's own model class ------------------------------------------------------
+
+CPU = torch.device("cpu")
+
+
+def sglang_model(config, quant_config) -> Qwen3MoeForCausalLM:
+    """SGLang's Qwen3-MoE model class for ``config``, built as its loader builds it: bf16
+    parameters, the model's packed-module names given to the quantization config."""
+    quant_config.update_packed_modules_mapping(dict(Qwen3MoeForCausalLM.packed_modules_mapping))
+    with set_default_torch_dtype(torch.bfloat16):
+        return Qwen3MoeForCausalLM(config, quant_config=quant_config)
+
+
+class InProcessServer:
+    """What an SGLang server does with a weight-update session, on one model in this process:
+    ``begin_weight_update`` and ``end_weight_update`` run SGLang's loader steps
+    (``DefaultModelLoader.restore_weights_before_loading`` / ``postprocess_weights``, which
+    call each layer's ``process_weights_after_loading``), and ``update_weights_from_tensor``
+    with the custom loader deserializes the rank's payload and calls the loader, as SGLang's
+    ``WeightUpdater`` does. ``postprocess``: False where the method's step needs CUDA."""
+
+    def __init__(self, model: torch.nn.Module, postprocess: bool = True):
+        self.model, self.postprocess = model, postprocess
+        self.calls: list[tuple] = []
+
+    def begin_weight_update(self) -> dict:
+        DefaultModelLoader.restore_weights_before_loading(self.model, CPU)
+        return {"success": True, "message": ""}
+
+    def update_weights_from_tensor(self, *, serialized_named_tensors, load_format, flush_cache,
+                                   weight_version) -> dict:
+        assert load_format == "alignd.sync.tensor.load_refit", load_format
+        self.calls.append((flush_cache, weight_version))
+        load_refit(self.model, deserialize(serialized_named_tensors[0]))
+        return {"success": True, "message": "Success"}
+
+    def end_weight_update(self) -> dict:
+        if self.postprocess:
+            DefaultModelLoader.postprocess_weights(self.model, CPU)
+        return {"success": True, "message": ""}
+
+
+def refit(server: InProcessServer, ref: torch.nn.Module, version: str, spec: str) -> None:
+    """One staged refit of ``ref``'s Hugging Face tensors (every linear layer quantized) in
+    buckets small enough that a version takes several; the model is untouched until the last."""
+    first = next(p for n, p in server.model.named_parameters() if n.endswith("w13_weight"))
+    before = first.detach().clone()
+    seen: list[bool] = []
+    inner = server.update_weights_from_tensor
+
+    def watching(**kw):
+        seen.append(torch.equal(first, before))
+        return inner(**kw)
+
+    server.update_weights_from_tensor = watching
+    server.begin_weight_update()
+    report = send_tensor_refit(list(ref.state_dict().items()), server, version_id=version,
+                               spec=spec, all_linear=True, bucket_bytes=64 << 10)
+    server.end_weight_update()
+    assert report.buckets >= 4 and all(seen), (report.buckets, seen)
+    assert server.calls[-1] == (True, version) and server.calls[-2] == (False, None)
+    assert receiver_for(server.model).applied[-1] == version
+
+
+def check_model_refit(cfg_dict: dict) -> None:
+    """libalign's tiny Qwen3-MoE streamed by quantize_named("minite") in refit buckets into
+    SGLang's Qwen3MoeForCausalLM (built with libalign_minite) through the model's own
+    load_weights (the staged receiver's apply): every MoE block (router, top-k, experts) and
+    the fused q/k/v and o projections give libalign's nvfp4_minite sampler path on the same
+    inputs bit for bit, for a first version and for the next one that replaces it. Layer by
+    layer, not the full model's forward: attention does not run here (SGLang's rotary
+    embedding would call vllm's kernel on this host, and its attention backends read the KV
+    pools of a running scheduler)."""
+    config = tiny_config()
+    ref = build_model(config, seed=11)
+    model = sglang_model(config, sq.MiniteConfig.from_config(cfg_dict))
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj.quant_method, sq.MiniteLinearMethod)
+    server = InProcessServer(model)
+    refit(server, ref, "v1", "minite")
+    paths.set_path(ref, sq.PATH)
+
+    torch.manual_seed(12)
+    tokens, h = 21, config.hidden_size
+    x = (torch.randn(tokens, h) * torch.logspace(-2, 1, tokens).reshape(-1, 1)).to(torch.bfloat16)
+    x[3] = 0
+
+    def same_as_libalign(what: str) -> None:
+        with torch.no_grad():
+            for i, (mine, theirs) in enumerate(zip(model.model.layers, ref.model.layers, strict=True)):
+                got, want = mine.mlp(x), theirs.mlp(x[None]).reshape(tokens, h)
+                assert bits_equal(got, want), (what, i, (got.float() - want.float()).abs().max())
+                att = theirs.self_attn
+                qkv = ops.quantize(torch.cat([att.q_proj.weight, att.k_proj.weight,
+                                              att.v_proj.weight]), MINITE)
+                for layer, q in ((mine.self_attn.qkv_proj, qkv),
+                                 (mine.self_attn.o_proj, ops.quantize(att.o_proj.weight, MINITE))):
+                    assert torch.equal(layer.weight.data, q.codes), (what, i)
+                    n, k = q.shape
+                    w = gemm.weights_from_quantized(type(q)(
+                        q.codes[None], q.block_scales[None], q.outer_scale[None], MINITE,
+                        (1, n, k)), sq.PATH)
+                    got_l, _ = layer(x)
+                    assert bits_equal(got_l, gemm.grouped_linear(x, w, [tokens])), (what, i)
+
+    same_as_libalign("v1")
+    with torch.no_grad():
+        v1 = model.model.layers[0].mlp(x)  # the next version: new weights replace the old ones whole
+        for name, p in ref.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "q_proj.weight")):
+                p.mul_(-0.5)
+    paths.clear_weight_cache(ref)
+    refit(server, ref, "v2", "minite")
+    same_as_libalign("v2")
+    with torch.no_grad():
+        assert not bits_equal(model.model.layers[0].mlp(x), v1)
+    print("ok model refit")
+
+
+def check_modelopt_refit() -> None:
+    """The same refit under the tensor-scaled ``modelopt`` preset into SGLang's own
+    ``modelopt_fp4`` method (ModelOptFp4LinearMethod, ModelOptNvFp4FusedMoEMethod; SGLang
+    builds its MoE method on this host only with the marlin MoE runner): every parameter the
+    stream names holds the streamed bits exactly, fused siblings side by side (q/k/v rows,
+    gate/up rows, and their per-sibling ``weight_scale_2``). Not its forward, nor
+    process_weights_after_loading: both need SGLang's CUDA kernels (its dense FP4 GEMM, the
+    marlin repack)."""
+    publish_args(moe_runner_backend="marlin")
+    config = tiny_config()
+    ref = build_model(config, seed=13)
+    qc = ModelOptFp4Config.from_config({"quantization": {
+        "quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+        "exclude_modules": ["lm_head"]}})
+    model = sglang_model(config, qc)
+    layer0 = model.model.layers[0]
+    assert isinstance(layer0.self_attn.qkv_proj.quant_method, ModelOptFp4LinearMethod)
+    assert isinstance(layer0.mlp.experts.quant_method, ModelOptNvFp4FusedMoEMethod)
+    refit(InProcessServer(model, postprocess=False), ref, "m1", "modelopt")
+    streamed = dict(quantize_named(ref.state_dict().items(), "modelopt", all_linear=True))
+    params = {n: p.data for n, p in model.named_parameters()}
+    checked = 0
+    for i in range(config.num_hidden_layers):
+        att = f"model.layers.{i}.self_attn"
+        for key in ("weight", "weight_scale"):
+            assert bits_equal(params[f"{att}.qkv_proj.{key}"], torch.cat(
+                [streamed[f"{att}.{p}.{key}"] for p in ("q_proj", "k_proj", "v_proj")])), (i, key)
+            assert bits_equal(params[f"{att}.o_proj.{key}"], streamed[f"{att}.o_proj.{key}"])
+        assert torch.equal(params[f"{att}.qkv_proj.weight_scale_2"], torch.stack(
+            [streamed[f"{att}.{p}.weight_scale_2"] for p in ("q_proj", "k_proj", "v_proj")]))
+        assert torch.equal(params[f"{att}.o_proj.weight_scale_2"].reshape(()),
+                           streamed[f"{att}.o_proj.weight_scale_2"])
+        ex = f"model.layers.{i}.mlp.experts"
+        for e in range(config.num_experts):
+            gate, up, down = (f"{ex}.{e}.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
+            for key in ("weight", "weight_scale"):
+                assert bits_equal(params[f"{ex}.w13_{key}"][e], torch.cat(
+                    [streamed[f"{gate}.{key}"], streamed[f"{up}.{key}"]])), (i, e, key)
+                assert bits_equal(params[f"{ex}.w2_{key}"][e], streamed[f"{down}.{key}"])
+            assert torch.equal(params[f"{ex}.w13_weight_scale_2"][e], torch.stack(
+                [streamed[f"{gate}.weight_scale_2"], streamed[f"{up}.weight_scale_2"]]).reshape(2))
+            assert torch.equal(params[f"{ex}.w2_weight_scale_2"][e].reshape(()),
+                               streamed[f"{down}.weight_scale_2"].reshape(()))
+            checked += 1
+    assert checked == config.num_hidden_layers * config.num_experts
+    print("ok modelopt refit")
+
+
+def check_deterministic_backends() -> None:
+    """alignd's list of deterministic attention backends is SGLang's."""
+    assert set(DETERMINISTIC_ATTENTION_BACKENDS) == set(DETERMINISTIC_ATTENTION_BACKEND_CHOICES), \
+        (DETERMINISTIC_ATTENTION_BACKENDS, DETERMINISTIC_ATTENTION_BACKEND_CHOICES)
+    print("ok deterministic backends")
+
+
 def main() -> None:
     setup()
     cfg = check_registration()
@@ -397,6 +618,9 @@ def main() -> None:
     check_moe(cfg)
     check_batch_keys()
     check_export()
+    check_model_refit(sq.quantization_config(["lm_head"]))
+    check_modelopt_refit()  # last: it publishes other server arguments
+    check_deterministic_backends()
 
 
 if __name__ == "__main__":

@@ -71,13 +71,21 @@ def test_minite_method_in_sglang_layers_equals_libalign_sampler_path(sglang_path
     without a sequence id and padding rows keyed -1); and the files the ModelOpt exporter
     writes for a minite store version (expert stacks split per expert with their row scales, a
     dense gate/up pair, the libalign_minite config) load into those layers and give libalign's
-    path on the store's bits."""
+    path on the store's bits. The linear layers hand the method weight_loader_v2. A staged
+    refit of libalign's tiny Qwen3-MoE (quantize_named, buckets, load_refit, the model's own
+    load_weights, SGLang's postprocess_weights) into SGLang's Qwen3MoeForCausalLM gives
+    libalign's nvfp4_minite path bit for bit in every MoE block and in the q/k/v and o
+    projections, for a first and a replacing version, the model untouched until a version's
+    last bucket; under the modelopt preset SGLang's modelopt_fp4 parameters hold the streamed
+    bits exactly (its forward needs CUDA). alignd's deterministic attention backends are
+    SGLang's."""
     done = background.result("sglang_quant")
     tail = done.tail()
     assert done.returncode == 0, tail
     lines = {ln for ln in done.stdout.splitlines() if ln.startswith("ok ")}
     assert lines == {"ok registration", "ok linear", "ok moe forward", "ok reload",
-                     "ok capture", "ok batch keys", "ok export"}, tail
+                     "ok capture", "ok batch keys", "ok export", "ok model refit",
+                     "ok modelopt refit", "ok deterministic backends"}, tail
 
 
 def test_alignd_sampler_imports_without_sglang():

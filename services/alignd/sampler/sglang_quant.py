@@ -47,11 +47,23 @@ What it refuses (:class:`alignclient.errors.ConfigError`)
 
 Registration
     :func:`register` adds the method to SGLang's ``QUANTIZATION_METHODS`` registry and to the
-    ``--quantization`` choices. An SGLang with the plugin framework (0.5.23, the version the
-    tests pin, has it; 0.5.6 has not) calls it in every process through its general-plugin
-    entry point group ``sglang.srt.plugins`` (pyproject's entry point ``libalign_minite``);
-    an older server needs a launcher that calls it in each process before SGLang reads its
-    arguments (not written here).
+    ``--quantization`` choices, and names :class:`MiniteLinearMethod` in
+    ``sglang.srt.layers.linear.WEIGHT_LOADER_V2_SUPPORTED``: SGLang's linear layers then give
+    the method's parameters their ``weight_loader_v2``, which hands each shard to the
+    parameter's own loader (``ModelWeightParameter.load_merged_column_weight``,
+    ``load_qkv_weight`` ...), so the packed codes and the ``[N, 1]`` row scales land beside
+    their rows in fused layers as a server's ``load_weights`` loads them. An SGLang with the
+    plugin framework (0.5.23, the version the tests pin, has it; 0.5.6 has not) calls it in
+    every process through its general-plugin entry point group ``sglang.srt.plugins``
+    (pyproject's entry point ``libalign_minite``); an older server needs a launcher that
+    calls it in each process before SGLang reads its arguments (not written here).
+
+Weight updates
+    The loaded bits become libalign's prepared weights in ``process_weights_after_loading``,
+    which SGLang 0.5.23 runs after ``update_weights_from_disk`` and at ``end_weight_update``
+    of a weight-update session, not after ``update_weights_from_tensor`` or
+    ``update_weights_from_distributed`` alone: a refit of a ``libalign_minite`` server opens
+    a session (``begin_weight_update``), sends its buckets, and ends it.
 
 Importing this module imports SGLang; nothing else in alignd imports it.
 """
@@ -431,10 +443,14 @@ def batch_row_keys(batch, seq_id_of: Callable[[str], int | None]) -> torch.Tenso
 # --- registration ------------------------------------------------------------------------------
 
 def register() -> None:
-    """Make ``--quantization libalign_minite`` known to SGLang in this process (idempotent)."""
+    """Make ``--quantization libalign_minite`` known to SGLang in this process, and its linear
+    layers load through ``weight_loader_v2`` (idempotent)."""
+    from sglang.srt.layers.linear import WEIGHT_LOADER_V2_SUPPORTED
     from sglang.srt.layers.quantization import QUANTIZATION_METHODS
     from sglang.srt.server_args import QUANTIZATION_CHOICES, add_quantization_method_choices
 
     QUANTIZATION_METHODS.setdefault(NAME, MiniteConfig)
     if NAME not in QUANTIZATION_CHOICES:
         add_quantization_method_choices([NAME])
+    if MiniteLinearMethod.__name__ not in WEIGHT_LOADER_V2_SUPPORTED:
+        WEIGHT_LOADER_V2_SUPPORTED.append(MiniteLinearMethod.__name__)
