@@ -114,7 +114,10 @@ class NVFP4Tensor:
 
     @property
     def outer_dec(self) -> torch.Tensor:
-        """Outer decode scale (about amax / 2688)."""
+        """Outer decode scale (about amax / 2688); the stored tensor itself when the spec
+        stores decode scales (nothing computed, nothing launched)."""
+        if self.outer_scale is not None and self.spec.outer_convention == "dec":
+            return self.outer_scale.to(torch.float32)
         return self.outer().dec
 
     def swizzled_block_scales(self) -> torch.Tensor:

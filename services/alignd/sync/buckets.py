@@ -45,11 +45,15 @@ DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int8, torch.int32,
     torch.int64, torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.bool)}
 
+_CARRIED = frozenset(DTYPES.values())
+
 
 def dtype_named(name: str | torch.dtype) -> torch.dtype:
     """The dtype called ``name`` (``"bfloat16"``, ``"torch.uint8"``); DTypeError if a bucket
     cannot carry it."""
     if isinstance(name, torch.dtype):
+        if name in _CARRIED:
+            return name
         name = str(name)
     d = DTYPES.get(str(name).removeprefix("torch."))
     if d is None:
@@ -151,10 +155,26 @@ def pack(named: Sequence[tuple[str, torch.Tensor]], device: torch.device | str |
                      [named[i][1].shape for i in order])
     dev = torch.device(device) if device is not None else named[0][1].device
     bucket = Bucket.empty(entries, dev)
+    run: list[torch.Tensor] = []
+    start = 0
     for e, i in zip(entries, order, strict=True):
         t = named[i][1]
-        bucket.flat[e.start_idx:e.end_idx].view(e.dtype).view(e.shape).copy_(t)
+        if t.device != dev or not t.is_contiguous():  # copied alone (across devices too)
+            bucket.flat[e.start_idx:e.end_idx].view(e.dtype).view(e.shape).copy_(t)
+            _cat(run, bucket.flat, start)
+            run, start = [], e.end_idx
+            continue
+        run.append(t.reshape(-1).view(torch.uint8))
+    _cat(run, bucket.flat, start)
     return bucket
+
+
+def _cat(run: list[torch.Tensor], flat: torch.Tensor, start: int) -> None:
+    """Bytes of ``run`` into ``flat`` from ``start``, back to back: one batched copy (a few
+    launches on a GPU) instead of one per tensor."""
+    if run:
+        n = sum(t.numel() for t in run)
+        torch.cat(run, out=flat[start:start + n])
 
 
 def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
