@@ -335,7 +335,15 @@ class InProcessSink:
     """SGLang's side of update_weights_from_tensor, in this process."""
 
     def __init__(self, model):
-        self.model, self.calls = model, []
+        self.model, self.calls, self.session = model, [], []
+
+    def begin_weight_update(self):
+        self.session.append("begin")
+        return {"success": True, "message": "ok"}
+
+    def end_weight_update(self):
+        self.session.append(f"end after {len(self.calls)}")
+        return {"success": True, "message": "ok"}
 
     def update_weights_from_tensor(self, *, serialized_named_tensors, load_format, flush_cache,
                                    weight_version):
@@ -361,6 +369,7 @@ def test_tensor_refit_staged_and_flattened_deliver_the_streams_bits(redis_url):
     assert len(model.loads) == 1 and set(model.loads[0]) == set(want)
     assert all(same(model.loads[0][n], t) for n, t in want.items())
     assert [c[1:] for c in sink.calls][-1] == (True, "v1")
+    assert sink.session == ["begin", f"end after {report.buckets}"]  # SGLang's session
     assert all(c == (T.LOADER, False, None) for c in sink.calls[:-1])
     rec = registry.get("v1")
     assert rec.state == "serving" and rec.path == "refit:tensor"
@@ -378,9 +387,11 @@ def test_tensor_refit_staged_and_flattened_deliver_the_streams_bits(redis_url):
         def update_weights_from_tensor(self, **kw):
             return (False, "out of memory")
 
+    refusing = Refusing(FakeModel())
     with pytest.raises(WeightUpdateError, match="out of memory"):
-        T.send_tensor_refit(named, Refusing(FakeModel()), version_id="v3", bucket_bytes=4096,
+        T.send_tensor_refit(named, refusing, version_id="v3", bucket_bytes=4096,
                             stages=RefitStages(registry, "v3", "tensor"))
+    assert refusing.session == ["begin", "end after 0"]  # the session is closed after a failure
     assert registry.get("v3").state == "failed" and "out of memory" in registry.get("v3").reason
 
 

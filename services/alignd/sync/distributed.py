@@ -34,7 +34,7 @@ from alignclient.errors import LayoutError
 from alignd.sync.announce import RefitStages
 from alignd.sync.buckets import HEADER_NAME, Bucket, RefitHeader, layout
 from alignd.sync.receive import RefitReceiver
-from alignd.sync.refit import RefitReport, check_ok, run_refit
+from alignd.sync.refit import RefitReport, check_ok, run_refit, weight_update_session
 from alignd.sync.stream import DEFAULT_BUCKET_BYTES
 from alignd.sync.tensor import FLATTENED, quantization_of
 from libalign.spec import NumericsSpec
@@ -95,9 +95,11 @@ def send_distributed_refit(named: Iterable[tuple[str, torch.Tensor]], sink: Dist
             raise answer[0]
         check_ok(answer[0] if answer else None, f"bucket {h.bucket} of {version_id!r}")
 
-    return run_refit(named, send, version_id=version_id, spec=spec, bucket_bytes=bucket_bytes,
-                     all_linear=all_linear, model=model, quantization=quantization_of(spec),
-                     device=device, stages=stages, header_entries=False)
+    with weight_update_session(sink):
+        return run_refit(named, send, version_id=version_id, spec=spec,
+                         bucket_bytes=bucket_bytes, all_linear=all_linear, model=model,
+                         quantization=quantization_of(spec), device=device, stages=stages,
+                         header_entries=False)
 
 
 def receive_distributed(receiver: RefitReceiver, *, names: Sequence[str],

@@ -26,6 +26,8 @@ with the overlap the wall time is near the larger of the two, not their sum.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import queue
 import threading
 import time
@@ -39,6 +41,8 @@ from alignd.sync.announce import RefitStages
 from alignd.sync.buckets import Bucket, Digest, RefitHeader, ended_buckets
 from alignd.sync.stream import DEFAULT_BUCKET_BYTES, quantize_named
 from libalign.spec import NumericsSpec
+
+log = logging.getLogger(__name__)
 
 #: ``send(bucket, header)``: hand one bucket to the server; returns once the server holds it.
 Send = Callable[[Bucket, RefitHeader], None]
@@ -192,6 +196,29 @@ def _run(named, send, report, spec, bucket_bytes, all_linear, model, quantizatio
     sender.close()
     report.wall_s = time.perf_counter() - t_wall
     report.digest = digest.hexdigest()
+
+
+@contextlib.contextmanager
+def weight_update_session(sink: object) -> Iterator[None]:
+    """SGLang's weight-update session around a refit, where the sink has one
+    (``begin_weight_update`` / ``end_weight_update``: SGLang loads tensors only inside a session
+    and prepares the loaded layers, ``process_weights_after_loading``, when it ends). The
+    session is ended also after a failure, the refit's error then being the one raised."""
+    begin = getattr(sink, "begin_weight_update", None)
+    end = getattr(sink, "end_weight_update", None)
+    if begin is None or end is None:
+        yield
+        return
+    check_ok(begin(), "begin_weight_update")
+    try:
+        yield
+    except BaseException:
+        try:
+            end()
+        except Exception as e:  # the refit's own error is the one the caller needs
+            log.warning("end_weight_update after a failed refit failed too: %s", e)
+        raise
+    check_ok(end(), "end_weight_update")
 
 
 def check_ok(answer: object, what: str) -> None:

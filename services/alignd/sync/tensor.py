@@ -18,7 +18,10 @@ Staged (default; ``load_format`` :data:`LOADER`)
     loaded as it arrives (no custom loader needed; no staging).
 
 Either way the sender keeps a bucket alive until the server's answer, and builds the next one
-meanwhile (:func:`alignd.sync.refit.run_refit`). The sink is anything with SGLang's method
+meanwhile (:func:`alignd.sync.refit.run_refit`), inside SGLang's weight-update session
+(``begin_weight_update`` ... ``end_weight_update``, :func:`alignd.sync.refit.weight_update_session`):
+SGLang loads tensors only inside one, and prepares the loaded layers for their GEMMs
+(``process_weights_after_loading``) when it ends. The sink is anything with SGLang's method
 (:class:`TensorSink`): an ``sglang.Engine`` in the trainer's process, or an HTTP client.
 """
 
@@ -40,7 +43,7 @@ from alignd.formats.modelopt_export import sglang_method
 from alignd.sync.announce import RefitStages
 from alignd.sync.buckets import BUFFER_NAME, HEADER_NAME, Bucket, RefitHeader
 from alignd.sync.receive import RefitReceiver
-from alignd.sync.refit import RefitReport, check_ok, run_refit
+from alignd.sync.refit import RefitReport, check_ok, run_refit, weight_update_session
 from alignd.sync.stream import DEFAULT_BUCKET_BYTES
 from libalign.spec import NumericsSpec
 
@@ -104,9 +107,11 @@ def send_tensor_refit(named: Iterable[tuple[str, torch.Tensor]], sink: TensorSin
             weight_version=version_id if header.last else None)
         check_ok(answer, f"bucket {header.bucket} of {version_id!r}")
 
-    return run_refit(named, send, version_id=version_id, spec=spec, bucket_bytes=bucket_bytes,
-                     all_linear=all_linear, model=model, quantization=quant, device=device,
-                     header_entries=staged, stages=stages)
+    with weight_update_session(sink):
+        return run_refit(named, send, version_id=version_id, spec=spec,
+                         bucket_bytes=bucket_bytes, all_linear=all_linear, model=model,
+                         quantization=quant, device=device, header_entries=staged,
+                         stages=stages)
 
 
 # --- the server side ----------------------------------------------------------------------------
