@@ -449,3 +449,39 @@ def test_the_refit_snippet_runs():
 
     runpy.run_path(str(Path(__file__).resolve().parents[2] / "docs" / "snippets" /
                        "refit_from_tensors.py"), run_name="__main__")
+
+
+@pytest.mark.parametrize("preset,fmt", [("minite", "modelopt"), ("modelopt", "modelopt"),
+                                        ("compressed_tensors", "compressed-tensors")])
+def test_alignd_convert_splits_expert_stacks_as_the_stream_does(tmp_path, preset, fmt):
+    """A transformers-5 checkpoint (3-D expert stacks) through ``alignd convert``: every stack
+    becomes per-expert weights; in the ModelOpt layout they equal the refit stream's bit for bit,
+    in compressed-tensors each expert reads back as the stack's expert."""
+    from alignd.formats.export import convert_checkpoint
+    from safetensors.torch import save_file
+
+    from libalign.checkpoint import from_compressed_tensors
+
+    sd = stack_model(seed=9)
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({k: v.contiguous() for k, v in sd.items()}, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    dst = convert_checkpoint(src, tmp_path / "out", preset=preset, fmt=fmt).dst
+    files = load_file(dst / "model.safetensors")
+    stack = "model.layers.0.mlp.experts.gate_up_proj"
+    assert stack not in files and "model.layers.0.mlp.experts.down_proj" not in files
+    if fmt == "modelopt":
+        streamed = dict(quantize_named(sd.items(), preset))
+        for name, t in streamed.items():
+            assert same(files[name], t), name
+        assert set(streamed) == set(files)
+        return
+    q = ops.quantize(sd[stack], PRESETS[preset])
+    for e in range(4):
+        for part, rows in (("gate_proj", slice(0, 32)), ("up_proj", slice(32, 64))):
+            pre = f"model.layers.0.mlp.experts.{e}.{part}"
+            back = from_compressed_tensors({k: files[f"{pre}.{k}"] for k in
+                                            ("weight_packed", "weight_scale", "weight_global_scale")},
+                                           PRESETS[preset])
+            assert torch.equal(back.dequantize(), q.expert(e).dequantize()[rows]), pre

@@ -22,7 +22,11 @@ Which tensors (:mod:`alignd.formats.selection`)
     16, except embeddings, ``lm_head``, norms and routers (``mlp.gate``,
     ``shared_expert_gate``, ``*router*``). Every other linear-like weight is named in the
     format's exclude/ignore list (:mod:`alignd.formats.quant_configs`). 3-D expert stacks
-    are not converted (copied unchanged).
+    (transformers 5's ``...experts.gate_up_proj`` ``[E, 2I, H]``, ``...experts.down_proj``)
+    are split into the per-expert weights the formats and the servers name
+    (``...experts.<e>.gate_proj`` ...; :func:`alignd.formats.selection.stack_members`), with
+    the expert's outer scale (a split ``gate_up_proj`` keeps one scale for gate and up); a
+    stack of another name is copied unchanged.
 
 The order of work
     :func:`~alignd.formats.export_plan.plan_export` reads the shard headers and decides
@@ -97,6 +101,7 @@ from alignd.formats.hf_checkpoint import (
     SourceTensor,
     itemsize,
 )
+from alignd.formats.modelopt_export import expert_parts
 from alignd.formats.quant_configs import (
     compressed_tensors_quantization_config,
     libalign_note,
@@ -213,9 +218,12 @@ def _process_unit(f, unit: Unit, plan: ExportPlan, clock: _Clock, device: str,
         out = []
         for t, x in zip(unit.members, xs, strict=True):
             q = _name_nonfinite([t], [x], lambda t=t, x=x: _quantize(t.name, x, plan.spec, shared))
-            module = t.name.removesuffix(".weight")
-            stored = {f"{module}.{k}": v.cpu()
-                      for k, v in to_format(q, plan.fmt, row_scaled_ok=True).items()}
+            if len(t.shape) == 3:  # an expert stack, split per expert projection
+                parts = list(expert_parts(t.name, q, plan.fmt))
+            else:
+                parts = [(t.name, to_format(q, plan.fmt, row_scaled_ok=True))]
+            stored = {f"{weight.removesuffix('.weight')}.{k}": v.cpu()
+                      for weight, tensors in parts for k, v in tensors.items()}
             out.append((t, stored, True))
     return out
 

@@ -18,7 +18,7 @@ import torch
 from alignclient.errors import LayoutError, SpecError
 
 from alignd.formats.hf_checkpoint import ST_DTYPES, HFCheckpoint, SourceTensor
-from alignd.formats.selection import fused_groups, select_for_export
+from alignd.formats.selection import fused_groups, select_for_export, stack_members
 from libalign.checkpoint import FORMATS, stored_layout
 from libalign.spec import PRESETS, NumericsSpec
 from libalign.spec.presets import MX_PRESETS
@@ -70,13 +70,21 @@ class ExportPlan:
         """Name, shape, dtype and role of each stored tensor that ``t`` becomes."""
         if t.name not in self.converted_set:
             return [(t.name, t.shape, ST_DTYPES[t.dtype], "copied")]
-        module = t.name.removesuffix(".weight")
         roles = ("nvfp4_codes", "nvfp4_block_scales", "nvfp4_outer_scale")
         if self.spec.is_mx:
             roles = ("mxfp4_codes", "mxfp4_block_scales")
-        layout = stored_layout(self.fmt, t.shape, self.row_scaled, mx=self.spec.is_mx)
-        return [(f"{module}.{key}", shape, dtype, role)
-                for (key, (shape, dtype)), role in zip(layout.items(), roles, strict=True)]
+        if len(t.shape) == 3:  # an expert stack: one weight per expert projection
+            weights = [(w, (rows.stop - rows.start if rows is not None else t.shape[1],
+                            t.shape[2])) for w, _, rows in stack_members(t.name, t.shape)]
+        else:
+            weights = [(t.name, t.shape)]
+        out = []
+        for weight, shape2d in weights:
+            module = weight.removesuffix(".weight")
+            layout = stored_layout(self.fmt, shape2d, self.row_scaled, mx=self.spec.is_mx)
+            out += [(f"{module}.{key}", shape, dtype, role)
+                    for (key, (shape, dtype)), role in zip(layout.items(), roles, strict=True)]
+        return out
 
 
 def check_preset(preset: str, fmt: str) -> NumericsSpec:

@@ -82,7 +82,7 @@ from alignd.formats.quant_configs import (
     modelopt_hf_quant_config,
     modelopt_quantization_config,
 )
-from alignd.formats.selection import FUSED_SIBLINGS, is_embedding, module_parts
+from alignd.formats.selection import FUSED_SIBLINGS, is_embedding, module_parts, stack_members
 from alignd.formats.weight_store import DEFAULT_SHARD_BYTES, Item, WeightStore
 from libalign import gemm
 from libalign.atomic_dir import (
@@ -91,7 +91,7 @@ from libalign.atomic_dir import (
     atomic_directory,
     discard_directory,
 )
-from libalign.checkpoint import to_modelopt
+from libalign.checkpoint import to_format, to_modelopt
 from libalign.spec import PRESETS, NumericsSpec, NVFP4Tensor
 
 LAYOUT = "modelopt"
@@ -102,8 +102,6 @@ FORMAT = "libalign-modelopt-export"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 NOT_FROM_MODEL_DIR = {INDEX_NAME, "pytorch_model.bin.index.json", HF_QUANT_CONFIG, MANIFEST_NAME,
                       CONFIG_NAME}
-#: Names of per-expert projections a 3-D stack may carry (gate_up_proj is split in two).
-STACK_NAMES = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
 
 def sglang_method(spec: NumericsSpec, quantized: bool = True) -> str | None:
@@ -147,19 +145,23 @@ def exportable(q: NVFP4Tensor, name: str) -> str:
 
 
 def per_expert(name: str, q: NVFP4Tensor) -> Iterator[tuple[str, NVFP4Tensor, slice | None]]:
-    """``(module weight name, expert tensor, rows)`` of each expert of a 3-D stack."""
-    prefix, _, last = name.rpartition(".")
-    if last not in (*STACK_NAMES, "gate_up_proj") or not prefix:
-        raise LayoutError(f"tensor {name!r} is a 3-D stack SGLang has no per-expert name for "
-                          f"(known: gate_up_proj, {', '.join(STACK_NAMES)})")
-    for e in range(q.shape[0]):
-        qe = q.expert(e)
-        if last == "gate_up_proj":
-            half = qe.shape[0] // 2
-            yield f"{prefix}.{e}.gate_proj.weight", qe, slice(0, half)
-            yield f"{prefix}.{e}.up_proj.weight", qe, slice(half, qe.shape[0])
-        else:
-            yield f"{prefix}.{e}.{last}.weight", qe, None
+    """``(module weight name, expert tensor, rows)`` of each expert of a 3-D stack
+    (:func:`alignd.formats.selection.stack_members`)."""
+    for weight, e, rows in stack_members(name, tuple(q.shape)):
+        yield weight, q.expert(e), rows
+
+
+def expert_parts(name: str, q: NVFP4Tensor, fmt: str = LAYOUT
+                 ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """``(module weight name, stored tensors)`` of each expert projection of the 3-D stack
+    ``name`` in checkpoint format ``fmt`` (:func:`libalign.checkpoint.to_format`): a split
+    ``gate_up_proj`` takes its rows of every row-indexed tensor and keeps the expert's scalar
+    outer scale; each stored tensor is a copy (none shares memory with ``q``)."""
+    for weight, qe, rows in per_expert(name, q):
+        stored = to_format(qe, fmt, row_scaled_ok=True)
+        n = qe.shape[0]
+        yield weight, {k: (v[rows] if rows is not None and v.ndim and v.shape[0] == n else v).clone()
+                       for k, v in stored.items()}
 
 
 def modelopt_parts(name: str, q: NVFP4Tensor
@@ -173,18 +175,12 @@ def modelopt_parts(name: str, q: NVFP4Tensor
     if len(q.shape) == 2:
         if not name.endswith(".weight"):
             raise LayoutError(f"tensor {name!r}: a 2-D NVFP4 tensor must be a '<module>.weight'")
-        parts: Iterable[tuple[str, NVFP4Tensor, slice | None]] = [(name, q, None)]
+        yield name, to_modelopt(q, row_scaled_ok=rows_scaled)
     elif len(q.shape) == 3:
-        parts = per_expert(name, q)
+        yield from expert_parts(name, q, LAYOUT)
     else:
         raise LayoutError(f"tensor {name!r} has shape {q.shape}; the ModelOpt layout "
                           "stores 2-D weights and 3-D expert stacks are split")
-    for weight, qe, rows in parts:
-        stored_as = to_modelopt(qe, row_scaled_ok=rows_scaled)
-        if rows is not None:  # a scalar outer scale is the expert's; row scales split
-            stored_as = {k: (v.clone() if k == "weight_scale_2" and not rows_scaled
-                             else v[rows].clone()) for k, v in stored_as.items()}
-        yield weight, stored_as
 
 
 def exports_for(layout: str, store: WeightStore, model_dir: Path | str | None,

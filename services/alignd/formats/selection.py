@@ -7,8 +7,10 @@ Mixture-of-Experts layers, the weights whose GEMMs the sampler runs in NVFP4:
 * per-expert 2-D projections ``...experts.<i>.{gate,up,down}_proj.weight`` (Qwen3-MoE) and
   Mixtral's ``...experts.<i>.w{1,2,3}.weight``, ``[N, K]`` with K the reduction axis;
 * 3-D expert stacks, any 3-D tensor under an ``experts`` module (for example
-  ``...mlp.experts.gate_up_proj``), taken as ``[E, N, K]`` with K last. Only the weight store
-  takes them; a Hugging Face export copies them unchanged (its formats are per-expert 2-D).
+  ``...mlp.experts.gate_up_proj``), taken as ``[E, N, K]`` with K last. The weight store takes
+  them all; a Hugging Face export takes those it can name per expert (:data:`STACK_NAMES`,
+  split into ``...experts.<e>.<proj>`` weights, the formats being per-expert 2-D) and copies
+  any other stack unchanged.
 
 With ``all_linear`` every other 2-D ``*.weight`` of a linear layer is quantized too, except
 the modules NVFP4 checkpoints keep in high precision (:func:`is_never_quantized`):
@@ -33,7 +35,7 @@ import re
 from collections.abc import Callable, Mapping
 
 import torch
-from alignclient.errors import DTypeError, ShapeError
+from alignclient.errors import DTypeError, LayoutError, ShapeError
 
 from alignd.formats.hf_checkpoint import SourceTensor
 
@@ -43,6 +45,9 @@ EXPERT_2D = re.compile(r"(?:^|\.)experts\.\d+\.(?:" + "|".join(EXPERT_PROJS) + r
 UNDER_EXPERTS = re.compile(r"(?:^|\.)experts(?:\.|$)")
 #: Last module part of a router (the MoE gate, Qwen2-MoE's shared-expert gate).
 ROUTER_NAMES = ("gate", "shared_expert_gate")
+#: Last names of 3-D expert stacks an export splits per expert (``gate_up_proj``: gate rows
+#: first, then up, as transformers 5 stacks them).
+STACK_NAMES = ("gate_up_proj", *EXPERT_PROJS)
 #: safetensors dtype codes the export quantizes (anything else is copied, or refused if an expert).
 QUANTIZABLE = ("BF16", "F16", "F32")
 #: Sibling projections a sampler fuses into one GEMM with one outer scale.
@@ -100,6 +105,8 @@ def select_for_export(tensors: Mapping[str, SourceTensor], all_linear: bool,
                       block: int = 16) -> tuple[list[str], list[str]]:
     """Tensors a Hugging Face export converts, and the modules it names as excluded.
 
+    3-D expert stacks named in :data:`STACK_NAMES`, floating and with K a multiple of the
+    block, are converted (split per expert by the export); any other stack is copied.
     Expert projections must be 2-D floating tensors with K a multiple of the block (16;
     MXFP4 32) (else :class:`ShapeError` / :class:`DTypeError` naming the tensor); under
     ``all_linear`` a linear weight whose K is not a multiple of it is kept unquantized and
@@ -108,6 +115,10 @@ def select_for_export(tensors: Mapping[str, SourceTensor], all_linear: bool,
     """
     convert, excluded = [], []
     for name, t in sorted(tensors.items()):
+        if (len(t.shape) == 3 and UNDER_EXPERTS.search(name) and t.dtype in QUANTIZABLE
+                and module_parts(name)[-1] in STACK_NAMES and t.shape[-1] % block == 0):
+            convert.append(name)  # an expert stack, split per expert in the output
+            continue
         if not name.endswith(".weight"):
             continue
         if is_expert_weight(name):
@@ -139,3 +150,22 @@ def fused_groups(names: list[str]) -> dict[str, list[str]]:
         if kind is not None:
             groups.setdefault(".".join(p[:-1]) + ":" + kind, []).append(name)
     return {k: sorted(v) for k, v in groups.items() if len(v) > 1}
+
+
+def stack_members(name: str, shape: tuple[int, ...]) -> list[tuple[str, int, slice | None]]:
+    """The per-expert weights of 3-D expert stack ``name`` ``[E, N, K]``: ``(weight name,
+    expert, rows)`` in order, ``rows`` the stack rows of a split ``gate_up_proj`` (gate rows
+    first, then up) and None for a whole expert. LayoutError for a stack of another name."""
+    prefix, _, last = name.rpartition(".")
+    if last not in STACK_NAMES or not prefix or len(shape) != 3:
+        raise LayoutError(f"tensor {name!r} ({tuple(shape)}) is not a 3-D stack with a "
+                          f"per-expert name (known: {', '.join(STACK_NAMES)})")
+    e, n = shape[0], shape[1]
+    out: list[tuple[str, int, slice | None]] = []
+    for x in range(e):
+        if last == "gate_up_proj":
+            out += [(f"{prefix}.{x}.gate_proj.weight", x, slice(0, n // 2)),
+                    (f"{prefix}.{x}.up_proj.weight", x, slice(n // 2, n))]
+        else:
+            out.append((f"{prefix}.{x}.{last}.weight", x, None))
+    return out
