@@ -38,12 +38,22 @@ ensure_sglang_cpu() {   # SGLang's layer classes for the CPU tests, beside the v
   "$VENV/bin/python" -m pip install -q --no-deps --target "$dir" -r "$req" && touch "$stamp"
 }
 
+ensure_verl_cpu() {   # verl's source files for the peer tests, beside the venv, never imported whole
+  local req=tests/services/verl_cpu.txt dir="$VENV/verl-cpu" stamp
+  stamp="$dir/.stamp-$(sha256sum < "$req" | cut -c1-16)"
+  [ -f "$stamp" ] && return 0
+  rm -rf "$dir"
+  "$VENV/bin/python" -m pip install -q --no-deps --target "$dir" -r "$req" && touch "$stamp"
+}
+
 cmd="${1:-demo}"; shift || true
 case "$cmd" in
   demo)  ensure_venv demo;   exec "$VENV/bin/alignd" demo "$@" ;;
   test)  ensure_venv test
          ensure_sglang_cpu \
            || echo "dev.sh: SGLang did not install; tests/services/test_sglang_quant.py will be skipped" >&2
+         ensure_verl_cpu \
+           || echo "dev.sh: verl did not install; its comparisons in tests/services/test_importance_peers.py will be skipped" >&2
          command -v redis-server >/dev/null || apt_install redis-server \
            || echo "dev.sh: no redis-server; the Redis service tests will be skipped" >&2
          command -v chromium >/dev/null || command -v chromium-browser >/dev/null || apt_install chromium \

@@ -1,4 +1,4 @@
-"""The per-token execution gap δ = log p_learner − log p_sampler, its summary and TIS weights.
+"""The per-token execution gap δ = log p_learner − log p_sampler and its summary.
 
 The per-token discrepancy
 -------------------------
@@ -49,16 +49,8 @@ token's conditional distribution. Two caveats: it sees only the sampled token, n
 vocabulary, and when the tokens were *not* drawn from the sampler (teacher-forced scoring of
 fixed text) it is a discrepancy index rather than an unbiased KL.
 
-Truncated importance sampling (:func:`tis_weights`)
----------------------------------------------------
-Policy-gradient terms computed by the learner on sampler tokens are reweighted by the ratio
-``exp(δ)``, truncated from above at ``C`` (default 2.0) so that a few tokens cannot dominate the
-gradient: ``w_t = min(exp(δ_t), C)``. The sequence-level variant uses the product of ratios over
-the sequence's valid tokens, ``w = min(exp(Σ_t δ_t), C)``; the geometric-mean variant uses
-``min(exp(mean_t δ_t), C)``, which does not shrink or explode with length. Everything is done in
-log space (``exp(min(s, ln C))``), so δ = 1000 gives exactly ``C`` instead of ``inf``. A weight
-counts as truncated when its log-ratio is strictly above ``ln C``. A sequence with no valid
-tokens has log-ratio 0 (the empty product) and weight 1.
+Truncated importance weights and the other importance-correction modes live in
+:mod:`libalign.metrics.importance`, built on :func:`gather_tokens`.
 """
 
 from __future__ import annotations
@@ -79,20 +71,15 @@ push a certain token's log-probability a hair above 0)."""
 DEFAULT_CLIP_BOUNDS = (0.8, 1.28)
 """Clipping band for clip potential: ``[1 − 0.2, 1 + 0.28]``."""
 
-DEFAULT_TIS_CAP = 2.0
-"""Truncation level ``C`` of TIS weights."""
-
 QUANTILES = (0.5, 0.9, 0.99)
 """The quantiles of |δ| in :class:`DeltaStats`."""
-
-TIS_LEVELS = ("token", "sequence", "geometric")
 
 TokenInput = torch.Tensor | Sequence[torch.Tensor]
 """A padded ``[B, T]`` / ``[T]`` tensor, or a list of 1-D tensors (one per sequence)."""
 
 
 @dataclass(frozen=True, eq=False)
-class _Tokens:
+class Tokens:
     """The valid tokens of one input, flattened, with where each came from."""
 
     values: torch.Tensor  # float64 [n], sequence-major order
@@ -129,7 +116,7 @@ class _Tokens:
                                  first_indices=[self.where(i) for i in first])
 
 
-def _gather_tokens(x: TokenInput, mask: torch.Tensor | None, name: str) -> _Tokens:
+def gather_tokens(x: TokenInput, mask: torch.Tensor | None, name: str) -> Tokens:
     """Validate one input in either layout and flatten its valid tokens to float64."""
     if isinstance(x, torch.Tensor):
         check_float_tensor(x, name)
@@ -149,7 +136,7 @@ def _gather_tokens(x: TokenInput, mask: torch.Tensor | None, name: str) -> _Toke
             check_same_shape(x, mask, name, "mask")
             seq, pos = mask.reshape(rows, cols).to(x.device).nonzero(as_tuple=True)
             values = x2.detach()[seq, pos].to(torch.float64)
-        return _Tokens(values, seq, pos, rows, tuple(x.shape), None)
+        return Tokens(values, seq, pos, rows, tuple(x.shape), None)
     if isinstance(x, (list, tuple)):
         if mask is not None:
             raise InputError(f"{name} is a list of sequences, which carries its own lengths; "
@@ -167,7 +154,7 @@ def _gather_tokens(x: TokenInput, mask: torch.Tensor | None, name: str) -> _Toke
             torch.tensor(lengths, device=device))
         starts = torch.tensor([0, *lengths[:-1]], device=device).cumsum(0)
         pos = torch.arange(values.numel(), device=device) - starts[seq]
-        return _Tokens(values, seq, pos, len(x), None, lengths)
+        return Tokens(values, seq, pos, len(x), None, lengths)
     raise DTypeError(f"{name} must be a tensor or a list of 1-D tensors, got {type(x).__name__}")
 
 
@@ -177,7 +164,7 @@ def flatten_tokens(x: TokenInput, mask: torch.Tensor | None = None) -> tuple[tor
     Sequence-major order: sequence 0's valid tokens first. This is the form the bootstrap
     functions take (``groups=`` the returned ids).
     """
-    tok = _gather_tokens(x, mask, "x")
+    tok = gather_tokens(x, mask, "x")
     return tok.values, tok.seq
 
 
@@ -202,8 +189,8 @@ def token_deltas(learner_logp: TokenInput, sampler_logp: TokenInput,
                          f"{type(sampler_logp).__name__}; pass two tensors or two lists")
     if l_is_t:
         check_same_shape(learner_logp, sampler_logp, "learner_logp", "sampler_logp")
-    lt = _gather_tokens(learner_logp, mask, "learner_logp")
-    st = _gather_tokens(sampler_logp, mask, "sampler_logp")
+    lt = gather_tokens(learner_logp, mask, "learner_logp")
+    st = gather_tokens(sampler_logp, mask, "sampler_logp")
     if not l_is_t:
         if lt.n_seq != st.n_seq:
             raise ShapeError(f"learner_logp has {lt.n_seq} sequences but sampler_logp has "
@@ -263,7 +250,7 @@ def delta_stats(delta: TokenInput, mask: torch.Tensor | None = None, *,
     ``δ < ln(low)`` or ``δ > ln(high)`` (strict: a ratio exactly on a bound is inside).
     """
     low, high = check_bounds(clip_bounds)
-    tok = _gather_tokens(delta, mask, "delta")
+    tok = gather_tokens(delta, mask, "delta")
     tok.check_nonempty("delta")
     tok.check_finite("delta")
     d = tok.values
@@ -279,62 +266,3 @@ def delta_stats(delta: TokenInput, mask: torch.Tensor | None = None, *,
         clip_potential=(n_below + n_above) / n,
         k3_kl=float((torch.expm1(d) - d).mean()),
     )
-
-
-# --------------------------------------------------------------------------- TIS
-
-
-@dataclass(frozen=True, eq=False)
-class TISWeights:
-    """Truncated importance weights and how many were truncated.
-
-    ``weights`` has the input's layout for ``level="token"`` (0.0 at masked positions) and
-    shape ``[B]`` (one per sequence) for the sequence levels.
-    """
-
-    weights: torch.Tensor | list[torch.Tensor]
-    level: str
-    cap: float
-    truncated: int
-    total: int
-
-    @property
-    def truncated_fraction(self) -> float:
-        """Fraction of weights (tokens or sequences) that hit the cap."""
-        return self.truncated / self.total if self.total else 0.0
-
-    def to_dict(self) -> dict:
-        """The summary without the weights themselves."""
-        return {"level": self.level, "cap": self.cap, "truncated": self.truncated,
-                "total": self.total, "truncated_fraction": self.truncated_fraction}
-
-
-def tis_weights(delta: TokenInput, mask: torch.Tensor | None = None, *,
-                cap: float = DEFAULT_TIS_CAP, level: str = "token") -> TISWeights:
-    """Truncated importance-sampling weights ``min(exp(·), cap)`` computed in log space.
-
-    ``level="token"``: one weight per valid token from its δ. ``"sequence"``: one per sequence
-    from the sum of its δ (the product of ratios). ``"geometric"``: one per sequence from the
-    mean of its δ. A weight is truncated when its log-ratio is strictly above ``ln(cap)``.
-    """
-    if level not in TIS_LEVELS:
-        raise InputError(f"level must be one of {TIS_LEVELS}, got {level!r}")
-    cap = float(cap)
-    if not (math.isfinite(cap) and cap > 0.0):
-        raise InputError(f"cap must be a finite number > 0, got {cap!r}")
-    tok = _gather_tokens(delta, mask, "delta")
-    tok.check_nonempty("delta")
-    tok.check_finite("delta")
-    log_cap = math.log(cap)
-    if level == "token":
-        s = tok.values
-    else:
-        s = torch.zeros(tok.n_seq, dtype=torch.float64, device=tok.values.device)
-        s.index_add_(0, tok.seq, tok.values)
-        if level == "geometric":
-            n = torch.bincount(tok.seq, minlength=tok.n_seq).to(torch.float64)
-            s = torch.where(n > 0, s / n.clamp(min=1.0), torch.zeros_like(s))
-    w = torch.exp(s.clamp(max=log_cap))
-    truncated = int((s > log_cap).sum())
-    weights = tok.unflatten(w, fill=0.0) if level == "token" else w
-    return TISWeights(weights=weights, level=level, cap=cap, truncated=truncated, total=s.numel())
