@@ -141,15 +141,13 @@ class ApiState:
         s, m = self.settings, self.metrics
         retry = RetryPolicy(initial_s=0.05, max_s=0.5, deadline_s=self.give_up_s)
         self.bus = RedisBus(self.text, retry=retry, stream_maxlen=s.stream_maxlen,
-                            on_retry=lambda what, e: m.redis_retries.inc())
+                            on_retry=lambda what, e: m.redis_retries.inc(),
+                            wait_replicas=s.redis_wait_replicas,
+                            wait_timeout_ms=s.redis_wait_timeout_ms)
         self.registry = Registry(self.bus, s.key_prefix)
         self.rollouts = RolloutStore(self.binary, s.key_prefix, m, ttl_s=s.guidance_ttl_s,
                                      retry=retry, max_path_pairs=s.max_path_pairs)
-        self.guidance = GuidanceStore(
-            self.binary, prefix=s.key_prefix, budget_bytes=s.guidance_budget_bytes,
-            ttl_s=s.guidance_ttl_s, chunk_bytes=s.guidance_chunk_bytes,
-            max_record_bytes=s.guidance_max_record_bytes, on_in_use=s.guidance_on_in_use,
-            retry=retry, metrics=m)
+        self.guidance = GuidanceStore.from_settings(s, m, client=self.binary, retry=retry)
         self.staleness = StalenessGuard(self.registry, s.max_version_diff, s.stale_rollouts, m)
         self.heartbeat = ServiceHeartbeat(
             self.text, "api", instance_name(s), period_s=s.service_heartbeat_s,

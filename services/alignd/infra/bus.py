@@ -30,6 +30,15 @@ and recreates the group if Redis came back empty (``NOGROUP``). What no retry fi
 retried: bad credentials (which redis-py raises as a connection error), a command the ACL
 user may not run and a write a full server refuses come back at once as the typed errors of
 :func:`alignd.infra.redis_checks.refusal` (a configuration error, "Redis is full").
+
+Failover. On a Sentinel set or a Redis Cluster a master that dies is replaced by its replica
+after a few seconds; until then calls fail with connection errors, ``CLUSTERDOWN`` or
+``TRYAGAIN`` (a slot moving), all retried like a restart. Replication is asynchronous, so a
+write the old master acknowledged may not have reached the replica that takes over. Where a
+store promises that an acknowledged write survives, it calls :meth:`RedisBus.confirm` after
+the write: ``WAIT`` for ``wait_replicas`` replicas (``ALIGN_REDIS_WAIT_REPLICAS``), on the
+master that holds the written key. What that does and does not promise is written in
+RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -44,16 +53,24 @@ from typing import TypeVar
 import redis
 from alignclient.errors import BusUnavailableError
 from alignclient.retry import RetryPolicy
+from redis.cluster import RedisCluster
 
 from alignd.infra.redis_checks import CREDENTIAL_ERRORS, refusal
 from alignd.infra.redis_clients import client_for, text_client
 from alignd.infra.settings import DEFAULT_STREAM_MAXLEN, ServiceSettings
+from alignd.infra.telemetry import REDIS_UNREPLICATED
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-#: Errors after which the same call may simply be tried again.
-RETRYABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+#: Errors after which the same call may simply be tried again: a lost connection, a timeout,
+#: a cluster whose slots are failing over (CLUSTERDOWN, a slot no node serves yet) or moving
+#: (TRYAGAIN: a multi-key command on a slot half-migrated).
+RETRYABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+             redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
+             redis.exceptions.SlotNotCoveredError)
+#: How long the key that :meth:`RedisBus.confirm` writes lives.
+_BARRIER_TTL_MS = 60_000
 
 
 def redis_transient(error: BaseException) -> bool:
@@ -112,10 +129,13 @@ class RedisBus:
         stop_event: threading.Event | None = None,
         on_retry: Callable[[str, Exception], None] | None = None,
         stream_maxlen: int = DEFAULT_STREAM_MAXLEN,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1_000,
     ):
         if stream_maxlen < 1:
             raise ValueError(f"stream_maxlen must be positive, got {stream_maxlen}")
         self.client = client
+        self.wait_replicas, self.wait_timeout_ms = wait_replicas, wait_timeout_ms
         self.stream_maxlen = stream_maxlen
         self.retry = retry or RetryPolicy()
         self.stop_event = stop_event
@@ -129,6 +149,8 @@ class RedisBus:
         timeout = settings.block_ms / 1000 + 10.0
         retry = RetryPolicy(deadline_s=settings.redis_retry_s)
         kw.setdefault("stream_maxlen", settings.stream_maxlen)
+        kw.setdefault("wait_replicas", settings.redis_wait_replicas)
+        kw.setdefault("wait_timeout_ms", settings.redis_wait_timeout_ms)
         return cls(text_client(settings, socket_timeout_s=timeout), retry=retry, **kw)
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
@@ -140,6 +162,7 @@ class RedisBus:
             if self.on_retry is not None:
                 self.on_retry(what, error)
             log.warning("%s: %s; retrying in %.2fs", what, error, wait_s)
+            self._refresh_routes()
 
         try:
             return self.retry.call(fn, transient=redis_transient, stop_event=self.stop_event,
@@ -152,6 +175,53 @@ class RedisBus:
                 raise
             waited = time.monotonic() - start
             raise BusUnavailableError(f"{what}: Redis unreachable for {waited:.1f}s: {e}") from e
+
+    def _refresh_routes(self) -> None:
+        """On a cluster, ask the nodes again which master serves which slot (after a failed
+        call: its master may have failed over, or its slot moved). redis-py does so after most
+        commands, not after a transaction's; a node that does not answer is for the next try."""
+        if isinstance(self.client, RedisCluster):
+            try:
+                self.client.nodes_manager.initialize()
+            except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException) as e:
+                log.info("cluster slot map not refreshed yet: %s", e)
+
+    def confirm(self, what: str, key: str | bytes) -> int | None:
+        """After a write to ``key``: ``WAIT`` until :attr:`wait_replicas` replicas hold it, at
+        most :attr:`wait_timeout_ms`; how many did (None when not asked to wait).
+
+        ``WAIT`` counts the replicas that acknowledged the last write *of its connection*, so
+        it goes out on one connection to the master that holds ``key`` right behind a write of
+        its own (a short-lived barrier key in ``key``'s slot): replication is one ordered
+        stream, and a replica that has the barrier has every write the master made before it,
+        ours included. Fewer than asked is logged and counted
+        (``libalign_redis_unreplicated_writes_total``), not raised: the write is done, only
+        its survival of a failover is not promised.
+        """
+        if self.wait_replicas == 0:
+            return None
+        barrier = (key + b":replicated") if isinstance(key, bytes) else f"{key}:replicated"
+
+        def once() -> int:
+            node = self.client
+            if isinstance(node, RedisCluster):
+                node = node.get_redis_connection(node.get_node_from_key(barrier))
+            try:
+                with node.pipeline(transaction=False) as pipe:
+                    pipe.set(barrier, b"1", px=_BARRIER_TTL_MS)
+                    pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+                    return int(pipe.execute()[1])
+            except redis.exceptions.MovedError as e:  # the slot map is stale: refresh, retry
+                self.client.nodes_manager.initialize()
+                raise redis.exceptions.ConnectionError(f"slot moved: {e}") from e
+
+        acked = self.call(f"WAIT {what}", once)
+        if acked < self.wait_replicas:
+            REDIS_UNREPLICATED.inc()
+            log.warning("%s: only %d of %d replicas acknowledged it within %d ms; a failover "
+                        "of its master now may lose it", what, acked, self.wait_replicas,
+                        self.wait_timeout_ms)
+        return acked
 
     def ensure_group(self, stream: str, group: str, start_id: str = "0") -> bool:
         """Create ``group`` on ``stream`` (and the stream); False if it already existed."""

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import redis
 from alignclient.errors import AlignError, ConfigError, RedisFullError
 
-from alignd.infra.redis_clients import is_embedded
+from alignd.infra.redis_clients import is_embedded, topology
 from alignd.infra.telemetry import REDIS_POLICY_UNVERIFIED, REDIS_REFUSALS
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,19 @@ class EvictionPolicy:
 
 
 def server_name(client: redis.Redis) -> str:
-    """The server ``client`` talks to, as ``host:port/db`` with its user: never a password."""
+    """The server ``client`` talks to, as ``host:port/db`` with its user: never a password.
+
+    A cluster is named by its nodes, a Sentinel-managed master by its name and Sentinels."""
+    kind = topology(client)
+    if kind == "cluster":
+        nodes = ", ".join(n.name for n in client.get_nodes()[:6])
+        return f"Redis Cluster of {nodes}{', ...' if len(client.get_nodes()) > 6 else ''}"
+    if kind == "sentinel":
+        pool = client.connection_pool
+        kws = [s.connection_pool.connection_kwargs for s in pool.sentinel_manager.sentinels]
+        seen = ", ".join(f"{kw.get('host', '?')}:{kw.get('port', '?')}" for kw in kws)
+        user = pool.connection_kwargs.get("username") or "default"
+        return f"Redis master {pool.service_name!r} of the Sentinels at {seen} (user {user!r})"
     kw = client.connection_pool.connection_kwargs
     where = (f"{kw['host']}:{kw.get('port', 6379)}" if "host" in kw
              else str(kw.get("path", "a socket")))
@@ -186,17 +198,69 @@ def probe_commands(client: redis.Redis, key_prefix: str) -> None:
     client.eval(_PROBE_LUA, len(keys), *keys)
 
 
+def data_nodes(client: redis.Redis) -> list[tuple[redis.Redis, bool]]:
+    """Every data node behind ``client``, each as ``(a client of that node alone, whether
+    the daemon's writes need it now)``: the one server; a cluster's masters (needed) and
+    replicas; a Sentinel set's master (needed) and the replicas the Sentinels know. A replica
+    becomes a master at the next failover, so its policy matters as much."""
+    kind = topology(client)
+    if kind == "cluster":
+        return [(client.get_redis_connection(n), n.server_type == "primary")
+                for n in client.get_nodes()]
+    if kind != "sentinel":
+        return [(client, True)]
+    pool = client.connection_pool
+    kw = {k: v for k, v in pool.connection_kwargs.items()
+          if k in ("username", "password", "socket_timeout", "socket_connect_timeout",
+                   "decode_responses") or k.startswith("ssl")}
+    replicas = pool.sentinel_manager.discover_slaves(pool.service_name)
+    return [(client, True), *((redis.Redis(host=h, port=p, **kw), False) for h, p in replicas)]
+
+
 def check_server(client: redis.Redis, *, key_prefix: str = "libalign",
                  allow_unverified: bool = False) -> EvictionPolicy:
-    """The daemon's start-up check of ``client``'s server (one attempt; see the module doc).
+    """The daemon's start-up check of ``client``'s Redis (one attempt; see the module doc).
 
     Raises ConfigError for an evicting policy, an unreadable one (unless ``allow_unverified``:
     then a warning, counted), bad credentials and missing permissions. A full server is
     warned about, not refused: reads and deletes still work, and each write refused later is
     reported. Connection errors propagate, for the caller to retry.
+
+    A cluster or a Sentinel set is checked node by node (:func:`data_nodes`): every node the
+    client reaches must keep its keys; a replica that cannot be reached now is named in a
+    warning (it is checked again at the next start), a master that cannot be reached is a
+    connection error. The probe then runs through ``client`` itself (on a cluster, in the
+    slot of ``key_prefix``'s hash tag).
     """
     if is_embedded(client):
         return read_eviction_policy(client)
+    found = EvictionPolicy(REQUIRED_POLICY, "no node")
+    for node, needed in data_nodes(client):
+        try:
+            found = _check_policy(node, allow_unverified)
+        except redis.exceptions.ConnectionError as e:
+            if needed or isinstance(e, CREDENTIAL_ERRORS):
+                raise
+            log.warning("could not check the maxmemory-policy of %s now: %s",
+                        server_name(node), e)
+        finally:
+            if node is not client and topology(client) == "sentinel":
+                node.close()  # made for this check; a cluster's node clients are its own
+    name = server_name(client)
+    try:
+        probe_commands(client, key_prefix)
+    except redis.exceptions.RedisError as e:
+        typed = refusal(e, f"probing {name}")
+        if typed is None:
+            raise
+        if isinstance(typed, ConfigError):
+            raise typed from e
+        log.warning("%s is full at start: %s", name, typed)
+    return found
+
+
+def _check_policy(client: redis.Redis, allow_unverified: bool) -> EvictionPolicy:
+    """The eviction-policy part of :func:`check_server`, for one node."""
     name = server_name(client)
     try:
         found = read_eviction_policy(client)
@@ -222,13 +286,4 @@ def check_server(client: redis.Redis, *, key_prefix: str = "libalign",
         log.warning("STARTING UNVERIFIED: cannot read the maxmemory-policy of %s (%s) and "
                     "ALIGN_REDIS_ALLOW_UNVERIFIED_POLICY is set. If it is not noeviction, Redis "
                     "deletes the daemon's keys when it is full, silently.", name, found.source)
-    try:
-        probe_commands(client, key_prefix)
-    except redis.exceptions.RedisError as e:
-        typed = refusal(e, f"probing {name}")
-        if typed is None:
-            raise
-        if isinstance(typed, ConfigError):
-            raise typed from e
-        log.warning("%s is full at start: %s", name, typed)
     return found

@@ -19,6 +19,25 @@ timeouts and no retries hidden inside redis-py: :meth:`RedisBus.call` retries
 connection errors itself, with backoff, a give-up budget and metrics, and a second,
 invisible retry layer underneath would only multiply waits and duplicate writes.
 
+Three kinds of real Redis, by the URL's scheme (:func:`parse_redis_url`):
+
+* ``redis://[user:password@]host:port/db`` (``rediss://`` for TLS, and every other form
+  ``redis.Redis.from_url`` reads): one server;
+* ``redis+cluster://[user:password@]host:port[,host:port...]`` (``rediss+cluster://``): a
+  Redis Cluster, through redis-py's ``RedisCluster``; the hosts are seed nodes, any one of
+  which is enough to find the others. It follows ``MOVED``/``ASK`` redirections itself and
+  refreshes its slot map after a failover or a migration (that is routing, not retrying;
+  connection errors still come up to :meth:`RedisBus.call`);
+* ``redis+sentinel://[user:password@]host:port[,host:port...]/master-name[/db]``
+  (``rediss+sentinel://``): the master a set of Sentinels names, through redis-py's
+  ``Sentinel``; after a failover the next connection goes to the new master. The user and
+  password are the data nodes'; the Sentinels are asked without credentials.
+
+TLS options redis-py takes as keywords (``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
+``ssl_cert_reqs``) may follow as query parameters of a cluster or Sentinel URL. No password
+ever leaves this module in text: :class:`RedisAddress` prints as the URL with the password
+replaced by ``***`` (:func:`redact_url`), and that is what log lines and errors name.
+
 With ``redis_url`` unset (``None``, the default) the clients talk to the **embedded**
 server: one in-process, Redis-compatible server (``fakeredis.FakeServer``) per Python
 process, created on first use and shared by every client made here afterwards. It
@@ -58,13 +77,19 @@ import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from urllib.parse import parse_qsl, unquote
 
 import redis
+from alignclient.errors import ConfigError
 from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelConnectionPool
 from redis.utils import HIREDIS_AVAILABLE
 
+from alignd.infra.keyspace import CLUSTER_SCHEMES, SENTINEL_SCHEMES, url_scheme
 from alignd.infra.settings import ServiceSettings
 
 if TYPE_CHECKING:  # fakeredis is imported on first use: a deployment never pays for it
@@ -147,13 +172,113 @@ def run_namespace(settings: S) -> Iterator[S]:
         release_embedded(name)
 
 
+#: Query parameters of a cluster or Sentinel URL passed on to redis-py (TLS options).
+TLS_OPTIONS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs", "ssl_ca_path")
+
+
+@dataclass(frozen=True)
+class RedisAddress:
+    """Where a Redis URL points: its kind, hosts, credentials and options.
+
+    Prints (``str``, ``repr``) as the URL with the password replaced by ``***``.
+    """
+
+    kind: Literal["standalone", "cluster", "sentinel"]
+    url: str = field(repr=False)
+    hosts: tuple[tuple[str, int], ...] = ()
+    master: str | None = None
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls: bool = False
+    options: tuple[tuple[str, str], ...] = ()
+
+    def __str__(self) -> str:
+        return redact_url(self.url)
+
+    __repr__ = __str__
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (if any) replaced by ``***``: the only form of a Redis URL
+    that may go into a log line, an error or a metric."""
+    if "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    at = rest.rfind("@", 0, rest.find("/") if "/" in rest else len(rest))
+    if at < 0:
+        return url
+    userinfo = rest[:at]
+    user = userinfo.split(":", 1)[0] if ":" in userinfo else userinfo
+    hidden = f"{user}:***" if ":" in userinfo else user
+    return f"{scheme}://{hidden}@{rest[at + 1:]}"
+
+
+def _hosts(netloc: str, url: str) -> tuple[tuple[str, int], ...]:
+    out = []
+    for part in netloc.split(","):
+        host, _, port = part.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"Redis URL {redact_url(url)}: expected host:port[,host:port...], "
+                              f"got {part!r}")
+        out.append((host.strip("[]"), int(port)))
+    return tuple(out)
+
+
+def parse_redis_url(url: str) -> RedisAddress:
+    """Read a real server's URL (see the module docstring); ConfigError names what is wrong
+    (never the password)."""
+    scheme = url_scheme(url)
+    if scheme not in CLUSTER_SCHEMES + SENTINEL_SCHEMES:
+        return RedisAddress("standalone", url, tls=scheme == "rediss")
+    rest = url.split("://", 1)[1]
+    netloc, _, tail = rest.partition("/")
+    path, _, query = tail.partition("?")
+    if "?" in netloc:
+        netloc, _, query = netloc.partition("?")
+    username = password = None
+    if "@" in netloc:
+        userinfo, netloc = netloc.rsplit("@", 1)
+        user, colon, secret = userinfo.partition(":")
+        username, password = (unquote(user) or None), (unquote(secret) if colon else None)
+    options = tuple((k, v) for k, v in parse_qsl(query) if k in TLS_OPTIONS)
+    unknown = sorted({k for k, _ in parse_qsl(query)} - set(TLS_OPTIONS))
+    if unknown:
+        raise ConfigError(f"Redis URL {redact_url(url)}: unknown options {unknown}; a cluster "
+                          f"or Sentinel URL takes {', '.join(TLS_OPTIONS)}")
+    tls = scheme.startswith("rediss")
+    hosts = _hosts(netloc, url)
+    parts = [p for p in path.split("/") if p]
+    if scheme in CLUSTER_SCHEMES:
+        if parts:
+            raise ConfigError(f"Redis URL {redact_url(url)}: a cluster has one database, "
+                              "name no path after the hosts")
+        return RedisAddress("cluster", url, hosts, None, 0, username, password, tls, options)
+    if not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+        raise ConfigError(f"Redis URL {redact_url(url)}: expected "
+                          f"{scheme}://host:port[,host:port...]/master-name[/db]")
+    db = int(parts[1]) if len(parts) == 2 else 0
+    return RedisAddress("sentinel", url, hosts, unquote(parts[0]), db, username, password, tls,
+                        options)
+
+
+def _net_options(addr: RedisAddress, socket_timeout_s: float) -> dict[str, Any]:
+    kw: dict[str, Any] = {"socket_timeout": socket_timeout_s,
+                          "socket_connect_timeout": min(2.0, socket_timeout_s)}
+    if addr.tls:
+        kw["ssl"] = True
+        kw.update(dict(addr.options))
+    return kw
+
+
 def client_for(url: str | None, *, decode_responses: bool,
                socket_timeout_s: float) -> redis.Redis:
     """A client for ``url`` (None or ``embedded://NAME``: an embedded server), with no
     hidden retries.
 
     ``socket_timeout_s`` bounds every read from a real server (and connecting to it, at
-    most 2 s); the embedded server has no sockets and ignores it.
+    most 2 s); the embedded server has no sockets and ignores it. A cluster URL gives a
+    ``RedisCluster`` (it answers the same commands; :func:`topology` tells them apart).
     """
     name = embedded_name(url)
     if name is not None:
@@ -161,10 +286,38 @@ def client_for(url: str | None, *, decode_responses: bool,
 
         return fakeredis.FakeRedis(server=embedded_server(name), decode_responses=decode_responses,
                                    retry=Retry(NoBackoff(), 0))
-    return redis.Redis.from_url(
-        url, decode_responses=decode_responses, socket_timeout=socket_timeout_s,
-        socket_connect_timeout=min(2.0, socket_timeout_s), retry=Retry(NoBackoff(), 0),
-    )
+    addr = parse_redis_url(url)
+    if addr.kind == "standalone":
+        return redis.Redis.from_url(
+            url, decode_responses=decode_responses, socket_timeout=socket_timeout_s,
+            socket_connect_timeout=min(2.0, socket_timeout_s), retry=Retry(NoBackoff(), 0),
+        )
+    net = _net_options(addr, socket_timeout_s)
+    if addr.kind == "cluster":
+        return RedisCluster(  # type: ignore[return-value]
+            startup_nodes=[ClusterNode(h, p) for h, p in addr.hosts],
+            username=addr.username, password=addr.password, decode_responses=decode_responses,
+            retry=Retry(NoBackoff(), 0), **net)
+    sentinel = Sentinel(list(addr.hosts), sentinel_kwargs=dict(net))
+    return sentinel.master_for(addr.master, db=addr.db, username=addr.username,
+                               password=addr.password, decode_responses=decode_responses,
+                               retry=Retry(NoBackoff(), 0), **net)
+
+
+def topology(client: Any) -> Literal["embedded", "standalone", "cluster", "sentinel"]:
+    """Which kind of Redis ``client`` talks to."""
+    if isinstance(client, RedisCluster):
+        return "cluster"
+    if is_embedded(client):
+        return "embedded"
+    if isinstance(client.connection_pool, SentinelConnectionPool):
+        return "sentinel"
+    return "standalone"
+
+
+def decodes(client: Any) -> bool:
+    """Whether ``client`` decodes replies to ``str`` (any kind of client)."""
+    return bool(client.get_encoder().decode_responses)
 
 
 def text_client(settings: ServiceSettings, *, socket_timeout_s: float = TEXT_TIMEOUT_S) -> redis.Redis:
@@ -182,7 +335,8 @@ def binary_client(settings: ServiceSettings, *,
 
 def is_embedded(client: redis.Redis) -> bool:
     """True if ``client`` talks to an in-process fakeredis server, not over a socket."""
-    cls = client.connection_pool.connection_class
+    pool = getattr(client, "connection_pool", None)  # a RedisCluster has one pool per node
+    cls = getattr(pool, "connection_class", None)
     return getattr(cls, "__module__", "").startswith("fakeredis")
 
 

@@ -35,6 +35,10 @@ not a JSON object within the wire limits (:func:`alignclient.models.check_meta`)
 with its ``meta`` replaced by ``{"meta_unreadable": why}``; one missing a field or holding
 an unknown state reads as not found (naming why), and :meth:`Registry.list_versions` skips it.
 
+On a Redis Cluster every key here lives in the slot of the key prefix's hash tag (see
+:mod:`alignd.infra.keyspace`), so each script and each MULTI/EXEC touches one slot. With
+``redis_wait_replicas`` set, every write returns only after ``WAIT`` (:meth:`RedisBus.confirm`).
+
 Reads cost what they return, not the history: :meth:`Registry.page` walks the index newest
 first and fetches a page's records in one pipelined round trip, with a cursor (``before``, a
 version id) for the next, older page; a cursor whose version was pruned meanwhile still
@@ -286,6 +290,7 @@ class Registry:
                              lambda: self._create(keys=keys, args=args))
         if flat is None:
             raise VersionExistsError(version_id)
+        self.bus.confirm(f"registry create {version_id}", keys[0])
         return VersionRecord.from_hash(_flat_to_dict(flat))
 
     def create_and_announce(self, version_id: str, path: str, stream: str,
@@ -313,6 +318,7 @@ class Registry:
             raise VersionExistsError(version_id) from e
         if flat is None:  # cannot happen under WATCH; never report a version that was not made
             raise VersionExistsError(version_id)
+        self.bus.confirm(f"registry publish {version_id}", keys[0])
         return VersionRecord.from_hash(_flat_to_dict(flat)), event_id
 
     def retry_and_announce(self, version_id: str, stream: str, fields: dict[str, str], *,
@@ -347,6 +353,7 @@ class Registry:
         if reply[0] != "ok":  # cannot happen under WATCH; never report a retry that did not happen
             raise StateTransitionError(version_id, reply[1] if len(reply) > 1 else "?",
                                        "published", "only a failed version can be retried")
+        self.bus.confirm(f"registry retry {version_id}", keys[0])
         return VersionRecord.from_hash(_flat_to_dict(reply[1])), event_id
 
     def _write_and_announce(self, op: str, done: str, version_id: str, stream: str,
@@ -363,6 +370,16 @@ class Registry:
         key = self._key(version_id)
 
         def attempt() -> tuple[Any, str]:
+            try:
+                return once()
+            except redis.exceptions.NoScriptError:
+                # redis-py loads a pipeline's scripts first on one server, not on a cluster
+                # (nor does a replica promoted by a failover have them): load, then once more
+                for script in (self._create, self._transition):
+                    script.sha = self.bus.client.script_load(script.script)
+                return once()
+
+        def once() -> tuple[Any, str]:
             with self.bus.client.pipeline(transaction=True) as pipe:
                 pipe.watch(key)
                 check(pipe)
@@ -409,6 +426,7 @@ class Registry:
                               lambda: self._transition(keys=keys, args=args))
         status = reply[0]
         if status == "ok":
+            self.bus.confirm(f"registry {version_id} -> {target}", keys[0])
             return VersionRecord.from_hash(_flat_to_dict(reply[1]))
         if status == "missing":
             raise VersionNotFoundError(version_id)
@@ -550,6 +568,7 @@ class Registry:
         if reply[0] == "illegal":
             raise StateTransitionError(version_id, reply[1], "pruned",
                                        "only a retired version is pruned")
+        self.bus.confirm(f"registry prune {version_id}", keys[0])
         return reply[0] == "ok"
 
     def _records(self, ids: list[str]) -> list[VersionRecord]:

@@ -65,6 +65,7 @@ from pydantic import AfterValidator, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from alignd.infra.events import DEFAULT_KEY_PREFIX, event_stream
+from alignd.infra.keyspace import hash_tag, is_cluster_url, tagged_prefix
 from libalign.spec import PRESETS
 
 #: Default cap of every event and work stream's length (``ALIGN_STREAM_MAXLEN``).
@@ -143,8 +144,16 @@ class ServiceSettings(AlignSettings):
     """What every service reads: where Redis and the store are, the streams, liveness, metrics."""
 
     redis_url: str | None = Field(
-        None, description="redis://host:port/db; None selects the embedded single-process "
+        None, description="redis://host:port/db, redis+cluster://host:port[,host:port...] (a "
+        "Redis Cluster) or redis+sentinel://host:port[,host:port...]/master-name (rediss+ for "
+        "TLS, user:password@ before the hosts); None selects the embedded single-process "
         "default, embedded://NAME another in-process server of that name")
+    redis_wait_replicas: int = Field(
+        0, ge=0, description="after each registry write and guidance put, WAIT until this many "
+        "replicas acknowledged it (0: do not wait); one acknowledged by fewer within "
+        "redis_wait_timeout_ms is logged and counted in libalign_redis_unreplicated_writes_total")
+    redis_wait_timeout_ms: int = Field(1_000, gt=0,
+                                       description="longest WAIT for redis_wait_replicas")
     redis_retry_s: float | None = Field(
         None, description="give up on an unreachable Redis after this long (None: retry forever)")
     redis_allow_unverified_policy: bool = Field(
@@ -153,7 +162,8 @@ class ServiceSettings(AlignSettings):
         "libalign_redis_policy_unverified_total); any policy but noeviction is refused")
     block_ms: int = Field(1_000, gt=0, description="longest wait of one blocking stream read")
     key_prefix: str = Field(DEFAULT_KEY_PREFIX, min_length=1,
-                            description="prefix of every Redis key and stream the daemon owns")
+                            description="prefix of every Redis key and stream the daemon owns; "
+                            "on a cluster it gets a hash tag ({libalign}) unless it has one")
     store_dir: Path = Field(Path("align-store"), description="root of the weight store directory")
     published_stream: str = Field(default_factory=prefixed_stream("published"), min_length=1,
                                   description="learner -> converter (default "
@@ -176,6 +186,28 @@ class ServiceSettings(AlignSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="lowest level of the log lines a service writes to stderr")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _tag_prefix_on_cluster(cls, data: Any) -> Any:
+        """On a Redis Cluster the key prefix carries a hash tag, so every key and stream
+        named under it shares one slot (see :mod:`alignd.infra.keyspace`)."""
+        if isinstance(data, dict) and is_cluster_url(data.get("redis_url")):
+            data = {**data, "key_prefix": tagged_prefix(data.get("key_prefix")
+                                                        or DEFAULT_KEY_PREFIX)}
+        return data
+
+    @model_validator(mode="after")
+    def _streams_in_prefix_slot(self) -> ServiceSettings:
+        """On a cluster, a stream named apart from the prefix must share its hash tag: the
+        registry writes a version and its event in one transaction."""
+        if is_cluster_url(self.redis_url):
+            for name in ("published_stream", "converted_stream"):
+                if hash_tag(getattr(self, name)) != hash_tag(self.key_prefix):
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} must carry the key prefix's hash tag "
+                        f"{{{hash_tag(self.key_prefix)}}} on a Redis Cluster")
+        return self
+
 
 class GuidanceStoreSettings(ServiceSettings):
     """A service that reads or writes guidance records: the store's limits."""
@@ -191,6 +223,11 @@ class GuidanceStoreSettings(ServiceSettings):
     guidance_on_in_use: Literal["evict", "refuse"] = Field(
         "evict", description="budget full and only leased versions left: evict them (loudly) or "
         "refuse")
+    guidance_shards: int = Field(
+        default_factory=lambda data: 16 if is_cluster_url(data.get("redis_url")) else 1,
+        ge=1, le=1_024, description="guidance shards, each a slot of its own with an equal part "
+        "of the budget (default: 1 on one server or Sentinel, 16 on a cluster); changing it "
+        "strands the versions already stored until their TTL")
 
 
 class DeliverySettings(ServiceSettings):

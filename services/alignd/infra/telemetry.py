@@ -117,7 +117,11 @@ REDIS_REFUSALS = Counter(
 REDIS_POLICY_UNVERIFIED = Counter(
     "libalign_redis_policy_unverified_total", "Start-up checks that could not read the Redis "
     "maxmemory-policy and went on (redis_allow_unverified_policy).", registry=None)
-PROCESS_COUNTERS = (REDIS_REFUSALS, REDIS_POLICY_UNVERIFIED)
+REDIS_UNREPLICATED = Counter(
+    "libalign_redis_unreplicated_writes_total", "Registry writes and guidance puts that fewer "
+    "replicas than redis_wait_replicas acknowledged within redis_wait_timeout_ms (WAIT): a "
+    "failover of their master may lose them.", registry=None)
+PROCESS_COUNTERS = (REDIS_REFUSALS, REDIS_POLICY_UNVERIFIED, REDIS_UNREPLICATED)
 for _reason in REDIS_REFUSAL_REASONS:
     REDIS_REFUSALS.labels(reason=_reason)
 

@@ -48,8 +48,17 @@ server's clock in the scripts, for tests that move time.
 
 Payload path. ``"socket"`` (a real Redis) streams chunks on connections of the store's
 own and overlaps checksums with the transfer; ``"pipeline"`` (the embedded in-process
-server, ``services/alignd/infra/redis_clients.py``) sends the same commands as redis-py
-pipelines. ``"auto"`` picks by the client. Same keys, scripts, checks and errors either way.
+server, ``services/alignd/infra/redis_clients.py``, and a Redis Cluster, whose client routes
+each transaction to the master of its slot) sends the same commands as redis-py
+pipelines. ``"auto"`` picks by the client.
+
+Shards. One store is one shard: every key it names starts with one prefix, so on a Redis
+Cluster all of them share a slot (see :mod:`alignd.infra.keyspace`). ``shard``/``shards``
+name which shard of how many this store is (its keys' prefix, :func:`~alignd.infra.keyspace.
+shard_prefix`); :mod:`~alignd.infra.stores.guidance_shards` spreads versions over many, and
+:meth:`GuidanceStore.from_settings` builds that when ``guidance_shards`` is above 1.
+Durability: with ``wait_replicas`` a put returns after ``WAIT`` on its shard's master
+(:meth:`alignd.infra.bus.RedisBus.confirm`). Same keys, scripts, checks and errors either way.
 Every Redis call is retried on connection errors by the project's one retry policy
 (:class:`alignclient.retry.RetryPolicy`, through :meth:`RedisBus.call`); a put retried
 after a lost connection writes a fresh generation, so it never meets its own chunks.
@@ -80,12 +89,14 @@ from alignclient.ids import check_id, check_rollout_id, check_version_id
 from alignclient.retry import RetryPolicy
 
 from alignd.infra.bus import RedisBus
+from alignd.infra.keyspace import shard_prefix
 from alignd.infra.redis_clients import (
     BINARY_TIMEOUT_S,
     binary_client,
     client_for,
-    is_embedded,
+    decodes,
     payload_pool,
+    topology,
 )
 from alignd.infra.settings import GuidanceStoreSettings
 from alignd.infra.stores.guidance_scripts import GuidanceKeys, source
@@ -158,6 +169,17 @@ def _names(reply: bytes) -> tuple[str, ...]:
     return tuple(w for w in reply.decode().split(",") if w)
 
 
+def store_options(settings: GuidanceStoreSettings) -> dict[str, Any]:
+    """The keyword arguments of :class:`GuidanceStore` that ``settings`` decide."""
+    return {"prefix": settings.key_prefix, "budget_bytes": settings.guidance_budget_bytes,
+            "ttl_s": settings.guidance_ttl_s, "chunk_bytes": settings.guidance_chunk_bytes,
+            "max_record_bytes": settings.guidance_max_record_bytes,
+            "on_in_use": settings.guidance_on_in_use,
+            "retry": RetryPolicy(deadline_s=settings.redis_retry_s),
+            "wait_replicas": settings.redis_wait_replicas,
+            "wait_timeout_ms": settings.redis_wait_timeout_ms}
+
+
 class GuidanceStore:
     """Guidance records in Redis keyed by (weight version, rollout), budgeted and evicted."""
 
@@ -177,8 +199,14 @@ class GuidanceStore:
         socket_timeout_s: float = BINARY_TIMEOUT_S,
         payload_path: Literal["auto", "socket", "pipeline"] = "auto",
         clock: Callable[[], float] | None = None,
+        shard: int = 0,
+        shards: int = 1,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1_000,
     ):
         """``retry``: how connection errors are retried (None: the bus's default);
+        ``shard``/``shards``: which guidance shard this store is (see the module docstring);
+        ``wait_replicas``/``wait_timeout_ms``: the ``WAIT`` after each put;
         ``socket_timeout_s`` applies to a client made from a URL;
         ``payload_path``: see the module docstring; ``clock``: epoch seconds the scripts use
         instead of the server's clock (None: the server's), deadlines and tombstones included."""
@@ -198,13 +226,16 @@ class GuidanceStore:
         self._own_client = isinstance(client, str)
         if isinstance(client, str):
             client = client_for(client, decode_responses=False, socket_timeout_s=socket_timeout_s)
-        if client.connection_pool.connection_kwargs.get("decode_responses"):
+        if decodes(client):
             raise ConfigError("the guidance store needs a binary-safe client "
                               "(decode_responses=False)")
         self.client = client
         on_retry = (lambda what, e: metrics.redis_retries.inc()) if metrics is not None else None
-        self.bus = RedisBus(client, retry=retry, on_retry=on_retry)
-        self.prefix = f"{prefix}:guidance"
+        self.bus = RedisBus(client, retry=retry, on_retry=on_retry, wait_replicas=wait_replicas,
+                            wait_timeout_ms=wait_timeout_ms)
+        if not 0 <= shard < shards:
+            raise ConfigError(f"guidance shard {shard} of {shards} does not exist")
+        self.prefix = shard_prefix(prefix, shard, shards)
         self.keys = GuidanceKeys(self.prefix)
         self.budget_bytes = budget_bytes
         self.ttl_s = ttl_s
@@ -216,24 +247,31 @@ class GuidanceStore:
         self.clock = clock
         #: "socket" or "pipeline": how payload bytes move (see guidance_wire).
         self.payload_path: Literal["socket", "pipeline"] = (
-            ("pipeline" if is_embedded(client) else "socket") if payload_path == "auto"
+            ("pipeline" if topology(client) in ("embedded", "cluster") else "socket")
+            if payload_path == "auto"
             else payload_path)
         self._bulk = payload_pool(client) if self.payload_path == "socket" else None
         self._wire = PayloadWire(client, self.keys, chunk_bytes, self.payload_path, self._bulk)
         self._scripts = {name: client.register_script(source(name)) for name in _SCRIPTS}
 
     @classmethod
-    def from_settings(cls, settings: GuidanceStoreSettings,
-                      metrics: Metrics | None = None) -> GuidanceStore:
+    def from_settings(cls, settings: GuidanceStoreSettings, metrics: Metrics | None = None,
+                      client: redis.Redis | None = None,
+                      retry: RetryPolicy | None = None) -> GuidanceStore:
         """A store on ``settings.redis_url`` (None: embedded) with the ``guidance_*``
-        settings, giving up on Redis after ``redis_retry_s``; it owns (and closes) its client."""
-        retry = RetryPolicy(deadline_s=settings.redis_retry_s)
-        store = cls(binary_client(settings), prefix=settings.key_prefix,
-                    budget_bytes=settings.guidance_budget_bytes, ttl_s=settings.guidance_ttl_s,
-                    chunk_bytes=settings.guidance_chunk_bytes,
-                    max_record_bytes=settings.guidance_max_record_bytes,
-                    on_in_use=settings.guidance_on_in_use, retry=retry, metrics=metrics)
-        store._own_client = True
+        settings, giving up on Redis after ``redis_retry_s`` (or retrying by ``retry``); it owns
+        (and closes) its client unless one is given. With ``guidance_shards`` above 1, a
+        :class:`~alignd.infra.stores.guidance_shards.ShardedGuidanceStore` of that many
+        (the same methods)."""
+        if settings.guidance_shards > 1:
+            from alignd.infra.stores.guidance_shards import ShardedGuidanceStore
+
+            return ShardedGuidanceStore.from_settings(  # type: ignore[return-value]
+                settings, metrics, client, retry)
+        options = store_options(settings) | ({} if retry is None else {"retry": retry})
+        store = cls(binary_client(settings) if client is None else client, **options,
+                    metrics=metrics)
+        store._own_client = client is None
         return store
 
     def close(self) -> None:
@@ -353,6 +391,8 @@ class GuidanceStore:
                      reply: list) -> PutResult:
         """Turn the commit script's reply into a PutResult, or raise the refusal."""
         reply = self._settle(reply)
+        if reply[0] == b"ok":
+            self.bus.confirm(f"guidance put {version}", self.keys.version(version))
         status = reply[0].decode()
         if status == "too_large":
             self._count_refusal()

@@ -217,9 +217,8 @@ class PayloadWire:
         """
         if self.path == "pipeline":
             pipe = self.client.pipeline(transaction=True)
-            for cmd in sets:
-                pipe.execute_command(*cmd)
-            pipe.execute_command(*commit())
+            for name, *args in (*sets, commit()):  # a cluster's router wants names as str
+                pipe.execute_command(name.decode() if isinstance(name, bytes) else name, *args)
             return pipe.execute(raise_on_error=False)
 
         def results(replies: Iterator[Any]) -> list[Any]:

@@ -94,6 +94,7 @@ from alignclient.retry import RetryPolicy
 from pydantic import ValidationError
 
 from alignd.infra.bus import RedisBus
+from alignd.infra.redis_clients import decodes
 from alignd.infra.settings import DEFAULT_MAX_PATH_PAIRS
 from alignd.infra.telemetry import Metrics, path_label
 from libalign.metrics import DEFAULT_TIS_CAP, delta_stats, tis_weights, token_deltas
@@ -201,7 +202,7 @@ class RolloutStore:
     def __init__(self, client: redis.Redis, prefix: str = "libalign", metrics: Metrics | None = None,
                  *, ttl_s: float | None = DEFAULT_TTL_S, retry: RetryPolicy | None = None,
                  max_path_pairs: int = DEFAULT_MAX_PATH_PAIRS):
-        if client.connection_pool.connection_kwargs.get("decode_responses"):
+        if decodes(client):
             raise ConfigError("the rollout store needs a binary-safe client (decode_responses=False)")
         if ttl_s is not None and not ttl_s > 0:
             raise ConfigError(f"ttl_s must be positive (or None), not {ttl_s}")

@@ -1,0 +1,258 @@
+"""The daemon on Redis's own scale-out engines: a Redis Cluster and a Sentinel set.
+
+Each topology starts once per module (:mod:`tests.services.redis_topologies`): a cluster of 3
+masters with a replica each, and a Sentinel set of three watching one master and its
+replica, all on loopback. On each, the registry, the event streams and the guidance store
+run a workload; a master is SIGKILLed mid-run; the services go on after the failover, and
+every write acknowledged before the kill (with ``redis_wait_replicas=1``: after ``WAIT``) is
+read back. On the cluster a guidance shard's slot is also migrated mid-run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from alignclient.errors import ConfigError
+from alignd.infra.bus import RedisBus
+from alignd.infra.events import event_stream
+from alignd.infra.keyspace import hash_tag, shard_of, shard_prefix, tagged_prefix
+from alignd.infra.redis_checks import check_server
+from alignd.infra.redis_clients import (
+    binary_client,
+    parse_redis_url,
+    redact_url,
+    text_client,
+    topology,
+)
+from alignd.infra.registry import Registry
+from alignd.infra.settings import ApiSettings
+from alignd.infra.stores.guidance import GuidanceStore
+from alignd.infra.stores.guidance_shards import ShardedGuidanceStore
+from alignd.infra.telemetry import REDIS_UNREPLICATED
+from pydantic import ValidationError
+from redis.cluster import key_slot
+
+from tests.services.conftest import REDIS_SERVER
+from tests.services.redis_topologies import REDIS_CLI, ClusterSet, SentinelSet
+
+needs_servers = pytest.mark.skipif(REDIS_SERVER is None or REDIS_CLI is None,
+                                   reason="redis-server and redis-cli are not installed")
+
+LEARNER = "learner"
+PATH = ["published", "converting", "converted", "loading", "serving"]
+
+
+def test_urls_name_their_topology_and_never_print_a_password():
+    """Cluster and Sentinel URLs parse (hosts, master, db, TLS, ACL user); a password shows only
+    as ***; a cluster's key prefix gets a hash tag and streams must share it; shards land in
+    slots of their own."""
+    c = parse_redis_url("rediss+cluster://app:s3cr%40t@h1:7000,h2:7001?ssl_cert_reqs=none")
+    assert (c.kind, c.hosts, c.username, c.password, c.tls) == (
+        "cluster", (("h1", 7000), ("h2", 7001)), "app", "s3cr@t", True)
+    assert "s3cr" not in str(c) and "s3cr" not in repr(c) and "app:***@h1" in str(c)
+    s = parse_redis_url("redis+sentinel://:pw@h1:26379,h2:26379/mymaster/2")
+    assert (s.kind, s.master, s.db, s.password, s.tls) == ("sentinel", "mymaster", 2, "pw", False)
+    assert redact_url("redis://u:pw@h:1/0") == "redis://u:***@h:1/0"
+    for bad in ("redis+sentinel://h1:1", "redis+cluster://h1", "redis+cluster://h:1/0",
+                "redis+cluster://u:pw@h:1?password=x"):
+        with pytest.raises(ConfigError) as e:
+            parse_redis_url(bad)
+        assert "pw" not in str(e.value).replace("password", "")
+    st = ApiSettings(redis_url="redis+cluster://h:1")
+    assert st.key_prefix == "{libalign}" and st.published_stream == "{libalign}:events:published"
+    assert ApiSettings(redis_url="redis+cluster://h:1", key_prefix="{t}:a").key_prefix == "{t}:a"
+    assert ApiSettings().key_prefix == "libalign"  # one server: the layout of earlier releases
+    with pytest.raises(ValidationError, match="hash tag"):
+        ApiSettings(redis_url="redis+cluster://h:1", published_stream="elsewhere")
+    assert shard_prefix("libalign", 0, 1) == "libalign:guidance"
+    slots = {key_slot(shard_prefix("{libalign}", i, 16).encode()) for i in range(16)}
+    assert len(slots) == 16 and key_slot(tagged_prefix("libalign").encode()) not in slots
+    assert hash_tag(shard_prefix("{libalign}", 3, 16)) == "libalign:guidance:3"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server and redis-cli are not installed")
+    cs = ClusterSet(tmp_path_factory.mktemp("cluster"))
+    try:
+        cs.start()
+        yield cs
+    finally:
+        cs.stop()
+
+
+@pytest.fixture(scope="module")
+def sentinels(tmp_path_factory):
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed")
+    ss = SentinelSet(tmp_path_factory.mktemp("sentinel"))
+    try:
+        ss.start()
+        yield ss
+    finally:
+        ss.stop()
+
+
+def _settings(url: str, **kw) -> ApiSettings:
+    return ApiSettings(redis_url=url, redis_retry_s=30.0, redis_wait_replicas=1,
+                       redis_wait_timeout_ms=200, guidance_budget_bytes=1 << 30, **kw)
+
+
+class Workload:
+    """Versions through the registry with their events, guidance records for each."""
+
+    def __init__(self, settings: ApiSettings):
+        self.settings = settings
+        self.text = text_client(settings)
+        self.bus = RedisBus.from_settings(settings)
+        self.registry = Registry(self.bus, settings.key_prefix)
+        self.stream = event_stream(settings.key_prefix, "published")
+        self.bus.ensure_group(self.stream, "converters")
+        self.guidance = GuidanceStore.from_settings(settings)
+        self.acked: dict[str, bytes] = {}
+        self.read_before: set[str] = set()
+
+    def record(self, vid: str) -> bytes:
+        return (vid.encode() * 4096)[:20_000 + len(self.acked)]
+
+    def step(self, vid: str) -> None:
+        """Publish ``vid`` with its event, walk it to serving, store and lease its guidance."""
+        self.registry.create_and_announce(vid, f"/store/{vid}", self.stream, {"version": vid},
+                                          actor=LEARNER)
+        for target in PATH[1:]:
+            self.registry.transition(vid, target, actor="converter")
+        self.guidance.put_many(vid, {"r0": self.record(vid), "r1": b"x" * 100})
+        self.acked[vid] = self.record(vid)
+
+    def check(self) -> None:
+        """Everything acknowledged is there: records, histories, events, guidance."""
+        for vid, blob in self.acked.items():
+            assert self.registry.state(vid) == "serving"
+            assert [h.to_state for h in self.registry.history(vid)] == PATH
+            assert self.guidance.get(vid, "r0") == blob
+        events = self.bus.read(self.stream, "converters", "c1", count=1000, block_ms=10)
+        assert {m.fields["version"] for m in events} >= set(self.acked) - self.read_before
+        self.read_before |= {m.fields["version"] for m in events}
+
+    def after_failover(self, vid: str) -> None:
+        """One step with the lost replica still asked for (its WAITs time out: counted), then
+        the rest without WAIT: the killed master was the promoted replica's only peer."""
+        before = REDIS_UNREPLICATED._value.get()
+        self.step(vid)
+        # the registry's writes at least (a guidance shard may live on a master with a replica)
+        assert REDIS_UNREPLICATED._value.get() - before >= len(PATH)
+        stores = getattr(self.guidance, "stores", [self.guidance])
+        for bus in (self.bus, *(s.bus for s in stores)):
+            bus.wait_replicas = 0
+
+    def close(self) -> None:
+        self.guidance.close()
+        self.bus.client.close()
+        self.text.close()
+
+
+@needs_servers
+def test_cluster_keeps_acknowledged_writes_through_failover_and_slot_migration(cluster):
+    """On 3 masters + replicas: the start-up check passes (every node noeviction); guidance
+    shards spread over the masters; the master of the control slot killed mid-run and a
+    guidance shard's slot migrated mid-run lose nothing acknowledged, and the run goes on."""
+    st = _settings(cluster.url)
+    assert st.guidance_shards == 16
+    check_server(text_client(st), key_prefix=st.key_prefix)
+    w = Workload(st)
+    try:
+        assert topology(w.text) == "cluster" and isinstance(w.guidance, ShardedGuidanceStore)
+        assert w.guidance.payload_path == "pipeline"
+        for i in range(6):
+            w.step(f"c{i}")
+        w.check()
+        masters = {cluster.owner(s.keys.version("x")).port for s in w.guidance.stores}
+        assert len(masters) == 3, "the shards should spread over every master"
+        cluster.kill_master_of(st.key_prefix)  # registry, streams and their groups fail over
+        w.after_failover("c6")
+        for i in range(7, 10):
+            w.step(f"c{i}")
+        w.check()
+        shard = w.guidance.shard("c3")
+        moved = cluster.migrate_slot(shard.keys.version("c3"))
+        assert moved[0] != moved[1]
+        for i in range(10, 13):
+            w.step(f"c{i}")
+        w.check()
+        assert shard_of("c3", 16) == w.guidance.stores.index(shard)
+        assert sum(v.rollouts for v in w.guidance.versions()) == 2 * len(w.acked)
+    finally:
+        w.close()
+
+
+@needs_servers
+def test_cluster_start_check_refuses_an_evicting_node(cluster):
+    """One replica with allkeys-lru is enough to refuse the cluster at start, naming it."""
+    st = _settings(cluster.url)
+    client = text_client(st)
+    replica = next(n for n in cluster.live()
+                   if n.client(decode_responses=True).info("replication")["role"] == "slave")
+    with replica.client() as r:
+        r.config_set("maxmemory-policy", "allkeys-lru")
+        try:
+            with pytest.raises(ConfigError, match=f"{replica.port}.*allkeys-lru"):
+                check_server(client, key_prefix=st.key_prefix)
+        finally:
+            r.config_set("maxmemory-policy", "noeviction")
+    check_server(client, key_prefix=st.key_prefix)
+    client.close()
+
+
+@needs_servers
+def test_sentinel_keeps_acknowledged_writes_through_failover(sentinels):
+    """Through the Sentinels: the check covers master and replica, a version walks the registry
+    with guidance on the socket payload path, the master is SIGKILLed, the clients find the
+    promoted replica and every write acknowledged after WAIT is there."""
+    st = _settings(sentinels.url)
+    assert st.key_prefix == "libalign" and st.guidance_shards == 1
+    client = text_client(st)
+    check_server(client, key_prefix=st.key_prefix)
+    with sentinels.replica.client() as r:
+        r.config_set("maxmemory-policy", "volatile-lru")
+        try:
+            with pytest.raises(ConfigError, match="volatile-lru"):
+                check_server(client, key_prefix=st.key_prefix)
+        finally:
+            r.config_set("maxmemory-policy", "noeviction")
+    client.close()
+    w = Workload(st)
+    try:
+        assert topology(w.text) == "sentinel" and w.guidance.payload_path == "socket"
+        for i in range(6):
+            w.step(f"s{i}")
+        w.check()
+        sentinels.kill_master()
+        w.after_failover("s6")
+        for i in range(7, 10):
+            w.step(f"s{i}")
+        w.check()
+        with binary_client(st) as b:
+            assert b.get(b"libalign:guidance:total") is not None  # the one-server key layout
+    finally:
+        w.close()
+
+
+def test_sentinel_and_cluster_clients_raise_connection_errors_for_the_bus_to_retry():
+    """With nothing listening, both kinds fail as connection errors (retried by the bus, which
+    gives up with BusUnavailableError), never hanging in a retry loop of redis-py's own."""
+    from alignclient.errors import BusUnavailableError
+    from alignclient.retry import RetryPolicy
+
+    from tests.services.conftest import free_port
+    for url in (f"redis+sentinel://127.0.0.1:{free_port()}/m",
+                f"redis+cluster://127.0.0.1:{free_port()}"):
+        bus = None
+        try:
+            st = ApiSettings(redis_url=url)
+            client = text_client(st)
+            bus = RedisBus(client, retry=RetryPolicy(initial_s=0.01, max_s=0.02, deadline_s=0.2))
+            with pytest.raises(BusUnavailableError):
+                bus.call("PING", client.ping)
+        except redis.exceptions.RedisClusterException as e:  # no seed node answered
+            assert "127.0.0.1" in str(e)
