@@ -325,3 +325,15 @@ def test_bad_input_is_refused_by_name():
         ai.verl_rollout_correction(old, roll, mask, rollout_is="token", rollout_is_threshold="3_2")
     with pytest.raises(ShapeError, match="mask"):
         ai.verl_rollout_correction(old, roll, mask[:, :3], rollout_is="token")
+
+
+def test_docs_snippet_runs():
+    """docs/snippets/importance_peers.py (shown on docs/concepts/objective.md) runs as written."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "snippets" / "importance_peers.py"
+    out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    assert "train/train_rollout_kl" in out and len(out.splitlines()) == 2
