@@ -256,3 +256,35 @@ def test_sentinel_and_cluster_clients_raise_connection_errors_for_the_bus_to_ret
                 bus.call("PING", client.ping)
         except redis.exceptions.RedisClusterException as e:  # no seed node answered
             assert "127.0.0.1" in str(e)
+
+
+@needs_servers
+def test_redis_migrate_moves_one_server_into_the_cluster_layout(cluster, redis_url):
+    """What a single server wrote (registry, history, events with a consumer group, guidance)
+    reads on the cluster after ``alignd redis-migrate``, under the tagged prefix; guidance
+    left out on request."""
+    from alignd.tools.cli import app
+    from typer.testing import CliRunner
+    old = ApiSettings(redis_url=redis_url, key_prefix="mig", redis_retry_s=5.0)
+    w = Workload(old)
+    try:
+        w.step("m1")
+        w.bus.read(w.stream, "converters", "c1", count=10, block_ms=10)  # one pending entry
+    finally:
+        w.close()
+    run = CliRunner().invoke(app, ["redis-migrate", "--from", redis_url, "--to", cluster.url,
+                                   "--key-prefix", "mig"])
+    assert run.exit_code == 0, run.output
+    assert "keys copied" in run.output
+    new = _settings(cluster.url, key_prefix="mig", guidance_shards=1)
+    assert new.key_prefix == "{mig}"
+    w = Workload(new)
+    try:
+        assert [h.to_state for h in w.registry.history("m1")] == PATH
+        assert w.guidance.get("m1", "r0") == (b"m1" * 4096)[:20_000]
+        assert w.bus.pending_count(w.stream, "converters") == 1
+    finally:
+        w.close()
+    again = CliRunner().invoke(app, ["redis-migrate", "--from", redis_url, "--to", cluster.url,
+                                     "--key-prefix", "mig", "--skip-guidance"])
+    assert "0 keys copied" in again.output and "guidance keys left out" in again.output

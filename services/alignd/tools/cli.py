@@ -360,6 +360,33 @@ def config(
         typer.echo(f"{var}={value}")
 
 
+@app.command("redis-migrate")
+def redis_migrate(
+    source: Annotated[str, typer.Option("--from", help="Redis URL to copy from")],
+    target: Annotated[str, typer.Option("--to", help="Redis URL to copy to (a cluster: "
+                                        "redis+cluster://...)")],
+    key_prefix: Annotated[str, typer.Option(help="the daemon's ALIGN_KEY_PREFIX")] = "libalign",
+    skip_guidance: Annotated[bool, typer.Option(help="leave guidance records behind")] = False,
+) -> None:
+    """Copy the daemon's keys to another Redis in its key layout (one server -> cluster)."""
+    from alignd.infra.redis_clients import client_for, redact_url
+    from alignd.tools.redis_migrate import migrate
+
+    src_settings = ApiSettings(redis_url=source, key_prefix=key_prefix)
+    dst_settings = ApiSettings(redis_url=target, key_prefix=key_prefix)
+    src = client_for(source, decode_responses=False, socket_timeout_s=30.0)
+    dst = client_for(target, decode_responses=False, socket_timeout_s=30.0)
+    try:
+        done = migrate(src, dst, src_settings.key_prefix, dst_settings.key_prefix,
+                       skip_guidance=skip_guidance)
+    finally:
+        src.close()
+        dst.close()
+    console.print(f"{redact_url(source)} {src_settings.key_prefix!r} -> {redact_url(target)} "
+                  f"{dst_settings.key_prefix!r}: {done.copied} keys copied, {done.existing} "
+                  f"already there (left alone), {done.left_out} guidance keys left out")
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench(ctx: typer.Context) -> None:
     """Run benchmarks from tests/bench (a source checkout): alignd bench [names] [-- options]."""

@@ -100,6 +100,7 @@ from alignd.infra.redis_clients import (
 )
 from alignd.infra.settings import GuidanceStoreSettings
 from alignd.infra.stores.guidance_scripts import GuidanceKeys, source
+from alignd.infra.stores.guidance_shards import ShardedGuidanceStore
 from alignd.infra.stores.guidance_wire import Command, Meta, PayloadWire, chunk_count
 from alignd.infra.telemetry import Metrics
 
@@ -263,15 +264,21 @@ class GuidanceStore:
         (and closes) its client unless one is given. With ``guidance_shards`` above 1, a
         :class:`~alignd.infra.stores.guidance_shards.ShardedGuidanceStore` of that many
         (the same methods)."""
-        if settings.guidance_shards > 1:
-            from alignd.infra.stores.guidance_shards import ShardedGuidanceStore
-
-            return ShardedGuidanceStore.from_settings(  # type: ignore[return-value]
-                settings, metrics, client, retry)
         options = store_options(settings) | ({} if retry is None else {"retry": retry})
-        store = cls(binary_client(settings) if client is None else client, **options,
-                    metrics=metrics)
-        store._own_client = client is None
+        own, client = client is None, binary_client(settings) if client is None else client
+        shards = settings.guidance_shards
+        if shards > 1:
+            budget = settings.guidance_budget_bytes
+            if budget is not None and budget < shards:
+                raise ConfigError(f"a guidance budget of {budget} bytes cannot be split over "
+                                  f"{shards} shards")
+            part = None if budget is None else budget // shards
+            stores = [cls(client, **(options | {"budget_bytes": part}), metrics=metrics,
+                          shard=i, shards=shards) for i in range(shards)]
+            return ShardedGuidanceStore(stores, budget_bytes=budget,  # type: ignore[return-value]
+                                        client=client, own_client=own)
+        store = cls(client, **options, metrics=metrics)
+        store._own_client = own
         return store
 
     def close(self) -> None:

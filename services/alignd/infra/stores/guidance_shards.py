@@ -24,54 +24,37 @@ its shard, :meth:`versions`, :meth:`total_bytes` and :meth:`stats` ask every sha
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import redis
-from alignclient.errors import ConfigError
-from alignclient.retry import RetryPolicy
 
 from alignd.infra.keyspace import shard_of
-from alignd.infra.redis_clients import binary_client
-from alignd.infra.settings import GuidanceStoreSettings
-from alignd.infra.stores.guidance import GuidanceStore, PutResult, VersionInfo, store_options
-from alignd.infra.telemetry import Metrics
+
+if TYPE_CHECKING:  # the stores are made by GuidanceStore.from_settings, which imports this
+    from alignd.infra.stores.guidance import GuidanceStore, PutResult, VersionInfo
 
 
 class ShardedGuidanceStore:
-    """``shards`` guidance stores on one client, a version in exactly one of them."""
+    """Guidance stores, shard ``i`` of ``len(stores)`` at index ``i``; a version in exactly one
+    (built by ``GuidanceStore.from_settings`` when ``guidance_shards`` is above 1)."""
 
-    def __init__(self, client: redis.Redis, *, shards: int, budget_bytes: int | None = None,
-                 own_client: bool = False, **options: Any):
-        """``options``: the keyword arguments of ``GuidanceStore`` (``prefix``, ``ttl_s``, ...)."""
-        if shards < 1:
-            raise ConfigError(f"guidance shards must be at least 1, not {shards}")
-        if budget_bytes is not None and budget_bytes < shards:
-            raise ConfigError(f"a guidance budget of {budget_bytes} bytes cannot be split over "
-                              f"{shards} shards")
+    def __init__(self, stores: Sequence[GuidanceStore], *, budget_bytes: int | None,
+                 client: redis.Redis, own_client: bool = False):
+        """``budget_bytes``: the whole budget (each store holds its part); ``own_client``:
+        close ``client`` with the store."""
         self.budget_bytes = budget_bytes
-        self.shard_budget = None if budget_bytes is None else budget_bytes // shards
-        self.stores = [GuidanceStore(client, budget_bytes=self.shard_budget, shard=i,
-                                     shards=shards, **options) for i in range(shards)]
+        self.shard_budget = stores[0].budget_bytes
+        self.stores = list(stores)
         self.client, self._own_client = client, own_client
         #: Each shard's payload bytes as last seen: the stored-bytes gauge shows their sum.
-        self._totals = [0] * shards
+        self._totals = [0] * len(self.stores)
 
     def _stored(self, shard: int, total: int) -> None:
         self._totals[shard] = total
         metrics = self.stores[0].metrics
         if metrics is not None:
             metrics.guidance_stored_bytes.set(sum(self._totals))
-
-    @classmethod
-    def from_settings(cls, settings: GuidanceStoreSettings, metrics: Metrics | None = None,
-                      client: redis.Redis | None = None,
-                      retry: RetryPolicy | None = None) -> ShardedGuidanceStore:
-        """The sharded store ``settings`` describe (see ``GuidanceStore.from_settings``)."""
-        options = store_options(settings) | ({} if retry is None else {"retry": retry})
-        return cls(binary_client(settings) if client is None else client,
-                   shards=settings.guidance_shards, metrics=metrics,
-                   own_client=client is None, **options)
 
     def shard(self, version: str) -> GuidanceStore:
         """The store that holds ``version``."""
