@@ -9,7 +9,9 @@ format. :data:`PATHS` holds the built-in ones:
   recipe);
 * ``nvfp4_minite``: row-scaled activations and weights (the miniTE spec);
 * ``nvfp4_trace`` (:data:`GUIDED`): ``nvfp4_minite``'s numerics, rounded as guided;
-* ``nvfp4_minite_kv_*`` / ``nvfp4_trace_kv_*``: the same with an FP4 KV cache.
+* ``nvfp4_minite_kv_*`` / ``nvfp4_trace_kv_*``: the same with an FP4 KV cache, one pair per KV
+  preset (``kv_nvfp4``, ``kv_mxfp4``, and SGLang's ``kv_sglang_nvfp4``,
+  ``kv_sglang_fp4_mx_block16``).
 
 Everything else asks :func:`get_path` for a name once and reads the fields, never the name.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from libalign.errors import SpecError
 from libalign.spec import PRESETS, NumericsSpec
 from libalign.spec.choices import Choice
+from libalign.spec.presets import KV_PRESETS
 
 
 class Backend(Choice):
@@ -50,8 +53,8 @@ class ExecutionPath:
     act_spec: NumericsSpec | None = None
     description: str = ""
     kv_spec: NumericsSpec | None = None
-    """The KV cache's format (``kv_nvfp4``, ``kv_mxfp4``), None: K and V stay in the model's
-    dtype; :mod:`libalign.models.kv_cache` quantizes them on write."""
+    """The KV cache's format (a KV preset: ``kv_nvfp4``, ``kv_sglang_nvfp4``, ...), None: K and
+    V stay in the model's dtype; :mod:`libalign.models.kv_cache` quantizes them on write."""
     guided: bool = False
     """True when the path rounds as the sampler's guidance records say (TRACE): the learner
     needs the rollout's records, the sampler records them. The spec is its unguided twin's."""
@@ -100,7 +103,7 @@ PATHS: dict[str, ExecutionPath] = {
         "NVFP4 as nvfp4_minite, activations rounded as the sampler's guidance records say "
         "(TRACE; round-to-nearest where no record is attached)", guided=True),
 }
-for _kv in ("kv_nvfp4", "kv_mxfp4"):  # FP4 KV cache: the path's name says its KV format
+for _kv in KV_PRESETS:  # FP4 KV cache: the path's name says its KV format
     PATHS[f"nvfp4_minite_{_kv}"] = ExecutionPath(
         f"nvfp4_minite_{_kv}", PRESETS["minite"], PRESETS["minite"],
         f"nvfp4_minite with K and V stored as {_kv} (quantized on write)", PRESETS[_kv])

@@ -527,15 +527,18 @@ class GuidanceTable:
         return RowGuide(self.bits, present, idx, rows.codes, rows.block_scales, rows.row_scales)
 
 
-def guided_quantize(x: torch.Tensor, spec: NumericsSpec, guide: RowGuide | None) -> NVFP4Tensor:
+def guided_quantize(x: torch.Tensor, spec: NumericsSpec, guide: RowGuide | None, *,
+                    outer_scale: torch.Tensor | None = None) -> NVFP4Tensor:
     """Row-scaled NVFP4 (or MXFP4) of ``x`` ``[T, K]``: guided by the sampler's records where present,
     the spec's own round-to-nearest (own scales) elsewhere.
 
     Guided rows take the sampler's block and row scales and :func:`round_e2m1_guided` codes of
     ``x`` normalized by them; with the sampler's own input this reproduces its bits exactly.
+    ``outer_scale`` ``[T]`` is the rows' given outer scale under a spec that takes one (a KV
+    cache's per-layer global scale); unguided rows are quantized with it.
     """
     if guide is None:
-        return quantize(x, spec)
+        return quantize(x, spec, outer_scale=outer_scale)
     check_input(x, spec)  # the whole input, as quantize(x) would (dtype, shape, NaN/Inf)
     if spec.nonfinite == "raise":
         check_finite(x)
@@ -555,7 +558,7 @@ def guided_quantize(x: torch.Tensor, spec: NumericsSpec, guide: RowGuide | None)
                                   f"row, spec {spec.name!r} needs {kp // size} (one per {size})")
     rows = torch.nonzero(guide.present).squeeze(-1)
     if rows.numel() == 0:
-        return quantize(x, spec)
+        return quantize(x, spec, outer_scale=outer_scale)
     # rows are independent under a row-scaled (or MX) spec: the unguided rows are quantized alone
     # (same bits as within the whole tensor), the guided ones never go through round-to-nearest
     others = torch.nonzero(~guide.present).squeeze(-1)
@@ -564,7 +567,8 @@ def guided_quantize(x: torch.Tensor, spec: NumericsSpec, guide: RowGuide | None)
     out_bs = torch.empty((t, kp // size), dtype=torch.uint8, device=x.device)
     out_rs = torch.empty((t,), dtype=torch.float32, device=x.device)
     if others.numel():
-        own = quantize(x[others], spec)
+        own = quantize(x[others], spec,
+                       outer_scale=None if outer_scale is None else outer_scale[others])
         out_codes[others] = own.codes
         out_bs[others] = own.block_scales.view(torch.uint8)
         out_rs[others] = 1.0 if spec.is_mx else own.outer_scale.to(torch.float32)
@@ -572,7 +576,8 @@ def guided_quantize(x: torch.Tensor, spec: NumericsSpec, guide: RowGuide | None)
     bs = guide.block_scales[src]
     rs = guide.row_scales[src]
     z = normalized_with_scales(x[rows], bs, None if spec.is_mx else rs, spec).flatten(-2)
-    codes = round_e2m1_guided(z, guide.low[src], guide.bits, signed_zero=spec.signed_zero)
+    codes = round_e2m1_guided(z, guide.low[src], guide.bits, signed_zero=spec.signed_zero,
+                              ties=spec.e2m1_ties)
     out_codes[rows] = pack_nibbles(codes)
     out_bs[rows] = bs
     out_rs[rows] = rs.to(torch.float32)

@@ -31,6 +31,7 @@ from libalign.guidance.records import ACT_SITES, select_layers
 from libalign.routing.records import bytes_per_token as routing_bytes_per_token
 from libalign.spec import PRESETS
 from libalign.spec.constants import BLOCK_SIZE
+from libalign.spec.presets import KV_PRESETS
 from libalign.spec.rounding import GUIDE_BITS
 
 
@@ -82,7 +83,8 @@ def size_for_config(config, *, bits: int, last_layers: int | None = None,
     ``moe_intermediate_size``, ``num_experts_per_tok``, ``num_hidden_layers``, and
     ``mlp_only_layers``/``decoder_sparse_step`` where present), recording the last
     ``last_layers`` MoE layers (all by default); ``kv`` counts K and V of the last
-    ``last_layers`` decoder layers as records in ``kv_spec`` (``kv_nvfp4``, ``kv_mxfp4``) hold them.
+    ``last_layers`` decoder layers as records in ``kv_spec`` (a KV preset: ``kv_nvfp4``,
+    ``kv_mxfp4``, ``kv_sglang_nvfp4``, ``kv_sglang_fp4_mx_block16``) hold them.
     ``routing`` adds the R3 record of every MoE layer (``num_experts`` sets the id width):
     ``"ids"`` (the learner recomputes gate weights) or ``"weights"`` (it takes the sampler's);
     the ``routing`` part is 0 without it.
@@ -99,8 +101,8 @@ def size_for_config(config, *, bits: int, last_layers: int | None = None,
     heads = int(get("num_key_value_heads", 0) or 0)
     head_dim = int(get("head_dim", 0) or (int(get("hidden_size")) //
                                           max(1, int(get("num_attention_heads", 1)))))
-    if kv and kv_spec not in PRESETS:
-        raise SpecError(f"unknown KV format {kv_spec!r}; KV presets are kv_nvfp4, kv_mxfp4")
+    if kv and kv_spec not in KV_PRESETS:
+        raise SpecError(f"unknown KV format {kv_spec!r}; KV presets are {KV_PRESETS}")
     out = size_per_token(hidden=int(get("hidden_size")),
                           moe_intermediate=int(get("moe_intermediate_size")),
                           top_k=int(get("num_experts_per_tok")), layers=layers, bits=bits,

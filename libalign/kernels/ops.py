@@ -17,8 +17,9 @@ How a call is served
     scale) on the same load and encode steps. Anything else — the compressed-tensors
     order (its scale math runs in bf16), a Hadamard rotation, stochastic rounding, K not a
     multiple of the block (16, MXFP4 32; the presets refuse it with the spec's
-    ShapeError), a given per-row maximum — is served by the spec itself: slower, the
-    same bits. :func:`backend_for` says which one a call gets.
+    ShapeError), a given per-row maximum, SGLang's KV formats (FlashInfer's order with a
+    given per-layer scale, the block-16 exponent rule with ties away from zero) — is served
+    by the spec itself: slower, the same bits. :func:`backend_for` says which one a call gets.
 
 Where a kernel cannot be built
     No compiler, a failed build, or ``ALIGN_KERNELS=spec``: the spec serves every call on
@@ -61,7 +62,9 @@ BACKENDS = ("auto", "kernel", "spec")
 def kernel_gap(x: torch.Tensor, spec: NumericsSpec, outer_amax: torch.Tensor | None) -> str | None:
     """Why the compiled kernels cannot serve this call, or None when they can."""
     if spec.op_order not in calls.ORDERS:
-        return f"op_order {spec.op_order!r} (its scale math is not fp32)"
+        return f"op_order {spec.op_order!r} (no compiled kernel has its scale math)"
+    if spec.e2m1_ties != "even" or spec.outer_source != "data":
+        return "E2M1 ties away from zero / a given outer scale"
     if spec.scale_math_dtype != "float32" or spec.zero_scale_to is not None:
         return "scale math in the input dtype / zero-scale substitution"
     if spec.hadamard:
@@ -160,6 +163,7 @@ def quantize(
     spec: NumericsSpec | None = None,
     *,
     outer_amax: torch.Tensor | None = None,
+    outer_scale: torch.Tensor | None = None,
     scale_layout: str = "linear",
     backend: str = "auto",
     out: NVFP4Tensor | GemmOperand | None = None,
@@ -172,7 +176,8 @@ def quantize(
     :class:`~libalign.errors.SpecError` if no kernel can serve the call) or ``spec``.
     ``out`` is an earlier result of the same shape, spec, layout and device whose buffers
     are overwritten (a converter that quantizes the same shapes every step skips the
-    allocation and the page faults of fresh output memory).
+    allocation and the page faults of fresh output memory). ``outer_scale`` is the given outer
+    scale of a spec whose ``outer_source`` is ``given`` (:func:`libalign.spec.quantize`).
     """
     spec = PRESETS["minite"] if spec is None else spec
     if scale_layout not in SCALE_LAYOUTS:
@@ -182,14 +187,14 @@ def quantize(
     _spec.check_input(x, spec)
     if out is not None:
         calls.check_out(out, x, spec, scale_layout)
-    gap = kernel_gap(x, spec, outer_amax)
+    gap = kernel_gap(x, spec, outer_amax) or (None if outer_scale is None else "a given outer scale")
     lib = None if gap is not None or backend == "spec" else native.load(x.device.type)
     if lib is None:
         if backend == "kernel":
             why = gap or (f"kernel unavailable: {native.unavailable_reason(x.device.type)}"
                           if native.unavailable_reason(x.device.type) else "kernel unavailable")
             raise SpecError(f"no compiled kernel serves this call: {why}")
-        q = _spec.quantize(x, spec, outer_amax=outer_amax)
+        q = _spec.quantize(x, spec, outer_amax=outer_amax, outer_scale=outer_scale)
         q = q if scale_layout == "linear" else as_gemm_operand(q)
         return q if out is None else calls.copy_into(q, out)
     return calls.quantize_kernel(lib, x, spec, outer_amax, scale_layout == "swizzled", out)

@@ -9,7 +9,13 @@ hands to ``Cache.update``). :class:`FP4KVCache` keeps those rows as FP4 bits in 
 
 * ``kv_nvfp4``: row-scaled NVFP4, one outer scale per head row and one E4M3 scale per 16
   values;
-* ``kv_mxfp4``: MXFP4, one E8M0 scale per 32 values (``head_dim`` a multiple of 32).
+* ``kv_mxfp4``: MXFP4, one E8M0 scale per 32 values (``head_dim`` a multiple of 32);
+* ``kv_sglang_nvfp4`` and ``kv_sglang_fp4_mx_block16``: what SGLang writes with
+  ``--kv-cache-dtype nvfp4`` and ``fp4_mx_block16``, bit for bit, so a learner reproduces an
+  SGLang sampler's K/V. ``kv_sglang_nvfp4`` divides by one global scale per layer for K and
+  one for V: :class:`KVScales` holds them with where they came from (the checkpoint's
+  ``k_scale``/``v_scale``, a calibration, or SGLang's default 1.0), and every row written in a
+  layer carries that layer's scale.
 
 A row's bits depend on that row alone (the row is the scale domain), so the cache quantizes
 each token's rows once, when they are written, through :func:`libalign.kernels.quantize` (the
@@ -43,7 +49,8 @@ index column, ``seq << 40 | pos << 16 | head + 1``.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -51,7 +58,7 @@ import torch
 from torch import nn
 
 from libalign import gemm
-from libalign.errors import SpecError
+from libalign.errors import NonFiniteError, SpecError
 from libalign.gemm.triton_grouped import triton_qdq_gap, triton_qdq_rows
 from libalign.guidance import (
     GuidanceCapture,
@@ -77,11 +84,112 @@ _STATE = "_libalign_kv_state"
 KVObserver = Callable[[int, str, torch.Tensor, NVFP4Tensor, torch.Tensor], None]
 
 
+#: Where a KV format's per-layer global scales come from.
+SCALE_SOURCES = ("checkpoint", "calibration", "default")
+
+
+@dataclass(frozen=True)
+class KVScales:
+    """The global decode scales of an FP4 KV cache whose format takes them (``kv_sglang_nvfp4``):
+    one per layer for K (``k``) and one for V (``v``), fp32 values, and their ``source``.
+
+    SGLang's ``NVFP4KVCacheMethod.load_scales_from_model`` reads them from the checkpoint's
+    attention ``k_scale``/``v_scale`` (1.0 for a layer without one; on SM100, where its kernels
+    expect ``amax / 448``, a calibrated scale other than 1.0 is multiplied by 6):
+    :meth:`from_checkpoint` picks the same values. A calibration from observed maxima takes
+    ModelOpt's ``amax / (6 * 448)`` (:meth:`calibrate`); :meth:`default` is SGLang's 1.0 for
+    every layer. They are part of the weight version (the manifest's ``kv_scales``).
+    """
+
+    k: tuple[float, ...]
+    v: tuple[float, ...]
+    source: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.source not in SCALE_SOURCES:
+            raise SpecError(f"KV scales source must be one of {SCALE_SOURCES}, got {self.source!r}")
+        if len(self.k) != len(self.v):
+            raise SpecError(f"KV scales for {len(self.k)} layers of K and {len(self.v)} of V")
+        for site, vals in (("k", self.k), ("v", self.v)):
+            for layer, g in enumerate(vals):
+                _check_scale(layer, site, g)
+
+    @property
+    def layers(self) -> int:
+        """Layers the scales cover."""
+        return len(self.k)
+
+    def scale(self, layer: int, site: str) -> float:
+        """The decode scale of ``site`` (``k``/``v``) at ``layer``."""
+        if not 0 <= layer < self.layers:
+            raise SpecError(f"layer {layer} k_scale/v_scale: missing (scales cover "
+                            f"{self.layers} layers)")
+        return (self.k if site == "k" else self.v)[layer]
+
+    @classmethod
+    def default(cls, layers: int) -> KVScales:
+        """SGLang's default, 1.0 for K and V of every layer."""
+        return cls((1.0,) * layers, (1.0,) * layers, "default")
+
+    @classmethod
+    def from_checkpoint(cls, k_scales: Mapping[int, float | None],
+                        v_scales: Mapping[int, float | None], layers: int, *,
+                        sm100: bool = False) -> KVScales:
+        """The scales SGLang loads from a checkpoint's per-layer ``k_scale``/``v_scale`` (None
+        or absent: 1.0; ``sm100``: a scale other than 1.0 times 6), rounded to fp32."""
+        def pick(scales, layer):
+            g = scales.get(layer)
+            g = 1.0 if g is None else float(g)
+            return _f32(g * 6.0 if sm100 and g != 1.0 else g)
+        return cls(tuple(pick(k_scales, i) for i in range(layers)),
+                   tuple(pick(v_scales, i) for i in range(layers)), "checkpoint")
+
+    @classmethod
+    def calibrate(cls, k_amax: Iterable[float], v_amax: Iterable[float]) -> KVScales:
+        """Scales from per-layer K and V maxima: ``fl(amax / 2688)`` (ModelOpt's KV calibration;
+        a zero maximum gives 1.0)."""
+        def one(a):
+            a = float(a)
+            if not math.isfinite(a) or a < 0:
+                raise SpecError(f"a calibrated K/V maximum must be finite and >= 0, got {a!r}")
+            return _f32(a / 2688.0) if a > 0 else 1.0
+        return cls(tuple(one(a) for a in k_amax), tuple(one(a) for a in v_amax), "calibration")
+
+    def to_dict(self) -> dict:
+        """JSON-able form (the manifest's ``kv_scales``)."""
+        return {"source": self.source, "k": list(self.k), "v": list(self.v)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> KVScales:
+        """Inverse of :meth:`to_dict`."""
+        try:
+            return cls(tuple(float(x) for x in d["k"]), tuple(float(x) for x in d["v"]),
+                       str(d["source"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpecError(f"unreadable KV scales {d!r} ({e})") from None
+
+
+def _f32(g: float) -> float:
+    return float(torch.tensor(g, dtype=torch.float32))
+
+
+def _check_scale(layer: int, site: str, g) -> None:
+    """A global scale must be a finite positive fp32 number with a finite reciprocal."""
+    if g is None:
+        raise SpecError(f"layer {layer} {site}_scale: missing")
+    t = torch.tensor(float(g), dtype=torch.float32)
+    if not (bool(torch.isfinite(t)) and float(t) > 0 and bool(torch.isfinite(1 / t))):
+        raise NonFiniteError(f"layer {layer} {site}_scale = {g!r}", 1, int(math.isnan(float(g))),
+                             int(math.isinf(float(g))), [(layer,)])
+
+
 @dataclass(frozen=True)
 class KVState:
-    """A model's KV settings: the format, and what rides on the writes (capture, guidance)."""
+    """A model's KV settings: the format, its global scales where it takes them, and what rides
+    on the writes (capture, guidance)."""
 
     spec: NumericsSpec
+    scales: KVScales | None = None
     capture: GuidanceCapture | None = None
     capture_layers: frozenset[int] = frozenset()
     guide: GuidanceTable | None = None
@@ -110,15 +218,35 @@ def kv_format(model: nn.Module) -> NumericsSpec | None:
     return None if st is None else st.spec
 
 
-def set_kv_format(model: nn.Module, spec: NumericsSpec | str | None) -> None:
-    """Store K and V as ``spec`` (a KV preset) from now on; None goes back to the model's dtype."""
+def kv_scales_for(spec: NumericsSpec, scales: KVScales | None, layers: int) -> KVScales | None:
+    """The scales a KV format writes with: ``scales`` (or :meth:`KVScales.default`) for a format
+    that takes a global scale, checked to cover ``layers``; None for the others (SpecError if
+    scales are given to a format that has no use for them)."""
+    if spec.outer_source != "given":
+        if scales is not None:
+            raise SpecError(f"KV format {spec.name!r} computes its own scales; it takes no "
+                            "k_scale/v_scale")
+        return None
+    scales = KVScales.default(layers) if scales is None else scales
+    if scales.layers != layers:
+        raise SpecError(f"layer {min(scales.layers, layers)} k_scale/v_scale: the scales cover "
+                        f"{scales.layers} layers, the model has {layers}")
+    return scales
+
+
+def set_kv_format(model: nn.Module, spec: NumericsSpec | str | None,
+                  scales: KVScales | None = None) -> None:
+    """Store K and V as ``spec`` (a KV preset) from now on; None goes back to the model's dtype.
+    ``scales``: the per-layer global scales of a format that takes them (default: 1.0)."""
     spec = kv_spec_of(spec)
     if spec is None:
         model.__dict__.pop(_STATE, None)
         return
     _check_head_dim(model, spec)
+    scales = kv_scales_for(spec, scales, len(decoder_layers(model)))
     st = kv_state(model)
-    model.__dict__[_STATE] = KVState(spec) if st is None else replace(st, spec=spec)
+    model.__dict__[_STATE] = KVState(spec, scales) if st is None else \
+        replace(st, spec=spec, scales=scales)
 
 
 def _check_head_dim(model: nn.Module, spec: NumericsSpec) -> None:
@@ -146,10 +274,11 @@ def _with_state(model: nn.Module, **changes) -> Iterator[KVState]:
 
 
 @contextmanager
-def use_kv_format(model: nn.Module, spec: NumericsSpec | str | None) -> Iterator[nn.Module]:
+def use_kv_format(model: nn.Module, spec: NumericsSpec | str | None,
+                  scales: KVScales | None = None) -> Iterator[nn.Module]:
     """:func:`set_kv_format` for a ``with`` block; the previous format comes back after it."""
     before = kv_state(model)
-    set_kv_format(model, spec)
+    set_kv_format(model, spec, scales)
     try:
         yield model
     finally:
@@ -275,7 +404,8 @@ class FP4KVLayer(DynamicLayer):
                     st.observer(self.layer, site, rows.detach(), q, keys)
 
             fused = capture is None and st.observer is None and not self.keep_bits
-            value, q = read_rows(rows.detach(), st.spec, guide, x.dtype, fused=fused, on_codes=keep)
+            value, q = read_rows(rows.detach(), st.spec, guide, x.dtype, fused=fused, on_codes=keep,
+                                 outer=row_outer(st.scales, self.layer, site, rows))
             read = straight_through(x, value.reshape(b, h, t, d))
             if not self.keep_bits:  # earlier reads are held as values, without their graph
                 if self.reads[site] is not None:
@@ -325,17 +455,30 @@ def dequantize_kv(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (gemm.inner_values(q, torch.float32) * q.outer_dec.reshape(-1, 1)).to(dtype)
 
 
+def row_outer(scales: KVScales | None, layer: int, site: str,
+              rows: torch.Tensor) -> torch.Tensor | None:
+    """The given outer scale of each of ``rows`` (the layer's global scale of ``site``), or None
+    for a format that computes its own."""
+    if scales is None:
+        return None
+    return torch.full((rows.shape[0],), scales.scale(layer, site), dtype=torch.float32,
+                      device=rows.device)
+
+
 def read_rows(rows: torch.Tensor, spec: NumericsSpec, guide: RowGuide | None, dtype: torch.dtype,
-              *, fused: bool = True, on_codes=None) -> tuple[torch.Tensor, NVFP4Tensor | None]:
+              *, fused: bool = True, on_codes=None,
+              outer: torch.Tensor | None = None) -> tuple[torch.Tensor, NVFP4Tensor | None]:
     """``rows`` ``[n, head_dim]`` (detached) as an FP4 cache reads them back in ``dtype``:
     ``(values, codes)``. With ``fused`` (and where it serves) one pass gives the values and no
     codes (:func:`fused_kv_read`); otherwise the rows are quantized (guided by ``guide`` where
     it has records), ``on_codes(codes)`` sees them (a capture, an observer), and
-    :func:`dequantize_kv` reads them: the same values either way."""
-    value = fused_kv_read(rows, spec, guide) if fused else None
+    :func:`dequantize_kv` reads them: the same values either way. ``outer`` is the rows' given
+    outer scale (:func:`row_outer`) under a format that takes one."""
+    value = fused_kv_read(rows, spec, guide) if fused and outer is None else None
     if value is not None:
         return value, None
-    q = guided_quantize(rows, spec, guide) if guide is not None else ops.quantize(rows, spec)
+    q = guided_quantize(rows, spec, guide, outer_scale=outer) if guide is not None else \
+        ops.quantize(rows, spec, outer_scale=outer)
     if on_codes is not None:
         on_codes(q)
     return dequantize_kv(q, dtype), q

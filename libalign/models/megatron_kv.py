@@ -45,7 +45,14 @@ from torch import nn
 
 from libalign.errors import SpecError
 from libalign.guidance import GuidanceCapture, GuidanceTable
-from libalign.models.kv_cache import kv_spec_of, read_rows, straight_through
+from libalign.models.kv_cache import (
+    KVScales,
+    kv_scales_for,
+    kv_spec_of,
+    read_rows,
+    row_outer,
+    straight_through,
+)
 from libalign.models.megatron_modules import SDPACoreAttention
 from libalign.spec import NumericsSpec
 
@@ -78,16 +85,19 @@ def head_row_keys(tokens: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
 
 def quantize_heads(x: torch.Tensor, spec: NumericsSpec, layer: int, site: str,
                    table: GuidanceTable | None, tokens: torch.Tensor | None,
-                   capture: GuidanceCapture | None = None) -> torch.Tensor:
+                   capture: GuidanceCapture | None = None,
+                   scales: KVScales | None = None) -> torch.Tensor:
     """``x`` ``[s, b, h, d]`` as the FP4 cache holds it: each head row quantized in ``spec``
-    (guided by ``table``'s records of ``layer``/``site`` where it has them; the bits kept in
-    ``capture`` if given), dequantized in ``x``'s dtype; straight-through backward."""
+    (with the layer's global scale from ``scales`` where the format takes one; guided by
+    ``table``'s records of ``layer``/``site`` where it has them; the bits kept in ``capture``
+    if given), dequantized in ``x``'s dtype; straight-through backward."""
     d = x.shape[-1]
     rows = x.reshape(-1, d).detach()
     keys = head_row_keys(tokens, x) if table is not None or capture is not None else None
     guide = None if table is None else table.lookup(layer, site, keys)
     keep = None if capture is None else (lambda q: capture.add(layer, site, q, keys))
-    read, _ = read_rows(rows, spec, guide, x.dtype, fused=capture is None, on_codes=keep)
+    read, _ = read_rows(rows, spec, guide, x.dtype, fused=capture is None, on_codes=keep,
+                        outer=row_outer(scales, layer, site, rows))
     return straight_through(x, read.reshape(x.shape))
 
 
@@ -107,17 +117,20 @@ def check_kv_capable(model: nn.Module, spec: NumericsSpec | str) -> NumericsSpec
 
 @contextmanager
 def use_kv(model: nn.Module, spec: NumericsSpec | str, table: GuidanceTable | None = None, *,
-           capture: GuidanceCapture | None = None) -> Iterator[NumericsSpec]:
+           capture: GuidanceCapture | None = None,
+           scales: KVScales | None = None) -> Iterator[NumericsSpec]:
     """Quantize every layer's K and V in the KV preset ``spec`` while inside, rounded by
     ``table``'s ``k``/``v`` records where present (checked by the caller:
     :func:`libalign.models.kv_guided.check_records` with :func:`kv_geometry`); ``capture``
-    keeps every row's bits (sites ``k``/``v``), as a sampler's capture does."""
+    keeps every row's bits (sites ``k``/``v``), as a sampler's capture does. ``scales``: the
+    per-layer global scales of a format that takes them (``kv_sglang_nvfp4``; default 1.0)."""
     spec = check_kv_capable(model, spec)
+    scales = kv_scales_for(spec, scales, kv_geometry(model)["layers"])
     mods = attention_modules(model)
 
     def make(m: SDPACoreAttention):
         def hook(site: str, x: torch.Tensor) -> torch.Tensor:
-            return quantize_heads(x, spec, m.layer, site, table, m.row_keys, capture)
+            return quantize_heads(x, spec, m.layer, site, table, m.row_keys, capture, scales)
         return hook
 
     try:

@@ -52,16 +52,19 @@ class OuterConvention(Choice):
 
 class OpOrder(Choice):
     """Whose fp32 operation order turns maxima into scales (:mod:`libalign.spec.scale_math`):
-    four NVFP4 orders (E4M3 block scales and an outer scale), four MXFP4 ones (E8M0 scales)."""
+    five NVFP4 orders (E4M3 block scales and an outer scale), five exponent-only ones (E8M0
+    scales: the four MXFP4 rules and SGLang's block-16 KV rule)."""
 
     TE = "te"
     TORCHAO = "torchao"
     MODELOPT = "modelopt"
     COMPRESSED_TENSORS = "compressed_tensors"
+    FLASHINFER = "flashinfer"
     MX_FLOOR = "mx_floor"
     MX_CEIL = "mx_ceil"
     MX_EVEN = "mx_even"
     MX_TE = "mx_te"
+    MX_SGLANG = "mx_sglang"
 
     @property
     def is_mx(self) -> bool:
@@ -76,3 +79,21 @@ class SignedZero(Choice):
     POSITIVE = "positive"
     SIGN_OF_INPUT = "sign_of_input"
     SIGN_OF_NONZERO = "sign_of_nonzero"
+
+
+class Ties(Choice):
+    """How an E2M1 value exactly between two codes rounds: to the even code (IEEE, every
+    hardware converter) or away from zero (SGLang's block-16 KV quantizer compares with
+    ``>=`` at every midpoint)."""
+
+    EVEN = "even"
+    AWAY = "away"
+
+
+class OuterSource(Choice):
+    """Where an NVFP4 outer scale comes from: computed from the data being quantized (its
+    maximum over the outer domain), or given by the caller (a KV cache's per-layer global
+    scale, read from a checkpoint, a calibration or a default)."""
+
+    DATA = "data"
+    GIVEN = "given"

@@ -53,7 +53,8 @@ a multiple of 32 (:class:`~libalign.errors.ShapeError`, as NVFP4 refuses 16):
     (an fp32 block maximum just above 6 * 2^k) and then stores one byte less. On every
     bf16 block maximum the two agree (tests/libalign/test_mxfp4.py checks all of them).
 
-KV-cache presets (TRACE's FP4 KV rollout; a row is one token's keys or values of one head):
+KV-cache presets (TRACE's FP4 KV rollout; a row is one token's keys or values of one head).
+libalign's own two:
 
 ``kv_nvfp4``
     ``minite``'s bits under its own name: row-scaled NVFP4, one outer scale per head row,
@@ -62,6 +63,23 @@ KV-cache presets (TRACE's FP4 KV rollout; a row is one token's keys or values of
     ``mxfp4``'s bits (E8M0 per 32 values, no outer scale); the head size must be a multiple
     of 32. :func:`libalign.kernels.quantize` serves every MXFP4 preset with the compiled CPU
     and CUDA kernels (the same bits as :func:`libalign.spec.quantize`).
+
+and the two SGLang writes with ``--kv-cache-dtype`` (the head size must be a multiple of 16;
+:func:`libalign.kernels.quantize` serves both from the spec):
+
+``kv_sglang_nvfp4`` (``--kv-cache-dtype nvfp4``)
+    SGLang's ``NVFP4KVCacheMethod``: E4M3 per 16 values under one FP32 *global* decode scale
+    per layer for K and one for V (``outer_source`` ``given``: never computed from the data;
+    the checkpoint's ``k_scale``/``v_scale``, a calibration, or SGLang's default 1.0; see
+    :class:`libalign.models.kv_cache.KVScales`). Codes and scales are those of FlashInfer's
+    exact-math quantizer (``op_order`` ``flashinfer``; ``cvt.rn.satfinite`` keeps the input's
+    sign in a zero code, a block whose scale underflows saturates). The tensor stores the
+    layer's scale once per row (outer domain ``row``), so rows stay independent, as the cache
+    writes them.
+``kv_sglang_fp4_mx_block16`` (``--kv-cache-dtype fp4_mx_block16``)
+    SGLang's ``FP4MXBlock16KVQuantizeUtil``: an exponent-only byte per **16** values (not
+    MXFP4's 32; ``op_order`` ``mx_sglang``), no outer scale, E2M1 ties rounded away from zero
+    (``e2m1_ties`` ``away``), a negative value whose magnitude rounds to zero keeps its sign.
 
 The ``torchao`` and ``modelopt`` presets raise :class:`~libalign.errors.UndefinedScaleError` on an
 all-zero tensor, where both libraries compute 0/0 and emit NaN block scales.
@@ -77,7 +95,7 @@ import torch
 
 from libalign.errors import SpecError
 from libalign.spec import scale_math
-from libalign.spec.choices import OpOrder, OuterConvention, OuterDomain, SignedZero
+from libalign.spec.choices import OpOrder, OuterConvention, OuterDomain, OuterSource, SignedZero, Ties
 from libalign.spec.constants import (
     BLOCK_SIZE,
     FLT_MAX,
@@ -130,7 +148,12 @@ class NumericsSpec:
             (2688 / amax) or ``dec`` (amax / 2688), as this order computes them.
         scale_math_dtype: ``float32``, or ``input`` for the steps compressed-tensors
             computes in the model dtype.
-        block_size: elements per block scale: 16 for NVFP4, 32 for MXFP4.
+        block_size: elements per block scale: 16 for NVFP4, 32 for MXFP4 (16 for
+            SGLang's ``mx_sglang`` rule).
+        e2m1_ties: an E2M1 midpoint rounds to the ``even`` code or ``away`` from zero.
+        outer_source: the outer scale is computed from the ``data``, or ``given`` by the
+            caller in the stored convention (:func:`libalign.spec.quantize`'s
+            ``outer_scale``), as a KV cache's per-layer global scale is.
     """
 
     name: str = "custom"
@@ -150,6 +173,8 @@ class NumericsSpec:
     outer_convention: OuterConvention = OuterConvention.DEC
     scale_math_dtype: str = "float32"
     block_size: int = field(default=BLOCK_SIZE)
+    e2m1_ties: Ties = Ties.EVEN
+    outer_source: OuterSource = OuterSource.DATA
 
     def __post_init__(self) -> None:
         choices = {
@@ -161,12 +186,15 @@ class NumericsSpec:
             "k_remainder": ("pad", "refuse"),
             "outer_convention": OUTER_CONVENTIONS,
             "scale_math_dtype": ("float32", "input"),
+            "e2m1_ties": Ties.values(),
+            "outer_source": OuterSource.values(),
         }
         for attr, allowed in choices.items():
             if getattr(self, attr) not in allowed:
                 raise SpecError(f"{attr} must be one of {allowed}, got {getattr(self, attr)!r}")
         for attr, kind in (("outer_domain", OuterDomain), ("op_order", OpOrder),
-                           ("signed_zero", SignedZero), ("outer_convention", OuterConvention)):
+                           ("signed_zero", SignedZero), ("outer_convention", OuterConvention),
+                           ("e2m1_ties", Ties), ("outer_source", OuterSource)):
             object.__setattr__(self, attr, kind(getattr(self, attr)))  # the member of the string
         if self.is_mx:
             self._check_mx()
@@ -184,6 +212,11 @@ class NumericsSpec:
                 raise SpecError(f"zero_scale_to={self.zero_scale_to} is not an E4M3 value")
         if self.outer_domain == "none" and self.outer_convention != "dec":
             raise SpecError("outer_domain 'none' stores no outer scale; use outer_convention 'dec'")
+        if self.outer_source == "given" and (self.outer_domain == "none" or self.is_mx):
+            raise SpecError("outer_source 'given' needs an outer scale (an NVFP4 outer domain)")
+        if self.e2m1_ties == "away" and self.stochastic_rounding:
+            raise SpecError("e2m1_ties 'away' is a round-to-nearest rule; stochastic rounding "
+                            "has no ties")
 
     @property
     def is_mx(self) -> bool:
@@ -203,8 +236,10 @@ class NumericsSpec:
 
     def _check_mx(self) -> None:
         """MXFP4 has one scale format, no outer scale and none of NVFP4's scale policies."""
-        if self.block_size != MX_BLOCK_SIZE:
-            raise SpecError(f"MXFP4 blocks have {MX_BLOCK_SIZE} elements, got {self.block_size}")
+        want = BLOCK_SIZE if self.op_order == "mx_sglang" else MX_BLOCK_SIZE
+        if self.block_size != want:
+            raise SpecError(f"op_order {self.op_order!r} has blocks of {want} elements, got "
+                            f"{self.block_size}")
         if self.outer_domain != "none":
             raise SpecError(f"MXFP4 has no outer scale: op_order {self.op_order!r} needs "
                             f"outer_domain 'none', got {self.outer_domain!r}")
@@ -278,5 +313,18 @@ MX_PRESETS = ("mxfp4", "mxfp4_ceil", "mxfp4_even", "mxfp4_te")
 # KV-cache formats (:mod:`libalign.models.kv_cache`): a row is one token's K (or V) of one head.
 PRESETS["kv_nvfp4"] = PRESETS["minite"].replace(name="kv_nvfp4")
 PRESETS["kv_mxfp4"] = PRESETS["mxfp4"].replace(name="kv_mxfp4")
+# SGLang's two FP4 KV caches (``--kv-cache-dtype nvfp4`` and ``fp4_mx_block16``).
+PRESETS["kv_sglang_nvfp4"] = NumericsSpec(
+    name="kv_sglang_nvfp4", outer_domain="row", op_order="flashinfer", amax_floor=None,
+    zero_scale_encode="saturate", signed_zero="sign_of_input", k_remainder="refuse",
+    outer_convention="dec", outer_source="given",
+)
+PRESETS["kv_sglang_fp4_mx_block16"] = NumericsSpec(
+    name="kv_sglang_fp4_mx_block16", op_order="mx_sglang", outer_domain="none", amax_floor=None,
+    signed_zero="sign_of_nonzero", k_remainder="refuse", outer_convention="dec",
+    block_size=BLOCK_SIZE, e2m1_ties="away",
+)
 #: The presets a KV cache can store K and V in.
-KV_PRESETS = ("kv_nvfp4", "kv_mxfp4")
+KV_PRESETS = ("kv_nvfp4", "kv_mxfp4", "kv_sglang_nvfp4", "kv_sglang_fp4_mx_block16")
+#: SGLang's ``--kv-cache-dtype`` value of each KV preset it writes (the others it cannot).
+SGLANG_KV_DTYPES = {"kv_sglang_nvfp4": "nvfp4", "kv_sglang_fp4_mx_block16": "fp4_mx_block16"}

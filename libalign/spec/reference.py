@@ -62,7 +62,8 @@ from libalign.spec.rounding import (
 
 __all__ = [
     "CHUNK_BLOCKS", "INPUT_DTYPES", "OUTER_CONVENTIONS", "OUTER_DOMAINS", "PRESETS", "NVFP4Tensor",
-    "NumericsSpec", "check_finite", "check_input", "checked_outer_amax", "dequantize",
+    "NumericsSpec", "check_finite", "check_input", "checked_outer_amax", "checked_outer_scale",
+    "dequantize",
     "encode_with_scales", "normalized_with_scales", "quantize", "roundtrip_codes",
     "shared_outer_amax",
 ]
@@ -289,6 +290,7 @@ def quantize(
     *,
     generator: torch.Generator | None = None,
     outer_amax: torch.Tensor | None = None,
+    outer_scale: torch.Tensor | None = None,
 ) -> NVFP4Tensor:
     """Quantize a 2-D ``[M, K]`` or 3-D ``[E, M, K]`` float tensor to NVFP4 under ``spec``.
 
@@ -299,9 +301,18 @@ def quantize(
     tensor domain, ``[E]`` for experts, ``[..., M]`` for rows; fp32, floored like
     computed maxima). It is how two tensors share one outer scale, as samplers expect of
     the gate and up projections they fuse (see :func:`shared_outer_amax`).
+
+    ``outer_scale`` is the outer scale itself, in the spec's stored convention and shaped as
+    its outer domain says, for a spec whose ``outer_source`` is ``given`` (a KV cache's
+    per-layer global scale; None there means 1.0 everywhere, SGLang's default for a
+    checkpoint without one); any other spec refuses it. It must be finite and positive
+    (:class:`NonFiniteError`, :class:`ShapeError`); ``outer_amax`` is then None.
     """
     spec = PRESETS["minite"] if spec is None else spec
     check_input(x, spec)
+    if outer_scale is not None and spec.outer_source != "given":
+        raise SpecError(f"preset {spec.name!r} computes its outer scale from the data: "
+                        "outer_scale must be None")
     if spec.stochastic_rounding and generator is None:
         raise SpecError("stochastic rounding needs an explicit torch.Generator")
     shape = tuple(x.shape)
@@ -320,6 +331,17 @@ def quantize(
         one = torch.ones((), dtype=torch.float32, device=x.device)
         outer_b = scale_math.OuterScales(enc=one, dec=one)
         amax = stored = None
+    elif spec.outer_source == "given":
+        like = _outer_amax(vmax, spec.outer_domain)
+        stored = torch.ones_like(like) if outer_scale is None else \
+            checked_outer_scale(outer_scale, like)
+        outer = scale_math.outer_from_stored(stored, spec.outer_convention, spec.op_order,
+                                             math_dtype)
+        amax = None
+        outer_b = scale_math.OuterScales(
+            enc=_broadcast_outer(outer.enc, spec.outer_domain, vmax.ndim),
+            dec=_broadcast_outer(outer.dec, spec.outer_domain, vmax.ndim),
+        )
     else:
         amax = _outer_amax(vmax, spec.outer_domain)
         if outer_amax is not None:
@@ -357,6 +379,24 @@ def checked_outer_amax(given: torch.Tensor, computed: torch.Tensor) -> torch.Ten
     if not bool(torch.isfinite(given).all()) or bool((given < 0).any()):
         raise NonFiniteError("outer_amax", int((~torch.isfinite(given)).sum()),
                              int(torch.isnan(given).sum()), int(torch.isinf(given).sum()), [])
+    return given
+
+
+def checked_outer_scale(given: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A caller's ``outer_scale`` as fp32 on the device of ``like`` (one value per outer domain),
+    refused unless it has that shape and is finite and positive, with an encode scale that is
+    finite too (a subnormal decode scale's reciprocal overflows)."""
+    if not isinstance(given, torch.Tensor):
+        raise DTypeError(f"outer_scale must be a torch.Tensor, got {type(given).__name__}")
+    if tuple(given.shape) != tuple(like.shape):
+        raise ShapeError(f"outer_scale has shape {tuple(given.shape)}, this outer domain "
+                         f"needs {tuple(like.shape)}")
+    given = given.to(device=like.device, dtype=torch.float32)
+    bad = ~torch.isfinite(given) | (given <= 0) | ~torch.isfinite(torch.reciprocal(given))
+    if bool(bad.any()):
+        first = torch.nonzero(bad)[:5].tolist()
+        raise NonFiniteError("outer_scale", int(bad.sum()), int(torch.isnan(given).sum()),
+                             int(torch.isinf(given).sum()), [tuple(ix) for ix in first])
     return given
 
 
@@ -418,7 +458,7 @@ def _encode(blocks, s32, outer_b, spec, generator) -> torch.Tensor:
         if spec.stochastic_rounding:
             codes = round_e2m1_stochastic(scaled, generator, spec.signed_zero)
         else:
-            codes = round_e2m1(scaled, spec.signed_zero)
+            codes = round_e2m1(scaled, spec.signed_zero, spec.e2m1_ties)
         out[lo:hi] = pack_nibbles(codes)
     return out.reshape(*grid[:-1], grid[-1] * (size // 2))
 
@@ -494,7 +534,8 @@ def roundtrip_codes(q: NVFP4Tensor) -> torch.Tensor:
 
     Equal to ``q.codes`` except where two codes decode to the same value: under
     ``sign_of_nonzero`` the code 0x8 decodes to -0.0, which encodes as 0x0; under the
-    ``saturate`` zero-scale policy a zero-scale block's +-6 codes decode to zeros. MXFP4's
+    ``saturate`` zero-scale policy a zero-scale block's +-6 codes decode to zeros (signed zeros
+    under ``sign_of_input``, whose code 0x8 they re-encode to). MXFP4's
     scale byte 0x00 decodes as 2^-127 but torchao's rule encodes with 2^-126, so such a
     block re-encodes at half its magnitude (``mx_te`` encodes it with multiplier 1, so its
     decoded values re-encode to zero); the sign bit stays.
@@ -511,7 +552,9 @@ def roundtrip_codes(q: NVFP4Tensor) -> torch.Tensor:
     if q.spec.zero_scale_encode == "saturate":
         zero = (q.block_scales.view(torch.uint8) == 0).repeat_interleave(q.spec.block_size,
                                                                          dim=-1)
-        codes = torch.where(zero, torch.zeros_like(codes), codes)
+        # its +-6 codes decode to +-0, which keep their sign only under sign_of_input
+        kept = codes & 8 if q.spec.signed_zero == "sign_of_input" else torch.zeros_like(codes)
+        codes = torch.where(zero, kept, codes)
     return pack_nibbles(codes)
 
 

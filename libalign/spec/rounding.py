@@ -12,6 +12,11 @@ E2M1 round-to-nearest-even
     needs ``>=``: ``(a>0.25)+(a>=0.75)+(a>1.25)+(a>=1.75)+(a>2.5)+(a>=3.5)+(a>5)``. Each
     midpoint is exactly representable, so ties go to the even code with no rounding error.
 
+E2M1 round-half-away (SGLang's block-16 KV quantizer)
+    The same magnitudes with ``>=`` at every midpoint, so an exact midpoint goes to the code
+    of larger magnitude: 0.25->0.5, 1.25->1.5, 2.5->3, 5->6 (0.75, 1.75 and 3.5 round as RNE
+    does). :func:`round_e2m1` takes the rule as ``ties``.
+
 E4M3 round-to-nearest-even (bias 7, 3 mantissa bits, max 448, no Inf)
     A value ``v >= 2^-6`` is normal: with ``2^E <= v < 2^(E+1)`` its quantum is
     ``2^(E-3)``, ``k = rne(v / 2^(E-3))`` lies in [8, 16] (16 carries into the exponent) and
@@ -82,11 +87,14 @@ _STRICT_MIDPOINTS = (0.25, 1.25, 2.5, 5.0)  # upper neighbour odd: pass only whe
 _INCLUSIVE_MIDPOINTS = (0.75, 1.75, 3.5)  # upper neighbour even: pass when >=
 
 
-def e2m1_magnitude_codes(a: torch.Tensor) -> torch.Tensor:
-    """Round non-negative fp32 magnitudes to E2M1 magnitude codes 0..7, ties to even."""
+def e2m1_magnitude_codes(a: torch.Tensor, ties: str = "even") -> torch.Tensor:
+    """Round non-negative fp32 magnitudes to E2M1 magnitude codes 0..7, ties to even (or
+    ``ties="away"``: away from zero)."""
     code = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    if ties not in ("even", "away"):
+        raise SpecError(f"ties must be 'even' or 'away', got {ties!r}")
     for m in _STRICT_MIDPOINTS:
-        code += a > m
+        code += (a >= m) if ties == "away" else (a > m)
     for m in _INCLUSIVE_MIDPOINTS:
         code += a >= m
     return code
@@ -98,22 +106,24 @@ def _apply_sign(z: torch.Tensor, mag: torch.Tensor, signed_zero: str) -> torch.T
     ``sign_of_input`` copies the IEEE sign bit of ``z`` (so -0.0 -> 0x8, as hardware
     converters and torchao do); ``sign_of_nonzero`` sets it for negative values only
     (-0.0 -> 0x0, -0.1 -> 0x8, as TE's reference, ModelOpt and compressed-tensors do);
-    ``positive`` never marks a zero magnitude negative (any zero is 0x0).
+    ``positive`` never marks a zero magnitude negative (any zero is 0x0): the sign follows
+    the magnitude code, so -0.25 is 0x0 ties to even and 0x9 ties away.
     """
     if signed_zero == "sign_of_input":
         neg = torch.signbit(z)
     elif signed_zero == "sign_of_nonzero":
         neg = z < 0
     elif signed_zero == "positive":
-        neg = z < -_STRICT_MIDPOINTS[0]  # the magnitude is non-zero exactly when |z| > 0.25
+        neg = (z < 0) & (mag != 0)
     else:
         raise SpecError(f"signed_zero must be one of {SIGNED_ZERO_POLICIES}, got {signed_zero!r}")
     return mag | (neg.to(torch.uint8) << 3)
 
 
-def round_e2m1(z: torch.Tensor, signed_zero: str = "positive") -> torch.Tensor:
-    """fp32 values (already clamped to [-6, 6]) -> E2M1 codes 0x0..0xF (uint8), RNE."""
-    return _apply_sign(z, e2m1_magnitude_codes(z.abs()), signed_zero)
+def round_e2m1(z: torch.Tensor, signed_zero: str = "positive", ties: str = "even") -> torch.Tensor:
+    """fp32 values (already clamped to [-6, 6]) -> E2M1 codes 0x0..0xF (uint8), round to
+    nearest, ties to even (``ties="away"``: away from zero)."""
+    return _apply_sign(z, e2m1_magnitude_codes(z.abs(), ties), signed_zero)
 
 
 def round_e2m1_stochastic(
@@ -202,7 +212,7 @@ def bracket_levels(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def round_e2m1_guided(z: torch.Tensor, guide: torch.Tensor, bits: int,
                       present: torch.Tensor | None = None,
-                      signed_zero: str = "positive") -> torch.Tensor:
+                      signed_zero: str = "positive", ties: str = "even") -> torch.Tensor:
     """fp32 ``z`` (clamped to [-6, 6]) -> E2M1 codes steered by the sampler's low code bits.
 
     ``guide`` holds, per element, the ``bits`` low bits of the sampler's code (uint8, as
@@ -214,7 +224,7 @@ def round_e2m1_guided(z: torch.Tensor, guide: torch.Tensor, bits: int,
     if guide.shape != z.shape:
         raise SpecError(f"guide bits have shape {tuple(guide.shape)}, values {tuple(z.shape)}")
     up_tab, down_tab = guide_tables(bits, z.device)
-    rne = e2m1_magnitude_codes(z.abs())
+    rne = e2m1_magnitude_codes(z.abs(), ties)  # the spec's own round-to-nearest
     rne_level = torch.where(z < 0, -rne.to(torch.int8), rne.to(torch.int8))
     lower, upper = bracket_levels(z)
     g = guide.to(torch.int16)

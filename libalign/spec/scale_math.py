@@ -40,6 +40,18 @@ reflected division, a reciprocal followed by a multiply::
     pre = fl(enc * t(v / 6))
     x_scaled = fl(x / fl(s / enc))
 
+``flashinfer`` (FlashInfer's exact-math FP4 quantizer, ``cvt_warp_fp16_to_fp4`` with
+``DISABLE_FP4_QUANT_FAST_MATH``, fed the way SGLang's NVFP4 KV cache feeds it: the global
+scale ``g`` is a *decode* scale, one per layer for K and one for V, and the kernel receives
+``S = fl(1 / g)``). The kernel's encode step inverts ``S`` again, and ``fl(1 / fl(1 / g))`` is
+not always ``g``; reads multiply by ``g`` itself (FlashInfer ``fb28d7242b35``,
+``csrc/nv_internal/tensorrt_llm/kernels/quantization_utils.cuh``; SGLang 0.5.23,
+``srt/layers/quantization/kvfp4_tensor.py`` ``NVFP4KVQuantizeUtil``)::
+
+    enc = fl(1 / dec)                            dec = g (given; from A: fl(A / 2688))
+    pre = min(fl(v * fl(enc * fl(1/6))), FLT_MAX)
+    x_scaled = fl(x * min(fl(1 / fl(s * fl(1 / enc))), FLT_MAX))
+
 MXFP4 orders (E8M0 block scales, no outer scale; ``b`` is the scale byte, the scale is
 ``2^(b-127)``, ``e(a)`` the biased exponent field of fp32 ``a`` and ``m(a)`` its mantissa
 field). The three torchao modes take the exponent of the block maximum ``v`` and subtract
@@ -57,7 +69,16 @@ of two, what ``cvt.rp.satfinite.ue8m0x2.f32`` does) with FP4's ``max_norm_rcp``:
     m(d) <= 2^22 stays 0, e(d) == 254 never rounds up
     x_scaled = fl(x * (b == 0 ? 1 : 2^(127-b)))
 
-Dequantization orders: ``te`` multiplies ``fl(fl(q * s) * dec)`` (``q * s`` is exact, so a
+``mx_sglang`` is SGLang's ``FP4MXBlock16KVQuantizeUtil.batched_quantize`` (an exponent-only
+byte per *16* values, ``--kv-cache-dtype fp4_mx_block16``), as ``torch.compile`` runs it:
+the input upcast to fp32 and every step in fp32. ``log2r`` is the fp32 logarithm rounded to
+nearest (for a block maximum that came from bf16 or fp16 the rounding never matters: the
+quotient is a power of two exactly or more than 2^-12 away from one)::
+
+    q = max(fl(v / 6), fl(1e-10));  b = ceil(log2r(q)) + 127      (b in [94, 253])
+    x_scaled = fl(x / 2^(b-127))                                   # exact
+
+Dequantization orders: ``te`` and ``flashinfer`` multiply ``fl(fl(q * s) * dec)`` (``q * s`` is exact, so a
 single rounding); ``torchao`` and ``modelopt`` ``fl(q * fl(dec * s))``, where ModelOpt's
 value table decodes the negative-zero code 0x8 as +0.0; ``compressed_tensors``
 ``fl(q * fl(s / enc))``; the MX orders ``fl(q * s)`` (exact but for underflow).
@@ -81,7 +102,7 @@ from libalign.spec.constants import (
 
 #: NVFP4 orders (E4M3 block scales, an outer scale).
 NV_ORDERS = tuple(o.value for o in OpOrder if not o.is_mx)
-#: MXFP4 orders (E8M0 block scales, no outer scale).
+#: Exponent-only orders (E8M0 block scales, no outer scale).
 MX_ORDERS = tuple(o.value for o in OpOrder if o.is_mx)
 OP_ORDERS = OpOrder.values()
 
@@ -112,7 +133,7 @@ def outer_from_amax(amax: torch.Tensor, order: str, math_dtype: torch.dtype) -> 
         enc = torch.minimum(enc, _f32(FLT_MAX, a))
         enc = torch.where(enc == 0, _f32(1.0, a), enc)
         return OuterScales(enc=enc, dec=torch.div(_f32(1.0, a), enc))
-    if order in ("torchao", "modelopt"):
+    if order in ("torchao", "modelopt", "flashinfer"):
         dec = torch.div(a, _f32(FP8_TIMES_FP4_MAX, a))
         return OuterScales(enc=torch.div(_f32(1.0, a), dec), dec=dec)
     if order == "compressed_tensors":
@@ -154,7 +175,7 @@ def stored_from_outer(outer: OuterScales, amax: torch.Tensor, convention: str) -
 def block_prescale(vmax: torch.Tensor, outer: OuterScales, order: str,
                    math_dtype: torch.dtype = _F32) -> torch.Tensor:
     """fp32 block scale before clamping and the E4M3 cast, from fp32 block maxima."""
-    if order == "te":
+    if order in ("te", "flashinfer"):
         mult = outer.enc * torch.reciprocal(_f32(E2M1_MAX, vmax))
         return torch.minimum(vmax * mult, _f32(FLT_MAX, vmax))
     if order == "torchao":
@@ -182,6 +203,9 @@ def encode_blocks(x: torch.Tensor, s: torch.Tensor, outer: OuterScales, order: s
     if order == "te":
         mult = torch.minimum(torch.reciprocal(s * outer.dec), _f32(FLT_MAX, x))
         return x * mult
+    if order == "flashinfer":
+        dec = torch.div(_f32(1.0, x), outer.enc)  # the kernel's 1 / S, not the given g
+        return x * torch.minimum(torch.reciprocal(s * dec), _f32(FLT_MAX, x))
     if order == "torchao":
         return x * (outer.enc / s)
     if order == "modelopt":
@@ -194,6 +218,8 @@ def encode_blocks(x: torch.Tensor, s: torch.Tensor, outer: OuterScales, order: s
 def e8m0_block_scales(vmax: torch.Tensor, order: str) -> torch.Tensor:
     """E8M0 scale bytes (uint8) from finite, non-negative fp32 block maxima under an MX order."""
     a = vmax.to(_F32).contiguous()
+    if order == "mx_sglang":
+        return _sglang_block16_bytes(a)
     if order == "mx_te":
         d = (a * _f32(1.0 / E2M1_MAX, a)).view(torch.int32)
         exp, man = d >> 23, d & 0x7FFFFF
@@ -211,6 +237,19 @@ def e8m0_block_scales(vmax: torch.Tensor, order: str) -> torch.Tensor:
     return (scale + E8M0_EXPONENT_BIAS).to(torch.uint8)
 
 
+#: SGLang's lower clamp of ``v / 6`` before the logarithm (``torch.clamp(..., min=1e-10)``), in fp32.
+SGLANG_BLOCK16_FLOOR = float(torch.tensor(1e-10, dtype=_F32))
+
+
+def _sglang_block16_bytes(a: torch.Tensor) -> torch.Tensor:
+    """``ceil(log2r(max(fl(a / 6), 1e-10))) + 127`` for fp32 block maxima ``a`` (uint8)."""
+    q = torch.clamp(torch.div(a, _f32(E2M1_MAX, a)), min=SGLANG_BLOCK16_FLOOR)
+    # the fp32 logarithm rounded to nearest: float64's log2 is within 2^-52 of the true value,
+    # far below half an fp32 ulp, so one rounding of it is the nearest fp32
+    e = torch.ceil(torch.log2(q.to(torch.float64)).to(_F32))
+    return (e + E8M0_EXPONENT_BIAS).to(torch.uint8)
+
+
 def _mx_encode(x: torch.Tensor, s: torch.Tensor, order: str) -> torch.Tensor:
     if order == "mx_te":
         rcp = torch.where(s == 2.0 ** -E8M0_EXPONENT_BIAS, _f32(1.0, s), torch.div(_f32(1.0, s), s))
@@ -222,7 +261,7 @@ def dequantize_blocks(q: torch.Tensor, s: torch.Tensor, outer: OuterScales, orde
     """fp32 values from E2M1 values ``q`` ``[..., nb, B]`` and block scales ``[..., nb, 1]``."""
     if order in MX_ORDERS:
         return q * s
-    if order == "te":
+    if order in ("te", "flashinfer"):
         return (q * s) * outer.dec
     if order == "torchao":
         return q * (outer.dec * s)
