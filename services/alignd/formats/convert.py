@@ -26,7 +26,34 @@ from alignd.formats.selection import (
 )
 from alignd.formats.weight_store import DEFAULT_SHARD_BYTES, WeightStore, named_error
 from libalign.gemm import get_path
+from libalign.models.kv_cache import KVScales, kv_scales_for, kv_spec_of
 from libalign.spec import PRESETS, NumericsSpec, shared_outer_amax
+from libalign.spec.presets import SGLANG_KV_DTYPES
+
+
+def kv_manifest(kv_format: str | None, scales: KVScales | None = None) -> dict | None:
+    """What a version's manifest says of the sampler's KV cache: the KV preset, SGLang's
+    ``--kv-cache-dtype`` for it (None where SGLang cannot write it) and the global scales
+    (with their source) of a format that takes them (None: SGLang's default 1.0); None
+    without a KV format."""
+    if kv_format is None:
+        if scales is not None:
+            raise SpecError("KV scales without a KV format")
+        return None
+    spec = kv_spec_of(kv_format)
+    if scales is not None:  # refused by a format that takes none
+        kv_scales_for(spec, scales, scales.layers)
+    return {"format": spec.name, "sglang_kv_cache_dtype": SGLANG_KV_DTYPES.get(spec.name),
+            "scales": None if scales is None else scales.to_dict()}
+
+
+def check_kv_manifest(extra: dict, kv_format: str | None) -> None:
+    """SpecError naming ``kv.format`` when a version was made for another KV format than the
+    sampler runs (a version without the field was made for K and V in the model's dtype)."""
+    made = (extra.get("kv") or {}).get("format")
+    if made != kv_format:
+        raise SpecError(f"field kv.format: the version was made for KV format {made!r}, the "
+                        f"sampler runs {kv_format!r}")
 
 
 def resolve_spec(spec: NumericsSpec | str) -> NumericsSpec:
@@ -96,6 +123,8 @@ def convert_published(
     quantize: bool = True,
     share_fused: bool = False,
     on_tensor: Callable[[str], None] | None = None,
+    kv_format: str | None = None,
+    kv_scales: KVScales | None = None,
 ) -> Manifest:
     """Convert the published version in ``src_dir`` into ``store`` as ``version_id``.
 
@@ -104,13 +133,18 @@ def convert_published(
     ``share_fused`` quantizes fused siblings with one outer maximum (:func:`fused_outer_amax`:
     what a ModelOpt export for SGLang needs). ``on_tensor`` is called with each tensor's name
     after it is read and before it is quantized; what it raises abandons the conversion (the
-    staging directory is removed, the store is untouched).
+    staging directory is removed, the store is untouched). ``kv_format`` names the KV preset the
+    sampler runs (and ``kv_scales`` its per-layer global scales, where it takes them): the
+    manifest's ``extra["kv"]`` says which (:func:`kv_manifest`).
     """
     spec = resolve_spec(spec)
+    kv = kv_manifest(kv_format, kv_scales)
     pub = HFCheckpoint(Path(src_dir))
     pub.check_shards()
     source = {"path": str(pub.path), "tensors": len(pub.weight_map), "bytes": pub.total_bytes}
     extra = {"all_linear": all_linear, "quantized": quantize, "fused_share_outer": share_fused}
+    if kv is not None:
+        extra["kv"] = kv
     amax = fused_outer_amax(pub, spec, all_linear=all_linear) if share_fused and quantize else {}
     tensors = pub.iter_tensors()
     if on_tensor is not None:

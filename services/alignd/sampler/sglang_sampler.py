@@ -19,7 +19,11 @@ Paths
     ``nvfp4_minite``: row-scaled ``minite`` versions, servers started with ``--quantization
     libalign_minite`` (:mod:`alignd.sampler.sglang_quant`). The servers' reported quantization
     is checked against the path at each load, and a version of the other method is refused
-    before any server is touched.
+    before any server is touched. ``nvfp4_minite_kv_sglang_nvfp4`` and
+    ``nvfp4_minite_kv_sglang_fp4_mx_block16``: the same minite servers started with
+    ``--kv-cache-dtype nvfp4`` or ``fp4_mx_block16`` (SGLang's FP4 KV caches, which libalign's
+    learner reproduces bit for bit: :data:`libalign.spec.presets.SGLANG_KV_DTYPES`); each server's
+    reported ``kv_cache_dtype`` is checked against the path's.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.telemetry import Metrics
 from alignd.sampler.sglang_engine import SGLangSamplerEngine, SGLangTimeouts
 from libalign import gemm
+from libalign.spec.presets import SGLANG_KV_DTYPES
 
 log = logging.getLogger("alignd.sampler.sglang")
 
@@ -47,17 +52,31 @@ DEFAULT_PATH = "nvfp4_naive"
 def sglang_path(name: str | None) -> str:
     """The execution path an SGLang sampler stands for: quantized, one outer scale per
     weight or expert (what SGLang's ``modelopt_fp4`` loads; ``nvfp4_naive``, the default), or
-    ``nvfp4_minite`` (libalign's ``libalign_minite`` method); no guided or KV path."""
+    ``nvfp4_minite`` (libalign's ``libalign_minite`` method), optionally with one of SGLang's
+    own FP4 KV caches (``nvfp4_minite_kv_sglang_*``); no guided path, no KV format SGLang
+    cannot write."""
     path = gemm.get_path(name or DEFAULT_PATH)
     method = path_method(path.name)
-    if method is None or path.kv_spec is not None or (
-            path.weight_spec.outer_domain == "row" and path.name != MINITE_PATH):
+    kv = path.kv_spec
+    ok = method is not None and not path.guided and (
+        (kv is None and (path.weight_spec.outer_domain != "row" or path.name == MINITE_PATH))
+        or (kv is not None and kv.name in SGLANG_KV_DTYPES
+            and path.name == f"{MINITE_PATH}_{kv.name}"))
+    if not ok:
         raise ConfigError(
             f"the SGLang sampler cannot stand for path {path.name!r}: it serves ModelOpt NVFP4 "
             "exports with one outer scale per weight (SGLang's modelopt_fp4) or row-scaled "
-            f"minite ones (libalign_minite, without guided rounding or an FP4 KV cache); use "
-            f"ALIGN_SAMPLER_PATH=nvfp4_naive or {MINITE_PATH}")
+            f"minite ones (libalign_minite, without guided rounding), with K and V in the model's "
+            f"dtype or in SGLang's own FP4 KV formats ({', '.join(SGLANG_KV_DTYPES)}); use "
+            f"ALIGN_SAMPLER_PATH=nvfp4_naive, {MINITE_PATH} or {MINITE_PATH}_kv_sglang_nvfp4")
     return path.name
+
+
+def kv_cache_dtype(path: str) -> str | None:
+    """The ``--kv-cache-dtype`` the servers of sampler path ``path`` must run (None: no FP4 KV
+    cache, any unquantized one)."""
+    kv = gemm.get_path(path).kv_spec
+    return None if kv is None else SGLANG_KV_DTYPES[kv.name]
 
 
 class ExportOrWrite:

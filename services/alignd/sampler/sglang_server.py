@@ -71,6 +71,8 @@ from alignclient.retry import NEVER_SENT, RetryPolicy, http_transient
 
 from alignd.formats.modelopt_export import MODELOPT_METHOD, path_method
 from alignd.formats.quant_configs import MINITE_METHOD
+from libalign import gemm
+from libalign.spec.presets import SGLANG_KV_DTYPES
 
 log = logging.getLogger("alignd.sampler.sglang")
 
@@ -105,6 +107,27 @@ class SGLangTimeouts:
     """how long ``/flush_cache`` is retried while requests drain"""
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 2.0
+
+
+#: SGLang's FP4 KV caches (``--kv-cache-dtype``) and the KV preset that reproduces each.
+FP4_KV_CACHE_DTYPES = {dtype: preset for preset, dtype in SGLANG_KV_DTYPES.items()}
+
+
+def check_kv_cache_dtype(url: str, info: dict[str, Any], path: str) -> None:
+    """:class:`EngineMismatchError` (``field="kv_cache_dtype"``) unless the server's KV cache is
+    what sampler path ``path`` says: its FP4 format (``nvfp4``, ``fp4_mx_block16``), or, for a
+    path without one, not an FP4 one (the learner could not reproduce what it attends over)."""
+    got = info.get("kv_cache_dtype")
+    kv = gemm.get_path(path).kv_spec
+    want = None if kv is None else SGLANG_KV_DTYPES.get(kv.name)
+    if kv is not None and got != want:
+        raise EngineMismatchError(
+            f"the server at {url} runs --kv-cache-dtype {got!r}; path {path!r} stores K and V "
+            f"as {kv.name}: start it with --kv-cache-dtype {want}", field="kv_cache_dtype")
+    if kv is None and got in FP4_KV_CACHE_DTYPES:
+        raise EngineMismatchError(
+            f"the server at {url} runs an FP4 KV cache (--kv-cache-dtype {got}); path {path!r} "
+            f"has none: use path nvfp4_minite_{FP4_KV_CACHE_DTYPES[got]}", field="kv_cache_dtype")
 
 
 def message(r: httpx.Response) -> str:
@@ -351,7 +374,8 @@ class SGLangServer:
               path: str = "nvfp4_naive") -> dict[str, Any]:
         """Refuse a server that cannot serve libalign's exports of this model for sampler path
         ``path`` (``nvfp4_naive``: ``modelopt_fp4``; ``nvfp4_minite``: ``libalign_minite``):
-        :class:`EngineMismatchError` naming the mismatch (``model``, ``quantization``).
+        :class:`EngineMismatchError` naming the mismatch (``model``, ``quantization``,
+        ``kv_cache_dtype``: an FP4 KV cache other than the path's, or one the path has none of).
 
         ``deterministic`` (strict mode): the server must also report SGLang's deterministic
         inference (``--enable-deterministic-inference``: batch-invariant kernels, so a
@@ -367,6 +391,7 @@ class SGLangServer:
                 f"the server at {self.url} runs quantization {quant!r}; the versions it is asked "
                 f"to serve are exports for path {path!r}: start it with --quantization "
                 f"{method}", field="quantization")
+        check_kv_cache_dtype(self.url, info, path)
         path = info.get("model_path")
         if model_paths and path is not None and not any(
                 str(path).rstrip("/") == p or str(path).startswith(p + "/") for p in model_paths):
