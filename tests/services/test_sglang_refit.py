@@ -34,16 +34,15 @@ def test_the_methods_take_the_sink_protocols_arguments():
 
 
 def test_a_staged_tensor_refit_over_http_is_one_session(rig):  # noqa: F811
-    """begin_weight_update, one /update_weights_from_tensor per bucket (SGLang's body: one
-    base64 payload per rank, the custom loader, flush_cache and weight_version on the last
-    bucket only), end_weight_update: each answers SGLang's dict, the admin key goes with every
-    call, and the server serves the version named."""
+    """send_tensor_refit opens the session itself: begin_weight_update, one
+    /update_weights_from_tensor per bucket (SGLang's body: one base64 payload per rank, the
+    custom loader, flush_cache and weight_version on the last bucket only), end_weight_update:
+    each answers SGLang's dict, the admin key goes with every call, and the server serves the
+    version named."""
     r = rig(api_key="K", admin_api_key="A")
     server = server_for(r, api_key="K", admin_api_key="A")
-    assert server.begin_weight_update() == {"success": True, "message": "Success"}
     report = send_tensor_refit(sglang_weights().items(), server, version_id="v9",
                                spec="minite", bucket_bytes=1 << 10)
-    assert server.end_weight_update()["success"] is True
     assert report.buckets >= 3
     calls = r.contract.calls
     assert [c.path for c in calls] == (SESSION[:1] + SESSION[1:2] * report.buckets
