@@ -485,3 +485,36 @@ def test_alignd_convert_splits_expert_stacks_as_the_stream_does(tmp_path, preset
                                             ("weight_packed", "weight_scale", "weight_global_scale")},
                                            PRESETS[preset])
             assert torch.equal(back.dequantize(), q.expert(e).dequantize()[rows]), pre
+
+
+@pytest.mark.parametrize("bucket_bytes", [3000, 20000, 1 << 20])
+def test_filled_buckets_hold_the_packed_buckets_bits(bucket_bytes):
+    """minite buckets are quantized in place (alignd.sync.fill): every entry equals the packing
+    producer's, 2-D weights and 3-D stacks (split per expert) alike, entries back to back."""
+    from alignd.sync.buckets import ended_buckets
+    from alignd.sync.fill import filled_buckets
+
+    named = [(n, torch.cat([t, t], -1) if ".experts." in n else t)
+             for n, t in W.named_weights(seed=2, experts=6)]  # K = 64: fillable
+    named += [(n.replace("layers.0", "layers.1"), t) for n, t in stack_model(3).items()]
+    filled = list(filled_buckets(named, "minite", bucket_bytes=bucket_bytes, all_linear=True))
+    packed = list(ended_buckets(quantize_named(named, "minite", all_linear=True,
+                                               bucket_bytes=bucket_bytes), bucket_bytes))
+    got = {n: t for b, _ in filled for n, t in b.tensors()}
+    want = {n: t for b, _ in packed for n, t in b.tensors()}
+    assert set(got) == set(want) and all(same(got[n], want[n]) for n in want)
+    assert [last for _, last in filled] == [False] * (len(filled) - 1) + [True]
+    for b, _ in filled:  # SGLang's receivers rebuild the layout from names, dtypes, shapes
+        assert layout([e.name for e in b.entries], [e.dtype for e in b.entries],
+                      [e.shape for e in b.entries]) == b.entries
+        assert b.entries[-1].end_idx == b.nbytes
+
+
+def test_filled_buckets_name_a_non_finite_tensor():
+    from alignd.sync.fill import filled_buckets
+
+    named = [(f"m.experts.{e}.down_proj.weight", torch.randn(8, 64).bfloat16()) for e in range(5)]
+    named[3][1][2, 5] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"experts\.3\.down_proj") as e:
+        list(filled_buckets(named, "minite", bucket_bytes=1 << 20))
+    assert e.value.tensor == "m.experts.3.down_proj.weight"

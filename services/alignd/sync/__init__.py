@@ -17,7 +17,8 @@ The walk, end to end:
    whole version has arrived and verified.
 
 **Refit from tensors**, without a directory: a trainer's named tensors are quantized on the way
-(:mod:`~alignd.sync.stream`), packed into flattened buckets (:mod:`~alignd.sync.buckets`) and
+(:mod:`~alignd.sync.stream`), packed into flattened buckets (:mod:`~alignd.sync.buckets`), or
+for ``minite`` quantized straight into them (:mod:`~alignd.sync.fill`), and
 sent by the shared sender (:mod:`~alignd.sync.refit`) over SGLang's colocated
 (:mod:`~alignd.sync.tensor`) or broadcast (:mod:`~alignd.sync.distributed`) protocol; a
 receiver stages a version and applies it whole (:mod:`~alignd.sync.receive`). The version walks

@@ -37,8 +37,10 @@ from dataclasses import dataclass, replace
 import torch
 from alignclient.errors import InputError, WeightUpdateError
 
+from alignd.formats.convert import resolve_spec
 from alignd.sync.announce import RefitStages
 from alignd.sync.buckets import Bucket, Digest, RefitHeader, ended_buckets
+from alignd.sync.fill import filled_buckets, fills
 from alignd.sync.stream import DEFAULT_BUCKET_BYTES, quantize_named
 from libalign.spec import NumericsSpec
 
@@ -66,7 +68,12 @@ def refit_buckets(named: Iterable[tuple[str, torch.Tensor]], spec: NumericsSpec 
                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, all_linear: bool = False,
                   device: torch.device | str | None = None) -> Iterator[tuple[Bucket, bool]]:
     """The buckets of a refit, each with whether it is the last: ``named`` quantized under
-    ``spec`` (None: unchanged)."""
+    ``spec`` (None: unchanged). A row-scaled ``spec`` that stores decode scales (``minite``)
+    is quantized straight into the buckets (:mod:`alignd.sync.fill`); any other is quantized
+    then packed (:mod:`alignd.sync.stream`, :mod:`alignd.sync.buckets`): the same bits."""
+    if spec is not None and fills(resolve_spec(spec)):
+        return filled_buckets(named, spec, bucket_bytes=bucket_bytes, all_linear=all_linear,
+                              device=device)
     stream = named if spec is None else quantize_named(named, spec, all_linear=all_linear,
                                                        bucket_bytes=bucket_bytes)
     return ended_buckets(stream, bucket_bytes, device)

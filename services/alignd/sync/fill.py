@@ -1,0 +1,237 @@
+"""Quantize straight into the bucket: the refit's producer for row-scaled presets.
+
+:func:`alignd.sync.stream.quantize_named` then :func:`alignd.sync.buckets.buckets` quantizes a
+batch into fresh memory and copies every output into a bucket: the bytes are written twice,
+and the quantized batch, the bucket being packed and the bucket in flight all exist at once.
+For a row-scaled preset whose stored outer scale is the decode scale (``minite``: the stored
+scale *is* SGLang's ``weight_scale_2``) no copy is needed: every output has a fixed place in
+the bucket, known from the input's shape alone, so the kernels write there
+(:func:`libalign.sync.quantize_into`, one device synchronisation per batch). :func:`filled_buckets`
+does that:
+
+Layout of a filled bucket
+    The 1-byte outputs first, weight by weight (``<module>.weight`` codes then
+    ``<module>.weight_scale``), then every weight's fp32 ``<module>.weight_scale_2`` ``[N, 1]``
+    at the end. Each entry starts at a multiple of its element size (the 1-byte part is a
+    multiple of 4 bytes whenever K is a multiple of 64, as in every model here; otherwise the
+    refit falls back to the packing producer), entries lie back to back, so SGLang's receivers
+    rebuild them from names, dtypes and shapes as for a packed bucket. A 3-D expert stack is
+    one region of codes and one of scales; its per-expert entries (a ``gate_up_proj`` split in
+    gate and up rows) are sub-ranges of them.
+Memory
+    The bucket being filled, its fp32 tail staged aside until the bucket closes (4 bytes a row),
+    and the row maxima (scratch, 4 bytes a row); the inputs of one batch (at most
+    ``bucket_bytes`` of them) are held until the batch is quantized. With the bucket in flight:
+    two buckets.
+Passed-through tensors
+    Everything not quantized goes to buckets of its own, packed as before.
+
+The bits are exactly those of the packing producer (the tests compare every entry).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from alignclient.errors import AlignError, DTypeError, InputError
+
+from alignd.formats.convert import resolve_spec
+from alignd.formats.selection import make_select, module_parts, stack_members
+from alignd.formats.weight_store import named_error
+from alignd.sync.buckets import Bucket, BucketEntry, ended_buckets
+from alignd.sync.stream import quantize_named
+from libalign.kernels import ops
+from libalign.spec import NumericsSpec, NVFP4Tensor
+from libalign.sync import quantize_into
+
+
+def fills(spec: NumericsSpec) -> bool:
+    """Whether buckets of ``spec`` can be filled in place: one decode scale stored per row."""
+    return (not spec.is_mx and spec.outer_domain == "row" and spec.outer_convention == "dec"
+            and spec.block_size == 16)
+
+
+@dataclass
+class _Slot:
+    """One quantized tensor's place: its input and the destination viewing the bucket."""
+
+    name: str
+    x: torch.Tensor
+    codes_at: int
+    scales_at: int
+    rows_at: int  # index of its first row in the fp32 tail
+
+
+class _Filler:
+    """The bucket being filled: 1-byte outputs from the front, fp32 rows staged aside."""
+
+    def __init__(self, spec: NumericsSpec, capacity: int, device: torch.device):
+        self.spec, self.capacity, self.device = spec, capacity, device
+        self.flat = torch.empty(capacity, dtype=torch.uint8, device=device)
+        max_rows = capacity // 40 + 1  # a row takes at least 32 + 4 + 4 bytes (K >= 64)
+        self.rows = torch.empty(max_rows, dtype=torch.float32, device=device)
+        self.amax = torch.empty(max_rows, dtype=torch.float32, device=device)
+        self.used, self.nrows = 0, 0
+        self.slots: list[_Slot] = []
+        self.batch: list[_Slot] = []
+        self.batch_bytes = 0
+
+    @staticmethod
+    def sizes(x: torch.Tensor) -> tuple[int, int, int]:
+        rows = x.numel() // x.shape[-1]
+        return rows * x.shape[-1] // 2, rows * x.shape[-1] // 16, rows
+
+    def fits(self, x: torch.Tensor) -> bool:
+        codes, scales, rows = self.sizes(x)
+        return self.used + codes + scales + 4 * (self.nrows + rows) <= self.capacity
+
+    def add(self, name: str, x: torch.Tensor, batch_bytes: int) -> None:
+        codes, scales, rows = self.sizes(x)
+        slot = _Slot(name, x, self.used, self.used + codes, self.nrows)
+        self.used += codes + scales
+        self.nrows += rows
+        self.slots.append(slot)
+        self.batch.append(slot)
+        self.batch_bytes += x.numel() * x.element_size()
+        if self.batch_bytes >= batch_bytes:
+            self.quantize()
+
+    def quantize(self) -> None:
+        """Quantize the open batch into its places (one synchronisation)."""
+        batch, self.batch, self.batch_bytes = self.batch, [], 0
+        if not batch:
+            return
+        dests = []
+        for s in batch:
+            lead, k = tuple(s.x.shape[:-1]), s.x.shape[-1]
+            codes, scales, rows = self.sizes(s.x)
+            dests.append(NVFP4Tensor(
+                codes=self.flat[s.codes_at:s.codes_at + codes].view(*lead, k // 2),
+                block_scales=self.flat[s.scales_at:s.scales_at + scales]
+                .view(torch.float8_e4m3fn).view(*lead, k // 16),
+                outer_scale=self.rows[s.rows_at:s.rows_at + rows].view(lead),
+                spec=self.spec, shape=tuple(s.x.shape),
+                outer_amax=self.amax[s.rows_at:s.rows_at + rows].view(lead)))
+        try:
+            quantize_into([s.x for s in batch], dests, self.spec)
+        except AlignError as e:
+            for s in batch:  # the failure path only: find the tensor it is about
+                try:
+                    ops.quantize(s.x, self.spec)
+                except AlignError as one:
+                    raise named_error(one, s.name) from e
+            raise
+
+    def close(self) -> Bucket:
+        """The bucket: the fp32 tail copied behind the 1-byte part, entries in byte order."""
+        self.quantize()
+        tail = self.used
+        self.flat[tail:tail + 4 * self.nrows].view(torch.float32).copy_(self.rows[:self.nrows])
+        ones: list[BucketEntry] = []
+        fours: list[BucketEntry] = []
+        for s in self.slots:
+            k = s.x.shape[-1]
+            for weight, rows_from, n in _weights(s):
+                module = weight.removesuffix(".weight")
+                c0 = s.codes_at + rows_from * k // 2
+                s0 = s.scales_at + rows_from * k // 16
+                r0 = tail + 4 * (s.rows_at + rows_from)
+                ones.append(BucketEntry(f"{module}.weight", torch.Size((n, k // 2)), torch.uint8,
+                                        c0, c0 + n * k // 2, n * k // 2))
+                ones.append(BucketEntry(f"{module}.weight_scale", torch.Size((n, k // 16)),
+                                        torch.float8_e4m3fn, s0, s0 + n * k // 16, n * k // 16))
+                fours.append(BucketEntry(f"{module}.weight_scale_2", torch.Size((n, 1)),
+                                         torch.float32, r0, r0 + 4 * n, 4 * n))
+        ones.sort(key=lambda e: e.start_idx)
+        return Bucket(self.flat[:tail + 4 * self.nrows], ones + fours)
+
+
+def _weights(s: _Slot) -> list[tuple[str, int, int]]:
+    """``(module weight name, first row, rows)`` of each weight a slot holds, rows counted
+    over the slot's stacked ``[E * N]`` rows."""
+    if s.x.ndim == 2:
+        return [(s.name, 0, s.x.shape[0])]
+    n = s.x.shape[1]
+    out = []
+    for weight, x, rows in stack_members(s.name, tuple(s.x.shape)):
+        lo, hi = (rows.start, rows.stop) if rows is not None else (0, n)
+        out.append((weight, x * n + lo, hi - lo))
+    return out
+
+
+def filled_buckets(named: Iterable[tuple[str, torch.Tensor]], spec: NumericsSpec | str, *,
+                   bucket_bytes: int, all_linear: bool = False,
+                   device: torch.device | str | None = None) -> Iterator[tuple[Bucket, bool]]:
+    """The buckets of a refit under a :func:`fills` spec, each with whether it is the last:
+    quantized tensors written in place (module doc), the others packed. Bits and names equal
+    :func:`~alignd.sync.stream.quantize_named`'s; its checks and errors apply."""
+    spec = resolve_spec(spec)
+    if not fills(spec):
+        raise InputError(f"preset {spec.name!r} keeps no decode scale per row; its buckets are "
+                         "packed (alignd.sync.stream)")
+    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise InputError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    select = make_select(all_linear)
+    raw: list[tuple[str, torch.Tensor]] = []
+    raw_bytes = 0
+    filler: _Filler | None = None
+    ready: list[Bucket] = []  # closed, not yet yielded: the last is known one step later
+
+    def emit() -> Iterator[tuple[Bucket, bool]]:
+        while len(ready) > 1:
+            yield ready.pop(0), False
+
+    def close_raw() -> None:
+        nonlocal raw, raw_bytes
+        if raw:
+            ready.extend(b for b, _ in ended_buckets(raw, 1 << 62, device))
+            raw, raw_bytes = [], 0
+
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise DTypeError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        if not select(name, t):
+            n = t.numel() * t.element_size()
+            if raw and raw_bytes + n > bucket_bytes:
+                close_raw()
+            raw.append((name, t))
+            raw_bytes += n
+            yield from emit()
+            continue
+        if not _fillable(name, t):  # the packing producer's checks and names, for this one
+            for q_name, q in quantize_named([(name, t)], spec, bucket_bytes=bucket_bytes):
+                raw.append((q_name, q))
+                raw_bytes += q.numel() * q.element_size()
+            continue
+        dev = torch.device(device) if device is not None else t.device
+        if filler is not None and (filler.device != dev or not filler.fits(t)):
+            ready.append(filler.close())
+            filler = None
+        if filler is None:
+            codes, scales, rows = _Filler.sizes(t)
+            filler = _Filler(spec, max(bucket_bytes, codes + scales + 4 * rows), dev)
+        filler.add(name, t.to(dev) if t.device != dev else t, bucket_bytes)
+        yield from emit()
+    if filler is not None:
+        ready.append(filler.close())
+    close_raw()
+    while ready:
+        yield ready.pop(0), not ready
+
+
+def _fillable(name: str, t: torch.Tensor) -> bool:
+    """A floating 2-D ``<module>.weight`` or a named 3-D expert stack, with K a multiple of 64
+    (so the 1-byte part of a bucket stays 4-byte aligned) and no fused-sibling sharing needed."""
+    if not t.is_floating_point() or t.shape[-1] % 64:
+        return False
+    if t.ndim == 2:
+        return name.endswith(".weight") and len(module_parts(name)) > 1
+    if t.ndim == 3:
+        try:
+            stack_members(name, tuple(t.shape))
+        except AlignError:
+            return False
+        return True
+    return False
