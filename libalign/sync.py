@@ -107,8 +107,9 @@ def quantize_into(sources: Sequence[torch.Tensor], destinations: Sequence[NVFP4T
     gpu = [i for i, x in enumerate(sources) if x.device.type == "cuda"
            and ops.kernel_gap(x, spec, None) is None]
     lib = native.load("cuda") if gpu else None
+    served = set(gpu) if lib is not None else set()
     for i, (x, d) in enumerate(zip(sources, destinations, strict=True)):
-        if lib is None or i not in gpu:
+        if i not in served:
             same = d.codes.device == x.device
             q = ops.quantize(x, spec, out=d if same else None)
             if not same:
