@@ -82,6 +82,7 @@ from libalign import gemm
 from libalign.errors import ConfigError, SpecError
 from libalign.guidance import GuidanceTable
 from libalign.models.megatron_cpu import cpu_shims, fix_missing_te
+from libalign.models.megatron_grouped import LibalignColumnGroupedLinear, LibalignRowGroupedLinear
 from libalign.models.megatron_modules import (
     LibalignGroupedLinear,
     LibalignGroupedMLP,
@@ -93,20 +94,43 @@ from libalign.models.megatron_modules import (
 )
 
 __all__ = [  # the modules are megatron_modules', re-exported
-    "NUMERICS", "LibalignGroupedLinear", "LibalignGroupedMLP", "MegatronActivationHook",
-    "PathLike", "Qwen3RMSNorm", "SDPACoreAttention", "bind_layers", "build_gpt_model",
-    "causal_padding_mask", "clear_weight_cache", "current_paths", "experts_modules",
-    "get_block_spec", "get_moe_layer_spec", "global_expert_index", "gpt_logits",
-    "hf_config_value", "moe_layers", "rope_theta", "set_finite_check", "set_path", "set_row_keys",
-    "transformer_config_from_hf", "use_guidance", "use_path",
+    "EXPERT_WEIGHTS",
+    "NUMERICS",
+    "LibalignGroupedLinear",
+    "LibalignGroupedMLP",
+    "MegatronActivationHook",
+    "PathLike",
+    "Qwen3RMSNorm",
+    "SDPACoreAttention",
+    "bind_layers",
+    "build_gpt_model",
+    "causal_padding_mask",
+    "clear_weight_cache",
+    "current_paths",
+    "experts_modules",
+    "get_block_spec",
+    "get_moe_layer_spec",
+    "global_expert_index",
+    "gpt_logits",
+    "hf_config_value",
+    "moe_layers",
+    "moe_submodules",
+    "rope_theta",
+    "set_finite_check",
+    "set_path",
+    "set_row_keys",
+    "transformer_config_from_hf",
+    "use_guidance",
+    "use_path",
 ]
 
 NUMERICS = ("qwen3", "megatron")
+EXPERT_WEIGHTS = ("stack", "per_expert")
 
 
 # --- specs, config, model ---------------------------------------------------------------------
 
-def _moe_submodules(mlp) -> MoESubmodules:
+def moe_submodules(mlp) -> MoESubmodules:
     """The MoESubmodules inside a layer spec's ``mlp`` (a ModuleSpec in 0.16, a partial in 0.19)."""
     subs = getattr(mlp, "submodules", None)
     if subs is None and isinstance(mlp, functools.partial):
@@ -118,13 +142,16 @@ def _moe_submodules(mlp) -> MoESubmodules:
 
 def get_moe_layer_spec(path: PathLike = "bf16", *, num_experts: int, backend: str = "auto",
                        numerics: str = "qwen3", qk_layernorm: bool = True,
-                       experts: str = "libalign") -> ModuleSpec:
+                       experts: str = "libalign", expert_weights: str = "stack") -> ModuleSpec:
     """A GPT layer spec (Megatron's local modules, RMSNorm) whose MoE experts run ``path``.
 
     ``experts="libalign"``: :class:`LibalignGroupedMLP` (probabilities after FC2, the
     sampler's order). ``experts="te_grouped"``: Megatron's ``TEGroupedMLP`` with
-    :class:`LibalignGroupedLinear` in its FC1/FC2 slots (Megatron's order: probabilities
-    before FC2). ``numerics``: see the module docstring.
+    libalign's grouped linears in its FC1/FC2 slots (Megatron's order: probabilities
+    before FC2). ``expert_weights="stack"``: :class:`LibalignGroupedLinear` (one ``[E, N, K]``
+    parameter); ``"per_expert"``: :mod:`libalign.models.megatron_grouped`'s
+    (``weight0 .. weight{E-1}``, Transformer Engine's names; the same bits).
+    ``numerics``: see the module docstring.
     """
     p = gemm.get_path(path)
     if numerics not in NUMERICS:
@@ -134,17 +161,23 @@ def get_moe_layer_spec(path: PathLike = "bf16", *, num_experts: int, backend: st
     spec = copy.deepcopy(get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=qk_layernorm,
                                                   normalization="RMSNorm"))
     subs = spec.submodules
-    moe = _moe_submodules(subs.mlp)
-    linear = ModuleSpec(module=LibalignGroupedLinear, params={"path": p, "backend": backend})
+    moe = moe_submodules(subs.mlp)
+    if expert_weights not in EXPERT_WEIGHTS:
+        raise ConfigError(f"expert_weights must be one of {EXPERT_WEIGHTS}, got {expert_weights!r}")
+    classes = (LibalignGroupedLinear, LibalignGroupedLinear)
+    if expert_weights == "per_expert":
+        classes = (LibalignColumnGroupedLinear, LibalignRowGroupedLinear)
+    params = {"path": p, "backend": backend}
+    fc1, fc2 = (ModuleSpec(module=c, params=dict(params)) for c in classes)
     if experts == "libalign":
-        moe.experts = ModuleSpec(module=LibalignGroupedMLP, params={"path": p, "backend": backend})
+        moe.experts = ModuleSpec(module=LibalignGroupedMLP, params={**params, "linears": classes})
     elif experts == "te_grouped":
         from megatron.core.transformer.moe.experts import TEGroupedMLP
         try:
             from megatron.core.transformer.moe.experts import GroupedMLPSubmodules as _Subs
         except ImportError:  # 0.16: TEGroupedMLP takes MLPSubmodules
             from megatron.core.transformer.mlp import MLPSubmodules as _Subs
-        grouped = _Subs(linear_fc1=linear, linear_fc2=linear)
+        grouped = _Subs(linear_fc1=fc1, linear_fc2=fc2)
         moe.experts = ModuleSpec(module=TEGroupedMLP, submodules=grouped)
     else:
         raise ConfigError(f"experts must be 'libalign' or 'te_grouped', got {experts!r}")
@@ -182,11 +215,12 @@ def rope_theta(hf_config) -> float:
     return float(theta if theta is not None else hf_config_value(hf_config, "rope_theta", 10000.0))
 
 
-def _parallel_ep_size() -> int:
-    """The expert-parallel size of Megatron's initialized parallel state (else 1)."""
+def _parallel_sizes() -> dict[str, int]:
+    """The tensor- and expert-parallel sizes of Megatron's initialized parallel state (else 1)."""
     if not parallel_state.model_parallel_is_initialized():
-        return 1
-    return int(parallel_state.get_expert_model_parallel_world_size())
+        return {"tensor_model_parallel_size": 1, "expert_model_parallel_size": 1}
+    return {"tensor_model_parallel_size": int(parallel_state.get_tensor_model_parallel_world_size()),
+            "expert_model_parallel_size": int(parallel_state.get_expert_model_parallel_world_size())}
 
 
 def transformer_config_from_hf(hf_config, *, dtype: torch.dtype = torch.bfloat16,
@@ -196,8 +230,9 @@ def transformer_config_from_hf(hf_config, *, dtype: torch.dtype = torch.bfloat16
     Every layer MoE (``mlp_only_layers`` empty, ``decoder_sparse_step`` 1), no shared experts,
     no biases, top-k softmax routing (renormalized over the chosen experts when
     ``norm_topk_prob``), no router auxiliary loss, the allgather dispatcher, no fused kernels,
-    weights initialized on the CPU. ``expert_model_parallel_size`` is the initialized
-    parallel state's (1 without one). ``overrides`` set any other field.
+    weights initialized on the CPU. ``tensor_model_parallel_size`` and
+    ``expert_model_parallel_size`` are the initialized parallel state's (1 without one).
+    ``overrides`` set any other field.
     """
     g = functools.partial(hf_config_value, hf_config)
     if g("mlp_only_layers") or int(g("decoder_sparse_step", 1) or 1) != 1:
@@ -222,7 +257,7 @@ def transformer_config_from_hf(hf_config, *, dtype: torch.dtype = torch.bfloat16
         add_bias_linear=False, add_qkv_bias=bool(g("attention_bias", False)),
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=float(g("initializer_range", 0.02)),
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
-        expert_model_parallel_size=_parallel_ep_size(),
+        **_parallel_sizes(),
         use_cpu_initialization=True, bias_activation_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
@@ -232,7 +267,8 @@ def transformer_config_from_hf(hf_config, *, dtype: torch.dtype = torch.bfloat16
 
 
 def build_gpt_model(hf_config, path: PathLike = "bf16", *, backend: str = "auto",
-                    numerics: str = "qwen3", experts: str = "libalign", seed: int = 0,
+                    numerics: str = "qwen3", experts: str = "libalign",
+                    expert_weights: str = "stack", seed: int = 0,
                     device: str | torch.device | None = None, **config_overrides) -> GPTModel:
     """A Megatron ``GPTModel`` shaped like the Hugging Face Qwen3-MoE ``hf_config``.
 
@@ -240,11 +276,13 @@ def build_gpt_model(hf_config, path: PathLike = "bf16", *, backend: str = "auto"
     :func:`libalign.models.megatron_cpu.single_process_group`). Weights are drawn on the CPU
     under a forked, seeded RNG, then moved to ``device`` (default: CUDA when available) and
     cast to the config's ``params_dtype`` (bf16 by default); layers are bound
-    (:func:`bind_layers`) for guided rounding.
+    (:func:`bind_layers`) for guided rounding. ``experts``, ``expert_weights``: see
+    :func:`get_moe_layer_spec`.
     """
     cfg = transformer_config_from_hf(hf_config, **config_overrides)
     block = get_block_spec(path, num_experts=cfg.num_moe_experts, num_layers=cfg.num_layers,
-                           numerics=numerics, backend=backend, experts=experts)
+                           numerics=numerics, backend=backend, experts=experts,
+                           expert_weights=expert_weights)
     dev = torch.device(device) if device is not None else \
         torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with torch.random.fork_rng(devices=[]), cpu_shims():

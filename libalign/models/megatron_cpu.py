@@ -28,6 +28,13 @@ A no-op CUDA RNG tracker (``tensor_parallel.random._CUDA_RNG_STATE_TRACKER``)
     When no attention mask is passed, the unfused softmax builds the causal mask with
     ``device="cuda"`` hard-coded. The replacement builds the same upper-triangular boolean
     mask on the CPU (callers that pass a mask, as libalign's engine does, never reach it).
+``torch.cuda.Stream``, ``torch.cuda.current_stream``, ``torch.cuda.stream`` -> :class:`CpuStream`
+    The *alltoall* token dispatcher creates a side stream when it is built and copies its
+    split sizes to the host on it (``wait_stream``, ``with torch.cuda.stream(s)``,
+    ``record_event().synchronize()``). On the CPU every tensor already is on the host and
+    every op is synchronous, so one stream that does nothing stands for all of them; the
+    copies themselves are skipped by Megatron (``maybe_move_tensor_to_cpu`` moves only CUDA
+    tensors).
 
 One fix that is not about the CPU
 ---------------------------------
@@ -41,7 +48,8 @@ One fix that is not about the CPU
 What is not a shim
 ------------------
 Choices made through Megatron's own configuration rather than patches: the *allgather* token
-dispatcher (the all-to-all one creates CUDA streams for device-to-host copies), no fused
+dispatcher by default (the *alltoall* one runs under the stream shim above; the *flex* one
+needs DeepEP's or HybridEP's CUDA kernels and has no CPU path), no fused
 kernels (``bias_activation_fusion``, ``masked_softmax_fusion``, ``bias_dropout_fusion``,
 ``gradient_accumulation_fusion``, ``apply_rope_fusion``, ``persist_layer_norm`` all off) and
 ``use_cpu_initialization``. :func:`single_process_group` creates the one-process ``gloo``
@@ -98,6 +106,38 @@ class NoopRNGTracker:
         return contextlib.nullcontext()
 
 
+class CpuStream:
+    """Stands in for a CUDA stream and its events on the CPU, where every op is synchronous."""
+
+    def wait_stream(self, _other) -> None:
+        """Nothing to wait for."""
+
+    def wait_event(self, _event) -> None:
+        """Nothing to wait for."""
+
+    def record_event(self, _event=None) -> CpuStream:
+        """An event already complete (this stream itself: ``synchronize`` returns at once)."""
+        return self
+
+    def synchronize(self) -> None:
+        """Returns at once."""
+
+    def query(self) -> bool:
+        """Always done."""
+        return True
+
+
+_CPU_STREAM = CpuStream()
+
+
+def _cpu_stream(*_args, **_kwargs) -> CpuStream:
+    return _CPU_STREAM
+
+
+def _cpu_stream_context(_stream=None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
 def _cpu_device() -> torch.device:
     return torch.device("cpu")
 
@@ -122,6 +162,9 @@ def _install() -> None:
     _SAVED["current_device"] = torch.cuda.current_device
     _SAVED["tracker"] = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
     _SAVED["causal_mask"] = fused_softmax.get_default_causal_mask
+    _SAVED["streams"] = (torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream)
+    torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream = \
+        _cpu_stream, _cpu_stream, _cpu_stream_context
     torch.cuda.current_device = _cpu_device
     mrandom._CUDA_RNG_STATE_TRACKER = NoopRNGTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
@@ -135,6 +178,7 @@ def _uninstall() -> None:
     torch.cuda.current_device = _SAVED.pop("current_device")
     mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = _SAVED.pop("tracker")
     fused_softmax.get_default_causal_mask = _SAVED.pop("causal_mask")
+    torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream = _SAVED.pop("streams")
 
 
 def needs_cpu_shims() -> bool:

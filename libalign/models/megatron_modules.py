@@ -40,7 +40,6 @@ and the model from these modules.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -175,11 +174,16 @@ class LibalignGroupedMLP(MegatronModule):
     rows), ``act(gate) * up``, FC2 grouped (``[E, H, I]``), each row times its router
     probability (in the output dtype, as :func:`libalign.gemm.moe_experts_forward` does).
     Returns ``(out, None)`` as Megatron's experts do.
+
+    ``linears``: the ``(FC1, FC2)`` classes, :class:`LibalignGroupedLinear` stacks by default;
+    :mod:`libalign.models.megatron_grouped`'s per-expert ones give Transformer Engine's
+    parameter names (``linear_fc1.weight{i}``) and distributed-checkpoint keys (those of
+    ``TEGroupedMLP``), with the same bits.
     """
 
     def __init__(self, num_local_experts: int, config: TransformerConfig, submodules=None,
                  pg_collection=None, name: str | None = None, *, path: PathLike = "bf16",
-                 backend: str = "auto", **_unused):
+                 backend: str = "auto", linears: tuple[type, type] | None = None, **_unused):
         super().__init__(config=config)
         if not config.gated_linear_unit or config.activation_func not in (F.silu, F.gelu):
             raise ConfigError("LibalignGroupedMLP runs gated experts (SwiGLU/GeGLU): set "
@@ -193,11 +197,14 @@ class LibalignGroupedMLP(MegatronModule):
         self.ep_group = ep
         self.ep_rank, self.ep_size = _pg_rank(ep), _pg_size(ep)
         ffn = config.moe_ffn_hidden_size
-        make = functools.partial(LibalignGroupedLinear, num_local_experts, config=config,
-                                 is_expert=True, pg_collection=pg_collection, path=path,
-                                 backend=backend)
-        self.linear_fc1 = make(config.hidden_size, 2 * ffn, init_method=config.init_method)
-        self.linear_fc2 = make(ffn, config.hidden_size, init_method=config.output_layer_init_method)
+        fc1_cls, fc2_cls = linears or (LibalignGroupedLinear, LibalignGroupedLinear)
+        kw = dict(config=config, is_expert=True, pg_collection=pg_collection, path=path,
+                  backend=backend)
+        self.linear_fc1 = fc1_cls(num_local_experts, config.hidden_size, 2 * ffn,
+                                  init_method=config.init_method, **kw)
+        self.linear_fc2 = fc2_cls(num_local_experts, ffn, config.hidden_size,
+                                  init_method=config.output_layer_init_method, **kw)
+        self.tp_group = getattr(pg_collection, "expt_tp", None) if pg_collection is not None else None
         self.activation_func = config.activation_func
         # set by bind_layers / use_guidance / set_row_keys
         self.layer: int | None = None
@@ -266,6 +273,16 @@ class LibalignGroupedMLP(MegatronModule):
         y, _ = self.linear_fc2(act, layout, act_q=q2)
         y = y * permuted_probs.unsqueeze(-1).to(y.dtype)
         return y, None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        """Per-expert linears: ``TEGroupedMLP``'s keys (global expert offsets, FC1's gate/up
+        halves as Megatron's SwiGLU factory splits them); a stack: Megatron's default."""
+        if hasattr(self.linear_fc1, "weight"):
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+        return TEGroupedMLP.sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
     def backward_dw(self) -> None:
         """Nothing delayed (see :meth:`LibalignGroupedLinear.backward_dw`)."""
