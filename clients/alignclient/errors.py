@@ -89,9 +89,16 @@ class NonFiniteError(InputError):
 
 
 class SpecError(InputError):
-    """A numerics spec is inconsistent, unknown, or cannot express the request."""
+    """A numerics spec is inconsistent, unknown, or cannot express the request. ``field``
+    names what disagrees when one thing does (``kv.format``: a weight version made for another
+    KV cache format than the sampler runs)."""
 
     code = "invalid_spec"
+    field: str | None = None
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class UndefinedScaleError(InputError):

@@ -584,3 +584,46 @@ def test_megatron_kv_rows_are_the_hf_cache_rows(hf, gpt, kv_rollout):
         assert keys_a.numel() > 0 and torch.equal(keys_a, keys_b), site
         for field in ("codes", "block_scales", "row_scales"):
             assert torch.equal(getattr(rows_a, field), getattr(rows_b, field)), (site, field)
+
+
+def test_megatron_kv_hook_writes_with_the_versions_scales(hf, gpt, kv_rollout):
+    """megatron_kv.use_kv(scales=) quantizes every layer's K and V rows in SGLang's NVFP4 KV
+    format as the Hugging Face FP4 cache does with the same KVScales: the same keys, codes,
+    block scales and row scales, each row carrying its layer's own K or V global scale. Scales
+    that do not cover the model's layers, or scales given to a format that computes its own
+    (kv_sglang_fp4_mx_block16), are refused by name."""
+    from libalign.guidance import GuidanceCapture
+    from libalign.models import capture_kv, megatron_kv, score_sequences, use_kv_format
+    from libalign.models.kv_cache import KVScales
+    from libalign.models.scoring import right_padded_batch
+    from libalign.spec import PRESETS
+
+    r, _recs = kv_rollout
+    kv = "kv_sglang_nvfp4"
+    scales = KVScales((0.0078125, 0.03125), (0.25, 0.0625), "calibration")
+    cap_hf, cap_meg = GuidanceCapture(PRESETS["minite"]), GuidanceCapture(PRESETS["minite"])
+    with use_kv_format(hf, kv, scales), capture_kv(hf, cap_hf):
+        score_sequences(hf, r.sequences, r.prompt_lens, "nvfp4_minite", pad_id=TASK.pad_id)
+    ids, mask, keys = right_padded_batch(r.sequences, range(len(r.sequences)), TASK.pad_id,
+                                         torch.device("cpu"))
+    mg.set_row_keys(gpt, keys.T)
+    try:
+        with torch.no_grad(), mg.use_path(gpt, "nvfp4_minite"), \
+                megatron_kv.use_kv(gpt, kv, capture=cap_meg, scales=scales):
+            mg.gpt_logits(gpt, ids, mask)
+    finally:
+        mg.set_row_keys(gpt, None)
+    a, b = cap_hf.pooled(), cap_meg.pooled()
+    assert set(a) == set(b) == {(layer, s) for layer in range(2) for s in ("k", "v")}
+    for (layer, site), (keys_a, rows_a) in a.items():
+        keys_b, rows_b = b[(layer, site)]
+        assert keys_a.numel() > 0 and torch.equal(keys_a, keys_b)
+        for field in ("codes", "block_scales", "row_scales"):
+            assert torch.equal(getattr(rows_a, field), getattr(rows_b, field)), (layer, site)
+        assert torch.all(rows_b.row_scales == scales.scale(layer, site))
+    with pytest.raises(SpecError, match="layer 1 k_scale/v_scale"), \
+            megatron_kv.use_kv(gpt, kv, scales=KVScales.default(1)):
+        pass
+    with pytest.raises(SpecError, match="takes no k_scale"), \
+            megatron_kv.use_kv(gpt, "kv_sglang_fp4_mx_block16", scales=KVScales.default(2)):
+        pass

@@ -49,12 +49,13 @@ def test_sampler_records_kv_and_scores_like_it_decodes(tmp_path, source):
     from alignd.formats.weight_store import WeightStore
 
     store = WeightStore(tmp_path)
-    _convert(store, source, "v", "nvfp4_minite")
+    _convert(store, source, "v", "nvfp4_minite_kv_nvfp4")
+    _convert(store, source, "p", "nvfp4_minite")
     kw = dict(batch_size=8, eos_id=TASK.eos_id, pad_id=TASK.pad_id)
     eng = TorchSamplerEngine(_model(99), store, "nvfp4_minite_kv_nvfp4", **kw)
     plain = TorchSamplerEngine(_model(99), store, "nvfp4_minite", **kw)
     eng.load("v")
-    plain.load("v")
+    plain.load("p")
     prompts = TASK.prompts(4, 5)
     g = eng.generate(prompts, max_new_tokens=4, guidance_bits=1)
     rec = GuidanceRecord.decode(g.guidance[0].encode())

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from alignclient.errors import ChecksumMismatchError, SpecError
-from alignd.formats.convert import convert_published, target_spec
+from alignd.formats.convert import convert_published, path_kv_format, target_spec
 from alignd.formats.published import write_published
 from alignd.formats.weight_store import WeightStore
 from alignd.sampler.engine import TorchSamplerEngine
@@ -34,7 +34,8 @@ def _convert(store: WeightStore, model, vid: str, target: str):
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     write_published(store.published_root, vid, sd)
     spec, quantize = target_spec(PRESETS["minite"], target)
-    convert_published(store.published_path(vid), store, vid, spec, quantize=quantize)
+    convert_published(store.published_path(vid), store, vid, spec, quantize=quantize,
+                      kv_format=path_kv_format(target))
 
 
 def _engine(store, source, path):

@@ -22,7 +22,11 @@ version is also written, once, in the layout SGLang samplers load
 (:class:`~alignd.formats.modelopt_export.ModelOptExport`, from the store version: nothing
 is quantized twice; fused siblings are quantized with one outer maximum for it), before it
 becomes ``converted``; a version whose numerics SGLang cannot load (row-scaled, MXFP4,
-unquantized: for another sampler path) gets no export. Bad input (NaN/Inf, wrong dtype, wrong
+unquantized: for another sampler path) gets no export. A version converted for a sampler path
+with an FP4 KV cache (``nvfp4_minite_kv_*``) names that KV format in its manifest
+(``extra["kv"]``: :func:`~alignd.formats.convert.kv_manifest`), with the per-layer global K/V
+scales of ``kv_scales_file`` where the format takes them (``kv_sglang_nvfp4``; unset: SGLang's
+default 1.0); a sampler refuses a version made for another KV format. Bad input (NaN/Inf, wrong dtype, wrong
 shape, missing shard) moves the version to ``failed`` with a reason naming the tensor or
 shard; the message is acked and the service goes on. So does a full disk or quota
 (``ENOSPC``, ``EDQUOT``): ``no_space`` with the error, its path and the store's free bytes;
@@ -49,7 +53,9 @@ import time
 from collections.abc import Callable
 
 from alignclient.errors import (
+    AlignError,
     BusUnavailableError,
+    ConfigError,
     EventError,
     InputError,
     StateTransitionError,
@@ -58,7 +64,13 @@ from alignclient.errors import (
     VersionNotFoundError,
 )
 
-from alignd.formats.convert import convert_published, resolve_spec, target_spec
+from alignd.formats.convert import (
+    convert_published,
+    load_kv_scales,
+    path_kv_format,
+    resolve_spec,
+    target_spec,
+)
 from alignd.formats.manifest import Manifest
 from alignd.formats.modelopt_export import exports_for, holds
 from alignd.formats.weight_store import WeightStore
@@ -68,6 +80,7 @@ from alignd.infra.registry import Registry
 from alignd.infra.settings import ConverterSettings
 from alignd.infra.telemetry import Metrics
 from alignd.sync.announce import converted_event
+from libalign.models.kv_cache import KVScales, kv_spec_of
 from libalign.spec import NumericsSpec
 
 log = logging.getLogger(__name__)
@@ -113,6 +126,10 @@ class ConverterWorker:
         self.exports = exports_for(settings.sampler_layout, store, settings.sglang_model_dir,
                                    settings.sglang_export_dir,
                                    shard_bytes=settings.store_shard_bytes)
+        try:
+            self.kv_scales = load_kv_scales(settings.kv_scales_file)
+        except AlignError as e:
+            raise ConfigError(f"kv_scales_file: {e}") from None
         #: version id -> the unexpected error of its last delivery here (said when giving up)
         self.last_errors: dict[str, str] = {}
 
@@ -216,12 +233,21 @@ class ConverterWorker:
                 quantize=quantize, share_fused=self.exports is not None,
                 device=self.settings.converter_device,
                 shard_bytes=self.settings.store_shard_bytes, overwrite=overwrite, on_step=self._step,
-                on_tensor=lambda name: self._stop_here(vid, name))
+                on_tensor=lambda name: self._stop_here(vid, name),
+                kv_format=path_kv_format(target_path), kv_scales=self._kv_scales(target_path))
         except VersionExistsError:  # a concurrent converter committed first
             manifest = self.store.verify_version(vid)
         self._step("committed")
         self._export(vid, spec, quantize)
         return manifest
+
+    def _kv_scales(self, target_path: str | None) -> KVScales | None:
+        """The K/V global scales a version for ``target_path`` names: the configured ones
+        (``kv_scales_file``) when the path's KV format takes them, else None."""
+        kv = path_kv_format(target_path)
+        if kv is None or kv_spec_of(kv).outer_source != "given":
+            return None
+        return self.kv_scales
 
     def _export(self, vid: str, spec: NumericsSpec, quantize: bool) -> None:
         """The version in the samplers' layout too (``sampler_layout=modelopt``), if SGLang can

@@ -8,7 +8,8 @@ ready-to-load and a script can convert a directory by hand.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +48,49 @@ def kv_manifest(kv_format: str | None, scales: KVScales | None = None) -> dict |
             "scales": None if scales is None else scales.to_dict()}
 
 
-def check_kv_manifest(extra: dict, kv_format: str | None) -> None:
-    """SpecError naming ``kv.format`` when a version was made for another KV format than the
-    sampler runs (a version without the field was made for K and V in the model's dtype)."""
-    made = (extra.get("kv") or {}).get("format")
+def path_kv_format(path: str | None) -> str | None:
+    """The KV preset execution path ``path`` stores K and V in (None: the model's dtype, or no
+    path named): what a version converted for that path says in its manifest."""
+    if path is None:
+        return None
+    kv = get_path(path).kv_spec
+    return None if kv is None else kv.name
+
+
+def load_kv_scales(path: Path | str | None) -> KVScales | None:
+    """:class:`KVScales` from a JSON file of :meth:`KVScales.to_dict`'s form (None: no file);
+    SpecError naming the file when it cannot be read or holds no valid scales."""
+    if path is None:
+        return None
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SpecError(f"KV scales file {str(path)!r}: {e}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"KV scales file {str(path)!r} holds no {{source, k, v}} object")
+    return KVScales.from_dict(data)
+
+
+def check_kv_manifest(extra: Mapping[str, Any], kv_format: str | None) -> KVScales | None:
+    """The global K/V scales a sampler running KV format ``kv_format`` must write with, from a
+    version's manifest ``extra`` (None: the format takes none, or the version names none and
+    SGLang's default 1.0 holds).
+
+    SpecError with ``field="kv.format"`` when the version was made for another KV format than
+    the sampler runs (a version without the field was made for K and V in the model's dtype),
+    and with ``field="kv.scales"`` when its scales cannot be read: the sampler loads nothing.
+    """
+    kv = extra.get("kv") or {}
+    made = kv.get("format")
     if made != kv_format:
         raise SpecError(f"field kv.format: the version was made for KV format {made!r}, the "
-                        f"sampler runs {kv_format!r}")
+                        f"sampler runs {kv_format!r}", field="kv.format")
+    if kv.get("scales") is None:
+        return None
+    try:
+        return KVScales.from_dict(kv["scales"])
+    except AlignError as e:
+        raise SpecError(f"field kv.scales: {e}", field="kv.scales") from None
 
 
 def resolve_spec(spec: NumericsSpec | str) -> NumericsSpec:

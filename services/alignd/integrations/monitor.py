@@ -65,7 +65,7 @@ from alignclient.ids import check_rollout_id
 from alignclient.retry import RetryPolicy, refused
 from prometheus_client import CollectorRegistry
 
-from alignd.formats.convert import resolve_spec, target_spec
+from alignd.formats.convert import kv_manifest, path_kv_format, resolve_spec, target_spec
 from alignd.formats.published import differs_from, write_published
 from alignd.formats.selection import make_select
 from alignd.formats.weight_store import WeightStore
@@ -278,11 +278,14 @@ class WeightPublisher:
             self._publish_bf16(items, version_id, target_path, meta)
             return "published"
         spec, quantize = target_spec(resolve_spec(preset), target_path)
+        extra = {"all_linear": all_linear, "quantized": quantize}
+        kv = kv_manifest(path_kv_format(target_path))  # the KV format a sampler checks
+        if kv is not None:
+            extra["kv"] = kv
         self.store.write_version(
             version_id, items, spec,
             select=make_select(all_linear) if quantize else (lambda name, t: False),
-            source={"kind": "tensors"}, extra={"all_linear": all_linear, "quantized": quantize},
-            device=device)
+            source={"kind": "tensors"}, extra=extra, device=device)
         announce_converted(Registry(self.bus, self.key_prefix), self.bus,
                            event_stream(self.key_prefix, "converted"), self.store, version_id,
                            spec.name, target_path=target_path, actor="trainer")

@@ -20,11 +20,16 @@ the GEMMs multiply exactly the codes the converter stored (installed with
 :func:`libalign.models.install_prepared_weights`, never re-quantized). A version must have
 been converted for the engine's path (its weight spec), or loading refuses it with a
 :class:`~alignclient.errors.SpecError`. A path with a KV format (``nvfp4_minite_kv_nvfp4``,
-``nvfp4_minite_kv_mxfp4``) stores K and V as FP4 bits (:mod:`libalign.models.kv_cache`) and,
-when guidance is asked for, records them too (sites ``k``, ``v`` of the last
-``guidance_last_layers`` decoder layers). Every record names the weight version and the
-model's layer and KV-head counts it was made with, which the learner checks. The SGLang
-adapter (a later issue) implements the same protocol over HTTP.
+``nvfp4_minite_kv_mxfp4``, SGLang's ``nvfp4_minite_kv_sglang_nvfp4`` and
+``nvfp4_minite_kv_sglang_fp4_mx_block16``) stores K and V as FP4 bits
+(:mod:`libalign.models.kv_cache`) and, when guidance is asked for, records them too (sites
+``k``, ``v`` of the last ``guidance_last_layers`` decoder layers). The version's manifest must
+name that KV format (``extra["kv"]``, :func:`alignd.formats.convert.check_kv_manifest`: a
+:class:`~alignclient.errors.SpecError` with ``field="kv.format"`` otherwise, nothing loaded),
+and the cache writes with the per-layer global scales it names, where the format takes them.
+Every record names the weight version and the model's layer and KV-head counts it was made
+with, which the learner checks. The SGLang adapter (:mod:`alignd.sampler.sglang_engine`)
+implements the same protocol over HTTP.
 """
 
 from __future__ import annotations
@@ -39,10 +44,12 @@ import torch
 from alignclient.errors import ManifestError, ShapeError, SpecError
 from torch import nn
 
+from alignd.formats.convert import check_kv_manifest
 from alignd.formats.weight_store import WeightStore
 from libalign import gemm, models
 from libalign.guidance import GuidanceRecord, select_layers
 from libalign.models import strict as strict_mode
+from libalign.models.kv_cache import KVScales, kv_scales_for
 from libalign.models.routing_replay import capture_routing
 from libalign.models.teacher_forcing import replay_decode
 from libalign.routing.records import RoutingRecord
@@ -139,11 +146,17 @@ class TorchSamplerEngine:
 
     # --- loading --------------------------------------------------------------------------
 
-    def _prepare(self, version_id: str) -> tuple[dict[str, torch.Tensor], dict[str, NVFP4Tensor]]:
-        """Read and verify a version; check it fits the model and the path (no state changes)."""
+    def _prepare(self, version_id: str) -> tuple[dict[str, torch.Tensor], dict[str, NVFP4Tensor],
+                                                 KVScales | None]:
+        """Read and verify a version; check it fits the model and the path, its KV format
+        included (no state changes). Returns its tensors and the K/V scales to write with."""
         sv = self.store.read_version(version_id, verify=True)
         params = dict(self.model.named_parameters())
         p = gemm.get_path(self.path)
+        kv = p.kv_spec
+        scales = check_kv_manifest(sv.manifest.extra, None if kv is None else kv.name)
+        if kv is not None:  # scales that do not cover the model's layers: refused here
+            scales = kv_scales_for(kv, scales, self.geometry["layers"])
         dense: dict[str, torch.Tensor] = {}
         quantized: dict[str, NVFP4Tensor] = {}
         for name, item in sv.tensors.items():
@@ -171,11 +184,11 @@ class TorchSamplerEngine:
         if missing:
             raise ManifestError(f"version {version_id!r} lacks {len(missing)} parameters, e.g. "
                                 f"{sorted(missing)[:3]}")
-        return dense, quantized
+        return dense, quantized, scales
 
     def load(self, version_id: str) -> dict:
         """Verify ``version_id`` against its manifest, pause generation, switch, resume."""
-        dense, quantized = self._prepare(version_id)
+        dense, quantized, scales = self._prepare(version_id)
         dev = self.device
         with self._lock, torch.no_grad():
             params = dict(self.model.named_parameters())
@@ -185,6 +198,7 @@ class TorchSamplerEngine:
                 module, attr = _owner(self.model, name)
                 weights = gemm.weights_from_quantized(q.to(dev), self.path, params[name].detach())
                 models.install_prepared_weights(module, self.path, attr, weights)
+            models.set_kv_format(self.model, gemm.get_path(self.path).kv_spec, scales)
             self._version = version_id
         return {"version_id": version_id, "tensors": len(dense), "quantized": len(quantized)}
 

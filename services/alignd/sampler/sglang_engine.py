@@ -77,7 +77,9 @@ Loading a version (the weight-sync flow)
        written once by whoever converted the version (:mod:`alignd.formats.modelopt_export`;
        the converter with ``ALIGN_SAMPLER_LAYOUT=modelopt``). ``exporter(version_id, path)``
        returns its directory; refusals (a version the path's method does not load, MXFP4, one
-       missing from the store) raise before any server is touched, outside the switch lock;
+       missing from the store, one whose manifest names another KV format than the path's:
+       :class:`~alignclient.errors.SpecError` with ``field="kv.format"``) raise before any
+       server is touched, outside the switch lock;
     2. each server is checked (``GET /get_server_info``): a quantization other than the path's
        (``nvfp4_naive``: ``modelopt_fp4``; ``nvfp4_minite``: ``libalign_minite``), an embedding
        model, or a model path neither the model directory nor under the export root is

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from alignclient.errors import ConfigError
 
+from alignd.formats.convert import check_kv_manifest, path_kv_format
 from alignd.formats.modelopt_export import ModelOptExport, path_method
 from alignd.formats.quant_configs import MINITE_PATH
 from alignd.formats.weight_store import WeightStore
@@ -86,8 +87,13 @@ class ExportOrWrite:
         self.exports = exports
 
     def __call__(self, version_id: str, path: str | None = None) -> Path:
+        """The export's directory, after checking the version was made for sampler path
+        ``path``: its SGLang method (LayoutError) and its KV format (SpecError with
+        ``field="kv.format"``: :func:`~alignd.formats.convert.check_kv_manifest`)."""
         if path is not None:
             self.exports.check_method(version_id, path)
+            check_kv_manifest(self.exports.store.read_manifest(version_id).extra,
+                              path_kv_format(path))
         if not self.exports.exists(version_id):
             log.warning("version %s has no ModelOpt export at %s (the converter writes one with "
                         "ALIGN_SAMPLER_LAYOUT=modelopt); writing it from the store version",
