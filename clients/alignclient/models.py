@@ -293,7 +293,10 @@ class RoutingWire(Wire):
     top_k: StrictInt = Field(ge=1, le=MAX_ROUTING_EXPERTS)
     num_experts: StrictInt = Field(ge=1, le=MAX_ROUTING_EXPERTS)
     experts: str = Field(description="base64 of the expert ids, row-major")
-    weights: str | None = Field(None, description="base64 of the bf16 gate weights, same shape")
+    weights: str | None = Field(None, description="base64 of the gate weights, same shape")
+    weights_dtype: Literal["bfloat16", "float32"] = Field(
+        "bfloat16", description="the weights' dtype: bf16 (Hugging Face sampler) or fp32 "
+        "(a Megatron-core router in fp32)")
     version_id: SafeId | None = Field(None, description="weight version the sampler routed with")
 
     @property
@@ -334,9 +337,10 @@ class RoutingWire(Wire):
                 lo, hi = min(arr), max(arr)
             if lo < 0 or hi >= self.num_experts:
                 raise ValueError(f"expert ids must lie in [0, {self.num_experts}), got {lo}..{hi}")
-        if weights is not None and len(weights) != 2 * len(ids) // self.id_bytes:
+        size = 2 if self.weights_dtype == "bfloat16" else 4
+        if weights is not None and len(weights) != size * len(ids) // self.id_bytes:
             raise ValueError(f"weights holds {len(weights)} bytes; {len(ids) // self.id_bytes} "
-                             "bf16 weights need twice that")
+                             f"{self.weights_dtype} weights need {size} bytes each")
         return self
 
 

@@ -74,10 +74,13 @@ def _real_keys(model: nn.Module, rows: int) -> torch.Tensor:
 class RoutingCapture:
     """What :func:`capture_routing` kept: per layer, row keys and top-k ids (and weights)."""
 
-    def __init__(self, layers: list[int], num_experts: int, weights: bool):
+    def __init__(self, layers: list[int], num_experts: int, weights: bool,
+                 weight_dtype: torch.dtype | None = WEIGHT_DTYPE):
         self.layers = layers
         self.num_experts = num_experts
         self.keep_weights = weights
+        self.weight_dtype = weight_dtype
+        """the dtype weights are kept in (None: the router's own, e.g. fp32)"""
         self._parts: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {
             x: [] for x in layers}
 
@@ -85,7 +88,9 @@ class RoutingCapture:
             weights: torch.Tensor) -> None:
         """Keep the rows of one router call that have a key."""
         real = keys >= 0
-        w = weights.detach()[real].to(WEIGHT_DTYPE) if self.keep_weights else None
+        w = weights.detach()[real] if self.keep_weights else None
+        if w is not None and self.weight_dtype is not None:
+            w = w.to(self.weight_dtype)
         self._parts[layer].append((keys[real], index.detach()[real], w))
 
     def records(self, version: str | None = None) -> dict[int, RoutingRecord]:

@@ -440,6 +440,7 @@ def routing_wire(record: RoutingRecord) -> RoutingWire:
     return RoutingWire(layers=list(record.layers), top_k=record.top_k,
                        num_experts=record.num_experts, experts=base64.b64encode(ids).decode(),
                        weights=None if w is None else base64.b64encode(w).decode(),
+                       weights_dtype=record.weights_dtype or "bfloat16",
                        version_id=record.version)
 
 
@@ -448,7 +449,7 @@ def routing_record(wire: RoutingWire) -> RoutingRecord:
     ids, w = wire.raw()
     return RoutingRecord.from_bytes(ids, positions=wire.positions, layers=wire.layers,
                                     top_k=wire.top_k, num_experts=wire.num_experts, weights=w,
-                                    version=wire.version_id)
+                                    version=wire.version_id, weights_dtype=wire.weights_dtype)
 
 
 def stored_rollout(version: str, rollout_id: str, raw: bytes) -> Rollout | None:
