@@ -19,10 +19,10 @@ Layout of a filled bucket
     one region of codes and one of scales; its per-expert entries (a ``gate_up_proj`` split in
     gate and up rows) are sub-ranges of them.
 Memory
-    The bucket being filled, its fp32 tail staged aside until the bucket closes (4 bytes a row),
-    and the row maxima (scratch, 4 bytes a row); the inputs of one batch (at most
-    ``bucket_bytes`` of them) are held until the batch is quantized. With the bucket in flight:
-    two buckets.
+    The bucket being filled and its fp32 tail, kept per weight until the bucket closes (4 bytes
+    a row: under 1 % of the bucket at K = 768), plus the row maxima of the batch being quantized
+    (scratch); the inputs of one batch (at most ``bucket_bytes`` of them) are held until the
+    batch is quantized. With the bucket in flight: two buckets.
 Passed-through tensors
     Everything not quantized goes to buckets of its own, packed as before.
 
@@ -62,6 +62,7 @@ class _Slot:
     codes_at: int
     scales_at: int
     rows_at: int  # index of its first row in the fp32 tail
+    outer: torch.Tensor  # its rows' decode scales, until the bucket closes
 
 
 class _Filler:
@@ -70,9 +71,6 @@ class _Filler:
     def __init__(self, spec: NumericsSpec, capacity: int, device: torch.device):
         self.spec, self.capacity, self.device = spec, capacity, device
         self.flat = torch.empty(capacity, dtype=torch.uint8, device=device)
-        max_rows = capacity // 40 + 1  # a row takes at least 32 + 4 + 4 bytes (K >= 64)
-        self.rows = torch.empty(max_rows, dtype=torch.float32, device=device)
-        self.amax = torch.empty(max_rows, dtype=torch.float32, device=device)
         self.used, self.nrows = 0, 0
         self.slots: list[_Slot] = []
         self.batch: list[_Slot] = []
@@ -89,7 +87,8 @@ class _Filler:
 
     def add(self, name: str, x: torch.Tensor, batch_bytes: int) -> None:
         codes, scales, rows = self.sizes(x)
-        slot = _Slot(name, x, self.used, self.used + codes, self.nrows)
+        outer = torch.empty(x.shape[:-1], dtype=torch.float32, device=self.device)
+        slot = _Slot(name, x, self.used, self.used + codes, self.nrows, outer)
         self.used += codes + scales
         self.nrows += rows
         self.slots.append(slot)
@@ -106,14 +105,13 @@ class _Filler:
         dests = []
         for s in batch:
             lead, k = tuple(s.x.shape[:-1]), s.x.shape[-1]
-            codes, scales, rows = self.sizes(s.x)
+            codes, scales, _ = self.sizes(s.x)
             dests.append(NVFP4Tensor(
                 codes=self.flat[s.codes_at:s.codes_at + codes].view(*lead, k // 2),
                 block_scales=self.flat[s.scales_at:s.scales_at + scales]
                 .view(torch.float8_e4m3fn).view(*lead, k // 16),
-                outer_scale=self.rows[s.rows_at:s.rows_at + rows].view(lead),
-                spec=self.spec, shape=tuple(s.x.shape),
-                outer_amax=self.amax[s.rows_at:s.rows_at + rows].view(lead)))
+                outer_scale=s.outer, spec=self.spec, shape=tuple(s.x.shape),
+                outer_amax=torch.empty_like(s.outer)))  # scratch, freed with the batch
         try:
             quantize_into([s.x for s in batch], dests, self.spec)
         except AlignError as e:
@@ -128,7 +126,9 @@ class _Filler:
         """The bucket: the fp32 tail copied behind the 1-byte part, entries in byte order."""
         self.quantize()
         tail = self.used
-        self.flat[tail:tail + 4 * self.nrows].view(torch.float32).copy_(self.rows[:self.nrows])
+        if self.slots:  # every slot's decode scales, in row order, in one batched copy
+            torch.cat([s.outer.reshape(-1) for s in self.slots],
+                      out=self.flat[tail:tail + 4 * self.nrows].view(torch.float32))
         ones: list[BucketEntry] = []
         fours: list[BucketEntry] = []
         for s in self.slots:
