@@ -122,6 +122,7 @@ __all__ = [  # the modules are megatron_modules', re-exported
     "transformer_config_from_hf",
     "use_guidance",
     "use_path",
+    "use_qwen3_numerics",
 ]
 
 NUMERICS = ("qwen3", "megatron")
@@ -183,14 +184,25 @@ def get_moe_layer_spec(path: PathLike = "bf16", *, num_experts: int, backend: st
         raise ConfigError(f"experts must be 'libalign' or 'te_grouped', got {experts!r}")
     moe.shared_experts = None
     if numerics == "qwen3":
-        subs.input_layernorm = Qwen3RMSNorm
-        subs.pre_mlp_layernorm = Qwen3RMSNorm
-        attn = subs.self_attention.submodules
-        attn.core_attention = SDPACoreAttention
-        if qk_layernorm:
-            attn.q_layernorm = Qwen3RMSNorm
-            attn.k_layernorm = Qwen3RMSNorm
+        use_qwen3_numerics(spec)
     return spec
+
+
+def use_qwen3_numerics(layer_spec: ModuleSpec) -> ModuleSpec:
+    """Fill a local (non-Transformer-Engine) layer spec's norms with :class:`Qwen3RMSNorm`
+    and its core attention with :class:`SDPACoreAttention`, in place (Hugging Face's order;
+    the Q/K norms only where the spec has them). Also the local spec's way to sequence
+    parallelism: Megatron's torch norm refuses it, :class:`Qwen3RMSNorm` marks its weight."""
+    subs = layer_spec.submodules
+    subs.input_layernorm = Qwen3RMSNorm
+    subs.pre_mlp_layernorm = Qwen3RMSNorm
+    attn = subs.self_attention.submodules
+    attn.core_attention = SDPACoreAttention
+    if getattr(attn, "q_layernorm", None) is not None:
+        attn.q_layernorm = Qwen3RMSNorm
+    if getattr(attn, "k_layernorm", None) is not None:
+        attn.k_layernorm = Qwen3RMSNorm
+    return layer_spec
 
 
 def get_block_spec(path: PathLike = "bf16", *, num_experts: int, num_layers: int,
@@ -216,11 +228,15 @@ def rope_theta(hf_config) -> float:
 
 
 def _parallel_sizes() -> dict[str, int]:
-    """The tensor- and expert-parallel sizes of Megatron's initialized parallel state (else 1)."""
-    if not parallel_state.model_parallel_is_initialized():
-        return {"tensor_model_parallel_size": 1, "expert_model_parallel_size": 1}
-    return {"tensor_model_parallel_size": int(parallel_state.get_tensor_model_parallel_world_size()),
-            "expert_model_parallel_size": int(parallel_state.get_expert_model_parallel_world_size())}
+    """The tensor-, expert- and expert-tensor-parallel sizes of Megatron's initialized parallel
+    state (else 1)."""
+    ps = parallel_state
+    if not ps.model_parallel_is_initialized():
+        return {"tensor_model_parallel_size": 1, "expert_model_parallel_size": 1,
+                "expert_tensor_parallel_size": 1}
+    return {"tensor_model_parallel_size": int(ps.get_tensor_model_parallel_world_size()),
+            "expert_model_parallel_size": int(ps.get_expert_model_parallel_world_size()),
+            "expert_tensor_parallel_size": int(ps.get_expert_tensor_parallel_world_size())}
 
 
 def transformer_config_from_hf(hf_config, *, dtype: torch.dtype = torch.bfloat16,
@@ -230,8 +246,9 @@ def transformer_config_from_hf(hf_config, *, dtype: torch.dtype = torch.bfloat16
     Every layer MoE (``mlp_only_layers`` empty, ``decoder_sparse_step`` 1), no shared experts,
     no biases, top-k softmax routing (renormalized over the chosen experts when
     ``norm_topk_prob``), no router auxiliary loss, the allgather dispatcher, no fused kernels,
-    weights initialized on the CPU. ``tensor_model_parallel_size`` and
-    ``expert_model_parallel_size`` are the initialized parallel state's (1 without one).
+    weights initialized on the CPU. The tensor-, expert- and expert-tensor-parallel sizes are
+    the initialized parallel state's (1 without one); sequence parallelism is on with tensor
+    parallelism (Megatron's MoE layer trains tensor-parallel only with it).
     ``overrides`` set any other field.
     """
     g = functools.partial(hf_config_value, hf_config)
@@ -262,6 +279,8 @@ def transformer_config_from_hf(hf_config, *, dtype: torch.dtype = torch.bfloat16
         persist_layer_norm=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
     )
+    # Megatron's MoE layer refuses to train tensor-parallel without sequence parallelism
+    fields["sequence_parallel"] = fields["tensor_model_parallel_size"] > 1
     fields.update(overrides)
     return TransformerConfig(**fields)
 

@@ -32,9 +32,21 @@ A no-op CUDA RNG tracker (``tensor_parallel.random._CUDA_RNG_STATE_TRACKER``)
     The *alltoall* token dispatcher creates a side stream when it is built and copies its
     split sizes to the host on it (``wait_stream``, ``with torch.cuda.stream(s)``,
     ``record_event().synchronize()``). On the CPU every tensor already is on the host and
-    every op is synchronous, so one stream that does nothing stands for all of them; the
-    copies themselves are skipped by Megatron (``maybe_move_tensor_to_cpu`` moves only CUDA
-    tensors).
+    every op is synchronous, so one stream that does nothing stands for all of them.
+``token_dispatcher.maybe_move_tensor_to_cpu`` -> also turns host tensors into NumPy arrays
+    At that same point the dispatcher turns its all-to-all split sizes into NumPy arrays
+    (what ``all_to_all_single`` accepts as a list of sizes), but only for CUDA tensors: on
+    the CPU they would stay tensors, which ``all_to_all_single`` refuses. The replacement
+    converts CPU tensors too when asked for NumPy.
+
+One shim for the training schedules only
+----------------------------------------
+:func:`cpu_factories` (not part of :func:`cpu_shims`: it puts a Python hook on every torch
+call while open) turns ``device="cuda"`` in tensor factories (``torch.zeros``, ``torch.tensor``,
+...) into the CPU. Megatron's schedules (``get_forward_backward_func()``'s functions) allocate
+their token counter that way; open it around a schedule call. Megatron's optimizer classes
+need more than this (they compare ``param.type()`` with ``'torch.cuda.BFloat16Tensor'``) and
+have no CPU path here.
 
 One fix that is not about the CPU
 ---------------------------------
@@ -65,6 +77,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from libalign.models.megatron_parallel import free_port
 
@@ -138,12 +151,43 @@ def _cpu_stream_context(_stream=None) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor
+
+
 def _cpu_device() -> torch.device:
     return torch.device("cpu")
 
 
 def _cpu_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+_FACTORIES = frozenset({torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor,
+                        torch.arange, torch.zeros_like, torch.ones_like, torch.empty_like})
+
+
+class CpuFactoryMode(TorchFunctionMode):
+    """Tensor factories asked for ``device="cuda"`` (or a CUDA device) allocate on the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        dev = kwargs.get("device")
+        if func in _FACTORIES and dev is not None and torch.device(dev).type == "cuda":
+            kwargs["device"] = torch.device("cpu")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cpu_factories(enabled: bool | None = None) -> Iterator[None]:
+    """:class:`CpuFactoryMode` while inside (``enabled=None``: only without CUDA)."""
+    if not (needs_cpu_shims() if enabled is None else enabled):
+        yield
+        return
+    with CpuFactoryMode():
+        yield
 
 
 def fix_missing_te() -> None:
@@ -162,6 +206,10 @@ def _install() -> None:
     _SAVED["current_device"] = torch.cuda.current_device
     _SAVED["tracker"] = (mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED)
     _SAVED["causal_mask"] = fused_softmax.get_default_causal_mask
+    from megatron.core.transformer.moe import token_dispatcher
+
+    _SAVED["host_copy"] = token_dispatcher.maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
     _SAVED["streams"] = (torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream)
     torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream = \
         _cpu_stream, _cpu_stream, _cpu_stream_context
@@ -179,6 +227,9 @@ def _uninstall() -> None:
     mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = _SAVED.pop("tracker")
     fused_softmax.get_default_causal_mask = _SAVED.pop("causal_mask")
     torch.cuda.Stream, torch.cuda.current_stream, torch.cuda.stream = _SAVED.pop("streams")
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _SAVED.pop("host_copy")
 
 
 def needs_cpu_shims() -> bool:

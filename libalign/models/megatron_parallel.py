@@ -79,6 +79,8 @@ class RankInfo:
     ep_size: int
     backend: str
     device: torch.device
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 def no_multicast_env() -> dict[str, str]:
@@ -99,7 +101,8 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def check_layout(world_size: int, expert_model_parallel_size: int, backend: str) -> None:
+def check_layout(world_size: int, expert_model_parallel_size: int, backend: str,
+                 tensor_model_parallel_size: int = 1) -> None:
     """Refuse a world that cannot be built, before any process starts."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -108,6 +111,9 @@ def check_layout(world_size: int, expert_model_parallel_size: int, backend: str)
     ep = expert_model_parallel_size
     if ep < 1 or world_size % ep:
         raise ConfigError(f"expert_model_parallel_size {ep} must divide world_size {world_size}")
+    tp = tensor_model_parallel_size
+    if tp < 1 or world_size % tp:
+        raise ConfigError(f"tensor_model_parallel_size {tp} must divide world_size {world_size}")
     if backend == "nccl":
         have = torch.cuda.device_count()
         if have < world_size:
@@ -129,11 +135,17 @@ def _env_int(name: str) -> int | None:
 def process_group(rank: int | None = None, world_size: int | None = None, *,
                   expert_model_parallel_size: int | None = None, backend: str | None = None,
                   master_addr: str | None = None, master_port: int | None = None,
-                  timeout_s: float = 600.0, device: str | None = None) -> Iterator[RankInfo]:
+                  timeout_s: float = 600.0, device: str | None = None,
+                  tensor_model_parallel_size: int = 1) -> Iterator[RankInfo]:
     """Make this process rank ``rank`` of ``world_size`` with Megatron's parallel state.
 
-    Tensor and pipeline parallel sizes are 1; the expert-parallel size defaults to the world
-    size. ``device`` is where the rank computes: ``cuda`` (GPU ``$LOCAL_RANK``, else ``rank %
+    The pipeline-parallel size is 1; the expert-parallel size defaults to the world size.
+    ``tensor_model_parallel_size`` splits the dense layers (attention, shared experts);
+    experts are never split (expert tensor-parallel size 1), so with ``T`` and ``P`` both 2
+    on two ranks, the ranks share the dense layers' work and hold half of the experts each
+    (Megatron's "parallel folding").
+
+    ``device`` is where the rank computes: ``cuda`` (GPU ``$LOCAL_RANK``, else ``rank %
     device_count``; the default with ``nccl``, which needs a GPU per rank) or ``cpu`` (the
     default with ``gloo``). ``gloo`` with ``cuda`` lets several ranks share one GPU,
     communicating through host memory: a functional check, not a speed one.
@@ -152,7 +164,8 @@ def process_group(rank: int | None = None, world_size: int | None = None, *,
     master_addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
     backend = backend or default_backend()
     ep = world_size if expert_model_parallel_size is None else int(expert_model_parallel_size)
-    check_layout(world_size, ep, backend)
+    tp = int(tensor_model_parallel_size)
+    check_layout(world_size, ep, backend, tp)
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is outside world_size {world_size}")
     if dist.is_initialized():
@@ -177,11 +190,12 @@ def process_group(rank: int | None = None, world_size: int | None = None, *,
                             timeout=datetime.timedelta(seconds=timeout_s))
     try:
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-            expert_model_parallel_size=ep)
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+            expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
         try:
             yield RankInfo(rank, world_size, parallel_state.get_expert_model_parallel_rank(),
-                           parallel_state.get_expert_model_parallel_world_size(), backend, dev)
+                           parallel_state.get_expert_model_parallel_world_size(), backend, dev,
+                           parallel_state.get_tensor_model_parallel_rank(), tp)
         finally:
             parallel_state.destroy_model_parallel()
     finally:
@@ -196,7 +210,7 @@ SHUTDOWN_GRACE_S = 10
 
 
 def _rank_entry(fn: Callable[..., Any], ep: int, backend: str, device: str | None,
-                timeout_s: float, run_dir: str, args: tuple) -> Any:
+                timeout_s: float, run_dir: str, args: tuple, tp: int = 1) -> Any:
     """What each rank runs: join the group from the agent's environment, call ``fn``.
 
     The rank's pid goes to ``run_dir`` first (for :func:`launch`'s stop and timeout), and an
@@ -206,7 +220,7 @@ def _rank_entry(fn: Callable[..., Any], ep: int, backend: str, device: str | Non
     (Path(run_dir) / f"rank-{rank:05d}.pid").write_text(str(os.getpid()))
     try:
         with process_group(expert_model_parallel_size=ep, backend=backend, timeout_s=timeout_s,
-                           device=device) as info:
+                           device=device, tensor_model_parallel_size=tp) as info:
             return fn(info, *args)
     except BaseException as e:
         (Path(run_dir) / f"rank-{rank:05d}.err").write_text(
@@ -289,7 +303,8 @@ def _caller_signals_kept(names: tuple[str, ...]) -> Iterator[None]:
 
 def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
            expert_model_parallel_size: int | None = None, backend: str | None = None,
-           device: str | None = None, timeout_s: float = 600.0, stop=None) -> list[Any]:
+           device: str | None = None, timeout_s: float = 600.0, stop=None,
+           tensor_model_parallel_size: int = 1) -> list[Any]:
     """Run ``fn(rank_info, *args)`` in ``world_size`` fresh processes; return their results.
 
     The ranks are started by torch's elastic agent (what ``torchrun`` runs), on this host,
@@ -297,7 +312,7 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
     arguments and result picklable. Results come back in rank order. Any rank that raises,
     or dies without a result, makes the whole call raise :class:`DistributedRunError` naming
     the ranks and their errors; the agent stops the other ranks. ``device``: see
-    :func:`process_group`.
+    :func:`process_group`, as is ``tensor_model_parallel_size``.
 
     ``stop`` (a ``threading.Event``, e.g. set by the caller's SIGTERM handler) is passed on to
     rank 0 as SIGTERM, once: a driving rank 0 can then end cleanly and release the others;
@@ -307,7 +322,8 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
     """
     backend = backend or default_backend()
     ep = world_size if expert_model_parallel_size is None else int(expert_model_parallel_size)
-    check_layout(world_size, ep, backend)
+    tp = int(tensor_model_parallel_size)
+    check_layout(world_size, ep, backend, tp)
     no_multicast_env()  # in this process too, so every process of the run has them
     agent_signals = AGENT_SIGNALS if stop is None else ("SIGHUP", "SIGQUIT")
     with tempfile.TemporaryDirectory(prefix="libalign-launch-") as tmp:
@@ -326,7 +342,7 @@ def launch(fn: Callable[..., Any], world_size: int, *, args: tuple = (),
         try:
             with _caller_signals_kept(AGENT_SIGNALS):
                 values = elastic_launch(config, _rank_entry)(fn, ep, backend, device, timeout_s,
-                                                             str(run_dir), args)
+                                                             str(run_dir), args, tp)
         except ChildFailedError as e:
             errors = _failure_report(e.failures, run_dir)
             why = f" (timed out after {timeout_s:g} s)" if watch.timed_out else ""

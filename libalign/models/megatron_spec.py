@@ -63,13 +63,13 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from libalign import gemm
 from libalign.errors import ConfigError, SpecError
-from libalign.models.megatron import moe_submodules
+from libalign.models.megatron import NUMERICS, moe_submodules, use_qwen3_numerics
 from libalign.models.megatron_grouped import (
     LibalignColumnGroupedLinear,
     LibalignRowGroupedLinear,
     check_expert_tensor_parallel,
 )
-from libalign.models.megatron_modules import LibalignGroupedMLP, PathLike
+from libalign.models.megatron_modules import LibalignGroupedMLP, PathLike, Qwen3RMSNorm
 
 __all__ = [
     "DISPATCHERS",
@@ -157,16 +157,35 @@ def check_config(config: TransformerConfig, *, experts: str = "te_grouped") -> N
 
 
 def make_spec(path: PathLike = "bf16", *, backend: str = "auto", experts: str = "te_grouped",
-              ) -> Callable[..., TransformerBlockSubmodules]:
-    """``spec(args, config, vp_stage=None)`` as slime's ``--spec`` calls it (module docstring)."""
+              numerics: str = "megatron") -> Callable[..., TransformerBlockSubmodules]:
+    """``spec(args, config, vp_stage=None)`` as slime's ``--spec`` calls it (module docstring).
+
+    ``numerics="qwen3"`` (local spec only, ``--transformer-impl local``) also fills the norms
+    and core attention with Hugging Face's order
+    (:func:`~libalign.models.megatron.use_qwen3_numerics`); it is the local spec's way to
+    sequence parallelism, which Megatron's torch norm refuses.
+    """
     gemm.get_path(path)
+    if numerics not in NUMERICS:
+        raise ConfigError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
 
     def spec(args, config: TransformerConfig, vp_stage: int | None = None):
         check_config(config, experts=experts)
         use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
+        if numerics == "qwen3" and use_te:
+            raise ConfigError("numerics='qwen3' fills the local spec: use --transformer-impl local")
+        if config.sequence_parallel and not use_te and numerics != "qwen3":
+            raise ConfigError("--sequence-parallel on the local spec needs numerics='qwen3' "
+                              "(Megatron's torch norm refuses it) or --transformer-impl "
+                              "transformer_engine")
         kwargs = {} if vp_stage is None else {"vp_stage": vp_stage}
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, **kwargs)
-        return use_libalign_experts(block, path, backend=backend, experts=experts)
+        block = use_libalign_experts(block, path, backend=backend, experts=experts)
+        if numerics == "qwen3":
+            for layer in block.layer_specs:
+                use_qwen3_numerics(layer)
+            block.layer_norm = Qwen3RMSNorm
+        return block
 
     spec.__name__ = spec.__qualname__ = str(getattr(path, "name", path))
     spec.__doc__ = f"slime's --spec provider: Megatron's block, experts on {spec.__name__}."
