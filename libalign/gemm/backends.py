@@ -14,7 +14,7 @@ import torch
 
 from libalign.errors import SpecError
 from libalign.gemm.cutlass_grouped import native_grouped_gemm_gap
-from libalign.gemm.paths import Backend, ExecutionPath
+from libalign.gemm.paths import Backend, Epilogue, ExecutionPath
 from libalign.gemm.triton_grouped import triton_act_gap, triton_gemm_available, triton_k_gap
 
 BACKENDS = Backend.values()
@@ -28,6 +28,9 @@ def resolve_backend(backend: str, device: torch.device, path: ExecutionPath, k: 
         raise SpecError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == Backend.AUTO:
         backend = path.backend
+    if backend in ("triton", "native") and path.epilogue != Epilogue.DEC_PRODUCT:
+        raise SpecError(f"the {backend} W4A4 backend scales by the decode-scale product; path "
+                        f"{path.name!r} takes TE's epilogue {path.epilogue!r} (reference, torch)")
     if backend == "triton":
         if not triton_gemm_available(device):
             raise SpecError(f"the triton W4A4 backend needs a CUDA device with Triton, got {device}")
@@ -41,7 +44,7 @@ def resolve_backend(backend: str, device: torch.device, path: ExecutionPath, k: 
             raise SpecError(f"the native Blackwell W4A4 backend cannot serve this call: {gap}")
     if backend != Backend.AUTO:
         return Backend(backend)
-    if not path.quantized or device.type != "cuda":
+    if not path.quantized or device.type != "cuda" or path.epilogue != Epilogue.DEC_PRODUCT:
         return Backend.TORCH
     native, triton = device_kernels(device)
     if native:

@@ -16,7 +16,13 @@ import torch
 from libalign.errors import DTypeError, ShapeError, SpecError
 from libalign.gemm.backends import resolve_backend
 from libalign.gemm.cutlass_grouped import grouped_activation_scales, native_grouped_gemm
-from libalign.gemm.inner import epilogue, inner_dtype, inner_values, row_decode_scales
+from libalign.gemm.inner import (
+    epilogue,
+    inner_dtype,
+    inner_values,
+    row_decode_scales,
+    row_epilogue_scales,
+)
 from libalign.gemm.row_groups import GroupLayout, group_layout
 from libalign.gemm.triton_grouped import (
     fused_guidance_enabled,
@@ -92,9 +98,10 @@ def quantized_grouped(a: torch.Tensor, w: ExpertWeights, layout: GroupLayout,
                                        row_decode_scales(qa), offs, w.operand.codes,
                                        w.operand.block_scales, w.dec)
     if act_q is not None:
-        a_in, a_dec = inner_values(act_q, inner_dtype(a.device)), row_decode_scales(act_q)
+        a_in, a_dec = inner_values(act_q, inner_dtype(a.device)), row_epilogue_scales(act_q, w.path)
     else:
-        _, a_in, a_dec = quantize_activations(a, spec)
+        qa, a_in, _ = quantize_activations(a, spec)
+        a_dec = row_epilogue_scales(qa, w.path)
     out = a.new_empty((a.shape[0], w.shape[1]), dtype=out_dtype)
     if backend == "reference":
         w_in64 = inner_values(w.q, torch.float64)
@@ -102,11 +109,11 @@ def quantized_grouped(a: torch.Tensor, w: ExpertWeights, layout: GroupLayout,
 
         def one(e, s):
             acc = (a_in64[s] @ w_in64[e].T).float()
-            return epilogue(acc, a_dec[s], w.dec[e], out_dtype)
+            return epilogue(acc, a_dec[s], w.dec[e], out_dtype, w.path)
     else:
         def one(e, s):
             acc = a_in[s].float() @ w.inner[e].float().T
-            return epilogue(acc, a_dec[s], w.dec[e], out_dtype)
+            return epilogue(acc, a_dec[s], w.dec[e], out_dtype, w.path)
     return per_expert(layout, one, out)
 
 

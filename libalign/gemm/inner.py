@@ -3,8 +3,10 @@
 Step 1 of the W4A4 product (see :mod:`libalign.gemm`) multiplies each E2M1 code by its block's
 E4M3 scale: :func:`inner_values` (one gather per code byte from :func:`inner_table`, exact in
 bf16 and fp32). Step 3 scales the fp32 accumulator once by both rows' outer decode scales
-(:func:`row_decode_scales`, :func:`epilogue`). :func:`w4a4_reference` puts the three steps
-together with a float64 accumulator: the product every backend is measured against.
+(:func:`row_decode_scales`, :func:`epilogue`), or as the path's peer does (TE forms its
+``alpha`` from the stored maxima; :class:`~libalign.gemm.paths.Epilogue`).
+:func:`w4a4_reference` puts the three steps together with a float64 accumulator: the
+product every backend is measured against.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from libalign.errors import DTypeError, ShapeError
 from libalign.gemm.backends import device_kernels
+from libalign.gemm.paths import Epilogue, ExecutionPath
 from libalign.gemm.triton_grouped import triton_inner_values
 from libalign.spec import NVFP4Tensor
 from libalign.spec.packing import unpack_nibbles
@@ -77,14 +80,46 @@ def row_decode_scales(q: NVFP4Tensor) -> torch.Tensor:
     return dec.reshape(rows)
 
 
+def row_epilogue_scales(q: NVFP4Tensor, path: ExecutionPath | None = None) -> torch.Tensor:
+    """What the path's epilogue reads of every row of ``q`` (shape ``q.shape[:-1]``): the outer
+    decode scales (:func:`row_decode_scales`), or for TE's epilogues the stored maxima."""
+    if path is None or path.epilogue == Epilogue.DEC_PRODUCT:
+        return row_decode_scales(q)
+    rows = q.shape[:-1]
+    amax = q.outer_scale.float()  # the path requires outer convention 'amax'
+    dom = q.spec.outer_domain
+    if dom == "tensor":
+        return amax.reshape(()).expand(rows).contiguous()
+    if dom == "expert":
+        return amax.reshape(-1, *([1] * (len(rows) - 1))).expand(rows).contiguous()
+    return amax.reshape(rows)
+
+
+def te_factor(path: ExecutionPath) -> torch.Tensor:
+    """TE's ``factor_inv = 1.0f / (6 * 6 * E_A * E_B)`` (fp32, left to right, exact product)."""
+    e_w, e_a = path.weight_spec.e4m3_max, path.act_spec.e4m3_max
+    prod = torch.tensor(6.0, dtype=torch.float32) * 6.0 * e_w * e_a
+    return torch.reciprocal(prod)
+
+
 def epilogue(acc: torch.Tensor, a_dec: torch.Tensor, w_dec: torch.Tensor,
-             dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Step 3: ``dtype(fl(acc * fl(a_dec[m] * w_dec[n])))`` for an fp32 ``acc`` ``[M, N]``."""
-    alpha = a_dec.float().reshape(-1, 1) * w_dec.float().reshape(1, -1)
-    return (acc * alpha).to(dtype)
+             dtype: torch.dtype = torch.bfloat16, path: ExecutionPath | None = None) -> torch.Tensor:
+    """Step 3 for an fp32 ``acc`` ``[M, N]`` under the path's :class:`Epilogue`:
+    ``dtype(fl(acc * fl(a_dec[m] * w_dec[n])))`` by default; TE's from the maxima the path's
+    :func:`row_epilogue_scales` gives (see :class:`~libalign.gemm.paths.Epilogue`)."""
+    a = a_dec.float().reshape(-1, 1)
+    w = w_dec.float().reshape(1, -1)
+    kind = Epilogue.DEC_PRODUCT if path is None else path.epilogue
+    if kind == Epilogue.DEC_PRODUCT:
+        return (acc * (a * w)).to(dtype)
+    factor = te_factor(path).to(acc.device)
+    if kind == Epilogue.TE_ALPHA:
+        return (acc * ((w * a) * factor)).to(dtype)
+    return ((acc * factor) * (a * w)).to(dtype)  # TE_ROW
 
 
-def w4a4_reference(a: NVFP4Tensor, w: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16):
+def w4a4_reference(a: NVFP4Tensor, w: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16,
+                   path: ExecutionPath | None = None):
     """The defining product of two 2-D NVFP4 operands ``[M, K]`` and ``[N, K]``.
 
     Accumulates the exact products in float64 and rounds the sum once to fp32, so the result
@@ -94,7 +129,7 @@ def w4a4_reference(a: NVFP4Tensor, w: NVFP4Tensor, dtype: torch.dtype = torch.bf
     if len(a.shape) != 2 or len(w.shape) != 2 or a.k != w.k:
         raise ShapeError(f"w4a4_reference needs [M, K] x [N, K], got {a.shape} and {w.shape}")
     acc = (inner_values(a, torch.float64) @ inner_values(w, torch.float64).T).float()
-    return epilogue(acc, row_decode_scales(a), row_decode_scales(w), dtype)
+    return epilogue(acc, row_epilogue_scales(a, path), row_epilogue_scales(w, path), dtype, path)
 
 
 def inner_dtype(device: torch.device) -> torch.dtype:

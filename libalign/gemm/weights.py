@@ -14,7 +14,7 @@ import torch
 
 from libalign.errors import DTypeError, ShapeError, SpecError
 from libalign.gemm.backends import device_kernels
-from libalign.gemm.inner import inner_dtype, inner_values, row_decode_scales
+from libalign.gemm.inner import inner_dtype, inner_values, row_decode_scales, row_epilogue_scales
 from libalign.gemm.paths import ExecutionPath, get_path
 from libalign.kernels import ops
 from libalign.spec import NumericsSpec, NVFP4Tensor
@@ -26,9 +26,10 @@ class ExpertWeights:
 
     ``weight`` is the unquantized stack (the bf16 path's operand and the STE backward's);
     for a quantized path ``q`` holds its NVFP4 bits, ``inner`` the exact inner values (bf16 on
-    a GPU, fp32 on the CPU) and ``dec`` the fp32 outer decode scale of every output row
-    ``[E, N]``; on a device with the native Blackwell GEMM, ``operand`` holds the same bits
-    with 128x4-swizzled scales. Weights change only when a new version arrives, so a caller
+    a GPU, fp32 on the CPU) and ``dec`` what the path's epilogue reads of every output row
+    ``[E, N]`` (the fp32 outer decode scale; TE's stored maximum for TE's epilogues); on a
+    device with the native Blackwell GEMM, ``operand`` holds the same bits with
+    128x4-swizzled scales. Weights change only when a new version arrives, so a caller
     keeps one of these per version and pays the quantization once.
     """
 
@@ -64,8 +65,8 @@ def prepare_weights(weight: torch.Tensor, path: str | ExecutionPath, *,
     w = weight.detach()
     q = ops.quantize(w, p.weight_spec, outer_amax=outer_amax)
     native = w.is_cuda and device_kernels(w.device)[0]
-    return ExpertWeights(p, weight, q, inner_values(q, inner_dtype(w.device)), row_decode_scales(q),
-                         ops.as_gemm_operand(q) if native else None)
+    return ExpertWeights(p, weight, q, inner_values(q, inner_dtype(w.device)),
+                         row_epilogue_scales(q, p), ops.as_gemm_operand(q) if native else None)
 
 
 def weights_from_quantized(q: NVFP4Tensor, path: str | ExecutionPath,
@@ -88,7 +89,7 @@ def weights_from_quantized(q: NVFP4Tensor, path: str | ExecutionPath,
     if weight is None:
         weight = q.dequantize(torch.float32).to(torch.bfloat16)
     native = q.codes.is_cuda and device_kernels(dev)[0]
-    return ExpertWeights(p, weight, q, inner_values(q, inner_dtype(dev)), row_decode_scales(q),
+    return ExpertWeights(p, weight, q, inner_values(q, inner_dtype(dev)), row_epilogue_scales(q, p),
                          ops.as_gemm_operand(q) if native else None)
 
 

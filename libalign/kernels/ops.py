@@ -18,8 +18,11 @@ How a call is served
     order (its scale math runs in bf16), a Hadamard rotation, stochastic rounding, K not a
     multiple of the block (16, MXFP4 32; the presets refuse it with the spec's
     ShapeError), a given per-row maximum, SGLang's KV formats (FlashInfer's order with a
-    given per-layer scale, the block-16 exponent rule with ties away from zero) — is served
-    by the spec itself: slower, the same bits. :func:`backend_for` says which one a call gets.
+    given per-layer scale, the block-16 exponent rule with ties away from zero), 4-over-6 block
+    scaling and the E4M3 bound 256 (``te_4over6*``, ``te_row_4over6``,
+    ``flashinfer_pertoken_4over6``) — is served by the spec itself: slower, the same bits.
+    :func:`backend_for` says which one a call gets. The compiled kernels serve
+    ``flashinfer_pertoken`` (TE's order, row domain, the input's sign in a zero code).
 
 Where a kernel cannot be built
     No compiler, a failed build, or ``ALIGN_KERNELS=spec``: the spec serves every call on
@@ -67,6 +70,10 @@ def kernel_gap(x: torch.Tensor, spec: NumericsSpec, outer_amax: torch.Tensor | N
         return "E2M1 ties away from zero / a given outer scale"
     if spec.scale_math_dtype != "float32" or spec.zero_scale_to is not None:
         return "scale math in the input dtype / zero-scale substitution"
+    if spec.four_over_six != "off":
+        return "4-over-6 block scaling"
+    if spec.e4m3_max != 448.0:
+        return "an E4M3 bound of 256"
     if spec.hadamard:
         return "Hadamard rotation"
     if spec.stochastic_rounding:

@@ -13,6 +13,8 @@ atol=0). Its modules, from the numbers up:
   per peer (ModelOpt, TE, torchao, miniTE), with the ``_enc``/``_dec`` conventions.
 * :mod:`~libalign.spec.packing`: nibble packing of codes and the two block-scale layouts.
 * :mod:`~libalign.spec.hadamard`: the fixed 16-point randomized Hadamard transform.
+* :mod:`~libalign.spec.four_over_six`: 4-over-6 block scaling (each block mapped to 4 or to 6,
+  whichever reconstructs it better), in TE's and in FlashInfer's error order.
 * :mod:`~libalign.spec.presets`: :class:`NumericsSpec` (every choice a bit depends on) and the
   public :data:`PRESETS`.
 * :mod:`~libalign.spec.reference`: THE reference :func:`quantize` / :func:`dequantize` and

@@ -97,3 +97,22 @@ class OuterSource(Choice):
 
     DATA = "data"
     GIVEN = "given"
+
+
+class FourOverSix(Choice):
+    """4-over-6 block scaling: off, or each block encoded twice (its maximum mapped to 6 with the
+    usual scale, and to 4 with the scale 1.5x larger) keeping the one that reconstructs the block
+    with the smaller error, as TransformerEngine or as FlashInfer computes that error (they sum the
+    16 element errors in different orders; :mod:`libalign.spec.four_over_six`)."""
+
+    OFF = "off"
+    TE = "te"
+    FLASHINFER = "flashinfer"
+
+
+class ErrorMetric(Choice):
+    """The per-block reconstruction error 4-over-6 compares: the sum of absolute errors (TE's and
+    FlashInfer's default) or of squared errors."""
+
+    MAE = "mae"
+    MSE = "mse"

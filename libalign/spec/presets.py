@@ -35,6 +35,28 @@ a separate question. The presets reproduce public quantizers exactly on finite i
     scale that rounds to zero becomes 0.125 (0x20), encode ``x / (s / gs)``, K must be
     a multiple of 16. Stores the encode-convention global scale.
 
+Production recipes (the bits Miles trains with TE and SGLang serves with FlashInfer):
+
+``flashinfer_pertoken``
+    SGLang's per-token activations (``SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION=1``):
+    FlashInfer's ``nvfp4_quant_and_per_token_scale`` with exact math
+    (``FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH=1``) and ``globalScaleInv = 1/(448*6)``. Its
+    steps are TE's row formulas (``fl(1/fl(1/2688))`` is 2688 exactly, so ``enc = fl(2688/A)``
+    per row, ``FLT_MAX`` for an all-zero row); it stores the per-token *decode* scale
+    ``fl(1/enc)`` and the hardware conversion keeps the input's sign in a zero code. This is
+    ``te_row`` with ``sign_of_input`` and outer convention ``dec``; K must be a multiple of 16
+    (FlashInfer's and TE's row-scaled quantizers refuse others).
+``te_4over6``, ``te_row_4over6``, ``te_4over6_448``
+    TE's 4-over-6 (``NVTE_NVFP4_4OVER6``, default error MAE, default E4M3 bound 256; the
+    ``_448`` one is ``NVTE_NVFP4_4OVER6_E4M3_USE_256=none``), per tensor and row-scaled
+    (:mod:`libalign.spec.four_over_six`).
+``flashinfer_pertoken_4over6``
+    ``flashinfer_pertoken`` with FlashInfer's 4-over-6 (``FLASHINFER_NVFP4_4OVER6=1``, bound
+    256, ``globalScaleInv = 1/(256*6)``): FlashInfer's error order, an all-zero row stores
+    decode scale 0 and an all-zero block codes 0x0.
+
+Any of them takes ``four_over_six_error="mse"`` through :meth:`NumericsSpec.replace`.
+
 MXFP4 presets (E8M0 power-of-two scale per 32 values, no outer scale; ``op_order`` is an
 MX order of :mod:`libalign.spec.scale_math` and ``block_size`` 32). Every one copies the input's
 sign bit into a zero code (-0.0 -> 0x8, as torchao), refuses NaN/Inf and a K that is not
@@ -95,7 +117,16 @@ import torch
 
 from libalign.errors import SpecError
 from libalign.spec import scale_math
-from libalign.spec.choices import OpOrder, OuterConvention, OuterDomain, OuterSource, SignedZero, Ties
+from libalign.spec.choices import (
+    ErrorMetric,
+    FourOverSix,
+    OpOrder,
+    OuterConvention,
+    OuterDomain,
+    OuterSource,
+    SignedZero,
+    Ties,
+)
 from libalign.spec.constants import (
     BLOCK_SIZE,
     FLT_MAX,
@@ -154,6 +185,12 @@ class NumericsSpec:
         outer_source: the outer scale is computed from the ``data``, or ``given`` by the
             caller in the stored convention (:func:`libalign.spec.quantize`'s
             ``outer_scale``), as a KV cache's per-layer global scale is.
+        e4m3_max: the E4M3 bound the outer scale maps the maximum to: 448 (standard,
+            ``enc = 2688 / A``) or 256 (TE's and FlashInfer's 4-over-6 default,
+            ``enc = 1536 / A``, so a map-to-4 block scale, 1.5x larger, stays below 448).
+        four_over_six: ``off``, or 4-over-6 block scaling as ``te`` or ``flashinfer`` sums
+            its error (:mod:`libalign.spec.four_over_six`).
+        four_over_six_error: the error 4-over-6 compares: ``mae`` or ``mse``.
     """
 
     name: str = "custom"
@@ -175,6 +212,9 @@ class NumericsSpec:
     block_size: int = field(default=BLOCK_SIZE)
     e2m1_ties: Ties = Ties.EVEN
     outer_source: OuterSource = OuterSource.DATA
+    e4m3_max: float = 448.0
+    four_over_six: FourOverSix = FourOverSix.OFF
+    four_over_six_error: ErrorMetric = ErrorMetric.MAE
 
     def __post_init__(self) -> None:
         choices = {
@@ -188,13 +228,17 @@ class NumericsSpec:
             "scale_math_dtype": ("float32", "input"),
             "e2m1_ties": Ties.values(),
             "outer_source": OuterSource.values(),
+            "e4m3_max": (448.0, 256.0),
+            "four_over_six": FourOverSix.values(),
+            "four_over_six_error": ErrorMetric.values(),
         }
         for attr, allowed in choices.items():
             if getattr(self, attr) not in allowed:
                 raise SpecError(f"{attr} must be one of {allowed}, got {getattr(self, attr)!r}")
         for attr, kind in (("outer_domain", OuterDomain), ("op_order", OpOrder),
                            ("signed_zero", SignedZero), ("outer_convention", OuterConvention),
-                           ("e2m1_ties", Ties), ("outer_source", OuterSource)):
+                           ("e2m1_ties", Ties), ("outer_source", OuterSource),
+                           ("four_over_six", FourOverSix), ("four_over_six_error", ErrorMetric)):
             object.__setattr__(self, attr, kind(getattr(self, attr)))  # the member of the string
         if self.is_mx:
             self._check_mx()
@@ -214,9 +258,29 @@ class NumericsSpec:
             raise SpecError("outer_domain 'none' stores no outer scale; use outer_convention 'dec'")
         if self.outer_source == "given" and (self.outer_domain == "none" or self.is_mx):
             raise SpecError("outer_source 'given' needs an outer scale (an NVFP4 outer domain)")
+        object.__setattr__(self, "e4m3_max", float(self.e4m3_max))
+        self._check_four_over_six()
         if self.e2m1_ties == "away" and self.stochastic_rounding:
             raise SpecError("e2m1_ties 'away' is a round-to-nearest rule; stochastic rounding "
                             "has no ties")
+
+    def _check_four_over_six(self) -> None:
+        """4-over-6 and the 256 bound exist in TE's order, on scales computed from the data."""
+        if (self.e4m3_max != 448.0 or self.four_over_six != "off") and self.op_order != "te":
+            raise SpecError(f"e4m3_max 256 and 4-over-6 are defined in the 'te' op_order, got "
+                            f"{self.op_order!r}")
+        if self.four_over_six == "off":
+            return
+        bad = {"hadamard": self.hadamard, "stochastic_rounding": self.stochastic_rounding,
+               "outer_source 'given'": self.outer_source != "data",
+               "outer_domain 'none'": self.outer_domain == "none",
+               "zero_scale_encode 'zero'": self.zero_scale_encode != "saturate",
+               "a block-scale floor or substitute": (self.block_scale_floor, self.zero_prescale_to,
+                                                     self.zero_scale_to) != (None, None, None)}
+        for what, on in bad.items():
+            if on:
+                raise SpecError(f"4-over-6 block scaling does not combine with {what} (TE and "
+                                "FlashInfer refuse RHT and stochastic rounding with it)")
 
     @property
     def is_mx(self) -> bool:
@@ -299,6 +363,21 @@ PRESETS: dict[str, NumericsSpec] = {
         k_remainder="refuse", outer_convention="enc", scale_math_dtype="input",
     ),
 }
+
+# The production recipes (Miles with TE and SGLang with FlashInfer): per-token activations,
+# 4-over-6 block scaling and its E4M3 bound of 256.
+PRESETS["flashinfer_pertoken"] = PRESETS["te_row"].replace(
+    name="flashinfer_pertoken", signed_zero="sign_of_input", outer_convention="dec",
+    k_remainder="refuse")
+PRESETS["te_4over6"] = PRESETS["te"].replace(name="te_4over6", four_over_six="te", e4m3_max=256)
+PRESETS["te_4over6_448"] = PRESETS["te_4over6"].replace(name="te_4over6_448", e4m3_max=448)
+PRESETS["te_row_4over6"] = PRESETS["te_row"].replace(name="te_row_4over6", four_over_six="te",
+                                                     e4m3_max=256, k_remainder="refuse")
+PRESETS["flashinfer_pertoken_4over6"] = PRESETS["flashinfer_pertoken"].replace(
+    name="flashinfer_pertoken_4over6", four_over_six="flashinfer", e4m3_max=256)
+#: The presets of the production recipes (activation presets: the ``row`` ones).
+RECIPE_PRESETS = ("flashinfer_pertoken", "te_4over6", "te_4over6_448", "te_row_4over6",
+                  "flashinfer_pertoken_4over6")
 
 _MX_COMMON = dict(outer_domain="none", amax_floor=None, signed_zero="sign_of_input",
                   k_remainder="refuse", outer_convention="dec", block_size=MX_BLOCK_SIZE)

@@ -46,6 +46,7 @@ import torch
 from libalign.errors import DTypeError, NonFiniteError, ShapeError, SpecError, UndefinedScaleError
 from libalign.spec import scale_math
 from libalign.spec.constants import E2M1_MAX, FLT_MAX
+from libalign.spec.four_over_six import encode_4over6
 from libalign.spec.hadamard import rht16, rht16_inverse
 from libalign.spec.packing import pack_nibbles, swizzle_scales, unpack_nibbles
 from libalign.spec.presets import OUTER_CONVENTIONS, OUTER_DOMAINS, PRESETS, NumericsSpec
@@ -105,7 +106,7 @@ class NVFP4Tensor:
             return scale_math.OuterScales(enc=one, dec=one)
         return scale_math.outer_from_stored(
             self.outer_scale, self.spec.outer_convention, self.spec.op_order,
-            _math_dtype(self.spec, torch.float32),
+            _math_dtype(self.spec, torch.float32), self.spec.e4m3_max,
         )
 
     @property
@@ -336,7 +337,7 @@ def quantize(
         stored = torch.ones_like(like) if outer_scale is None else \
             checked_outer_scale(outer_scale, like)
         outer = scale_math.outer_from_stored(stored, spec.outer_convention, spec.op_order,
-                                             math_dtype)
+                                             math_dtype, spec.e4m3_max)
         amax = None
         outer_b = scale_math.OuterScales(
             enc=_broadcast_outer(outer.enc, spec.outer_domain, vmax.ndim),
@@ -348,15 +349,20 @@ def quantize(
             amax = checked_outer_amax(outer_amax, amax)
         if spec.amax_floor is not None:
             amax = torch.clamp(amax, min=amax.new_tensor(spec.amax_floor))
-        outer = scale_math.outer_from_amax(amax, spec.op_order, math_dtype)
+        outer = scale_math.outer_from_amax(amax, spec.op_order, math_dtype, spec.e4m3_max)
         stored = scale_math.stored_from_outer(outer, amax, spec.outer_convention)
+        if spec.four_over_six == "flashinfer" and spec.outer_convention == "dec":
+            stored = torch.where(amax == 0, torch.zeros_like(stored), stored)  # FlashInfer: 0
         outer_b = scale_math.OuterScales(
             enc=_broadcast_outer(outer.enc, spec.outer_domain, vmax.ndim),
             dec=_broadcast_outer(outer.dec, spec.outer_domain, vmax.ndim),
         )
 
-    bits, s32 = _block_scales(vmax, outer_b, spec, math_dtype)
-    codes = _encode(blocks, s32, outer_b, spec, generator)
+    if spec.four_over_six != "off":
+        bits, codes = _encode_4over6(blocks, vmax, outer_b, amax, spec)
+    else:
+        bits, s32 = _block_scales(vmax, outer_b, spec, math_dtype)
+        codes = _encode(blocks, s32, outer_b, spec, generator)
     return NVFP4Tensor(
         codes=codes,
         block_scales=bits.view(torch.float8_e4m3fn),
@@ -365,6 +371,18 @@ def quantize(
         shape=shape,
         outer_amax=amax,
     )
+
+
+def _encode_4over6(blocks, vmax, outer_b, amax, spec):
+    """Block-scale bytes and packed codes under 4-over-6 (:mod:`libalign.spec.four_over_six`)."""
+    grid = vmax.shape
+    size = spec.block_size
+    amax_b = _broadcast_outer(amax, spec.outer_domain, vmax.ndim)
+    bits, codes = encode_4over6(
+        blocks.reshape(-1, size), vmax.reshape(-1), _per_block(outer_b.enc, grid),
+        _per_block(outer_b.dec, grid), _per_block(amax_b, grid), e4m3_max=spec.e4m3_max,
+        rule=spec.four_over_six, metric=spec.four_over_six_error, signed_zero=spec.signed_zero)
+    return bits.reshape(grid), pack_nibbles(codes).reshape(*grid[:-1], grid[-1] * (size // 2))
 
 
 def checked_outer_amax(given: torch.Tensor, computed: torch.Tensor) -> torch.Tensor:

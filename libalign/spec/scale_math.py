@@ -13,7 +13,8 @@ Each order below is written in exactly the operations, dtypes and association of
 library it is named after (``fl`` is one IEEE fp32 rounding). The spec combines one of
 them with its policies (floors, zero handling, signed zero) in :mod:`libalign.spec`.
 
-``te`` (TransformerEngine's reference and kernels; also miniTE)::
+``te`` (TransformerEngine's reference and kernels; also miniTE; with 4-over-6 the 2688 is
+``6 * e4m3_max``, 1536 under the bound 256)::
 
     enc = fl(2688 / A), min FLT_MAX, 0 -> 1     dec = fl(1 / enc)
     pre = min(fl(v * fl(enc * fl(1/6))), FLT_MAX)
@@ -95,6 +96,7 @@ from libalign.spec.choices import OpOrder
 from libalign.spec.constants import (
     E2M1_MAX,
     E2M1_MAX_POW2,
+    E4M3_MAX,
     E8M0_EXPONENT_BIAS,
     FLT_MAX,
     FP8_TIMES_FP4_MAX,
@@ -125,11 +127,13 @@ def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(value, dtype=_F32, device=like.device)
 
 
-def outer_from_amax(amax: torch.Tensor, order: str, math_dtype: torch.dtype) -> OuterScales:
-    """Outer scales from the (already floored) fp32 outer maximum under ``order``."""
+def outer_from_amax(amax: torch.Tensor, order: str, math_dtype: torch.dtype,
+                    e4m3_max: float = E4M3_MAX) -> OuterScales:
+    """Outer scales from the (already floored) fp32 outer maximum under ``order``; ``e4m3_max``
+    (``te`` only: 448, or 256 for 4-over-6) is the bound the maximum's block scale maps to."""
     a = amax.to(_F32)
     if order == "te":
-        enc = torch.div(_f32(FP8_TIMES_FP4_MAX, a), a)
+        enc = torch.div(_f32(e4m3_max * E2M1_MAX, a), a)
         enc = torch.minimum(enc, _f32(FLT_MAX, a))
         enc = torch.where(enc == 0, _f32(1.0, a), enc)
         return OuterScales(enc=enc, dec=torch.div(_f32(1.0, a), enc))
@@ -151,7 +155,7 @@ def ct_dec_from_enc(enc: torch.Tensor) -> torch.Tensor:
 
 
 def outer_from_stored(stored: torch.Tensor, convention: str, order: str,
-                      math_dtype: torch.dtype = _F32) -> OuterScales:
+                      math_dtype: torch.dtype = _F32, e4m3_max: float = E4M3_MAX) -> OuterScales:
     """The one place that converts a stored outer scale into both conventions.
 
     ``amax`` reruns the order's formulas; ``enc`` and ``dec`` take the other one as the
@@ -159,7 +163,7 @@ def outer_from_stored(stored: torch.Tensor, convention: str, order: str,
     """
     s = stored.to(_F32)
     if convention == "amax":
-        return outer_from_amax(s, order, math_dtype)
+        return outer_from_amax(s, order, math_dtype, e4m3_max)
     if convention == "enc":
         return OuterScales(enc=s, dec=torch.div(_f32(1.0, s), s))
     if convention == "dec":

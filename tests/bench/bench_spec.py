@@ -424,6 +424,44 @@ def render(res: dict[str, Any]) -> None:
         print(f"[{i}] {n}")
 
 
+RECIPE_BENCH_PRESETS = ("te", "te_row", "modelopt", "flashinfer_pertoken", "te_4over6",
+                        "te_row_4over6", "flashinfer_pertoken_4over6")
+
+
+def recipe_throughput(stacks: list[torch.Tensor], repeats: int) -> list[dict[str, Any]]:
+    """Per preset: the kernel door (:func:`libalign.kernels.quantize`, which routes what the
+    compiled kernels do not serve to the spec) against the spec itself, same inputs, same run,
+    best of ``repeats``; the two outputs compared bit for bit."""
+    from libalign.kernels import ops
+
+    rows = []
+    for name in RECIPE_BENCH_PRESETS:
+        spec = PRESETS[name]
+        times = {"kernel": [], "spec": []}
+        outs = {}
+        for _ in range(repeats):
+            for side, fn in (("kernel", ops.quantize), ("spec", quantize)):
+                t0 = time.perf_counter()
+                outs[side] = [fn(x, spec) for x in stacks]
+                times[side].append(time.perf_counter() - t0)
+        nbytes = sum(x.numel() * x.element_size() + q.nbytes for x, q in zip(stacks, outs["spec"]))
+        same = all(a.bitwise_equal(b) for a, b in zip(outs["kernel"], outs["spec"]))
+        k, r = min(times["kernel"]), min(times["spec"])
+        rows.append({"preset": name, "served_by": ops.backend_for(stacks[0], spec),
+                     "kernel_s": k, "spec_s": r, "kernel_gbps": nbytes / k / 1e9,
+                     "spec_gbps": nbytes / r / 1e9, "speedup": r / k, "bit_identical": same})
+    return rows
+
+
+def render_recipes(rows: list[dict[str, Any]]) -> None:
+    print("\n| preset | served by | kernel door GB/s | spec GB/s | kernel vs spec | bits |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['preset']} | {r['served_by']} | {r['kernel_gbps']:.2f} | "
+              f"{r['spec_gbps']:.2f} | {r['speedup']:.1f}x | "
+              f"{'identical' if r['bit_identical'] else 'DIFFER'} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.bench spec --",
                                 description=__doc__.splitlines()[0])
@@ -437,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="glibc only: mallopt(M_MMAP_MAX=0) so large temporaries are reused from "
                         "the heap instead of page-faulting fresh mmap'd memory on every call")
     p.add_argument("--anchor", metavar="PATH", help=f"anchor file (default: find {ANCHOR_NAME})")
+    p.add_argument("--recipes", action="store_true",
+                   help="only the production recipes' presets: kernel door against the spec")
     args = p.parse_args(argv)
     if args.experts < 1 or args.repeats < 1:
         p.error("--experts and --repeats must be at least 1")
@@ -446,6 +486,12 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
     stacks = make_workload(args.experts, shapes, args.seed)
+    if args.recipes:
+        rows = recipe_throughput(stacks, args.repeats)
+        render_recipes(rows)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        return 0 if all(r["bit_identical"] for r in rows) else 1
     warmup = make_workload(1, QUICK_SHAPES, args.seed + 1)
     qs = quantizers()
     load = measure(qs, stacks, args.repeats, warmup)

@@ -19,7 +19,7 @@ from libalign.spec import PRESETS, quantize, shared_outer_amax
 from libalign.spec.packing import swizzle_scales
 from tests.libalign import inputs
 
-KERNEL_PRESETS = ["minite", "te", "te_row", "torchao", "modelopt"]
+KERNEL_PRESETS = ["minite", "te", "te_row", "torchao", "modelopt", "flashinfer_pertoken"]
 
 DEVICES = [
     pytest.param("cpu-avx512", id="cpu-avx512"),
