@@ -444,8 +444,9 @@ def recipe_throughput(stacks: list[torch.Tensor], repeats: int) -> list[dict[str
                 t0 = time.perf_counter()
                 outs[side] = [fn(x, spec) for x in stacks]
                 times[side].append(time.perf_counter() - t0)
-        nbytes = sum(x.numel() * x.element_size() + q.nbytes for x, q in zip(stacks, outs["spec"]))
-        same = all(a.bitwise_equal(b) for a, b in zip(outs["kernel"], outs["spec"]))
+        nbytes = sum(x.numel() * x.element_size() + q.nbytes
+                     for x, q in zip(stacks, outs["spec"], strict=True))
+        same = all(a.bitwise_equal(b) for a, b in zip(outs["kernel"], outs["spec"], strict=True))
         k, r = min(times["kernel"]), min(times["spec"])
         rows.append({"preset": name, "served_by": ops.backend_for(stacks[0], spec),
                      "kernel_s": k, "spec_s": r, "kernel_gbps": nbytes / k / 1e9,
