@@ -499,6 +499,10 @@ def diagnose(
     strict: bool = typer.Option(False, "--strict", help="strict execution on both sides "
                                 "(batch-invariant ops): a strict pair has δ = 0; default "
                                 "conditions bf16/bf16,nvfp4_minite/nvfp4_minite"),
+    kv_formats: str | None = typer.Option(None, help="FP4 KV formats (comma list, or all) whose "
+                                          "share of δ is measured: nvfp4_minite with the "
+                                          "sampler's FP4 K/V against bf16 K/V, KV guidance off "
+                                          "and on (e.g. kv_sglang_nvfp4)"),
 ) -> None:
     """Measure and localize the learner-sampler execution gap (teacher-forced, frozen policy)."""
     # the diagnosis runs models (transformers, the models extra) and plots (matplotlib)
@@ -515,7 +519,7 @@ def diagnose(
         conditioned=conditioned, localize_sequences=localize_sequences, context_swap=context_swap,
         clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, n_boot=n_boot, level=level,
         trace_bits=trace_bits, trace_layers=trace_layers, seed=seed, device=device,
-        backend=backend, threads=threads, strict=strict)
+        backend=backend, threads=threads, strict=strict, kv_formats=kv_formats)
     err = Console(stderr=True)
     try:
         with _DiagnoseProgress(err, disable=quiet or as_json or not err.is_terminal) as progress:

@@ -7,6 +7,7 @@
 * :mod:`.stats` — δ summaries, cluster-bootstrap CIs, paired comparisons to the floor;
 * :mod:`.localize` — per-layer FC1/FC2 and routing, the 2×2 replay, the context-swap check;
 * :mod:`.routing` — routing disagreement and δ without and with routing replay (R3);
+* :mod:`.kv` — the FP4 KV cache's share of δ, paired against BF16 K/V, KV guidance off and on;
 * :mod:`.plots` / :mod:`.render` — PNG figures, rich tables and JSON.
 """
 

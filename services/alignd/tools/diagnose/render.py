@@ -201,6 +201,47 @@ def guidance_table(report: dict) -> Table | None:
     return t
 
 
+def kv_table(report: dict) -> Table | None:
+    """The FP4 KV cache's share of δ: each row against BF16 K/V on identical tokens."""
+    kv = report.get("kv")
+    if not kv:
+        return None
+    cfg = report["config"]
+    t = Table(title=escape(f"FP4 KV cache's share of δ ({kv['pair']} on the shared tokens): row − "
+                           f"bf16 K/V, paired cluster bootstrap {cfg['level']:.0%} CI; K/V "
+                           f"records {kv['bits']} bit a value"), title_justify="left")
+    for c in ("format", "K/V", "P99|δ| [CI]", "ΔP99|δ| [CI]", "widens the tail",
+              "Δclip potential [CI]", "K/V codes ≠ sampler's"):
+        t.add_column(escape(c), justify="left" if c in ("format", "K/V") else "right")
+    base = kv["bf16_kv"]
+    t.add_row("—", "bf16 K/V (baseline)",
+              escape(f"{_f(base['delta']['p99_abs'])} {_ci(base['ci'].get('p99_abs'))}"),
+              "—", "—", "—", "—")
+    for fmt, f in kv["formats"].items():
+        for r in f["rows"]:
+            s, v = r["shared"], r["vs_bf16_kv"]
+            p, q = v["p99_abs_diff"], v["clip_potential_diff"]
+            t.add_row(escape(fmt), escape(r["name"]),
+                      escape(f"{_f(s['delta']['p99_abs'])} {_ci(s['ci'].get('p99_abs'))}"),
+                      escape(f"{_f(p['estimate'])} {_ci(p)}"), _verdict(v["widens_tail"]),
+                      escape(f"{_pct(q['estimate'])} {_ci(q, pct=True)}"),
+                      _pct(r["kv_code_mismatch"]))
+    return t
+
+
+def _kv_lines(report: dict) -> list[str]:
+    out = []
+    for fmt, f in ((report.get("kv") or {}).get("formats") or {}).items():
+        on = next(r for r in f["rows"] if "vs_guidance_off" in r)["vs_guidance_off"]
+        p = on["p99_abs_diff"]
+        out.append(f"{fmt}: guidance on − off ΔP99|δ| {_f(p['estimate'])} {_ci(p)} (narrows the "
+                   f"tail: {dict(yes='no', no='yes').get(on['widens_tail'], 'inconclusive')}); "
+                   f"the sampler's own log-probs move by P99 {_f(f['sampler_shift_p99_abs'])} "
+                   f"with FP4 K/V; K/V records {_f(f['record_bytes_per_token'])} B per token "
+                   f"position{'' if f['scales'] is None else ', global scales ' + f['scales']}")
+    return out
+
+
 def _guidance_sizes(report: dict) -> list[str]:
     g = report.get("guidance") or {}
     return [f"guidance records of {sampler}: {s['records']} rollouts, "
@@ -224,11 +265,11 @@ def render_report(report: dict, console: Console) -> None:
     for line in strict_diag.render_lines(report):
         console.print(escape(line))
     for table in (stats_table(report, "shared"), floor_table(report), stats_table(report, "on_policy"),
-                  guidance_table(report), routing_table(report), layers_table(report),
-                  replay_table(report), context_table(report)):
+                  guidance_table(report), kv_table(report), routing_table(report),
+                  layers_table(report), replay_table(report), context_table(report)):
         if table is not None:
             console.print(table)
-    for line in _guidance_sizes(report):
+    for line in _guidance_sizes(report) + _kv_lines(report):
         console.print(escape(line))
     cs = report.get("context_swap") or {}
     for path, q in (cs.get("quantizer_level") or {}).items():

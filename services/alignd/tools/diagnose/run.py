@@ -33,6 +33,10 @@ on that sampler would see; they get per-condition cluster-bootstrap intervals bu
 comparison (the token sets differ), and they show whether sampling on an NVFP4 path changes the
 picture the shared tokens give.
 
+With ``kv_formats``, the KV cache's share of the gap is measured on the shared tokens too: δ of
+the aligned pair with the sampler's FP4 K/V against BF16 K/V, paired, with KV guidance off and
+on (:mod:`alignd.tools.diagnose.kv`).
+
 Then the localization (per layer, FC1/FC2, routing, routing-conditioned), the 2×2 replay and the
 context-swap check (:mod:`alignd.tools.diagnose.localize`) run on (a subset of) the shared sequences.
 
@@ -54,6 +58,7 @@ from alignclient.errors import ConfigError, InputError
 
 import libalign
 from alignd.tools.diagnose import guided, inputs, localize, render, sides, stats
+from alignd.tools.diagnose import kv as kv_diag
 from alignd.tools.diagnose import routing as routing_diag
 from alignd.tools.diagnose import strict as strict_diag
 from alignd.tools.diagnose.conditions import (
@@ -112,6 +117,8 @@ class DiagnoseConfig:
     cache_dir: str | None = None
     strict: bool = False
     """strict execution on both sides (:mod:`alignd.tools.diagnose.strict`)"""
+    kv_formats: str | None = None
+    """FP4 KV formats whose share of the gap is measured (:mod:`alignd.tools.diagnose.kv`)"""
 
 
 class Reporter:
@@ -143,6 +150,7 @@ def _check_config(cfg: DiagnoseConfig) -> None:
     conds, _ = resolve_conditions(cfg.conditions, cfg.learner_paths, cfg.sampler_paths,
                                   floor=cfg.floor, external=cfg.sequences_file is not None)
     guided.check_guided(conds)
+    kv_diag.parse_formats(cfg.kv_formats)
     if cfg.strict:
         strict_diag.check(conds, cfg.generate_path)
     if cfg.trace_bits not in GUIDE_BITS:
@@ -443,6 +451,15 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
             cond_rows.append({"name": c.name, "learner": c.learner, "sampler": c.sampler, "shared": s})
         tails = {c.name: stats.abs_delta_ccdf(deltas[c.name]) for c in conds}
 
+    # --- the KV cache's share, on the shared tokens ---
+    kv_report = None
+    if kv_diag.parse_formats(cfg.kv_formats):
+        with clock.stage("kv_share"):
+            kv_report = kv_diag.kv_share(
+                model, shared.tokens, shared.prompt_lens, kv_diag.parse_formats(cfg.kv_formats),
+                opts, bits=cfg.trace_bits, sampler_lp=sampler_lp.get(kv_diag.PAIR),
+                learner_lp=learner_lp.get(kv_diag.PAIR), task=rep.task, **common)
+
     # --- on-policy ---
     if cfg.on_policy and rollouts:
         for row, c in zip(cond_rows, conds, strict=True):
@@ -521,6 +538,7 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
         "routing_replay": {"rows": routing_rows,
                            "skipped": [c.name for c in conds if c not in routed]},
         "strict": strict_diag.summary(conds, deltas) if cfg.strict else None,
+        "kv": kv_report,
         "timings_seconds": {k: round(v, 3) for k, v in clock.seconds.items()},
     }
 
