@@ -130,11 +130,14 @@ def indexed_keys(keys: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.where(keys >= 0, keys | (index.to(torch.int64) + 1), keys)
 
 
-def select_layers(moe_layers: Sequence[int], last: int | None = None) -> list[int]:
-    """The MoE layers whose sites are recorded: all (``last=None``) or the last ``last``."""
+def select_layers(moe_layers: Sequence[int], last: int | str | None = None) -> list[int]:
+    """The MoE layers whose sites are recorded: all (``last=None``), the last ``last``, or
+    ``"half"``: the latter half, as TRACE records (of an odd count, the larger half)."""
     layers = sorted(int(x) for x in moe_layers)
     if last is None:
         return layers
+    if last == "half":
+        return layers[len(layers) // 2:]
     if not isinstance(last, int) or last < 1:
         raise SpecError(f"last must be a positive number of layers, got {last!r}")
     return layers[-last:]

@@ -134,13 +134,44 @@ StaleRollouts = Annotated[Literal["drop", "refuse"], Field(
     "libalign_rollouts_stale_total) or refuse it with stale_rollout (HTTP 409)")]
 
 
+#: The TRACE paper's run, as ``trace_paper`` fills it in: records on the latter half of the
+#: MoE layers, one bit a value (b = 1), token-level TIS capped at 5, rollouts at most 3 versions
+#: stale, routing replay (R3) recomputing gate weights over the sampler's experts.
+TRACE_PAPER_DEFAULTS: dict[str, Any] = {
+    "guidance_last_layers": "half", "guidance_bits": 1, "tis_cap": 5.0, "tis_level": "token",
+    "max_version_diff": 3, "routing_replay": "recompute",
+}
+
+
 class AlignSettings(BaseSettings):
     """Read from ``ALIGN_<FIELD>`` variables; immutable; an unknown keyword is an error."""
 
     model_config = SettingsConfigDict(env_prefix="ALIGN_", extra="forbid", frozen=True)
 
 
-class ServiceSettings(AlignSettings):
+class TracePaperProfile(AlignSettings):
+    """``trace_paper``: the TRACE paper's defaults as one switch (:data:`TRACE_PAPER_DEFAULTS`).
+
+    A profile, not a mode: it fills those of the fields this class has that were not set
+    (by keyword or ``ALIGN_*`` variable; a None counts as unset); a field set explicitly keeps
+    its value."""
+
+    trace_paper: bool = Field(False, description="the TRACE paper's defaults for fields left "
+                              "unset: guidance on the latter half of the MoE layers, 1 bit, "
+                              "token TIS cap 5, max_version_diff 3, routing_replay recompute")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_trace_paper(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or str(data.get("trace_paper", "")).lower() not in (
+                "true", "1", "yes", "on"):
+            return data
+        fill = {k: v for k, v in TRACE_PAPER_DEFAULTS.items()
+                if k in cls.model_fields and data.get(k) is None}
+        return {**data, **fill}
+
+
+class ServiceSettings(TracePaperProfile):
     """What every service reads: where Redis and the store are, the streams, liveness, metrics."""
 
     redis_url: str | None = Field(
@@ -326,8 +357,16 @@ class SamplerSettings(DeliverySettings, GuidanceStoreSettings, ExportSettings):
     strict: Strict
     sampler_engine: Literal["torch", "sglang"] = Field(
         "torch", description="sampler engine: the embedded torch one or an SGLang server over HTTP")
-    guidance_last_layers: int | None = Field(None, ge=1,
-                                             description="record only the last N MoE layers")
+    guidance_last_layers: int | Literal["half"] | None = Field(
+        None, description="record only the last N MoE layers, N >= 1 (half: the latter half; "
+        "None: all)")
+
+    @model_validator(mode="after")
+    def _positive_last_layers(self) -> SamplerSettings:
+        n = self.guidance_last_layers
+        if isinstance(n, int) and n < 1:
+            raise ValueError(f"guidance_last_layers must be at least 1, 'half' or unset, got {n}")
+        return self
     sglang_url: str | None = Field(None, description="base URL of the SGLang server to drive, "
                                    "or several separated by commas (calls spread, weight "
                                    "switches go to all)")

@@ -32,7 +32,7 @@ from rich.table import Table
 
 from alignd.formats.export import convert_checkpoint
 from alignd.infra.service_main import run_service
-from alignd.infra.settings import AllInOneSettings, ApiAddress, ApiSettings
+from alignd.infra.settings import TRACE_PAPER_DEFAULTS, AllInOneSettings, ApiAddress, ApiSettings
 from alignd.infra.telemetry import Metrics
 from libalign.atomic_dir import DestinationExistsError
 from libalign.guidance.sizes import size_for_config, trace_reference_size
@@ -112,6 +112,9 @@ def guidance_size(
         "--config", help="a Hugging Face config.json (or its checkpoint directory); default: "
         "Qwen3-30B-A3B's shapes (48 layers)")] = None,
     last_layers: int | None = typer.Option(None, help="record only the last N MoE layers"),
+    trace_paper: bool = typer.Option(False, "--trace-paper", help="the TRACE paper's run: the "
+                                     "latter half of the MoE layers (unless --last-layers) and "
+                                     "routing ids (unless --routing)"),
     sites: str = typer.Option("fc1,fc2", help="captured sites: fc1, fc2 or both"),
     kv: bool = typer.Option(False, "--kv/--no-kv", help="also count K and V (sites k, v of an "
                             "FP4 KV cache)"),
@@ -133,6 +136,9 @@ def guidance_size(
             path = config / "config.json" if config.is_dir() else config
             cfg, name = json.loads(path.read_text()), str(path)
         chosen = [s.strip() for s in sites.split(",") if s.strip()]
+        if trace_paper:
+            last_layers = "half" if last_layers is None else last_layers
+            routing = "ids" if routing == "none" else routing
         replay = None if routing == "none" else routing
         rows = {b: size_for_config(cfg, bits=b, last_layers=last_layers, sites=chosen, kv=kv,
                                    kv_spec=kv_format, routing=replay) for b in (1, 2, 4)}
@@ -143,6 +149,7 @@ def guidance_size(
         (f" + routing ({routing})" if replay else "")
     t = Table(title=f"guidance bytes per token: {name}, sites {','.join(chosen)}{kv_part}"
               f", layers {'all' if last_layers is None else f'last {last_layers}'}"
+              f"{' (TRACE paper)' if trace_paper else ''}"
               f"; a step is {trajectories} trajectories x {tokens} tokens")
     for c in ("bits", "codes", "scales", "row scales", "index", "kv",
               *(("routing",) if replay else ()), "B/token", "TiB/step", "vs 4 bits"):
@@ -180,13 +187,17 @@ def demo(
     api: bool = typer.Option(True, "--api/--no-api", help="serve the control API, /metrics and "
                              "the status page while the demo runs"),
     api_port: int = typer.Option(8000, help="port of the API (0: any free port)"),
-    tis_cap: float = typer.Option(2.0, help="truncated importance sampling cap (TRACE uses 5)"),
+    tis_cap: float | None = typer.Option(None, help="truncated importance sampling cap "
+                                         "(default 2; TRACE uses 5)"),
     ppo_clip_eps: float | None = typer.Option(None, help="PPO policy-ratio clip epsilon, e.g. "
                                               "0.2 (default: no clipping)"),
     ppo_epochs: int = typer.Option(1, help="optimizer steps on each rollout batch"),
     max_version_diff: int | None = typer.Option(None, help="drop rollouts more than this many "
                                                 "versions older than the learner (TRACE uses 3; "
                                                 "default: no bound)"),
+    trace_paper: bool = typer.Option(False, "--trace-paper", help="the TRACE paper's defaults "
+                                     "for options left unset: TIS cap 5 (token level), "
+                                     "max_version_diff 3"),
 ) -> None:
     """Main job on the embedded default: RL of the tiny MoE through the services, per
     configuration and seed."""
@@ -200,6 +211,11 @@ def demo(
     if not _selfcheck_table():
         raise typer.Exit(1)
     profile = FULL_RUN if full else DEFAULT_RUN
+    if trace_paper:
+        tis_cap = TRACE_PAPER_DEFAULTS["tis_cap"] if tis_cap is None else tis_cap
+        if max_version_diff is None:
+            max_version_diff = TRACE_PAPER_DEFAULTS["max_version_diff"]
+    tis_cap = 2.0 if tis_cap is None else tis_cap
     steps = profile["steps"] if steps is None else steps
     seeds = profile["seeds"] if seeds is None else seeds
     names = ([c.strip() for c in configs.split(",") if c.strip()] if configs is not None
@@ -267,8 +283,12 @@ def serve(
 def up(
     learner_steps: int = typer.Option(0, help="also run the embedded learner for N steps"),
     api: bool = typer.Option(True, "--api/--no-api", help="serve the control API"),
+    trace_paper: bool = typer.Option(False, "--trace-paper", help="ALIGN_TRACE_PAPER=true: the "
+                                     "TRACE paper's defaults for settings left unset"),
 ) -> None:
     """All services in one process (embedded Redis unless ALIGN_REDIS_URL is set) until Ctrl-C."""
+    if trace_paper:  # the settings below are read from the environment
+        os.environ["ALIGN_TRACE_PAPER"] = "true"
     # the sampler and the learner run the tiny model (transformers, the models extra)
     from alignd.infra.redis_clients import embedded_name
     from alignd.learner.service import build_loop
