@@ -83,8 +83,9 @@ def size_for_config(config, *, bits: int, last_layers: int | str | None = None,
     ``moe_intermediate_size``, ``num_experts_per_tok``, ``num_hidden_layers``, and
     ``mlp_only_layers``/``decoder_sparse_step`` where present), recording the last
     ``last_layers`` MoE layers (all by default; ``"half"``: the latter half, TRACE's choice);
-    ``kv`` counts K and V of the last ``last_layers`` decoder layers as records in ``kv_spec`` (a KV preset: ``kv_nvfp4``,
-    ``kv_mxfp4``, ``kv_sglang_nvfp4``, ``kv_sglang_fp4_mx_block16``) hold them.
+    ``kv`` counts K and V of the last ``last_layers`` decoder layers as records in ``kv_spec``
+    (a KV preset: ``kv_nvfp4``, ``kv_mxfp4``, ``kv_sglang_nvfp4``, ``kv_sglang_fp4_mx_block16``)
+    hold them.
     ``routing`` adds the R3 record of every MoE layer (``num_experts`` sets the id width):
     ``"ids"`` (the learner recomputes gate weights) or ``"weights"`` (it takes the sampler's);
     the ``routing`` part is 0 without it.
