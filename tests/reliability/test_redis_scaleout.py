@@ -10,6 +10,10 @@ read back. On the cluster a guidance shard's slot is also migrated mid-run.
 
 from __future__ import annotations
 
+import copy
+import threading
+from collections.abc import Callable
+
 import pytest
 import redis
 from alignclient.errors import ConfigError
@@ -71,7 +75,7 @@ def test_urls_name_their_topology_and_never_print_a_password():
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster_set(tmp_path_factory):
     if REDIS_SERVER is None or REDIS_CLI is None:
         pytest.skip("redis-server and redis-cli are not installed")
     cs = ClusterSet(tmp_path_factory.mktemp("cluster"))
@@ -83,7 +87,7 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sentinels(tmp_path_factory):
+def sentinel_set(tmp_path_factory):
     if REDIS_SERVER is None:
         pytest.skip("redis-server is not installed")
     ss = SentinelSet(tmp_path_factory.mktemp("sentinel"))
@@ -92,6 +96,20 @@ def sentinels(tmp_path_factory):
         yield ss
     finally:
         ss.stop()
+
+
+@pytest.fixture
+def cluster(cluster_set):
+    """The module's cluster; the masters a test killed come back as replicas after it."""
+    yield cluster_set
+    cluster_set.heal()
+
+
+@pytest.fixture
+def sentinels(sentinel_set):
+    """The module's Sentinel set; a master a test killed comes back as the replica after it."""
+    yield sentinel_set
+    sentinel_set.heal()
 
 
 def _settings(url: str, **kw) -> ApiSettings:
@@ -288,3 +306,158 @@ def test_redis_migrate_moves_one_server_into_the_cluster_layout(cluster, redis_u
     again = CliRunner().invoke(app, ["redis-migrate", "--from", redis_url, "--to", cluster.url,
                                      "--key-prefix", "mig", "--skip-guidance"])
     assert "0 keys copied" in again.output and "guidance keys left out" in again.output
+
+
+# --- the services on each topology ---------------------------------------------------------
+
+
+class RLRun:
+    """The RL loop through the services on one Redis URL, as ``alignd up`` runs them: the
+    converter and a sampler as threads (:class:`~alignd.tools.in_process.ServiceThreads`), the
+    learner loop in the test's thread. The tiny MoE on the NVFP4 path with TRACE guidance: each
+    step publishes a BF16 version, the converter converts it, the sampler loads it, generates 2
+    prompts x 2 samples and stores their rollouts and guidance records, the learner reads both
+    back, scores and trains. ``kill(step)`` runs right after a step's version is announced."""
+
+    def __init__(self, url: str, store_dir, prefix: str):
+        from alignd.formats.weight_store import WeightStore
+        from alignd.infra.settings import AllInOneSettings
+        from alignd.infra.stores.rollouts import RolloutStore
+        from alignd.infra.telemetry import Metrics
+        from alignd.learner.engine import TorchLearnerEngine
+        from alignd.learner.loop import LearnerLoop, LoopParts, RolloutPlan
+        from alignd.sampler.engine import TorchSamplerEngine
+        from alignd.tools.in_process import ServiceThreads
+
+        from libalign import models
+
+        task = models.SyntheticTask()
+        self.settings = st = AllInOneSettings(
+            redis_url=url, key_prefix=prefix, store_dir=store_dir, sampler_path="nvfp4_minite",
+            learner_path="nvfp4_trace", block_ms=50, heartbeat_ms=100, consumer_name="conv",
+            sampler_name="s1", redis_retry_s=30.0, redis_wait_replicas=1,
+            redis_wait_timeout_ms=200, guidance_budget_bytes=1 << 30)
+        self.metrics = Metrics()
+        self.bus = RedisBus.from_settings(st)
+        self.rollouts = RolloutStore(binary_client(st), st.key_prefix)
+        self.guidance = GuidanceStore.from_settings(st)
+        model = models.build_model(models.tiny_config(num_hidden_layers=2), seed=5)
+        self.engine = TorchSamplerEngine(copy.deepcopy(model), WeightStore(st.store_dir),
+                                         st.sampler_path, batch_size=16, eos_id=task.eos_id,
+                                         pad_id=task.pad_id)
+        self.services = ServiceThreads(st, self.engine, rollouts=self.rollouts,
+                                       guidance=self.guidance, metrics=self.metrics)
+        parts = LoopParts.build(st, bus=self.bus, rollouts=self.rollouts, guidance=self.guidance)
+        self.registry = parts.registry
+        self.loop = LearnerLoop(
+            st, TorchLearnerEngine(model, st.learner_path, pad_id=task.pad_id, lr=1e-4), parts,
+            RolloutPlan(prompts=lambda step: task.prompts(2, step), reward=task.verify,
+                        sampler_path=st.sampler_path, prompts_per_step=2, samples_per_prompt=2,
+                        max_new_tokens=4, timeout_s=60))
+        self.kill: Callable[[int], None] = lambda step: None
+        publish = self.loop.publish
+
+        def publish_then_kill(step: int) -> str:
+            vid = publish(step)
+            self.kill(step)
+            return vid
+        self.loop.publish = publish_then_kill
+
+    def records(self, vid: str) -> dict[str, bytes]:
+        """The version's guidance records (4, one per rollout), read through the store."""
+        ids = self.guidance.rollouts(vid)
+        assert len(ids) == 4
+        return self.guidance.get_many(vid, ids)
+
+    def check(self, results) -> None:
+        """Every step went the whole way: its version published, converted, loaded and
+        serving (the history in order), rollouts scored and trained on, guidance stored."""
+        for r in results:
+            assert [h.to_state for h in self.registry.history(r.version_id)][:5] == PATH
+            assert r.delta["tokens"] > 0 and r.train["tokens"] == r.delta["tokens"]
+            assert all(self.records(r.version_id).values())
+        assert self.engine.version_id == results[-1].version_id
+
+    def close(self) -> None:
+        self.services.close()
+        self.guidance.close()
+        self.rollouts.client.close()
+        self.bus.client.close()
+
+
+def _run_through_a_failover(run: RLRun, kill: Callable[[], None],
+                            recover: Callable[[], None]) -> None:
+    """Step 0; step 1 with the master SIGKILLed (``kill``) right after its version is
+    announced, so the converter, the sampler and the learner meet the failover with work in
+    flight; ``recover`` (wait for the takeover, start the dead node again as a replica) runs
+    on a thread meanwhile; step 2 after it. What step 0 wrote, and step 1's announcement, were
+    acknowledged (after WAIT) before the kill: all of it must still be there."""
+    first = run.loop.iteration(0)
+    before = run.records(first.version_id)
+    healer: list[threading.Thread] = []
+    errors: list[BaseException] = []
+
+    def heal() -> None:
+        try:
+            recover()
+        except BaseException as e:  # surfaced by the test below
+            errors.append(e)
+
+    def kill_at(step: int) -> None:
+        if step == 1:
+            kill()
+            healer.append(threading.Thread(target=heal, name="heal", daemon=True))
+            healer[0].start()
+    run.kill = kill_at
+    retried = run.metrics.redis_retries._value.get()
+    try:
+        results = [first, run.loop.iteration(1)]
+    finally:
+        for t in healer:
+            t.join(60)
+    assert errors == [] and healer and not healer[0].is_alive()
+    results.append(run.loop.iteration(2))
+    run.check(results)
+    assert run.metrics.redis_retries._value.get() > retried  # the converter met the failover
+    assert run.records(first.version_id) == before
+    assert len({r.version_id for r in results}) == 3
+
+
+@needs_servers
+@pytest.mark.usefixtures("one_thread")
+def test_rl_loop_and_converter_run_on_the_cluster_through_a_master_failover(cluster, tmp_path):
+    """The converter, a sampler and the learner loop on ``redis+cluster://``: three steps reach
+    ``serving``, are rolled out, scored and trained on, with guidance records stored by the
+    sampler and read by the learner; the master of the run's control slot (registry, streams,
+    groups) is SIGKILLed with step 1 in flight: every service reconnects to the promoted
+    replica, the run finishes, and step 0's records and guidance are intact."""
+    pytest.importorskip("transformers")
+    run = RLRun(cluster.url, tmp_path / "store", "rl")
+    try:
+        assert run.settings.key_prefix == "{rl}" and run.guidance.payload_path == "pipeline"
+        victim: list = []
+        _run_through_a_failover(
+            run, kill=lambda: victim.append(cluster.sigkill_owner(run.settings.key_prefix)),
+            recover=lambda: (cluster.await_takeover(run.settings.key_prefix, victim[0]),
+                             cluster.heal()))
+        assert cluster.owner(run.settings.key_prefix) is not victim[0]
+    finally:
+        run.close()
+
+
+@needs_servers
+@pytest.mark.usefixtures("one_thread")
+def test_rl_loop_and_converter_run_on_sentinel_through_a_master_failover(sentinels, tmp_path):
+    """The same run on ``redis+sentinel://.../align``: the master SIGKILLed with step 1 in
+    flight, the Sentinels promote the replica, every service asks them again and goes on; the
+    run finishes and step 0's records and guidance are intact."""
+    pytest.importorskip("transformers")
+    run = RLRun(sentinels.url, tmp_path / "store", "rl")
+    old = sentinels.master.port
+    try:
+        assert topology(run.bus.client) == "sentinel"
+        _run_through_a_failover(run, kill=sentinels.master.kill,
+                                recover=lambda: (sentinels.await_promotion(), sentinels.heal()))
+        assert sentinels.master.port != old
+    finally:
+        run.close()

@@ -10,16 +10,23 @@ a fixed time. Every process started here is ended by ``stop()``.
   ``redis-cli --cluster create``; :meth:`ClusterSet.kill_master_of` SIGKILLs the master that
   owns a key's slot and waits until its replica took over; :meth:`ClusterSet.migrate_slot`
   moves one slot, keys and all, to another master (``CLUSTER SETSLOT`` and ``MIGRATE``, as
-  ``redis-cli --cluster reshard`` does).
+  ``redis-cli --cluster reshard`` does), a batch of keys at a time, with a hook between
+  batches for a test that writes while the slot is half moved.
 * :class:`SentinelSet`: one master, one replica and three Sentinels watching them;
   :meth:`SentinelSet.kill_master` SIGKILLs the master and waits until the Sentinels promoted
   the replica.
+
+Both have a ``heal()`` that starts the killed nodes again as replicas of the nodes that took
+over, so that a topology shared by several tests has its shape back (every master with a
+replica) before the next one kills a master again. The kill is also offered in two halves
+(SIGKILL now, wait for the takeover later) for tests that kill while services run.
 """
 
 from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -30,9 +37,10 @@ from tests.services.moved_time import wait_until
 REDIS_CLI = shutil.which("redis-cli")
 #: How long a silent master has until the cluster or the Sentinels call it down.
 DOWN_MS = 500
-#: Every node's server options: no persistence, keys never evicted.
+#: Every node's server options: no persistence, keys never evicted, and a replica's full
+#: synchronisation starts at once (Redis waits 5 s by default for more replicas to share it).
 _COMMON = ("--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-           "--maxmemory-policy", "noeviction")
+           "--maxmemory-policy", "noeviction", "--repl-diskless-sync-delay", "0")
 
 
 class _Node:
@@ -45,7 +53,8 @@ class _Node:
         self.extra, self.sentinel_conf = extra, sentinel_conf
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> None:
+    def start(self, *more: str) -> None:
+        """Start the process (``more``: options for this start only, say ``--replicaof``)."""
         log = ["--logfile", str(self.workdir / "redis.log")]
         if self.sentinel_conf is not None:
             conf = self.workdir / "sentinel.conf"
@@ -54,7 +63,7 @@ class _Node:
             cmd = [REDIS_SERVER, str(conf), "--sentinel", *log]
         else:
             cmd = [REDIS_SERVER, "--port", str(self.port), *_COMMON, "--dir", str(self.workdir),
-                   *log, *self.extra]
+                   *log, *self.extra, *more]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def client(self, **kw) -> redis.Redis:
@@ -89,6 +98,16 @@ class _Node:
     def log(self) -> str:
         p = self.workdir / "redis.log"
         return p.read_text()[-2000:] if p.exists() else ""
+
+
+def _is_synced_replica(node: _Node) -> bool:
+    """Whether ``node`` answers as a replica whose link to its master is up."""
+    try:
+        with node.client(decode_responses=True) as c:
+            info = c.info("replication")
+    except redis.exceptions.RedisError:
+        return False
+    return info["role"] == "slave" and info.get("master_link_status") == "up"
 
 
 class ClusterSet:
@@ -154,19 +173,63 @@ class ClusterSet:
 
     def kill_master_of(self, key: str) -> _Node:
         """SIGKILL the master of ``key``'s slot; return once a replica serves that slot."""
+        victim = self.sigkill_owner(key)
+        self.await_takeover(key, victim)
+        return victim
+
+    def sigkill_owner(self, key: str) -> _Node:
+        """SIGKILL the master of ``key``'s slot and return at once (the killed node)."""
         victim = self.owner(key)
         victim.kill()
+        return victim
 
+    def await_takeover(self, key: str, victim: _Node) -> None:
+        """Wait until a node other than ``victim`` serves ``key``'s slot and all agree."""
         def taken_over() -> bool:
             try:
                 return self.owner(key) is not victim and self._settled()
             except (AssertionError, redis.exceptions.RedisError):
                 return False
         wait_until(taken_over, f"a replica to take over {key!r}", timeout_s=30, poll_s=0.05)
-        return victim
 
-    def migrate_slot(self, key: str) -> tuple[int, int]:
-        """Move ``key``'s slot, with its keys, to another master; (from port, to port)."""
+    def heal(self) -> list[_Node]:
+        """Start every killed node again; return them once each is a replica in sync.
+
+        A restarted node reads its ``nodes.conf``, learns from the others that its slots
+        went to its replica at a newer epoch, and becomes that node's replica (a full
+        resynchronisation: it kept no data). The cluster then has its shape back: every
+        master with a replica, so another master may be killed.
+        """
+        dead = [n for n in self.nodes if n.proc is None or n.proc.poll() is not None]
+        for n in dead:
+            n.start()
+        for n in dead:
+            n.wait_ping()
+        wait_until(lambda: all(_is_synced_replica(n) and self._serves(n) for n in dead)
+                   and self._settled(), "the restarted nodes to rejoin as replicas",
+                   timeout_s=30)
+        return dead
+
+    def _serves(self, node: _Node) -> bool:
+        """Whether every live node lists ``node`` in its slot map (no longer flagged failed),
+        as a client that asks any of them will see it."""
+        try:
+            for n in self.live():
+                with n.client() as c:
+                    ports = {int(a[1]) for _lo, _hi, *addrs in c.cluster("slots") for a in addrs}
+                if node.port not in ports:
+                    return False
+        except redis.exceptions.RedisError:
+            return False
+        return True
+
+    def migrate_slot(self, key: str, *, batch: int = 100,
+                     between: Callable[[], None] | None = None) -> tuple[int, int]:
+        """Move ``key``'s slot, with its keys, to another master; (from port, to port).
+
+        Keys move ``batch`` at a time; ``between()`` runs after each batch (a test waits
+        there for writes to go on while the slot is half moved).
+        """
         src = self.owner(key)
         masters = [n for n in self.live() if n is not src and
                    n.client(decode_responses=True).info("replication")["role"] == "master"]
@@ -176,8 +239,10 @@ class ClusterSet:
             src_id, dst_id = s.cluster("myid"), d.cluster("myid")
             d.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
             s.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
-            while keys := s.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+            while keys := s.execute_command("CLUSTER", "GETKEYSINSLOT", slot, batch):
                 s.execute_command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", *keys)
+                if between is not None:
+                    between()
             for n in self.live():
                 with n.client() as c:
                     if c.info("replication")["role"] == "master":
@@ -249,9 +314,25 @@ class SentinelSet:
     def kill_master(self) -> None:
         """SIGKILL the master; return once the Sentinels name the replica master."""
         self.master.kill()
+        self.await_promotion()
+
+    def await_promotion(self) -> None:
+        """After the master was killed: wait until the Sentinels name the replica master,
+        then call it :attr:`master` (and the dead node :attr:`replica`, for :meth:`heal`)."""
         wait_until(lambda: self._master_port() == self.replica.port,
                    "the Sentinels to promote the replica", timeout_s=30, poll_s=0.05)
         self.master, self.replica = self.replica, self.master
+
+    def heal(self) -> bool:
+        """Start a killed node again as the replica of the master the Sentinels named;
+        return once it is in sync and the Sentinels list it (False: nothing was dead)."""
+        if self.replica.proc is not None and self.replica.proc.poll() is None:
+            return False
+        self.replica.start("--replicaof", "127.0.0.1", str(self.master.port))
+        self.replica.wait_ping()
+        wait_until(lambda: _is_synced_replica(self.replica) and self._synced(),
+                   "the restarted node to rejoin as a replica", timeout_s=30)
+        return True
 
     def stop(self) -> None:
         for n in self.all():

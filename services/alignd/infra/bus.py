@@ -33,12 +33,14 @@ user may not run and a write a full server refuses come back at once as the type
 
 Failover. On a Sentinel set or a Redis Cluster a master that dies is replaced by its replica
 after a few seconds; until then calls fail with connection errors, ``CLUSTERDOWN`` or
-``TRYAGAIN`` (a slot moving), all retried like a restart. Replication is asynchronous, so a
-write the old master acknowledged may not have reached the replica that takes over. Where a
-store promises that an acknowledged write survives, it calls :meth:`RedisBus.confirm` after
-the write: ``WAIT`` for ``wait_replicas`` replicas (``ALIGN_REDIS_WAIT_REPLICAS``), on the
-master that holds the written key. What that does and does not promise is written in
-RELIABILITY.md.
+``TRYAGAIN``, all retried like a restart. While a cluster slot migrates, redis-py follows
+``ASK``/``MOVED`` for single commands; a transaction redirected that way was aborted whole
+by the server and is retried here until the slot has settled on its new master.
+Replication is asynchronous, so a write the old master acknowledged may not have reached
+the replica that takes over. Where a store promises that an acknowledged write survives, it
+calls :meth:`RedisBus.confirm` after the write: ``WAIT`` for ``wait_replicas`` replicas
+(``ALIGN_REDIS_WAIT_REPLICAS``), on the master that holds the written key. What that does
+and does not promise is written in RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -65,10 +67,12 @@ T = TypeVar("T")
 
 #: Errors after which the same call may simply be tried again: a lost connection, a timeout,
 #: a cluster whose slots are failing over (CLUSTERDOWN, a slot no node serves yet) or moving
-#: (TRYAGAIN: a multi-key command on a slot half-migrated).
+#: (TRYAGAIN: a multi-key command on a slot half-migrated; ASK or MOVED answered to a
+#: MULTI/EXEC, which redis-py hands back instead of following: the server aborted the whole
+#: transaction, so nothing in it ran).
 RETRYABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
              redis.exceptions.ClusterDownError, redis.exceptions.TryAgainError,
-             redis.exceptions.SlotNotCoveredError)
+             redis.exceptions.SlotNotCoveredError, redis.exceptions.AskError)
 #: How long the key that :meth:`RedisBus.confirm` writes lives.
 _BARRIER_TTL_MS = 60_000
 

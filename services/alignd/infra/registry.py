@@ -65,8 +65,9 @@ from alignclient.errors import (
 )
 from alignclient.ids import check_version_id
 from alignclient.models import check_meta
+from redis.commands.core import Script
 
-from alignd.infra.bus import RedisBus
+from alignd.infra.bus import RedisBus, redis_transient
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +252,20 @@ def allowed_sources(target: str, *, reclaim: bool = False) -> frozenset[str]:
     return frozenset(srcs)
 
 
+def queue_script(pipe: redis.client.Pipeline, script: Script, keys: list[str],
+                 args: list[Any]) -> None:
+    """Queue ``script`` in ``pipe``'s MULTI as ``EVAL`` with its source, never ``EVALSHA``.
+
+    Redis runs every command of an ``EXEC`` even when one of them fails: an ``EVALSHA`` of a
+    script the server does not hold fails with ``NOSCRIPT`` at ``EXEC`` while the ``XADD``
+    queued after it is applied, leaving an event without its version. redis-py loads a
+    pipeline's scripts before ``MULTI`` on one server, but not through a cluster's pipeline,
+    and a replica promoted by a failover holds none; the source travels with each
+    transaction instead (a few hundred bytes).
+    """
+    pipe.execute_command("EVAL", script.script, len(keys), *keys, *args)
+
+
 class Registry:
     """Create, move and inspect weight versions in Redis."""
 
@@ -313,7 +328,7 @@ class Registry:
         try:
             flat, event_id = self._write_and_announce(
                 "publish", "published", version_id, stream, fields, check,
-                lambda pipe: self._create(keys=keys, args=args, client=pipe))
+                lambda pipe: queue_script(pipe, self._create, keys, args))
         except redis.exceptions.WatchError as e:
             raise VersionExistsError(version_id) from e
         if flat is None:  # cannot happen under WATCH; never report a version that was not made
@@ -346,7 +361,7 @@ class Registry:
         try:
             reply, event_id = self._write_and_announce(
                 "retry", "retried", version_id, stream, fields, check,
-                lambda pipe: self._transition(keys=keys, args=args, client=pipe))
+                lambda pipe: queue_script(pipe, self._transition, keys, args))
         except redis.exceptions.WatchError as e:
             raise StateTransitionError(version_id, self.state(version_id), "published",
                                        "the version changed while retrying it") from e
@@ -371,26 +386,25 @@ class Registry:
 
         def attempt() -> tuple[Any, str]:
             try:
-                return once()
-            except redis.exceptions.NoScriptError:
-                # redis-py loads a pipeline's scripts first on one server, not on a cluster
-                # (nor does a replica promoted by a failover have them): load, then once more
-                for script in (self._create, self._transition):
-                    script.sha = self.bus.client.script_load(script.script)
-                return once()
-
-        def once() -> tuple[Any, str]:
-            with self.bus.client.pipeline(transaction=True) as pipe:
-                pipe.watch(key)
-                check(pipe)
-                kind = pipe.type(stream)
-                if kind not in ("none", "stream"):
-                    raise ConfigError(f"the stream key {stream!r} holds a {kind}, not a stream; "
-                                      f"nothing was {done}")
-                pipe.multi()
-                write(pipe)
-                self.bus.queue_publish(pipe, stream, fields)
-                reply, event_id = pipe.execute()
+                with self.bus.client.pipeline(transaction=True) as pipe:
+                    pipe.watch(key)
+                    check(pipe)
+                    kind = pipe.type(stream)
+                    if kind not in ("none", "stream"):
+                        raise ConfigError(f"the stream key {stream!r} holds a {kind}, not a "
+                                          f"stream; nothing was {done}")
+                    pipe.multi()
+                    write(pipe)
+                    self.bus.queue_publish(pipe, stream, fields)
+                    reply, event_id = pipe.execute()
+            except redis.exceptions.WatchError as e:
+                # A cluster's pipeline reports a lost connection or a slot redirect while
+                # watching as WatchError, raised from that error: nothing was written and
+                # the record did not change, so it is the failover or migration to retry,
+                # not a concurrent writer to name
+                if e.__cause__ is not None and redis_transient(e.__cause__):
+                    raise e.__cause__ from None
+                raise
             return reply, event_id
 
         return self.bus.call(f"registry {op} {version_id}", attempt)

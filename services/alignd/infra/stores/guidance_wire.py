@@ -244,6 +244,8 @@ class PayloadWire:
                              part if part.nbytes >= SEND_WHOLE else part.tobytes()))
         try:
             results = self._transaction(sets, commit)
+        except (redis.exceptions.AskError, redis.exceptions.TryAgainError):
+            raise  # the slot is moving and EXEC was refused whole: the store tries again
         except redis.exceptions.ResponseError as e:  # EXECABORT: nothing was applied
             raise refusal(e, f"guidance put {version}") or StoreError(
                 f"guidance put {version}: Redis refused the transaction: {e}") from e
