@@ -121,6 +121,36 @@ def dense_bytes_per_token(num_layers: int, top_k: int, dtype: str = "int32") -> 
     return num_layers * top_k * _dense_dtype(dtype).itemsize
 
 
+def _getter(config):
+    return (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else \
+        (lambda k, d=None: getattr(config, k, d))
+
+
+def config_moe_layers(config) -> list[int]:
+    """The MoE layers of a Hugging Face config (a mapping or an object): every one of its
+    ``num_hidden_layers`` but those in ``mlp_only_layers``, the first
+    ``first_k_dense_replace``, and those off the ``decoder_sparse_step``."""
+    get = _getter(config)
+    dense = set(get("mlp_only_layers", None) or [])
+    first = int(get("first_k_dense_replace", 0) or 0)
+    step = int(get("decoder_sparse_step", 1) or 1)
+    return [i for i in range(int(get("num_hidden_layers")))
+            if i not in dense and i >= first and (i + 1) % step == 0]
+
+
+def config_geometry(config) -> dict | None:
+    """The routing geometry of a Hugging Face MoE config: ``num_layers``
+    (``num_hidden_layers``), the MoE ``layers`` (:func:`config_moe_layers`), ``top_k``
+    (``num_experts_per_tok``) and ``num_experts`` (``num_experts`` or ``n_routed_experts``);
+    None for a config without experts."""
+    get = _getter(config)
+    experts = int(get("num_experts", 0) or get("n_routed_experts", 0) or 0)
+    if not experts or not get("num_experts_per_tok"):
+        return None
+    return {"num_layers": int(get("num_hidden_layers")), "layers": config_moe_layers(config),
+            "top_k": int(get("num_experts_per_tok")), "num_experts": experts}
+
+
 def _dense_dtype(name: str) -> np.dtype:
     if name not in DENSE_DTYPES:
         raise RoutingRecordError(f"routed experts dtype {name!r} is not one of "

@@ -60,6 +60,15 @@ Server set-up (constructor arguments)
     ``/metrics``); ``admin_api_key``: ``--admin-api-key``, the only key ``admin_routes``
     (ADMIN_OPTIONAL) take when it is set (``utils/auth.py``, ``decide_request_auth``);
     ``quantization``: what ``/get_server_info`` reports (``--quantization``);
+    ``routed_experts``: ``--enable-return-routed-experts`` (a dict: ``num_layers``, MoE
+    ``layers``, ``top_k``, ``num_experts``, and ``dtype``, the server's
+    ``SGLANG_ROUTED_EXPERTS_DTYPE``, announced as ``meta_info.routed_experts_dtype`` when other
+    than int32): a request with ``return_routed_experts`` gets ``meta_info.routed_experts``,
+    base64 of ``[len(tokens) - 1, num_layers, top_k]`` ids, zero in layers without a router
+    (``state_capturer/routed_experts.py`` and ``base.py``, ``detokenizer_manager.py`` of SGLang
+    0.5.23); without it the field is absent, as in SGLang. The fake router's choice for a token
+    is a hash of ``(version, context, layer)`` (:meth:`SGLangContract.route`);
+    ``corrupt_routed_experts``: a string sent instead of the payload;
     ``deterministic`` and ``attention_backend``: what it reports of
     ``--enable-deterministic-inference`` and ``--attention-backend`` (the backend is left out
     of the answer when None); ``env_vars``:
@@ -138,6 +147,7 @@ class GenerateBody(_Lenient):
     logprob_start_len: int | list[int] | None = None
     top_logprobs_num: int | list[int] | None = None
     return_text_in_logprobs: bool = False
+    return_routed_experts: bool = False
     stream: bool = False
 
 
@@ -257,8 +267,10 @@ class SGLangContract:
                  api_key: str | None = None, quantization: str | None = "modelopt_fp4",
                  env_vars: dict[str, str] | None = None, admin_api_key: str | None = None,
                  admin_routes: tuple[str, ...] = ADMIN_ROUTES, deterministic: bool = False,
-                 attention_backend: str | None = None):
+                 attention_backend: str | None = None, routed_experts: dict | None = None):
         self.api_key = api_key
+        self.routed_experts = routed_experts
+        self.corrupt_routed_experts: str | None = None
         self.deterministic = deterministic
         self.attention_backend = attention_backend
         self.admin_api_key = admin_api_key
@@ -304,6 +316,29 @@ class SGLangContract:
         """log p(token | context) under ``version`` (the served one by default)."""
         v = self.weight_version if version is None else version
         return -0.05 - (_h("lp", v, tuple(context), token) % 4000) / 1000.0
+
+    def route(self, context: list[int], layer: int) -> list[int]:
+        """The fake router's top-k ids (in slot order) for the last token of ``context``."""
+        re = self.routed_experts or {}
+        experts = range(int(re["num_experts"]))
+        key = (self.weight_version, tuple(context), layer)
+        return sorted(experts, key=lambda e: _h("route", *key, e))[:int(re["top_k"])]
+
+    def routed_payload(self, tokens: list[int]) -> dict[str, str]:
+        """``meta_info``'s ``routed_experts`` (and ``routed_experts_dtype``) for a sequence."""
+        import numpy as np
+
+        re = self.routed_experts or {}
+        dtype = re.get("dtype") or "int32"
+        dense = np.zeros((len(tokens) - 1, int(re["num_layers"]), int(re["top_k"])), np.int32)
+        for j in range(len(tokens) - 1):
+            for layer in re["layers"]:
+                dense[j, layer] = self.route(tokens[:j + 1], layer)
+        out = {"routed_experts": self.corrupt_routed_experts or base64.b64encode(
+            dense.astype(dtype).tobytes()).decode("utf-8")}
+        if dtype != "int32":
+            out["routed_experts_dtype"] = dtype
+        return out
 
     def original_logprobs(self) -> bool:
         """Whether this server reports untempered log-probs (SGLANG_RETURN_ORIGINAL_LOGPROB)."""
@@ -413,6 +448,7 @@ class SGLangContract:
             info = {"model_path": self.model_path, "tokenizer_path": self.model_path,
                     "quantization": self.quantization,
                     "enable_deterministic_inference": self.deterministic,
+                    "enable_return_routed_experts": self.routed_experts is not None,
                     "internal_states": [state], "version": "0.5.6"}
             if self.attention_backend is not None:
                 info["attention_backend"] = self.attention_backend
@@ -660,6 +696,8 @@ class SGLangContract:
         for rid, row, sp, lp_on, s in zip(rids, rows, params, want_lp, starts, strict=True):
             out.append(self._one(rid, row, sp, bool(lp_on), s, req.return_text_in_logprobs,
                                  aborted))
+            if req.return_routed_experts and self.routed_experts and not aborted:
+                out[-1]["meta_info"].update(self.routed_payload(row + out[-1]["output_ids"]))
         self._record(request, body, 200)
         return JSONResponse(out[0] if single else out)
 

@@ -214,10 +214,11 @@ class SamplerService:
                      req.request_id)
             return RolloutsReady(**base, rollout_ids=json.dumps(ids), guidance=bits is not None,
                                  seconds=time.perf_counter() - t0)
-        if req.routing and not isinstance(self.engine, RecordsRouting):
+        if req.routing and not (isinstance(self.engine, RecordsRouting)
+                                and self.engine.records_routing):
             return RolloutsReady(**base, error=f"sampler engine {type(self.engine).__name__} "
                                  "cannot record routing (routing replay needs the embedded "
-                                 "engine)")
+                                 "engine, or SGLang servers of an MoE model)")
         extra = {"routing": True} if req.routing else {}  # only engines that record routing
         gen = self.engine.generate(prompts, max_new_tokens=req.max_new_tokens,
                                    temperature=req.temperature, seed=req.seed, guidance_bits=bits,

@@ -141,6 +141,15 @@ The served version
     :attr:`Generation.version_id` says. A server whose answers carry no ``weight_version``
     (older SGLang) is stamped with the engine's own record.
 
+Routing records (R3)
+    Built with a routing geometry (``routing``: :class:`~alignd.sampler.sglang_routing.SGLangRouting`,
+    read from the model's ``config.json`` by :func:`~alignd.sampler.sglang_sampler.build_sglang_sampler`),
+    the engine records routing: ``generate(..., routing=True)`` adds ``return_routed_experts:
+    true`` to the request (servers started with ``--enable-return-routed-experts``) and fills
+    :attr:`Generation.routing` with one record per row, the MoE layers of SGLang's
+    ``[len(tokens) - 1, num_hidden_layers, top_k]`` answer, stamped with the served version
+    (:mod:`alignd.sampler.sglang_routing` says what was matched and what each fault raises).
+
 Guidance records
     SGLang's kernels round activations inside fused CUDA code; there is no hook through which
     the FP4 codes at a captured site could be recorded, so asking for guidance (TRACE) raises
@@ -187,6 +196,7 @@ from alignclient.errors import (
 )
 
 from alignd.sampler.engine import Generation
+from alignd.sampler.sglang_routing import REQUEST_FIELD, SGLangRouting, routing_record
 from alignd.sampler.sglang_server import SGLangServer, SGLangTimeouts, SwitchLock
 from libalign import gemm
 
@@ -217,7 +227,7 @@ class SGLangSamplerEngine:
                  client: httpx.Client | None = None, api_key: str | None = None,
                  admin_api_key: str | None = None, router: str | None = None,
                  original_logprobs: bool | None = None, model_paths: Sequence[str | Path] = (),
-                 deterministic: bool = False):
+                 deterministic: bool = False, routing: SGLangRouting | None = None):
         if pause_mode not in PAUSE_MODES:
             raise InputError(f"pause_mode {pause_mode!r} is not one of {PAUSE_MODES}")
         urls = [base_url] if isinstance(base_url, str) else list(base_url or [])
@@ -236,6 +246,8 @@ class SGLangSamplerEngine:
         self.original_logprobs = original_logprobs
         """True: the operator says every server returns untempered log-probs; None: ask them."""
         self.model_paths = tuple(str(p).rstrip("/") for p in model_paths)
+        self.routing = routing
+        """The model's routing geometry (None: this engine records no routing)."""
         self._timeouts = timeouts or SGLangTimeouts()
         self.router = (SGLangServer(router, timeouts=self._timeouts, api_key=api_key,
                                     admin_api_key=admin_api_key, client=client) if router else None)
@@ -252,6 +264,11 @@ class SGLangSamplerEngine:
         self._version: str | None = None
         self.model_path: str | None = None
         """The export the servers loaded last (through this engine)."""
+
+    @property
+    def records_routing(self) -> bool:
+        """Whether ``generate(..., routing=True)`` works (a routing geometry was given)."""
+        return self.routing is not None
 
     @property
     def timeouts(self) -> SGLangTimeouts:
@@ -319,8 +336,9 @@ class SGLangSamplerEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                  temperature: float = 1.0, seed: int = 0,
-                 guidance_bits: int | None = None) -> Generation:
-        """Sample completions on a server; log-probs are the ones SGLang drew them with."""
+                 guidance_bits: int | None = None, routing: bool = False) -> Generation:
+        """Sample completions on a server; log-probs are the ones SGLang drew them with (and,
+        with ``routing``, each row's routing record)."""
         if guidance_bits is not None:
             raise GuidanceUnsupportedError(
                 "the SGLang sampler cannot capture guidance records: SGLang rounds activations "
@@ -329,6 +347,9 @@ class SGLangSamplerEngine:
         rows = [self._tokens(p, f"prompt {i}") for i, p in enumerate(prompts)]
         if max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if routing and self.routing is None:
+            raise SpecError("this SGLang sampler has no routing geometry (give routing=, or "
+                            "build it with build_sglang_sampler from an MoE model directory)")
         with self.switch.reading():
             self._require_loaded()
             if not rows:
@@ -344,6 +365,8 @@ class SGLangSamplerEngine:
             rids = self._rids(len(rows))
             body = {"rid": rids, "input_ids": rows, "sampling_params": params,
                     "return_logprob": True}
+            if routing:
+                body[REQUEST_FIELD] = True
             with self._server(temperature=float(temperature)) as server:
                 metas = self._generate(server, body, rids)
             served = self._served(server, metas)
@@ -354,7 +377,12 @@ class SGLangSamplerEngine:
                 sequences.append(prompt + tokens)
                 logprobs.append(lps)
                 finished.append(self._finished(meta, rid))
-            return Generation(served, sequences, [len(p) for p in rows], logprobs, finished)
+            records = {i: routing_record(meta, rid, seq, self.routing, served)
+                       for i, (rid, seq, meta) in enumerate(zip(rids, sequences, metas,
+                                                                strict=True))} \
+                if routing and self.routing is not None else {}
+            return Generation(served, sequences, [len(p) for p in rows], logprobs, finished,
+                              routing=records)
 
     def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> list[list[float]]:
         """Teacher-forced log-probs of each completion, as a server computes them."""

@@ -42,6 +42,7 @@ from alignd.infra.settings import SamplerSettings
 from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.telemetry import Metrics
 from alignd.sampler.sglang_engine import SGLangSamplerEngine, SGLangTimeouts
+from alignd.sampler.sglang_routing import SGLangRouting
 from libalign import gemm
 from libalign.spec.presets import SGLANG_KV_DTYPES
 
@@ -118,7 +119,10 @@ def build_sglang_sampler(settings: SamplerSettings, base_url: str | list[str] | 
 
     ``model_dir`` is the Hugging Face directory the servers were started from (``config.json``,
     tokenizer); ``export_dir`` (default ``<store>/sglang``) must be a path the servers see
-    under the same name. ``guidance`` is None: SGLang captures no guidance records.
+    under the same name. ``guidance`` is None: SGLang captures no guidance records. An MoE
+    ``config.json`` gives the engine its routing geometry, so rollout requests that ask for
+    routing records (R3) are served from SGLang's routed experts (the servers need
+    ``--enable-return-routed-experts``).
     """
     def pick(value, field: str):
         return getattr(settings, field) if value is None else value
@@ -141,6 +145,8 @@ def build_sglang_sampler(settings: SamplerSettings, base_url: str | list[str] | 
         timeouts=timeouts, api_key=pick(api_key, "sglang_api_key"),
         admin_api_key=settings.sglang_admin_api_key,
         original_logprobs=settings.sglang_original_logprobs,
-        model_paths=(str(Path(model_dir)), str(exports.dir)), deterministic=settings.strict)
+        model_paths=(str(Path(model_dir)), str(exports.dir)), deterministic=settings.strict,
+        routing=SGLangRouting.from_config(model_dir)
+        if (Path(model_dir) / "config.json").is_file() else None)
     rollouts = RolloutStore(binary_client(settings), settings.key_prefix, metrics=metrics)
     return engine, rollouts, None
