@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.bench import bench_refit
 
 
@@ -34,3 +36,32 @@ def test_refit_bench_reports_both_refits(tmp_path, capsys):
     assert set(res["goals"]) == {"nvfp4_over_bf16_time", "peak_extra_buckets"}
     printed = capsys.readouterr().out
     assert "NVFP4/BF16 refit time" in printed and "goals (not asserted)" in printed
+
+
+def test_redis_cluster_bench_reports_both_topologies(tmp_path, capsys):
+    """``python -m tests.bench redis_cluster`` at a tiny size (2 versions of 2 records of 4 KiB,
+    4 shards, each node capped at 4 MB): one node and a 3-master cluster both put, read back
+    and fill until Redis refuses; every figure is there and positive, and the run's servers and
+    working directory are gone after it."""
+    from tests.bench.__main__ import run
+    from tests.services.conftest import REDIS_SERVER
+    from tests.services.redis_topologies import REDIS_CLI
+
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server and redis-cli are not installed")
+    status = run(["redis_cluster"], ["--versions", "2", "--rollouts", "2", "--record-bytes",
+                                     "4096", "--fill-bytes", "65536", "--shards", "4",
+                                     "--maxmemory", "4mb", "--repeats", "1",
+                                     "--out", str(tmp_path)])
+    assert status == 0
+    res = json.loads((tmp_path / "bench_redis_cluster.json").read_text())
+    assert res["masters"] == 3 and res["shards"] == 4 and res["maxmemory_per_node"] == "4mb"
+    for topo in ("one_node", "cluster"):
+        r = res[topo]
+        assert r["put_MBps"] > 0 and r["get_MBps"] > 0 and r["bytes"] == 2 * 2 * 4096
+        assert r["capacity_bytes"] > 0 and r["capacity_bytes"] % (2 * 65536) == 0
+    assert res["ratio_capacity"] == res["cluster"]["capacity_bytes"] / \
+        res["one_node"]["capacity_bytes"]
+    assert res["ratio_put"] > 0 and res["ratio_get"] > 0
+    printed = capsys.readouterr().out
+    assert "cluster / one node" in printed and "bench_redis_cluster: ok" in printed

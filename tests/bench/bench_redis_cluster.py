@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         single.stop()
         cluster.stop()
+        shutil.rmtree(work, ignore_errors=True)
     doc = {"one_node": one, "cluster": many, "masters": args.masters, "shards": args.shards,
            "maxmemory_per_node": args.maxmemory, "cores": os.cpu_count(),
            "ratio_put": many["put_MBps"] / one["put_MBps"],
