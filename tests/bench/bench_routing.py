@@ -25,6 +25,17 @@ Three tables, each against a baseline measured in the same run:
    round robin, the same columns (wall time of rank 0's ``train_step``, which waits for every
    rank).
 
+5. **R3 record against SGLang's dense form** (what slime, Miles and verl keep): bytes per
+   token of a record (MoE layers only; ids, then with fp32 gate weights) against SGLang's
+   ``[len - 1, num_hidden_layers, top_k]`` int32 (and its uint16/uint8 wires), Qwen3-30B-A3B
+   and a model with dense layers in between; ``round trip`` checks ``to_dense`` /
+   ``from_dense`` give back the same ids on a record of ``--tokens`` tokens.
+6. **Replay at the TopKRouter** (:mod:`libalign.models.megatron_routing`) on the CPU: one
+   Megatron-core ``TopKRouter`` of Qwen3-30B-A3B's shape (hidden 2048, 128 experts, top-8,
+   fp32 router), forward of ``--tokens`` tokens, with ``recompute`` and ``record`` replay
+   (every token has a record; a quarter of them disagree) and ``off`` (counting only), against
+   the plain router, round robin in the same run.
+
 Run: ``python -m tests.bench routing [-- --tokens 4096 --rollouts 32 --repeats 7 --ranks 2]``.
 """
 
@@ -194,6 +205,89 @@ def rank_group_steps(ranks: int, rollouts: int, repeats: int, threads: int) -> l
     return overheads(got[0])
 
 
+#: (decoder layers, MoE layers, top-k, experts) of table 5
+DENSE_MODELS = {"Qwen3-30B-A3B (48 layers, all MoE, top-8 of 128)": (48, 48, 8, 128),
+                "48 layers, every other MoE, top-8 of 256": (48, 24, 8, 256)}
+
+
+def dense_sizes(tokens: int) -> list[dict]:
+    """Table 5: record bytes against SGLang's dense form, and a lossless round trip."""
+    from libalign.routing.records import dense_bytes_per_token
+
+    rows = []
+    for name, (num_layers, moe, k, experts) in DENSE_MODELS.items():
+        rec = _record(min(tokens, 512), moe, k, experts, False)
+        step = num_layers // moe
+        rec = RoutingRecord(rec.experts, tuple(range(step - 1, num_layers, step)), experts)
+        back = RoutingRecord.from_dense(rec.to_dense(num_layers), layers=rec.layers,
+                                        num_experts=experts)
+        ids = bytes_per_token(moe, k, experts)
+        rows.append({"model": name, "record_ids": ids,
+                     "record_fp32_weights": bytes_per_token(moe, k, experts, weights=True,
+                                                            weight_bytes=4),
+                     "dense_int32": dense_bytes_per_token(num_layers, k),
+                     "dense_uint16": dense_bytes_per_token(num_layers, k, "uint16"),
+                     "dense_uint8": dense_bytes_per_token(num_layers, k, "uint8")
+                     if experts <= 256 else None,
+                     "int32_over_record": dense_bytes_per_token(num_layers, k) / ids,
+                     "round_trip": torch.equal(back.experts, rec.experts)})
+    return rows
+
+
+def router_replay(tokens: int, repeats: int) -> list[dict]:
+    """Table 6: a Qwen3-30B-A3B-shaped TopKRouter's forward with replay against without."""
+    from libalign.guidance import row_keys
+    from libalign.models import megatron_routing as mr
+    from libalign.models.megatron_cpu import cpu_shims, single_process_group
+    from libalign.models.routing_replay import RoutingTable
+
+    with single_process_group("gloo"), cpu_shims():
+        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron.core.transformer.moe.router import TopKRouter
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        cfg = TransformerConfig(num_layers=1, hidden_size=2048, num_attention_heads=32,
+                                num_moe_experts=128, moe_router_topk=8, moe_router_dtype="fp32",
+                                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                                params_dtype=torch.bfloat16, bf16=True,
+                                moe_token_dispatcher_type="allgather")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            router = TopKRouter(config=cfg,
+                                pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(tokens, 1, 2048, generator=g).to(torch.bfloat16)
+        router.row_keys = row_keys(0, torch.arange(tokens))
+        with mr.capture_routers({0: router}, weights=True) as cap, torch.no_grad():
+            router(x)
+        rec = cap.records()[0]
+        flip = torch.arange(tokens) % 4 == 0  # a quarter of the tokens disagree
+        ids = rec.experts.clone()
+        used = torch.zeros(tokens, 128, dtype=torch.bool).scatter(1, ids[:, 0].long(), True)
+        unused = (~used).to(torch.int8).argmax(1)  # the lowest expert a row does not name
+        ids[flip, 0, -1] = unused[flip].to(ids.dtype)
+        table = RoutingTable({0: RoutingRecord(ids, rec.layers, 128, rec.weights)})
+
+        seen: dict[str, float | None] = {"none": None}
+
+        def run(mode):
+            def step():
+                with torch.no_grad():
+                    if mode == "none":
+                        return router(x)
+                    with mr.replay_routers({0: router}, table, weights=mode) as st:
+                        out = router(x)
+                    seen[mode] = st.disagreement
+                    return out
+            return step
+
+        rows = round_robin([(run(m), {"mode": m}) for m in ("none", "off", "recompute",
+                                                           "record")], repeats)
+    for row in rows:
+        row["disagreement"] = seen[row["mode"]]
+    return overheads(rows)
+
+
 def _print_steps(rows: list[dict]) -> None:
     print_table([Col("routing_replay", "14", "mode"), Col("median s", "9.4f", "seconds"),
                  Col("best s", "8.4f", "best"), Col("overhead", ">9", pct("overhead", 9)),
@@ -201,6 +295,23 @@ def _print_steps(rows: list[dict]) -> None:
                  Col("(paired)", ">9", pct("overhead_paired", 9)),
                  Col("disagreement", ">12", lambda r: "–" if r["disagreement"] is None
                      else f"{100 * r['disagreement']:.2f}%")], rows)
+
+
+def _print_r3(dense_rows, router_rows, tokens) -> None:
+    print("\n5. R3 record (MoE layers, uint8/int16 ids) against SGLang's dense "
+          "[len-1, layers, k] form (int32: what slime, Miles and verl keep); bytes per token")
+    print_table([Col("model", "48", "model"), Col("record", "7.0f", "record_ids"),
+                 Col("+fp32 w", "8.0f", "record_fp32_weights"),
+                 Col("int32", "6.0f", "dense_int32"), Col("uint16", "7.0f", "dense_uint16"),
+                 Col("uint8", ">6", lambda r: "–" if r["dense_uint8"] is None
+                     else str(r["dense_uint8"])),
+                 Col("int32/rec", "9.2f", "int32_over_record"),
+                 Col("lossless", ">8", lambda r: str(r["round_trip"]))], dense_rows)
+    if router_rows:
+        print(f"\n6. TopKRouter forward on the CPU, Qwen3-30B-A3B shape (2048 -> 128, top-8, "
+              f"fp32), {tokens} tokens, every token recorded, 1 in 4 disagreeing; baseline: "
+              "no replay")
+        _print_steps(router_rows)
 
 
 def _print(size_rows, tput_rows, step_rows, tokens, rollouts, rank_rows=(), ranks=0) -> None:
@@ -238,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also table 4: the Megatron learner over this many ranks (0: skip)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch CPU threads (1: steadier on a shared host)")
+    ap.add_argument("--no-router", action="store_true",
+                    help="skip table 6 (needs megatron-core)")
     ap.add_argument("--quick", action="store_true", help="1024 tokens, 16 rollouts, 3 repeats")
     ap.add_argument("--out", type=Path, default=None, help="write bench_routing.json here")
     args = ap.parse_args(argv)
@@ -251,12 +364,18 @@ def main(argv: list[str] | None = None) -> int:
     step_rows = [] if args.no_learner else learner_steps(args.rollouts, args.repeats)
     rank_rows = rank_group_steps(args.ranks, args.rollouts, args.repeats, args.threads) \
         if args.ranks > 1 else []
+    dense_rows = dense_sizes(args.tokens)
+    router_rows = [] if args.no_router else router_replay(args.tokens, args.repeats)
     _print(size_rows, tput_rows, step_rows, args.tokens, args.rollouts, rank_rows, args.ranks)
+    _print_r3(dense_rows, router_rows, args.tokens)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_routing.json").write_text(json.dumps(
             {"sizes": size_rows, "throughput": tput_rows, "learner": step_rows,
-             "rank_group": rank_rows}, indent=1))
+             "rank_group": rank_rows, "dense": dense_rows, "router": router_rows}, indent=1))
+    if not all(r["round_trip"] for r in dense_rows):
+        print("a record did not survive the dense form")
+        return 1
     if bad:
         print(f"encoded sizes differ from the plan: {bad}")
         return 1
