@@ -317,10 +317,13 @@ def test_native_backend_is_refused_without_blackwell():
 
 def test_a_path_names_its_backend_and_its_guidance_as_fields():
     """ExecutionPath carries ``guided`` and ``backend`` as fields: the built-in guided paths are
-    exactly those with ``guided`` (nvfp4_trace and its KV twins), a path whose backend is
+    exactly those with ``guided`` (nvfp4_trace and its KV twins, libalign's and SGLang's KV
+    formats), a path whose backend is
     ``reference`` multiplies with the float64 reference (its bits equal w4a4_reference) unless
     a call names another backend, and an unknown backend is a SpecError naming the path."""
-    assert gemm.guided_paths() == {"nvfp4_trace", "nvfp4_trace_kv_nvfp4", "nvfp4_trace_kv_mxfp4"}
+    assert gemm.guided_paths() == {"nvfp4_trace", "nvfp4_trace_kv_nvfp4", "nvfp4_trace_kv_mxfp4",
+                                   "nvfp4_trace_kv_sglang_nvfp4",
+                                   "nvfp4_trace_kv_sglang_fp4_mx_block16"}
     assert gemm.get_path(gemm.GUIDED).guided and not gemm.get_path("nvfp4_minite").guided
     minite = gemm.get_path("nvfp4_minite")
     ref = gemm.ExecutionPath("minite_reference", minite.weight_spec, minite.act_spec,

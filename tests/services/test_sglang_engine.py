@@ -451,7 +451,7 @@ def test_build_sglang_sampler_from_settings(tmp_path, caplog):
         with pytest.raises(LayoutError, match=r"'v1' \(te_expert\).*'nvfp4_minite'"):
             minite.exporter("v1", minite.path)  # a naive version: refused before any server
     for refused in ("nvfp4_trace", "bf16"):
-        with pytest.raises(ConfigError, match=f"path '{refused}'.*nvfp4_naive or nvfp4_minite"):
+        with pytest.raises(ConfigError, match=f"path '{refused}'.*nvfp4_naive, nvfp4_minite"):
             build_sglang_sampler(SamplerSettings(store_dir=tmp_path / "store",
                                                  sampler_path=refused),
                                  "http://sglang:30000", model_dir=tmp_path / "model")
