@@ -2,10 +2,17 @@
 
 Each topology starts once per module (:mod:`tests.services.redis_topologies`): a cluster of 3
 masters with a replica each, and a Sentinel set of three watching one master and its
-replica, all on loopback. On each, the registry, the event streams and the guidance store
-run a workload; a master is SIGKILLed mid-run; the services go on after the failover, and
-every write acknowledged before the kill (with ``redis_wait_replicas=1``: after ``WAIT``) is
-read back. On the cluster a guidance shard's slot is also migrated mid-run.
+replica, all on loopback; a node a test killed is started again as a replica after it, so the
+next test finds every master replicated. On each topology:
+
+* the registry, the event streams and the guidance store run a workload of their own; a master
+  is SIGKILLed mid-run; the stores go on after the failover, and every write acknowledged
+  before the kill (with ``redis_wait_replicas=1``: after ``WAIT``) is read back;
+* the RL loop runs through the services (:class:`RLRun`: converter and sampler threads, the
+  learner loop, TRACE guidance), with the master SIGKILLed while a step is in flight.
+
+On the cluster a guidance shard's slot is also migrated between steps of the workload, and
+again while a writer thread puts records into it.
 """
 
 from __future__ import annotations
@@ -527,3 +534,41 @@ def test_guidance_puts_in_flight_while_their_slot_migrates_are_all_kept(cluster)
             assert guidance.client.hget(shard.keys.rollout(v, r), "gen") == gen.encode(), key
     finally:
         guidance.close()
+
+
+@needs_servers
+def test_a_watch_broken_by_a_failover_is_retried_not_called_a_taken_id(redis_url):
+    """A cluster's pipeline reports a connection lost (or a slot redirected) while it watched
+    a version's record as WatchError raised from that error. The publish is tried again and
+    the version made once, with one event, instead of VersionExistsError for an id nobody took;
+    a WatchError of its own (a concurrent writer) still names the taken id."""
+    from alignclient.errors import VersionExistsError
+
+    st = ApiSettings(redis_url=redis_url, key_prefix="watch", redis_retry_s=5.0)
+    bus = RedisBus.from_settings(st)
+    registry = Registry(bus, st.key_prefix)
+    pipeline = bus.client.pipeline
+    broken: list[BaseException] = []
+
+    def breaking_pipeline(*a, **kw):
+        pipe = pipeline(*a, **kw)
+        execute = pipe.execute
+
+        def execute_once_broken(*ea, **ekw):
+            if broken:
+                err = redis.exceptions.WatchError("An error occurred while watching keys")
+                raise err from broken.pop()
+            return execute(*ea, **ekw)
+        pipe.execute = execute_once_broken
+        return pipe
+    bus.client.pipeline = breaking_pipeline
+    try:
+        broken.append(redis.exceptions.ConnectionError("Connection closed by server."))
+        registry.create_and_announce("w1", "/p", st.published_stream, {"version_id": "w1"})
+        assert broken == [] and registry.state("w1") == "published"
+        assert bus.client.xlen(st.published_stream) == 1
+        broken.append(redis.exceptions.ResponseError("not a failover"))
+        with pytest.raises(VersionExistsError):
+            registry.create_and_announce("w2", "/p", st.published_stream, {"version_id": "w2"})
+    finally:
+        bus.client.close()
