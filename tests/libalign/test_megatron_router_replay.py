@@ -241,3 +241,37 @@ def test_replay_refuses_what_it_cannot_do(router):
             pass
     finally:
         router.config.moe_router_fusion = False
+
+
+def test_docs_snippet_takes_sglang_answers_into_a_stock_megatron_learner():
+    """docs/snippets/r3_sglang_megatron.py (shown on docs/concepts/routing-replay.md): SGLang
+    answers, encoded as SGLang's detokenizer encodes them, become records that force a
+    perturbed stock router to the recorded experts; the same logits as replay_routing itself."""
+    import base64
+    import runpy
+    from pathlib import Path
+
+    snippet = runpy.run_path(str(Path(__file__).resolve().parents[2] / "docs" / "snippets" /
+                                 "r3_sglang_megatron.py"))
+    model = _stock()
+    ids, keys = _batch(b=3, s=9, seed=4)
+    mr.set_router_keys(model, keys.T)
+    with mr.capture_routing(model) as cap:
+        _logits(model, ids)
+    recs = cap.records("v3")
+    mr.set_router_keys(model, None)
+    config = {"num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2}
+    answers = [{"meta_info": {"weight_version": "v3", "routed_experts": base64.b64encode(
+        recs[i].to_dense(2).numpy().tobytes()).decode("utf-8")}} for i in range(3)]
+    sequences = [[*row.tolist(), 0] for row in ids]  # the last token is drawn, never fed
+    got = snippet["records_from_sglang"](answers, sequences, config)
+    assert all(torch.equal(got[i].experts, recs[i].experts) and got[i].version == "v3"
+               for i in range(3))
+    _perturb(model)
+    with torch.no_grad():
+        logits, disagreement = snippet["replay"](model, ids, got)
+    assert disagreement > 0
+    mr.set_router_keys(model, keys.T)
+    with mr.replay_routing(model, RoutingTable(recs)):
+        want = _logits(model, ids)
+    assert torch.equal(logits, want)
