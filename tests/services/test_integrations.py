@@ -8,7 +8,6 @@ as tensors, every call ending by its deadline, and the README snippets."""
 from __future__ import annotations
 
 import math
-import os
 import runpy
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ from alignd.sync.bf16 import publish_version
 
 from libalign.guidance import GuidanceRecord, SiteRows
 from libalign.metrics import delta_stats, tis_weights, token_deltas
+from tests.services import verl_source
 from tests.services.api_server import TOKEN, api_settings, serve
 from tests.services.conftest import free_port, tiny_experts
 from tests.services.faulty_servers import Drip, FailSome
@@ -105,18 +105,18 @@ def check_verl(got, want, dtype):
 
 def test_verl_names_equal_verls_own_function():
     """The values equal verl's own calculate_debug_metrics on a DataProto of the same tensors
-    (skipped where verl does not import: it needs ray and tensordict, which the test extra
-    does not install)."""
-    os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")
-    metrics = pytest.importorskip("verl.utils.debug.metrics")
-    from verl import DataProto
+    (verl/utils/debug/metrics.py, run from the files ./dev.sh installs beside the venv:
+    tests/services/verl_source.py)."""
+    if not verl_source.available():
+        pytest.skip(f"no verl at {verl_source.VERL_DIR}: ./dev.sh test installs it")
+    calculate_debug_metrics = verl_source.debug_metrics()
 
     for dtype in (torch.float64, torch.float32):
         learner, sampler, mask = batch(b=6, t=24, dtype=dtype, seed=3)
-        data = DataProto.from_dict(tensors={
+        data = verl_source.DataProto.from_dict({
             "old_log_probs": learner, "rollout_log_probs": sampler,
             "response_mask": mask.to(torch.int64), "responses": torch.zeros(6, 24, dtype=torch.long)})
-        want = metrics.calculate_debug_metrics(data)
+        want = calculate_debug_metrics(data)
         check_verl(gap_metrics(learner, sampler, mask).metrics, want, dtype)
 
 
@@ -183,6 +183,32 @@ def test_bad_input_raises_typed_errors_and_exports_nothing(args, err):
         mon.observe(*args)
     assert mon.metrics.value("libalign_logprob_abs_delta_count",
                              {"learner_path": "bf16", "sampler_path": "nvfp4_minite"}) == 0
+
+
+
+def test_an_all_masked_batch_is_logged_as_the_peers_log_it():
+    """No valid token: slime's mean |δ| 0 (slime/utils: clamp_min(·, 1) per sequence), verl's
+    keys as verl's calculate_debug_metrics answers an all-False mask (valid 0, the rest NaN),
+    libalign/count 0; nothing exported, and the layouts are still checked."""
+    mon = Monitor()
+    lp = -torch.rand(2, 5)
+    got = mon.observe(lp, lp - 0.1, torch.zeros(2, 5, dtype=torch.bool))
+    assert got[SLIME_ABS_DIFF] == 0.0 and got[VERL_KEYS[0]] == 0.0 and got["libalign/count"] == 0
+    assert all(math.isnan(got[k]) for k in VERL_KEYS[1:]) and len(got) == 2 + len(VERL_KEYS)
+    if verl_source.available():  # verl's own answer, key for key
+        want = verl_source.debug_metrics()(verl_source.DataProto.from_dict({
+            "old_log_probs": lp, "rollout_log_probs": lp - 0.1,
+            "response_mask": torch.zeros(2, 5, dtype=torch.int64),
+            "responses": torch.zeros(2, 5, dtype=torch.long)}))
+        assert set(want) == set(VERL_KEYS) and want[VERL_KEYS[0]] == got[VERL_KEYS[0]]
+        assert all(math.isnan(want[k]) for k in VERL_KEYS[1:])
+    assert mon.metrics.value("libalign_logprob_abs_delta_count",
+                             {"learner_path": "bf16", "sampler_path": "nvfp4_minite"}) == 0
+    again = mon.observe([torch.zeros(0)], [torch.zeros(0)])
+    assert again.keys() == got.keys() and again[SLIME_ABS_DIFF] == 0.0
+    with pytest.raises(ShapeError):
+        mon.observe(lp, lp[:, :4], torch.zeros(2, 5, dtype=torch.bool))
+    mon.close()
 
 
 # --- Prometheus -------------------------------------------------------------------------------

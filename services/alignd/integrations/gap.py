@@ -24,9 +24,15 @@ Everything is computed in float64 from the valid tokens in sequence-major order 
 ``torch.masked_select`` takes them), so for float64 inputs the verl values are verl's own
 bits (the correlation to float64 rounding: it is written out, not ``torch.corrcoef``), and
 for float32 inputs they agree to float32 rounding. Inputs are validated by
-:func:`libalign.metrics.token_deltas`: mismatched shapes, NaN/Inf, a log-probability above 0
-or no valid token raise its typed errors (``ShapeError``, ``NonFiniteError``,
-``InputError``).
+:func:`libalign.metrics.token_deltas`: mismatched shapes, NaN/Inf or a log-probability above 0
+raise its typed errors (``ShapeError``, ``NonFiniteError``, ``InputError``).
+
+A batch without a valid token (every position masked, every sequence empty) is logged as the
+peers log it, not refused: slime's mean |δ| is 0 (each sequence counts 0 over its
+``clamp_min(·, 1)`` tokens), verl's ``training/rollout_probs_diff_valid`` is 0 and its other
+keys NaN (``calculate_debug_metrics``' "response_mask is all False" answer), and
+``libalign/count`` is 0; there are no δ statistics and no TIS weights
+(:attr:`BatchGap.stats` and :attr:`BatchGap.tis` are None).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from alignclient.errors import ShapeError
 
 from libalign.metrics import (
     DEFAULT_TIS_CAP,
@@ -62,8 +69,8 @@ class BatchGap:
     """One batch's gap: the logged dict, the summary, the TIS weights and the valid δ."""
 
     metrics: dict[str, float]
-    stats: DeltaStats
-    tis: TISWeights  # token level, over the flat valid tokens
+    stats: DeltaStats | None  # None: the batch has no valid token
+    tis: TISWeights | None  # token level, over the flat valid tokens
     delta: torch.Tensor  # float64 [n], valid tokens, sequence-major
     seq: torch.Tensor  # int64 [n], sequence of each
     n_seq: int
@@ -109,8 +116,15 @@ def verl_probs_diff(learner: torch.Tensor, sampler: torch.Tensor) -> dict[str, f
 def gap_metrics(learner_logp: TokenInput, sampler_logp: TokenInput,
                 mask: torch.Tensor | None = None, *, cap: float = DEFAULT_TIS_CAP) -> BatchGap:
     """The batch's gap under slime's, verl's and libalign's names (see the module doc)."""
-    token_deltas(learner_logp, sampler_logp, mask)  # the typed checks of both inputs
     learner, seq = flatten_tokens(learner_logp, mask)
+    if learner.numel() == 0:  # nothing valid: the shapes are still checked, then logged as 0
+        _check_same_layout(learner_logp, sampler_logp)
+        sampler, _ = flatten_tokens(sampler_logp, mask)
+        out = {SLIME_ABS_DIFF: 0.0, VERL_KEYS[0]: 0.0, **dict.fromkeys(VERL_KEYS[1:], math.nan),
+               f"{LIBALIGN_PREFIX}count": 0.0}
+        return BatchGap(out, None, None, learner, seq, _n_sequences(learner_logp), learner,
+                        sampler)
+    token_deltas(learner_logp, sampler_logp, mask)  # the typed checks of both inputs
     sampler, _ = flatten_tokens(sampler_logp, mask)
     delta = learner - sampler  # token_deltas' own float64 subtraction, on the flat tokens
     n_seq = _n_sequences(learner_logp)
@@ -122,3 +136,17 @@ def gap_metrics(learner_logp: TokenInput, sampler_logp: TokenInput,
                 if v is not None})
     out[f"{LIBALIGN_PREFIX}tis_truncated_fraction"] = tis.truncated_fraction
     return BatchGap(out, stats, tis, delta, seq, n_seq, learner, sampler)
+
+
+def _check_same_layout(a: TokenInput, b: TokenInput) -> None:
+    """ShapeError unless ``a`` and ``b`` are laid out alike (what :func:`token_deltas` checks
+    of inputs that have valid tokens)."""
+    if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+        raise ShapeError("learner and sampler log-probs must both be tensors or both be lists")
+    if isinstance(a, torch.Tensor):
+        if a.shape != b.shape:
+            raise ShapeError(f"learner log-probs have shape {tuple(a.shape)} but sampler "
+                             f"log-probs have {tuple(b.shape)}")
+        return
+    if len(a) != len(b) or any(x.numel() != y.numel() for x, y in zip(a, b, strict=False)):
+        raise ShapeError("learner and sampler log-probs have different sequence lengths")

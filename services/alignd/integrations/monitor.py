@@ -164,6 +164,8 @@ class Monitor:
         default to ``<run_id>-<step>-<row>``. A row without valid tokens is not pushed.
         """
         gap = gap_metrics(learner_logp, sampler_logp, mask, cap=self.tis_cap)
+        if gap.stats is None or gap.tis is None:  # no valid token: logged as 0, nothing else
+            return dict(gap.metrics)
         self.metrics.observe_gap(self.learner_path, self.sampler_path, gap.delta.abs().cpu().numpy(),
                                  mean_abs=gap.stats.mean_abs, p99_abs=gap.stats.p99_abs,
                                  clip_potential=gap.stats.clip_potential,
