@@ -234,14 +234,15 @@ def dense_sizes(tokens: int) -> list[dict]:
     return rows
 
 
-def router_replay(tokens: int, repeats: int) -> list[dict]:
-    """Table 6: a Qwen3-30B-A3B-shaped TopKRouter's forward with replay against without."""
+def router_replay(tokens: int, repeats: int, device: str = "cpu") -> list[dict]:
+    """Table 6: a Qwen3-30B-A3B-shaped TopKRouter's forward with replay against without, on
+    ``device`` (the router and its input there; records stay where the replay keeps them)."""
     from libalign.guidance import row_keys
     from libalign.models import megatron_routing as mr
     from libalign.models.megatron_cpu import cpu_shims, single_process_group
     from libalign.models.routing_replay import RoutingTable
 
-    with single_process_group("gloo"), cpu_shims():
+    with single_process_group("gloo"), cpu_shims(enabled=device == "cpu"):
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.transformer.moe.router import TopKRouter
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -255,15 +256,17 @@ def router_replay(tokens: int, repeats: int) -> list[dict]:
             torch.manual_seed(0)
             router = TopKRouter(config=cfg,
                                 pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        router = router.to(device)
         g = torch.Generator().manual_seed(1)
-        x = torch.randn(tokens, 1, 2048, generator=g).to(torch.bfloat16)
+        x = torch.randn(tokens, 1, 2048, generator=g).to(torch.bfloat16).to(device)
         router.row_keys = row_keys(0, torch.arange(tokens))
         with mr.capture_routers({0: router}, weights=True) as cap, torch.no_grad():
             router(x)
         rec = cap.records()[0]
         flip = torch.arange(tokens) % 4 == 0  # a quarter of the tokens disagree
         ids = rec.experts.clone()
-        used = torch.zeros(tokens, 128, dtype=torch.bool).scatter(1, ids[:, 0].long(), True)
+        used = torch.zeros(tokens, 128, dtype=torch.bool, device=ids.device).scatter(
+            1, ids[:, 0].long(), True)
         unused = (~used).to(torch.int8).argmax(1)  # the lowest expert a row does not name
         ids[flip, 0, -1] = unused[flip].to(ids.dtype)
         table = RoutingTable({0: RoutingRecord(ids, rec.layers, 128, rec.weights)})
@@ -281,8 +284,8 @@ def router_replay(tokens: int, repeats: int) -> list[dict]:
                     return out
             return step
 
-        rows = round_robin([(run(m), {"mode": m}) for m in ("none", "off", "recompute",
-                                                           "record")], repeats)
+        rows = round_robin([(run(m), {"mode": m, "device": device})
+                            for m in ("none", "off", "recompute", "record")], repeats, device)
     for row in rows:
         row["disagreement"] = seen[row["mode"]]
     return overheads(rows)
@@ -307,11 +310,11 @@ def _print_r3(dense_rows, router_rows, tokens) -> None:
                      else str(r["dense_uint8"])),
                  Col("int32/rec", "9.2f", "int32_over_record"),
                  Col("lossless", ">8", lambda r: str(r["round_trip"]))], dense_rows)
-    if router_rows:
-        print(f"\n6. TopKRouter forward on the CPU, Qwen3-30B-A3B shape (2048 -> 128, top-8, "
+    for dev in dict.fromkeys(r["device"] for r in router_rows):
+        print(f"\n6. TopKRouter forward on {dev}, Qwen3-30B-A3B shape (2048 -> 128, top-8, "
               f"fp32), {tokens} tokens, every token recorded, 1 in 4 disagreeing; baseline: "
               "no replay")
-        _print_steps(router_rows)
+        _print_steps([r for r in router_rows if r["device"] == dev])
 
 
 def _print(size_rows, tput_rows, step_rows, tokens, rollouts, rank_rows=(), ranks=0) -> None:
@@ -365,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     rank_rows = rank_group_steps(args.ranks, args.rollouts, args.repeats, args.threads) \
         if args.ranks > 1 else []
     dense_rows = dense_sizes(args.tokens)
-    router_rows = [] if args.no_router else router_replay(args.tokens, args.repeats)
+    router_rows = [] if args.no_router else [
+        r for dev in devices for r in router_replay(args.tokens, args.repeats, dev)]
     _print(size_rows, tput_rows, step_rows, args.tokens, args.rollouts, rank_rows, args.ranks)
     _print_r3(dense_rows, router_rows, args.tokens)
     if args.out is not None:
