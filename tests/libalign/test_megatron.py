@@ -517,6 +517,25 @@ def test_engine_kv_paths_score_like_the_hf_engine(hf, kv_rollout, path):
         assert got != meg.score(r.sequences, r.prompt_lens)
 
 
+def test_engine_writes_kv_with_the_given_scales(hf, kv_rollout):
+    """MegatronLearnerEngine(kv_scales=) on SGLang's NVFP4 KV path scores as the HF engine with
+    the same scales, bit for bit; scales other than powers of two change the scores against
+    the default 1.0 (so the scales reach the hook)."""
+    from libalign.models.kv_cache import KVScales
+
+    r, _recs = kv_rollout
+    path = "nvfp4_minite_kv_sglang_nvfp4"
+    scales = KVScales((0.0123, 0.0371), (0.3, 0.17), "calibration")
+    meg = MegatronLearnerEngine.from_hf_state_dict(hf.state_dict(), CFG, path, pad_id=TASK.pad_id,
+                                                   kv_scales=scales)
+    ref = TorchLearnerEngine(hf, path, pad_id=TASK.pad_id, kv_scales=scales)
+    got = meg.score(r.sequences, r.prompt_lens)
+    assert meg.kv_scales == scales and got == ref.score(r.sequences, r.prompt_lens)
+    default = MegatronLearnerEngine.from_hf_state_dict(hf.state_dict(), CFG, path,
+                                                       pad_id=TASK.pad_id)
+    assert got != default.score(r.sequences, r.prompt_lens)
+
+
 def test_engine_kv_path_trains_like_the_hf_engine(kv_rollout):
     """One GRPO step on nvfp4_trace_kv_nvfp4 with the K/V records on both engines: the same
     loss, gradient norm within 1e-3 (straight-through K/V backward on both sides)."""

@@ -1,7 +1,9 @@
 """Pins the KV format a weight version carries end to end: the converter service writes the
 sampler path's KV format and the configured global scales into the manifest, the embedded
-sampler writes its FP4 cache with those scales, and a sampler whose KV format the version was
-not made for (embedded or SGLang) refuses it with ``field="kv.format"``, loading nothing."""
+sampler writes its FP4 cache with those scales, the learner writes its K/V with the same
+scales (from the same setting) and refuses a version whose scales differ with
+``field="kv.scales"``, and a sampler whose KV format the version was not made for (embedded
+or SGLang) refuses it with ``field="kv.format"``, loading nothing."""
 
 from __future__ import annotations
 
@@ -13,22 +15,32 @@ pytest.importorskip("transformers")
 
 from alignclient.errors import ConfigError, SpecError
 from alignd.converter.main import run_converter
+from alignd.formats.convert import check_kv_scales, convert_published, path_kv_format, target_spec
 from alignd.formats.modelopt_export import ModelOptExport
+from alignd.formats.published import write_published
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
 from alignd.infra.registry import Registry
-from alignd.infra.settings import ConverterSettings
+from alignd.infra.settings import ConverterSettings, LearnerSettings
+from alignd.learner.engine import TorchLearnerEngine
+from alignd.learner.loop import LearnerLoop, LoopParts, RolloutPlan
+from alignd.learner.service import engine_options
 from alignd.sampler.engine import TorchSamplerEngine
 from alignd.sampler.sglang_sampler import ExportOrWrite
 from alignd.sync.bf16 import publish_version
 
 from libalign import models
 from libalign.models.kv_cache import KVScales, kv_state
+from libalign.spec import PRESETS
 from tests.services.test_sampler_engine import _convert
 
 SGL_NVFP4 = "nvfp4_minite_kv_sglang_nvfp4"
 SGL_BLOCK16 = "nvfp4_minite_kv_sglang_fp4_mx_block16"
 SCALES = KVScales((0.015625, 0.03125), (0.5, 0.25), "calibration")
+#: not powers of two: dividing by a power of two only shifts the E4M3 block scales' exponents,
+#: so only scales like these give other K/V values than SGLang's default 1.0
+ODD_SCALES = KVScales((0.0123, 0.0371), (0.3, 0.17), "calibration")
+TASK = models.SyntheticTask()
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -114,3 +126,52 @@ def test_sglang_exporter_refuses_another_kv_format(tmp_path, source):
     with pytest.raises(SpecError, match=r"field kv\.format") as err:
         ExportOrWrite(exports)("plain", SGL_NVFP4)
     assert err.value.field == "kv.format" and not exports.exists("plain")
+
+
+def _convert_with_scales(store: WeightStore, model, vid: str, path: str, scales: KVScales):
+    """``model`` converted for sampler ``path``, the manifest naming ``scales`` (as the
+    converter service writes it with kv_scales_file)."""
+    write_published(store.published_root, vid, {k: v.detach() for k, v in
+                                                 model.state_dict().items()})
+    spec, quantize = target_spec(PRESETS["minite"], path)
+    convert_published(store.published_path(vid), store, vid, spec, quantize=quantize,
+                      kv_format=path_kv_format(path), kv_scales=scales)
+
+
+def test_learner_writes_kv_with_the_versions_scales(redis_url, tmp_path, source):
+    """With scales other than 1.0 in the version (and in kv_scales_file), the embedded learner
+    on the sampler's KV path scores the embedded sampler's rollouts exactly as the sampler
+    decoded them; with SGLang's default 1.0 it does not. The loop refuses a version whose
+    scales are not the learner's with field kv.scales, naming the layer and site, and a
+    learner given scales for another layer count is refused at construction."""
+    store = WeightStore(tmp_path / "store")
+    _convert_with_scales(store, source, "v", SGL_NVFP4, ODD_SCALES)
+    eng = TorchSamplerEngine(_model(99), store, SGL_NVFP4, batch_size=4, eos_id=TASK.eos_id,
+                             pad_id=TASK.pad_id)
+    eng.load("v")
+    g = eng.generate(TASK.prompts(4, 5), max_new_tokens=4)
+    scales_file = tmp_path / "kv_scales.json"
+    scales_file.write_text(json.dumps(ODD_SCALES.to_dict()))
+    settings = LearnerSettings(redis_url=redis_url, store_dir=tmp_path / "store",
+                               learner_path=SGL_NVFP4, sampler_path=SGL_NVFP4,
+                               kv_scales_file=scales_file)
+    opts = engine_options(settings)
+    assert opts["kv_scales"] == ODD_SCALES
+    learner = TorchLearnerEngine(_model(7), SGL_NVFP4, pad_id=TASK.pad_id, **opts)
+    default = TorchLearnerEngine(_model(7), SGL_NVFP4, pad_id=TASK.pad_id)
+    assert learner.kv_scales == ODD_SCALES and default.kv_scales == KVScales.default(2)
+    assert learner.score(g.sequences, g.prompt_lens) == g.logprobs
+    assert default.score(g.sequences, g.prompt_lens) != g.logprobs
+    plan = RolloutPlan(prompts=lambda n: [[1]] * n, reward=lambda p, c: 0.0,
+                       sampler_path=SGL_NVFP4, run_id="kv")
+    parts = LoopParts.build(settings, stores=False)
+    assert parts.kv_scales == ODD_SCALES
+    LearnerLoop(settings, learner, parts, plan).check_kv("v")
+    with pytest.raises(SpecError, match=r"field kv\.scales: layer 0 k_scale is 0\.0123") as err:
+        LearnerLoop(settings, default, parts, plan).check_kv("v")
+    assert err.value.field == "kv.scales"
+    with pytest.raises(SpecError, match="cover 2 layers, the learner's 1"):
+        check_kv_scales(store.read_manifest("v").extra, "kv_sglang_nvfp4", KVScales.default(1))
+    check_kv_scales(store.read_manifest("v").extra, "kv_nvfp4", KVScales.default(1))  # not its
+    with pytest.raises(ConfigError, match=r"kv_scales.*layer 1 k_scale/v_scale"):
+        TorchLearnerEngine(_model(7), SGL_NVFP4, kv_scales=KVScales.default(1))

@@ -295,7 +295,8 @@ class PartsEngine:
     """A learner engine that converts its own weights as an expert-parallel one does: two
     parts of a sharded version, no BF16 written."""
 
-    def publish_converted(self, store, version_id, spec, *, quantize=True):
+    def publish_converted(self, store, version_id, spec, *, quantize=True, kv_format=None,
+                          kv_scales=None):
         sd = stacks()
         for part in (0, 1):
             items = {n: Piece(t[2 * part:2 * part + 2], 2 * part, 4) for n, t in sd.items()

@@ -409,3 +409,79 @@ def test_rank_killed_mid_part_never_tears_the_version(tmp_path):
     assert_version_equal(store, "v", ref)
     assert not [p for p in store.version_path("v").iterdir() if p.name.startswith(".")]
     no_staging_leftovers(store)
+
+
+@pytest.fixture
+def two_ranks(monkeypatch):
+    """publish_sharded on two expert-parallel ranks in this process: ``place[0]`` is the
+    rank that calls next; its items are its share of :func:`make_state` (no Megatron model)."""
+    from alignd.sync import sharded
+
+    place = [0]
+    parts = split(make_state(), PRESETS["minite"], 2)
+    monkeypatch.setattr(sharded, "expert_parallel_place", lambda: (place[0], 2, None, True))
+    monkeypatch.setattr(sharded, "local_items",
+                        lambda model, cfg, spec, *, ep_rank, group=None: iter(
+                            parts[ep_rank].items()))
+    return place
+
+
+class ShardedEngine:
+    """A learner engine converting its own weights as the expert-parallel one does: every
+    rank's :func:`~alignd.sync.sharded.publish_sharded`, with what the loop passes."""
+
+    path = "bf16"
+
+    def __init__(self, place):
+        self.place = place
+
+    def publish_converted(self, store, version_id, spec, *, quantize=True, kv_format=None,
+                          kv_scales=None):
+        from alignd.sync.sharded import publish_sharded
+
+        for rank in (1, 0):
+            self.place[0] = rank
+            publish_sharded(None, None, store, version_id, spec, quantize=quantize,
+                            device="cpu", kv_format=kv_format, kv_scales=kv_scales)
+
+
+def test_sharded_version_names_the_samplers_kv_format(redis_url, tmp_path, two_ranks):
+    """A learner publishing sharded versions for an SGLang KV sampler path writes the same
+    extra["kv"] as the converter (kv_manifest: format, --kv-cache-dtype, the kv_scales_file
+    scales), which a KV sampler's check accepts; scales given to a format that takes none are
+    refused before any part is written."""
+    from alignclient.errors import SpecError
+    from alignd.formats.convert import check_kv_manifest, kv_manifest
+    from alignd.infra.bus import RedisBus
+    from alignd.infra.settings import LearnerSettings
+    from alignd.learner.loop import LearnerLoop, LoopParts, RolloutPlan
+    from alignd.sync.sharded import publish_sharded
+
+    from libalign.models.kv_cache import KVScales
+
+    scales = KVScales((0.0123, 0.0371), (0.3, 0.17), "calibration")
+    scales_file = tmp_path / "kv_scales.json"
+    scales_file.write_text(json.dumps(scales.to_dict()))
+    store = WeightStore(tmp_path / "store")
+    loops = {}
+    for path in ("nvfp4_minite_kv_sglang_nvfp4", "nvfp4_minite_kv_sglang_fp4_mx_block16",
+                 "nvfp4_minite"):
+        settings = LearnerSettings(redis_url=redis_url, store_dir=store.root,
+                                   sampler_path=path, kv_scales_file=scales_file)
+        bus = RedisBus.from_settings(settings)
+        loops[path] = LearnerLoop(settings, ShardedEngine(two_ranks),
+                                  LoopParts.build(settings, bus=bus, stores=False),
+                                  RolloutPlan(prompts=lambda n: [[1]] * n,
+                                              reward=lambda p, c: 0.0, sampler_path=path,
+                                              run_id=path))
+    kv = {path: store.read_manifest(loop.publish(1)).extra.get("kv")
+          for path, loop in loops.items()}
+    assert kv["nvfp4_minite_kv_sglang_nvfp4"] == kv_manifest("kv_sglang_nvfp4", scales)
+    assert kv["nvfp4_minite_kv_sglang_fp4_mx_block16"] == kv_manifest("kv_sglang_fp4_mx_block16")
+    assert kv["nvfp4_minite"] is None
+    extra = store.read_manifest("nvfp4_minite_kv_sglang_nvfp4-00001").extra
+    assert extra["quantized"] and check_kv_manifest(extra, "kv_sglang_nvfp4") == scales
+    with pytest.raises(SpecError, match="takes no k_scale"):
+        publish_sharded(None, None, store, "bad", PRESETS["minite"], device="cpu",
+                        kv_format="kv_sglang_fp4_mx_block16", kv_scales=scales)
+    assert not store.has_version("bad") and not staging_path(store, "bad", 2).exists()

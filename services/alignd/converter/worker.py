@@ -68,6 +68,7 @@ from alignd.formats.convert import (
     convert_published,
     load_kv_scales,
     path_kv_format,
+    path_kv_scales,
     resolve_spec,
     target_spec,
 )
@@ -80,7 +81,7 @@ from alignd.infra.registry import Registry
 from alignd.infra.settings import ConverterSettings
 from alignd.infra.telemetry import Metrics
 from alignd.sync.announce import converted_event
-from libalign.models.kv_cache import KVScales, kv_spec_of
+from libalign.models.kv_cache import KVScales
 from libalign.spec import NumericsSpec
 
 log = logging.getLogger(__name__)
@@ -244,10 +245,7 @@ class ConverterWorker:
     def _kv_scales(self, target_path: str | None) -> KVScales | None:
         """The K/V global scales a version for ``target_path`` names: the configured ones
         (``kv_scales_file``) when the path's KV format takes them, else None."""
-        kv = path_kv_format(target_path)
-        if kv is None or kv_spec_of(kv).outer_source != "given":
-            return None
-        return self.kv_scales
+        return path_kv_scales(target_path, self.kv_scales)
 
     def _export(self, vid: str, spec: NumericsSpec, quantize: bool) -> None:
         """The version in the samplers' layout too (``sampler_layout=modelopt``), if SGLang can

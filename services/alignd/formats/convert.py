@@ -57,6 +57,17 @@ def path_kv_format(path: str | None) -> str | None:
     return None if kv is None else kv.name
 
 
+def path_kv_scales(path: str | None, scales: KVScales | None) -> KVScales | None:
+    """The global K/V scales a version for sampler path ``path`` names: the configured
+    ``scales`` (``kv_scales_file``) when the path's KV format takes them
+    (``kv_sglang_nvfp4``), else None. The converter, a learner that converts its own
+    versions and a learner that writes K/V on such a path all ask here, so they agree."""
+    kv = path_kv_format(path)
+    if kv is None or kv_spec_of(kv).outer_source != "given":
+        return None
+    return scales
+
+
 def load_kv_scales(path: Path | str | None) -> KVScales | None:
     """:class:`KVScales` from a JSON file of :meth:`KVScales.to_dict`'s form (None: no file);
     SpecError naming the file when it cannot be read or holds no valid scales."""
@@ -91,6 +102,32 @@ def check_kv_manifest(extra: Mapping[str, Any], kv_format: str | None) -> KVScal
         return KVScales.from_dict(kv["scales"])
     except AlignError as e:
         raise SpecError(f"field kv.scales: {e}", field="kv.scales") from None
+
+
+def check_kv_scales(extra: Mapping[str, Any], kv_format: str, scales: KVScales) -> None:
+    """Refuse a version whose K/V global scales are not ``scales``, the ones a learner writing
+    KV format ``kv_format`` uses (a version that names none holds SGLang's default 1.0).
+
+    Only a version made for the same KV format is compared (with another one, or none, the
+    sampler's K/V are not the learner's format anyway). SpecError with ``field="kv.scales"``
+    naming the first layer and site (``k_scale``/``v_scale``) whose values differ, both values
+    and their sources: a learner and a sampler on different scales would compute different K/V
+    bits for the same tokens, and δ would measure the configuration, not the execution.
+    """
+    if (extra.get("kv") or {}).get("format") != kv_format:
+        return
+    made = check_kv_manifest(extra, kv_format) or KVScales.default(scales.layers)
+    if made.layers != scales.layers:
+        raise SpecError(f"field kv.scales: the version's K/V scales cover {made.layers} layers, "
+                        f"the learner's {scales.layers}", field="kv.scales")
+    for layer in range(made.layers):
+        for site in ("k", "v"):
+            a, b = made.scale(layer, site), scales.scale(layer, site)
+            if a != b:
+                raise SpecError(
+                    f"field kv.scales: layer {layer} {site}_scale is {a!r} in the version "
+                    f"({made.source}) and {b!r} in the learner ({scales.source}); give both the "
+                    "same kv_scales_file", field="kv.scales")
 
 
 def resolve_spec(spec: NumericsSpec | str) -> NumericsSpec:

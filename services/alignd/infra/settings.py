@@ -287,12 +287,17 @@ class ExportSettings(ServiceSettings):
 
 class LayoutSettings(ExportSettings):
     """A service that writes versions for the samplers (converter, a learner converting its
-    own): in which layout."""
+    own): in which layout, and with which K/V global scales."""
 
     sampler_layout: Literal["store", "modelopt"] = Field(
         "store", description="what is written for the samplers: the store version (store: the "
         "embedded torch samplers load it) or also, once per version, the ModelOpt NVFP4 export "
         "SGLang samplers load (modelopt; needs sglang_model_dir)")
+    kv_scales_file: Path | None = Field(
+        None, description="JSON of the per-layer K/V global scales ({source, k, v}) written into "
+        "the manifest of versions for a sampler path whose KV format takes them "
+        "(nvfp4_minite_kv_sglang_nvfp4), and that a learner on such a KV path writes K/V with; "
+        "unset: SGLang's default 1.0")
 
     @model_validator(mode="after")
     def _export_needs_model_dir(self) -> LayoutSettings:
@@ -315,10 +320,6 @@ class ConverterSettings(DeliverySettings, LayoutSettings):
                                  "(on the key prefix's published stream: one per run)")
     max_deliveries: int = Field(5, ge=1, description="deliveries before a version is failed")
     convert_all_linear: bool = Field(False, description="also quantize every 2-D linear weight")
-    kv_scales_file: Path | None = Field(
-        None, description="JSON of the per-layer K/V global scales ({source, k, v}) written into "
-        "the manifest of versions converted for a sampler path whose KV format takes them "
-        "(nvfp4_minite_kv_sglang_nvfp4); unset: SGLang's default 1.0")
     store_shard_bytes: int = Field(1 << 30, gt=0, description="largest output safetensors shard")
     converter_device: Device = Field("cpu", description="where the converter quantizes")
     sweep_stale_s: float = Field(3_600.0, ge=0, description="age of .tmp-* leftovers to delete")

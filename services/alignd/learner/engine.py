@@ -9,7 +9,12 @@ A learner engine holds the policy being trained. It can
   side of δ. A path with a KV format (``nvfp4_trace_kv_nvfp4``) also quantizes K and V in
   its forward (straight-through backward), rounded as the sampler's K/V records say after
   :func:`libalign.models.check_records` has refused records made for another model, bit
-  width or KV format (:class:`~alignclient.errors.GuidanceMismatchError`);
+  width or KV format (:class:`~alignclient.errors.GuidanceMismatchError`). A KV format with
+  one global scale per layer for K and for V (SGLang's ``kv_sglang_nvfp4``) writes with the
+  engine's ``kv_scales``: the scales the versions for the sampler carry (the services give
+  the learner the same ``kv_scales_file`` as the converter), so the learner's K/V bits are
+  the sampler's; the loop refuses a version whose scales differ
+  (:func:`alignd.formats.convert.check_kv_scales`);
 * :meth:`~LearnerEngine.train_step` on a batch of rollouts: the sampler's tokens, the
   sampler's log-probs, rewards and group ids;
 * replay the sampler's routing (R3, ``routing_replay``): with ``recompute`` (R3) or
@@ -70,7 +75,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
-from alignclient.errors import ConfigError, InputError
+from alignclient.errors import AlignError, ConfigError, InputError
 from torch import nn
 
 from libalign import gemm, models
@@ -78,7 +83,7 @@ from libalign import metrics as lm
 from libalign.gemm.finite_checks import deferred_finite_checks
 from libalign.guidance import GuidanceRecord, GuidanceTable
 from libalign.models import strict as strict_mode
-from libalign.models.kv_cache import full_sequence_kwargs, guide_kv
+from libalign.models.kv_cache import KVScales, full_sequence_kwargs, guide_kv, kv_scales_for
 from libalign.models.paths import set_row_keys
 from libalign.models.routing_replay import (
     RoutingStats,
@@ -158,8 +163,22 @@ class SupportsConvertedPublish(Protocol):
     """An engine that converts its own weights and writes the NVFP4 version itself (every
     expert-parallel rank its own experts); the loop then announces it as converted."""
 
-    def publish_converted(self, store, version_id: str, spec, *, quantize: bool = True) -> None:
-        """Write ``version_id`` (NVFP4 under ``spec``, or as it is with ``quantize=False``)."""
+    def publish_converted(self, store, version_id: str, spec, *, quantize: bool = True,
+                          kv_format: str | None = None,
+                          kv_scales: KVScales | None = None) -> None:
+        """Write ``version_id`` (NVFP4 under ``spec``, or as it is with ``quantize=False``),
+        its manifest naming the sampler's KV format and scales
+        (:func:`alignd.formats.convert.kv_manifest`)."""
+
+
+@runtime_checkable
+class SupportsKVScales(Protocol):
+    """An engine whose KV format may take per-layer global K/V scales (the loop checks each
+    version carries the same: :meth:`alignd.learner.loop.LearnerLoop.check_kv`)."""
+
+    path: str
+    kv_scales: KVScales | None
+    """the scales K/V are written with (None: the path's KV format takes none)"""
 
 
 @runtime_checkable
@@ -195,7 +214,8 @@ class TorchLearnerEngine:
                  tis_cap: float = lm.DEFAULT_TIS_CAP, use_tis: bool = True,
                  tis_level: str = "token", ppo_clip_eps: float | None = None,
                  batch_size: int = 64, pad_id: int = 0, max_grad_norm: float = 1.0,
-                 strict: bool = False, routing_replay: str = "off"):
+                 strict: bool = False, routing_replay: str = "off",
+                 kv_scales: KVScales | None = None):
         self.path = (strict_mode.check_path(path) if strict else gemm.get_path(path)).name
         if routing_replay not in ROUTING_REPLAY:
             raise ConfigError(f"routing_replay must be one of {ROUTING_REPLAY}, got "
@@ -205,6 +225,9 @@ class TorchLearnerEngine:
         """routing disagreement counted in the last score or train_step call"""
         self._route: RoutingTable | None = None
         self.model = model
+        self.kv_scales = self._path_kv_scales(kv_scales)
+        """The per-layer K/V global scales the path's KV format writes with (None: the path
+        has no KV format, or one that computes its own scales; unset: SGLang's 1.0)."""
         self.tis_cap = float(tis_cap)
         if not (math.isfinite(self.tis_cap) and self.tis_cap > 0):
             raise ConfigError(f"tis_cap must be a finite number > 0, got {tis_cap!r}")
@@ -242,13 +265,25 @@ class TorchLearnerEngine:
         """``layers``, ``kv_heads``, ``head_dim`` of the model (what K/V records must name)."""
         return models.model_geometry(self.model)
 
+    def _path_kv_scales(self, scales: KVScales | None) -> KVScales | None:
+        """``scales`` checked against the path's KV format and the model's layers (default
+        1.0 where the format takes scales and none are given); None where it takes none, as
+        a version for a path without them names none. ConfigError naming the path."""
+        kv_spec = gemm.get_path(self.path).kv_spec
+        if kv_spec is None or kv_spec.outer_source != "given":
+            return None
+        try:
+            return kv_scales_for(kv_spec, scales, self.kv_geometry()["layers"])
+        except AlignError as e:
+            raise ConfigError(f"path {self.path!r} kv_scales: {e}") from None
+
     def _kv(self, table):
         """The KV format of the learner's path (and its guidance) for one forward, if any."""
         kv_spec = gemm.get_path(self.path).kv_spec
         if kv_spec is None:
             return nullcontext()
         stack = ExitStack()
-        stack.enter_context(models.use_kv_format(self.model, kv_spec))
+        stack.enter_context(models.use_kv_format(self.model, kv_spec, self.kv_scales))
         stack.enter_context(guide_kv(self.model, table))
         return stack
 

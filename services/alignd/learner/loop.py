@@ -5,7 +5,10 @@ One iteration of :class:`LearnerLoop` is one policy version's round trip:
 1. **publish**: the engine's BF16 weights are written to the weight store's published
    directory, registered and announced (``published``), for the sampler's execution path;
 2. **convert** and **load** happen in the converter and the samplers; the loop waits until the
-   registry says ``serving`` (or ``failed``: an error naming the reason);
+   registry says ``serving`` (or ``failed``: an error naming the reason). A learner whose KV
+   format takes per-layer global scales (``kv_sglang_nvfp4``) then checks the version carries
+   the scales it writes K/V with (:func:`~alignd.formats.convert.check_kv_scales`: a
+   :class:`~alignclient.errors.SpecError` with ``field="kv.scales"`` otherwise);
 3. **roll out**: a :class:`~alignd.infra.work.RolloutRequest` (prompts of the task, a group
    of samples per prompt, guidance records when the learner runs ``nvfp4_trace``) goes to the
    samplers; the loop waits for its :class:`~alignd.infra.work.RolloutsReady`;
@@ -49,9 +52,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from alignclient.errors import LoopError, RoutingMissingError
+from alignclient.errors import AlignError, ConfigError, LoopError, RoutingMissingError
 
-from alignd.formats.convert import resolve_spec, target_spec
+from alignd.formats.convert import (
+    check_kv_scales,
+    load_kv_scales,
+    path_kv_format,
+    path_kv_scales,
+    resolve_spec,
+    target_spec,
+)
 from alignd.formats.modelopt_export import exports_for, holds
 from alignd.formats.weight_store import WeightStore
 from alignd.infra.bus import RedisBus
@@ -72,6 +82,7 @@ from alignd.infra.work import (
 from alignd.learner.engine import (
     LearnerEngine,
     SupportsConvertedPublish,
+    SupportsKVScales,
     SupportsRoutingReplay,
     TrainBatch,
 )
@@ -79,6 +90,7 @@ from alignd.sync.announce import announce_converted
 from alignd.sync.bf16 import publish_version
 from libalign import gemm
 from libalign.guidance import GuidanceRecord
+from libalign.models.kv_cache import KVScales
 from libalign.models.kv_guided import check_records
 from libalign.routing.records import RoutingRecord, check_routing
 
@@ -127,6 +139,15 @@ class RolloutPlan:
     """longest wait for a version to serve and for a request's rollouts"""
 
 
+def configured_kv_scales(settings: LearnerSettings) -> KVScales | None:
+    """The K/V global scales of ``kv_scales_file`` (None: unset, SGLang's 1.0), read as the
+    converter reads them; ConfigError naming the setting when the file holds no scales."""
+    try:
+        return load_kv_scales(settings.kv_scales_file)
+    except AlignError as e:
+        raise ConfigError(f"kv_scales_file: {e}") from None
+
+
 @dataclass
 class LoopParts:
     """The loop's collaborators over one Redis and one weight store (see :meth:`build`)."""
@@ -140,6 +161,9 @@ class LoopParts:
     exports: object | None = None
     """ModelOpt exports of the versions the loop converts itself (``sampler_layout``)"""
     metrics: Metrics | None = None
+    kv_scales: KVScales | None = None
+    """the configured K/V global scales (:func:`configured_kv_scales`), for the versions the
+    loop converts itself"""
 
     @classmethod
     def build(cls, settings: LearnerSettings, *, metrics: Metrics | None = None,
@@ -161,7 +185,7 @@ class LoopParts:
                                             settings.stale_rollouts, metrics),
                    exports=exports_for(settings.sampler_layout, store, settings.sglang_model_dir,
                                        settings.sglang_export_dir),
-                   metrics=metrics)
+                   metrics=metrics, kv_scales=configured_kv_scales(settings))
 
 
 class Stopwatch:
@@ -234,14 +258,18 @@ class LearnerLoop:
 
         An engine that converts its own weights (:class:`SupportsConvertedPublish`: the
         expert-parallel :class:`~alignd.learner.ranks.RankGroupEngine`, each rank quantizing its
-        experts) writes the NVFP4 version itself (and with ``sampler_layout=modelopt`` its
+        experts) writes the NVFP4 version itself, naming the sampler path's KV format and the
+        configured scales as the converter would (and with ``sampler_layout=modelopt`` its
         ModelOpt export, from the parts) and announces it as converted; any other engine
         publishes BF16 weights for the converter service.
         """
         p, vid = self.parts, f"{self.plan.run_id}-{step:05d}"
         if isinstance(self.engine, SupportsConvertedPublish):
-            spec, quantize = target_spec(resolve_spec(self.settings.preset), self.plan.sampler_path)
-            self.engine.publish_converted(p.store, vid, spec, quantize=quantize)
+            target = self.plan.sampler_path
+            spec, quantize = target_spec(resolve_spec(self.settings.preset), target)
+            self.engine.publish_converted(p.store, vid, spec, quantize=quantize,
+                                          kv_format=path_kv_format(target),
+                                          kv_scales=path_kv_scales(target, p.kv_scales))
             if p.exports is not None and holds(spec, quantize):  # for SGLang samplers, once
                 p.exports.write(vid)
             announce_converted(p.registry, p.bus, self.settings.converted_stream, p.store, vid,
@@ -270,6 +298,16 @@ class LearnerLoop:
         return {"convert": at["converted"] - at["published"],
                 "load": at["serving"] - at["converted"],
                 "sync": at["serving"] - at["published"]}
+
+    def check_kv(self, vid: str) -> None:
+        """Refuse ``vid`` if the learner writes K/V with other global scales than the version
+        carries for the sampler (SpecError ``field="kv.scales"``); nothing to check for a
+        learner whose KV format takes none."""
+        scales = self.engine.kv_scales if isinstance(self.engine, SupportsKVScales) else None
+        if scales is None:
+            return
+        kv_spec = gemm.get_path(self.engine.path).kv_spec
+        check_kv_scales(self.parts.store.read_manifest(vid).extra, kv_spec.name, scales)
 
     def rollout_request(self, vid: str, step: int) -> RolloutRequest:
         """The request for ``step``'s rollouts of ``vid``: the step's prompts, a group per
@@ -356,6 +394,7 @@ class LearnerLoop:
         with watch("publish"):
             vid = self.publish(step)
         watch.seconds.update(self.wait_serving(vid))
+        self.check_kv(vid)
         with watch("rollout"):
             ready = self.rollout(vid, step)
         with watch("score"):

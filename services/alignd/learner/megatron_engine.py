@@ -17,7 +17,8 @@ counts only its own tokens; :class:`~alignd.learner.ranks.RankGroupEngine` sums 
 A path with a KV format (``nvfp4_minite_kv_nvfp4``, ``nvfp4_trace_kv_nvfp4``, the ``kv_mxfp4``
 ones) quantizes K and V in Megatron's attention as the embedded engine does in Hugging Face's,
 rounded by the records' K/V sections on the trace paths (:mod:`libalign.models.megatron_kv`;
-``numerics="qwen3"`` only: Megatron's own core attention has no hook, such a model is refused).
+``numerics="qwen3"`` only: Megatron's own core attention has no hook, such a model is refused),
+SGLang's ``kv_sglang_nvfp4`` with the engine's per-layer ``kv_scales`` (the versions' own).
 
 What is and is not here
 -----------------------
@@ -76,12 +77,6 @@ class MegatronLearnerEngine(TorchLearnerEngine):
 
     def __init__(self, model: nn.Module, hf_config, path: str = "bf16", **kwargs):
         super().__init__(model, path, **kwargs)
-        kv_spec = gemm.get_path(self.path).kv_spec
-        if kv_spec is not None:
-            try:
-                megatron_kv.check_kv_capable(model, kv_spec)
-            except SpecError as e:
-                raise ConfigError(f"path {self.path!r}: {e}") from None
         self.hf_config = hf_config
         # added to in-batch rollout indices to name rows for guidance (a rank's share starts
         # at its offset in the whole batch; see alignd.learner.ranks)
@@ -137,11 +132,24 @@ class MegatronLearnerEngine(TorchLearnerEngine):
         """The Megatron model's layers, K/V heads and head size (K/V records must match)."""
         return megatron_kv.kv_geometry(self.model)
 
+    def _path_kv_scales(self, scales):
+        """The embedded engine's check of ``scales``, after refusing (ConfigError naming the
+        path) a KV path the model cannot quantize K/V for (Megatron's own core attention, a
+        head size the format cannot block)."""
+        kv_spec = gemm.get_path(self.path).kv_spec
+        if kv_spec is not None:
+            try:
+                megatron_kv.check_kv_capable(self.model, kv_spec)
+            except SpecError as e:
+                raise ConfigError(f"path {self.path!r}: {e}") from None
+        return super()._path_kv_scales(scales)
+
     def _kv(self, table):
         """FP4 K/V in Megatron's attention on a KV path (:mod:`libalign.models.megatron_kv`),
-        rounded by the table's K/V records."""
+        rounded by the table's K/V records, with the engine's per-layer ``kv_scales``."""
         kv_spec = gemm.get_path(self.path).kv_spec
-        return nullcontext() if kv_spec is None else megatron_kv.use_kv(self.model, kv_spec, table)
+        return nullcontext() if kv_spec is None else \
+            megatron_kv.use_kv(self.model, kv_spec, table, scales=self.kv_scales)
 
     def routing_geometry(self) -> dict:
         """The Megatron model's MoE layers, top-k and expert count (routing records must match)."""

@@ -26,7 +26,7 @@ from alignclient.errors import AlignError
 from alignd.infra.service_main import stop_on_signals
 from alignd.infra.settings import LearnerSettings
 from alignd.infra.telemetry import Metrics
-from alignd.learner.service import build_loop, objective_options, run_loop
+from alignd.learner.service import build_loop, engine_options, run_loop
 from libalign.models import trained_tiny_model
 from libalign.models.megatron_cpu import cpu_shims
 from libalign.models.megatron_parallel import RankInfo, launch
@@ -72,7 +72,7 @@ def rank_main(info: RankInfo, settings: LearnerSettings, opts: RankedOptions) ->
         model, task = trained_tiny_model(device="cpu")
         engine = MegatronLearnerEngine.from_hf_state_dict(
             model.state_dict(), model.config, settings.learner_path, device=info.device,
-            lr=opts.lr, use_tis=opts.use_tis, pad_id=task.pad_id, **objective_options(settings))
+            lr=opts.lr, use_tis=opts.use_tis, pad_id=task.pad_id, **engine_options(settings))
         if info.rank != 0:
             follow(engine)
             return 0

@@ -50,6 +50,7 @@ from alignd.formats.weight_store import WeightStore
 from alignd.learner.engine import TrainBatch
 from alignd.learner.megatron_engine import MegatronLearnerEngine
 from alignd.sync.sharded import publish_sharded
+from libalign.models.kv_cache import KVScales
 from libalign.models.routing_replay import RoutingStats
 
 STOP = "stop"
@@ -150,9 +151,9 @@ def execute(engine: MegatronLearnerEngine, command: str, payload: Any) -> Any:
     if command == "export":
         return engine.export_weights()  # collective (all-gather of the experts)
     if command == "publish":
-        root, vid, spec, quantize = payload
+        root, vid, spec, quantize, kv_format, kv_scales = payload
         res = publish_sharded(engine.model, engine.hf_config, WeightStore(root), vid, spec,
-                              quantize=quantize)
+                              quantize=quantize, kv_format=kv_format, kv_scales=kv_scales)
         return None if res is None else res.committed
     raise ConfigError(f"unknown rank command {command!r}")
 
@@ -208,6 +209,11 @@ class RankGroupEngine:
     @property
     def path(self) -> str:
         return self.engine.path
+
+    @property
+    def kv_scales(self) -> KVScales | None:
+        """The K/V global scales every rank's engine writes with (built with the same)."""
+        return self.engine.kv_scales
 
     @property
     def routing_replay(self) -> str:
@@ -272,9 +278,12 @@ class RankGroupEngine:
         return self._run("export", [None] * self.world)[0]
 
     def publish_converted(self, store: WeightStore, version_id: str, spec, *,
-                          quantize: bool = True) -> None:
-        """Every rank converts and writes its part of ``version_id``; one of them commits it."""
-        done = self._run("publish", [(str(store.root), version_id, spec, quantize)] * self.world)
+                          quantize: bool = True, kv_format: str | None = None,
+                          kv_scales: KVScales | None = None) -> None:
+        """Every rank converts and writes its part of ``version_id`` (its manifest naming the
+        sampler's KV format and scales); one of them commits it."""
+        done = self._run("publish", [(str(store.root), version_id, spec, quantize, kv_format,
+                                      kv_scales)] * self.world)
         # ranks finishing together may both commit (the commit is idempotent): at least one
         if not any(done) or not store.has_version(version_id):
             raise ConfigError(f"sharded version {version_id!r} was not committed "

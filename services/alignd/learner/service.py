@@ -17,7 +17,7 @@ from alignd.infra.liveness import ServiceHeartbeat
 from alignd.infra.settings import LearnerSettings
 from alignd.infra.telemetry import Metrics, serve_metrics_for
 from alignd.learner.engine import LearnerEngine, TorchLearnerEngine
-from alignd.learner.loop import LearnerLoop, LoopParts, RolloutPlan
+from alignd.learner.loop import LearnerLoop, LoopParts, RolloutPlan, configured_kv_scales
 from libalign import models
 
 log = logging.getLogger("alignd.learner")
@@ -31,6 +31,12 @@ def objective_options(settings: LearnerSettings) -> dict:
             "ppo_clip_eps": settings.ppo_clip_eps, "routing_replay": settings.routing_replay}
 
 
+def engine_options(settings: LearnerSettings) -> dict:
+    """Every engine keyword the settings give: :func:`objective_options` and the K/V global
+    scales of ``kv_scales_file`` (``kv_scales``, what the versions for the samplers carry)."""
+    return {**objective_options(settings), "kv_scales": configured_kv_scales(settings)}
+
+
 def build_loop(settings: LearnerSettings, *, lr: float = 2e-5, use_tis: bool = True,
                prompts_per_step: int = 8, samples_per_prompt: int = 8,
                metrics: Metrics | None = None, run_id: str | None = None,
@@ -42,7 +48,7 @@ def build_loop(settings: LearnerSettings, *, lr: float = 2e-5, use_tis: bool = T
         model, task = models.trained_tiny_model(device=settings.learner_device)
         engine = TorchLearnerEngine(model, settings.learner_path, lr=lr, use_tis=use_tis,
                                     pad_id=task.pad_id, strict=settings.strict,
-                                    **objective_options(settings))
+                                    **engine_options(settings))
     plan = RolloutPlan(prompts=lambda step: task.prompts(prompts_per_step, step, split="train"),
                        reward=task.verify, sampler_path=settings.sampler_path,
                        prompts_per_step=prompts_per_step, samples_per_prompt=samples_per_prompt,

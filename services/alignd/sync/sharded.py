@@ -16,6 +16,11 @@ expert) every expert's rows quantize independently, so the parts are bit-identic
 converting the gathered stacks in one go. The ``tensor`` domain has one outer scale per whole
 stack: the ranks all-reduce their local maxima (``MAX`` over the expert-parallel group) before
 quantizing, which gives the same scale the whole stack would.
+
+The merged manifest says what the converter's would: besides the numerics, the KV cache format
+the samplers run and its per-layer K/V global scales (``extra["kv"]``,
+:func:`alignd.formats.convert.kv_manifest`), which a sampler with an FP4 KV cache checks before
+it loads the version.
 """
 
 from __future__ import annotations
@@ -27,11 +32,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from alignd.formats.convert import resolve_spec
+from alignd.formats.convert import kv_manifest, resolve_spec
 from alignd.formats.selection import make_select
 from alignd.formats.sharded_version import PartResult, Piece, write_part
 from alignd.formats.weight_store import DEFAULT_SHARD_BYTES, WeightStore
 from libalign import spec as spec_mod
+from libalign.models.kv_cache import KVScales
 from libalign.spec import NumericsSpec
 
 
@@ -89,16 +95,21 @@ def publish_sharded(model: nn.Module, hf_config, store: WeightStore, version_id:
                     spec: NumericsSpec | str = "minite", *, all_linear: bool = False,
                     quantize: bool = True, shard_bytes: int = DEFAULT_SHARD_BYTES,
                     device: str | None = None, on_step: Callable[[str], None] | None = None,
-                    extra: dict[str, Any] | None = None) -> PartResult | None:
+                    extra: dict[str, Any] | None = None, kv_format: str | None = None,
+                    kv_scales: KVScales | None = None) -> PartResult | None:
     """Convert and write this rank's part of ``version_id``; every expert-parallel rank calls it.
 
     Returns the part's result (``committed`` is True on the rank whose part completed the
     version), or None on an expert-data-parallel replica, which writes nothing. ``device``
     defaults to the experts' device. ``quantize=False`` stores every tensor as it is (a
     version for a bf16 sampler). Collective only for the ``tensor`` outer domain (the
-    all-reduced maxima); otherwise ranks may call it at different times.
+    all-reduced maxima); otherwise ranks may call it at different times. ``kv_format`` (and
+    ``kv_scales``) name the KV cache the sampler runs, in the manifest's ``extra["kv"]``
+    (:func:`~alignd.formats.convert.kv_manifest`, as the converter writes it), so a sampler
+    with an FP4 KV cache loads the version; every rank passes the same.
     """
     spec = resolve_spec(spec)
+    kv = kv_manifest(kv_format, kv_scales)  # refused before anything is written
     ep_rank, ep_size, group, writer = expert_parallel_place()
     if not writer:
         return None
@@ -109,4 +120,5 @@ def publish_sharded(model: nn.Module, hf_config, store: WeightStore, version_id:
     return write_part(store, version_id, ep_rank, ep_size, items, spec, select=select,
                       shard_bytes=shard_bytes, device=device, on_step=on_step,
                       source={"kind": "megatron", "ep_size": ep_size},
-                      extra={"all_linear": all_linear, "quantized": quantize, **(extra or {})})
+                      extra={"all_linear": all_linear, "quantized": quantize, **(extra or {}),
+                             **({} if kv is None else {"kv": kv})})

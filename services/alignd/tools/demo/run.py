@@ -93,7 +93,7 @@ from alignd.infra.stores.rollouts import RolloutStore
 from alignd.infra.telemetry import Metrics
 from alignd.learner.engine import TorchLearnerEngine
 from alignd.learner.loop import IterationResult, LearnerLoop, LoopParts, RolloutPlan
-from alignd.learner.service import objective_options
+from alignd.learner.service import engine_options
 from alignd.sampler.engine import TorchSamplerEngine
 from alignd.tools.demo.report import aggregate, plot_demo
 from alignd.tools.in_process import ServiceThreads
@@ -303,7 +303,7 @@ def run_demo(cfg: DemoConfig, *,
             torch.manual_seed(seed)
             engine = TorchLearnerEngine(copy.deepcopy(base_model), learner_path, lr=cfg.lr,
                                         use_tis=tis, pad_id=task.pad_id, strict=s.strict,
-                                        **objective_options(s))
+                                        **engine_options(s))
             plan = RolloutPlan(
                 prompts=lambda step, seed=seed: rng_prompts(
                     cfg.prompts_per_step, seed * 100_003 + step, split="train"),
