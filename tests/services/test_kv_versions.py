@@ -8,8 +8,12 @@ or SGLang) refuses it with ``field="kv.format"``, loading nothing."""
 from __future__ import annotations
 
 import json
+import os
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -175,3 +179,56 @@ def test_learner_writes_kv_with_the_versions_scales(redis_url, tmp_path, source)
     check_kv_scales(store.read_manifest("v").extra, "kv_nvfp4", KVScales.default(1))  # not its
     with pytest.raises(ConfigError, match=r"kv_scales.*layer 1 k_scale/v_scale"):
         TorchLearnerEngine(_model(7), SGL_NVFP4, kv_scales=KVScales.default(1))
+
+
+#: SGLang 0.5.23's sources, installed beside the venv for the SGLang tests
+SGLANG_SRT = Path(os.environ.get("ALIGN_SGLANG_CPU", Path(sys.prefix) / "sglang-cpu")) / \
+    "sglang" / "srt"
+
+
+def test_modelopt_export_writes_the_versions_kv_scales_where_sglang_reads_them(tmp_path, source):
+    """The ModelOpt export of a version with K/V scales holds one fp32 scalar per layer and
+    site under model.layers.<i>.self_attn.attn.{k,v}_scale with the version's values, and its
+    quantization config sets kv_cache_quant_algo; a version without scales gets neither. The
+    names are pinned against SGLang's sources (not by running its loader): Qwen3-MoE's
+    attention is self_attn.attn, a RadixAttention whose KV method declares k_scale/v_scale,
+    its load_weights fills a parameter of exactly the checkpoint's name, and
+    NVFP4KVCacheMethod.load_scales_from_model reads layer.self_attn.attn.k_scale."""
+    from safetensors.torch import load_file
+
+    store = WeightStore(tmp_path / "store")
+    _convert_with_scales(store, source, "v", SGL_NVFP4, ODD_SCALES)
+    _convert(store, source, "p", "nvfp4_minite")
+    (tmp_path / "model").mkdir()
+    source.config.to_json_file(tmp_path / "model" / "config.json")
+    exports = ModelOptExport(store, tmp_path / "model", tmp_path / "exports")
+    got = {}
+    for vid in ("v", "p"):
+        exports.write(vid)
+        got[vid] = {}
+        for f in sorted(exports.path(vid).glob("*.safetensors")):
+            got[vid].update({k: t for k, t in load_file(f).items() if ".attn." in k})
+    want = {f"model.layers.{i}.self_attn.attn.{s}_scale":  # fp32, as both sides compute
+            float(torch.tensor(ODD_SCALES.scale(i, s), dtype=torch.float32))
+            for i in range(2) for s in ("k", "v")}
+    assert {k: (t.dtype, t.shape, float(t)) for k, t in got["v"].items()} == \
+        {k: (torch.float32, torch.Size([]), g) for k, g in want.items()}
+    assert not got["p"]
+    config = json.loads((exports.path("v") / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "libalign_minite" and config["kv_cache_quant_algo"] == "NVFP4"
+    assert "kv_cache_quant_algo" not in json.loads(
+        (exports.path("p") / "config.json").read_text())["quantization_config"]
+    assert json.loads((exports.path("v") / "manifest.json").read_text())["kv_scales"] == \
+        sorted(want)
+    if not SGLANG_SRT.is_dir():
+        pytest.skip(f"no SGLang sources at {SGLANG_SRT}")
+    src = {name: (SGLANG_SRT / name).read_text() for name in (
+        "models/qwen3_moe.py", "layers/quantization/kv_cache.py",
+        "layers/quantization/fp4_kv_cache_quant_method.py")}
+    assert "self.self_attn = Qwen3MoeAttention(" in src["models/qwen3_moe.py"]
+    assert "self.attn = RadixAttention(" in src["models/qwen3_moe.py"]
+    assert "maybe_remap_kv_scale_name" not in src["models/qwen3_moe.py"]
+    assert "layer.k_scale = torch.nn.Parameter" in src["layers/quantization/kv_cache.py"]
+    fp4 = src["layers/quantization/fp4_kv_cache_quant_method.py"]
+    assert "attention_layers.append(layer.self_attn.attn)" in fp4
+    assert "float(layer.k_scale)" in fp4 and "float(layer.v_scale)" in fp4

@@ -23,6 +23,20 @@ Layout (``<root>/modelopt/<version_id>/``, root ``<store>/sglang`` by default)
     generation config) copied from ``model_dir``, the Hugging Face directory the servers
     started from; and ``manifest.json`` naming the store version it came from.
 
+KV cache scales (:data:`KV_SCALE_NAME`)
+    A version whose manifest carries per-layer K/V global scales (``extra["kv"]["scales"]``,
+    for SGLang's ``--kv-cache-dtype nvfp4``) also gets, per decoder layer ``i``, fp32 scalars
+    ``model.layers.<i>.self_attn.attn.k_scale`` and ``...attn.v_scale``, and its quantization
+    config says ``"kv_cache_quant_algo": "NVFP4"``. That is what SGLang 0.5.23 reads: the
+    config makes every ``RadixAttention`` (``self_attn.attn``) declare ``k_scale``/``v_scale``
+    parameters (``ModelOptFp8KVCacheMethod``, or libalign_minite's ``BaseKVCacheMethod``),
+    Qwen3-MoE's ``load_weights`` fills a parameter only from a checkpoint tensor of exactly
+    its name (it does not remap ``self_attn.k_scale`` or ModelOpt's ``k_proj.k_scale``; its
+    stacked q/k/v mapping would turn the latter into an unknown ``qkv_proj.k_scale``), and
+    ``NVFP4KVCacheMethod.load_scales_from_model`` reads ``layer.self_attn.attn.k_scale`` (1.0
+    where a layer has none). The server then writes its FP4 K/V with the scales the learner
+    uses, instead of its default 1.0. A version without scales gets neither.
+
 Expert stacks
     SGLang loads experts by per-expert names (``experts.<e>.gate_proj.weight``); a 3-D stack
     ``<prefix>.gate_up_proj`` ``[E, 2I, H]`` (transformers 5, gate rows first) becomes
@@ -56,9 +70,11 @@ old exports; the retention pass calls it (:mod:`alignd.infra.retention`).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from itertools import chain
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -92,6 +108,7 @@ from libalign.atomic_dir import (
     discard_directory,
 )
 from libalign.checkpoint import to_format, to_modelopt
+from libalign.models.kv_cache import KVScales
 from libalign.spec import PRESETS, NumericsSpec, NVFP4Tensor
 
 LAYOUT = "modelopt"
@@ -102,6 +119,35 @@ FORMAT = "libalign-modelopt-export"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 NOT_FROM_MODEL_DIR = {INDEX_NAME, "pytorch_model.bin.index.json", HF_QUANT_CONFIG, MANIFEST_NAME,
                       CONFIG_NAME}
+
+#: The checkpoint name SGLang loads layer ``layer``'s K (``site="k"``) or V global scale from.
+KV_SCALE_NAME = "{prefix}.{layer}.self_attn.attn.{site}_scale"
+#: The ``kv_cache_quant_algo`` that makes SGLang's attention layers declare k_scale/v_scale.
+KV_CACHE_QUANT_ALGO = "NVFP4"
+_ATTENTION = re.compile(r"^(?P<prefix>.+)\.(?P<layer>\d+)\.self_attn\.")
+
+
+def kv_scale_tensors(version_id: str, extra: Mapping[str, Any], tensors: Iterable[str]
+                     ) -> dict[str, torch.Tensor]:
+    """The fp32 scalar ``k_scale``/``v_scale`` of every decoder layer, named as SGLang loads
+    them (:data:`KV_SCALE_NAME`), from a version's manifest ``extra["kv"]["scales"]`` (empty
+    when it names none). The layers are those whose ``self_attn`` tensors the version holds;
+    LayoutError naming the version when the scales cover another number of layers."""
+    scales = (extra.get("kv") or {}).get("scales")
+    if scales is None:
+        return {}
+    scales = KVScales.from_dict(scales)
+    layers: dict[int, str] = {}
+    for name in tensors:
+        m = _ATTENTION.match(name)
+        if m is not None:
+            layers[int(m["layer"])] = m["prefix"]
+    if sorted(layers) != list(range(scales.layers)):
+        raise LayoutError(f"version {version_id!r}: its K/V scales cover {scales.layers} layers, "
+                          f"its attention tensors {len(layers)} (layers {sorted(layers)[:8]})")
+    return {KV_SCALE_NAME.format(prefix=prefix, layer=i, site=site):
+            torch.tensor(scales.scale(i, site), dtype=torch.float32)
+            for i, prefix in sorted(layers.items()) for site in ("k", "v")}
 
 
 def sglang_method(spec: NumericsSpec, quantized: bool = True) -> str | None:
@@ -259,11 +305,14 @@ class ModelOptExport:
         if not any(e.kind == "nvfp4" for e in source.tensors.values()):
             raise LayoutError(f"version {version_id!r} holds no NVFP4 tensor (a bf16 version); "
                               "an SGLang sampler serves ModelOpt NVFP4 versions (nvfp4_naive)")
-        facts: dict[str, Any] = {"excluded": [], "converted": 0, "spec": None, "method": None}
+        kv = kv_scale_tensors(version_id, source.extra, source.tensors)
+        facts: dict[str, Any] = {"excluded": [], "converted": 0, "spec": None, "method": None,
+                                 "kv_scales": sorted(kv)}
         self.dir.mkdir(parents=True, exist_ok=True)
         try:
             with atomic_directory(dst) as out:
-                tensors = self._tensors(self.store.iter_version(version_id), facts)
+                tensors = chain(self._tensors(self.store.iter_version(version_id), facts),
+                                kv.items())
                 index = write_shards(out, tensors, shard_bytes=self.shard_bytes,
                                      metadata={"version_id": version_id},
                                      what=f"the export of {version_id!r}")
@@ -332,6 +381,9 @@ class ModelOptExport:
         else:
             quant = modelopt_quantization_config(plan)  # type: ignore[arg-type]
             hf_quant = modelopt_hf_quant_config(plan)  # type: ignore[arg-type]
+        if facts["kv_scales"]:  # the attention layers declare k_scale/v_scale to load them
+            quant["kv_cache_quant_algo"] = KV_CACHE_QUANT_ALGO
+            hf_quant.get("quantization", hf_quant)["kv_cache_quant_algo"] = KV_CACHE_QUANT_ALGO
         config["quantization_config"] = quant
         (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         (out / HF_QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=4) + "\n")
@@ -352,6 +404,7 @@ class ModelOptExport:
             "sglang_method": facts["method"],
             "tensors_converted": facts["converted"],
             "excluded_modules": sorted(facts["excluded"]),
+            "kv_scales": facts["kv_scales"],
             "weight_map": index.get("weight_map", {}),
             "files_copied": copied,
             "seconds": round(time.perf_counter() - t0, 6),

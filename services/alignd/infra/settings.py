@@ -295,9 +295,9 @@ class LayoutSettings(ExportSettings):
         "SGLang samplers load (modelopt; needs sglang_model_dir)")
     kv_scales_file: Path | None = Field(
         None, description="JSON of the per-layer K/V global scales ({source, k, v}) written into "
-        "the manifest of versions for a sampler path whose KV format takes them "
-        "(nvfp4_minite_kv_sglang_nvfp4), and that a learner on such a KV path writes K/V with; "
-        "unset: SGLang's default 1.0")
+        "the manifest (and the ModelOpt export's k_scale/v_scale) of versions for a sampler path "
+        "whose KV format takes them (nvfp4_minite_kv_sglang_nvfp4), and that a learner on such a "
+        "KV path writes K/V with; unset: SGLang's default 1.0")
 
     @model_validator(mode="after")
     def _export_needs_model_dir(self) -> LayoutSettings:

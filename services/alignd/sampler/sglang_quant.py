@@ -15,7 +15,10 @@ Checkpoint layout (what :func:`libalign.checkpoint.to_modelopt` writes with row 
     Experts by per-expert names (``experts.<e>.gate_proj`` ...), as for ``modelopt_fp4``.
     ``quantization_config``: ``{"quant_method": "libalign_minite", "spec": "minite",
     "exclude_modules": [...]}`` (:func:`alignd.formats.quant_configs.minite_quantization_config`,
-    written by the ModelOpt exporter, :mod:`alignd.formats.modelopt_export`).
+    written by the ModelOpt exporter, :mod:`alignd.formats.modelopt_export`), with
+    ``"kv_cache_quant_algo": "NVFP4"`` when the export carries per-layer K/V global scales
+    (``self_attn.attn.k_scale``/``v_scale``): the attention layers then declare them, and
+    SGLang's ``--kv-cache-dtype nvfp4`` reads them instead of its default 1.0.
 
 The row scales are declared as per-channel parameters (SGLang's ``ChannelQuantScaleParameter``
 for linear layers, ``FusedMoeWeightScaleSupported.CHANNEL`` for experts), so SGLang's loaders
@@ -111,8 +114,12 @@ quantization_config = minite_quantization_config
 class MiniteConfig(QuantizationConfig):
     """SGLang's view of a ``minite`` checkpoint: which layers run the method."""
 
-    def __init__(self, exclude_modules: list[str] | None = None, spec: str = SPEC):
+    def __init__(self, exclude_modules: list[str] | None = None, spec: str = SPEC,
+                 kv_cache_quant_algo: str | None = None):
         super().__init__()
+        self.kv_cache_quant_algo = kv_cache_quant_algo
+        """set (``NVFP4``) when the export carries per-layer K/V scales: the attention layers
+        then declare ``k_scale``/``v_scale`` for SGLang's loader to fill"""
         if spec != SPEC:
             raise ConfigError(f"{NAME} serves spec {SPEC!r} (path {PATH!r}), the checkpoint "
                               f"names {spec!r}")
@@ -145,12 +152,17 @@ class MiniteConfig(QuantizationConfig):
         method = config.get("quant_method", NAME)
         if method != NAME:
             raise ConfigError(f"quantization_config names quant_method {method!r}, not {NAME!r}")
-        return cls(config.get("exclude_modules") or config.get("ignore"), config.get("spec", SPEC))
+        return cls(config.get("exclude_modules") or config.get("ignore"), config.get("spec", SPEC),
+                   config.get("kv_cache_quant_algo"))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        """The minite method for linear and fused-MoE layers not excluded; None elsewhere."""
+        """The minite method for linear and fused-MoE layers not excluded; SGLang's
+        ``BaseKVCacheMethod`` (``k_scale``/``v_scale`` parameters) for attention when the
+        export carries K/V scales; None elsewhere."""
         from sglang.srt.layers.linear import LinearBase
         from sglang.srt.layers.moe.fused_moe_triton import FusedMoE
+        from sglang.srt.layers.quantization.kv_cache import BaseKVCacheMethod
+        from sglang.srt.layers.radix_attention import RadixAttention
 
         if isinstance(layer, LinearBase):
             if is_layer_skipped(prefix, self.exclude_modules, self.packed_modules_mapping):
@@ -158,6 +170,8 @@ class MiniteConfig(QuantizationConfig):
             return MiniteLinearMethod(self)
         if isinstance(layer, FusedMoE):
             return MiniteMoEMethod(self)
+        if self.kv_cache_quant_algo and isinstance(layer, RadixAttention):
+            return BaseKVCacheMethod(self)
         return None
 
     def get_scaled_act_names(self) -> list[str]:
