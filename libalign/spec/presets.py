@@ -319,9 +319,14 @@ class NumericsSpec:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict (for manifests and the wire)."""
+        """Plain JSON-able dict (for manifests and the wire). The choices added to the spec
+        later (:data:`LATER_FIELDS`) are written only where they differ from their defaults,
+        so a spec that makes none of them has the dict, and the hash, it always had."""
         d = dataclasses.asdict(self)
         d["hadamard_signs"] = list(self.hadamard_signs)
+        for key, default in LATER_FIELDS.items():
+            if d[key] == default:
+                del d[key]
         return d
 
     @classmethod
@@ -336,6 +341,13 @@ class NumericsSpec:
             d["hadamard_signs"] = tuple(d["hadamard_signs"])
         return cls(**d)
 
+
+#: Fields added after the first manifests were written, with their defaults: omitted from
+#: :meth:`NumericsSpec.to_dict` at the default (older readers and stored hashes stay valid).
+LATER_FIELDS: dict[str, Any] = {
+    f.name: f.default for f in dataclasses.fields(NumericsSpec)
+    if f.name in ("e2m1_ties", "outer_source", "e4m3_max", "four_over_six",
+                  "four_over_six_error")}
 
 PRESETS: dict[str, NumericsSpec] = {
     "minite": NumericsSpec(name="minite"),
