@@ -75,7 +75,8 @@ def _target_view(q: NVFP4Tensor, rows: torch.Tensor):
     return codes, scales, outer, values
 
 
-def _companions(pool: torch.Tensor, n: int, highest: bool) -> torch.Tensor:
+def amplitude_companions(pool: torch.Tensor, n: int, highest: bool) -> torch.Tensor:
+    """``n`` rows of ``pool``: its lowest- (or highest-) amplitude rows by max |x|, cycled."""
     order = torch.argsort(pool.float().abs().amax(-1), descending=highest, stable=True)
     idx = order[torch.arange(n) % max(len(order), 1)]
     return pool[idx]
@@ -107,8 +108,8 @@ def context_swap(
 
     variants = {
         "original": x[others],
-        "low_amplitude": _companions(pool, n_comp, highest=False),
-        "high_amplitude": _companions(pool, n_comp, highest=True),
+        "low_amplitude": amplitude_companions(pool, n_comp, highest=False),
+        "high_amplitude": amplitude_companions(pool, n_comp, highest=True),
         "zero_padding": torch.zeros((n_comp, x.shape[1]), dtype=x.dtype),
     }
     base = None

@@ -17,6 +17,7 @@ from alignd.tools.diagnose import inputs, localize, sides, stats
 from alignd.tools.diagnose.conditions import (
     DEFAULT_CONDITIONS,
     EXTERNAL,
+    LIBALIGN_CONDITIONS,
     Condition,
     parse_condition,
     parse_layers,
@@ -42,7 +43,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def small_report():
     cfg = DiagnoseConfig(model="tiny-random", num_prompts=12, batch_size=4, n_boot=100,
-                         localize_sequences=8, layers="0,3", replay_layers="0,3")
+                         localize_sequences=8, layers="0,3", replay_layers="0,3", pairs="libalign")
     return run_diagnosis(cfg)
 
 
@@ -205,7 +206,7 @@ def test_report_structure(small_report):
     """Every condition has statistics with CIs; non-floor ones a paired comparison to the floor."""
     r = small_report
     names = [c["name"] for c in r["conditions"]]
-    assert names == list(DEFAULT_CONDITIONS) and r["floor"] == "bf16/bf16"
+    assert names == list(LIBALIGN_CONDITIONS) and r["floor"] == "bf16/bf16"
     for c in r["conditions"]:
         s = c["shared"]
         assert s["delta"]["count"] == r["sequences"]["completion_tokens"]
@@ -346,7 +347,7 @@ def test_cli_checkpoint_dir(tiny, tmp_path):
 def test_trained_tiny_model_default_run(tmp_path):
     """The default diagnosis on the trained tiny model (trains once, cached): minite passes the
     context swap, naive fails, and every NVFP4 condition gets a verdict."""
-    cfg = DiagnoseConfig(num_prompts=128, n_boot=200, localize_sequences=32)
+    cfg = DiagnoseConfig(num_prompts=128, n_boot=200, localize_sequences=32, pairs="libalign")
     r = run_diagnosis(cfg)
     cs = r["context_swap"]["paths"]
     assert cs["nvfp4_minite"]["pass"] and not cs["nvfp4_naive"]["pass"]

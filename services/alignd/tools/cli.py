@@ -483,6 +483,9 @@ def diagnose(
     batch_size: int = typer.Option(64, help="sequences per batch, the same on every path"),
     conditions: str | None = typer.Option(None, help="learner/sampler pairs, e.g. "
                                           "bf16/bf16,bf16/nvfp4_naive"),
+    pairs: str = typer.Option("papers", help="default pair set when no condition is given: papers "
+                              "(bf16 floor, nvfp4_te/nvfp4_modelopt_pertoken, miniTE, TRACE) or "
+                              "libalign (the earlier bf16/nvfp4_naive set)"),
     learner_paths: str | None = typer.Option(None, help="comma list; crossed with --sampler-paths"),
     sampler_paths: str | None = typer.Option(None, help="comma list; crossed with --learner-paths"),
     floor: str = typer.Option("bf16/bf16", help="the cross-path floor every condition is compared to"),
@@ -491,7 +494,9 @@ def diagnose(
     on_policy: bool = typer.Option(True, "--on-policy/--no-on-policy", help="also generate on "
                                    "every sampler path and report δ on its own rollouts"),
     layers: str = typer.Option("all", help="layers to localize: all, none or e.g. 0,3"),
-    replay_layers: str = typer.Option("0,-1", help="layers of the 2x2 replay (none to skip)"),
+    replay_layers: str = typer.Option("0,-1", help="layers of the 2x2 replays (none to skip)"),
+    moe_replay_prompts: int = typer.Option(12, help="prompts of the 2x2 replay at the MoE entry "
+                                           "(per prompt, learner's expert assignments fixed)"),
     conditioned: bool = typer.Option(True, "--conditioned/--no-conditioned",
                                      help="routing-conditioned FC1/FC2 variant"),
     localize_sequences: int = typer.Option(256, help="shared sequences used for localization, "
@@ -534,9 +539,11 @@ def diagnose(
         prompts_file=None if prompts is None else str(prompts),
         sequences_file=None if sequences is None else str(sequences), num_prompts=num_prompts,
         prompt_len=prompt_len, max_new_tokens=max_new_tokens, batch_size=batch_size,
-        conditions=conditions, learner_paths=learner_paths, sampler_paths=sampler_paths, floor=floor,
+        conditions=conditions, pairs=pairs, learner_paths=learner_paths, sampler_paths=sampler_paths,
+        floor=floor,
         generate_path=generate_path, on_policy=on_policy, layers=layers, replay_layers=replay_layers,
-        conditioned=conditioned, localize_sequences=localize_sequences, context_swap=context_swap,
+        moe_replay_prompts=moe_replay_prompts, conditioned=conditioned,
+        localize_sequences=localize_sequences, context_swap=context_swap,
         clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, n_boot=n_boot, level=level,
         trace_bits=trace_bits, trace_layers=trace_layers, seed=seed, device=device,
         backend=backend, threads=threads, strict=strict, kv_formats=kv_formats)

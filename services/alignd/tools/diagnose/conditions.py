@@ -1,18 +1,24 @@
 """Conditions of a diagnosis: which execution path the learner runs and which the sampler runs.
 
 A condition is written ``learner/sampler`` (``bf16/nvfp4_minite``: the learner scores with bf16
-experts, the sampler decoded with NVFP4 row-scaled experts). The defaults are the four the miniTE
-comparison needs:
+experts, the sampler decoded with NVFP4 row-scaled experts). Two named sets exist; ``papers``
+(the default, :data:`PAPER_CONDITIONS`) holds the pairs the miniTE and TRACE papers measure:
 
 * ``bf16/bf16`` — the **cross-path floor**: the same weights and bf16 on both sides, but
   different execution (a batched full-sequence forward against an incremental KV-cached decode).
   Whatever δ remains here is not NVFP4's doing, and every other condition is compared to it.
-* ``bf16/nvfp4_naive`` — a bf16 learner against a per-tensor-scaled NVFP4 sampler (the common
-  recipe);
-* ``bf16/nvfp4_minite`` — a bf16 learner against the row-scaled NVFP4 sampler;
-* ``nvfp4_minite/nvfp4_minite`` — the aligned pair: both sides run the same NVFP4 spec;
-* ``nvfp4_trace/nvfp4_minite`` — the aligned pair with TRACE: the learner rounds its
+* ``nvfp4_te/nvfp4_modelopt_pertoken`` — **standard NVFP4**, what production runs: a learner on
+  Transformer Engine's NVFP4 recipe (per-tensor activation scale, RHT on the wgrad operands only)
+  against a sampler serving ModelOpt NVFP4 weights with per-token activation scaling
+  (SGLang's FlashInfer path);
+* ``nvfp4_minite/nvfp4_minite`` — **miniTE**, the aligned pair: both sides run the same
+  row-scaled NVFP4 spec;
+* ``nvfp4_trace/nvfp4_minite`` — **TRACE**: the aligned pair with the learner rounding its
   activations as the sampler's guidance records say (:mod:`alignd.tools.diagnose.guided`).
+
+``libalign`` (:data:`LIBALIGN_CONDITIONS`) is the earlier set built from libalign's own paths:
+the floor, ``bf16/nvfp4_naive`` (a bf16 learner against a per-tensor-scaled NVFP4 sampler),
+``bf16/nvfp4_minite``, the miniTE pair and the TRACE pair.
 
 Path names are checked against :data:`libalign.gemm.PATHS`; an unknown one is a
 :class:`~alignclient.errors.SpecError` naming it and the condition it came from.
@@ -27,8 +33,13 @@ from alignclient.errors import InputError, SpecError
 
 from libalign.gemm import GUIDED, PATHS
 
-DEFAULT_CONDITIONS = ("bf16/bf16", "bf16/nvfp4_naive", "bf16/nvfp4_minite",
-                      "nvfp4_minite/nvfp4_minite", "nvfp4_trace/nvfp4_minite")
+PAPER_CONDITIONS = ("bf16/bf16", "nvfp4_te/nvfp4_modelopt_pertoken", "nvfp4_minite/nvfp4_minite",
+                    "nvfp4_trace/nvfp4_minite")
+LIBALIGN_CONDITIONS = ("bf16/bf16", "bf16/nvfp4_naive", "bf16/nvfp4_minite",
+                       "nvfp4_minite/nvfp4_minite", "nvfp4_trace/nvfp4_minite")
+PAIR_SETS = {"papers": PAPER_CONDITIONS, "libalign": LIBALIGN_CONDITIONS}
+"""The named default sets (``--pairs``); ``papers`` is the default."""
+DEFAULT_CONDITIONS = PAPER_CONDITIONS
 FLOOR = "bf16/bf16"
 EXTERNAL = "external"
 """Sampler name of log-probs supplied in a sequences file (no path re-runs them)."""
@@ -77,11 +88,13 @@ def split_list(text: str | None) -> list[str]:
 
 def resolve_conditions(conditions: str | None = None, learner_paths: str | None = None,
                        sampler_paths: str | None = None, *, floor: str = FLOOR,
-                       external: bool = False) -> tuple[list[Condition], Condition]:
+                       external: bool = False, pairs: str = "papers"
+                       ) -> tuple[list[Condition], Condition]:
     """The conditions to run, and the floor every other condition is compared to.
 
     ``conditions`` (``"a/b,c/d"``); or ``learner_paths`` × ``sampler_paths`` (comma-separated
-    lists, a missing one meaning ``bf16``); or, when none is given, :data:`DEFAULT_CONDITIONS`.
+    lists, a missing one meaning ``bf16``); or, when none is given, the named set ``pairs``
+    (:data:`PAIR_SETS`: ``papers``, the default, or ``libalign``).
     The floor always comes first. With ``external`` (a sequences file that
     carries sampler log-probs), each learner path is also paired with the external sampler.
     """
@@ -97,7 +110,10 @@ def resolve_conditions(conditions: str | None = None, learner_paths: str | None 
         ss = [check_path(p, "--sampler-paths") for p in split_list(sampler_paths)] or ["bf16"]
         chosen = [Condition(a, b) for a in ls for b in ss]
     else:
-        chosen = [parse_condition(c) for c in DEFAULT_CONDITIONS]
+        if pairs not in PAIR_SETS:
+            raise InputError(f"--pairs {pairs!r} is not a pair set; choose one of "
+                             f"{', '.join(PAIR_SETS)}")
+        chosen = [parse_condition(c) for c in PAIR_SETS[pairs]]
     if external:
         for learner in dict.fromkeys(c.learner for c in chosen):
             if learner != GUIDED:  # external log-probs come without guidance records

@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from alignd.tools.diagnose import strict as strict_diag
+from alignd.tools.diagnose.context_swap import fc1_context_table
 from alignd.tools.diagnose.routing import routing_table
 
 
@@ -155,8 +156,9 @@ def context_table(report: dict) -> Table | None:
         return None
     contexts = [c for c in cs["contexts"] if c != cs["reference"]]
     b, w = cs["batch_shape"]
-    t = Table(title=escape(f"context swap: target sequence {cs['target']} ({cs['target_tokens']} "
-                           f"completion tokens) in batches of shape [{b}, {w}], max |Δ log p| vs the "
+    t = Table(title=escape(f"batch context swap (whole model): target sequence {cs['target']} "
+                           f"({cs['target_tokens']} completion tokens) in batches of shape [{b}, {w}], "
+                           f"max |Δ log p| vs the "
                            f"'{cs['reference']}' batch; the check asks for bitwise equality"),
               title_justify="left")
     t.add_column("path")
@@ -271,6 +273,9 @@ def render_report(report: dict, console: Console) -> None:
             console.print(table)
     for line in _guidance_sizes(report) + _kv_lines(report):
         console.print(escape(line))
+    fc1 = fc1_context_table(report.get("fc1_context_swap") or {})
+    if fc1 is not None:
+        console.print(fc1)
     cs = report.get("context_swap") or {}
     for path, q in (cs.get("quantizer_level") or {}).items():
         state = "independent" if q["independent"] else f"changed by {', '.join(q['changed'])}"

@@ -57,6 +57,7 @@ import torch
 from alignclient.errors import ConfigError, InputError
 
 import libalign
+from alignd.tools.diagnose import context_swap as fc1_swap
 from alignd.tools.diagnose import guided, inputs, localize, render, sides, stats
 from alignd.tools.diagnose import kv as kv_diag
 from alignd.tools.diagnose import routing as routing_diag
@@ -501,13 +502,16 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
                 conditioned=cfg.conditioned, progress=rep.task("localize layers", sub), **common)
 
     # --- context swap ---
-    ctx = None
+    ctx = fc1_ctx = None
     if cfg.context_swap and len(shared) >= 3:
         with clock.stage("context_swap"):
             ctx = localize.context_swap_check(model, shared.tokens[:max(sub, 3)],
                                               shared.prompt_lens[:max(sub, 3)],
                                               [p for p in dict.fromkeys(learners + samplers)
                                                if p != guided.GUIDED], **common)
+            fc1_ctx = fc1_swap.fc1_context_swap(
+                model, shared.tokens[:max(sub, 3)],
+                [p for p in dict.fromkeys(learners + samplers) if p != guided.GUIDED], **common)
 
     clock.seconds["total"] = time.perf_counter() - t_start
     cfg_dict = asdict(cfg)
@@ -535,6 +539,7 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
         "guidance": ({"bits": cfg.trace_bits, "layers": trace_layers, "by_sampler": guidance_report}
                      if guidance_report else None),
         "context_swap": ctx,
+        "fc1_context_swap": fc1_ctx,
         "routing_replay": {"rows": routing_rows,
                            "skipped": [c.name for c in conds if c not in routed]},
         "strict": strict_diag.summary(conds, deltas) if cfg.strict else None,
