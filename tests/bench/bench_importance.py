@@ -18,7 +18,6 @@ import torch
 from alignd.integrations import importance as ai
 
 from libalign.metrics import importance as imp
-from tests.services import slime_reference
 
 
 def _time(fn, repeats: int) -> float:
@@ -80,12 +79,6 @@ def main(argv: list[str] | None = None) -> int:
         "slime MIS hook (truncate, metrics)": slime(),
         "slime MIS hook (RS + veto + batch norm)": slime(use_rs=True, rs_veto_threshold=1e-4,
                                                          tis_batch_normalize=True),
-        "slime's own compute_mis_weights (same args)": lambda: slime_reference.compute_mis_weights(
-            SimpleNamespace(use_tis=True, tis_level="token", tis_mode="truncate",
-                            tis_lower_bound=None, tis_upper_bound=2.0, use_rs=True,
-                            rs_level="token", rs_lower_bound=None, rs_upper_bound=None,
-                            rs_veto_threshold=1e-4, tis_batch_normalize=True),
-            train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks),
     }
     times = {name: _time(fn, a.repeats) for name, fn in rows.items()}
     base = times["truncate, token (baseline)"]

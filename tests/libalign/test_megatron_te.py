@@ -11,9 +11,10 @@ Pinned here (CPU, ``gloo``, megatron-core 0.16.1):
   alltoall dispatcher, the same holds, and one training step through Megatron-core's
   ``DistributedDataParallel`` and ``get_forward_backward_func()`` leaves both models with the
   same weights bit for bit;
-* slime's and Miles' converter (``megatron_to_hf/qwen3moe.py``, copied verbatim in
-  ``tests/libalign/slime_qwen3moe_reference.py``) turns the provider's model into the Hugging
-  Face checkpoint it was loaded from, bit for bit;
+* renamed and cut as slime's and Miles' converter (``megatron_to_hf/qwen3moe.py``) does, written
+  out as a table in ``tests/libalign/qwen3moe_name_table.py``, the provider's model is the
+  Hugging Face checkpoint it was loaded from, bit for bit, and libalign's per-expert export
+  gives exactly those names and tensors;
 * distributed-checkpoint keys and global offsets are those of Megatron's own
   ``SequentialMLP`` (which ``TEGroupedMLP``'s are interchangeable with).
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from argparse import Namespace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -42,8 +42,8 @@ from libalign.models.megatron_cpu import cpu_shims, single_process_group
 from libalign.models.megatron_parallel import launch
 from libalign.models.megatron_spec import check_config, make_spec
 from libalign.models.train import cpu_threads
+from tests.libalign import qwen3moe_name_table as names
 from tests.libalign import te_workers as W
-from tests.libalign.slime_qwen3moe_reference import convert_qwen3moe_to_hf
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(),
                               reason="CPU-shim test; the gpu-marked tests cover CUDA hosts")
@@ -101,28 +101,55 @@ def test_per_expert_linears_are_todays_stack_bitwise(hf_sd, path, experts, dispa
 
 
 def test_slime_converter_gives_back_the_checkpoint(hf_sd):
-    """The provider's model, loaded from a Hugging Face checkpoint, named as slime's weight
-    sync names it and converted by slime's/Miles' ``convert_qwen3moe_to_hf``, is that
-    checkpoint bit for bit (experts per expert: ``linear_fc1.weight{e}`` -> gate/up of ``e``).
-    The local spec's ``input_layernorm`` is renamed to the Transformer Engine name the
-    converter knows (``self_attention.linear_qkv.layer_norm_weight``, the same tensor)."""
+    """The provider's model, loaded from a Hugging Face checkpoint, renamed and cut as slime's /
+    Miles' ``convert_qwen3moe_to_hf`` does (the table in qwen3moe_name_table.py; experts per
+    expert: ``linear_fc1.weight{e}`` -> gate/up of ``e``), is that checkpoint bit for bit, and
+    libalign's ``per_expert`` export holds exactly those names and tensors. The local spec's
+    ``input_layernorm`` is renamed to the Transformer Engine name the converter knows
+    (``self_attention.linear_qkv.layer_norm_weight``, the same tensor). Slicing moves no bits,
+    so every comparison is ``torch.equal``."""
     cfg = W.config()
     tcfg = mg.transformer_config_from_hf(cfg)
     model = W.build(tcfg, "nvfp4_minite")
     mx.load_hf_into_megatron(model, hf_sd, cfg)
-    args = Namespace(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-                     num_query_groups=cfg.num_key_value_heads, kv_channels=cfg.head_dim)
     got = {}
     for name, p in model.named_parameters():
         name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
-        for k, v in convert_qwen3moe_to_hf(args, "module.module." + name, p.detach()):
-            got[k] = v
+        got.update(names.to_hf(name, p.detach(), heads=cfg.num_attention_heads,
+                               groups=cfg.num_key_value_heads, head_dim=cfg.head_dim))
+    assert {"model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.0.mlp.experts.3.up_proj.weight",
+            "model.layers.0.mlp.experts.3.down_proj.weight", "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.self_attn.k_norm.weight", "model.layers.0.input_layernorm.weight",
+            "model.layers.0.post_attention_layernorm.weight", "model.layers.0.mlp.gate.weight",
+            "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= set(got)
     want = mx.fuse_experts([got], cfg.num_experts)
     assert set(want) == set(hf_sd)
     for k, v in hf_sd.items():
         assert torch.equal(want[k], v), k
     ours = mx.export_hf_state_dict(model, cfg, expert_layout="per_expert")
     assert set(ours) == set(got) and all(torch.equal(ours[k], got[k]) for k in got)
+
+
+def test_name_table_cuts_qkv_and_fc1_as_slime_does():
+    """The table's cuts on a labelled tensor: fc1's first half of rows is gate, its second up;
+    a 4-head, 2-group qkv holds per group two query heads, one key, one value; names carry the
+    layer and the global expert index."""
+    fc1 = torch.arange(8.0).reshape(4, 2)
+    out = names.to_hf("decoder.layers.5.mlp.experts.linear_fc1.weight7", fc1, heads=4, groups=2,
+                      head_dim=1)
+    assert list(out) == ["model.layers.5.mlp.experts.7.gate_proj.weight",
+                         "model.layers.5.mlp.experts.7.up_proj.weight"]
+    assert out["model.layers.5.mlp.experts.7.up_proj.weight"].tolist() == [[4.0, 5.0], [6.0, 7.0]]
+    rows = ["q0", "q1", "k0", "v0", "q2", "q3", "k1", "v1"]
+    qkv = torch.arange(8.0).unsqueeze(-1)
+    out = names.to_hf("decoder.layers.2.self_attention.linear_qkv.weight", qkv, heads=4, groups=2,
+                      head_dim=1)
+    got = {k.split(".")[-2]: [rows[int(x)] for x in v.reshape(-1).tolist()] for k, v in out.items()}
+    assert got == {"q_proj": ["q0", "q1", "q2", "q3"], "k_proj": ["k0", "k1"], "v_proj": ["v0", "v1"]}
+    assert names.hf_names("decoder.layers.1.mlp.shared_experts.gate_weight") == (
+        "model.layers.1.mlp.shared_expert_gate.weight",)
+    assert names.hf_names("decoder.layers.1.pre_mlp_layernorm.weight") == (
+        "model.layers.1.post_attention_layernorm.weight",)
 
 
 def test_sharded_state_dict_is_megatrons_sequential_layout(world):
@@ -200,11 +227,10 @@ def test_tp2_ep2_names_attributes_and_shared_experts_are_what_slime_reads(tp2_ep
         assert "decoder.layers.0.mlp.experts.linear_fc1.weight4" not in r["names"]
         assert r["attrs"] == [(True, 0, 1, False)] * 2
         assert "decoder.layers.1.mlp.shared_experts.gate_weight" in r["shared_params"]
-    args = Namespace(hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16)
     experts = {}
     for r in tp2_ep2:
-        for name, p in r["hf_experts_before"].items():
-            for k, _v in convert_qwen3moe_to_hf(args, name, p):
+        for name in r["hf_experts_before"]:
+            for k in names.hf_names(name.removeprefix("module.module.")):
                 experts[k] = experts.get(k, 0) + 1
     want = {f"model.layers.{i}.mlp.experts.{e}.{w}.weight" for i in range(2) for e in range(8)
             for w in ("gate_proj", "up_proj", "down_proj")}

@@ -1,15 +1,18 @@
-"""Pins importance correction against the peers' own functions on the same tensors.
+"""Pins importance correction against the peers on the same tensors: verl by its own code,
+slime and Miles by an oracle written from their formulas.
 
 verl: ``compute_rollout_correction_and_rejection_mask`` (verl/trainer/ppo/rollout_corr_helper.py)
 and ``compute_policy_loss_bypass_mode`` (verl/trainer/ppo/core_algos.py) of verl 0.9.1, run from
 the files ./dev.sh installs beside the venv (tests/services/verl_source.py; skipped where they are
-absent). slime and Miles: their functions copied verbatim in tests/services/slime_reference.py
-(slime ``examples/train_infer_mismatch_helper/mis.py`` and ``slime/backends/megatron_utils/loss.py``
-at THUDM/slime 624b824a898ab0ec1fcb4d373004c7f3852bf515; Miles ``compute_approx_kl`` at
-radixark/miles 31f1ca961a94cb860cec3b2dea34ec332bfa8f76), and slime's reducer
-(``get_sum_of_sample_mean`` in slime/backends/megatron_utils/cp_utils.py with
-``reduce_train_step_metrics`` in slime/observability/train_metric_utils.py) written out below.
-Every comparison is exact (``torch.equal`` on tensors, ``==`` on floats, NaN matching NaN).
+absent). slime and Miles: an oracle in this project's words, tests/services/mis_oracle.py, that
+computes in plain float64 what slime's ``compute_mis_weights``
+(``examples/train_infer_mismatch_helper/mis.py``), ``vanilla_tis_function`` and
+``icepop_function`` (``slime/backends/megatron_utils/loss.py``) at THUDM/slime
+624b824a898ab0ec1fcb4d373004c7f3852bf515, Miles' ``compute_approx_kl`` at radixark/miles
+31f1ca961a94cb860cec3b2dea34ec332bfa8f76, and slime's reducer (``get_sum_of_sample_mean`` with
+``reduce_train_step_metrics``) compute. verl comparisons are exact (``torch.equal`` on tensors,
+``==`` on floats, NaN matching NaN); oracle comparisons are exact on 0/1 decisions (masks,
+fractions, vetoes, key sets) and within a stated float tolerance on real values (see ``close``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from libalign.errors import InputError, NonFiniteError, ShapeError
-from tests.services import slime_reference as slime
+from tests.services import mis_oracle as oracle
 from tests.services import verl_source
 
 needs_verl = pytest.mark.skipif(not verl_source.available(),
@@ -196,44 +199,77 @@ SLIME_CASES = [
 ]
 
 
+def close(got, want, dtype, what: str) -> None:
+    """Real values against the oracle's float64 ones.
+
+    Not bitwise: the oracle sums left to right with libm's ``exp`` in float64, libalign sums
+    with torch's vectorised reductions and ``exp`` in the log-probs' dtype (and torch's float32
+    ``exp`` itself differs between a tensor's vectorised body and its scalar tail). The bound is
+    a few rounding steps of that dtype, relative, with an absolute floor for values near 0
+    (``exp(x) − x − 1``, χ² − 1)."""
+    got = torch.as_tensor(got, dtype=torch.float64).reshape(-1)
+    want = torch.tensor(want, dtype=torch.float64).reshape(-1)
+    tol = dict(rtol=2e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{what}: {m}")
+
+
+def exact(got, want, what: str) -> None:
+    """0/1 outputs (masks, fractions, vetoes) are decisions, compared exactly."""
+    got = torch.as_tensor(got, dtype=torch.float64).reshape(-1)
+    assert got.tolist() == [float(x) for x in want], what
+
+
+DISCRETE = ("fraction",)  # metric names holding 0/1 decisions
+
+
 @pytest.mark.parametrize("masked_row", [None, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("case", range(len(SLIME_CASES)))
 def test_slime_mis_is_slimes(case, dtype, masked_row):
-    """slime_tis_function with slime's MIS arguments gives compute_mis_weights' weights (applied
-    to pg_loss), masks and every metric, each under mis_ as compute_mis_weights_with_cp names
-    them: truncate / clip / mask at token, sequence and geometric level, rejection at each
-    level with a veto, batch normalisation, and a sequence with no valid token."""
+    """slime_tis_function with slime's MIS arguments gives the weights (applied to pg_loss),
+    masks and every metric of slime's compute_mis_weights, each under mis_ as
+    compute_mis_weights_with_cp names them, as the float64 oracle (tests/services/mis_oracle.py)
+    computes them: truncate / clip / mask at token, sequence and geometric level, rejection at
+    each level with a veto, batch normalisation, and a sequence with no valid token."""
     args = mis_args(**SLIME_CASES[case])
     train, rollout, masks = slime_inputs(case, dtype=dtype, masked_row=masked_row)
     pg = torch.randn(sum(t.numel() for t in train), dtype=dtype)
-    w1, m1, met1 = slime.compute_mis_weights(args, train_log_probs=train,
-                                             rollout_log_probs=rollout, loss_masks=masks)
+    w1, m1, met1 = oracle.mis(args, train, rollout, masks)
     pg2, m2, met2 = ai.slime_tis_function(args, pg_loss=pg, train_log_probs=train,
                                           rollout_log_probs=rollout, loss_masks=masks,
                                           total_lengths=[], response_lengths=[])
-    want_pg = pg if w1 is None else pg * torch.cat(w1, dim=0)
-    assert torch.equal(want_pg, pg2)
-    assert len(m1) == len(m2) and all(a.dtype == b.dtype and torch.equal(a, b)
-                                      for a, b in zip(m1, m2, strict=True))
-    want = {f"mis_{k}": torch.cat(v, dim=0) for k, v in met1.items()}
-    assert set(want) == set(met2), set(want) ^ set(met2)
-    for k, v in want.items():
-        assert torch.equal(v, met2[k]), k
+    if w1 is None:
+        assert torch.equal(pg, pg2)
+    else:
+        close(pg2, [p * w for p, w in zip(pg.tolist(), [x for w in w1 for x in w], strict=True)], dtype, "pg")
+    assert len(m1) == len(m2)
+    for i, (a, b) in enumerate(zip(m1, m2, strict=True)):
+        assert b.dtype == torch.float32
+        exact(b, a, f"mask {i}")
+    assert {f"mis_{k}" for k in met1} == set(met2), {f"mis_{k}" for k in met1} ^ set(met2)
+    for k, v in met1.items():
+        if any(tag in k for tag in DISCRETE):
+            exact(met2[f"mis_{k}"], v, k)
+        else:
+            close(met2[f"mis_{k}"], v, dtype, k)
 
 
 @pytest.mark.parametrize("low", [0.0, 0.5])
 def test_slime_builtin_tis_is_slimes(low):
     """Without tis_mode the function is slime's vanilla_tis_function (clamp to
-    [tis_clip_low, tis_clip], no safety bound): same pg_loss, masks and tis/tis_clipfrac/tis_abs."""
+    [tis_clip_low, tis_clip], no safety bound): same pg_loss, the masks handed back as they
+    came, and tis/tis_clipfrac/tis_abs."""
     args = SimpleNamespace(tis_clip=2.0, tis_clip_low=low)
     train, rollout, masks = slime_inputs(1, spread=1.0)
     pg = torch.randn(sum(t.numel() for t in train))
     kw = dict(pg_loss=pg, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks)
-    p1, m1, met1 = slime.vanilla_tis_function(args, **kw)
+    w1, met1 = oracle.builtin_tis(train, rollout, low, 2.0)
     p2, m2, met2 = ai.slime_tis_function(args, **kw)
-    assert torch.equal(p1, p2) and m1 is masks and m2 is masks
-    assert set(met1) == set(met2) and all(torch.equal(met1[k], met2[k]) for k in met1)
+    close(p2, [p * w for p, w in zip(pg.tolist(), w1, strict=True)], torch.float32, "pg")
+    assert m2 is masks and set(met1) == set(met2)
+    exact(met2["tis_clipfrac"], met1["tis_clipfrac"], "tis_clipfrac")
+    close(met2["tis"], met1["tis"], torch.float32, "tis")
+    close(met2["tis_abs"], met1["tis_abs"], torch.float32, "tis_abs")
 
 
 def test_icepop_is_slimes_and_miles_icepop_at_valid_tokens():
@@ -242,42 +278,48 @@ def test_icepop_is_slimes_and_miles_icepop_at_valid_tokens():
     train, rollout, masks = slime_inputs(2, spread=1.0)
     pg = torch.randn(sum(t.numel() for t in train))
     kw = dict(pg_loss=pg, train_log_probs=train, rollout_log_probs=rollout, loss_masks=masks)
-    p1, _, _ = slime.icepop_function(SimpleNamespace(tis_clip=2.0, tis_clip_low=0.5), **kw)
+    w1, _ = oracle.builtin_tis(train, rollout, 0.5, 2.0, icepop=True)
     p2, _, _ = ai.slime_tis_function(mis_args(tis_mode="icepop", tis_lower_bound=0.5), **kw)
     valid = torch.cat(masks).bool()
-    assert torch.equal(p1[valid], p2[valid])
-
-
-def slime_reducer(values, masks, denoms, n_rollouts):
-    """slime's sum_of_sample_mean (CP 1) divided by the rollout count, as written there."""
-    lengths = [m.numel() for m in masks]
-    return float(sum([(x * m).sum() / torch.clamp_min(d, 1)
-                      for x, m, d in zip(values.split(lengths), masks, denoms, strict=False)])
-                 ) / n_rollouts
+    want = [p * w for p, w, v in zip(pg.tolist(), w1, valid.tolist(), strict=True) if v]
+    assert 0.0 in want and any(want)  # both sides of the band are exercised
+    close(p2[valid], want, torch.float32, "pg")
 
 
 def test_slime_log_dict_is_slimes_group_mean_and_miles_kl():
     """slime_log_dict reduces each metric as slime reports it (per-sample masked sums over the
     rollout group's token count, summed, over the rollout count, train/ prefix), including
     Miles' train_rollout_kl (its compute_approx_kl, low_var_kl, of rollout against train); an
-    all-masked batch logs 0."""
+    all-masked batch logs 0. Relative tolerance 1e-6: the oracle sums in float64, libalign in
+    the metrics' float32."""
     train, rollout, masks = slime_inputs(3)
     groups = [0, 0, 1, 1]
     group_tokens = {g: sum(float(m.sum()) for m, gg in zip(masks, groups, strict=True) if gg == g)
                     for g in set(groups)}
     denoms = [torch.tensor(group_tokens[g]) for g in groups]
     kl = ai.miles_rollout_kl(torch.cat(train), torch.cat(rollout))
-    assert torch.equal(kl, slime.compute_approx_kl(torch.cat(rollout), torch.cat(train),
-                                                   kl_loss_type="low_var_kl"))
+    assert kl.dtype == torch.float32
+    close(kl, oracle.miles_low_var_kl(torch.cat(train), torch.cat(rollout)), torch.float32, "kl")
     _, _, met = ai.slime_tis_function(mis_args(), pg_loss=torch.zeros(kl.numel()),
                                       train_log_probs=train, rollout_log_probs=rollout,
                                       loss_masks=masks)
     met["train_rollout_kl"] = kl
     got = ai.slime_log_dict(met, masks, rollout_mask_sums=denoms, n_rollouts=2)
+    assert set(got) == {f"train/{k}" for k in met}
     for k, v in met.items():
-        assert got[f"train/{k}"] == slime_reducer(v, masks, denoms, 2), k
+        assert got[f"train/{k}"] == pytest.approx(oracle.group_mean(v, masks, denoms, 2),
+                                                  rel=1e-6, abs=1e-7), k
     empty = [torch.zeros_like(m) for m in masks]
     assert set(ai.slime_log_dict({"train_rollout_kl": kl}, empty).values()) == {0.0}
+
+
+def test_miles_kl_edges():
+    """Miles' low_var_kl at its clamps: a NaN log-ratio counts as 0, ±inf and |x| > 20 are
+    held at ±20, and the estimate is capped at 10."""
+    train = torch.tensor([0.0, -1.0, float("nan"), 0.0, -30.0, 5.0, float("-inf")])
+    rollout = torch.tensor([0.0, -2.0, 0.0, -30.0, 0.0, -1.0, 0.0])
+    got = ai.miles_rollout_kl(train, rollout)
+    close(got, oracle.miles_low_var_kl(train, rollout), torch.float32, "kl")
 
 
 def test_slime_log_dict_reduces_over_a_process_group():
