@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from rich.markup import escape
+from rich.table import Table
 from torch import nn
 
 from alignd.tools.diagnose.conditions import Condition
@@ -104,3 +106,24 @@ def localize_decode(model: nn.Module, sequences: Sequence[Sequence[int]], prompt
                      "moe_out_rel_l2": a.moe.symmetric(),
                      "bitwise": equal[(cname, x)]})
     return rows
+
+
+def _f(v) -> str:
+    return "-" if v is None else ("0" if v == 0 else f"{v:.4g}")
+
+
+def decode_table(report: dict) -> Table | None:
+    """Learner forward vs the sampler's decode per condition and layer (a rich ``Table``)."""
+    rows = (report.get("decode_localization") or {}).get("rows") or []
+    if not rows:
+        return None
+    t = Table(title=escape(f"localization against the sampler's KV-cached decode "
+                           f"({rows[0]['sequences']} sequences; symmetric rel. L2, 0 = bitwise "
+                           f"equal on every token)"), title_justify="left")
+    for col in ("condition", "layer", "hidden_in", "matched rows", "fc1", "fc2", "moe_out"):
+        t.add_column(col, justify="left" if col == "condition" else "right")
+    for r in rows:
+        t.add_row(escape(r["condition"]), str(r["layer"]), _f(r["hidden_in_rel_l2"]),
+                  _f(r["matched_rows"]), _f(r["fc1_rel_l2"]), _f(r["fc2_rel_l2"]),
+                  _f(r["moe_out_rel_l2"]))
+    return t
