@@ -16,6 +16,7 @@ from rich.table import Table
 from alignd.tools.diagnose import strict as strict_diag
 from alignd.tools.diagnose.context_swap import fc1_context_table
 from alignd.tools.diagnose.decode_localize import decode_table
+from alignd.tools.diagnose.replay import moe_replay_table
 from alignd.tools.diagnose.routing import routing_table
 
 
@@ -260,6 +261,9 @@ def render_report(report: dict, console: Console) -> None:
         f"model {m.get('name')} ({m.get('num_layers')} layers, {m.get('num_experts')} experts, "
         f"top-{m.get('top_k')}, hidden {m.get('hidden_size')}) on {report['environment']['device']}; "
         f"floor {report.get('floor')}"))
+    pairs = report.get("pairs")
+    if pairs and pairs.get("from_defaults"):
+        console.print(escape(f"pairs: {pairs['set']} ({', '.join(pairs['defaults'])})"))
     rc = report.get("sequences", {}).get("replay_consistency")
     if rc:
         console.print(escape(f"sampler replay vs the generator's own decode log-probs "
@@ -269,7 +273,8 @@ def render_report(report: dict, console: Console) -> None:
         console.print(escape(line))
     for table in (stats_table(report, "shared"), floor_table(report), stats_table(report, "on_policy"),
                   guidance_table(report), kv_table(report), routing_table(report),
-                  layers_table(report), replay_table(report), context_table(report)):
+                  layers_table(report), replay_table(report), moe_replay_table(report),
+                  context_table(report)):
         if table is not None:
             console.print(table)
     for line in _guidance_sizes(report) + _kv_lines(report):

@@ -37,8 +37,11 @@ With ``kv_formats``, the KV cache's share of the gap is measured on the shared t
 the aligned pair with the sampler's FP4 K/V against BF16 K/V, paired, with KV guidance off and
 on (:mod:`alignd.tools.diagnose.kv`).
 
-Then the localization (per layer, FC1/FC2, routing, routing-conditioned), the 2×2 replay and the
-context-swap check (:mod:`alignd.tools.diagnose.localize`) run on (a subset of) the shared sequences.
+Then the localization (per layer, FC1/FC2, routing, routing-conditioned), the decoder-layer 2×2
+replay and the context-swap check (:mod:`alignd.tools.diagnose.localize`) run on (a subset of) the
+shared sequences, and the paper's 2×2 replay at the MoE entry, per prompt with the learner's
+expert assignments fixed (:mod:`alignd.tools.diagnose.replay`), on the first
+``moe_replay_prompts`` of them.
 
 Everything the run decides is in ``report.json``: configuration, model, versions, every statistic
 with its interval, and the seconds each stage took.
@@ -60,10 +63,12 @@ import libalign
 from alignd.tools.diagnose import context_swap as fc1_swap
 from alignd.tools.diagnose import decode_localize, guided, inputs, localize, render, sides, stats
 from alignd.tools.diagnose import kv as kv_diag
+from alignd.tools.diagnose import replay as moe_entry
 from alignd.tools.diagnose import routing as routing_diag
 from alignd.tools.diagnose import strict as strict_diag
 from alignd.tools.diagnose.conditions import (
     EXTERNAL,
+    PAIR_SETS,
     Condition,
     check_path,
     parse_layers,
@@ -94,6 +99,8 @@ class DiagnoseConfig:
     temperature: float = 1.0
     batch_size: int = 64
     conditions: str | None = None
+    pairs: str = "papers"
+    """the named default set when no condition is given (:data:`conditions.PAIR_SETS`)"""
     learner_paths: str | None = None
     sampler_paths: str | None = None
     floor: str = "bf16/bf16"
@@ -101,6 +108,8 @@ class DiagnoseConfig:
     on_policy: bool = True
     layers: str = "all"
     replay_layers: str = "0,-1"
+    moe_replay_prompts: int = 12
+    """prompts of the 2×2 replay at the MoE entry (:mod:`alignd.tools.diagnose.replay`)"""
     conditioned: bool = True
     localize_sequences: int = 256
     context_swap: bool = True
@@ -149,7 +158,8 @@ def _check_config(cfg: DiagnoseConfig) -> None:
         raise InputError(f"unknown --model {cfg.model!r}; choose one of {', '.join(MODELS)}")
     # path names first, so a typo fails before any model is loaded
     conds, _ = resolve_conditions(cfg.conditions, cfg.learner_paths, cfg.sampler_paths,
-                                  floor=cfg.floor, external=cfg.sequences_file is not None)
+                                  floor=cfg.floor, external=cfg.sequences_file is not None,
+                                  pairs=cfg.pairs)
     guided.check_guided(conds)
     kv_diag.parse_formats(cfg.kv_formats)
     if cfg.strict:
@@ -164,6 +174,7 @@ def _check_config(cfg: DiagnoseConfig) -> None:
                         ("--n-boot", cfg.n_boot, 1), ("--num-layers", cfg.num_layers, 1),
                         ("--prompt-len", cfg.prompt_len, 1),
                         ("--localize-sequences", cfg.localize_sequences, 1),
+                        ("--moe-replay-prompts", cfg.moe_replay_prompts, 1),
                         ("--threads", 1 if cfg.threads is None else cfg.threads, 1)):
         if v < lo:
             raise InputError(f"{name} must be at least {lo}, got {v}")
@@ -339,7 +350,7 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
         seqfile = inputs.load_sequences(Path(cfg.sequences_file), vocab_size=lm.vocab_size)
     external = seqfile is not None and seqfile.sampler_logprobs is not None
     conds, floor = resolve_conditions(cfg.conditions, cfg.learner_paths, cfg.sampler_paths,
-                                      floor=cfg.floor, external=external)
+                                      floor=cfg.floor, external=external, pairs=cfg.pairs)
     gen_path = check_path(cfg.generate_path or floor.sampler, "--generate-path")
     learners = paths_of(conds, "learner")
     samplers = paths_of(conds, "sampler")
@@ -501,6 +512,16 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
                 model, loc_seqs, internal, layers=layers, replay_layers=replay_layers,
                 conditioned=cfg.conditioned, progress=rep.task("localize layers", sub), **common)
 
+    # --- the 2×2 replay at the MoE entry, per prompt ---
+    moe_rows, moe_skipped = [], []
+    n_replay = min(len(shared), cfg.moe_replay_prompts)
+    if replay_layers and internal:
+        with clock.stage("moe_replay"):
+            moe_rows, moe_skipped = moe_entry.moe_replay(
+                model, shared.tokens[:n_replay], internal, layers=replay_layers,
+                progress=rep.task("2x2 replay at the MoE entry", len(internal) * len(replay_layers)),
+                **common)
+
     # --- localization against the sampler's own KV-cached decode (same-path pairs included) ---
     decode_rows, n_dec = [], min(sub, 12)
     if layers and internal:
@@ -531,6 +552,8 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
         "model": _model_info(lm),
         "environment": _environment(cfg),
         "floor": floor.name,
+        "pairs": {"set": cfg.pairs, "defaults": list(PAIR_SETS[cfg.pairs]),
+                  "from_defaults": not (cfg.conditions or cfg.learner_paths or cfg.sampler_paths)},
         "conditions": cond_rows,
         "sequences": {"count": len(shared), "completion_tokens": shared.completion_tokens,
                       "prompt_source": prompt_source, "generated_by": gen_path,
@@ -544,6 +567,9 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
                          "layers": layers, "replay_layers": replay_layers,
                          "skipped_same_path": skipped,
                          "skipped_guided": [c.name for c in guided.guided_conditions(conds)]},
+        "moe_replay": {"prompts": n_replay if moe_rows else 0, "layers": replay_layers,
+                       "rows": moe_rows, "skipped_same_path": moe_skipped,
+                       "skipped_guided": [c.name for c in guided.guided_conditions(conds)]},
         "guidance": ({"bits": cfg.trace_bits, "layers": trace_layers, "by_sampler": guidance_report}
                      if guidance_report else None),
         "decode_localization": {"sequences": n_dec if decode_rows else 0, "rows": decode_rows},
