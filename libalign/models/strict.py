@@ -128,7 +128,7 @@ def _router_forward(self: nn.Module, hidden_states: torch.Tensor):
     return logits, top.to(logits.dtype), index
 
 
-def _rope_table(module: nn.Module, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_table(module: nn.Module, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(cos, sin)`` ``[P, dim]`` for positions ``0..P-1``, extended in chunks as needed:
     ``f = fp32(p) * inv_freq`` (fp32), then ``cos f`` and ``sin f`` by Python's libm in float64,
     each element on its own, rounded to fp32 and scaled by the rope's attention scaling."""
@@ -138,7 +138,7 @@ def _rope_table(module: nn.Module, positions: int) -> tuple[torch.Tensor, torch.
     size = -(-positions // _ROPE_CHUNK) * _ROPE_CHUNK
     inv = module.inv_freq.detach().float().cpu()
     freqs = (torch.arange(size, dtype=torch.float32).unsqueeze(-1) * inv).tolist()
-    scale = float(module.attention_scaling)
+    scale = float(getattr(module, "attention_scaling", 1.0))
     cos = torch.tensor([[math.cos(f) for f in row] for row in freqs], dtype=torch.float32)
     sin = torch.tensor([[math.sin(f) for f in row] for row in freqs], dtype=torch.float32)
     cos, sin = torch.cat([cos, cos], -1) * scale, torch.cat([sin, sin], -1) * scale
@@ -150,7 +150,7 @@ def _rotary_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor
     if position_ids.numel() and int(position_ids.min()) < 0:
         raise ShapeError("strict rotary embedding: negative position ids")
     need = int(position_ids.max()) + 1 if position_ids.numel() else 1
-    cos, sin = _rope_table(self, need)
+    cos, sin = rope_table(self, need)
     idx = position_ids.detach().cpu().long()
     return cos[idx].to(x.device, x.dtype), sin[idx].to(x.device, x.dtype)
 

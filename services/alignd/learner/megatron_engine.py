@@ -66,7 +66,8 @@ from torch import nn
 from alignd.learner.engine import TorchLearnerEngine, TrainBatch
 from libalign import gemm
 from libalign.models import megatron as mg
-from libalign.models import megatron_kv, megatron_routing
+from libalign.models import megatron_kv, megatron_routing, megatron_strict
+from libalign.models import strict as strict_mode
 from libalign.models.megatron_cpu import cpu_shims
 from libalign.models.megatron_export import export_hf_state_dict, load_hf_into_megatron
 from libalign.models.scoring import completion_logprobs, right_padded_batch
@@ -75,8 +76,19 @@ from libalign.models.scoring import completion_logprobs, right_padded_batch
 class MegatronLearnerEngine(TorchLearnerEngine):
     """GRPO + TIS on a Megatron-core GPT MoE whose expert GEMMs run ``path``."""
 
-    def __init__(self, model: nn.Module, hf_config, path: str = "bf16", **kwargs):
+    def __init__(self, model: nn.Module, hf_config, path: str = "bf16", *, strict: bool = False,
+                 **kwargs):
+        if strict:  # the embedded strict forms, checked before anything is built
+            strict_mode.check_path(path)
+            if kwargs.get("routing_replay", "off") != "off":
+                raise ConfigError("strict execution cannot honour routing_replay="
+                                  f"{kwargs['routing_replay']!r}: the strict router picks the "
+                                  "experts itself")
+            megatron_strict.enable(model)
         super().__init__(model, path, **kwargs)
+        self.strict = strict
+        """Strict execution (:mod:`libalign.models.megatron_strict`): scores and the training
+        forward are the embedded strict sampler's log-probs bit for bit."""
         self.hf_config = hf_config
         # added to in-batch rollout indices to name rows for guidance (a rank's share starts
         # at its offset in the whole batch; see alignd.learner.ranks)
@@ -121,7 +133,8 @@ class MegatronLearnerEngine(TorchLearnerEngine):
                 logits = mg.gpt_logits(self.model, ids, mask)
         finally:
             mg.set_row_keys(self.model, None)
-        return completion_logprobs(logits, ids, [len(s) for s in seqs], plens)
+        return completion_logprobs(logits, ids, [len(s) for s in seqs], plens,
+                                   strict_mode.log_softmax_for(self.model))
 
     def score(self, sequences, prompt_lens, guidance=None, routing=None) -> list[list[float]]:
         """Teacher-forced log-probs (see :meth:`TorchLearnerEngine.score`)."""
