@@ -216,13 +216,19 @@ def _rope_module(model: nn.Module) -> RotaryEmbedding:
     return rope
 
 
-def enable(model: nn.Module) -> nn.Module:
+def enable(model: nn.Module, *, inv_freq: torch.Tensor | None = None) -> nn.Module:
     """Make a Megatron GPT run strict until :func:`disable`; returns it (see the module
-    docstring for what changes and what is refused)."""
+    docstring for what changes and what is refused).
+
+    ``inv_freq``: the sampler's RoPE inverse frequencies when they are not Megatron's fp32
+    ones (a Hugging Face model whose buffers were cast to bf16 rotates by the rounded values;
+    :func:`libalign.models.build_model` does so); the rotation table is built from them.
+    """
     if is_strict(model):
         return model
     check_config(model.config)
     rope = _rope_module(model)
+    table_of = rope if inv_freq is None else types.SimpleNamespace(inv_freq=inv_freq.detach())
     plan: list[tuple[nn.Module, Callable]] = [(rope, _zero_rope_forward)]
     for m in model.modules():
         if isinstance(m, MoELayer):
@@ -247,7 +253,7 @@ def enable(model: nn.Module) -> nn.Module:
     saved = []
     for m, fn in plan:
         if isinstance(m, SDPACoreAttention):
-            m.__dict__[_ROPE] = rope
+            m.__dict__[_ROPE] = table_of
         saved.append((m, m.__dict__.get("forward")))
         m.forward = types.MethodType(fn, m)
     model.__dict__[_STATE] = saved

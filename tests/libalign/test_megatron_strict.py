@@ -110,11 +110,12 @@ def test_strict_logits_equal_the_embedded_strict_model_bitwise(cpu, path):
 @CPU_ONLY
 def test_strict_engine_scores_as_the_strict_sampler_decodes(cpu):
     """MegatronLearnerEngine(strict=True) on nvfp4_minite: its scores are the strict sampler's
-    KV-cached decode log-probs on every token (left-padded decode, right-padded scoring)."""
-    hf = _hf()
-    engine = MegatronLearnerEngine.from_hf_state_dict(hf.state_dict(), CFG, "nvfp4_minite",
-                                                      strict=True, pad_id=TASK.pad_id,
-                                                      batch_size=5, device="cpu")
+    KV-cached decode log-probs on every token (left-padded decode, right-padded scoring), for
+    a sampler built by build_model (RoPE inverse frequencies in bf16, handed to the engine)."""
+    hf = build_model(CFG, seed=1)
+    engine = MegatronLearnerEngine.from_hf_state_dict(
+        hf.state_dict(), CFG, "nvfp4_minite", strict=True, pad_id=TASK.pad_id, batch_size=5,
+        device="cpu", rope_inv_freq=hf.model.rotary_emb.inv_freq)
     assert ms.is_strict(engine.model)
     with strict.use_strict(hf):
         r = generate(hf, TASK.prompts(6, seed=3), "nvfp4_minite", max_new_tokens=5,

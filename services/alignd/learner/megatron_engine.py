@@ -77,18 +77,19 @@ class MegatronLearnerEngine(TorchLearnerEngine):
     """GRPO + TIS on a Megatron-core GPT MoE whose expert GEMMs run ``path``."""
 
     def __init__(self, model: nn.Module, hf_config, path: str = "bf16", *, strict: bool = False,
-                 **kwargs):
+                 rope_inv_freq: torch.Tensor | None = None, **kwargs):
         if strict:  # the embedded strict forms, checked before anything is built
             strict_mode.check_path(path)
             if kwargs.get("routing_replay", "off") != "off":
                 raise ConfigError("strict execution cannot honour routing_replay="
                                   f"{kwargs['routing_replay']!r}: the strict router picks the "
                                   "experts itself")
-            megatron_strict.enable(model)
+            megatron_strict.enable(model, inv_freq=rope_inv_freq)
         super().__init__(model, path, **kwargs)
         self.strict = strict
         """Strict execution (:mod:`libalign.models.megatron_strict`): scores and the training
-        forward are the embedded strict sampler's log-probs bit for bit."""
+        forward are the embedded strict sampler's log-probs bit for bit (``rope_inv_freq``:
+        the sampler's RoPE inverse frequencies where they are not Megatron's fp32 ones)."""
         self.hf_config = hf_config
         # added to in-batch rollout indices to name rows for guidance (a rank's share starts
         # at its offset in the whole batch; see alignd.learner.ranks)

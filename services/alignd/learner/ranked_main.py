@@ -72,7 +72,8 @@ def rank_main(info: RankInfo, settings: LearnerSettings, opts: RankedOptions) ->
         model, task = trained_tiny_model(device="cpu")
         engine = MegatronLearnerEngine.from_hf_state_dict(
             model.state_dict(), model.config, settings.learner_path, device=info.device,
-            lr=opts.lr, use_tis=opts.use_tis, pad_id=task.pad_id, **engine_options(settings))
+            lr=opts.lr, use_tis=opts.use_tis, pad_id=task.pad_id, strict=settings.strict,
+            rope_inv_freq=model.model.rotary_emb.inv_freq, **engine_options(settings))
         if info.rank != 0:
             follow(engine)
             return 0
