@@ -35,7 +35,7 @@ from rich.table import Table
 from torch import nn
 
 from alignd.tools.diagnose.conditions import Condition
-from alignd.tools.diagnose.localize import _forward, _LayerAcc, _natural
+from alignd.tools.diagnose.localize import LayerAcc, add_natural, forward_capture
 from libalign import models
 from libalign.models.teacher_forcing import replay_batch
 
@@ -79,13 +79,13 @@ def localize_decode(model: nn.Module, sequences: Sequence[Sequence[int]], prompt
         return []
     k = int(model.config.num_experts_per_tok)
     dev = next(model.parameters()).device
-    accs = {(c.name, x): _LayerAcc(c.name, x) for c in conditions for x in layers}
+    accs = {(c.name, x): LayerAcc(c.name, x) for c in conditions for x in layers}
     equal = {key: dict.fromkeys(SITES, True) for key in accs}
     for seq, p in zip(sequences, prompt_lens, strict=True):
         n = len(seq) - 1
         ids = torch.tensor([list(map(int, seq))], dtype=torch.long, device=dev)
         mask = torch.ones_like(ids)
-        fwd = {path: _forward(model, ids, mask, path, layers, backend)
+        fwd = {path: forward_capture(model, ids, mask, path, layers, backend)
                for path in dict.fromkeys(c.learner for c in conditions)}
         dec = {path: decode_capture(model, seq, p, path, layers, pad_id=pad_id, backend=backend)
                for path in dict.fromkeys(c.sampler for c in conditions)}
@@ -93,7 +93,7 @@ def localize_decode(model: nn.Module, sequences: Sequence[Sequence[int]], prompt
         for c in conditions:
             for x in layers:
                 cl, cs = _cut(fwd[c.learner][x], n, k), dec[c.sampler][x]
-                _natural(accs[(c.name, x)], cl, cs, tok, k)
+                add_natural(accs[(c.name, x)], cl, cs, tok, k)
                 for s in SITES:
                     equal[(c.name, x)][s] &= bool(torch.equal(cl[s], cs[s]))
     rows = []

@@ -25,7 +25,8 @@ Learner and sampler are symmetric here (neither is the truth), so the measure is
 relative L2 ``‖x − y‖ / ((‖x‖ + ‖y‖)/2)``, pooled over all real tokens of all batches (sums of
 squares accumulated in float64; the same value :func:`libalign.metrics.symmetric_relative_l2`
 gives on the concatenated rows). A condition whose two sides run the same path has identical
-teacher-forced forwards and is skipped.
+teacher-forced forwards and is skipped here; :mod:`alignd.tools.diagnose.decode_localize` measures
+it against the sampler's own KV-cached decode.
 
 The 2×2 replay (:func:`localize` with ``replay_layers``)
 --------------------------------------------------------
@@ -133,8 +134,9 @@ def _batch(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Te
     return ids.to(device), mask.to(device)
 
 
-def _forward(model: nn.Module, ids, mask, path: str, layers: list[int], backend: str,
-             routing: dict | None = None) -> dict:
+def forward_capture(model: nn.Module, ids, mask, path: str, layers: list[int], backend: str,
+                    routing: dict | None = None) -> dict:
+    """One no-grad forward of ``ids`` on ``path`` with ``layers`` captured (routing forced if given)."""
     with ExitStack() as stack:
         stack.enter_context(torch.no_grad())
         stack.enter_context(models.use_path(model, path, backend=backend))
@@ -152,7 +154,9 @@ def _rows(tokens: torch.Tensor, k: int) -> torch.Tensor:
 
 # --- localization and replay ------------------------------------------------------------------
 
-class _LayerAcc:
+class LayerAcc:
+    """Pooled sums of one condition's layer: input, FC1/FC2/MoE outputs, routing, matched rows."""
+
     def __init__(self, cond: str, layer: int):
         w = f"{cond} layer {layer}"
         self.h_in = L2Pool(f"{w} hidden_in")
@@ -182,7 +186,8 @@ class _ReplayAcc:
         self.reproduces = True
 
 
-def _natural(acc: _LayerAcc, cl: dict, cs: dict, tok: torch.Tensor, k: int) -> None:
+def add_natural(acc: LayerAcc, cl: dict, cs: dict, tok: torch.Tensor, k: int) -> None:
+    """Add one batch under natural routing: FC rows matched by (token, expert) across the sides."""
     h = cl["hidden_in"].shape[-1]
     acc.h_in.add(cl["hidden_in"].reshape(-1, h)[tok], cs["hidden_in"].reshape(-1, h)[tok])
     rl, rs = cl["routing"][tok], cs["routing"][tok]
@@ -198,7 +203,7 @@ def _natural(acc: _LayerAcc, cl: dict, cs: dict, tok: torch.Tensor, k: int) -> N
     acc.moe.add(cl["moe_out"][tok], cs["moe_out"][tok])
 
 
-def _conditioned(acc: _LayerAcc, cc: dict, cs: dict, tok: torch.Tensor, k: int) -> None:
+def _conditioned(acc: LayerAcc, cc: dict, cs: dict, tok: torch.Tensor, k: int) -> None:
     rows = _rows(tok, k)
     acc.c_r.append((cc["routing"][tok].sort(-1).values == cs["routing"][tok].sort(-1).values)
                    .all(-1).cpu())
@@ -279,22 +284,22 @@ def localize(model: nn.Module, sequences: Sequence[Sequence[int]], conditions: S
     n_exp = int(model.config.num_experts)
     needed = sorted(set(layers) | set(replay_layers))
     paths = list(dict.fromkeys([p for c in todo for p in (c.learner, c.sampler)]))
-    accs = {(c.name, x): _LayerAcc(c.name, x) for c in todo for x in layers}
+    accs = {(c.name, x): LayerAcc(c.name, x) for c in todo for x in layers}
     reps = {(c.name, x): _ReplayAcc() for c in todo for x in replay_layers}
     dev = next(model.parameters()).device
     for start in range(0, len(sequences), batch_size):
         chunk = sequences[start:start + batch_size]
         ids, mask = _batch(chunk, pad_id, dev)
         tok = mask.reshape(-1).nonzero().flatten()
-        caps = {p: _forward(model, ids, mask, p, needed, backend) for p in paths}
+        caps = {p: forward_capture(model, ids, mask, p, needed, backend) for p in paths}
         for c in todo:
             cl, cs = caps[c.learner], caps[c.sampler]
             for x in layers:
                 acc = accs[(c.name, x)]
-                _natural(acc, cl[x], cs[x], tok, k)
+                add_natural(acc, cl[x], cs[x], tok, k)
                 if conditioned:
                     forced = {x: (cs[x]["routing"], cs[x]["router_weights"])}
-                    cc = _forward(model, ids, mask, c.learner, [x], backend, routing=forced)
+                    cc = forward_capture(model, ids, mask, c.learner, [x], backend, routing=forced)
                     _conditioned(acc, cc[x], cs[x], tok, k)
             for x in replay_layers:
                 _replay(model, reps[(c.name, x)], x, c, cl[x], cs[x], mask, backend, k)
@@ -344,7 +349,7 @@ def sequence_amplitudes(model: nn.Module, sequences: Sequence[Sequence[int]], *,
     for start in range(0, len(sequences), batch_size):
         chunk = sequences[start:start + batch_size]
         ids, mask = _batch(chunk, pad_id, dev)
-        cap = _forward(model, ids, mask, "bf16", moe, backend)
+        cap = forward_capture(model, ids, mask, "bf16", moe, backend)
         b, t = mask.shape
         per = torch.zeros(b, dtype=torch.float64)
         for x in moe:
