@@ -71,6 +71,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
                       "'libalign[megatron]'") from e
 
 from libalign.errors import ConfigError
+from libalign.guidance import RowGuide, guided_quantize
 from libalign.models import strict as hf_strict
 from libalign.models.megatron_modules import LibalignGroupedMLP, Qwen3RMSNorm, SDPACoreAttention
 from libalign.strict import ops as strict_ops
@@ -174,7 +175,9 @@ def _experts_hook(ex: LibalignGroupedMLP) -> Callable | None:
         keys = ex.row_keys.to(a.device)[tokens]
         if site == "fc2":
             keys = keys | (experts.to(torch.int64) + 1)
-        return ex.act_hook(ex.layer, site, a, spec, keys)
+        got = ex.act_hook(ex.layer, site, a, spec, keys)
+        # a sampler's records: quantized here, as the strict products take quantized rows
+        return guided_quantize(a.detach(), spec, got) if isinstance(got, RowGuide) else got
     return hook
 
 

@@ -18,10 +18,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
 from alignclient.errors import ConfigError, SpecError
+from alignd.learner.engine import TorchLearnerEngine
 from alignd.learner.megatron_engine import MegatronLearnerEngine
 from megatron.core import parallel_state
 
-from libalign.models import build_model, generate, strict, tiny_config, use_path
+from libalign.models import build_model, capture_guidance, generate, strict, tiny_config, use_path
 from libalign.models import megatron as mg
 from libalign.models import megatron_export as mx
 from libalign.models import megatron_strict as ms
@@ -121,6 +122,27 @@ def test_strict_engine_scores_as_the_strict_sampler_decodes(cpu):
         r = generate(hf, TASK.prompts(6, seed=3), "nvfp4_minite", max_new_tokens=5,
                      batch_size=4, eos_id=TASK.eos_id, pad_id=TASK.pad_id, seed=2)
     assert engine.score(r.sequences, r.prompt_lens) == [t.tolist() for t in r.logprobs]
+
+
+@CPU_ONLY
+def test_strict_engine_with_guidance_scores_as_the_strict_embedded_engine(cpu):
+    """nvfp4_trace with a (stock) sampler's guidance records: the strict Megatron engine's
+    scores equal the strict embedded engine's (rows named by their tokens' keys, FC2 rows by
+    expert too), and the records change them (the stock decode rounded some rows otherwise)."""
+    sampler = build_model(CFG, seed=1)
+    prompts = [p for p in TASK.prompts(2, 1) for _ in range(2)]
+    with capture_guidance(sampler) as cap:
+        r = generate(sampler, prompts, "nvfp4_minite", max_new_tokens=5, seed=3,
+                     eos_id=TASK.eos_id, pad_id=TASK.pad_id)
+    recs = cap.records(2)
+    meg = MegatronLearnerEngine.from_hf_state_dict(
+        sampler.state_dict(), CFG, "nvfp4_trace", strict=True, pad_id=TASK.pad_id,
+        device="cpu", rope_inv_freq=sampler.model.rotary_emb.inv_freq)
+    ref = TorchLearnerEngine(build_model(CFG, seed=1), "nvfp4_trace", strict=True,
+                             pad_id=TASK.pad_id)
+    got = meg.score(r.sequences, r.prompt_lens, recs)
+    assert got == ref.score(r.sequences, r.prompt_lens, recs)
+    assert got != meg.score(r.sequences, r.prompt_lens)
 
 
 @CPU_ONLY
