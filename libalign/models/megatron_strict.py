@@ -30,6 +30,10 @@ log-probabilities                  ``log_softmax`` (:func:`libalign.models.stric
                                    answers it for a model this module made strict)
 =================================  ============================================================
 
+Guided rounding (``nvfp4_trace``, :func:`libalign.models.megatron.use_guidance`) keeps working:
+the experts' activation hook names each row by its token's key (and, at FC2, its expert), as
+the dispatcher-fed experts do, and the sampler's records are applied before the strict product.
+
 The MoE layer runs without Megatron's token dispatcher: the dispatcher's combine adds a token's
 expert outputs in expert order (and, across ranks, in whatever order the collective picks),
 while the strict sampler adds them in its top-k order. Megatron's rotary embedding is asked
