@@ -42,11 +42,12 @@ from libalign.models.teacher_forcing import replay_batch
 SITES = ("hidden_in", "fc1_out", "fc2_out", "moe_out")
 
 
-def _cut(rec: dict, n: int, k: int) -> dict:
-    """One forward's records of a batch-of-one, first ``n`` tokens, flattened token-major."""
+def _cut(rec: dict, n: int | None, k: int) -> dict:
+    """One forward's records of a batch-of-one, first ``n`` tokens (all: None), token-major."""
     h = rec["hidden_in"]
+    rows = None if n is None else n * k
     return {"hidden_in": h.reshape(-1, h.shape[-1])[:n], "routing": rec["routing"].reshape(-1, k)[:n],
-            "fc1_out": rec["fc1_out"][:n * k], "fc2_out": rec["fc2_out"][:n * k],
+            "fc1_out": rec["fc1_out"][:rows], "fc2_out": rec["fc2_out"][:rows],
             "moe_out": rec["moe_out"].reshape(-1, rec["moe_out"].shape[-1])[:n]}
 
 
@@ -59,8 +60,7 @@ def decode_capture(model: nn.Module, seq: Sequence[int], prompt_len: int, path: 
         replay_batch(model, [list(map(int, seq))], [prompt_len], pad_id, [0])
     out = {}
     for x in layers:
-        calls = [_cut({s: cap[x][s][i] for s in ("hidden_in", "routing", "fc1_out", "fc2_out",
-                                                 "moe_out")}, 1 << 30, k)
+        calls = [_cut({s: cap[x][s][i] for s in (*SITES, "routing")}, None, k)
                  for i in range(len(cap[x]["moe_out"]))]
         out[x] = {s: torch.cat([c[s] for c in calls]) for s in (*SITES, "routing")}
     return out
