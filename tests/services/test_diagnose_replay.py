@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from alignclient.errors import NonFiniteError, ShapeError
+from alignclient.errors import InputError, NonFiniteError, ShapeError
 from alignd.tools.cli import app
 from alignd.tools.diagnose import replay
 from alignd.tools.diagnose.conditions import (
@@ -126,6 +126,27 @@ def test_cli_json_lists_default_pairs_and_moe_replay():
     assert r["pairs"] == {"set": "papers", "defaults": list(PAPER_CONDITIONS), "from_defaults": True}
     assert [c["name"] for c in r["conditions"]] == list(PAPER_CONDITIONS)
     mr = r["moe_replay"]
-    assert [row["condition"] for row in mr["rows"]] == ["nvfp4_te/nvfp4_modelopt_pertoken"]
-    assert mr["prompts"] == 2 and mr["rows"][0]["assignments_fixed"]
-    assert set(mr["skipped_same_path"]) == {"bf16/bf16", "nvfp4_minite/nvfp4_minite"}
+    assert mr["sampler_side"] == "decode" and mr["skipped_same_path"] == []
+    assert [row["condition"] for row in mr["rows"]] == ["bf16/bf16", "nvfp4_te/nvfp4_modelopt_pertoken",
+                                                        "nvfp4_minite/nvfp4_minite"]
+    assert mr["prompts"] == 2 and all(row["assignments_fixed"] for row in mr["rows"])
+
+
+def test_decode_sampler_side_measures_same_path_pairs(tiny):
+    """h_R from the sampler's KV-cached decode: the MoE input rows of its prefill and steps, the
+    first len − 1 tokens; a same-path pair is measured, not skipped; an unknown side is refused."""
+    model, task, seqs = tiny
+    layer = models.moe_layer_indices(model)[-1]
+    plens = [len(s) - 1 - i % 3 for i, s in enumerate(seqs)]
+    dec = replay.capture_moe_entry_decode(model, seqs, plens, "nvfp4_minite", [layer],
+                                          pad_id=task.pad_id, backend="auto")[layer]
+    k = int(model.config.num_experts_per_tok)
+    assert [d["moe_in"].shape[0] for d in dec] == [len(s) - 1 for s in seqs]
+    assert [d["fc1_out"].shape[0] for d in dec] == [k * (len(s) - 1) for s in seqs]
+    rows, skipped = replay.moe_replay(model, seqs, [Condition("nvfp4_minite", "nvfp4_minite")],
+                                      layers=[layer], batch_size=4, pad_id=task.pad_id,
+                                      backend="auto", prompt_lens=plens, sampler_side="decode")
+    assert skipped == [] and rows[0]["sampler_side"] == "decode" and rows[0]["assignments_fixed"]
+    with pytest.raises(InputError, match="sampler side"):
+        replay.moe_replay(model, seqs, [], layers=[layer], batch_size=4, pad_id=task.pad_id,
+                          backend="auto", sampler_side="prefill")

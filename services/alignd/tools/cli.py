@@ -497,6 +497,9 @@ def diagnose(
     replay_layers: str = typer.Option("0,-1", help="layers of the 2x2 replays (none to skip)"),
     moe_replay_prompts: int = typer.Option(12, help="prompts of the 2x2 replay at the MoE entry "
                                            "(per prompt, learner's expert assignments fixed)"),
+    moe_replay_sampler: str = typer.Option("decode", help="that replay's sampler input: decode (the "
+                                           "sampler's KV-cached decode; same-path pairs measured) "
+                                           "or forward (its teacher-forced forward)"),
     conditioned: bool = typer.Option(True, "--conditioned/--no-conditioned",
                                      help="routing-conditioned FC1/FC2 variant"),
     localize_sequences: int = typer.Option(256, help="shared sequences used for localization, "
@@ -542,7 +545,8 @@ def diagnose(
         conditions=conditions, pairs=pairs, learner_paths=learner_paths, sampler_paths=sampler_paths,
         floor=floor,
         generate_path=generate_path, on_policy=on_policy, layers=layers, replay_layers=replay_layers,
-        moe_replay_prompts=moe_replay_prompts, conditioned=conditioned,
+        moe_replay_prompts=moe_replay_prompts, moe_replay_sampler=moe_replay_sampler,
+        conditioned=conditioned,
         localize_sequences=localize_sequences, context_swap=context_swap,
         clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap, n_boot=n_boot, level=level,
         trace_bits=trace_bits, trace_layers=trace_layers, seed=seed, device=device,

@@ -2,12 +2,22 @@
 
 Where the inputs come from
 --------------------------
-For a condition ``learner/sampler`` both paths run the shared sequences teacher-forced, batched
-as the learner scores them, and at every replay layer the input of the **MoE module** is
-captured: the post-attention-norm hidden states the router and FC1 see, *before* routing
-(``h_L`` on the learner path, ``h_R`` on the sampler path), together with the learner's expert
-assignment (``top_k_index`` and router coefficients). Everything is then split per prompt (one
-shared sequence, its real tokens only).
+At every replay layer the input of the **MoE module** is captured: the post-attention-norm
+hidden states the router and FC1 see, *before* routing. ``h_L`` comes from the learner path's
+teacher-forced forward, batched as the learner scores, together with the learner's expert
+assignment (``top_k_index`` and router coefficients). ``h_R`` comes from the sampler side, in
+one of two ways (``sampler_side``):
+
+* ``decode`` (the default): the sampler path's own KV-cached decode of the sequence
+  (:func:`libalign.models.teacher_forcing.replay_batch`, a batch of one: the prompt's prefill,
+  then one token a step), the records concatenated in token order. The decode feeds every
+  token but the last, so both sides keep the first ``len − 1`` tokens. A pair that runs the
+  same path on both sides is measured too: its ``h_R`` differs from ``h_L`` by what decoding
+  (other GEMM shapes, cached attention) does to the residual stream;
+* ``forward``: the sampler path's teacher-forced forward, batched like the learner's. A
+  same-path pair then has identical inputs (every quantity 0) and is listed as skipped.
+
+Everything is split per prompt (one shared sequence, its real tokens only).
 
 The four cells
 --------------
@@ -41,8 +51,7 @@ include FC1 differences. Each row also says whether every cell ran the learner's
 captured in the batched forward bit for bit (a per-tensor activation scale, taken over the
 whole batch, does not).
 
-A condition whose two sides run the same path has identical teacher-forced inputs (every
-quantity 0) and is listed as skipped. The decoder-layer replay that also re-runs attention is
+The decoder-layer replay that also re-runs attention is
 :func:`alignd.tools.diagnose.localize.localize` (the report's ``replay`` section).
 """
 
@@ -53,11 +62,12 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 
 import torch
-from alignclient.errors import NonFiniteError, ShapeError
+from alignclient.errors import InputError, NonFiniteError, ShapeError
 from torch import nn
 
 from alignd.tools.diagnose.conditions import Condition
 from libalign import models
+from libalign.models.teacher_forcing import replay_batch
 
 Progress = Callable[[int], None]
 SITES = ("fc1", "fc2")
@@ -157,6 +167,34 @@ def capture_moe_entry(model: nn.Module, sequences: Sequence[Sequence[int]], path
     return out
 
 
+def capture_moe_entry_decode(model: nn.Module, sequences: Sequence[Sequence[int]],
+                             prompt_lens: Sequence[int], path: str, layers: Sequence[int], *,
+                             pad_id: int, backend: str) -> dict[int, list[dict]]:
+    """As :func:`capture_moe_entry`, from the sampler path's KV-cached decode of each sequence
+    alone (prefill, then one token a step; records concatenated in token order): the first
+    ``len − 1`` tokens, the ones the decode feeds."""
+    k = int(model.config.num_experts_per_tok)
+    out: dict[int, list[dict]] = {x: [] for x in layers}
+    for seq, plen in zip(sequences, prompt_lens, strict=True):
+        with models.use_path(model, path, backend=backend), \
+                models.capture(model, list(layers), keep_all=True) as cap:
+            replay_batch(model, [list(map(int, seq))], [plen], pad_id, [0])
+        n = len(seq) - 1
+        for x in layers:
+            def cat(name: str, rows: int, x=x) -> torch.Tensor:
+                return torch.cat([t.reshape(-1, t.shape[-1]) for t in cap[x][name]])[:rows]
+            out[x].append({"moe_in": cat("moe_in", n), "routing": cat("routing", n),
+                           "router_weights": cat("router_weights", n),
+                           "fc1_out": cat("fc1_out", n * k), "fc2_out": cat("fc2_out", n * k)})
+    return out
+
+
+def _first_tokens(rec: dict, n: int, k: int) -> dict:
+    return {"moe_in": rec["moe_in"][:n], "routing": rec["routing"][:n],
+            "router_weights": rec["router_weights"][:n], "fc1_out": rec["fc1_out"][:n * k],
+            "fc2_out": rec["fc2_out"][:n * k]}
+
+
 def replay_cell(model: nn.Module, layer: int, moe_in: torch.Tensor, path: str,
                 routing: tuple[torch.Tensor, torch.Tensor], backend: str) -> dict:
     """The MoE module of ``layer`` alone on ``moe_in`` under ``path`` with ``routing`` forced;
@@ -167,27 +205,49 @@ def replay_cell(model: nn.Module, layer: int, moe_in: torch.Tensor, path: str,
     return {"fc1": c["fc1_out"], "fc2": c["fc2_out"], "routing": c["routing"]}
 
 
+SAMPLER_SIDES = ("decode", "forward")
+
+
 def moe_replay(model: nn.Module, sequences: Sequence[Sequence[int]], conditions: Sequence[Condition], *,
                layers: Sequence[int], batch_size: int, pad_id: int, backend: str,
+               prompt_lens: Sequence[int] | None = None, sampler_side: str = "forward",
                progress: Progress | None = None) -> tuple[list[dict], list[str]]:
-    """Replay rows (one per condition and MoE layer) and the conditions skipped (same path).
+    """Replay rows (one per condition and MoE layer) and the conditions skipped.
 
-    See the module docstring for every column.
+    ``sampler_side`` ``decode`` (needs ``prompt_lens``) captures ``h_R`` from the sampler's
+    KV-cached decode and skips nothing; ``forward`` from its teacher-forced forward, skipping
+    same-path pairs. See the module docstring for every column.
     """
+    if sampler_side not in SAMPLER_SIDES:
+        raise InputError(f"sampler side {sampler_side!r}: choose one of {', '.join(SAMPLER_SIDES)}")
+    if sampler_side == "decode" and prompt_lens is None:
+        raise InputError("the decode sampler side needs the sequences' prompt lengths")
     moe = set(models.moe_layer_indices(model))
     layers = [x for x in layers if x in moe]
-    todo = [c for c in conditions if c.learner != c.sampler]
-    skipped = [c.name for c in conditions if c.learner == c.sampler]
+    decode = sampler_side == "decode"
+    todo = [c for c in conditions if decode or c.learner != c.sampler]
+    skipped = [c.name for c in conditions if c not in todo]
     if not todo or not layers:
         return [], skipped
-    paths = list(dict.fromkeys(p for c in todo for p in (c.learner, c.sampler)))
+    k = int(model.config.num_experts_per_tok)
     caps = {p: capture_moe_entry(model, sequences, p, layers, batch_size=batch_size, pad_id=pad_id,
-                                 backend=backend) for p in paths}
+                                 backend=backend)
+            for p in dict.fromkeys(c.learner if decode else q for c in todo
+                                   for q in (c.learner, c.sampler))}
+    if decode:
+        caps = {p: {x: [_first_tokens(r, len(s) - 1, k) for r, s in zip(v, sequences, strict=True)]
+                    for x, v in per.items()} for p, per in caps.items()}
+        sampler_caps = {p: capture_moe_entry_decode(model, sequences, prompt_lens, p, layers,
+                                                    pad_id=pad_id, backend=backend)
+                        for p in dict.fromkeys(c.sampler for c in todo)}
+    else:
+        sampler_caps = caps
     rows = []
     for c in todo:
         for x in layers:
             per_prompt, fixed, reproduces = [], True, True
-            for i, (cl, cs) in enumerate(zip(caps[c.learner][x], caps[c.sampler][x], strict=True)):
+            for i, (cl, cs) in enumerate(zip(caps[c.learner][x], sampler_caps[c.sampler][x],
+                                             strict=True)):
                 routing = (cl["routing"], cl["router_weights"])
                 h = {"h_L": cl["moe_in"], "h_R": cs["moe_in"]}
                 order = expert_index_order(cl["routing"])
@@ -202,7 +262,8 @@ def moe_replay(model: nn.Module, sequences: Sequence[Sequence[int]], conditions:
                             and torch.equal(got["fc2"], cl["fc2_out"])
                 per_prompt.append(prompt_quantities(h["h_L"], h["h_R"], cells,
                                                     f"{c.name} layer {x} prompt {i}"))
-            rows.append({"condition": c.name, "layer": x, "prompts": len(per_prompt),
+            rows.append({"condition": c.name, "layer": x, "sampler_side": sampler_side,
+                         "prompts": len(per_prompt),
                          **mean_over_prompts(per_prompt), "assignments_fixed": fixed,
                          "replay_reproduces_capture": reproduces})
             if progress:
@@ -220,7 +281,8 @@ def moe_replay_table(report: dict):
     if not rows:
         return None
     t = Table(title=f"2×2 replay at the MoE entry (R(a,b) = ‖a−b‖/‖b‖, FP32, mean over "
-              f"{sec.get('prompts')} prompts; learner's expert assignments fixed)", title_justify="left")
+              f"{sec.get('prompts')} prompts; learner's expert assignments fixed; h_R from the "
+              f"sampler's {sec.get('sampler_side', 'forward')})", title_justify="left")
     for c in ("condition", "layer", "site", "R(h_L,h_R)", "I: F_L(h_R)|F_L(h_L)", "E: F_R(h_R)|F_L(h_R)",
               "F_R(h_L)|F_L(h_L)", "F_R(h_R)|F_R(h_L)", "N: F_R(h_R)|F_L(h_L)", "fixed"):
         t.add_column(c, justify="left" if c in ("condition", "site") else "right",

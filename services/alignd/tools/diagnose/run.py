@@ -110,6 +110,8 @@ class DiagnoseConfig:
     replay_layers: str = "0,-1"
     moe_replay_prompts: int = 12
     """prompts of the 2×2 replay at the MoE entry (:mod:`alignd.tools.diagnose.replay`)"""
+    moe_replay_sampler: str = "decode"
+    """where that replay's sampler input comes from: the sampler's ``decode`` or ``forward``"""
     conditioned: bool = True
     localize_sequences: int = 256
     context_swap: bool = True
@@ -189,6 +191,9 @@ def _check_config(cfg: DiagnoseConfig) -> None:
         raise InputError(f"--level must be in (0, 1), got {cfg.level}")
     if cfg.temperature <= 0:
         raise InputError(f"--temperature must be positive, got {cfg.temperature}")
+    if cfg.moe_replay_sampler not in moe_entry.SAMPLER_SIDES:
+        raise InputError(f"--moe-replay-sampler must be one of {', '.join(moe_entry.SAMPLER_SIDES)}, "
+                         f"got {cfg.moe_replay_sampler!r}")
     if cfg.prompts_file and cfg.sequences_file:
         raise InputError("give --prompts or --sequences, not both")
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
@@ -519,6 +524,7 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
         with clock.stage("moe_replay"):
             moe_rows, moe_skipped = moe_entry.moe_replay(
                 model, shared.tokens[:n_replay], internal, layers=replay_layers,
+                prompt_lens=shared.prompt_lens[:n_replay], sampler_side=cfg.moe_replay_sampler,
                 progress=rep.task("2x2 replay at the MoE entry", len(internal) * len(replay_layers)),
                 **common)
 
@@ -568,6 +574,7 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
                          "skipped_same_path": skipped,
                          "skipped_guided": [c.name for c in guided.guided_conditions(conds)]},
         "moe_replay": {"prompts": n_replay if moe_rows else 0, "layers": replay_layers,
+                       "sampler_side": cfg.moe_replay_sampler,
                        "rows": moe_rows, "skipped_same_path": moe_skipped,
                        "skipped_guided": [c.name for c in guided.guided_conditions(conds)]},
         "guidance": ({"bits": cfg.trace_bits, "layers": trace_layers, "by_sampler": guidance_report}
