@@ -380,3 +380,13 @@ def test_routing_disagreement_with_and_without_replay(small_report):
     console = Console(width=200, record=True)
     console.print(routing_table(r))
     assert "routing replay (R3)" in console.export_text()
+
+
+def test_report_localizes_same_path_pairs_against_the_decode(small_report):
+    """The same-path pairs the forward localization skips are measured against the decode, and
+    the FC1 context swap keeps row-scaled targets bitwise while the per-tensor path moves."""
+    dec = {r["condition"] for r in small_report["decode_localization"]["rows"]}
+    assert set(small_report["localization"]["skipped_same_path"]) <= dec
+    fc1 = small_report["fc1_context_swap"]
+    assert fc1["independent"]["nvfp4_minite"] and not fc1["independent"]["nvfp4_naive"]
+    assert fc1["input_shape"] == [128, 128] and len(fc1["cases"]) == 3
