@@ -119,13 +119,33 @@ def size_for_config(config, *, bits: int, last_layers: int | str | None = None,
 
 
 def trace_reference_size(bits: int = 4, tokens_per_trajectory: int = 256 * 1024,
-                         trajectories: int = 4096) -> dict[str, float]:
-    """TRACE's accounting for a 35B MoE (hidden 2048, 256 KV values a layer, 40 layers, codes +
-    block scales only), per token and per RL step."""
-    act = size_per_token(hidden=2048, moe_intermediate=0, top_k=0, layers=40, bits=bits,
+                         trajectories: int = 4096, *, hidden: int = 2048, kv_values: int = 256,
+                         layers: int = 40) -> dict[str, float]:
+    """TRACE's accounting, codes and block scales only, per token and per RL step: ``hidden``
+    activation values (the paper's D1) and ``kv_values`` KV values (its D2) per MoE layer over
+    ``layers`` MoE layers. The defaults are the paper's 35B MoE (D1 = 2048, D2 = 256, 40 MoE
+    layers); :func:`trace_dims` reads them from a model's config."""
+    act = size_per_token(hidden=hidden, moe_intermediate=0, top_k=0, layers=layers, bits=bits,
                          sites=("fc1",), row_scale=False, index=False)
-    kv = size_per_token(hidden=0, moe_intermediate=0, top_k=0, layers=40, bits=bits, sites=(),
-                        kv_values=256, row_scale=False, index=False)
+    kv = size_per_token(hidden=0, moe_intermediate=0, top_k=0, layers=layers, bits=bits,
+                        sites=(), kv_values=kv_values, row_scale=False, index=False)
     per_token = act["total"] + kv["total"]
     return {"activation_bytes": act["total"], "kv_bytes": kv["total"], "per_token_bytes": per_token,
             "per_step_bytes": per_token * tokens_per_trajectory * trajectories}
+
+
+def trace_dims(config) -> dict[str, int]:
+    """The paper's dimensions of a Hugging Face MoE config: ``hidden`` (D1, ``hidden_size``),
+    ``kv_values`` (D2, the width of one of a layer's K and V projections:
+    ``num_key_value_heads * head_dim``) and ``layers`` (the MoE layers), the keywords of
+    :func:`trace_reference_size`."""
+    get = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else \
+        (lambda k, d=None: getattr(config, k, d))
+    n = int(get("num_hidden_layers"))
+    dense = set(get("mlp_only_layers", None) or [])
+    step = int(get("decoder_sparse_step", 1) or 1)
+    moe = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    head_dim = int(get("head_dim", 0) or (int(get("hidden_size")) //
+                                          max(1, int(get("num_attention_heads", 1)))))
+    return {"hidden": int(get("hidden_size")),
+            "kv_values": int(get("num_key_value_heads", 0) or 0) * head_dim, "layers": len(moe)}

@@ -30,7 +30,7 @@ from libalign.guidance import (
     select_layers,
     unpack_planes,
 )
-from libalign.guidance.sizes import size_per_token, trace_reference_size
+from libalign.guidance.sizes import size_per_token, trace_dims, trace_reference_size
 from libalign.spec import PRESETS, normalized_with_scales, quantize
 from libalign.spec.packing import unpack_nibbles
 from libalign.spec.rounding import bracket_levels, e2m1_levels, low_bits
@@ -312,6 +312,14 @@ def test_trace_reference_sizes():
     assert ref["per_step_bytes"] == 51_840 * 256 * 1024 * 4096
     assert 50 < ref["per_step_bytes"] / 2**40 < 52
     assert trace_reference_size(bits=1)["activation_bytes"] * 3 == ref["activation_bytes"]
+    # the same accounting from a config: D1 = hidden, D2 = kv heads x head_dim, the MoE layers
+    dims = trace_dims({"num_hidden_layers": 41, "mlp_only_layers": [0], "hidden_size": 2048,
+                       "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128})
+    assert dims == {"hidden": 2048, "kv_values": 256, "layers": 40}
+    assert trace_reference_size(**dims) == ref
+    qwen = trace_dims({"num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 32,
+                       "num_key_value_heads": 4, "head_dim": 128})
+    assert trace_reference_size(**qwen)["per_token_bytes"] == 48 * (2048 + 512) * 9 // 16
 
 
 # --- layer selection -------------------------------------------------------------------------------

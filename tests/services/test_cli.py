@@ -113,6 +113,10 @@ def test_guidance_size_default_and_config(tmp_path):
     assert res.exit_code == 0, res.output
     # 2 layers x (64 values x 1 bit / 8 + 64 / 16 scales + 4 row scale + 4 index) = 40 B
     assert " 40 " in res.output
+    # TRACE's accounting for the given config too: 3 MoE layers x (64 + 0 KV values) x 4.5 bits
+    flat = " ".join(res.output.split())  # rich wraps long lines
+    assert "TRACE's accounting for the paper's 35B MoE (D1 2048, D2 256, 40 MoE" in flat
+    assert "(D1 64, D2 0, 3 MoE layers, 4.5 bits a value): 0.1 KiB activations" in flat
     res = runner.invoke(app, ["guidance-size", "--config", str(tmp_path / "missing.json")])
     assert res.exit_code == 2 and "FileNotFoundError" in res.output
 

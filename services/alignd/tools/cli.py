@@ -35,7 +35,7 @@ from alignd.infra.service_main import run_service
 from alignd.infra.settings import TRACE_PAPER_DEFAULTS, AllInOneSettings, ApiAddress, ApiSettings
 from alignd.infra.telemetry import Metrics
 from libalign.atomic_dir import DestinationExistsError
-from libalign.guidance.sizes import size_for_config, trace_reference_size
+from libalign.guidance.sizes import size_for_config, trace_dims, trace_reference_size
 from libalign.kernels import backends
 from libalign.kernels import config as kernel_config
 from libalign.selfcheck import run_selfcheck
@@ -161,11 +161,15 @@ def guidance_size(
                   f"{r['total'] * tokens * trajectories / 2**40:.2f}",
                   f"{r['total'] / rows[4]['total']:.3f}")
     console.print(t)
-    ref = trace_reference_size(4, tokens, trajectories)
-    console.print(f"TRACE's accounting (35B MoE: hidden 2048, 40 layers, 256 KV values a layer, "
-                  f"4.5 bits a value): {ref['activation_bytes'] / 1024:.1f} KiB activations + "
-                  f"{ref['kv_bytes'] / 1024:.2f} KiB KV = {ref['per_token_bytes'] / 1024:.1f} KiB "
-                  f"per token, {ref['per_step_bytes'] / 2**40:.1f} TiB per step")
+    for what, dims in (("the paper's 35B MoE", {"hidden": 2048, "kv_values": 256, "layers": 40}),
+                       (name, trace_dims(cfg))):
+        ref = trace_reference_size(4, tokens, trajectories, **dims)
+        console.print(f"TRACE's accounting for {what} (D1 {dims['hidden']}, D2 "
+                      f"{dims['kv_values']}, {dims['layers']} MoE layers, 4.5 bits a value): "
+                      f"{ref['activation_bytes'] / 1024:.1f} KiB activations + "
+                      f"{ref['kv_bytes'] / 1024:.2f} KiB KV = "
+                      f"{ref['per_token_bytes'] / 1024:.1f} KiB per token, "
+                      f"{ref['per_step_bytes'] / 2**40:.1f} TiB per step")
 
 
 @app.command()
