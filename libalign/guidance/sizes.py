@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from libalign.errors import SpecError
 from libalign.guidance.records import ACT_SITES, select_layers
 from libalign.routing.records import bytes_per_token as routing_bytes_per_token
+from libalign.routing.records import config_moe_layers
 from libalign.spec import PRESETS
 from libalign.spec.constants import BLOCK_SIZE
 from libalign.spec.presets import KV_PRESETS
@@ -92,16 +93,12 @@ def size_for_config(config, *, bits: int, last_layers: int | str | None = None,
     """
     if routing not in (None, "ids", "weights"):
         raise SpecError(f"routing must be 'ids' or 'weights' (or None), got {routing!r}")
-    get = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else \
-        (lambda k, d=None: getattr(config, k, d))
+    get = _getter(config)
     n = int(get("num_hidden_layers"))
-    dense = set(get("mlp_only_layers", None) or [])
-    step = int(get("decoder_sparse_step", 1) or 1)
-    moe = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    moe = config_moe_layers(config)
     layers = len(select_layers(moe, last_layers))
     heads = int(get("num_key_value_heads", 0) or 0)
-    head_dim = int(get("head_dim", 0) or (int(get("hidden_size")) //
-                                          max(1, int(get("num_attention_heads", 1)))))
+    head_dim = _head_dim(get)
     if kv and kv_spec not in KV_PRESETS:
         raise SpecError(f"unknown KV format {kv_spec!r}; KV presets are {KV_PRESETS}")
     out = size_per_token(hidden=int(get("hidden_size")),
@@ -139,13 +136,20 @@ def trace_dims(config) -> dict[str, int]:
     ``kv_values`` (D2, the width of one of a layer's K and V projections:
     ``num_key_value_heads * head_dim``) and ``layers`` (the MoE layers), the keywords of
     :func:`trace_reference_size`."""
-    get = (lambda k, d=None: config.get(k, d)) if isinstance(config, Mapping) else \
-        (lambda k, d=None: getattr(config, k, d))
-    n = int(get("num_hidden_layers"))
-    dense = set(get("mlp_only_layers", None) or [])
-    step = int(get("decoder_sparse_step", 1) or 1)
-    moe = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
-    head_dim = int(get("head_dim", 0) or (int(get("hidden_size")) //
-                                          max(1, int(get("num_attention_heads", 1)))))
+    get = _getter(config)
     return {"hidden": int(get("hidden_size")),
-            "kv_values": int(get("num_key_value_heads", 0) or 0) * head_dim, "layers": len(moe)}
+            "kv_values": int(get("num_key_value_heads", 0) or 0) * _head_dim(get),
+            "layers": len(config_moe_layers(config))}
+
+
+def _getter(config):
+    """``get(key, default)`` over a config dict or object."""
+    if isinstance(config, Mapping):
+        return lambda k, d=None: config.get(k, d)
+    return lambda k, d=None: getattr(config, k, d)
+
+
+def _head_dim(get) -> int:
+    """``head_dim``, else ``hidden_size // num_attention_heads``."""
+    return int(get("head_dim", 0) or (int(get("hidden_size")) //
+                                      max(1, int(get("num_attention_heads", 1)))))
