@@ -452,6 +452,7 @@ def test_the_refit_snippet_runs():
 
 
 @pytest.mark.parametrize("preset,fmt", [("minite", "modelopt"), ("modelopt", "modelopt"),
+                                        ("te_4over6", "modelopt"),
                                         ("compressed_tensors", "compressed-tensors")])
 def test_alignd_convert_splits_expert_stacks_as_the_stream_does(tmp_path, preset, fmt):
     """A transformers-5 checkpoint (3-D expert stacks) through ``alignd convert``: every stack

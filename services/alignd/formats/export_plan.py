@@ -23,9 +23,12 @@ from libalign.checkpoint import FORMATS, stored_layout
 from libalign.spec import PRESETS, NumericsSpec
 from libalign.spec.presets import MX_PRESETS
 
-#: Presets that make sense for a stored checkpoint (``te_row`` is an activation variant);
-#: the MXFP4 ones store in compressed-tensors' ``mxfp4-pack-quantized`` layout only.
-CHECKPOINT_PRESETS = ("minite", "modelopt", "compressed_tensors", "torchao", "te", *MX_PRESETS)
+#: Presets that make sense for a stored checkpoint (``te_row`` and the per-token presets are
+#: activation variants); TE's 4-over-6 weights (``te_4over6``: E4M3 bound 256,
+#: ``te_4over6_448``) store like ``te``; the MXFP4 ones store in compressed-tensors'
+#: ``mxfp4-pack-quantized`` layout only.
+CHECKPOINT_PRESETS = ("minite", "modelopt", "compressed_tensors", "torchao", "te", "te_4over6",
+                      "te_4over6_448", *MX_PRESETS)
 
 
 @dataclass

@@ -428,8 +428,9 @@ def convert(
     src: Annotated[Path, typer.Argument(help="Hugging Face checkpoint directory (safetensors)")],
     dst: Annotated[Path, typer.Argument(help="output directory; must not exist unless --overwrite")],
     preset: str = typer.Option("minite", help="numerics preset: minite, modelopt, "
-                               "compressed_tensors, torchao, te, or MXFP4 mxfp4, mxfp4_ceil, "
-                               "mxfp4_even, mxfp4_te (with --format compressed-tensors)"),
+                               "compressed_tensors, torchao, te, te_4over6, te_4over6_448, or "
+                               "MXFP4 mxfp4, mxfp4_ceil, mxfp4_even, mxfp4_te (with --format "
+                               "compressed-tensors)"),
     fmt: str = typer.Option("modelopt", "--format", help="modelopt or compressed-tensors"),
     all_linear: bool = typer.Option(False, "--all-linear", help="also every linear layer except "
                                     "embeddings, lm_head, norms and routers"),
