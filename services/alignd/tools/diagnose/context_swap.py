@@ -40,6 +40,7 @@ from rich.markup import escape
 from rich.table import Table
 from torch import nn
 
+from alignd.tools.diagnose.localize import padded_batch
 from libalign import models
 from libalign.context import amplitude_companions
 from libalign.errors import ShapeError
@@ -211,12 +212,8 @@ def _capture_rows(model: nn.Module, sequences: Sequence[Sequence[int]], layer: i
     load = torch.zeros(n_exp, dtype=torch.long)
     for start in range(0, len(sequences), batch_size):
         chunk = sequences[start:start + batch_size]
-        width = max(len(s) for s in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, s in enumerate(chunk):
-            ids[r, :len(s)] = torch.tensor(list(s), dtype=torch.long)
-            mask[r, :len(s)] = 1
+        ids, mask = padded_batch(chunk, pad_id, "cpu")
+        width = ids.shape[1]
         with torch.no_grad(), models.use_path(model, "bf16", backend=backend), \
                 models.capture(model, [layer]) as cap:
             model(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=False)

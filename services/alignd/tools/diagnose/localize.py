@@ -124,7 +124,9 @@ class L2Pool:
 
 # --- batches as the learner builds them -------------------------------------------------------
 
-def _batch(seqs: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_batch(seqs: Sequence[Sequence[int]], pad_id: int, device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)`` ``[B, L]`` of right-padded ``seqs`` on ``device``, as the learner pads."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -289,7 +291,7 @@ def localize(model: nn.Module, sequences: Sequence[Sequence[int]], conditions: S
     dev = next(model.parameters()).device
     for start in range(0, len(sequences), batch_size):
         chunk = sequences[start:start + batch_size]
-        ids, mask = _batch(chunk, pad_id, dev)
+        ids, mask = padded_batch(chunk, pad_id, dev)
         tok = mask.reshape(-1).nonzero().flatten()
         caps = {p: forward_capture(model, ids, mask, p, needed, backend) for p in paths}
         for c in todo:
@@ -348,7 +350,7 @@ def sequence_amplitudes(model: nn.Module, sequences: Sequence[Sequence[int]], *,
     rows0: list[torch.Tensor] = []
     for start in range(0, len(sequences), batch_size):
         chunk = sequences[start:start + batch_size]
-        ids, mask = _batch(chunk, pad_id, dev)
+        ids, mask = padded_batch(chunk, pad_id, dev)
         cap = forward_capture(model, ids, mask, "bf16", moe, backend)
         b, t = mask.shape
         per = torch.zeros(b, dtype=torch.float64)

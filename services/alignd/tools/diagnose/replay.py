@@ -66,6 +66,7 @@ from alignclient.errors import InputError, NonFiniteError, ShapeError
 from torch import nn
 
 from alignd.tools.diagnose.conditions import Condition
+from alignd.tools.diagnose.localize import padded_batch
 from libalign import models
 from libalign.models.teacher_forcing import replay_batch
 
@@ -145,12 +146,8 @@ def capture_moe_entry(model: nn.Module, sequences: Sequence[Sequence[int]], path
     out: dict[int, list[dict]] = {x: [] for x in layers}
     for start in range(0, len(sequences), batch_size):
         chunk = sequences[start:start + batch_size]
-        width = max(len(s) for s in chunk)
-        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, s in enumerate(chunk):
-            ids[r, :len(s)] = torch.tensor(list(s), dtype=torch.long)
-            mask[r, :len(s)] = 1
+        ids, mask = padded_batch(chunk, pad_id, dev)
+        width = ids.shape[1]
         with ExitStack() as stack:
             stack.enter_context(torch.no_grad())
             stack.enter_context(models.use_path(model, path, backend=backend))
