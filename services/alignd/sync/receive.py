@@ -48,6 +48,7 @@ from alignclient.errors import (
 )
 
 from alignd.sync.buckets import BUFFER_NAME, HEADER_NAME, Bucket, BucketEntry, Digest, RefitHeader
+from libalign.spec import check_finite as spec_check_finite
 
 #: The largest bucket a receiver takes unless told otherwise (4 GiB).
 DEFAULT_MAX_BUCKET_BYTES = 4 << 30
@@ -61,11 +62,7 @@ def check_finite(name: str, t: torch.Tensor) -> None:
         if bool(t.view(torch.uint8).bitwise_and(0x7F).eq(0x7F).any()):
             raise NonFiniteError(f"tensor {name!r}", 1, 1, 0, [])
     elif t.is_floating_point() and t.dtype.itemsize > 1:
-        bad = ~torch.isfinite(t)
-        if bool(bad.any()):
-            nan = int(torch.isnan(t).sum())
-            raise NonFiniteError(f"tensor {name!r}", int(bad.sum()), nan, int(bad.sum()) - nan,
-                                 bad.nonzero()[:4].tolist())
+        spec_check_finite(t, f"tensor {name!r}", limit=4)
 
 
 def check_bucket_finite(bucket: Bucket) -> None:
