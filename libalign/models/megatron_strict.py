@@ -78,7 +78,7 @@ from libalign.errors import ConfigError
 from libalign.guidance import RowGuide, guided_quantize
 from libalign.models import strict as hf_strict
 from libalign.models.megatron_modules import LibalignGroupedMLP, Qwen3RMSNorm, SDPACoreAttention
-from libalign.strict import ops as strict_ops
+from libalign.strict.device import Kernels, op_set
 
 __all__ = ["check_config", "disable", "enable", "is_strict", "use_strict"]
 
@@ -120,16 +120,18 @@ def check_config(cfg) -> None:
 def _column_forward(self, input_, weight=None, runtime_gather_output=None):
     w = self.weight if weight is None else weight
     bias = self.bias if not self.skip_bias_add else None
-    return strict_ops.linear(input_, w, bias), (self.bias if self.skip_bias_add else None)
+    return hf_strict.module_ops(self).linear(input_, w, bias), (self.bias if self.skip_bias_add
+                                                                 else None)
 
 
 def _row_forward(self, input_):
     bias = self.bias if not self.skip_bias_add else None
-    return strict_ops.linear(input_, self.weight, bias), (self.bias if self.skip_bias_add else None)
+    return hf_strict.module_ops(self).linear(input_, self.weight, bias), (
+        self.bias if self.skip_bias_add else None)
 
 
 def _norm_forward(self, x):
-    return strict_ops.rms_norm(x, self.weight, self.eps)
+    return hf_strict.module_ops(self).rms_norm(x, self.weight, self.eps)
 
 
 def _zero_rope_forward(self, *args, **kwargs):
@@ -162,7 +164,7 @@ def _attention_forward(self, query, key, value, attention_mask, attn_mask_type=N
         allowed = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril().expand(b, 1, sq, sk)
     else:
         allowed = ~attention_mask.bool()
-    out = strict_ops.attention(q, k, v, allowed, self.scale)
+    out = hf_strict.module_ops(self).attention(q, k, v, allowed, self.scale)
     return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
@@ -193,15 +195,13 @@ def _moe_forward(self, hidden_states, intermediate_tensors=None, padding_mask=No
     cfg = self.config
     s, b, h = hidden_states.shape
     x = hidden_states.reshape(-1, h)
-    logits = strict_ops.linear(x, self.router.weight.to(x.dtype))
-    probs = strict_ops.softmax(logits)
-    index = strict_ops.topk_indices(probs, int(cfg.moe_router_topk))
-    top = probs.gather(-1, index)
-    if not cfg.moe_router_pre_softmax:  # Hugging Face's norm_topk_prob
-        top = top / strict_ops.sequential_sum(top, -1, keepdim=True)
+    ops = hf_strict.module_ops(self)
+    # not moe_router_pre_softmax: Hugging Face's norm_topk_prob
+    _, top, index = hf_strict.route(ops, x, self.router.weight.to(x.dtype),
+                                    int(cfg.moe_router_topk), not cfg.moe_router_pre_softmax)
     ex = self.experts
-    out = hf_strict.experts_forward(x, index, top.to(logits.dtype), ex.linear_fc1.prepared(),
-                                    ex.linear_fc2.prepared(), act_hook=_experts_hook(ex))
+    out = hf_strict.experts_forward(x, index, top, ex.linear_fc1.prepared(),
+                                    ex.linear_fc2.prepared(), act_hook=_experts_hook(ex), ops=ops)
     return out.reshape(s, b, h), None
 
 
@@ -223,14 +223,17 @@ def _rope_module(model: nn.Module) -> RotaryEmbedding:
     return rope
 
 
-def enable(model: nn.Module, *, inv_freq: torch.Tensor | None = None) -> nn.Module:
+def enable(model: nn.Module, *, inv_freq: torch.Tensor | None = None, mode: str = "device",
+           kernels: Kernels | None = None) -> nn.Module:
     """Make a Megatron GPT run strict until :func:`disable`; returns it (see the module
-    docstring for what changes and what is refused).
+    docstring for what changes and what is refused). ``mode`` and ``kernels`` as in
+    :func:`libalign.models.strict.enable`: the same op set the strict sampler runs.
 
     ``inv_freq``: the sampler's RoPE inverse frequencies when they are not Megatron's fp32
     ones (a Hugging Face model whose buffers were cast to bf16 rotates by the rounded values;
     :func:`libalign.models.build_model` does so); the rotation table is built from them.
     """
+    ops = op_set(mode, kernels)
     if is_strict(model):
         return model
     check_config(model.config)
@@ -264,12 +267,15 @@ def enable(model: nn.Module, *, inv_freq: torch.Tensor | None = None) -> nn.Modu
         saved.append((m, m.__dict__.get("forward")))
         m.forward = types.MethodType(fn, m)
     model.__dict__[_STATE] = saved
+    hf_strict.set_ops(model, ops)
     return model
 
 
 def disable(model: nn.Module) -> nn.Module:
     """Undo :func:`enable`: every module's own forward comes back."""
     saved = model.__dict__.pop(_STATE, None)
+    if saved is not None:
+        hf_strict.set_ops(model, None)
     for m, before in reversed(saved or []):
         m.__dict__.pop(_ROPE, None)
         if before is None:
@@ -280,13 +286,10 @@ def disable(model: nn.Module) -> nn.Module:
 
 
 @contextmanager
-def use_strict(model: nn.Module, strict: bool = True) -> Iterator[nn.Module]:
+def use_strict(model: nn.Module, strict: bool = True, mode: str = "device",
+               kernels: Kernels | None = None) -> Iterator[nn.Module]:
     """Strict execution for the duration of a ``with`` block (``strict=False``: no change)."""
-    if not strict or is_strict(model):
+    with hf_strict.scoped(model, strict and not is_strict(model),
+                          lambda: enable(model, mode=mode, kernels=kernels),
+                          lambda: disable(model)):
         yield model
-        return
-    enable(model)
-    try:
-        yield model
-    finally:
-        disable(model)

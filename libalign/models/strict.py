@@ -50,6 +50,7 @@ attention whatever it stores. Enable strict mode before forcing routing
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 from collections.abc import Callable, Iterator
@@ -68,13 +69,17 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
 
 from libalign import gemm
 from libalign.errors import ConfigError, ShapeError, SpecError
+from libalign.gemm.inner import row_epilogue_scales
+from libalign.gemm.paths import Epilogue
 from libalign.models.paths import set_experts_impl
 from libalign.strict import ops as strict_ops
+from libalign.strict.device import DeviceOps, Kernels, PortableOps, op_set
 
 STRICT_ATTENTION = "libalign_strict"
 """The attention implementation name strict mode registers and sets on the model's config."""
 
 _STATE = "_libalign_strict"
+_OPS = "_libalign_strict_ops"  # the op set on each module strict mode rewired
 _ROPE_TABLE = "_libalign_strict_rope"
 _ROPE_CHUNK = 256
 
@@ -97,7 +102,8 @@ def strict_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
                         f"use the {STRICT_ATTENTION!r} attention implementation")
     allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
     allowed = allowed[..., :key.shape[-2]]
-    out = strict_ops.attention(query, key, value, allowed, scaling)
+    ops = module.__dict__.get(_OPS) or PortableOps()
+    out = ops.attention(query, key, value, allowed, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -109,22 +115,34 @@ def _register() -> None:
 
 # --- module forwards ---------------------------------------------------------------------------
 
+def module_ops(module: nn.Module) -> DeviceOps | PortableOps:
+    """The strict op set :func:`set_ops` gave ``module``."""
+    return module.__dict__[_OPS]
+
+
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return strict_ops.linear(x, self.weight, self.bias)
+    return module_ops(self).linear(x, self.weight, self.bias)
 
 
 def _rms_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return strict_ops.rms_norm(x, self.weight, self.variance_epsilon)
+    return module_ops(self).rms_norm(x, self.weight, self.variance_epsilon)
 
 
 def _router_forward(self: nn.Module, hidden_states: torch.Tensor):
-    h = hidden_states.reshape(-1, self.hidden_dim)
-    logits = strict_ops.linear(h, self.weight)
-    probs = strict_ops.softmax(logits)
-    index = strict_ops.topk_indices(probs, self.top_k)
+    return route(module_ops(self), hidden_states.reshape(-1, self.hidden_dim), self.weight, self.top_k,
+                 self.norm_topk_prob)
+
+
+def route(ops: DeviceOps | PortableOps, h: torch.Tensor, weight: torch.Tensor, top_k: int,
+          normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The strict router: ``linear`` logits, ``softmax``, ``topk_indices`` (ties to the lower
+    expert), the top-k renormalized left to right; ``(logits, weights, indices)``."""
+    logits = ops.linear(h, weight)
+    probs = ops.softmax(logits)
+    index = ops.topk_indices(probs, top_k)
     top = probs.gather(-1, index)
-    if self.norm_topk_prob:
-        top = top / strict_ops.sequential_sum(top, -1, keepdim=True)
+    if normalize:
+        top = top / ops.sequential_sum(top, -1, keepdim=True)
     return logits, top.to(logits.dtype), index
 
 
@@ -167,17 +185,22 @@ def check_path(path: str | gemm.ExecutionPath) -> gemm.ExecutionPath:
     return p
 
 
-def _expert_rows(a: torch.Tensor, w: gemm.ExpertWeights, counts: list[int],
-                 act_q) -> torch.Tensor:
-    """Rows sorted by expert through ``w``'s path, each expert's rows by the K-ordered product;
-    backward: the bf16 product of the unquantized operands (the straight-through estimator)."""
+def _expert_rows(a: torch.Tensor, w: gemm.ExpertWeights, counts: list[int], act_q,
+                 ops: DeviceOps | PortableOps) -> torch.Tensor:
+    """Rows sorted by expert through ``w``'s path: in device mode on a GPU one grouped
+    batch-invariant launch, else each expert's rows by the K-ordered product; backward: the
+    bf16 product of the unquantized operands (the straight-through estimator)."""
     p = w.path
     out_dtype = a.dtype if a.dtype != torch.float32 else torch.bfloat16
+    grouped = ops.mode == "device" and a.device.type != "cpu"
+    inner_dtype = torch.bfloat16 if grouped else torch.float32
     if p.quantized:
-        if act_q is None:
-            _, a_in, a_dec = gemm.quantize_activations(a, p.act_spec)
-        else:
-            a_in, a_dec = gemm.inner_values(act_q, torch.float32), gemm.row_decode_scales(act_q)
+        q = gemm.quantize_activations(a, p.act_spec)[0] if act_q is None else act_q
+        a_in = gemm.inner_values(q, inner_dtype)
+        a_dec = row_epilogue_scales(q, p) if grouped else gemm.row_decode_scales(q)
+    if grouped:
+        return _grouped_rows(ops, a, w, counts, a_in if p.quantized else None,
+                             a_dec if p.quantized else None, out_dtype)
     parts, lo = [], 0
     for e, n in enumerate(counts):
         if n == 0:
@@ -198,18 +221,52 @@ def _expert_rows(a: torch.Tensor, w: gemm.ExpertWeights, counts: list[int],
     return torch.cat(parts)
 
 
+def _grouped_rows(ops: DeviceOps, a, w: gemm.ExpertWeights, counts, a_in, a_dec, out_dtype):
+    """Device mode: all experts' rows in one grouped launch (NVFP4: bf16 inner values, the
+    path's epilogue); backward as :func:`_expert_rows`."""
+    p = w.path
+    kern = ops.kernels
+    scaled = p.quantized and p.epilogue == Epilogue.DEC_PRODUCT
+
+    def fn(_a, _w):
+        if not p.quantized:
+            return kern.grouped_matmul(_a, _w.to(_a.dtype), counts, out_dtype=out_dtype)
+        inner = w.inner.to(torch.bfloat16)
+        if scaled:
+            return kern.grouped_matmul(a_in, inner, counts, out_dtype=out_dtype, a_dec=a_dec,
+                                       w_dec=w.dec)
+        acc = kern.grouped_matmul(a_in, inner, counts, out_dtype=torch.float32)
+        parts, lo = [], 0
+        for e, n in enumerate(counts):
+            parts.append(gemm.epilogue(acc[lo:lo + n], a_dec[lo:lo + n], w.dec[e], out_dtype,
+                                       path=p))
+            lo += n
+        return torch.cat(parts) if parts else acc.to(out_dtype)
+
+    def stock(_a, _w):
+        outs = [(rows @ _w[e].to(_a.dtype).T).to(out_dtype)
+                for e, rows in enumerate(_a.split(counts))]
+        return torch.cat(outs) if outs else _a.new_zeros((0, _w.shape[1]), dtype=out_dtype)
+
+    return strict_ops.strict_forward(fn, stock, a, w.weight)
+
+
 def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                     gate_up: gemm.ExpertWeights, down: gemm.ExpertWeights, *, backend: str = "auto",
                     act_fn: Callable | None = None, observer: gemm.Observer | None = None,
-                    act_hook: gemm.ActivationHook | None = None) -> torch.Tensor:
+                    act_hook: gemm.ActivationHook | None = None,
+                    ops: DeviceOps | PortableOps | None = None) -> torch.Tensor:
     """:func:`libalign.gemm.moe_experts_forward`, batch-invariant (same arguments; ``backend``
-    and ``act_fn`` are ignored: the products are strict ones and the activation SiLU).
+    and ``act_fn`` are ignored: the products are strict ones and the activation SiLU; ``ops``
+    the strict op set, default the portable one).
 
     Rows are sorted by expert (stable) exactly as there, FC1, ``silu(gate) * up`` and FC2 run
-    per expert through :func:`libalign.strict.ops.matmul_f32`, each row is weighted by its
-    router weight, and each token's ``k`` expert outputs are added in fp32 in its top-k order
-    (slot 0 first), then rounded once to the hidden dtype.
+    through the mode's products (portable: per expert :func:`libalign.strict.ops.matmul_f32`;
+    device: one grouped tensor-core launch), each row is weighted by its router weight, and
+    each token's ``k`` expert outputs are added in fp32 in its top-k order (slot 0 first), then
+    rounded once to the hidden dtype.
     """
+    ops = PortableOps() if ops is None else ops
     if hidden.ndim != 2 or top_k_index.shape != top_k_weights.shape \
             or top_k_index.shape[0] != hidden.shape[0]:
         raise ShapeError(f"hidden {tuple(hidden.shape)}, routing {tuple(top_k_index.shape)} / "
@@ -227,12 +284,12 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     if hook is not None:
         tokens = torch.arange(t, device=hidden.device)
         q1 = gemm.take_rows(hook("fc1", hidden, gate_up.path.act_spec, tokens, None), token_of)
-    h = _expert_rows(x, gate_up, counts, q1)
+    h = _expert_rows(x, gate_up, counts, q1, ops)
     gate, up = h.chunk(2, dim=-1)
-    act = strict_ops.silu(gate) * up
+    act = ops.silu(gate) * up
     if hook is not None:
         q2 = hook("fc2", act, down.path.act_spec, token_of, flat[order])
-    y = _expert_rows(act, down, counts, q2)
+    y = _expert_rows(act, down, counts, q2, ops)
     if observer is not None:
         for name, value in (("routing", top_k_index), ("order", order), ("fc1_in", x),
                             ("fc1_out", h), ("fc2_in", act), ("fc2_out", y)):
@@ -241,7 +298,7 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     slot_of = torch.empty_like(order)
     slot_of[order] = torch.arange(order.numel(), device=order.device)
     per_token = y[slot_of].reshape(t, k, -1).float()
-    return strict_ops.sequential_sum(per_token, 1).to(hidden.dtype)
+    return ops.sequential_sum(per_token, 1).to(hidden.dtype)
 
 
 # --- turning it on and off ---------------------------------------------------------------------
@@ -256,14 +313,41 @@ def _swap(saved: list, module: nn.Module, fn: Callable) -> None:
     module.forward = types.MethodType(fn, module)
 
 
-def enable(model: nn.Module) -> nn.Module:
+def set_ops(model: nn.Module, ops: DeviceOps | PortableOps | None) -> None:
+    """Give every module of ``model`` the strict op set its rewired forwards call (None: take
+    it away)."""
+    for module in model.modules():
+        if ops is None:
+            module.__dict__.pop(_OPS, None)
+        else:
+            module.__dict__[_OPS] = ops
+
+
+def ops_of(model: nn.Module) -> DeviceOps | PortableOps:
+    """The op set :func:`enable` gave ``model`` (:class:`~libalign.errors.ConfigError` when it
+    is not strict)."""
+    ops = model.__dict__.get(_OPS)
+    if ops is None:
+        raise ConfigError("the model is not in strict mode")
+    return ops
+
+
+def enable(model: nn.Module, mode: str = "device", kernels: Kernels | None = None) -> nn.Module:
     """Make ``model`` (a Qwen3-MoE causal LM) run strict until :func:`disable`; returns it.
 
+    ``mode`` (:data:`~libalign.strict.device.MODES`): ``device``, batch-invariant tensor-core
+    kernels on a GPU (``kernels``: another set of them, such as SGLang's) and the portable ops
+    on a CPU; ``portable``, the element-wise ops everywhere, the same bits on CPU and GPU.
     Refuses (:class:`~libalign.errors.ConfigError`) a model whose activation is not SiLU or whose
-    rotary embedding changes with the sequence length. Experts on a path without a strict form
-    (:func:`check_path`) raise :class:`~libalign.errors.SpecError` when they run.
+    rotary embedding changes with the sequence length, an unknown mode, or a model already
+    strict in another mode. Experts on a path without a strict form (:func:`check_path`) raise
+    :class:`~libalign.errors.SpecError` when they run.
     """
+    ops = op_set(mode, kernels)
     if is_strict(model):
+        have = ops_of(model)
+        if have.mode != mode or (kernels is not None and have.kernels is not kernels):
+            raise ConfigError(f"the model is strict in {have.mode} mode already; disable it first")
         return model
     conf = model.config
     if getattr(conf, "hidden_act", "silu") != "silu":
@@ -288,10 +372,11 @@ def enable(model: nn.Module) -> nn.Module:
             _swap(forwards, module, _rotary_forward)
         elif isinstance(module, Qwen3MoeMLP):
             acts.append((module, module.act_fn))
-            module.act_fn = strict_ops.silu
+            module.act_fn = ops.silu
     model.__dict__[_STATE] = (conf._attn_implementation, forwards, acts)
     conf._attn_implementation = STRICT_ATTENTION
-    set_experts_impl(model, experts_forward)
+    set_ops(model, ops)
+    set_experts_impl(model, functools.partial(experts_forward, ops=ops))
     return model
 
 
@@ -309,26 +394,39 @@ def disable(model: nn.Module) -> nn.Module:
     for module, act in acts:
         module.act_fn = act
     model.config._attn_implementation = attn
+    set_ops(model, None)
     set_experts_impl(model, None)
     return model
 
 
 @contextmanager
-def use_strict(model: nn.Module, strict: bool = True) -> Iterator[nn.Module]:
-    """Strict execution for the duration of a ``with`` block (``strict=False``: no change)."""
-    if not strict or is_strict(model):
+def use_strict(model: nn.Module, strict: bool = True, mode: str = "device",
+               kernels: Kernels | None = None) -> Iterator[nn.Module]:
+    """Strict execution (:func:`enable`'s ``mode`` and ``kernels``) for the duration of a
+    ``with`` block (``strict=False``: no change)."""
+    with scoped(model, strict and not is_strict(model), lambda: enable(model, mode, kernels),
+                lambda: disable(model)):
+        yield model
+
+
+@contextmanager
+def scoped(model: nn.Module, on: bool, turn_on: Callable[[], object],
+           turn_off: Callable[[], object]) -> Iterator[nn.Module]:
+    """``turn_on()`` before the block and ``turn_off()`` after it, even on an exception, when
+    ``on``; else the block alone (the shape of every ``use_strict``)."""
+    if not on:
         yield model
         return
-    enable(model)
+    turn_on()
     try:
         yield model
     finally:
-        disable(model)
+        turn_off()
 
 
 def log_softmax_for(model: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """The log-softmax over the vocabulary that ``model``'s log-probs use: strict in strict mode,
     else ``torch.log_softmax`` (fp32 input either way)."""
     if is_strict(model):
-        return strict_ops.log_softmax
+        return ops_of(model).log_softmax
     return lambda x: torch.log_softmax(x, dim=-1)

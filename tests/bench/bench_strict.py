@@ -1,4 +1,4 @@
-"""The price of strictness (issue 20): strict execution against the normal kernels, same run.
+"""The price of strictness: strict execution against the normal kernels, same run.
 
 Two tables, each with its baseline measured in the same run:
 
@@ -13,14 +13,14 @@ Two tables, each with its baseline measured in the same run:
   prefill batch, and whether a row's bits are the same computed alone and inside the batch
   (``invariant``: strict always; the stock kernel as measured here).
 
-On a CUDA device the engine table also runs there and the run checks that strict decode equals
-strict scoring bitwise on the device, and compares the device's strict log-probs with the
-CPU's. Each strict op gives the CPU's bits on the device (tests/libalign/test_strict_gpu.py),
-yet on the H200 (2026-12-04) the trained model's strict log-probs differed from the CPU's by up
-to 3.6e-4 (bf16) and 1.6e-3 (nvfp4_minite): where they part is not found yet. Strict mode
-promises sampler == learner on one device, which held on every token.
+``--mode`` picks the strict mode the tables time (:mod:`libalign.strict.device`): ``device``
+(the default: batch-invariant tensor-core kernels on a GPU, the portable ops on a CPU) or
+``portable``. On a CUDA device a third table times one Qwen3-30B-A3B-shaped decoder layer
+forward (4 x 512 tokens), normal against strict, and the run checks that strict decode equals
+strict scoring bitwise on the device in both modes, and compares the device's portable-mode
+log-probs with the CPU's; where they differ it names the first module whose output differs.
 
-Run: ``python -m tests.bench strict [-- --device cuda] [-- --quick]``.
+Run: ``python -m tests.bench strict [-- --device cuda] [-- --mode portable] [-- --quick]``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import torch
 from libalign import models
 from libalign.models import strict
 from libalign.strict import ops as strict_ops
+from libalign.strict.device import op_set
 
 from .measure import seconds
 
@@ -44,7 +45,8 @@ PATHS = ("bf16", "nvfp4_minite")
 class _Side:
     """One mode's sampler and learner on copies of the model, and the batch it trains on."""
 
-    def __init__(self, model, task, path: str, device: torch.device, strict_mode: bool):
+    def __init__(self, model, task, path: str, device: torch.device, strict_mode: bool,
+                 mode: str = "device"):
         from alignd.learner.engine import TorchLearnerEngine, TrainBatch
 
         self.task, self.path, self.strict = task, path, strict_mode
@@ -52,9 +54,11 @@ class _Side:
         self.sampler = models.build_model(model.config, seed=0).to(device)
         self.sampler.load_state_dict(model.state_dict())
         if strict_mode:
-            strict.enable(self.sampler)
+            strict.enable(self.sampler, mode)
         learner_model = models.build_model(model.config, seed=0).to(device)
         learner_model.load_state_dict(model.state_dict())
+        if strict_mode:
+            strict.enable(learner_model, mode)
         self.learner = TorchLearnerEngine(learner_model, path, pad_id=task.pad_id,
                                           strict=strict_mode, use_tis=not strict_mode)
         self.r = self.rollout()
@@ -79,13 +83,13 @@ class _Side:
                 "train": lambda: self.learner.train_step(self.batch)}
 
 
-def engine_table(device: torch.device, repeat: int) -> list[dict]:
+def engine_table(device: torch.device, repeat: int, mode: str = "device") -> list[dict]:
     """Normal and strict timed in alternation (each repeat times one, then the other), so both
     see the same load; the ratio column is the median of the per-repeat ratios."""
     model, task = models.trained_tiny_model()
     rows = []
     for path in PATHS:
-        sides = {m: _Side(model, task, path, device, m) for m in (False, True)}
+        sides = {m: _Side(model, task, path, device, m, mode) for m in (False, True)}
         times: dict[tuple[bool, str], list[float]] = {}
         for _ in range(repeat):
             for stage in ("rollout", "score", "train"):
@@ -97,8 +101,9 @@ def engine_table(device: torch.device, repeat: int) -> list[dict]:
                                                         ("rollout", "score", "train")), strict=True)]
         rows.append({"path": path, "times": times,
                      "delta": {m: side.max_abs_delta for m, side in sides.items()}})
-    print(f"\nengine step on {device} (trained tiny model, 64 rollouts: 8 prompts x 8 samples; "
-          f"{repeat} alternating repeats); baseline: the normal mode in this run")
+    print(f"\nengine step on {device}, strict mode {mode} (trained tiny model, 64 rollouts: "
+          f"8 prompts x 8 samples; {repeat} alternating repeats); baseline: the normal mode in "
+          "this run")
     print(f"{'path':14} {'stage':8} {'normal s':>10} {'strict s':>10} {'strict/normal':>14}")
     for row in rows:
         t = row["times"]
@@ -118,7 +123,8 @@ def _invariant(fn, x: torch.Tensor, rows: int = 1) -> bool:
     return bool(torch.equal(full[:rows], fn(x[:rows].clone())))
 
 
-def op_table(device: torch.device, repeat: int, quick: bool) -> list[dict]:
+def op_table(device: torch.device, repeat: int, quick: bool, mode: str = "device") -> list[dict]:
+    ops = op_set(mode)
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def rnd(*shape, scale=1.0):
@@ -142,32 +148,40 @@ def op_table(device: torch.device, repeat: int, quick: bool) -> list[dict]:
     for m in batches:
         x = rnd(m, h)
         add(f"linear {h}x{h}", m, lambda a: torch.nn.functional.linear(a, w),
-            lambda a: strict_ops.linear(a, w), x)
+            lambda a: ops.linear(a, w), x)
         add(f"expert GEMM {w_exp.shape[0]}x{h}", m,
-            lambda a: torch.nn.functional.linear(a, w_exp),
-            lambda a: strict_ops.matmul_f32(a, w_exp).bfloat16(), x)
-        add(f"rms_norm {h}", m, lambda a: _rms(a, norm_w), lambda a: strict_ops.rms_norm(
+            lambda a: torch.nn.functional.linear(a, w_exp), lambda a: _expert(ops, a, w_exp), x)
+        add(f"rms_norm {h}", m, lambda a: _rms(a, norm_w), lambda a: ops.rms_norm(
             a, norm_w, 1e-6), x)
         logits = rnd(m, 128)
-        add("router softmax 128", m, lambda a: torch.softmax(a.float(), -1), strict_ops.softmax,
+        add("router softmax 128", m, lambda a: torch.softmax(a.float(), -1), ops.softmax,
             logits)
         add("top-8 of 128", m, lambda a: torch.topk(a.float(), 8, -1).indices,
-            lambda a: strict_ops.topk_indices(a.float(), 8), logits)
+            lambda a: ops.topk_indices(a.float(), 8), logits)
         if m <= 64 or not quick:
             add(f"LM head {vocab}x{h}", m, lambda a: torch.nn.functional.linear(a, w_head),
-                lambda a: strict_ops.linear(a, w_head), x)
+                lambda a: ops.linear(a, w_head), x)
         lv = rnd(m, vocab, scale=3.0)
         add(f"log_softmax {vocab}", m, lambda a: torch.log_softmax(a.float(), -1),
-            strict_ops.log_softmax, lv)
+            ops.log_softmax, lv)
     t = 256 if quick else 1024
     q, k, v = rnd(8, 32, 1, 128), rnd(8, 4, t, 128), rnd(8, 4, t, 128)
     allowed = torch.ones(8, 1, 1, t, dtype=torch.bool, device=device)
     add(f"decode attention 32/4x128, {t} keys", 8,
         lambda q_: torch.nn.functional.scaled_dot_product_attention(
             q_, k[:len(q_)], v[:len(q_)], enable_gqa=True),
-        lambda q_: strict_ops.attention(q_, k[:len(q_)], v[:len(q_)], allowed[:len(q_)],
-                                        128 ** -0.5), q)
-    print(f"\nops on {device} at {'reduced' if quick else 'miniTE'} shapes (median of {repeat}); "
+        lambda q_: ops.attention(q_, k[:len(q_)], v[:len(q_)], allowed[:len(q_)], 128 ** -0.5), q)
+    if not quick:
+        tp = 512
+        qp, kp, vp = rnd(4, 32, tp, 128), rnd(4, 4, tp, 128), rnd(4, 4, tp, 128)
+        causal = torch.ones(tp, tp, dtype=torch.bool, device=device).tril().expand(4, 1, tp, tp)
+        add(f"prefill attention 32/4x128, {tp} tokens", 4,
+            lambda q_: torch.nn.functional.scaled_dot_product_attention(
+                q_, kp[:len(q_)], vp[:len(q_)], is_causal=True, enable_gqa=True),
+            lambda q_: ops.attention(q_, kp[:len(q_)], vp[:len(q_)], causal[:len(q_)],
+                                     128 ** -0.5), qp)
+    print(f"\nops on {device}, strict mode {mode}, at {'reduced' if quick else 'miniTE'} shapes "
+          f"(median of {repeat}); "
           "baseline: the stock kernel in this run; invariant: row 0 alone == row 0 in the batch")
     print(f"{'op':36} {'rows':>5} {'normal ms':>10} {'strict ms':>10} {'strict/normal':>14} "
           f"{'normal inv.':>11} {'strict inv.':>11}")
@@ -178,35 +192,107 @@ def op_table(device: torch.device, repeat: int, quick: bool) -> list[dict]:
     return rows
 
 
+def _expert(ops, a, w):
+    """One expert's rows through the mode's expert product."""
+    if ops.mode == "device" and a.is_cuda:
+        return ops.kernels.grouped_matmul(a, w.unsqueeze(0), [a.shape[0]], out_dtype=a.dtype)
+    return strict_ops.matmul_f32(a, w).to(a.dtype)
+
+
 def _rms(x, w):
     xf = x.float()
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
 
+# --- one Qwen3-30B-A3B-shaped layer ------------------------------------------------------------
+
+def layer_table(device: torch.device, repeat: int, mode: str) -> dict:
+    """One decoder layer at Qwen3-30B-A3B's shapes (embedding, layer, final norm; 4 x 512
+    tokens, bf16 and nvfp4_minite experts): normal (sdpa attention, libalign's grouped experts)
+    against strict, timed in alternation."""
+    cfg = models.qwen3_30b_a3b_shaped_config(num_layers=1, vocab_size=4096)
+    model = models.build_model(cfg, seed=0, device=device)
+    ids = torch.randint(0, 4096, (4, 512), generator=torch.Generator().manual_seed(0)).to(device)
+    rows = {}
+    for path in PATHS:
+        models.set_path(model, path)
+        t = {False: [], True: []}
+        with torch.no_grad():
+            for _ in range(repeat + 1):
+                for m in (False, True):
+                    with strict.use_strict(model, m, mode):
+                        t[m].append(seconds(lambda: model.model(input_ids=ids), 1, device,
+                                            warm=False))
+        rows[path] = {m: statistics.median(v[1:]) for m, v in t.items()}
+    models.reset_paths(model)
+    print(f"\none Qwen3-30B-A3B-shaped layer forward on {device}, strict mode {mode} (4 x 512 "
+          f"tokens; median of {repeat}); baseline: the normal forward in this run")
+    print(f"{'path':14} {'normal ms':>10} {'strict ms':>10} {'strict/normal':>14}")
+    for path, r in rows.items():
+        print(f"{path:14} {r[False] * 1e3:10.2f} {r[True] * 1e3:10.2f} {r[True] / r[False]:14.2f}")
+    return rows
+
+
 # --- the device checks -------------------------------------------------------------------------
 
+def first_difference(a_model, b_model, sequences, prompt_lens, path: str, pad_id: int) -> str:
+    """Score one batch on two models (strict, any devices) and name the first module, in call
+    order, whose output differs between them, with the largest difference there."""
+    seen: dict[str, list] = {"a": [], "b": []}
+
+    def hooks(model, key):
+        def grab(name):
+            def fn(_mod, _inp, out):
+                x = out[0] if isinstance(out, tuple) else out
+                if isinstance(x, torch.Tensor):
+                    seen[key].append((name, x.detach().float().cpu()))
+            return fn
+        return [m.register_forward_hook(grab(n)) for n, m in model.named_modules() if n]
+
+    handles = hooks(a_model, "a") + hooks(b_model, "b")
+    try:
+        for model in (a_model, b_model):
+            models.score_sequences(model, sequences[:4], prompt_lens[:4], path, batch_size=4,
+                                   pad_id=pad_id)
+    finally:
+        for h in handles:
+            h.remove()
+    for (name, x), (_, y) in zip(seen["a"], seen["b"], strict=False):
+        if x.shape == y.shape and not torch.equal(x.nan_to_num(), y.nan_to_num()):
+            return f"{name} (max |Δ| {float((x - y).abs().nan_to_num().max()):.3g})"
+    return "no module output differs"
+
+
 def device_checks(device: torch.device) -> bool:
-    """Strict decode == strict scoring on ``device``; the device's strict log-probs vs the CPU's."""
+    """Strict decode == strict scoring on ``device`` in both modes; the device's portable-mode
+    log-probs vs the CPU's, and where they first differ."""
     model, task = models.trained_tiny_model()
     ok = True
     prompts = task.prompts(16, seed=5)
-    for path in PATHS:
-        dev_model = models.build_model(model.config, seed=0).to(device)
-        dev_model.load_state_dict(model.state_dict())
-        with strict.use_strict(dev_model), strict.use_strict(model):
-            r = models.generate(dev_model, prompts, path, max_new_tokens=task.max_completion_len,
-                                temperature=1.0, seed=1, batch_size=5, eos_id=task.eos_id,
-                                pad_id=task.pad_id)
-            lp = models.score_sequences(dev_model, r.sequences, r.prompt_lens, path, batch_size=16,
-                                        pad_id=task.pad_id)
-            cpu = models.score_sequences(model, r.sequences, r.prompt_lens, path, batch_size=16,
-                                         pad_id=task.pad_id)
-        same = all(torch.equal(a, b) for a, b in zip(lp, r.logprobs, strict=True))
-        cpu_same = all(torch.equal(a, b) for a, b in zip(lp, cpu, strict=True))
-        cpu_diff = max(float((a - b).abs().max()) for a, b in zip(lp, cpu, strict=True))
-        ok = ok and same
-        print(f"{device} {path}: strict decode == strict scoring on every token: {same}; "
-              f"{device} == cpu strict: {cpu_same} (max |Δ| {cpu_diff:.3g})")
+    for mode in ("device", "portable"):
+        for path in PATHS:
+            dev_model = models.build_model(model.config, seed=0).to(device)
+            dev_model.load_state_dict(model.state_dict())
+            with strict.use_strict(dev_model, mode=mode), strict.use_strict(model, mode=mode):
+                r = models.generate(dev_model, prompts, path,
+                                    max_new_tokens=task.max_completion_len, temperature=1.0,
+                                    seed=1, batch_size=5, eos_id=task.eos_id, pad_id=task.pad_id)
+                lp = models.score_sequences(dev_model, r.sequences, r.prompt_lens, path,
+                                            batch_size=16, pad_id=task.pad_id)
+                same = all(torch.equal(a, b) for a, b in zip(lp, r.logprobs, strict=True))
+                line = (f"{device} {mode} {path}: strict decode == strict scoring on every "
+                        f"token: {same}")
+                if mode == "portable":
+                    cpu = models.score_sequences(model, r.sequences, r.prompt_lens, path,
+                                                 batch_size=16, pad_id=task.pad_id)
+                    cpu_same = all(torch.equal(a, b) for a, b in zip(lp, cpu, strict=True))
+                    diff = max(float((a - b).abs().max()) for a, b in zip(lp, cpu, strict=True))
+                    line += f"; {device} == cpu: {cpu_same} (max |Δ| {diff:.3g})"
+                    if not cpu_same:
+                        line += "; first differing module: " + first_difference(
+                            dev_model, model, r.sequences, r.prompt_lens, path, task.pad_id)
+            ok = ok and same
+            print(line)
     return ok
 
 
@@ -216,6 +302,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="reduced op shapes")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--mode", default="device", choices=("device", "portable"),
+                    help="the strict mode the tables time")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU intra-op threads (default: PyTorch's, as the demo runs)")
     args = ap.parse_args(argv)
@@ -226,7 +314,9 @@ def main(argv: list[str]) -> int:
         if device.type == "cuda":
             ok = device_checks(device)
         if not args.skip_engine:
-            engine_table(device, args.repeat)
+            engine_table(device, args.repeat, args.mode)
+        if device.type == "cuda" and not args.quick:
+            layer_table(device, args.repeat, args.mode)
     with models.cpu_threads(1 if device.type == "cpu" else None):  # small ops: one thread
-        op_table(device, args.repeat, args.quick or device.type == "cpu")
+        op_table(device, args.repeat, args.quick or device.type == "cpu", args.mode)
     return 0 if ok else 1

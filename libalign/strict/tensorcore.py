@@ -1,0 +1,394 @@
+"""Batch-invariant tensor-core kernels: strict execution at the price of a deterministic engine.
+
+A row comes out of a GPU kernel with different bits in a batch of 8 and a batch of 512 for
+one reason only: the kernel chose another *schedule* for the bigger call (a split over K
+whose partial sums are added at the end, a reduction spread over more threads, another tile
+shape and with it another instruction). The arithmetic of one tile is fixed by the hardware
+and the compiler: a tensor-core ``mma`` adds its products into the accumulator the same way
+whichever row of the tile an input sits in. So a kernel whose schedule never depends on the
+number of rows is batch-invariant while running at tensor-core speed. Every kernel here follows
+that rule (as Thinking Machines' and SGLang's batch-invariant operations do):
+
+* :func:`matmul` and :func:`grouped_matmul`: one tile configuration per dtype (128 x 128 output
+  tiles, K in steps of 64, the same warps and pipeline depth) for every M; a program owns an
+  output tile and walks all of K in order into one fp32 accumulator, nothing is split over K;
+  bias, then the optional NVFP4 epilogue ``acc * (a_dec[m] * w_dec[n])``, then one rounding to
+  the output dtype. The grouped form runs the rows of many experts in one launch (a tile never
+  straddles two experts), each tile computed exactly as the plain form computes it.
+* :func:`mean_last` (the mean of RMSNorm) and :func:`log_softmax`: one program per row, the row
+  read in chunks of 1024 in order, each chunk reduced by the same in-register tree, the chunk
+  results added left to right.
+* :func:`attention`: one program per (sequence, head, block of 64 queries) walks the keys in
+  blocks of 64 with an online softmax, the blocks counted from the sequence's **first visible
+  key**, not from slot 0. A prompt left-padded in a sampler's KV cache and the same prompt
+  right-padded in a learner's batch therefore meet the same keys in the same blocks; blocks a
+  query cannot see change nothing (``m`` stays, ``alpha = 1``, ``p = 0``).
+
+The tile shapes, the chunk widths and the reduction shapes are those of SGLang's
+``batch_invariant_ops`` (its Triton persistent matmul, ``log_softmax`` and ``mean_dim``), so a
+sampler running SGLang's deterministic inference on the Triton matmul computes the same bits
+as these kernels (checked on a GPU against SGLang's own functions). They are not the bits of
+the portable element-wise ops (:mod:`libalign.strict.ops`): tensor cores add in their own
+order, and ``exp``/``log`` are the GPU's. What they share with those is the guarantee: row ``i``
+gives the same bits alone, in a batch of 512, in a prefill or in a decode step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from libalign.errors import ConfigError, DTypeError, ShapeError
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
+    triton = None
+
+__all__ = [
+    "CONFIGS",
+    "attention",
+    "available",
+    "group_tiles",
+    "grouped_matmul",
+    "log_softmax",
+    "matmul",
+    "mean_last",
+    "require",
+]
+
+#: One tile configuration per operand dtype, whatever the shape: (BLOCK_M, BLOCK_N, BLOCK_K,
+#: warps, stages). fp32 operands multiply in IEEE fp32 (no TF32).
+CONFIGS = {
+    torch.bfloat16: (128, 128, 64, 8, 3),
+    torch.float16: (128, 256, 64, 8, 3),
+    torch.float32: (128, 128, 32, 8, 3),
+}
+_CHUNK = 1024          # row chunk of the row reductions
+_ATT_BLOCK = 64        # queries per program and keys per step in attention
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether these kernels serve ``x``: a CUDA tensor with Triton present."""
+    return triton is not None and x.is_cuda
+
+
+def require(op: str, x: torch.Tensor) -> None:
+    """:class:`~libalign.errors.ConfigError` naming ``op`` unless the kernels serve ``x``."""
+    if not x.is_cuda:
+        raise ConfigError(f"strict {op}: the tensor-core kernels run on CUDA tensors, got "
+                          f"{x.device.type}")
+    if triton is None:
+        raise ConfigError(f"strict {op}: the batch-invariant kernels need Triton, which this torch "
+                          "build lacks; strict device mode has no non-invariant fallback")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, adec_ptr, wdec_ptr,
+                       tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
+                       M, N, K, s_am, s_ak, s_be, s_bk, s_bn, s_cm, s_cn, s_de,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
+                       IEEE: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        if GROUPED:
+            e = tl.load(tile_e_ptr + pid_m).to(tl.int64)
+            start_m = tl.load(tile_lo_ptr + pid_m)
+            end_m = tl.load(tile_hi_ptr + pid_m)
+        else:
+            e = 0
+            start_m = pid_m * BLOCK_M
+            end_m = M
+        offs_am = start_m + tl.arange(0, BLOCK_M)
+        offs_bn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # rows and columns past the end read row / column 0 (their results are never stored)
+        offs_am = tl.where(offs_am < end_m, offs_am, 0).to(tl.int64)
+        offs_bn = tl.where(offs_bn < N, offs_bn, 0).to(tl.int64)
+        offs_kk = tl.arange(0, BLOCK_K)
+        b_base = b_ptr + e * s_be
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(tl.cdiv(K, BLOCK_K)):
+            offs_k = ki * BLOCK_K + offs_kk
+            a = tl.load(a_ptr + offs_am[:, None] * s_am + offs_k[None, :] * s_ak,
+                        mask=offs_kk[None, :] < K - ki * BLOCK_K, other=0.0)
+            b = tl.load(b_base + offs_k[:, None] * s_bk + offs_bn[None, :] * s_bn,
+                        mask=offs_kk[:, None] < K - ki * BLOCK_K, other=0.0)
+            if IEEE:  # noqa: SIM108 - a constexpr branch, compiled once per kernel variant
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        offs_cm = start_m + tl.arange(0, BLOCK_M)
+        offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = offs_cm < end_m
+        n_ok = offs_cn < N
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_cn, mask=n_ok, other=0.0).to(tl.float32)
+        if SCALED:
+            ad = tl.load(adec_ptr + offs_cm, mask=m_ok, other=0.0)
+            wd = tl.load(wdec_ptr + e * s_de + offs_cn, mask=n_ok, other=0.0)
+            acc = acc * (ad[:, None] * wd[None, :])
+        c = c_ptr + offs_cm.to(tl.int64)[:, None] * s_cm + offs_cn.to(tl.int64)[None, :] * s_cn
+        tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _mean_kernel(x_ptr, out_ptr, s_xm, N, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        acc = 0.0
+        for start in range(0, N, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            vals = tl.load(x_ptr + row * s_xm + offs, mask=offs < N, other=0.0)
+            acc += tl.sum(vals)
+        tl.store(out_ptr + row, acc / N)
+
+    @triton.jit
+    def _log_softmax_kernel(x_ptr, out_ptr, s_xm: tl.constexpr, s_om: tl.constexpr,
+                            N: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * s_xm
+        o_row = out_ptr + row * s_om
+        offs0 = tl.arange(0, BLOCK)
+        top = tl.max(tl.load(x_row + offs0, mask=offs0 < N, other=-float("inf")))
+        for start in range(BLOCK, N, BLOCK):
+            offs = start + offs0
+            vals = tl.load(x_row + offs, mask=offs < N, other=-float("inf"))
+            top = tl.max(tl.maximum(vals, top))
+        total = tl.sum(tl.zeros([1], dtype=top.dtype))
+        for start in range(0, N, BLOCK):
+            offs = start + offs0
+            ok = offs < N
+            vals = tl.load(x_row + offs, mask=ok, other=0.0)
+            total += tl.sum(tl.where(ok, tl.exp(vals - top), 0.0))
+        lse = tl.log(total)
+        for start in range(0, N, BLOCK):
+            offs = start + offs0
+            ok = offs < N
+            vals = tl.load(x_row + offs, mask=ok)
+            tl.store(o_row + offs, vals - top - lse, mask=ok)
+
+    @triton.jit
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, base_ptr, hi_ptr,
+                          Tq, Tk, HQ, REP, scaling,
+                          s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt,
+                          s_ob, s_oh, s_ot, s_mb, s_mh, s_mq,
+                          D: tl.constexpr, BLOCK: tl.constexpr):
+        pid_q = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = (bh // HQ).to(tl.int64)
+        h = bh % HQ
+        hk = (h // REP).to(tl.int64)
+        h = h.to(tl.int64)
+        offs_q = pid_q * BLOCK + tl.arange(0, BLOCK)
+        q_ok = offs_q < Tq
+        offs_d = tl.arange(0, D)
+        q = tl.load(q_ptr + b * s_qb + h * s_qh + offs_q.to(tl.int64)[:, None] * s_qt
+                    + offs_d[None, :], mask=q_ok[:, None], other=0.0)
+        base = tl.load(base_ptr + b)
+        his = tl.load(hi_ptr + b * Tq + offs_q, mask=q_ok, other=0)
+        stop = tl.max(his)
+        m_i = tl.full((BLOCK,), -float("inf"), tl.float32)
+        l_i = tl.zeros((BLOCK,), tl.float32)
+        acc = tl.zeros((BLOCK, D), tl.float32)
+        mrow = mask_ptr + b * s_mb + h * s_mh + offs_q.to(tl.int64)[:, None] * s_mq
+        for start in range(base, stop, BLOCK):
+            offs_k = start + tl.arange(0, BLOCK)
+            k_ok = offs_k < Tk
+            kk = tl.load(k_ptr + b * s_kb + hk * s_kh + offs_k.to(tl.int64)[:, None] * s_kt
+                         + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(kk)) * scaling
+            seen = tl.load(mrow + offs_k[None, :], mask=q_ok[:, None] & k_ok[None, :], other=0)
+            s = tl.where(seen != 0, s, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - shift)
+            p = tl.exp(s - shift[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vv = tl.load(v_ptr + b * s_vb + hk * s_vh + offs_k.to(tl.int64)[:, None] * s_vt
+                         + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
+            m_i = m_new
+        out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        tl.store(o_ptr + b * s_ob + h * s_oh + offs_q.to(tl.int64)[:, None] * s_ot
+                 + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_ok[:, None])
+
+
+def _config(dtype: torch.dtype, op: str) -> tuple[int, int, int, int, int]:
+    cfg = CONFIGS.get(dtype)
+    if cfg is None:
+        raise DTypeError(f"strict {op}: the tensor-core kernels take bf16, fp16 or fp32 operands, "
+                         f"got {dtype}")
+    return cfg
+
+
+def _launch_matmul(a, w, out, *, bias=None, a_dec=None, w_dec=None, tiles=None) -> None:
+    bm, bn, bk, warps, stages = _config(a.dtype, "matmul")
+    grouped = tiles is not None
+    m, k = a.shape
+    n = out.shape[1]
+    w3 = w if w.ndim == 3 else w.unsqueeze(0)
+    dummy = out
+    te, tlo, thi = tiles if grouped else (dummy, dummy, dummy)
+    n_mtiles = te.shape[0] if grouped else triton.cdiv(m, bm)
+    if n_mtiles == 0 or n == 0:
+        return
+    wdec = w_dec if w_dec is not None else dummy
+    with torch.cuda.device(a.device):
+        _matmul_kernel[(n_mtiles, triton.cdiv(n, bn))](
+            a, w3, out, bias if bias is not None else dummy,
+            a_dec if a_dec is not None else dummy, wdec, te, tlo, thi,
+            m, n, k, a.stride(0), a.stride(1), w3.stride(0), w3.stride(2), w3.stride(1),
+            out.stride(0), out.stride(1), wdec.stride(0) if w_dec is not None and wdec.ndim == 2
+            else 0,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUPED=grouped, HAS_BIAS=bias is not None,
+            SCALED=a_dec is not None, IEEE=a.dtype == torch.float32,
+            num_warps=warps, num_stages=stages)
+
+
+def _check_operands(op: str, a: torch.Tensor, w: torch.Tensor, w_rank: int) -> None:
+    require(op, a)
+    if a.ndim != 2 or w.ndim != w_rank or a.shape[1] != w.shape[-1]:
+        want = "[N, K]" if w_rank == 2 else "[E, N, K]"
+        raise ShapeError(f"strict {op} needs a [M, K] and w {want}, got {tuple(a.shape)} and "
+                         f"{tuple(w.shape)}")
+    if a.dtype != w.dtype:
+        raise DTypeError(f"strict {op}: a is {a.dtype}, w is {w.dtype}; the tile products need one "
+                         "operand dtype")
+    if a.device != w.device:
+        raise ShapeError(f"strict {op}: a on {a.device}, w on {w.device}")
+
+
+def matmul(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``a @ w.T (+ bias)``: ``a`` ``[M, K]``, ``w`` ``[N, K]`` (any strides), fp32 accumulation,
+    one rounding to ``out_dtype`` (default ``a``'s); row ``i`` the same bits for every ``M``."""
+    _check_operands("matmul", a, w, 2)
+    out = torch.empty((a.shape[0], w.shape[0]), dtype=out_dtype or a.dtype, device=a.device)
+    if a.shape[1] == 0:
+        out.zero_()
+        if bias is not None:
+            out += bias.float().to(out.dtype)
+        return out
+    _launch_matmul(a, w, out, bias=bias)
+    return out
+
+
+def group_tiles(counts: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The grouped launch's row tiles from per-expert row counts (rows sorted by expert):
+    ``(expert, first row, end row)`` per tile, int32 on ``device``; a tile never holds two
+    experts' rows."""
+    bm = CONFIGS[torch.bfloat16][0]
+    es, los, his = [], [], []
+    lo = 0
+    for e, n in enumerate(counts):
+        for start in range(lo, lo + n, bm):
+            es.append(e)
+            los.append(start)
+            his.append(lo + n)
+        lo += n
+    t = torch.tensor([es, los, his], dtype=torch.int32).to(device, non_blocking=True)
+    return t[0], t[1], t[2]
+
+
+def grouped_matmul(a: torch.Tensor, w: torch.Tensor, counts: list[int], *,
+                   out_dtype: torch.dtype, a_dec: torch.Tensor | None = None,
+                   w_dec: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of ``a`` ``[M, K]`` sorted by expert (``counts[e]`` rows of expert ``e``) times their
+    expert's ``w[e]`` ``[N, K]`` (``w`` ``[E, N, K]``), in one launch; each row's bits those of
+    :func:`matmul` of that row alone. With ``a_dec`` ``[M]`` and ``w_dec`` ``[E, N]`` (fp32) the
+    NVFP4 epilogue ``acc * (a_dec[m] * w_dec[e, n])`` runs before the rounding."""
+    _check_operands("grouped_matmul", a, w, 3)
+    if sum(counts) != a.shape[0] or len(counts) > w.shape[0]:
+        raise ShapeError(f"strict grouped_matmul: counts add to {sum(counts)} over {len(counts)} "
+                         f"experts, a has {a.shape[0]} rows, w {w.shape[0]} experts")
+    if (a_dec is None) != (w_dec is None):
+        raise ShapeError("strict grouped_matmul: a_dec and w_dec come together")
+    out = torch.empty((a.shape[0], w.shape[1]), dtype=out_dtype, device=a.device)
+    if a.shape[1] == 0:
+        return out.zero_()
+    if a_dec is not None:
+        a_dec = a_dec.float().contiguous()
+        w_dec = w_dec.float().reshape(w.shape[0], w.shape[1]).contiguous()
+    _launch_matmul(a, w, out, a_dec=a_dec, w_dec=w_dec, tiles=group_tiles(counts, a.device))
+    return out
+
+
+def mean_last(x: torch.Tensor) -> torch.Tensor:
+    """The fp32 mean over the last dimension, keepdim: chunks of 1024 reduced in order."""
+    require("mean", x)
+    if x.dtype != torch.float32:
+        raise DTypeError(f"strict mean takes fp32, got {x.dtype}")
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
+    if x2.shape[0]:
+        with torch.cuda.device(x.device):
+            _mean_kernel[(x2.shape[0],)](x2, out, x2.stride(0), x2.shape[1], BLOCK=_CHUNK)
+    return out.reshape(*x.shape[:-1], 1)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 log-softmax over the last dimension: ``x - max - log(sum(exp(x - max)))``, the sum
+    over chunks of 1024 in order (the GPU's ``exp`` and ``log``)."""
+    require("log_softmax", x)
+    xf = x.float().reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty_like(xf)
+    if xf.numel():
+        with torch.cuda.device(x.device):
+            _log_softmax_kernel[(xf.shape[0],)](xf, out, xf.stride(0), out.stride(0), xf.shape[1],
+                                                BLOCK=_CHUNK)
+    return out.reshape(x.shape)
+
+
+def visible_range(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From a boolean mask ``[B, H, Tq, Tk]``: each sequence's first key any of its queries sees
+    (``[B]``, int32; 0 when none) and each query's last visible key + 1 (``[B, Tq]``, 0 for a
+    query that sees none; from head 0, heads share one causal structure)."""
+    tk = allowed.shape[-1]
+    any_b = allowed.any(1).any(1)                                  # [B, Tk]
+    base = torch.where(any_b.any(-1), any_b.int().argmax(-1), 0).to(torch.int32)
+    rows = allowed.any(1)                                          # [B, Tq, Tk]
+    last = tk - rows.flip(-1).int().argmax(-1)
+    hi = torch.where(rows.any(-1), last, 0).to(torch.int32)
+    return base.contiguous(), hi.contiguous()
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+              scaling: float) -> torch.Tensor:
+    """Masked softmax attention ``[B, Hq, Tq, D]`` (grouped-query: ``Hq`` a multiple of ``Hkv``):
+    ``q`` ``[B, Hq, Tq, D]``, ``k``, ``v`` ``[B, Hkv, Tk, D]`` (bf16 or fp16), ``allowed``
+    ``[B, 1|Hq, Tq, Tk]`` (True = attend). Keys in blocks of 64 from each sequence's first
+    visible key; a query that sees no key gets zeros."""
+    require("attention", q)
+    b, hq, tq, d = q.shape
+    if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b or hq % k.shape[1] \
+            or k.shape[-1] != d:
+        raise ShapeError(f"strict attention shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise DTypeError(f"strict attention takes bf16 or fp16 q, k, v of one dtype, got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if d not in (16, 32, 64, 128, 256):
+        raise ShapeError(f"strict attention: head dimension {d} (the kernel takes 16, 32, 64, "
+                         "128 or 256)")
+    tk = k.shape[2]
+    if allowed.shape[0] != b or allowed.shape[1] not in (1, hq) or allowed.shape[2] != tq \
+            or allowed.shape[3] != tk:
+        raise ShapeError(f"strict attention mask {tuple(allowed.shape)} for q {tuple(q.shape)} and "
+                         f"{tk} keys")
+    out = torch.empty((b, hq, tq, d), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    mask = allowed.to(torch.uint8)
+    base, hi = visible_range(allowed)
+    qc, kc, vc = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    s_mh = mask.stride(1) if mask.shape[1] == hq else 0
+    with torch.cuda.device(q.device):
+        _attention_kernel[(triton.cdiv(tq, _ATT_BLOCK), b * hq)](
+            qc, kc, vc, out, mask, base, hi, tq, tk, hq, hq // k.shape[1], float(scaling),
+            *qc.stride()[:3], *kc.stride()[:3], *vc.stride()[:3], *out.stride()[:3],
+            mask.stride(0), s_mh, mask.stride(2), D=d, BLOCK=_ATT_BLOCK,
+            num_warps=4, num_stages=2)
+    return out

@@ -1,0 +1,199 @@
+"""Device strict mode on a GPU: the tensor-core kernels keep every row's bits whatever the batch,
+decode equals scoring on the tiny model, and the kernels equal SGLang's batch-invariant ops
+(``sglang/srt/batch_invariant_ops/batch_invariant_ops.py`` of SGLang 0.5.23) bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from libalign.models import build_model, generate, score_sequences, strict, tiny_config
+from libalign.strict import tensorcore
+
+from .sglang_batch_invariant import load as load_sglang
+
+pytestmark = pytest.mark.gpu
+
+PAD, EOS = 0, 2
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def sglang_ops(cuda):
+    mod = load_sglang()
+    if mod is None:
+        pytest.skip("SGLang's batch_invariant_ops.py or Triton is not here")
+    return mod
+
+
+def _rand(*shape, scale=1.0, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to("cuda", dtype)
+
+
+def _prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    return [[1, *torch.randint(3, 15, (1 + (i * 5) % 11,), generator=g).tolist()] for i in range(n)]
+
+
+@pytest.mark.parametrize("n,k", [(96, 256), (2048, 2048), (151936 // 8, 512), (200, 72)])
+def test_matmul_rows_are_invariant(cuda, n, k):
+    """Rows computed in batches of 1, 7, 64, 200 and 513 carry the bits they have alone."""
+    w = _rand(n, k, scale=k ** -0.5, seed=1)
+    bias = _rand(n, seed=2)
+    x = _rand(513, k, seed=3)
+    full = tensorcore.matmul(x, w)
+    fb = tensorcore.matmul(x, w, bias)
+    for m in (1, 7, 64, 200):
+        assert torch.equal(tensorcore.matmul(x[:m], w), full[:m])
+        assert torch.equal(tensorcore.matmul(x[m:m + 3], w), full[m:m + 3])
+        assert torch.equal(tensorcore.matmul(x[:m], w, bias), fb[:m])
+    f32 = tensorcore.matmul(x, w, out_dtype=torch.float32)
+    assert torch.equal(f32[5:6], tensorcore.matmul(x[5:6], w, out_dtype=torch.float32))
+    assert torch.equal(f32.bfloat16(), full)
+
+
+def test_grouped_matmul_equals_each_experts_matmul(cuda):
+    """One grouped launch gives every row the bits of the plain product of its expert alone;
+    the NVFP4 epilogue is gemm.epilogue's DEC_PRODUCT order."""
+    from libalign import gemm
+
+    e, n, k = 6, 192, 256
+    w = _rand(e, n, k, scale=k ** -0.5, seed=4)
+    counts = [0, 1, 130, 7, 0, 300]
+    a = _rand(sum(counts), k, seed=5)
+    a_dec = _rand(sum(counts), seed=6, dtype=torch.float32).abs()
+    w_dec = _rand(e, n, seed=7, dtype=torch.float32).abs()
+    got = tensorcore.grouped_matmul(a, w, counts, out_dtype=torch.bfloat16)
+    scaled = tensorcore.grouped_matmul(a, w, counts, out_dtype=torch.bfloat16, a_dec=a_dec,
+                                       w_dec=w_dec)
+    lo = 0
+    for ex, c in enumerate(counts):
+        rows = slice(lo, lo + c)
+        for r in range(lo, lo + c, 37):
+            assert torch.equal(got[r:r + 1], tensorcore.matmul(a[r:r + 1], w[ex]))
+        acc = tensorcore.matmul(a[rows], w[ex], out_dtype=torch.float32)
+        assert torch.equal(scaled[rows], gemm.epilogue(acc, a_dec[rows], w_dec[ex]))
+        lo += c
+
+
+def test_row_kernels_are_invariant(cuda):
+    """mean_last and log_softmax: a row alone equals the row in a batch of 300."""
+    x = _rand(300, 2048, seed=8, dtype=torch.float32)
+    v = _rand(300, 151936 // 4, scale=3.0, seed=9, dtype=torch.float32)
+    m, ls = tensorcore.mean_last(x), tensorcore.log_softmax(v)
+    for r in (0, 17, 299):
+        assert torch.equal(tensorcore.mean_last(x[r:r + 1]), m[r:r + 1])
+        assert torch.equal(tensorcore.log_softmax(v[r:r + 1]), ls[r:r + 1])
+    ref = torch.log_softmax(v.double(), -1)
+    assert float((ls.double() - ref).abs().max()) < 1e-4
+
+
+def test_attention_decode_equals_prefill(cuda):
+    """A prompt left-padded in a cache, attended one query at a time, gives the bits of the same
+    tokens right-padded in a causal batch (blocks counted from the first visible key)."""
+    b, hq, hkv, d, t = 3, 8, 2, 128, 150
+    lens = [150, 97, 1]
+    q, k, v = _rand(b, hq, t, d, seed=10), _rand(b, hkv, t, d, seed=11), _rand(b, hkv, t, d, seed=12)
+    causal = torch.ones(t, t, dtype=torch.bool, device="cuda").tril()
+    allowed = torch.zeros(b, 1, t, t, dtype=torch.bool, device="cuda")
+    for i, n in enumerate(lens):
+        allowed[i, 0, :n, :n] = causal[:n, :n]
+    full = tensorcore.attention(q, k, v, allowed, d ** -0.5)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1),
+        attn_mask=allowed)
+    for i, n in enumerate(lens):
+        assert float((full[i, :, :n].float() - ref[i, :, :n]).abs().max()) < 2e-2
+        pad = t - n  # left-padded cache of the same tokens
+        kc = torch.zeros(1, hkv, t, d, dtype=k.dtype, device="cuda")
+        vc = torch.zeros_like(kc)
+        kc[0, :, pad:], vc[0, :, pad:] = k[i, :, :n], v[i, :, :n]
+        for pos in sorted({0, n // 2, n - 1}):
+            seen = torch.zeros(1, 1, 1, t, dtype=torch.bool, device="cuda")
+            seen[..., pad:pad + pos + 1] = True
+            one = tensorcore.attention(q[i:i + 1, :, pos:pos + 1], kc, vc, seen, d ** -0.5)
+            assert torch.equal(one[0, :, 0], full[i, :, pos])
+
+
+def test_kernels_run_in_a_cuda_graph(cuda):
+    """The dense strict ops capture into a CUDA graph and replay to the eager bits."""
+    x, w = _rand(8, 512, seed=13), _rand(1024, 512, scale=0.05, seed=14)
+    q, k = _rand(2, 4, 1, 64, seed=15), _rand(2, 4, 40, 64, seed=16)
+    seen = torch.ones(2, 1, 1, 40, dtype=torch.bool, device="cuda")
+
+    def step():
+        h = tensorcore.matmul(x, w)
+        return tensorcore.log_softmax(h.float()), tensorcore.attention(q, k, k, seen, 0.125)
+
+    want = step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        step()  # warm: compile outside the capture
+        with torch.cuda.graph(graph, stream=stream):
+            got = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+@pytest.mark.parametrize("path", ["bf16", "nvfp4_minite"])
+def test_device_strict_decode_equals_scoring(cuda, path):
+    """Device mode on the tiny model: every decode-time log-prob equals the teacher-forced one
+    bitwise, for batch sizes 1, 3 and 8 and prompts of different lengths."""
+    dev = build_model(tiny_config(), seed=7).to(cuda)
+    with strict.use_strict(dev, mode="device"):
+        for b in (1, 3, 8):
+            r = generate(dev, _prompts(b), path, max_new_tokens=6, seed=b, batch_size=b,
+                         eos_id=EOS, pad_id=PAD)
+            lp = score_sequences(dev, r.sequences, r.prompt_lens, path, batch_size=8, pad_id=PAD)
+            for x, y in zip(lp, r.logprobs, strict=True):
+                assert torch.equal(x, y)
+
+
+def test_kernels_equal_sglangs(sglang_ops):
+    """libalign's matmul, mean and log_softmax give the bits of SGLang's matmul_persistent,
+    mean_dim and log_softmax (its Triton kernels, DeepGEMM off)."""
+    for (m, n, k), seed in zip([(1, 96, 64), (37, 256, 64), (512, 2048, 2048), (8, 19000, 2048),
+                                (300, 200, 72)], range(20, 30), strict=False):
+        a, w = _rand(m, k, seed=seed), _rand(n, k, scale=k ** -0.5, seed=seed + 100)
+        bias = _rand(n, seed=seed + 200)
+        assert torch.equal(tensorcore.matmul(a, w), sglang_ops.matmul_persistent(a, w.t()))
+        assert torch.equal(tensorcore.matmul(a, w, bias),
+                           sglang_ops.matmul_persistent(a, w.t(), bias=bias))
+        assert torch.equal(tensorcore.matmul(a, w, out_dtype=torch.float32),
+                           sglang_ops.matmul_persistent(a, w.t(), out_dtype=torch.float32))
+    for width in (128, 1000, 2048, 151936):
+        x = _rand(33, width, scale=3.0, seed=width, dtype=torch.float32)
+        assert torch.equal(tensorcore.mean_last(x * x), sglang_ops.mean_dim(x * x, -1, True))
+        assert torch.equal(tensorcore.log_softmax(x), sglang_ops.log_softmax(x, -1))
+
+
+@pytest.mark.parametrize("path", ["bf16", "nvfp4_minite"])
+def test_sglang_sampler_equals_libalign_learner(sglang_ops, path):
+    """A sampler decoding on SGLang's batch-invariant ops (alignd.integrations.sglang_strict)
+    and libalign's device-strict learner scoring on its own kernels give equal log-probs on
+    every token of the tiny model (atol = 0)."""
+    from alignd.integrations.sglang_strict import SGLangKernels
+
+    sampler = build_model(tiny_config(), seed=7).to("cuda")
+    learner = build_model(tiny_config(), seed=7).to("cuda")
+    with strict.use_strict(sampler, kernels=SGLangKernels(sglang_ops)), strict.use_strict(learner):
+        for b in (1, 5):
+            r = generate(sampler, _prompts(b), path, max_new_tokens=8, seed=b, batch_size=b,
+                         eos_id=EOS, pad_id=PAD)
+            lp = score_sequences(learner, r.sequences, r.prompt_lens, path, batch_size=8,
+                                 pad_id=PAD)
+            for x, y in zip(lp, r.logprobs, strict=True):
+                assert torch.equal(x, y)
