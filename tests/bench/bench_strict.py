@@ -57,10 +57,9 @@ class _Side:
             strict.enable(self.sampler, mode)
         learner_model = models.build_model(model.config, seed=0).to(device)
         learner_model.load_state_dict(model.state_dict())
-        if strict_mode:
-            strict.enable(learner_model, mode)
         self.learner = TorchLearnerEngine(learner_model, path, pad_id=task.pad_id,
-                                          strict=strict_mode, use_tis=not strict_mode)
+                                          strict=strict_mode, strict_ops=mode,
+                                          use_tis=not strict_mode)
         self.r = self.rollout()
         scores = self.learner.score(self.r.sequences, self.r.prompt_lens)
         self.max_abs_delta = max(abs(a - b) for s, lp in zip(scores, self.r.logprobs, strict=True)

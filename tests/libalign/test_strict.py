@@ -226,3 +226,46 @@ def test_strict_bits_do_not_depend_on_the_thread_count(model):
             lp = score_sequences(model, r.sequences, r.prompt_lens, "nvfp4_minite", batch_size=4,
                                  pad_id=PAD)
     assert all(torch.equal(x, y) for x, y in zip(lp, r.logprobs, strict=True))
+
+
+def test_modes_refuse_what_they_cannot_keep_invariant(model):
+    """Unknown modes, kernels given to the portable mode, the tensor-core kernels asked of a CPU
+    tensor and a second enable in another mode are typed errors naming what is wrong."""
+    from libalign.strict import tensorcore
+    from libalign.strict.device import TensorCoreKernels, op_set
+
+    with pytest.raises(ConfigError, match="fast"):
+        op_set("fast")
+    with pytest.raises(ConfigError, match="portable"):
+        op_set("portable", kernels=TensorCoreKernels())
+    with pytest.raises(ConfigError, match="strict matmul.*CUDA"):
+        tensorcore.matmul(torch.zeros(2, 16, dtype=torch.bfloat16),
+                          torch.zeros(4, 16, dtype=torch.bfloat16))
+    strict.enable(model, "portable")
+    try:
+        assert strict.ops_of(model).mode == "portable"
+        with pytest.raises(ConfigError, match="portable mode already"):
+            strict.enable(model, "device")
+        assert strict.enable(model, "portable") is model
+    finally:
+        strict.disable(model)
+    with pytest.raises(ConfigError, match="not in strict mode"):
+        strict.ops_of(model)
+
+
+def test_device_mode_on_a_cpu_is_the_portable_ops():
+    """On CPU tensors device mode runs the portable ops: the same bits op for op."""
+    from libalign.strict.device import DeviceOps, PortableOps
+
+    dev, port = DeviceOps(), PortableOps()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    w = torch.randn(24, 64, generator=g).bfloat16()
+    q, k = torch.randn(2, 4, 3, 16, generator=g).bfloat16(), torch.randn(2, 2, 3, 16, generator=g)
+    seen = torch.ones(2, 1, 3, 3, dtype=torch.bool).tril()
+    pairs = [(lambda o: o.linear(x, w)), (lambda o: o.rms_norm(x, w[0], 1e-6)),
+             (lambda o: o.softmax(x)), (lambda o: o.log_softmax(x)), (lambda o: o.silu(x)),
+             (lambda o: o.topk_indices(x.float(), 3)),
+             (lambda o: o.attention(q, k.bfloat16(), k.bfloat16(), seen, 0.25))]
+    for fn in pairs:
+        assert torch.equal(fn(dev), fn(port))

@@ -118,3 +118,17 @@ def test_strict_learner_trains_exactly_when_a_group_has_signal(path):
     assert got["signal_rollouts"] == 2 and got["grad_norm"] > 0 and changed > 0
     got, changed = step([1.0, 1.0, 0.0, 0.0])
     assert got["signal_rollouts"] == 0 and got["grad_norm"] == 0.0
+
+
+def test_sglang_kernels_need_sglangs_module():
+    """SGLangKernels without an importable sglang.srt.batch_invariant_ops is a ConfigError
+    naming the module (here: no Triton on a CPU build of torch)."""
+    import importlib.util
+
+    from alignclient.errors import ConfigError
+    from alignd.integrations.sglang_strict import SGLANG_MODULE, SGLangKernels
+
+    if importlib.util.find_spec("triton") is not None:
+        pytest.skip("Triton is here: SGLang's module may import")
+    with pytest.raises(ConfigError, match=SGLANG_MODULE):
+        SGLangKernels()

@@ -124,6 +124,10 @@ Strict = Annotated[bool, Field(
     "batch-invariant ops (libalign.models.strict), so the learner reproduces the sampler's "
     "log-probs bit for bit; an SGLang sampler requires servers started with "
     "--enable-deterministic-inference")]
+StrictOps = Annotated[Literal["device", "portable"], Field(
+    "device", description="the strict mode's op set: device (batch-invariant tensor-core kernels "
+    "on a GPU, the portable ops on a CPU) or portable (IEEE element-wise ops, the same bits on "
+    "CPU and GPU, slower); both sides of a strict run use the same one")]
 MaxPathPairs = Annotated[int, Field(
     DEFAULT_MAX_PATH_PAIRS, ge=1, le=1_024, description="(learner path, sampler path) pairs the "
     "discrepancy keeps apart, the first ones scored across all versions; scores of any further "
@@ -356,6 +360,7 @@ class SamplerSettings(DeliverySettings, GuidanceStoreSettings, ExportSettings):
     sampler_path: SamplerPath
     sampler_device: Device = Field("cpu", description="device of the embedded sampler engine")
     strict: Strict
+    strict_ops: StrictOps
     sampler_engine: Literal["torch", "sglang"] = Field(
         "torch", description="sampler engine: the embedded torch one or an SGLang server over HTTP")
     guidance_last_layers: int | Literal["half"] | None = Field(
@@ -392,6 +397,7 @@ class LearnerSettings(GuidanceStoreSettings, LayoutSettings):
     learner_path: LearnerPath
     learner_device: Device = Field("cpu", description="device of the embedded learner engine")
     strict: Strict
+    strict_ops: StrictOps
     sampler_path: SamplerPath
     guidance_bits: int = Field(1, ge=1, le=4, description="bits a value kept in guidance records")
     # the objective (alignd.learner.engine)

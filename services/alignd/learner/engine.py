@@ -214,7 +214,7 @@ class TorchLearnerEngine:
                  tis_cap: float = lm.DEFAULT_TIS_CAP, use_tis: bool = True,
                  tis_level: str = "token", ppo_clip_eps: float | None = None,
                  batch_size: int = 64, pad_id: int = 0, max_grad_norm: float = 1.0,
-                 strict: bool = False, routing_replay: str = "off",
+                 strict: bool = False, strict_ops: str = "device", routing_replay: str = "off",
                  kv_scales: KVScales | None = None):
         self.path = (strict_mode.check_path(path) if strict else gemm.get_path(path)).name
         if routing_replay not in ROUTING_REPLAY:
@@ -247,9 +247,10 @@ class TorchLearnerEngine:
         self.steps = 0
         self.strict = strict
         """Strict execution (:mod:`libalign.models.strict`): scores and the training forward
-        are a strict sampler's log-probs bit for bit (δ = 0); the backward is the stock one."""
+        are a strict sampler's log-probs bit for bit (δ = 0); the backward is the stock one;
+        ``strict_ops`` picks the strict mode (:data:`libalign.strict.device.MODES`)."""
         if strict:
-            strict_mode.enable(model)
+            strict_mode.enable(model, strict_ops)
 
     # --- the learner's log-probs ----------------------------------------------------------
 

@@ -77,14 +77,14 @@ class MegatronLearnerEngine(TorchLearnerEngine):
     """GRPO + TIS on a Megatron-core GPT MoE whose expert GEMMs run ``path``."""
 
     def __init__(self, model: nn.Module, hf_config, path: str = "bf16", *, strict: bool = False,
-                 rope_inv_freq: torch.Tensor | None = None, **kwargs):
+                 strict_ops: str = "device", rope_inv_freq: torch.Tensor | None = None, **kwargs):
         if strict:  # the embedded strict forms, checked before anything is built
             strict_mode.check_path(path)
             if kwargs.get("routing_replay", "off") != "off":
                 raise ConfigError("strict execution cannot honour routing_replay="
                                   f"{kwargs['routing_replay']!r}: the strict router picks the "
                                   "experts itself")
-            megatron_strict.enable(model, inv_freq=rope_inv_freq)
+            megatron_strict.enable(model, inv_freq=rope_inv_freq, mode=strict_ops)
         super().__init__(model, path, **kwargs)
         self.strict = strict
         """Strict execution (:mod:`libalign.models.megatron_strict`): scores and the training

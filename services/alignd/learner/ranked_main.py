@@ -73,6 +73,7 @@ def rank_main(info: RankInfo, settings: LearnerSettings, opts: RankedOptions) ->
         engine = MegatronLearnerEngine.from_hf_state_dict(
             model.state_dict(), model.config, settings.learner_path, device=info.device,
             lr=opts.lr, use_tis=opts.use_tis, pad_id=task.pad_id, strict=settings.strict,
+            strict_ops=settings.strict_ops,
             rope_inv_freq=model.model.rotary_emb.inv_freq, **engine_options(settings))
         if info.rank != 0:
             follow(engine)

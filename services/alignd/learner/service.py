@@ -48,6 +48,7 @@ def build_loop(settings: LearnerSettings, *, lr: float = 2e-5, use_tis: bool = T
         model, task = models.trained_tiny_model(device=settings.learner_device)
         engine = TorchLearnerEngine(model, settings.learner_path, lr=lr, use_tis=use_tis,
                                     pad_id=task.pad_id, strict=settings.strict,
+                                    strict_ops=settings.strict_ops,
                                     **engine_options(settings))
     plan = RolloutPlan(prompts=lambda step: task.prompts(prompts_per_step, step, split="train"),
                        reward=task.verify, sampler_path=settings.sampler_path,

@@ -20,7 +20,8 @@ def build_sampler(settings: SamplerSettings, *, metrics: Metrics | None = None):
     engine = TorchSamplerEngine(model, WeightStore(settings.store_dir), settings.sampler_path,
                                 eos_id=task.eos_id, pad_id=task.pad_id,
                                 guidance_last_layers=settings.guidance_last_layers,
-                                strict=settings.strict)
+                                strict=settings.strict,
+                                strict_ops=settings.strict_ops)
     rollouts = RolloutStore(binary_client(settings), settings.key_prefix, metrics=metrics)
     guidance = GuidanceStore.from_settings(settings, metrics=metrics)
     return engine, rollouts, guidance

@@ -113,7 +113,8 @@ class TorchSamplerEngine:
 
     def __init__(self, model: nn.Module, store: WeightStore, path: str = "nvfp4_minite", *,
                  batch_size: int = 64, eos_id: int | None = None, pad_id: int = 0,
-                 guidance_last_layers: int | None = None, strict: bool = False):
+                 guidance_last_layers: int | None = None, strict: bool = False,
+                 strict_ops: str = "device"):
         self.path = (strict_mode.check_path(path) if strict else gemm.get_path(path)).name
         self.model = model.eval()
         self.store = store
@@ -129,9 +130,10 @@ class TorchSamplerEngine:
         models.set_path(self.model, self.path)
         self.strict = strict
         """Strict execution (:mod:`libalign.models.strict`): batch-invariant ops throughout, so
-        a learner in strict mode reproduces this sampler's log-probs bit for bit."""
+        a learner in strict mode reproduces this sampler's log-probs bit for bit; ``strict_ops``
+        picks the strict mode (:data:`libalign.strict.device.MODES`)."""
         if strict:
-            strict_mode.enable(self.model)
+            strict_mode.enable(self.model, strict_ops)
         models.set_kv_format(self.model, gemm.get_path(self.path).kv_spec)
 
     @property

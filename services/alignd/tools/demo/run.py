@@ -220,7 +220,8 @@ class Services:
                                         settings.sampler_path, eos_id=task.eos_id,
                                         pad_id=task.pad_id,
                                         guidance_last_layers=settings.guidance_last_layers,
-                                        strict=settings.strict)
+                                        strict=settings.strict,
+                                        strict_ops=settings.strict_ops)
             self.threads = ServiceThreads(settings, engine, rollouts=self.rollouts,
                                           guidance=self.guidance, metrics=metrics,
                                           stop=self.stop)
@@ -303,6 +304,7 @@ def run_demo(cfg: DemoConfig, *,
             torch.manual_seed(seed)
             engine = TorchLearnerEngine(copy.deepcopy(base_model), learner_path, lr=cfg.lr,
                                         use_tis=tis, pad_id=task.pad_id, strict=s.strict,
+                                        strict_ops=s.strict_ops,
                                         **engine_options(s))
             plan = RolloutPlan(
                 prompts=lambda step, seed=seed: rng_prompts(
