@@ -4,7 +4,8 @@
 // Python or PyTorch headers, so a build is one compiler call and takes seconds.
 // Every kernel reproduces libalign.spec.quantize bit for bit for the parameters below;
 // anything else (compressed-tensors' bf16 scale math, Hadamard rotation, stochastic
-// rounding, K not a multiple of the block) stays with the spec.
+// rounding, K not a multiple of the block) stays with the spec. 4-over-6 block scaling and
+// the E4M3 bound 256 (the te order only) are served: e4m3_max and four_over_six below.
 #pragma once
 #include <stdint.h>
 
@@ -24,6 +25,11 @@ enum { NV_ORDER_MX_FLOOR = 3, NV_ORDER_MX_CEIL = 4, NV_ORDER_MX_EVEN = 5, NV_ORD
 enum { NV_OUTER_GIVEN = 0, NV_OUTER_ROW = 1 };
 enum { NV_STORE_AMAX = 0, NV_STORE_ENC = 1, NV_STORE_DEC = 2 };
 enum { NV_SZ_POSITIVE = 0, NV_SZ_SIGN_OF_INPUT = 1, NV_SZ_SIGN_OF_NONZERO = 2 };
+// 4-over-6 block scaling (libalign/spec/four_over_six.py), by whose order the 16 errors of a
+// block are summed: TE's (one after another) or FlashInfer's (two halves of 8, then added;
+// an all-zero block stores codes 0). Defined for the te order with zero_saturate only.
+enum { NV_FOS_OFF = 0, NV_FOS_TE = 1, NV_FOS_FLASHINFER = 2 };
+enum { NV_FOS_MAE = 0, NV_FOS_MSE = 1 };
 
 // Flags returned by the kernels (OR-ed): the caller re-runs the spec, which raises the
 // precise typed error (positions of NaN/Inf, or the undefined-scale explanation).
@@ -51,12 +57,18 @@ typedef struct NvParams {
   int32_t nonfinite_saturate; // NaN -> 0, +-Inf -> +-in_max instead of flagging
   float in_max;             // largest finite value of the input dtype
   int32_t swizzled;         // block scales in the 128x4 layout (caller zero-fills)
+  float e4m3_max;           // the E4M3 bound of the outer scale: 448, or 256 (te order:
+                            // enc = fl(6 * e4m3_max / amax))
+  int32_t four_over_six;    // NV_FOS_*; with it, GIVEN mode reads the outer maxima (one per
+                            // enc/dec entry) from amax_out, which every block's error needs
+  int32_t four_over_six_error;  // NV_FOS_MAE or NV_FOS_MSE
 } NvParams;
 
 // CPU: x points at experts*rows*k elements of in_dtype (contiguous). codes receives
 // experts*rows*k/2 bytes, scales experts*rows*k/16 bytes (or the swizzled size).
 // ROW mode writes amax_out/stored_out (experts*rows floats each); GIVEN mode reads
-// enc/dec. Returns the OR of NV_FLAG_* (0 on success).
+// enc/dec (and, under four_over_six, the outer maxima from amax_out). Returns the OR of
+// NV_FLAG_* (0 on success).
 int nvfp4_quantize_cpu(const void* x, uint8_t* codes, uint8_t* scales, float* amax_out,
                        float* stored_out, const float* enc, const float* dec,
                        const NvParams* p, int nthreads);

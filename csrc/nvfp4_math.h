@@ -55,17 +55,34 @@ NV_HD float nv_u2f(uint32_t u) {
 #endif
 }
 
+NV_HD float nv_add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+NV_HD float nv_sub(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
 // torch.minimum / clamp semantics for the non-NaN values that reach them here.
 NV_HD float nv_min(float a, float b) { return a < b ? a : b; }
 NV_HD float nv_max(float a, float b) { return a > b ? a : b; }
 
 typedef struct NvOuter { float enc, dec; } NvOuter;
 
-// Outer scales from the floored outer maximum (scale_math.outer_from_amax).
-NV_HD NvOuter nv_outer_from_amax(float a, int order) {
+// Outer scales from the floored outer maximum (scale_math.outer_from_amax); e4m3_max is
+// the spec's E4M3 bound (te order: 448, or 256 for 4-over-6, so enc = fl(1536 / a)).
+NV_HD NvOuter nv_outer_from_amax(float a, int order, float e4m3_max) {
   NvOuter o;
   if (order == NV_ORDER_TE) {
-    float enc = nv_min(nv_div(NV_FP8_TIMES_FP4_MAX, a), NV_FLT_MAX);
+    float enc = nv_min(nv_div(nv_mul(NV_E2M1_MAX, e4m3_max), a), NV_FLT_MAX);
     if (enc == 0.0f) enc = 1.0f;
     o.enc = enc;
     o.dec = nv_div(1.0f, enc);
@@ -165,9 +182,71 @@ NV_HD float nv_neg_threshold(int signed_zero) {
   return signed_zero == NV_SZ_POSITIVE ? 0.25f : (signed_zero == NV_SZ_SIGN_OF_NONZERO ? 0.0f : -1.0f);
 }
 
-// Stored outer value of a row in ROW mode (scale_math.stored_from_outer).
-NV_HD float nv_stored(float amax, NvOuter o, int conv) {
-  return conv == NV_STORE_AMAX ? amax : (conv == NV_STORE_ENC ? o.enc : o.dec);
+// Stored outer value of a row in ROW mode (scale_math.stored_from_outer); FlashInfer's
+// 4-over-6 stores a decode scale 0 for an all-zero row (four_over_six.stored_outer).
+NV_HD float nv_stored(float amax, NvOuter o, const NvParams& p) {
+  if (p.four_over_six == NV_FOS_FLASHINFER && p.store_conv == NV_STORE_DEC && amax == 0.0f)
+    return 0.0f;
+  return p.store_conv == NV_STORE_AMAX ? amax : (p.store_conv == NV_STORE_ENC ? o.enc : o.dec);
+}
+
+// --- 4-over-6 block scaling (libalign/spec/four_over_six.py) ------------------------------
+
+// E2M1 code 0x0..0xF -> its fp32 value (0x8 -> -0.0), exactly.
+NV_HD float nv_e2m1_value(uint32_t code) {
+  const uint32_t m = code & 7u;
+  const float mag = m < 4u ? 0.5f * static_cast<float>(m) : static_cast<float>(m == 7u ? 6u : m - 2u);
+  return nv_u2f(nv_f2u(mag) | ((code & 8u) << 28));
+}
+
+// One candidate of a 4-over-6 block from its block scale before the cast, pre: the E4M3
+// byte, the 16 codes packed (element i at bits 4i) and the summed error, each step one
+// fp32 rounding in the spec's order:
+//   s = E4M3_RNE(min(pre, 448)), m = min(fl(1 / fl(s * D)), FLT_MAX),
+//   q_i = E2M1_RNE(clamp(fl(x_i * m), -6, 6)),
+//   e_i = fl(fl(fl(fl(q_i * s) * A) / fl(6E)) - x_i), |e_i| (MAE) or fl(e_i * e_i) (MSE),
+//   summed from 0 in element order (TE) or as two halves of 8 then added (FlashInfer).
+NV_HD uint8_t nv_fos_candidate(const float* x, float pre, float dec, float amax, float six_e,
+                               const NvParams& p, uint64_t* codes, float* err) {
+  const uint8_t sb = nv_e4m3_bits(nv_min(pre, NV_E4M3_MAX));
+  const float s = nv_e4m3_value(sb);
+  NvEnc e;
+  e.mult = nv_min(nv_div(1.0f, nv_mul(s, dec)), NV_FLT_MAX);
+  e.div = 1.0f;
+  e.use_div = 0;
+  const int mse = p.four_over_six_error == NV_FOS_MSE;
+  float lo = 0.0f, hi = 0.0f;
+  uint64_t packed = 0;
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t code = nv_e2m1_code(x[i], e, p.signed_zero);
+    packed |= static_cast<uint64_t>(code) << (4 * i);
+    const float val = nv_div(nv_mul(nv_mul(nv_e2m1_value(code), s), amax), six_e);
+    const float d = nv_sub(val, x[i]);
+    const float t = mse ? nv_mul(d, d) : fabsf(d);
+    if (p.four_over_six == NV_FOS_TE || i < 8) lo = nv_add(lo, t);
+    else hi = nv_add(hi, t);
+  }
+  *codes = packed;
+  *err = p.four_over_six == NV_FOS_TE ? lo : nv_add(lo, hi);
+  return sb;
+}
+
+// A 4-over-6 block of 16 fp32 values x with block maximum v, the row's outer scales o (te
+// order) and outer maximum amax: the kept candidate's E4M3 byte, its codes in *codes (8
+// packed bytes, element 2j in the low nibble of byte j). Map-to-6 has the block scale
+// base = fl(fl(v / 6) * enc), map-to-4 fl(base * 1.5); map-to-4 is kept only when its error
+// is strictly smaller. FlashInfer stores codes 0 for a block whose maximum is 0.
+NV_HD uint8_t nv_fos_block(const float* x, float v, NvOuter o, float amax, const NvParams& p,
+                           uint64_t* codes) {
+  const float six_e = nv_mul(NV_E2M1_MAX, p.e4m3_max);
+  const float base = nv_mul(nv_div(v, NV_E2M1_MAX), o.enc);
+  uint64_t c6, c4;
+  float e6, e4;
+  const uint8_t b6 = nv_fos_candidate(x, base, o.dec, amax, six_e, p, &c6, &e6);
+  const uint8_t b4 = nv_fos_candidate(x, nv_mul(base, 1.5f), o.dec, amax, six_e, p, &c4, &e4);
+  const bool pick4 = e4 < e6;
+  *codes = (p.four_over_six == NV_FOS_FLASHINFER && v == 0.0f) ? 0u : (pick4 ? c4 : c6);
+  return pick4 ? b4 : b6;
 }
 
 // Byte offset of scale (row r, block column c) of expert e in the 128x4 swizzled layout:

@@ -13,7 +13,8 @@
 // The library is built for the baseline x86-64 (no -march): each SIMD path is compiled
 // inside its own `#pragma GCC target` region, and nvfp4_cpu_set_path picks the best one
 // the CPU supports (__builtin_cpu_supports, which also checks that the OS saves the wide
-// registers), so a cached library runs on any x86-64 host. A path can be forced for
+// registers), so a cached library runs on any x86-64 host. 4-over-6 rows take one scalar
+// block loop on every path (fos_row), after the path's own load. A path can be forced for
 // tests and benchmarks; one the CPU lacks is refused. Every path is checked bit for bit
 // against the spec (tests/libalign/test_ops_kernels.py).
 #include <algorithm>
@@ -80,9 +81,9 @@ inline NvOuter row_outer(float rowmax, const NvParams& p, int64_t r, int64_t e,
   if (p.outer_mode == NV_OUTER_ROW) {
     float a = rowmax;
     if (p.has_amax_floor) a = nv_max(a, p.amax_floor);
-    o = nv_outer_from_amax(a, p.op_order);
+    o = nv_outer_from_amax(a, p.op_order, p.e4m3_max);
     amax_out[r] = a;
-    stored_out[r] = nv_stored(a, o, p.store_conv);
+    stored_out[r] = nv_stored(a, o, p);
   } else {
     const int64_t i = p.outer_stride ? e : 0;
     o.enc = enc[i];
@@ -130,6 +131,19 @@ inline void mx_scale_blocks(const float* vmax, int64_t nb, int order, uint8_t* s
     const uint32_t b = nv_e8m0_byte(std::max(vmax[2 * j], vmax[2 * j + 1]), order);
     sbytes[j] = static_cast<uint8_t>(b);
     mult[2 * j] = mult[2 * j + 1] = nv_mx_mult(b, order);
+  }
+}
+
+// 4-over-6 scales and codes of one row (buf, its block maxima vmax), one block at a time
+// with the shared scalar steps of nvfp4_math.h (nv_fos_block) on every path: each block
+// encodes twice and sums two errors in a fixed element order, which leaves little for
+// vectors to win. amax is the row's outer maximum (row domain) or its tensor's/expert's.
+inline void fos_row(const float* buf, const float* vmax, int64_t nb, NvOuter o, float amax,
+                    const NvParams& p, uint8_t* sbytes, uint8_t* crow) {
+  for (int64_t b = 0; b < nb; ++b) {
+    uint64_t packed;
+    sbytes[b] = nv_fos_block(buf + b * 16, vmax[b], o, amax, p, &packed);
+    for (int j = 0; j < 8; ++j) crow[b * 8 + j] = static_cast<uint8_t>(packed >> (8 * j));
   }
 }
 

@@ -18,6 +18,9 @@
 // with byte permutes: the scaled value has the sign of its input (every multiplier and
 // divisor is positive or zero), so 'sign_of_input' takes them as they are and
 // 'positive' keeps them where the magnitude code is not zero.
+//
+// 4-over-6 block scaling (te order; p.four_over_six) replaces phase 2's scale and encode
+// of a block by fos_block: the shared scalar steps of nvfp4_math.h, bit for bit the CPU's.
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -183,6 +186,21 @@ __device__ __forceinline__ uint32_t encode8(const uint32_t* w, float mult, float
   return packed;
 }
 
+// A 4-over-6 block (words w, maximum v; te order only): the shared scalar steps of
+// nvfp4_math.h (nv_fos_block), which encode the block twice and keep the candidate with
+// the smaller error summed in the spec's element order. One lane per block, as above.
+template <int DT>
+__device__ __forceinline__ void fos_block(const uint32_t* w, float v, NvOuter o, float amax,
+                                       const NvParams& p, uint8_t* scale, uint2* out) {
+  constexpr int kEpw = Traits<DT>::kEpw;
+  float xs[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) xs[i] = word_elem<DT>(w[i / kEpw], i % kEpw);
+  uint64_t packed;
+  *scale = nv_fos_block(xs, v, o, amax, p, &packed);
+  __stcs(out, make_uint2(static_cast<uint32_t>(packed), static_cast<uint32_t>(packed >> 32)));
+}
+
 template <int DT, int ORDER, int SZ, bool STAGED>
 __global__ void __launch_bounds__(kMaxWarpsPerCta * 32)
 quantize_rows(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
@@ -215,20 +233,23 @@ quantize_rows(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
     return;
   }
   NvOuter o;
+  float fos_amax = 0.0f;  // the outer maximum 4-over-6's errors scale by
   if (p.outer_mode == NV_OUTER_ROW) {
     uint32_t rm = mine;
     if (any_bad) rm = saturated_absmax_bits<DT>(STAGED ? srow : xr, lane, nchunks, p.in_max);
     float a = __uint_as_float(warp_max_bits(rm));
     if (p.has_amax_floor) a = nv_max(a, p.amax_floor);
-    o = nv_outer_from_amax(a, ORDER);
+    o = nv_outer_from_amax(a, ORDER, p.e4m3_max);
+    fos_amax = a;
     if (lane == 0) {
       amax_out[r] = a;
-      stored_out[r] = nv_stored(a, o, p.store_conv);
+      stored_out[r] = nv_stored(a, o, p);
     }
   } else {
     const int64_t i = p.outer_stride ? r / p.rows : 0;
     o.enc = enc_in[i];
     o.dec = dec_in[i];
+    if (p.four_over_six != NV_FOS_OFF) fos_amax = amax_out[i];  // given: read, not written
   }
   if constexpr (STAGED) __syncwarp();
 
@@ -259,6 +280,13 @@ quantize_rows(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
       for (int c = 0; c < kCpb; ++c)
         bm = fold_absmax<DT>(bm, make_uint4(w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]));
       bm = finish_absmax<DT>(bm);
+    }
+    if constexpr (ORDER == NV_ORDER_TE) {
+      if (p.four_over_six != NV_FOS_OFF) {
+        fos_block<DT>(w, __uint_as_float(bm), o, fos_amax, p,
+                      scales + scale_row + (p.swizzled ? nv_swizzle_col(b) : b), crow + b);
+        continue;
+      }
     }
     float pre = nv_block_prescale(__uint_as_float(bm), o, te_mult, ORDER);
     if (pre != pre) local |= NV_FLAG_UNDEFINED_SCALE;
@@ -354,20 +382,23 @@ quantize_rows_reg(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
     }
   }
   NvOuter o;
+  float fos_amax = 0.0f;  // the outer maximum 4-over-6's errors scale by
   if (p.outer_mode == NV_OUTER_ROW) {
     uint32_t rm = mine;
     for (int off = G >> 1; off > 0; off >>= 1) rm = max(rm, __shfl_xor_sync(gmask, rm, off, G));
     float a = __uint_as_float(rm);
     if (p.has_amax_floor) a = nv_max(a, p.amax_floor);
-    o = nv_outer_from_amax(a, ORDER);
+    o = nv_outer_from_amax(a, ORDER, p.e4m3_max);
+    fos_amax = a;
     if (gl == 0) {
       amax_out[r] = a;
-      stored_out[r] = nv_stored(a, o, p.store_conv);
+      stored_out[r] = nv_stored(a, o, p);
     }
   } else {
     const int64_t i = p.outer_stride ? r / p.rows : 0;
     o.enc = enc_in[i];
     o.dec = dec_in[i];
+    if (p.four_over_six != NV_FOS_OFF) fos_amax = amax_out[i];  // given: read, not written
   }
   const float te_mult = nv_te_block_mult(o.enc);
   const float neg_above = nv_neg_threshold(p.signed_zero);
@@ -379,6 +410,13 @@ quantize_rows_reg(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
   for (int i = 0; i < BPL; ++i) {
     const int b = gl + G * i;
     if (b >= nb) break;
+    if constexpr (ORDER == NV_ORDER_TE) {
+      if (p.four_over_six != NV_FOS_OFF) {
+        fos_block<DT>(w[i], __uint_as_float(bm[i]), o, fos_amax, p,
+                      scales + scale_row + (p.swizzled ? nv_swizzle_col(b) : b), crow + b);
+        continue;
+      }
+    }
     float pre = nv_block_prescale(__uint_as_float(bm[i]), o, te_mult, ORDER);
     if (pre != pre) local |= NV_FLAG_UNDEFINED_SCALE;
     if (p.has_zero_prescale && pre == 0.0f) pre = p.zero_prescale_to;

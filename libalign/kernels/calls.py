@@ -36,6 +36,7 @@ from libalign import spec as _spec
 from libalign.errors import SpecError
 from libalign.kernels import native
 from libalign.spec import NumericsSpec, NVFP4Tensor, scale_math
+from libalign.spec.four_over_six import stored_outer
 from libalign.spec.packing import swizzled_size, unswizzle_scales
 
 #: op_order -> NV_ORDER_* of csrc/nvfp4_abi.h; the MX orders make the call MXFP4 (E8M0 bytes
@@ -45,6 +46,8 @@ ORDERS = {"te": 0, "torchao": 1, "modelopt": 2,
 SIGNED_ZERO = {"positive": 0, "sign_of_input": 1, "sign_of_nonzero": 2}
 DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 CONVENTIONS = {"amax": 0, "enc": 1, "dec": 2}
+FOUR_OVER_SIX = {"off": 0, "te": 1, "flashinfer": 2}
+ERROR_METRICS = {"mae": 0, "mse": 1}
 FLAG_NONFINITE, FLAG_UNDEFINED, FLAG_USE_SPEC = 1, 2, 4
 
 
@@ -134,6 +137,9 @@ def params_for(shape: tuple[int, int, int], dtype: torch.dtype, spec: NumericsSp
     p.nonfinite_saturate = int(spec.nonfinite == "saturate")
     p.in_max = torch.finfo(dtype).max
     p.swizzled = int(swizzled)
+    p.e4m3_max = spec.e4m3_max
+    p.four_over_six = FOUR_OVER_SIX[spec.four_over_six]
+    p.four_over_six_error = ERROR_METRICS[spec.four_over_six_error]
     return p
 
 
@@ -169,8 +175,9 @@ def outer_given(lib, x3, is_3d, spec, p, outer_amax, flags, stream, nthreads):
         amax = _spec.checked_outer_amax(outer_amax, want.to(dev))
     if spec.amax_floor is not None:
         amax = torch.clamp(amax, min=amax.new_tensor(spec.amax_floor))
-    outer = scale_math.outer_from_amax(amax, spec.op_order, torch.float32)
-    stored = scale_math.stored_from_outer(outer, amax, spec.outer_convention)
+    outer = scale_math.outer_from_amax(amax, spec.op_order, torch.float32, spec.e4m3_max)
+    stored = stored_outer(scale_math.stored_from_outer(outer, amax, spec.outer_convention),
+                          amax, spec.four_over_six, spec.outer_convention)
     return outer.enc.reshape(-1).contiguous(), outer.dec.reshape(-1).contiguous(), stored, amax
 
 
@@ -253,6 +260,8 @@ def launch(lib, x, spec, outer_amax, swizzled, out=None, flags=None, stream=None
                 pending.flags = FLAG_NONFINITE
                 return pending
             enc, dec, stored, amax = given
+            if spec.four_over_six != "off":  # the kernel reads the outer maxima here
+                amax_out = amax.reshape(-1).contiguous()
         if cuda:
             code = lib.nvfp4_quantize_cuda(x3.data_ptr(), codes.data_ptr(), scales.data_ptr(),
                                            amax_out.data_ptr(), stored_out.data_ptr(),

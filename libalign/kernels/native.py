@@ -101,7 +101,8 @@ class NvParams(ctypes.Structure):
         ("has_zero_prescale", ctypes.c_int32), ("zero_prescale_to", ctypes.c_float),
         ("zero_saturate", ctypes.c_int32), ("signed_zero", ctypes.c_int32),
         ("nonfinite_saturate", ctypes.c_int32), ("in_max", ctypes.c_float),
-        ("swizzled", ctypes.c_int32),
+        ("swizzled", ctypes.c_int32), ("e4m3_max", ctypes.c_float),
+        ("four_over_six", ctypes.c_int32), ("four_over_six_error", ctypes.c_int32),
     ]
 
 

@@ -14,15 +14,19 @@ How a call is served
     fp16 / fp32 input, 2-D matrices and 3-D expert stacks, a given outer maximum (shared
     gate/up scales), and linear or 128x4-swizzled block scales; and MXFP4 (the four E8M0
     rules of the ``mxfp4*`` and ``kv_mxfp4`` presets, one byte per 32 values, no outer
-    scale) on the same load and encode steps. Anything else — the compressed-tensors
-    order (its scale math runs in bf16), a Hadamard rotation, stochastic rounding, K not a
-    multiple of the block (16, MXFP4 32; the presets refuse it with the spec's
-    ShapeError), a given per-row maximum, SGLang's KV formats (FlashInfer's order with a
-    given per-layer scale, the block-16 exponent rule with ties away from zero), 4-over-6 block
-    scaling and the E4M3 bound 256 (``te_4over6*``, ``te_row_4over6``,
-    ``flashinfer_pertoken_4over6``) — is served by the spec itself: slower, the same bits.
-    :func:`backend_for` says which one a call gets. The compiled kernels serve
-    ``flashinfer_pertoken`` (TE's order, row domain, the input's sign in a zero code).
+    scale) on the same load and encode steps. The kernels also serve the production
+    recipes: ``flashinfer_pertoken`` (TE's order, row domain, the input's sign in a zero
+    code) and 4-over-6 block scaling with the E4M3 bound 256 or 448 (``te_4over6``,
+    ``te_4over6_448``, ``te_row_4over6``, ``flashinfer_pertoken_4over6``, MAE or MSE): each
+    block is encoded with its maximum mapped to 6 and to 4 and keeps the candidate with the
+    smaller error, summed in TE's or FlashInfer's order, in the shared scalar steps of
+    ``csrc/nvfp4_math.h`` (one block at a time on every CPU path and on the GPU). Anything
+    else — the compressed-tensors order (its scale math runs in bf16), a Hadamard rotation,
+    stochastic rounding, K not a multiple of the block (16, MXFP4 32; the presets refuse it
+    with the spec's ShapeError), a given per-row maximum, SGLang's KV formats (FlashInfer's
+    order with a given per-layer scale, the block-16 exponent rule with ties away from
+    zero) — is served by the spec itself: slower, the same bits. :func:`backend_for` says
+    which one a call gets.
 
 Where a kernel cannot be built
     No compiler, a failed build, or ``ALIGN_KERNELS=spec``: the spec serves every call on
@@ -70,10 +74,6 @@ def kernel_gap(x: torch.Tensor, spec: NumericsSpec, outer_amax: torch.Tensor | N
         return "E2M1 ties away from zero / a given outer scale"
     if spec.scale_math_dtype != "float32" or spec.zero_scale_to is not None:
         return "scale math in the input dtype / zero-scale substitution"
-    if spec.four_over_six != "off":
-        return "4-over-6 block scaling"
-    if spec.e4m3_max != 448.0:
-        return "an E4M3 bound of 256"
     if spec.hadamard:
         return "Hadamard rotation"
     if spec.stochastic_rounding:

@@ -41,6 +41,15 @@ from libalign.spec.rounding import e2m1_code_values, e4m3_bits_to_float, round_e
 MAP4_EXPANSION = 1.5
 
 
+def stored_outer(stored: torch.Tensor, amax: torch.Tensor, rule: str,
+                 convention: str) -> torch.Tensor:
+    """The stored outer scale under ``rule``: FlashInfer stores a decode scale of 0 for an
+    all-zero domain (its ``amax == 0``), where the formula gives ``fl(1 / FLT_MAX)``."""
+    if rule == FourOverSix.FLASHINFER and convention == "dec":
+        return torch.where(amax == 0, torch.zeros_like(stored), stored)
+    return stored
+
+
 def _candidate(x: torch.Tensor, pre: torch.Tensor, dec: torch.Tensor, signed_zero: str):
     """E4M3 bits, their fp32 value and unpacked codes of one candidate (``pre`` ``[n, 1]``)."""
     bits = round_e4m3_bits(pre.clamp(max=E4M3_MAX))

@@ -46,7 +46,7 @@ import torch
 from libalign.errors import DTypeError, NonFiniteError, ShapeError, SpecError, UndefinedScaleError
 from libalign.spec import scale_math
 from libalign.spec.constants import E2M1_MAX, FLT_MAX
-from libalign.spec.four_over_six import encode_4over6
+from libalign.spec.four_over_six import encode_4over6, stored_outer
 from libalign.spec.hadamard import rht16, rht16_inverse
 from libalign.spec.packing import pack_nibbles, swizzle_scales, unpack_nibbles
 from libalign.spec.presets import OUTER_CONVENTIONS, OUTER_DOMAINS, PRESETS, NumericsSpec
@@ -350,9 +350,8 @@ def quantize(
         if spec.amax_floor is not None:
             amax = torch.clamp(amax, min=amax.new_tensor(spec.amax_floor))
         outer = scale_math.outer_from_amax(amax, spec.op_order, math_dtype, spec.e4m3_max)
-        stored = scale_math.stored_from_outer(outer, amax, spec.outer_convention)
-        if spec.four_over_six == "flashinfer" and spec.outer_convention == "dec":
-            stored = torch.where(amax == 0, torch.zeros_like(stored), stored)  # FlashInfer: 0
+        stored = stored_outer(scale_math.stored_from_outer(outer, amax, spec.outer_convention),
+                              amax, spec.four_over_six, spec.outer_convention)
         outer_b = scale_math.OuterScales(
             enc=_broadcast_outer(outer.enc, spec.outer_domain, vmax.ndim),
             dec=_broadcast_outer(outer.dec, spec.outer_domain, vmax.ndim),

@@ -63,7 +63,7 @@ int main() {
             p.block_scale_floor = order == NV_ORDER_TE ? 0.0f : 1.0f / 512;
             p.has_zero_prescale = order == NV_ORDER_TE; p.zero_prescale_to = 1.0f;
             p.zero_saturate = order == NV_ORDER_TE; p.signed_zero = sz; p.in_max = 3e38f;
-            p.swizzled = swizzled;
+            p.swizzled = swizzled; p.e4m3_max = 448.0f;
             std::vector<float> enc(E, 0.37f), dec(E, 1 / 0.37f);
             std::vector<uint8_t> ref_c(static_cast<size_t>(n / 2)), ref_s(static_cast<size_t>(E * rp * cp));
             std::vector<float> ref_a(E * M), ref_o(E * M), ref_m(E);

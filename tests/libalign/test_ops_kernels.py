@@ -281,3 +281,117 @@ def test_quantize_many_matches_spec_and_raises_like_quantize(device):
     with pytest.raises(NonFiniteError) as err:
         quantize_many([xs[0].to(device), bad.to(device)], PRESETS["te"])
     assert "(1, 3, 5)" in str(err.value)
+
+
+# --- 4-over-6 block scaling and the E4M3 bound 256 (TE's and FlashInfer's recipes) -----------
+
+#: The 4-over-6 presets and the bound 256 alone (TE's order, plain block scaling).
+FOUR_OVER_SIX_SPECS = {name: PRESETS[name] for name in
+                       ("te_4over6", "te_4over6_448", "te_row_4over6", "flashinfer_pertoken_4over6")}
+FOUR_OVER_SIX_SPECS["te_256"] = PRESETS["te"].replace(name="te_256", e4m3_max=256)
+
+
+def four_over_six_spec(name: str, metric: str):
+    spec = FOUR_OVER_SIX_SPECS[name]
+    return spec.replace(four_over_six_error=metric) if spec.four_over_six != "off" else spec
+
+
+def four_over_six_ties(shape, dtype=torch.float32, seed=6):
+    """Blocks whose map-to-4 and map-to-6 candidates tie at error 0 (the spec keeps map-to-6).
+
+    Every block holds +-6 * 2^e (e shared by the tensor, so it is also the row's and the
+    tensor's maximum) and otherwise values of {0, +-1.5, +-3, +-6} * 2^e, which both grids
+    hold: 6 * 2^e * {0, 0.25, 0.5, 1} on the map-to-6 grid and 4 * 2^e * {0, 0.375, 0.75, 1.5}
+    on the map-to-4 one, so both reconstruct exactly, under different scale bytes.
+    """
+    g = inputs.gen(seed)
+    vals = torch.tensor([0.0, 1.5, 3.0, 6.0, -0.0, -1.5, -3.0, -6.0])
+    x = vals[torch.randint(0, 8, shape, generator=g)]
+    blk = x.view(*shape[:-1], shape[-1] // 16, 16)
+    blk[..., 0] = torch.where(torch.rand(blk.shape[:-1], generator=g) < 0.5, -6.0, 6.0)
+    return (x * 2.0 ** int(torch.randint(-20, 20, (), generator=g))).to(dtype)
+
+
+@pytest.mark.parametrize("metric", ["mae", "mse"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("name", sorted(FOUR_OVER_SIX_SPECS))
+def test_4over6_families_match_spec(device, name, dtype, metric):
+    """Every adversarial family and the candidates' ties in one 3-D stack (one family per
+    expert), and the ties as a 2-D matrix: codes, scale bytes, outer scales."""
+    if metric == "mse" and FOUR_OVER_SIX_SPECS[name].four_over_six == "off":
+        pytest.skip("no error metric without 4-over-6")
+    spec = four_over_six_spec(name, metric)
+    x = torch.stack([inputs.FAMILIES[f]((16, 128), dtype=torch.float32)
+                     for f in sorted(inputs.FAMILIES)] + [four_over_six_ties((16, 128))])
+    if dtype == torch.float16:
+        x = x.clamp(-60000, 60000)
+    x = x.to(dtype)
+    run_both(x, spec, device)
+    run_both(x[-1], spec, device)
+
+
+@pytest.mark.parametrize("name", sorted(FOUR_OVER_SIX_SPECS))
+def test_4over6_edge_cases_match_spec(device, name):
+    """All-zero rows, blocks and an expert, -0.0, fp32 subnormals under a large maximum,
+    bf16 subnormals, exact ties; a shared outer maximum larger than the data's (tensor
+    domain); the swizzled layout; quantize_many."""
+    from libalign.kernels import quantize_many
+
+    spec = four_over_six_spec(name, "mae")
+    x = four_over_six_ties((3, 8, 64))
+    x[0, 0] = 0.0  # an all-zero row
+    x[0, 1, :16] = 0.0  # an all-zero block
+    x[0, 2, 16:32] = -0.0  # a -0.0 block
+    x[0, 3, 5] = -0.0
+    x[1, 3, :16] = 2.0 ** -130  # fp32 subnormal block under a large row maximum
+    x[1, 3, 16] = 1e4
+    x[1, 4, :] = -(2.0 ** -140)  # a row of subnormals only
+    x[2] = 0.0  # an all-zero expert
+    run_both(x, spec, device)
+    run_both(x[1:2], spec, device)
+    run_both(torch.zeros(4, 32), spec, device)
+    run_both(torch.full((2, 32), -0.0), spec, device)
+    sub = torch.full((2, 64), 2.0 ** -133).to(torch.bfloat16)  # bf16 subnormals
+    sub[1, ::3] *= -1
+    run_both(sub, spec, device)
+    if spec.outer_domain == "tensor":
+        run_both(x, spec, device, outer_amax=torch.tensor(float(x.abs().max()) * 3.0))
+        run_both(x, spec, device, outer_amax=torch.tensor(0.0))  # enc saturates to FLT_MAX
+    g = ops.quantize(x.to(device), spec, scale_layout="swizzled", backend="kernel")
+    ref = quantize(x, spec)
+    assert torch.equal(g.block_scales.view(torch.uint8).cpu(),
+                       swizzle_scales(ref.block_scales).view(torch.uint8))
+    many = quantize_many([x[0].to(device), x[1].to(device)], spec)
+    assert_bitwise(many[0], quantize(x[0], spec))
+    assert_bitwise(many[1], quantize(x[1], spec))
+
+
+def test_4over6_nonfinite_raises_like_spec(device):
+    """NaN/Inf under 4-over-6 and the bound 256: the spec's NonFiniteError, same positions."""
+    x = inputs.randn((2, 16, 64))
+    x[1, 5, 17] = float("nan")
+    x[0, 3, 60] = float("-inf")
+    for spec in FOUR_OVER_SIX_SPECS.values():
+        assert ops.backend_for(x.to(device), spec) == device
+        with pytest.raises(NonFiniteError) as got:
+            ops.quantize(x.to(device), spec)
+        with pytest.raises(NonFiniteError) as want:
+            quantize(x, spec)
+        assert str(got.value) == str(want.value)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(sorted(FOUR_OVER_SIX_SPECS)), metric=st.sampled_from(["mae", "mse"]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+       experts=st.integers(1, 3), rows=st.integers(1, 12), nb=st.integers(1, 6),
+       seed=st.integers(0, 2**16), log2_scale=st.floats(-14, 14), three_d=st.booleans(),
+       family=st.sampled_from([*sorted(inputs.FAMILIES), "4over6_ties"]))
+def test_4over6_property_matches_spec(device, name, metric, dtype, experts, rows, nb, seed,
+                                      log2_scale, three_d, family):
+    """Any small shape, magnitude and dtype under a 4-over-6 preset: kernel bits == spec bits."""
+    shape = (experts, rows, nb * 16) if three_d else (rows, nb * 16)
+    make = four_over_six_ties if family == "4over6_ties" else inputs.FAMILIES[family]
+    x = make(shape, dtype=torch.float32, seed=seed) * 2.0 ** log2_scale
+    if dtype == torch.float16:
+        x = x.clamp(-60000, 60000)
+    run_both(x.to(dtype), four_over_six_spec(name, metric), device)
