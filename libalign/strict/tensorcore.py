@@ -381,7 +381,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     out = torch.empty((b, hq, tq, d), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
-    mask = allowed.to(torch.uint8)
+    mask = allowed.to(torch.uint8).contiguous()
     base, hi = visible_range(allowed)
     qc, kc, vc = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     s_mh = mask.stride(1) if mask.shape[1] == hq else 0

@@ -106,6 +106,33 @@ def test_replay_runs_the_learners_experts(tiny):
     assert row["fc1"]["E"] > 0 and row["fc2"]["E"] > 0
 
 
+def test_trace_replays_with_its_samplers_records(tiny):
+    """A TRACE condition replays with the sampler's records: recorded on the sampler's own
+    forward, the guided learner at h_R rounds every row as the sampler did, so FC1 and FC2
+    equal the sampler's bit for bit (E = 0) while the unguided minite learner's differ; without
+    records the condition is skipped."""
+    from alignd.tools.diagnose import guided
+
+    model, task, seqs = tiny
+    layer = models.moe_layer_indices(model)[-1]
+    plens = [len(s) - 1 for s in seqs]
+    with models.capture_guidance(model, [layer], guided.capture_spec("nvfp4_minite")) as cap:
+        models.score_sequences(model, seqs, plens, "nvfp4_minite", batch_size=4,
+                               pad_id=task.pad_id)
+    table = guided.Guidance(cap, 4, [layer], torch.device("cpu")).table
+    trace = Condition("nvfp4_trace", "nvfp4_minite")
+    common = dict(layers=[layer], batch_size=4, pad_id=task.pad_id, backend="auto")
+    rows, skipped = replay.moe_replay(model, seqs, [trace], **common)
+    assert rows == [] and skipped == [trace.name]
+    rows, skipped = replay.moe_replay(model, seqs, [trace, Condition("nvfp4_te", "nvfp4_minite")],
+                                      guidance={trace.name: table}, **common)
+    assert skipped == []
+    got = {r["condition"]: r for r in rows}
+    assert got[trace.name]["fc1"]["E"] == 0.0 and got[trace.name]["fc2"]["E"] == 0.0
+    assert got[trace.name]["replay_reproduces_capture"]
+    assert got["nvfp4_te/nvfp4_minite"]["fc1"]["E"] > 0
+
+
 def test_default_pairs_are_the_papers_and_old_set_by_flag():
     """papers by default; --pairs libalign gives the earlier set; an unknown set is an InputError."""
     assert [c.name for c in resolve_conditions()[0]] == list(PAPER_CONDITIONS)
@@ -127,8 +154,7 @@ def test_cli_json_lists_default_pairs_and_moe_replay():
     assert [c["name"] for c in r["conditions"]] == list(PAPER_CONDITIONS)
     mr = r["moe_replay"]
     assert mr["sampler_side"] == "decode" and mr["skipped_same_path"] == []
-    assert [row["condition"] for row in mr["rows"]] == ["bf16/bf16", "nvfp4_te/nvfp4_modelopt_pertoken",
-                                                        "nvfp4_minite/nvfp4_minite"]
+    assert [row["condition"] for row in mr["rows"]] == list(PAPER_CONDITIONS)  # TRACE included
     assert mr["prompts"] == 2 and all(row["assignments_fixed"] for row in mr["rows"])
 
 

@@ -17,6 +17,11 @@ one of two ways (``sampler_side``):
 * ``forward``: the sampler path's teacher-forced forward, batched like the learner's. A
   same-path pair then has identical inputs (every quantity 0) and is listed as skipped.
 
+A TRACE condition (learner ``nvfp4_trace``) replays with its sampler's guidance records: the
+learner's capture and every learner cell run under :func:`libalign.models.use_guidance` with the
+tokens named by sequence and position (:func:`libalign.guidance.row_keys`), so ``F_L`` rounds
+each row the way the sampler recorded it. Without records for it the condition is skipped.
+
 Everything is split per prompt (one shared sequence, its real tokens only).
 
 The four cells
@@ -58,16 +63,19 @@ The decoder-layer replay that also re-runs attention is
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 
 import torch
 from alignclient.errors import InputError, NonFiniteError, ShapeError
 from torch import nn
 
-from alignd.tools.diagnose.conditions import Condition
+from alignd.tools.diagnose.conditions import GUIDED, Condition
 from alignd.tools.diagnose.localize import padded_batch
 from libalign import models
+from libalign.guidance import GuidanceTable, row_keys
+from libalign.models.paths import set_row_keys
+from libalign.models.scoring import right_padded_batch
 from libalign.models.teacher_forcing import replay_batch
 
 Progress = Callable[[int], None]
@@ -134,13 +142,25 @@ def mean_over_prompts(rows: Sequence[dict]) -> dict:
 
 # --- capture at the MoE entry -----------------------------------------------------------------
 
+def _guided(stack: ExitStack, model: nn.Module, table: GuidanceTable | None,
+            keys: torch.Tensor) -> None:
+    """Inside ``stack``: ``table``'s records rounding the experts' activations, the rows named
+    by ``keys`` (nothing without a table)."""
+    if table is None:
+        return
+    stack.enter_context(models.use_guidance(model, table))
+    set_row_keys(model, keys)
+    stack.callback(set_row_keys, model, None)
+
+
 def capture_moe_entry(model: nn.Module, sequences: Sequence[Sequence[int]], path: str,
-                      layers: Sequence[int], *, batch_size: int, pad_id: int, backend: str
-                      ) -> dict[int, list[dict]]:
+                      layers: Sequence[int], *, batch_size: int, pad_id: int, backend: str,
+                      table: GuidanceTable | None = None) -> dict[int, list[dict]]:
     """Per layer, per sequence: the MoE module's input rows ``moe_in`` ``[n, H]`` (real tokens
     only), the assignment ``routing`` / ``router_weights`` ``[n, k]`` and the FC outputs
     ``fc1_out`` / ``fc2_out`` ``[n*k, ·]`` in token order, from a teacher-forced forward on
-    ``path`` (right padding, attention mask, as the learner scores)."""
+    ``path`` (right padding, attention mask, as the learner scores); with ``table`` guided by
+    its records (sequence ``i`` of ``sequences`` is sequence id ``i``)."""
     dev = next(model.parameters()).device
     k = int(model.config.num_experts_per_tok)
     out: dict[int, list[dict]] = {x: [] for x in layers}
@@ -151,6 +171,9 @@ def capture_moe_entry(model: nn.Module, sequences: Sequence[Sequence[int]], path
         with ExitStack() as stack:
             stack.enter_context(torch.no_grad())
             stack.enter_context(models.use_path(model, path, backend=backend))
+            keys = right_padded_batch(chunk, range(start, start + len(chunk)), pad_id, dev)[2] \
+                if table is not None else None
+            _guided(stack, model, table, keys)
             cap = stack.enter_context(models.capture(model, list(layers)))
             model(input_ids=ids.to(dev), attention_mask=mask.to(dev), use_cache=False)
         for x in layers:
@@ -193,10 +216,15 @@ def _first_tokens(rec: dict, n: int, k: int) -> dict:
 
 
 def replay_cell(model: nn.Module, layer: int, moe_in: torch.Tensor, path: str,
-                routing: tuple[torch.Tensor, torch.Tensor], backend: str) -> dict:
+                routing: tuple[torch.Tensor, torch.Tensor], backend: str, *,
+                table: GuidanceTable | None = None, seq_id: int = 0) -> dict:
     """The MoE module of ``layer`` alone on ``moe_in`` under ``path`` with ``routing`` forced;
-    FC1/FC2 outputs (token order) and the assignment, from hooks on the replayed module."""
-    with models.capture(model, [layer]) as cap:
+    FC1/FC2 outputs (token order) and the assignment, from hooks on the replayed module. With
+    ``table``, the rows are the tokens ``0..n-1`` of sequence ``seq_id``, rounded by its records."""
+    with ExitStack() as stack:
+        keys = row_keys(seq_id, torch.arange(moe_in.shape[0], device=moe_in.device)).unsqueeze(0)
+        _guided(stack, model, table, keys)
+        cap = stack.enter_context(models.capture(model, [layer]))
         models.replay_moe(model, layer, moe_in, path, routing=routing, backend=backend)
     c = cap[layer]
     return {"fc1": c["fc1_out"], "fc2": c["fc2_out"], "routing": c["routing"]}
@@ -208,13 +236,17 @@ SAMPLER_SIDES = ("decode", "forward")
 def moe_replay(model: nn.Module, sequences: Sequence[Sequence[int]], conditions: Sequence[Condition], *,
                layers: Sequence[int], batch_size: int, pad_id: int, backend: str,
                prompt_lens: Sequence[int] | None = None, sampler_side: str = "forward",
+               guidance: Mapping[str, GuidanceTable] | None = None,
                progress: Progress | None = None) -> tuple[list[dict], list[str]]:
     """Replay rows (one per condition and MoE layer) and the conditions skipped.
 
     ``sampler_side`` ``decode`` (needs ``prompt_lens``) captures ``h_R`` from the sampler's
     KV-cached decode and skips nothing; ``forward`` from its teacher-forced forward, skipping
-    same-path pairs. See the module docstring for every column.
+    same-path pairs. ``guidance`` maps a TRACE condition's name to its sampler's records on
+    ``sequences`` (sequence ``i`` is id ``i``); a TRACE condition without them is skipped. See
+    the module docstring for every column.
     """
+    guidance = dict(guidance or {})
     if sampler_side not in SAMPLER_SIDES:
         raise InputError(f"sampler side {sampler_side!r}: choose one of {', '.join(SAMPLER_SIDES)}")
     if sampler_side == "decode" and prompt_lens is None:
@@ -222,36 +254,46 @@ def moe_replay(model: nn.Module, sequences: Sequence[Sequence[int]], conditions:
     moe = set(models.moe_layer_indices(model))
     layers = [x for x in layers if x in moe]
     decode = sampler_side == "decode"
-    todo = [c for c in conditions if decode or c.learner != c.sampler]
+    todo = [c for c in conditions if (decode or c.learner != c.sampler)
+            and (c.learner != GUIDED or c.name in guidance)]
     skipped = [c.name for c in conditions if c not in todo]
     if not todo or not layers:
         return [], skipped
     k = int(model.config.num_experts_per_tok)
-    caps = {p: capture_moe_entry(model, sequences, p, layers, batch_size=batch_size, pad_id=pad_id,
-                                 backend=backend)
-            for p in dict.fromkeys(c.learner if decode else q for c in todo
-                                   for q in (c.learner, c.sampler))}
+
+    def learner_key(c: Condition) -> tuple[str, str | None]:
+        return (c.learner, c.name if c.learner == GUIDED else None)
+
+    wanted = [learner_key(c) for c in todo]
+    if not decode:
+        wanted += [(c.sampler, None) for c in todo]
+    caps = {key: capture_moe_entry(model, sequences, key[0], layers, batch_size=batch_size,
+                                   pad_id=pad_id, backend=backend,
+                                   table=guidance.get(key[1]) if key[1] else None)
+            for key in dict.fromkeys(wanted)}
     if decode:
         caps = {p: {x: [_first_tokens(r, len(s) - 1, k) for r, s in zip(v, sequences, strict=True)]
                     for x, v in per.items()} for p, per in caps.items()}
-        sampler_caps = {p: capture_moe_entry_decode(model, sequences, prompt_lens, p, layers,
-                                                    pad_id=pad_id, backend=backend)
+        sampler_caps = {(p, None): capture_moe_entry_decode(model, sequences, prompt_lens, p,
+                                                            layers, pad_id=pad_id, backend=backend)
                         for p in dict.fromkeys(c.sampler for c in todo)}
     else:
         sampler_caps = caps
     rows = []
     for c in todo:
+        table = guidance.get(c.name) if c.learner == GUIDED else None
         for x in layers:
             per_prompt, fixed, reproduces = [], True, True
-            for i, (cl, cs) in enumerate(zip(caps[c.learner][x], sampler_caps[c.sampler][x],
-                                             strict=True)):
+            for i, (cl, cs) in enumerate(zip(caps[learner_key(c)][x],
+                                             sampler_caps[(c.sampler, None)][x], strict=True)):
                 routing = (cl["routing"], cl["router_weights"])
                 h = {"h_L": cl["moe_in"], "h_R": cs["moe_in"]}
                 order = expert_index_order(cl["routing"])
                 cells = {}
                 for key, (side, inp) in CELLS.items():
                     path = c.learner if side == "learner" else c.sampler
-                    got = replay_cell(model, x, h[inp], path, routing, backend)
+                    got = replay_cell(model, x, h[inp], path, routing, backend,
+                                      table=table if side == "learner" else None, seq_id=i)
                     fixed = fixed and torch.equal(got["routing"], cl["routing"])
                     cells[key] = {site: got[site][order] for site in SITES}
                     if key == "LL":

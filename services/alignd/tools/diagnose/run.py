@@ -520,12 +520,17 @@ def _run(cfg: DiagnoseConfig, rep: Reporter) -> dict:
     # --- the 2×2 replay at the MoE entry, per prompt ---
     moe_rows, moe_skipped = [], []
     n_replay = min(len(shared), cfg.moe_replay_prompts)
-    if replay_layers and internal:
+    # TRACE conditions replay with their sampler's records on the shared tokens (ids 0..n-1)
+    replayed = [c for c in conds if c.sampler != EXTERNAL]
+    records = {c.name: shared_guidance[c.sampler].table for c in guided.guided_conditions(conds)
+               if c.sampler in shared_guidance}
+    if replay_layers and replayed:
         with clock.stage("moe_replay"):
             moe_rows, moe_skipped = moe_entry.moe_replay(
-                model, shared.tokens[:n_replay], internal, layers=replay_layers,
+                model, shared.tokens[:n_replay], replayed, layers=replay_layers,
                 prompt_lens=shared.prompt_lens[:n_replay], sampler_side=cfg.moe_replay_sampler,
-                progress=rep.task("2x2 replay at the MoE entry", len(internal) * len(replay_layers)),
+                guidance=records,
+                progress=rep.task("2x2 replay at the MoE entry", len(replayed) * len(replay_layers)),
                 **common)
 
     # --- localization against the sampler's own KV-cached decode (same-path pairs included) ---
