@@ -4,7 +4,8 @@
 #                                               records (kv_guidance + routing + guidance on cuda),
 #                                               mxfp4, probe (profile_convert --timeline),
 #                                               gemmprobe (profile_gemm: eager host time),
-#                                               refit (bench_refit: NVFP4 vs BF16 refit by CUDA IPC)
+#                                               refit (bench_refit: NVFP4 vs BF16 refit by CUDA IPC),
+#                                               recipes (bench_spec --recipes: kernel door vs spec)
 # Wheels the image lacks travel in .whl/ (git-ignored; carry it): megatron-core and torchao, and
 # for the services the expert-parallel tests import, redis, httpx (+ httpcore, h11, anyio,
 # certifi, idna), pydantic(-core, -settings, annotated-types, typing-inspection,
@@ -56,6 +57,8 @@ for s in "$@"; do
     refit) stage refit "${T_REFIT:-240}" python3 -m tests.bench refit -- --device cuda \
              --json "$OUT/refit.json" ${REFIT_ARGS:-} ;;
     gemmprobe) stage gemmprobe "${T_PROBE:-60}" python3 -m tests.bench.profile_gemm ;;
+    recipes) stage recipes "${T_RECIPES:-90}" python3 -m tests.bench spec -- --recipes \
+               --device cuda --json "$OUT/recipes.json" ;;
     *) echo "unknown stage $s" >&2 ;;
   esac
 done
