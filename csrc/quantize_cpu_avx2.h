@@ -231,3 +231,9 @@ inline float row_max16(const void* x, int64_t base, int64_t k, int dtype) {
   const uint16_t top16 = static_cast<uint16_t>(top);
   return top < (dtype == NV_IN_BF16 ? 0x7F80u : 0x7C00u) ? load_scalar(&top16, 0, dtype) : -1.0f;
 }
+
+// A 4-over-6 block: the shared scalar steps (nv_fos_block; quantize_cpu.cpp).
+inline uint8_t fos_block(const float* xb, float v, NvOuter o, float amax, const NvParams& p,
+                         uint8_t* out) {
+  return fos_block_scalar(xb, v, o, amax, p, out);
+}

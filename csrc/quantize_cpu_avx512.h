@@ -4,8 +4,10 @@
 // `#pragma GCC target("...,avx512f,avx512bw,avx512vl,avx512dq")` region, then stamps the
 // row driver (quantize_cpu_rows.h) with these steps. (VBMI's byte permute, which looks the
 // E2M1 codes up in a 64-entry table, was measured no faster per row than the rounding
-// below: the row is bound by memory and the load/scale steps, so it is not used.) Each step performs the operations of
-// its scalar counterpart (nvfp4_math.h) lane by lane, in the same order, so the bits agree.
+// below: the row is bound by memory and the load/scale steps, so it is not used.) Each
+// step performs the operations of its scalar counterpart (nvfp4_math.h) lane by lane, in
+// the same order, so the bits agree; a 4-over-6 block's two error sums stay scalar, in the
+// spec's element order.
 
 // Widen one row to fp32 in buf, fill block maxima, return the row maximum; flags on NaN/Inf.
 inline float load_row(const void* x, int64_t base, int64_t k, int dtype, const NvParams& p,
@@ -49,15 +51,12 @@ inline float load_row(const void* x, int64_t base, int64_t k, int dtype, const N
   return rowmax;
 }
 
-// Encode one block of 16 fp32 values into 8 packed bytes.
-inline void encode_block(const float* xb, NvEnc e, int signed_zero, uint8_t* out) {
-  const __m512 x = _mm512_loadu_ps(xb);
-  const __m512 z = e.use_div ? _mm512_div_ps(x, _mm512_set1_ps(e.div))
-                             : _mm512_mul_ps(x, _mm512_set1_ps(e.mult));
-  // Magnitude code by rounding, as in the AVX2 path (quantize_cpu_avx2.h, mags8): on
-  // [0, 2) rint(2|z|), on [2, 4) rint(|z|) + 2, on [4, 6] rint(|z|/2) + 4, |z| clamped to
-  // 6; exact scalings and round-half-even conversion put the ties where the spec's
-  // midpoints do. A NaN z (MINPS keeps it) converts to 0x80000000, masked to code 0.
+// The 16 E2M1 codes (sign bit 3) of scaled values z under the signed-zero policy.
+// Magnitude code by rounding, as in the AVX2 path (quantize_cpu_avx2.h, mags8): on
+// [0, 2) rint(2|z|), on [2, 4) rint(|z|) + 2, on [4, 6] rint(|z|/2) + 4, |z| clamped to
+// 6; exact scalings and round-half-even conversion put the ties where the spec's
+// midpoints do. A NaN z (MINPS keeps it) converts to 0x80000000, masked to code 0.
+inline __m512i codes16(__m512 z, int signed_zero) {
   const __m512 a = _mm512_min_ps(_mm512_set1_ps(NV_E2M1_MAX), _mm512_abs_ps(z));
   const __mmask16 ge2 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(2.0f), _CMP_GE_OQ);
   const __mmask16 ge4 = _mm512_cmp_ps_mask(a, _mm512_set1_ps(4.0f), _CMP_GE_OQ);
@@ -74,9 +73,73 @@ inline void encode_block(const float* xb, NvEnc e, int signed_zero, uint8_t* out
     neg = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_LT_OQ);
   else
     neg = _mm512_cmp_ps_mask(z, _mm512_set1_ps(-0.25f), _CMP_LT_OQ);
-  const __m512i code = _mm512_mask_or_epi32(mag, neg, mag, _mm512_set1_epi32(8));
+  return _mm512_mask_or_epi32(mag, neg, mag, _mm512_set1_epi32(8));
+}
+
+// 16 codes (one per dword) -> 8 packed bytes, the even element in the low nibble.
+inline void store_codes(__m512i code, uint8_t* out) {
   const __m512i pair = _mm512_or_si512(code, _mm512_srli_epi64(code, 28));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm512_cvtepi64_epi8(pair));
+}
+
+// Encode one block of 16 fp32 values into 8 packed bytes.
+inline void encode_block(const float* xb, NvEnc e, int signed_zero, uint8_t* out) {
+  const __m512 x = _mm512_loadu_ps(xb);
+  const __m512 z = e.use_div ? _mm512_div_ps(x, _mm512_set1_ps(e.div))
+                             : _mm512_mul_ps(x, _mm512_set1_ps(e.mult));
+  store_codes(codes16(z, signed_zero), out);
+}
+
+// One 4-over-6 candidate of the block x (the steps of nv_fos_candidate, nvfp4_math.h): the
+// scale byte and multiplier in scalar, the 16 codes and reconstruction errors in one
+// register each, then the errors summed in scalar in the spec's element order (TE: one
+// after another; FlashInfer: two halves of 8, then added).
+inline uint8_t fos_candidate(__m512 x, float pre, float dec, float amax, float six_e,
+                             const NvParams& p, __m512i* codes, float* err) {
+  const uint8_t sb = nv_e4m3_bits(nv_min(pre, NV_E4M3_MAX));
+  const float s = nv_e4m3_value(sb);
+  const float m = nv_min(nv_div(1.0f, nv_mul(s, dec)), NV_FLT_MAX);
+  const __m512i c = codes16(_mm512_mul_ps(x, _mm512_set1_ps(m)), p.signed_zero);
+  const __m512 grid = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                     0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  const __m512 q = _mm512_castsi512_ps(_mm512_or_si512(
+      _mm512_castps_si512(_mm512_permutexvar_ps(c, grid)),  // index bits 0-3: 8 -> 0
+      _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(8)), 28)));
+  const __m512 val = _mm512_div_ps(_mm512_mul_ps(_mm512_mul_ps(q, _mm512_set1_ps(s)),
+                                                 _mm512_set1_ps(amax)), _mm512_set1_ps(six_e));
+  const __m512 d = _mm512_sub_ps(val, x);
+  const __m512 t = p.four_over_six_error == NV_FOS_MSE ? _mm512_mul_ps(d, d) : _mm512_abs_ps(d);
+  alignas(64) float ts[16];
+  _mm512_store_ps(ts, t);
+  float lo = 0.0f, hi = 0.0f;
+  if (p.four_over_six == NV_FOS_TE) {
+    for (int i = 0; i < 16; ++i) lo = lo + ts[i];
+    *err = lo;
+  } else {
+    for (int i = 0; i < 8; ++i) {
+      lo = lo + ts[i];
+      hi = hi + ts[8 + i];
+    }
+    *err = lo + hi;
+  }
+  *codes = c;
+  return sb;
+}
+
+// A 4-over-6 block (nv_fos_block's steps): the kept candidate's byte, its codes in out.
+inline uint8_t fos_block(const float* xb, float v, NvOuter o, float amax, const NvParams& p,
+                         uint8_t* out) {
+  const __m512 x = _mm512_loadu_ps(xb);
+  const float six_e = nv_mul(NV_E2M1_MAX, p.e4m3_max);
+  const float base = nv_mul(nv_div(v, NV_E2M1_MAX), o.enc);
+  __m512i c6, c4;
+  float e6, e4;
+  const uint8_t b6 = fos_candidate(x, base, o.dec, amax, six_e, p, &c6, &e6);
+  const uint8_t b4 = fos_candidate(x, nv_mul(base, 1.5f), o.dec, amax, six_e, p, &c4, &e4);
+  const bool pick4 = e4 < e6;
+  if (p.four_over_six == NV_FOS_FLASHINFER && v == 0.0f) memset(out, 0, 8);
+  else store_codes(pick4 ? c4 : c6, out);
+  return pick4 ? b4 : b6;
 }
 
 // Scales of 16 blocks at once: the same operations as nv_block_scale and

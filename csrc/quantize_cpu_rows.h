@@ -7,13 +7,14 @@
 //   void scale_blocks(vmax, nb, o, te_mult, p, sbytes, mult, div, undefined)
 //   void encode_block(xb, enc, signed_zero, out)              16 values -> 8 bytes
 //   float row_max16(x, base, k, dtype)                        16-bit row max, -1 if unknown
+//   uint8_t fos_block(xb, v, o, amax, p, out)                 a 4-over-6 block -> byte, 8 bytes
 // and, for the SIMD paths, inside that path's `#pragma GCC target` region: every copy of
 // the driver is compiled for its own target and inlines its own helpers. The shared,
-// target-neutral parts (RowQueue, row_outer, store_scales, mx_scale_blocks, fos_row) come
-// from quantize_cpu.cpp. An MXFP4 row (an MX op_order) shares the load and the 16-value
+// target-neutral parts (RowQueue, row_outer, store_scales, mx_scale_blocks) come from
+// quantize_cpu.cpp. An MXFP4 row (an MX op_order) shares the load and the 16-value
 // encode step: its 32-value block takes its maximum from two 16-value maxima, its E8M0 byte
 // and power-of-two multiplier from mx_scale_blocks, and both halves encode with that
-// multiplier. A 4-over-6 row shares the load, then fos_row scales and encodes its blocks.
+// multiplier. A 4-over-6 row shares the load, then fos_block scales and encodes each block.
 
 // Encode one row's blocks; the signed-zero policy and whether the order divides (ModelOpt)
 // are template arguments, so the block loop carries no per-block policy branches.
@@ -70,7 +71,9 @@ inline void quantize_row(int64_t r, const void* x, uint8_t* codes, uint8_t* scal
   const NvOuter o = row_outer(rowmax, p, r, e, enc, dec, amax_out, stored_out);
   if (p.four_over_six != NV_FOS_OFF) {  // the outer maximum: this row's, or given
     const float a = p.outer_mode == NV_OUTER_ROW ? amax_out[r] : amax_out[p.outer_stride ? e : 0];
-    fos_row(t.buf.data(), t.vmax.data(), nb, o, a, p, t.sbytes.data(), codes + r * (k / 2));
+    uint8_t* crow = codes + r * (k / 2);
+    for (int64_t b = 0; b < nb; ++b)
+      t.sbytes[b] = fos_block(t.buf.data() + b * 16, t.vmax[b], o, a, p, crow + b * 8);
     store_scales(t.sbytes.data(), scales, p, r, e, rr, nb);
     return;
   }

@@ -17,6 +17,11 @@ from alignclient.errors import SpecError
 
 from libalign.kernels import native, ops
 from tests.libalign.test_ops_kernels import (  # noqa: F401  (re-collected here)
+    test_4over6_edge_cases_match_spec,
+    test_4over6_error_order_decides_like_spec,
+    test_4over6_families_match_spec,
+    test_4over6_nonfinite_raises_like_spec,
+    test_4over6_property_matches_spec,
     test_families_match_spec,
     test_nonfinite_raises_like_spec,
     test_nonfinite_saturate_matches_spec,
