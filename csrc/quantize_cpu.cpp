@@ -15,7 +15,7 @@
 // the CPU supports (__builtin_cpu_supports, which also checks that the OS saves the wide
 // registers), so a cached library runs on any x86-64 host. A 4-over-6 block (encoded twice,
 // its two errors summed in a fixed element order) takes the shared scalar steps on the
-// scalar and AVX2 paths, and one register per candidate on the AVX-512 path. A path can be forced for
+// scalar path and the path's registers on AVX2 and AVX-512, the sums in scalar. A path can be forced for
 // tests and benchmarks; one the CPU lacks is refused. Every path is checked bit for bit
 // against the spec (tests/libalign/test_ops_kernels.py).
 #include <algorithm>
@@ -135,17 +135,6 @@ inline void mx_scale_blocks(const float* vmax, int64_t nb, int order, uint8_t* s
   }
 }
 
-// One 4-over-6 block in the shared scalar steps of nvfp4_math.h (nv_fos_block): its E4M3
-// byte, its 8 packed code bytes in out. The scalar and AVX2 paths use it as it is; the
-// AVX-512 path has its own (quantize_cpu_avx512.h), checked against it.
-inline uint8_t fos_block_scalar(const float* xb, float v, NvOuter o, float amax,
-                                const NvParams& p, uint8_t* out) {
-  uint64_t packed;
-  const uint8_t sb = nv_fos_block(xb, v, o, amax, p, &packed);
-  for (int j = 0; j < 8; ++j) out[j] = static_cast<uint8_t>(packed >> (8 * j));
-  return sb;
-}
-
 }  // namespace
 
 // --- scalar: the operations of nvfp4_math.h one element at a time ---------------------------
@@ -196,9 +185,14 @@ inline void encode_block(const float* xb, NvEnc e, int signed_zero, uint8_t* out
 
 inline float row_max16(const void*, int64_t, int64_t, int) { return -1.0f; }  // load_row's
 
+// One 4-over-6 block in the shared scalar steps of nvfp4_math.h (nv_fos_block): its E4M3
+// byte, its 8 packed code bytes in out.
 inline uint8_t fos_block(const float* xb, float v, NvOuter o, float amax, const NvParams& p,
                          uint8_t* out) {
-  return fos_block_scalar(xb, v, o, amax, p, out);
+  uint64_t packed;
+  const uint8_t sb = nv_fos_block(xb, v, o, amax, p, &packed);
+  for (int j = 0; j < 8; ++j) out[j] = static_cast<uint8_t>(packed >> (8 * j));
+  return sb;
 }
 
 #include "quantize_cpu_rows.h"

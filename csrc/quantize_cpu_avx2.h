@@ -92,20 +92,29 @@ inline __m256i mags8(__m256 z) {
   return _mm256_sub_epi32(r, _mm256_add_epi32(n, n));
 }
 
-// The sign bits (as all-ones words, in the order of _mm256_packus_epi32(lo, hi)) of 16
-// scaled values under the signed-zero policy: negative z ('sign_of_input'), z < 0
-// ('sign_of_nonzero'), z < -0.25 ('positive').
-inline __m256i negs16(__m256 z0, __m256 z1, int signed_zero) {
-  __m256i n0, n1;
-  if (signed_zero == NV_SZ_SIGN_OF_INPUT) {
-    n0 = _mm256_srai_epi32(_mm256_castps_si256(z0), 31);
-    n1 = _mm256_srai_epi32(_mm256_castps_si256(z1), 31);
-  } else {
-    const __m256 t = _mm256_set1_ps(signed_zero == NV_SZ_SIGN_OF_NONZERO ? 0.0f : -0.25f);
-    n0 = _mm256_castps_si256(_mm256_cmp_ps(z0, t, _CMP_LT_OQ));
-    n1 = _mm256_castps_si256(_mm256_cmp_ps(z1, t, _CMP_LT_OQ));
-  }
-  return _mm256_packs_epi32(n0, n1);
+// The sign bits (as all-ones dwords) of 8 scaled values under the signed-zero policy:
+// negative z ('sign_of_input'), z < 0 ('sign_of_nonzero'), z < -0.25 ('positive').
+inline __m256i negs8(__m256 z, int signed_zero) {
+  if (signed_zero == NV_SZ_SIGN_OF_INPUT) return _mm256_srai_epi32(_mm256_castps_si256(z), 31);
+  const __m256 t = _mm256_set1_ps(signed_zero == NV_SZ_SIGN_OF_NONZERO ? 0.0f : -0.25f);
+  return _mm256_castps_si256(_mm256_cmp_ps(z, t, _CMP_LT_OQ));
+}
+
+// 16 codes as magnitudes (dwords, elements 0-7 in m0, 8-15 in m1) and sign masks (n0, n1)
+// -> 8 packed bytes, the even element in the low nibble.
+inline void store_codes(__m256i m0, __m256i m1, __m256i n0, __m256i n1, uint8_t* out) {
+  // words, per 128-bit lane: lane 0 = codes 0-3, 8-11; lane 1 = codes 4-7, 12-15
+  const __m256i w = _mm256_or_si256(_mm256_packus_epi32(m0, m1),
+                                    _mm256_and_si256(_mm256_packs_epi32(n0, n1), _mm256_set1_epi16(8)));
+  // each dword's low byte = its even code | its odd code << 4: pairs (0,1) (2,3) (8,9)
+  // (10,11) in lane 0, (4,5) (6,7) (12,13) (14,15) in lane 1
+  const __m256i y = _mm256_or_si256(w, _mm256_srli_epi32(w, 12));
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i q = _mm256_shuffle_epi8(y, pick);
+  // interleave the two lanes' 16-bit pairs of bytes: bytes 0-1, 2-3, 4-5, 6-7 in order
+  const __m128i bytes = _mm_unpacklo_epi16(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), bytes);
 }
 
 // Encode one block of 16 fp32 values into 8 packed bytes (low nibble = even element).
@@ -121,18 +130,7 @@ inline void encode_block(const float* xb, NvEnc e, int signed_zero, uint8_t* out
     z0 = _mm256_mul_ps(x0, m);
     z1 = _mm256_mul_ps(x1, m);
   }
-  // words, per 128-bit lane: lane 0 = codes 0-3, 8-11; lane 1 = codes 4-7, 12-15
-  const __m256i w = _mm256_or_si256(_mm256_packus_epi32(mags8(z0), mags8(z1)),
-                                    _mm256_and_si256(negs16(z0, z1, signed_zero), _mm256_set1_epi16(8)));
-  // each dword's low byte = its even code | its odd code << 4: pairs (0,1) (2,3) (8,9)
-  // (10,11) in lane 0, (4,5) (6,7) (12,13) (14,15) in lane 1
-  const __m256i y = _mm256_or_si256(w, _mm256_srli_epi32(w, 12));
-  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-  const __m256i q = _mm256_shuffle_epi8(y, pick);
-  // interleave the two lanes' 16-bit pairs of bytes: bytes 0-1, 2-3, 4-5, 6-7 in order
-  const __m128i bytes = _mm_unpacklo_epi16(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), bytes);
+  store_codes(mags8(z0), mags8(z1), negs8(z0, signed_zero), negs8(z1, signed_zero), out);
 }
 
 // Scales of 8 blocks at once: the same operations as nv_block_scale and
@@ -232,8 +230,65 @@ inline float row_max16(const void* x, int64_t base, int64_t k, int dtype) {
   return top < (dtype == NV_IN_BF16 ? 0x7F80u : 0x7C00u) ? load_scalar(&top16, 0, dtype) : -1.0f;
 }
 
-// A 4-over-6 block: the shared scalar steps (nv_fos_block; quantize_cpu.cpp).
+// The reconstruction errors of 8 values x with codes (magnitudes m, sign masks n) under
+// scale s (nv_fos_candidate's steps, lane by lane): |e| (MAE) or fl(e * e) (MSE), with
+// e = fl(fl(fl(fl(q * s) * amax) / six_e) - x).
+inline __m256 fos_terms8(__m256 x, __m256i m, __m256i n, float s, float amax, float six_e,
+                         int mse) {
+  const __m256 grid = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  const __m256 q = _mm256_castsi256_ps(_mm256_or_si256(
+      _mm256_castps_si256(_mm256_permutevar8x32_ps(grid, m)),
+      _mm256_and_si256(n, _mm256_set1_epi32(static_cast<int>(0x80000000u)))));
+  const __m256 val = _mm256_div_ps(_mm256_mul_ps(_mm256_mul_ps(q, _mm256_set1_ps(s)),
+                                                 _mm256_set1_ps(amax)), _mm256_set1_ps(six_e));
+  const __m256 d = _mm256_sub_ps(val, x);
+  return mse ? _mm256_mul_ps(d, d)
+             : _mm256_and_ps(d, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
+}
+
+// One 4-over-6 candidate of the block (x0, x1): scale byte and multiplier in scalar, codes
+// and errors 8 lanes at a time, the errors summed in scalar in the spec's element order.
+inline uint8_t fos_candidate(__m256 x0, __m256 x1, float pre, float dec, float amax,
+                             float six_e, const NvParams& p, __m256i* c, float* err) {
+  const uint8_t sb = nv_e4m3_bits(nv_min(pre, NV_E4M3_MAX));
+  const float s = nv_e4m3_value(sb);
+  const __m256 mult = _mm256_set1_ps(nv_min(nv_div(1.0f, nv_mul(s, dec)), NV_FLT_MAX));
+  const __m256 z0 = _mm256_mul_ps(x0, mult), z1 = _mm256_mul_ps(x1, mult);
+  c[0] = mags8(z0);
+  c[1] = mags8(z1);
+  c[2] = negs8(z0, p.signed_zero);
+  c[3] = negs8(z1, p.signed_zero);
+  const int mse = p.four_over_six_error == NV_FOS_MSE;
+  alignas(32) float ts[16];
+  _mm256_store_ps(ts, fos_terms8(x0, c[0], c[2], s, amax, six_e, mse));
+  _mm256_store_ps(ts + 8, fos_terms8(x1, c[1], c[3], s, amax, six_e, mse));
+  float lo = 0.0f, hi = 0.0f;
+  if (p.four_over_six == NV_FOS_TE) {
+    for (int i = 0; i < 16; ++i) lo = lo + ts[i];
+    *err = lo;
+  } else {
+    for (int i = 0; i < 8; ++i) {
+      lo = lo + ts[i];
+      hi = hi + ts[8 + i];
+    }
+    *err = lo + hi;
+  }
+  return sb;
+}
+
+// A 4-over-6 block (nv_fos_block's steps): the kept candidate's byte, its codes in out.
 inline uint8_t fos_block(const float* xb, float v, NvOuter o, float amax, const NvParams& p,
                          uint8_t* out) {
-  return fos_block_scalar(xb, v, o, amax, p, out);
+  const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+  const float six_e = nv_mul(NV_E2M1_MAX, p.e4m3_max);
+  const float base = nv_mul(nv_div(v, NV_E2M1_MAX), o.enc);
+  __m256i c6[4], c4[4];
+  float e6, e4;
+  const uint8_t b6 = fos_candidate(x0, x1, base, o.dec, amax, six_e, p, c6, &e6);
+  const uint8_t b4 = fos_candidate(x0, x1, nv_mul(base, 1.5f), o.dec, amax, six_e, p, c4, &e4);
+  const bool pick4 = e4 < e6;
+  const __m256i* c = pick4 ? c4 : c6;
+  if (p.four_over_six == NV_FOS_FLASHINFER && v == 0.0f) memset(out, 0, 8);
+  else store_codes(c[0], c[1], c[2], c[3], out);
+  return pick4 ? b4 : b6;
 }
