@@ -20,8 +20,8 @@ How a call is served
     ``te_4over6_448``, ``te_row_4over6``, ``flashinfer_pertoken_4over6``, MAE or MSE): each
     block is encoded with its maximum mapped to 6 and to 4 and keeps the candidate with the
     smaller error, summed in TE's or FlashInfer's order (the scalar steps of
-    ``csrc/nvfp4_math.h`` on the scalar and AVX2 paths and on the GPU, one register per
-    candidate on AVX-512; the error sums stay in the spec's element order). Anything
+    ``csrc/nvfp4_math.h`` on the scalar path and the GPU, the same steps lane by lane on
+    AVX2 and AVX-512; the error sums stay in the spec's element order). Anything
     else — the compressed-tensors order (its scale math runs in bf16), a Hadamard rotation,
     stochastic rounding, K not a multiple of the block (16, MXFP4 32; the presets refuse it
     with the spec's ShapeError), a given per-row maximum, SGLang's KV formats (FlashInfer's
