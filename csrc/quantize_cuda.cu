@@ -20,7 +20,7 @@
 // 'positive' keeps them where the magnitude code is not zero.
 //
 // 4-over-6 block scaling (te order; p.four_over_six) replaces phase 2's scale and encode
-// of a block by fos_block: the shared scalar steps of nvfp4_math.h, bit for bit the CPU's.
+// of a block by fos_block: the shared scalar steps of nvfp4_math.h, as the CPU's scalar path.
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -186,19 +186,35 @@ __device__ __forceinline__ uint32_t encode8(const uint32_t* w, float mult, float
   return packed;
 }
 
-// A 4-over-6 block (words w, maximum v; te order only): the shared scalar steps of
-// nvfp4_math.h (nv_fos_block), which encode the block twice and keep the candidate with
-// the smaller error summed in the spec's element order. One lane per block, as above.
-template <int DT>
-__device__ __forceinline__ void fos_block(const uint32_t* w, float v, NvOuter o, float amax,
-                                       const NvParams& p, uint8_t* scale, uint2* out) {
-  constexpr int kEpw = Traits<DT>::kEpw;
-  float xs[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) xs[i] = word_elem<DT>(w[i / kEpw], i % kEpw);
+// A 4-over-6 block (te order only): the shared scalar steps of nvfp4_math.h
+// (nv_fos_block), which encode the block twice and keep the candidate with the smaller
+// error summed in the spec's element order. One lane per block, as above. Not inlined: the
+// kernels pass the widened block and the few parameters it reads by value, so the 72 te-order
+// kernels share one copy of it and keep their own words in registers.
+struct FosBlock { float x[16]; };
+
+__device__ __noinline__ uint2 fos_block(FosBlock blk, float v, NvOuter o, float amax,
+                                        float e4m3_max, int rule, int error, int signed_zero,
+                                        uint8_t* scale) {
+  NvParams p{};
+  p.e4m3_max = e4m3_max;
+  p.four_over_six = rule;
+  p.four_over_six_error = error;
+  p.signed_zero = signed_zero;
   uint64_t packed;
-  *scale = nv_fos_block(xs, v, o, amax, p, &packed);
-  __stcs(out, make_uint2(static_cast<uint32_t>(packed), static_cast<uint32_t>(packed >> 32)));
+  *scale = nv_fos_block(blk.x, v, o, amax, p, &packed);
+  return make_uint2(static_cast<uint32_t>(packed), static_cast<uint32_t>(packed >> 32));
+}
+
+template <int DT>
+__device__ __forceinline__ void fos_store(const uint32_t* w, float v, NvOuter o, float amax,
+                                          const NvParams& p, uint8_t* scale, uint2* out) {
+  constexpr int kEpw = Traits<DT>::kEpw;
+  FosBlock blk;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) blk.x[i] = word_elem<DT>(w[i / kEpw], i % kEpw);
+  __stcs(out, fos_block(blk, v, o, amax, p.e4m3_max, p.four_over_six, p.four_over_six_error,
+                        p.signed_zero, scale));
 }
 
 template <int DT, int ORDER, int SZ, bool STAGED>
@@ -283,7 +299,7 @@ quantize_rows(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
     }
     if constexpr (ORDER == NV_ORDER_TE) {
       if (p.four_over_six != NV_FOS_OFF) {
-        fos_block<DT>(w, __uint_as_float(bm), o, fos_amax, p,
+        fos_store<DT>(w, __uint_as_float(bm), o, fos_amax, p,
                       scales + scale_row + (p.swizzled ? nv_swizzle_col(b) : b), crow + b);
         continue;
       }
@@ -412,7 +428,7 @@ quantize_rows_reg(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
     if (b >= nb) break;
     if constexpr (ORDER == NV_ORDER_TE) {
       if (p.four_over_six != NV_FOS_OFF) {
-        fos_block<DT>(w[i], __uint_as_float(bm[i]), o, fos_amax, p,
+        fos_store<DT>(w[i], __uint_as_float(bm[i]), o, fos_amax, p,
                       scales + scale_row + (p.swizzled ? nv_swizzle_col(b) : b), crow + b);
         continue;
       }
