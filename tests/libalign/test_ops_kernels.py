@@ -393,7 +393,8 @@ def test_4over6_edge_cases_match_spec(device, name):
 
 
 def test_4over6_nonfinite_raises_like_spec(device):
-    """NaN/Inf under 4-over-6 and the bound 256: the spec's NonFiniteError, same positions."""
+    """NaN/Inf under 4-over-6 and the bound 256: the spec's NonFiniteError, same positions;
+    nonfinite='saturate' gives the spec's bits."""
     x = inputs.randn((2, 16, 64))
     x[1, 5, 17] = float("nan")
     x[0, 3, 60] = float("-inf")
@@ -404,6 +405,7 @@ def test_4over6_nonfinite_raises_like_spec(device):
         with pytest.raises(NonFiniteError) as want:
             quantize(x, spec)
         assert str(got.value) == str(want.value)
+        run_both(x, spec.replace(nonfinite="saturate"), device)  # NaN -> 0, Inf -> the max
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
