@@ -29,6 +29,10 @@ from typer.testing import CliRunner
 from libalign import metrics, models
 from libalign.models.teacher_forcing import replay_decode
 
+# One torch thread (the run itself picks one for the tiny models, but not for a --checkpoint
+# directory nor for the sides called directly here): the tiny matrices gain nothing from more.
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 runner = CliRunner()
 SMALL = ["--model", "tiny-random", "--num-prompts", "8", "--batch-size", "4", "--n-boot", "50",
          "--localize-sequences", "4", "--layers", "0,3", "--replay-layers", "3", "--quiet"]
