@@ -175,7 +175,7 @@ class DeviceOps:
         if not self._on_device("attention", q):
             return portable.attention(q, k, v, allowed, scaling)
         fn = lambda q_, k_, v_: self.kernels.attention(q_, k_, v_, allowed, scaling)  # noqa: E731
-        stock = lambda q_, k_, v_: portable._attention_stock(q_, k_, v_, allowed, scaling)  # noqa: E731
+        stock = lambda q_, k_, v_: portable.attention_stock(q_, k_, v_, allowed, scaling)  # noqa: E731
         return portable.strict_forward(fn, stock, q, k, v)
 
 

@@ -59,7 +59,8 @@ import torch
 from libalign.errors import DTypeError, ShapeError
 from libalign.strict.triton_matmul import kordered_matmul, kordered_matmul_available
 
-__all__ = ["attention", "exp", "linear", "log", "log_softmax", "rms_norm", "sequential_sum",
+__all__ = ["attention", "attention_stock", "exp", "linear", "log", "log_softmax", "rms_norm",
+           "sequential_sum",
            "silu", "softmax", "topk_indices", "tree_sum"]
 
 _LOG2E = 1.4426950408889634
@@ -351,7 +352,10 @@ def _slot_sums(e, vf):
     return den, num
 
 
-def _attention_stock(q, k, v, allowed, scaling):
+def attention_stock(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                    scaling: float) -> torch.Tensor:
+    """The stock (not batch-invariant) masked attention whose gradient the strict attention
+    backward uses; fp32 scores and probabilities, a query that sees no key gets zeros."""
     rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(rep, dim=1)
     v = v.repeat_interleave(rep, dim=1)
@@ -371,5 +375,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
         raise ShapeError(f"attention shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
     fn = lambda q_, k_, v_: _attention_values(q_, k_, v_, allowed, scaling)  # noqa: E731
-    stock = lambda q_, k_, v_: _attention_stock(q_, k_, v_, allowed, scaling)  # noqa: E731
+    stock = lambda q_, k_, v_: attention_stock(q_, k_, v_, allowed, scaling)  # noqa: E731
     return strict_forward(fn, stock, q, k, v)
