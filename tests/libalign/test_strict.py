@@ -238,7 +238,7 @@ def test_modes_refuse_what_they_cannot_keep_invariant(model):
         op_set("fast")
     with pytest.raises(ConfigError, match="portable"):
         op_set("portable", kernels=TensorCoreKernels())
-    with pytest.raises(ConfigError, match="strict matmul.*CUDA"):
+    with pytest.raises(ConfigError, match=r"strict matmul.*CUDA"):
         tensorcore.matmul(torch.zeros(2, 16, dtype=torch.bfloat16),
                           torch.zeros(4, 16, dtype=torch.bfloat16))
     strict.enable(model, "portable")
