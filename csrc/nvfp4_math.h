@@ -199,6 +199,18 @@ NV_HD float nv_e2m1_value(uint32_t code) {
   return nv_u2f(nv_f2u(mag) | ((code & 8u) << 28));
 }
 
+// The summed error of a 4-over-6 candidate from its 16 fp32 terms t (|e_i| or e_i^2), in the
+// rule's order: from 0 in element order (TE), or each half of 8 from 0, then the halves added
+// (FlashInfer). Every path (scalar, SIMD, CUDA) sums through here.
+NV_HD float nv_fos_error_sum(const float* t, int rule) {
+  float lo = 0.0f, hi = 0.0f;
+  for (int i = 0; i < 16; ++i) {
+    if (rule == NV_FOS_TE || i < 8) lo = nv_add(lo, t[i]);
+    else hi = nv_add(hi, t[i]);
+  }
+  return rule == NV_FOS_TE ? lo : nv_add(lo, hi);
+}
+
 // One candidate of a 4-over-6 block from its block scale before the cast, pre: the E4M3
 // byte, the 16 codes packed (element i at bits 4i) and the summed error, each step one
 // fp32 rounding in the spec's order:
@@ -215,19 +227,17 @@ NV_HD uint8_t nv_fos_candidate(const float* x, float pre, float dec, float amax,
   e.div = 1.0f;
   e.use_div = 0;
   const int mse = p.four_over_six_error == NV_FOS_MSE;
-  float lo = 0.0f, hi = 0.0f;
+  float t[16];
   uint64_t packed = 0;
   for (int i = 0; i < 16; ++i) {
     const uint32_t code = nv_e2m1_code(x[i], e, p.signed_zero);
     packed |= static_cast<uint64_t>(code) << (4 * i);
     const float val = nv_div(nv_mul(nv_mul(nv_e2m1_value(code), s), amax), six_e);
     const float d = nv_sub(val, x[i]);
-    const float t = mse ? nv_mul(d, d) : fabsf(d);
-    if (p.four_over_six == NV_FOS_TE || i < 8) lo = nv_add(lo, t);
-    else hi = nv_add(hi, t);
+    t[i] = mse ? nv_mul(d, d) : fabsf(d);
   }
   *codes = packed;
-  *err = p.four_over_six == NV_FOS_TE ? lo : nv_add(lo, hi);
+  *err = nv_fos_error_sum(t, p.four_over_six);
   return sb;
 }
 

@@ -262,17 +262,7 @@ inline uint8_t fos_candidate(__m256 x0, __m256 x1, float pre, float dec, float a
   alignas(32) float ts[16];
   _mm256_store_ps(ts, fos_terms8(x0, c[0], c[2], s, amax, six_e, mse));
   _mm256_store_ps(ts + 8, fos_terms8(x1, c[1], c[3], s, amax, six_e, mse));
-  float lo = 0.0f, hi = 0.0f;
-  if (p.four_over_six == NV_FOS_TE) {
-    for (int i = 0; i < 16; ++i) lo = lo + ts[i];
-    *err = lo;
-  } else {
-    for (int i = 0; i < 8; ++i) {
-      lo = lo + ts[i];
-      hi = hi + ts[8 + i];
-    }
-    *err = lo + hi;
-  }
+  *err = nv_fos_error_sum(ts, p.four_over_six);
   return sb;
 }
 

@@ -111,17 +111,7 @@ inline uint8_t fos_candidate(__m512 x, float pre, float dec, float amax, float s
   const __m512 t = p.four_over_six_error == NV_FOS_MSE ? _mm512_mul_ps(d, d) : _mm512_abs_ps(d);
   alignas(64) float ts[16];
   _mm512_store_ps(ts, t);
-  float lo = 0.0f, hi = 0.0f;
-  if (p.four_over_six == NV_FOS_TE) {
-    for (int i = 0; i < 16; ++i) lo = lo + ts[i];
-    *err = lo;
-  } else {
-    for (int i = 0; i < 8; ++i) {
-      lo = lo + ts[i];
-      hi = hi + ts[8 + i];
-    }
-    *err = lo + hi;
-  }
+  *err = nv_fos_error_sum(ts, p.four_over_six);
   *codes = c;
   return sb;
 }
