@@ -156,7 +156,7 @@ class DeviceOps:
         n = scores.shape[-1]
         if not 1 <= k <= n:
             raise ShapeError(f"top-{k} of {n} entries")
-        return torch.sort(scores.detach(), -1, descending=True, stable=True).indices[..., :k]
+        return torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices[..., :k]
 
     @staticmethod
     def sequential_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
