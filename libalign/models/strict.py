@@ -197,7 +197,7 @@ def _expert_rows(a: torch.Tensor, w: gemm.ExpertWeights, counts: list[int], act_
     if p.quantized:
         q = gemm.quantize_activations(a, p.act_spec)[0] if act_q is None else act_q
         a_in = gemm.inner_values(q, inner_dtype)
-        a_dec = row_epilogue_scales(q, p) if grouped else gemm.row_decode_scales(q)
+        a_dec = row_epilogue_scales(q, p)  # what the path's epilogue reads of each row
     if grouped:
         return _grouped_rows(ops, a, w, counts, a_in if p.quantized else None,
                              a_dec if p.quantized else None, out_dtype)
@@ -209,7 +209,7 @@ def _expert_rows(a: torch.Tensor, w: gemm.ExpertWeights, counts: list[int], act_
         if p.quantized:
             def fn(_a, _w, e=e, rows=rows):
                 acc = strict_ops.matmul_f32(a_in[rows], w.inner[e])
-                return gemm.epilogue(acc, a_dec[rows], w.dec[e], out_dtype)
+                return gemm.epilogue(acc, a_dec[rows], w.dec[e], out_dtype, path=p)
         else:
             def fn(_a, _w):
                 return strict_ops.matmul_f32(_a, _w).to(out_dtype)

@@ -269,3 +269,21 @@ def test_device_mode_on_a_cpu_is_the_portable_ops():
              (lambda o: o.attention(q, k.bfloat16(), k.bfloat16(), seen, 0.25))]
     for fn in pairs:
         assert torch.equal(fn(dev), fn(port))
+
+
+@pytest.mark.parametrize("path", ["nvfp4_minite", "nvfp4_te_rowact", "nvfp4_te_rowact_4over6"])
+def test_strict_experts_scale_by_the_paths_own_epilogue(path):
+    """Strict experts on a row-scaled path give the path's own products: TE's row epilogue reads
+    the stored maxima and its factor, not the decode-scale product (a mix-up is off by ~1e10)."""
+    from libalign import gemm
+
+    g = torch.Generator().manual_seed(0)
+    w1 = (torch.randn(4, 64, 64, generator=g) * 0.1).bfloat16()
+    w2 = (torch.randn(4, 64, 32, generator=g) * 0.1).bfloat16()
+    h = torch.randn(10, 64, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(10)])
+    wt = torch.full((10, 2), 0.5)
+    gu, dn = gemm.prepare_weights(w1, path), gemm.prepare_weights(w2, path)
+    ref = gemm.moe_experts_forward(h, idx, wt, gu, dn).float()
+    got = strict.experts_forward(h, idx, wt, gu, dn).float()
+    assert float((got - ref).norm() / ref.norm()) < 1e-2
