@@ -32,7 +32,7 @@ from typing import Protocol
 
 import torch
 
-from libalign.errors import ConfigError, ShapeError
+from libalign.errors import ConfigError
 from libalign.strict import ops as portable
 from libalign.strict import tensorcore
 
@@ -116,8 +116,7 @@ class DeviceOps:
         """``x @ weight.T (+ bias)`` rounded once to ``x``'s dtype."""
         if not self._on_device("linear", x):
             return portable.linear(x, weight, bias)
-        if x.shape[-1] != weight.shape[-1]:
-            raise ShapeError(f"linear: input width {x.shape[-1]}, weight {tuple(weight.shape)}")
+        portable.check_linear(x, weight)
 
         def values(x_, w_, b_=None):
             out = self.kernels.matmul(x_.reshape(-1, x_.shape[-1]), w_, b_, x_.dtype)
@@ -156,9 +155,7 @@ class DeviceOps:
         """Indices of the ``k`` largest entries per row, largest first, ties to the lower index."""
         if not self._on_device("topk", scores):
             return portable.topk_indices(scores, k)
-        n = scores.shape[-1]
-        if not 1 <= k <= n:
-            raise ShapeError(f"top-{k} of {n} entries")
+        portable.check_topk(k, scores.shape[-1])
         return torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices[..., :k]
 
     @staticmethod

@@ -59,9 +59,9 @@ import torch
 from libalign.errors import DTypeError, ShapeError
 from libalign.strict.triton_matmul import kordered_matmul, kordered_matmul_available
 
-__all__ = ["attention", "attention_stock", "exp", "linear", "log", "log_softmax", "rms_norm",
-           "sequential_sum",
-           "silu", "softmax", "topk_indices", "tree_sum"]
+__all__ = ["attention", "attention_stock", "check_linear", "check_topk", "exp", "linear", "log",
+           "log_softmax", "rms_norm", "sequential_sum", "silu", "softmax", "topk_indices",
+           "tree_sum"]
 
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693145751953125       # 0.6931457519 has 15 significant bits: n * _LN2_HI is exact
@@ -211,12 +211,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * y
 
 
+def check_topk(k: int, n: int) -> None:
+    """:class:`~libalign.errors.ShapeError` unless ``1 <= k <= n`` (top-``k`` of ``n``)."""
+    if not 1 <= k <= n:
+        raise ShapeError(f"top-{k} of {n} entries")
+
+
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest entries of each row, largest first, ties to the lower index."""
     s = scores.detach().clone()
     n = s.shape[-1]
-    if not 1 <= k <= n:
-        raise ShapeError(f"top-{k} of {n} entries")
+    check_topk(k, n)
     pos = torch.arange(n, device=s.device).expand_as(s)
     out = []
     for _ in range(k):
@@ -296,11 +301,16 @@ def _linear_values(x, weight, bias=None):
     return acc.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
+def check_linear(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """:class:`~libalign.errors.ShapeError` unless ``x``'s width is ``weight``'s ``[N, K]`` K."""
+    if x.shape[-1] != weight.shape[-1]:
+        raise ShapeError(f"linear: input width {x.shape[-1]}, weight {tuple(weight.shape)}")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` with the K-ordered fp32 accumulation, rounded once to ``x``'s
     dtype; differentiable (the backward is ``torch.nn.functional.linear``'s)."""
-    if x.shape[-1] != weight.shape[-1]:
-        raise ShapeError(f"linear: input width {x.shape[-1]}, weight {tuple(weight.shape)}")
+    check_linear(x, weight)
     if bias is None:
         return strict_forward(_linear_values, torch.nn.functional.linear, x, weight)
     return strict_forward(_linear_values, torch.nn.functional.linear, x, weight, bias)

@@ -28,6 +28,7 @@ from types import ModuleType
 
 import torch
 
+from libalign import gemm
 from libalign.errors import ConfigError
 from libalign.strict import tensorcore
 
@@ -66,7 +67,8 @@ class SGLangKernels:
                        out_dtype: torch.dtype, a_dec: torch.Tensor | None = None,
                        w_dec: torch.Tensor | None = None) -> torch.Tensor:
         """Each expert's rows by ``matmul_persistent``; with ``a_dec``/``w_dec`` the NVFP4
-        epilogue ``acc * (a_dec[m] * w_dec[e, n])`` in fp32, then the rounding."""
+        epilogue after it (:func:`libalign.gemm.epilogue`: ``acc * (a_dec[m] * w_dec[e, n])``
+        in fp32, then the rounding)."""
         parts, lo = [], 0
         for e, n in enumerate(counts):
             if n:
@@ -75,8 +77,7 @@ class SGLangKernels:
                     parts.append(self.matmul(rows, w[e], out_dtype=out_dtype))
                 else:
                     acc = self.matmul(rows, w[e], out_dtype=torch.float32)
-                    scale = a_dec[lo:lo + n].float().reshape(-1, 1) * w_dec[e].float().reshape(1, -1)
-                    parts.append((acc * scale).to(out_dtype))
+                    parts.append(gemm.epilogue(acc, a_dec[lo:lo + n], w_dec[e], out_dtype))
             lo += n
         if not parts:
             return a.new_empty((0, w.shape[1]), dtype=out_dtype)
