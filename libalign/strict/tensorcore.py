@@ -35,6 +35,8 @@ gives the same bits alone, in a batch of 512, in a prefill or in a decode step.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from libalign.errors import ConfigError, DTypeError, ShapeError
@@ -277,7 +279,13 @@ def matmul(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
 def group_tiles(counts: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
     """The grouped launch's row tiles from per-expert row counts (rows sorted by expert):
     ``(expert, first row, end row)`` per tile, int32 on ``device``; a tile never holds two
-    experts' rows."""
+    experts' rows. A MoE layer's FC1 and FC2 share their counts, so the last few tables are
+    kept (read-only) rather than built and copied twice."""
+    return _tiles(tuple(counts), torch.device(device))
+
+
+@functools.lru_cache(maxsize=8)
+def _tiles(counts: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     bm = CONFIGS[torch.bfloat16][0]
     es, los, his = [], [], []
     lo = 0
