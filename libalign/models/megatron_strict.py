@@ -8,7 +8,9 @@ whose summation order a stock kernel picks from the call's shape is replaced by 
 the call. :func:`enable` does the same to a Megatron ``GPTModel`` built by
 :func:`libalign.models.megatron.build_gpt_model` (``numerics="qwen3"``), with **the same ops in
 the same order**, so the Megatron learner's log-probs equal the embedded strict sampler's with
-atol = 0 (the tests pin it on the CPU and, marked ``gpu``, on CUDA):
+atol = 0 (the tests pin it on the CPU and, marked ``gpu``, on CUDA). The table names the
+portable forms; :func:`enable`'s ``mode`` picks the op set (:mod:`libalign.strict.device`),
+which the sampler must share:
 
 =================================  ============================================================
 Megatron module                    strict form

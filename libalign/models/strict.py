@@ -12,10 +12,13 @@ the learner's log-probs equal the sampler's bit for bit (δ = 0), so RL needs no
 correction.
 
 :func:`enable` turns a stock Hugging Face ``Qwen3MoeForCausalLM`` strict in place (instance
-attributes only, like :mod:`libalign.models.paths`; :func:`disable` gives everything back):
+attributes only, like :mod:`libalign.models.paths`; :func:`disable` gives everything back). The
+table names the portable forms (:mod:`libalign.strict.ops`); in the default ``device`` mode a
+GPU runs the same steps on the batch-invariant kernels of :mod:`libalign.strict.tensorcore`
+(:mod:`libalign.strict.device` says which op runs where):
 
 ==========================  =====================================================================
-what                        strict form (:mod:`libalign.strict.ops`)
+what                        strict form (portable)
 ==========================  =====================================================================
 every ``nn.Linear``         ``linear``: fp32 accumulation in K order, one rounding (q/k/v/o, LM
                             head)
