@@ -38,6 +38,21 @@ def one_thread():
         yield
 
 
+@pytest.fixture(scope="module")
+def megatron_world():
+    """One ``gloo`` process and Megatron's model-parallel state for a module, reusing the state
+    a sibling module left open (Megatron keeps it process-wide)."""
+    from megatron.core import parallel_state
+
+    from libalign.models.megatron_cpu import single_process_group
+
+    if parallel_state.model_parallel_is_initialized():
+        yield
+        return
+    with single_process_group("gloo"):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _kernel_config_read_again():
     """After each test, libalign's kernel configuration is read from the (restored)

@@ -40,6 +40,7 @@ from libalign.models import megatron_export as mx
 from libalign.models import train as train_mod
 from libalign.models.megatron_cpu import cpu_shims, single_process_group
 from libalign.models.task import SyntheticTask
+from tests.libalign.megatron_config import small_config
 
 # These run Megatron on the CPU through libalign's CPU shims. On a host with CUDA the shimmed
 # ``torch.cuda.current_device`` meets megatron-core's compiled router (torch.compile indexes
@@ -50,9 +51,7 @@ pytestmark = CPU_ONLY
 
 PATHS = ("bf16", "nvfp4_naive", "nvfp4_minite", "nvfp4_trace")
 TASK = SyntheticTask()
-CFG = tiny_config(num_hidden_layers=2, vocab_size=48, hidden_size=64, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-                  moe_intermediate_size=32)
+CFG = small_config()
 
 
 @pytest.fixture(scope="session")

@@ -32,34 +32,22 @@ from libalign.errors import RoutingRecordError, SpecError
 from libalign.guidance import row_keys
 from libalign.models import megatron as mg
 from libalign.models import megatron_routing as mr
-from libalign.models import tiny_config
 from libalign.models import train as train_mod
-from libalign.models.megatron_cpu import cpu_shims, single_process_group
+from libalign.models.megatron_cpu import cpu_shims
 from libalign.models.routing_replay import RoutingTable
 from libalign.routing.records import RoutingRecord
+from tests.libalign.megatron_config import small_config
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="CPU-shim test; Megatron's CUDA router is not shimmed")
 
-CFG = tiny_config(num_hidden_layers=2, vocab_size=48, hidden_size=64, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-                  moe_intermediate_size=32)
+CFG = small_config()
 
 
-@pytest.fixture(scope="module")
-def world():
-    """Megatron's model-parallel state: the one a sibling module opened, or our own."""
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        yield
-        return
-    with single_process_group("gloo"):
-        yield
 
 
 @pytest.fixture(autouse=True)
-def _shims(world):
+def _shims(megatron_world):
     with cpu_shims(), train_mod.cpu_threads(1):
         yield
 
@@ -138,7 +126,7 @@ def test_record_mode_replays_the_recording_forward_bitwise(kind):
 
 
 @pytest.fixture(scope="module")
-def router(world):
+def router(megatron_world):
     with cpu_shims():
         return mr.routers(_stock())[0]
 

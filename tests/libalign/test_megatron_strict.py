@@ -20,32 +20,20 @@ pytest.importorskip("megatron.core")
 from alignclient.errors import ConfigError, SpecError
 from alignd.learner.engine import TorchLearnerEngine
 from alignd.learner.megatron_engine import MegatronLearnerEngine
-from megatron.core import parallel_state
 
-from libalign.models import build_model, capture_guidance, generate, strict, tiny_config, use_path
+from libalign.models import build_model, capture_guidance, generate, strict, use_path
 from libalign.models import megatron as mg
 from libalign.models import megatron_export as mx
 from libalign.models import megatron_strict as ms
 from libalign.models import train as train_mod
-from libalign.models.megatron_cpu import cpu_shims, single_process_group
+from libalign.models.megatron_cpu import cpu_shims
 from libalign.models.task import SyntheticTask
+from tests.libalign.megatron_config import small_config
 
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(),
                               reason="CPU-shim test; the gpu-marked test covers CUDA hosts")
 TASK = SyntheticTask()
-CFG = tiny_config(num_hidden_layers=2, vocab_size=48, hidden_size=64, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-                  moe_intermediate_size=32)
-
-
-@pytest.fixture(scope="module")
-def megatron_world():
-    """One ``gloo`` process and Megatron's parallel state (another module's, if still up)."""
-    if parallel_state.model_parallel_is_initialized():
-        yield
-        return
-    with single_process_group("gloo"):
-        yield
+CFG = small_config()
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ from alignclient.errors import ConfigError
 from libalign.models import build_model
 from libalign.models import megatron as mg
 from libalign.models import megatron_export as mx
-from libalign.models.megatron_cpu import cpu_shims, single_process_group
+from libalign.models.megatron_cpu import cpu_shims
 from libalign.models.megatron_parallel import launch
 from libalign.models.megatron_spec import check_config, make_spec
 from libalign.models.train import cpu_threads
@@ -52,26 +52,16 @@ ROOT = Path(__file__).resolve().parents[2]
 PATHS = ("bf16", "nvfp4_naive", "nvfp4_minite", "nvfp4_trace")
 
 
-@pytest.fixture(scope="module")
-def world():
-    """One ``gloo`` process with Megatron's parallel state (an open one is reused)."""
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        yield
-        return
-    with single_process_group("gloo"):
-        yield
 
 
 @pytest.fixture(autouse=True)
-def _shims(world):
+def _shims(megatron_world):
     with cpu_shims(), cpu_threads(1):
         yield
 
 
 @pytest.fixture(scope="module")
-def hf_sd(world):
+def hf_sd(megatron_world):
     return {k: v.detach().clone() for k, v in build_model(W.config(), seed=1).state_dict().items()}
 
 
@@ -152,7 +142,7 @@ def test_name_table_cuts_qkv_and_fc1_as_slime_does():
         "model.layers.1.post_attention_layernorm.weight",)
 
 
-def test_sharded_state_dict_is_megatrons_sequential_layout(world):
+def test_sharded_state_dict_is_megatrons_sequential_layout(megatron_world):
     """Distributed-checkpoint keys, global shapes and offsets of the experts equal those of
     Megatron's own ``SequentialMLP`` (TE's grouped layout is interchangeable with it)."""
     from megatron.core.models.gpt import GPTModel
@@ -179,7 +169,7 @@ def test_sharded_state_dict_is_megatrons_sequential_layout(world):
     assert any(v[0] == key for v in a.values())
 
 
-def test_unsupported_layouts_are_refused_by_option_name(world):
+def test_unsupported_layouts_are_refused_by_option_name(megatron_world):
     """flex without DeepEP kernels (always on a CPU), expert tensor parallelism and biases
     raise ConfigError naming the option to change."""
     tcfg = mg.transformer_config_from_hf(W.config())
