@@ -42,42 +42,10 @@ from libalign import gemm
 from libalign.gemm.finite_checks import deferred_finite_checks
 from libalign.gemm.triton_grouped import triton_gemm_available, w4a4_grouped_triton
 
+from .measure import cuda_graph, event_ms, graph_ms
+
 CELLS = [("FC1", 2048, 1536), ("FC2", 768, 2048)]
 ROWS = (256, 1024, 4096, 8192)
-
-
-def _time(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
-def _graph_time(fn, repeats: int) -> float:
-    """Median ms of replaying a CUDA graph of ``fn`` (device time without launch overhead)."""
-    return _time(_graph(fn).replay, repeats)
-
-
-def _graph(fn) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of one call of ``fn`` (captured after warm-up on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def _ulps(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -107,11 +75,11 @@ def _qdq_sweep(repeats: int) -> None:
         a = torch.randn(262144, k, device="cuda", dtype=torch.bfloat16)
         moved = a.numel() * 4 + a.shape[0] * 4
         dst = torch.empty_like(a)
-        copy_ms = _graph_time(lambda a=a, dst=dst: dst.copy_(a), repeats)
+        copy_ms = graph_ms(lambda a=a, dst=dst: dst.copy_(a), repeats)
         line = [f"K={k}: copy {2 * a.numel() * 2 / copy_ms / 1e6:.0f} GB/s"]
         for elems, warps, chunk in ((4096, 4, 0), (4096, 4, 8), (4096, 4, 16), (8192, 4, 16),
                                     (4096, 4, 32), (8192, 8, 32), (16384, 8, 16)):
-            ms = _graph_time(lambda a=a, e=elems, w=warps, c=chunk: tk.act_qdq(
+            ms = graph_ms(lambda a=a, e=elems, w=warps, c=chunk: tk.act_qdq(
                 a, amax_floor=1e-12, tensor_amax=None, elems=e, num_warps=w, chunk=c), repeats)
             line.append(f"{elems}/{warps}/{chunk}: {moved / ms / 1e6:.0f}")
         print("  " + "  ".join(line), flush=True)
@@ -160,7 +128,7 @@ def _cell(name, k, n, rows, args, w, ew, ew_naive, tk) -> dict:
     runs["qdq"] = lambda: tk.act_qdq(a, amax_floor=spec.amax_floor, tensor_amax=None)
     with torch.no_grad():
         # rounds interleave the variants so clock drift hits them alike; median per variant
-        graphs = {f"{key} graph": _graph(runs[key])
+        graphs = {f"{key} graph": cuda_graph(runs[key])
                   for key in ("bf16", "nocheck", "serial", "gemm", "qdq")}
         timed = {key: fn for key, fn in runs.items() if key not in ("qdq", "serial")}
         timed.update({key: g.replay for key, g in graphs.items()})
@@ -168,7 +136,7 @@ def _cell(name, k, n, rows, args, w, ew, ew_naive, tk) -> dict:
         for _ in range(args.rounds):
             for key, fn in timed.items():
                 with nullcontext() if key == "sync" else deferred_finite_checks():
-                    samples[key].append(_time(fn, args.repeats))
+                    samples[key].append(event_ms(fn, args.repeats))
         ms = {key: statistics.median(v) for key, v in samples.items()}
         ulps = _check(a, ew, counts, runs["minite"]())
         if args.profile and rows == args.rows[0]:  # the host-bound cells

@@ -35,7 +35,7 @@ from libalign.models import strict
 from libalign.strict import ops as strict_ops
 from libalign.strict.device import op_set
 
-from .measure import seconds
+from .measure import graph_ms, seconds
 
 PATHS = ("bf16", "nvfp4_minite")
 
@@ -140,9 +140,14 @@ def op_table(device: torch.device, repeat: int, quick: bool, mode: str = "device
     def add(name, m, stock, strict_fn, x):
         t_n = seconds(lambda: stock(x), repeat, device, statistics.median)
         t_s = seconds(lambda: strict_fn(x), repeat, device, statistics.median)
-        rows.append({"op": name, "rows": m, "normal_ms": t_n * 1e3, "strict_ms": t_s * 1e3,
-                     "normal_invariant": _invariant(stock, x),
-                     "strict_invariant": _invariant(strict_fn, x)})
+        row = {"op": name, "rows": m, "normal_ms": t_n * 1e3, "strict_ms": t_s * 1e3,
+               "normal_invariant": _invariant(stock, x),
+               "strict_invariant": _invariant(strict_fn, x)}
+        if device.type == "cuda":  # the kernels' own time: CUDA graph replays, no host work
+            with torch.no_grad():
+                row["normal_dev_ms"] = graph_ms(lambda: stock(x), max(repeat, 20))
+                row["strict_dev_ms"] = graph_ms(lambda: strict_fn(x), max(repeat, 20))
+        rows.append(row)
 
     for m in batches:
         x = rnd(m, h)
@@ -182,11 +187,18 @@ def op_table(device: torch.device, repeat: int, quick: bool, mode: str = "device
     print(f"\nops on {device}, strict mode {mode}, at {'reduced' if quick else 'miniTE'} shapes "
           f"(median of {repeat}); "
           "baseline: the stock kernel in this run; invariant: row 0 alone == row 0 in the batch")
+    dev = device.type == "cuda"
+    if dev:
+        print("device ms: a CUDA graph replay of the call (the kernels' time without the host's "
+              "launch work); ms: one eager call to its synchronisation")
     print(f"{'op':36} {'rows':>5} {'normal ms':>10} {'strict ms':>10} {'strict/normal':>14} "
-          f"{'normal inv.':>11} {'strict inv.':>11}")
+          + (f"{'normal dev':>10} {'strict dev':>10} {'dev ratio':>9} " if dev else "")
+          + f"{'normal inv.':>11} {'strict inv.':>11}")
     for r in rows:
+        cells = (f"{r['normal_dev_ms']:10.4f} {r['strict_dev_ms']:10.4f} "
+                 f"{r['strict_dev_ms'] / r['normal_dev_ms']:9.2f} " if dev else "")
         print(f"{r['op']:36} {r['rows']:5d} {r['normal_ms']:10.3f} {r['strict_ms']:10.3f} "
-              f"{r['strict_ms'] / r['normal_ms']:14.1f} {r['normal_invariant']!s:>11} "
+              f"{r['strict_ms'] / r['normal_ms']:14.1f} {cells}{r['normal_invariant']!s:>11} "
               f"{r['strict_invariant']!s:>11}")
     return rows
 

@@ -38,6 +38,44 @@ def seconds(fn: Callable[[], object], repeats: int, device="cpu", stat=min,
     return stat(times)
 
 
+def cuda_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of one call of ``fn``, captured after three warm-up calls on a side stream
+    (what capture asks: allocations and lazy initialisation done before it)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def event_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median milliseconds of ``repeats`` calls of ``fn`` on the current CUDA stream, each
+    between two CUDA events (after three warm-up calls)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def graph_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median milliseconds of replaying a CUDA graph of ``fn``: its device time, without the
+    host's launch overhead."""
+    return event_ms(cuda_graph(fn).replay, repeats)
+
+
 def round_robin(cases: Sequence[tuple[Callable[[], object], dict]], repeats: int,
                 device="cpu") -> list[dict]:
     """Time each case's step once per round, ``repeats`` rounds after one warm-up call each
