@@ -57,15 +57,28 @@ __all__ = [
     "matmul",
     "mean_last",
     "require",
+    "tile_config",
 ]
 
-#: One tile configuration per operand dtype, whatever the shape: (BLOCK_M, BLOCK_N, BLOCK_K,
-#: warps, stages). fp32 operands multiply in IEEE fp32 (no TF32).
+#: The tile configuration per operand dtype: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
+#: fp32 operands multiply in IEEE fp32 (no TF32).
 CONFIGS = {
     torch.bfloat16: (128, 128, 64, 8, 3),
     torch.float16: (128, 256, 64, 8, 3),
     torch.float32: (128, 128, 32, 8, 3),
 }
+#: The configuration of calls of at most :data:`SMALL_M` rows (a decode step): narrower
+#: tiles, so that more programs share the weight stream. Only the output tile's shape
+#: differs; K is walked in the same steps by the same tensor-core instruction, which adds
+#: each output element's products in an order that does not depend on the tile's other rows
+#: or columns, so a row gets the bits :data:`CONFIGS` gives it (checked on a GPU for every
+#: dtype). ``matmul(..., config=)`` picks one for a probe.
+SMALL_CONFIGS = {
+    torch.bfloat16: (64, 64, 64, 4, 4),
+    torch.float16: (64, 64, 64, 4, 4),
+    torch.float32: (64, 64, 32, 4, 3),
+}
+SMALL_M = 64
 _CHUNK = 1024          # row chunk of the row reductions
 _ATT_BLOCK = 64        # queries per program and keys per step in attention
 
@@ -171,36 +184,105 @@ if triton is not None:
             tl.store(o_row + offs, vals - top - lse, mask=ok)
 
     @triton.jit
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, base_ptr, hi_ptr,
-                          Tq, Tk, HQ, REP, scaling,
+    def _chunk_max_kernel(x_ptr, part_ptr, s_xm: tl.constexpr, N: tl.constexpr,
+                          NCHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        # program (row, c): the maximum of chunk c (max is exact, so any split gives the
+        # row maximum the one-program kernel finds)
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        vals = tl.load(x_ptr + row * s_xm + offs, mask=offs < N, other=-float("inf"))
+        tl.store(part_ptr + row * NCHUNK + c, tl.max(vals))
+
+    @triton.jit
+    def _chunk_sum_kernel(x_ptr, part_ptr, sum_ptr, s_xm: tl.constexpr, N: tl.constexpr,
+                          NCHUNK: tl.constexpr, NCHUNK_P2: tl.constexpr, BLOCK: tl.constexpr):
+        # program (row, c): the row maximum from the chunk maxima, then chunk c's sum of
+        # exp(x - max), reduced exactly as the one-program kernel reduces that chunk
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        j = tl.arange(0, NCHUNK_P2)
+        top = tl.max(tl.load(part_ptr + row * NCHUNK + j, mask=j < NCHUNK, other=-float("inf")))
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < N
+        vals = tl.load(x_ptr + row * s_xm + offs, mask=ok, other=0.0)
+        tl.store(sum_ptr + row * NCHUNK + c, tl.sum(tl.where(ok, tl.exp(vals - top), 0.0)))
+
+    @triton.jit
+    def _chunk_out_kernel(x_ptr, out_ptr, part_ptr, sum_ptr, s_xm: tl.constexpr,
+                          s_om: tl.constexpr, N: tl.constexpr, NCHUNK: tl.constexpr,
+                          NCHUNK_P2: tl.constexpr, BLOCK: tl.constexpr):
+        # program (row, c): the chunk sums added left to right from 0 (the one-program
+        # kernel's running total), the log, then chunk c's outputs
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        j = tl.arange(0, NCHUNK_P2)
+        top = tl.max(tl.load(part_ptr + row * NCHUNK + j, mask=j < NCHUNK, other=-float("inf")))
+        total = tl.sum(tl.zeros([1], dtype=top.dtype))
+        for i in range(NCHUNK):
+            total += tl.load(sum_ptr + row * NCHUNK + i)
+        lse = tl.log(total)
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < N
+        vals = tl.load(x_ptr + row * s_xm + offs, mask=ok)
+        tl.store(out_ptr + row * s_om + offs, vals - top - lse, mask=ok)
+
+    @triton.jit
+    def _visible_kernel(mask_ptr, first_ptr, hi_ptr, Tk, s_mr, BLOCK: tl.constexpr):
+        # program r: mask row r's first visible key (Tk when none) and last visible key + 1
+        # (0 when none); first and last are exact whatever the chunking
+        r = tl.program_id(0).to(tl.int64)
+        first = Tk
+        hi = Tk * 0
+        for start in range(0, Tk, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            seen = tl.load(mask_ptr + r * s_mr + offs, mask=offs < Tk, other=0) != 0
+            first = tl.minimum(first, tl.min(tl.where(seen, offs, Tk)))
+            hi = tl.maximum(hi, tl.max(tl.where(seen, offs + 1, 0)))
+        tl.store(first_ptr + r, first)
+        tl.store(hi_ptr + r, hi)
+
+    @triton.jit
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, first_ptr, hi_ptr,
+                          Tq, Tk, HKV, REP, HM, scaling,
                           s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt,
                           s_ob, s_oh, s_ot, s_mb, s_mh, s_mq,
-                          D: tl.constexpr, BLOCK: tl.constexpr):
-        pid_q = tl.program_id(0)
-        bh = tl.program_id(1)
-        b = (bh // HQ).to(tl.int64)
-        h = bh % HQ
-        hk = (h // REP).to(tl.int64)
-        h = h.to(tl.int64)
-        offs_q = pid_q * BLOCK + tl.arange(0, BLOCK)
-        q_ok = offs_q < Tq
+                          D: tl.constexpr, BLOCK: tl.constexpr, SCAN: tl.constexpr):
+        # rows of a program: (query head, query) pairs of one sequence and one key/value head,
+        # REP * Tq of them in head-major order, so a decode step's REP heads share one tile
+        # and one read of the keys; a row's arithmetic never depends on its tile companions
+        pid_v = tl.program_id(0)
+        bk = tl.program_id(1)
+        b = (bk // HKV).to(tl.int64)
+        hk = (bk % HKV).to(tl.int64)
+        vr = pid_v * BLOCK + tl.arange(0, BLOCK)
+        v_ok = vr < REP * Tq
+        vr = tl.where(v_ok, vr, 0)
+        t = (vr % Tq).to(tl.int64)
+        h = hk * REP + (vr // Tq).to(tl.int64)
+        hm = tl.where(HM == 1, 0, h)  # the mask's head: its only one, or the query's
         offs_d = tl.arange(0, D)
-        q = tl.load(q_ptr + b * s_qb + h * s_qh + offs_q.to(tl.int64)[:, None] * s_qt
-                    + offs_d[None, :], mask=q_ok[:, None], other=0.0)
-        base = tl.load(base_ptr + b)
-        his = tl.load(hi_ptr + b * Tq + offs_q, mask=q_ok, other=0)
+        q = tl.load(q_ptr + b * s_qb + h[:, None] * s_qh + t[:, None] * s_qt + offs_d[None, :],
+                    mask=v_ok[:, None], other=0.0)
+        # the sequence's first visible key over all its mask rows (exact: a minimum)
+        base = Tk
+        for start in range(0, HM * Tq, SCAN):
+            offs = start + tl.arange(0, SCAN)
+            base = tl.minimum(base, tl.min(tl.load(first_ptr + b * HM * Tq + offs,
+                                                   mask=offs < HM * Tq, other=Tk)))
+        his = tl.load(hi_ptr + (b * HM + hm) * Tq + t, mask=v_ok, other=0)
         stop = tl.max(his)
         m_i = tl.full((BLOCK,), -float("inf"), tl.float32)
         l_i = tl.zeros((BLOCK,), tl.float32)
         acc = tl.zeros((BLOCK, D), tl.float32)
-        mrow = mask_ptr + b * s_mb + h * s_mh + offs_q.to(tl.int64)[:, None] * s_mq
+        mrow = mask_ptr + b * s_mb + hm[:, None] * s_mh + t[:, None] * s_mq
         for start in range(base, stop, BLOCK):
             offs_k = start + tl.arange(0, BLOCK)
             k_ok = offs_k < Tk
             kk = tl.load(k_ptr + b * s_kb + hk * s_kh + offs_k.to(tl.int64)[:, None] * s_kt
                          + offs_d[None, :], mask=k_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(kk)) * scaling
-            seen = tl.load(mrow + offs_k[None, :], mask=q_ok[:, None] & k_ok[None, :], other=0)
+            seen = tl.load(mrow + offs_k[None, :], mask=v_ok[:, None] & k_ok[None, :], other=0)
             s = tl.where(seen != 0, s, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             shift = tl.where(m_new == -float("inf"), 0.0, m_new)
@@ -212,20 +294,23 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
             m_i = m_new
         out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-        tl.store(o_ptr + b * s_ob + h * s_oh + offs_q.to(tl.int64)[:, None] * s_ot
-                 + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=q_ok[:, None])
+        tl.store(o_ptr + b * s_ob + h[:, None] * s_oh + t[:, None] * s_ot + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=v_ok[:, None])
 
 
-def _config(dtype: torch.dtype, op: str) -> tuple[int, int, int, int, int]:
-    cfg = CONFIGS.get(dtype)
+def tile_config(dtype: torch.dtype, rows: int, op: str = "matmul") -> tuple[int, ...]:
+    """The tile configuration for a product of ``rows`` rows of ``dtype`` operands:
+    :data:`SMALL_CONFIGS` up to :data:`SMALL_M` rows, else :data:`CONFIGS`."""
+    cfg = (SMALL_CONFIGS if rows <= SMALL_M else CONFIGS).get(dtype)
     if cfg is None:
         raise DTypeError(f"strict {op}: the tensor-core kernels take bf16, fp16 or fp32 operands, "
                          f"got {dtype}")
     return cfg
 
 
-def _launch_matmul(a, w, out, *, bias=None, a_dec=None, w_dec=None, tiles=None) -> None:
-    bm, bn, bk, warps, stages = _config(a.dtype, "matmul")
+def _launch_matmul(a, w, out, *, bias=None, a_dec=None, w_dec=None, tiles=None,
+                   config=None) -> None:
+    bm, bn, bk, warps, stages = config or tile_config(a.dtype, a.shape[0])
     grouped = tiles is not None
     m, k = a.shape
     n = out.shape[1]
@@ -262,31 +347,36 @@ def _check_operands(op: str, a: torch.Tensor, w: torch.Tensor, w_rank: int) -> N
 
 
 def matmul(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None,
+           config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """``a @ w.T (+ bias)``: ``a`` ``[M, K]``, ``w`` ``[N, K]`` (any strides), fp32 accumulation,
-    one rounding to ``out_dtype`` (default ``a``'s); row ``i`` the same bits for every ``M``."""
+    one rounding to ``out_dtype`` (default ``a``'s); row ``i`` the same bits for every ``M``.
+    ``config`` overrides :func:`tile_config` (a probe comparing tile shapes)."""
     _check_operands("matmul", a, w, 2)
+    if config is not None and config[2] != tile_config(a.dtype, 0)[2]:
+        raise ShapeError(f"strict matmul: tile config {config} steps K by {config[2]}, the "
+                         f"kernels by {tile_config(a.dtype, 0)[2]}")
     out = torch.empty((a.shape[0], w.shape[0]), dtype=out_dtype or a.dtype, device=a.device)
     if a.shape[1] == 0:
         out.zero_()
         if bias is not None:
             out += bias.float().to(out.dtype)
         return out
-    _launch_matmul(a, w, out, bias=bias)
+    _launch_matmul(a, w, out, bias=bias, config=config)
     return out
 
 
-def group_tiles(counts: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The grouped launch's row tiles from per-expert row counts (rows sorted by expert):
-    ``(expert, first row, end row)`` per tile, int32 on ``device``; a tile never holds two
-    experts' rows. A MoE layer's FC1 and FC2 share their counts, so the last few tables are
-    kept (read-only) rather than built and copied twice."""
-    return _tiles(tuple(counts), torch.device(device))
+def group_tiles(counts: list[int], device: torch.device,
+                rows: int = CONFIGS[torch.bfloat16][0]) -> tuple[torch.Tensor, ...]:
+    """The grouped launch's row tiles of ``rows`` rows from per-expert row counts (rows sorted
+    by expert): ``(expert, first row, end row)`` per tile, int32 on ``device``; a tile never
+    holds two experts' rows. A MoE layer's FC1 and FC2 share their counts, so the last few
+    tables are kept (read-only) rather than built and copied twice."""
+    return _tiles(tuple(counts), torch.device(device), rows)
 
 
 @functools.lru_cache(maxsize=8)
-def _tiles(counts: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    bm = CONFIGS[torch.bfloat16][0]
+def _tiles(counts: tuple[int, ...], device: torch.device, bm: int) -> tuple[torch.Tensor, ...]:
     es, los, his = [], [], []
     lo = 0
     for e, n in enumerate(counts):
@@ -318,7 +408,11 @@ def grouped_matmul(a: torch.Tensor, w: torch.Tensor, counts: list[int], *,
     if a_dec is not None:
         a_dec = a_dec.float().contiguous()
         w_dec = w_dec.float().reshape(w.shape[0], w.shape[1]).contiguous()
-    _launch_matmul(a, w, out, a_dec=a_dec, w_dec=w_dec, tiles=group_tiles(counts, a.device))
+    # the widest expert picks the configuration: a decode step's few rows per expert get the
+    # narrow tiles (the same bits, see SMALL_CONFIGS)
+    cfg = tile_config(a.dtype, max(counts, default=0), "grouped_matmul")
+    _launch_matmul(a, w, out, a_dec=a_dec, w_dec=w_dec, config=cfg,
+                   tiles=group_tiles(counts, a.device, cfg[0]))
     return out
 
 
@@ -337,38 +431,76 @@ def mean_last(x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], 1)
 
 
+#: Up to this many rows, :func:`log_softmax` spreads each row over one program per chunk.
+SPLIT_ROWS = 64
+
+
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """fp32 log-softmax over the last dimension: ``x - max - log(sum(exp(x - max)))``, the sum
-    over chunks of 1024 in order (the GPU's ``exp`` and ``log``)."""
+    over chunks of 1024 in order (the GPU's ``exp`` and ``log``).
+
+    A batch of more than :data:`SPLIT_ROWS` rows runs one program per row, walking its chunks
+    three times (maximum, sum, output). A smaller batch would leave most of the GPU idle that
+    way, so it runs the same arithmetic over one program per (row, chunk) in three launches:
+    chunk maxima; each chunk's ``sum(exp(x - max))``, reduced as the one-program kernel reduces
+    it; then the chunk sums added left to right from 0, the log and the outputs. Both give a
+    row the same bits (the maximum is exact whatever the split; every rounded step is the
+    same operation on the same values in the same order), so rows stay batch-invariant."""
     require("log_softmax", x)
     xf = x.float().reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(xf)
-    if xf.numel():
-        with torch.cuda.device(x.device):
-            _log_softmax_kernel[(xf.shape[0],)](xf, out, xf.stride(0), out.stride(0), xf.shape[1],
-                                                BLOCK=_CHUNK)
+    rows, n = xf.shape
+    if not xf.numel():
+        return out.reshape(x.shape)
+    with torch.cuda.device(x.device):
+        if rows > SPLIT_ROWS:
+            _log_softmax_kernel[(rows,)](xf, out, xf.stride(0), out.stride(0), n, BLOCK=_CHUNK)
+        else:
+            nchunk = triton.cdiv(n, _CHUNK)
+            top = torch.empty((rows, nchunk), dtype=torch.float32, device=x.device)
+            sums = torch.empty_like(top)
+            grid = (rows, nchunk)
+            p2 = triton.next_power_of_2(nchunk)
+            _chunk_max_kernel[grid](xf, top, xf.stride(0), n, NCHUNK=nchunk, BLOCK=_CHUNK)
+            _chunk_sum_kernel[grid](xf, top, sums, xf.stride(0), n, NCHUNK=nchunk,
+                                    NCHUNK_P2=p2, BLOCK=_CHUNK)
+            _chunk_out_kernel[grid](xf, out, top, sums, xf.stride(0), out.stride(0), n,
+                                    NCHUNK=nchunk, NCHUNK_P2=p2, BLOCK=_CHUNK)
     return out.reshape(x.shape)
 
 
+#: Attention's (warps, pipeline stages). Part of a row's bits (the row reductions of the
+#: softmax follow the warps' layout), so one setting serves prefill and decode alike.
+ATTENTION_CONFIG = (4, 2)
+
+
 def visible_range(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """From a boolean mask ``[B, H, Tq, Tk]``: each sequence's first key any of its queries sees
-    (``[B]``, int32; 0 when none) and each query's last visible key + 1 (``[B, Tq]``, 0 for a
-    query that sees none; from head 0, heads share one causal structure)."""
-    tk = allowed.shape[-1]
-    any_b = allowed.any(1).any(1)                                  # [B, Tk]
-    base = torch.where(any_b.any(-1), any_b.int().argmax(-1), 0).to(torch.int32)
-    rows = allowed.any(1)                                          # [B, Tq, Tk]
-    last = tk - rows.flip(-1).int().argmax(-1)
-    hi = torch.where(rows.any(-1), last, 0).to(torch.int32)
-    return base.contiguous(), hi.contiguous()
+    """Each row's first visible key (``Tk`` when none) and last visible key + 1 (0 when none)
+    of a boolean mask ``[B, Hm, Tq, Tk]``: int32 ``[B, Hm, Tq]`` each, in one launch."""
+    b, hm, tq, tk = allowed.shape
+    rows = allowed.reshape(b * hm * tq, tk)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    first = torch.empty((b, hm, tq), dtype=torch.int32, device=allowed.device)
+    hi = torch.empty_like(first)
+    if first.numel() and tk:
+        _visible_kernel[(b * hm * tq,)](rows.view(torch.uint8), first, hi, tk, rows.stride(0),
+                                        BLOCK=min(1024, triton.next_power_of_2(tk)))
+    elif first.numel():
+        first.fill_(0)
+        hi.fill_(0)
+    return first, hi
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-              scaling: float) -> torch.Tensor:
+              scaling: float, config: tuple[int, int] | None = None) -> torch.Tensor:
     """Masked softmax attention ``[B, Hq, Tq, D]`` (grouped-query: ``Hq`` a multiple of ``Hkv``):
     ``q`` ``[B, Hq, Tq, D]``, ``k``, ``v`` ``[B, Hkv, Tk, D]`` (bf16 or fp16), ``allowed``
     ``[B, 1|Hq, Tq, Tk]`` (True = attend). Keys in blocks of 64 from each sequence's first
-    visible key; a query that sees no key gets zeros."""
+    visible key; a query that sees no key gets zeros. A program takes 64 (query head, query)
+    rows of one key/value head, so a decode step's grouped heads read the keys once.
+    ``config`` (warps, stages) overrides :data:`ATTENTION_CONFIG` (a probe: rows' bits depend
+    on it)."""
     require("attention", q)
     b, hq, tq, d = q.shape
     if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b or hq % k.shape[1] \
@@ -383,20 +515,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
                          "128 or 256)")
     tk = k.shape[2]
     if allowed.shape[0] != b or allowed.shape[1] not in (1, hq) or allowed.shape[2] != tq \
-            or allowed.shape[3] != tk:
-        raise ShapeError(f"strict attention mask {tuple(allowed.shape)} for q {tuple(q.shape)} and "
-                         f"{tk} keys")
+            or allowed.shape[3] != tk or allowed.dtype != torch.bool:
+        raise ShapeError(f"strict attention mask {tuple(allowed.shape)} {allowed.dtype} for q "
+                         f"{tuple(q.shape)} and {tk} keys (a bool mask [B, 1|Hq, Tq, Tk])")
     out = torch.empty((b, hq, tq, d), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
-    mask = allowed.to(torch.uint8).contiguous()
-    base, hi = visible_range(allowed)
+    mask = allowed if allowed.stride(-1) == 1 else allowed.contiguous()
+    hm = mask.shape[1]
     qc, kc, vc = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    s_mh = mask.stride(1) if mask.shape[1] == hq else 0
+    hkv = k.shape[1]
+    rep = hq // hkv
+    warps, stages = config or ATTENTION_CONFIG
     with torch.cuda.device(q.device):
-        _attention_kernel[(triton.cdiv(tq, _ATT_BLOCK), b * hq)](
-            qc, kc, vc, out, mask, base, hi, tq, tk, hq, hq // k.shape[1], float(scaling),
-            *qc.stride()[:3], *kc.stride()[:3], *vc.stride()[:3], *out.stride()[:3],
-            mask.stride(0), s_mh, mask.stride(2), D=d, BLOCK=_ATT_BLOCK,
-            num_warps=4, num_stages=2)
+        first, hi = visible_range(mask)
+        _attention_kernel[(triton.cdiv(rep * tq, _ATT_BLOCK), b * hkv)](
+            qc, kc, vc, out, mask.view(torch.uint8), first, hi, tq, tk, hkv, rep, hm,
+            float(scaling), *qc.stride()[:3], *kc.stride()[:3], *vc.stride()[:3],
+            *out.stride()[:3], mask.stride(0), mask.stride(1) if hm > 1 else 0, mask.stride(2),
+            D=d, BLOCK=_ATT_BLOCK, SCAN=min(1024, triton.next_power_of_2(hm * tq)),
+            num_warps=warps, num_stages=stages)
     return out

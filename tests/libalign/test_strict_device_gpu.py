@@ -62,6 +62,23 @@ def test_matmul_rows_are_invariant(cuda, n, k):
     assert torch.equal(f32.bfloat16(), full)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_tile_shapes_give_a_row_the_same_bits(cuda, dtype):
+    """The narrow tiles of small calls (SMALL_CONFIGS) and other output-tile shapes with the
+    same K step give every row the bits of the large-call configuration."""
+    big = tensorcore.CONFIGS[dtype]
+    bk = big[2]
+    shapes = [(64, 64, bk, 4, 4), (64, 128, bk, 4, 3), (128, 64, bk, 8, 3), (64, 32, bk, 4, 4),
+              (128, 256, bk, 8, 3), tensorcore.SMALL_CONFIGS[dtype]]
+    for n, k in ((2048, 2048), (1000, 72), (384, 768)):
+        w = _rand(n, k, scale=k ** -0.5, seed=30, dtype=dtype)
+        x = _rand(200, k, seed=31, dtype=dtype)
+        ref = tensorcore.matmul(x, w, config=big)
+        for cfg in shapes:
+            assert torch.equal(tensorcore.matmul(x, w, config=cfg), ref), cfg
+            assert torch.equal(tensorcore.matmul(x[:8], w, config=cfg), ref[:8]), cfg
+
+
 def test_grouped_matmul_equals_each_experts_matmul(cuda):
     """One grouped launch gives every row the bits of the plain product of its expert alone;
     the NVFP4 epilogue is gemm.epilogue's DEC_PRODUCT order."""
@@ -73,6 +90,10 @@ def test_grouped_matmul_equals_each_experts_matmul(cuda):
     a = _rand(sum(counts), k, seed=5)
     a_dec = _rand(sum(counts), seed=6, dtype=torch.float32).abs()
     w_dec = _rand(e, n, seed=7, dtype=torch.float32).abs()
+    few = [3, 0, 64, 9]  # a decode step's few rows per expert: the narrow tiles
+    small = tensorcore.grouped_matmul(a[:76], w[:4], few, out_dtype=torch.bfloat16)
+    assert torch.equal(small[67:76], tensorcore.matmul(a[67:76], w[3], out_dtype=torch.bfloat16))
+    assert torch.equal(small[3:67], tensorcore.matmul(a[3:67], w[2]))
     got = tensorcore.grouped_matmul(a, w, counts, out_dtype=torch.bfloat16)
     scaled = tensorcore.grouped_matmul(a, w, counts, out_dtype=torch.bfloat16, a_dec=a_dec,
                                        w_dec=w_dec)
@@ -94,6 +115,9 @@ def test_row_kernels_are_invariant(cuda):
     for r in (0, 17, 299):
         assert torch.equal(tensorcore.mean_last(x[r:r + 1]), m[r:r + 1])
         assert torch.equal(tensorcore.log_softmax(v[r:r + 1]), ls[r:r + 1])
+    # a batch of at most SPLIT_ROWS rows runs the split kernels: the same bits
+    small = tensorcore.SPLIT_ROWS
+    assert torch.equal(tensorcore.log_softmax(v[:small]), ls[:small])
     ref = torch.log_softmax(v.double(), -1)
     assert float((ls.double() - ref).abs().max()) < 1e-4
 
@@ -123,6 +147,11 @@ def test_attention_decode_equals_prefill(cuda):
             seen[..., pad:pad + pos + 1] = True
             one = tensorcore.attention(q[i:i + 1, :, pos:pos + 1], kc, vc, seen, d ** -0.5)
             assert torch.equal(one[0, :, 0], full[i, :, pos])
+    per_head = allowed.expand(b, hq, t, t).clone()
+    per_head[:, 5] = False  # a mask per query head: head 5 sees nothing
+    heads = tensorcore.attention(q, k, v, per_head, d ** -0.5)
+    assert bool((heads[:, 5] == 0).all())
+    assert torch.equal(heads[:, :5], full[:, :5]) and torch.equal(heads[:, 6:], full[:, 6:])
 
 
 def test_kernels_run_in_a_cuda_graph(cuda):
@@ -175,9 +204,10 @@ def test_kernels_equal_sglangs(sglang_ops):
         assert torch.equal(tensorcore.matmul(a, w, out_dtype=torch.float32),
                            sglang_ops.matmul_persistent(a, w.t(), out_dtype=torch.float32))
     for width in (128, 1000, 2048, 151936):
-        x = _rand(33, width, scale=3.0, seed=width, dtype=torch.float32)
-        assert torch.equal(tensorcore.mean_last(x * x), sglang_ops.mean_dim(x * x, -1, True))
-        assert torch.equal(tensorcore.log_softmax(x), sglang_ops.log_softmax(x, -1))
+        for rows in (1, 33, tensorcore.SPLIT_ROWS + 7):  # the split kernels and the row kernel
+            x = _rand(rows, width, scale=3.0, seed=width, dtype=torch.float32)
+            assert torch.equal(tensorcore.mean_last(x * x), sglang_ops.mean_dim(x * x, -1, True))
+            assert torch.equal(tensorcore.log_softmax(x), sglang_ops.log_softmax(x, -1))
 
 
 @pytest.mark.parametrize("path", ["bf16", "nvfp4_minite"])

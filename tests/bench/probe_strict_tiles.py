@@ -1,0 +1,95 @@
+"""Probe: device time of the strict kernels under other tile shapes and attention settings.
+
+Prints, for each candidate :func:`libalign.strict.tensorcore.matmul` configuration, the CUDA
+graph time of a 2048x2048 linear, an expert's 1536x2048 product and the 151936x2048 LM head at
+8 and 512 rows, whether each gives the bits of the large-call configuration, and cuBLAS's time
+as the baseline; then attention's decode (8 x 32/4 heads, 1024 keys) and prefill (4 x 512
+tokens) times per (warps, stages) against PyTorch's SDPA. It informs the choice of
+``SMALL_CONFIGS`` and ``ATTENTION_CONFIG``; the tests check the bits.
+Run: ``python -m tests.bench.probe_strict_tiles``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from libalign.strict import tensorcore
+
+from .measure import graph_ms
+
+
+def _rnd(*shape, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to("cuda", torch.bfloat16)
+
+
+def main() -> None:
+    big = tensorcore.CONFIGS[torch.bfloat16]
+    cands = [big, (64, 64, 64, 4, 4), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 32, 64, 4, 4),
+             (64, 128, 64, 4, 4), (128, 64, 64, 8, 3), (64, 256, 64, 8, 3), (128, 256, 64, 8, 3)]
+    print(f"device: {torch.cuda.get_device_name()}")
+    print(f"{'product':22} {'rows':>5} {'cuBLAS ms':>10} " + " ".join(
+        f"{'x'.join(map(str, c[:3]))}/{c[3]}w{c[4]}s".rjust(18) for c in cands))
+    for name, n in (("linear 2048x2048", 2048), ("expert 1536x2048", 1536),
+                    ("LM head 151936x2048", 151936)):
+        w = _rnd(n, 2048, scale=2048 ** -0.5, seed=1)
+        for m in (8, 512):
+            x = _rnd(m, 2048, seed=2)
+            base = graph_ms(lambda x=x, w=w: torch.nn.functional.linear(x, w), 30)
+            ref = tensorcore.matmul(x, w, config=big)
+            cells = []
+            for c in cands:
+                ms = graph_ms(lambda x=x, w=w, c=c: tensorcore.matmul(x, w, config=c), 30)
+                same = torch.equal(tensorcore.matmul(x, w, config=c), ref)
+                cells.append(f"{ms:.4f} {ms / base:5.2f}x {'=' if same else '!'}".rjust(18))
+            print(f"{name:22} {m:5d} {base:10.4f} " + " ".join(cells))
+    q, k, v = _rnd(8, 32, 1, 128), _rnd(8, 4, 1024, 128), _rnd(8, 4, 1024, 128)
+    seen = torch.ones(8, 1, 1, 1024, dtype=torch.bool, device="cuda")
+    qp, kp, vp = _rnd(4, 32, 512, 128), _rnd(4, 4, 512, 128), _rnd(4, 4, 512, 128)
+    causal = torch.ones(512, 512, dtype=torch.bool, device="cuda").tril().expand(4, 1, 512, 512)
+    sdpa_d = graph_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, enable_gqa=True), 30)
+    sdpa_p = graph_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+        qp, kp, vp, is_causal=True, enable_gqa=True), 30)
+    print(f"\nattention: SDPA decode {sdpa_d:.4f} ms, prefill {sdpa_p:.4f} ms")
+    ref_d = tensorcore.attention(q, k, v, seen, 128 ** -0.5)
+    ref_p = tensorcore.attention(qp, kp, vp, causal, 128 ** -0.5)
+    for cfg in ((4, 2), (4, 3), (8, 2), (8, 3), (4, 1)):
+        d = graph_ms(lambda c=cfg: tensorcore.attention(q, k, v, seen, 128 ** -0.5, config=c), 30)
+        p = graph_ms(lambda c=cfg: tensorcore.attention(qp, kp, vp, causal, 128 ** -0.5,
+                                                        config=c), 30)
+        same = (torch.equal(tensorcore.attention(q, k, v, seen, 128 ** -0.5, config=cfg), ref_d),
+                torch.equal(tensorcore.attention(qp, kp, vp, causal, 128 ** -0.5, config=cfg),
+                            ref_p))
+        print(f"warps {cfg[0]} stages {cfg[1]}: decode {d:.4f} ms ({d / sdpa_d:.2f}x), prefill "
+              f"{p:.4f} ms ({p / sdpa_p:.2f}x); bits as (4, 2): {same}")
+    vr = graph_ms(lambda: tensorcore.visible_range(causal), 30)
+    print(f"visible_range of the prefill mask: {vr:.4f} ms")
+    _profile_layer()
+
+
+def _profile_layer() -> None:
+    """The CUDA kernels of one strict and one normal bf16 Qwen3-30B-A3B-shaped layer forward
+    (4 x 512 tokens), largest total first."""
+    from libalign import models
+    from libalign.models import strict
+
+    cfg = models.qwen3_30b_a3b_shaped_config(num_layers=1, vocab_size=4096)
+    model = models.build_model(cfg, seed=0, device="cuda")
+    ids = torch.randint(0, 4096, (4, 512), generator=torch.Generator().manual_seed(0)).cuda()
+    models.set_path(model, "bf16")
+    for on in (False, True):
+        with torch.no_grad(), strict.use_strict(model, on):
+            for _ in range(2):
+                model.model(input_ids=ids)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                model.model(input_ids=ids)
+                torch.cuda.synchronize()
+        print(f"\nlayer forward, strict={on}:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
+                                        max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
