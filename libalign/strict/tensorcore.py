@@ -67,18 +67,34 @@ CONFIGS = {
     torch.float16: (128, 256, 64, 8, 3),
     torch.float32: (128, 128, 32, 8, 3),
 }
-#: The configuration of calls of at most :data:`SMALL_M` rows (a decode step): narrower
-#: tiles, so that more programs share the weight stream. Only the output tile's shape
-#: differs; K is walked in the same steps by the same tensor-core instruction, which adds
-#: each output element's products in an order that does not depend on the tile's other rows
-#: or columns, so a row gets the bits :data:`CONFIGS` gives it (checked on a GPU for every
-#: dtype). ``matmul(..., config=)`` picks one for a probe.
+#: Narrower configurations, for products whose :data:`CONFIGS` grid would leave the GPU
+#: short of programs (few rows, few output columns, or many small experts). Only the
+#: output tile's shape, the warps and the pipeline depth differ; K is walked in the same
+#: steps by the same tensor-core instruction, which adds each output element's products in
+#: an order that does not depend on the tile's other rows or columns, so a row gets the bits
+#: :data:`CONFIGS` gives it (checked on a GPU for every dtype and these shapes).
+#: ``SMALL_CONFIGS``: 64-row tiles; ``WIDE_CONFIGS``: 64 rows and 256 columns, for a few rows
+#: against a very wide weight (an LM head).
 SMALL_CONFIGS = {
-    torch.bfloat16: (64, 64, 64, 4, 4),
-    torch.float16: (64, 64, 64, 4, 4),
-    torch.float32: (64, 64, 32, 4, 3),
+    torch.bfloat16: (64, 128, 64, 4, 4),
+    torch.float16: (64, 128, 64, 4, 4),
+    torch.float32: (64, 128, 32, 4, 3),
+}
+WIDE_CONFIGS = {
+    torch.bfloat16: (64, 256, 64, 8, 3),
+    torch.float16: (64, 256, 64, 8, 3),
+    torch.float32: (64, 128, 32, 4, 3),
 }
 SMALL_M = 64
+_WIDE_N = 16384
+_SMS: dict[int, int] = {}
+
+
+def _sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
 _CHUNK = 1024          # row chunk of the row reductions
 _ATT_BLOCK = 64        # queries per program and keys per step in attention
 
@@ -228,26 +244,31 @@ if triton is not None:
         tl.store(out_ptr + row * s_om + offs, vals - top - lse, mask=ok)
 
     @triton.jit
-    def _visible_kernel(mask_ptr, first_ptr, hi_ptr, Tk, s_mr, BLOCK: tl.constexpr):
-        # program r: mask row r's first visible key (Tk when none) and last visible key + 1
-        # (0 when none); first and last are exact whatever the chunking
+    def _visible_kernel(mask_ptr, first_ptr, hi_ptr, count_ptr, Tk, s_mr, BLOCK: tl.constexpr):
+        # program r: mask row r's first visible key (Tk when none), last visible key + 1 (0
+        # when none) and number of visible keys; all exact whatever the chunking
         r = tl.program_id(0).to(tl.int64)
         first = Tk
         hi = Tk * 0
+        count = Tk * 0
         for start in range(0, Tk, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             seen = tl.load(mask_ptr + r * s_mr + offs, mask=offs < Tk, other=0) != 0
             first = tl.minimum(first, tl.min(tl.where(seen, offs, Tk)))
             hi = tl.maximum(hi, tl.max(tl.where(seen, offs + 1, 0)))
+            count += tl.sum(seen.to(tl.int32))
         tl.store(first_ptr + r, first)
         tl.store(hi_ptr + r, hi)
+        tl.store(count_ptr + r, count)
 
     @triton.jit
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, first_ptr, hi_ptr,
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, first_ptr, hi_ptr, count_ptr,
                           Tq, Tk, HKV, REP, HM, scaling,
                           s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt,
-                          s_ob, s_oh, s_ot, s_mb, s_mh, s_mq,
-                          D: tl.constexpr, BLOCK: tl.constexpr, SCAN: tl.constexpr):
+                          s_ob, s_oh, s_ot, s_mb, s_mh, s_mq, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+                          NC, HQ,
+                          D: tl.constexpr, BLOCK: tl.constexpr, SCAN: tl.constexpr,
+                          CHUNK: tl.constexpr):
         # rows of a program: (query head, query) pairs of one sequence and one key/value head,
         # REP * Tq of them in head-major order, so a decode step's REP heads share one tile
         # and one read of the keys; a row's arithmetic never depends on its tile companions
@@ -262,6 +283,7 @@ if triton is not None:
         h = hk * REP + (vr // Tq).to(tl.int64)
         hm = tl.where(HM == 1, 0, h)  # the mask's head: its only one, or the query's
         offs_d = tl.arange(0, D)
+        offs_b = tl.arange(0, BLOCK)
         q = tl.load(q_ptr + b * s_qb + h[:, None] * s_qh + t[:, None] * s_qt + offs_d[None, :],
                     mask=v_ok[:, None], other=0.0)
         # the sequence's first visible key over all its mask rows (exact: a minimum)
@@ -270,47 +292,127 @@ if triton is not None:
             offs = start + tl.arange(0, SCAN)
             base = tl.minimum(base, tl.min(tl.load(first_ptr + b * HM * Tq + offs,
                                                    mask=offs < HM * Tq, other=Tk)))
-        his = tl.load(hi_ptr + (b * HM + hm) * Tq + t, mask=v_ok, other=0)
+        row = (b * HM + hm) * Tq + t
+        lo_r = tl.load(first_ptr + row, mask=v_ok, other=0)
+        his = tl.load(hi_ptr + row, mask=v_ok, other=0)
+        # a row whose visible keys are one interval (causal, padded) needs no mask reads
+        span = tl.load(count_ptr + row, mask=v_ok, other=0) == his - lo_r
         stop = tl.max(his)
+        if CHUNK > 0:  # this program's share of the keys: chunk c of CHUNK keys from base
+            c = tl.program_id(2)
+            lo = base + c * CHUNK
+            hi_k = tl.minimum(lo + CHUNK, stop)
+            chunks = tl.where(his > base, (his - base + CHUNK - 1) // CHUNK, 0)
+        else:
+            lo = base
+            hi_k = stop
         m_i = tl.full((BLOCK,), -float("inf"), tl.float32)
         l_i = tl.zeros((BLOCK,), tl.float32)
         acc = tl.zeros((BLOCK, D), tl.float32)
+        k_base = k_ptr + b * s_kb + hk * s_kh
+        v_base = v_ptr + b * s_vb + hk * s_vh
         mrow = mask_ptr + b * s_mb + hm[:, None] * s_mh + t[:, None] * s_mq
-        for start in range(base, stop, BLOCK):
-            offs_k = start + tl.arange(0, BLOCK)
+        for start in range(lo, hi_k, BLOCK):
+            offs_k = start + offs_b
             k_ok = offs_k < Tk
-            kk = tl.load(k_ptr + b * s_kb + hk * s_kh + offs_k.to(tl.int64)[:, None] * s_kt
-                         + offs_d[None, :], mask=k_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(kk)) * scaling
-            seen = tl.load(mrow + offs_k[None, :], mask=v_ok[:, None] & k_ok[None, :], other=0)
-            s = tl.where(seen != 0, s, -float("inf"))
+            # keys read transposed, [D, BLOCK], offsets within one (sequence, head) in int32
+            kt = tl.load(k_base + offs_d[:, None] + offs_k[None, :] * s_kt, mask=k_ok[None, :],
+                         other=0.0)
+            s = tl.dot(q, kt) * scaling
+            inside = (offs_k[None, :] >= lo_r[:, None]) & (offs_k[None, :] < his[:, None])
+            listed = tl.load(mrow + offs_k[None, :],
+                             mask=(v_ok & ~span)[:, None] & k_ok[None, :], other=0) != 0
+            seen = tl.where(span[:, None], inside, listed)
+            s = tl.where(seen, s, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             shift = tl.where(m_new == -float("inf"), 0.0, m_new)
             alpha = tl.exp(m_i - shift)
             p = tl.exp(s - shift[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            vv = tl.load(v_ptr + b * s_vb + hk * s_vh + offs_k.to(tl.int64)[:, None] * s_vt
-                         + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+            vv = tl.load(v_base + offs_k[:, None] * s_vt + offs_d[None, :], mask=k_ok[:, None],
+                         other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
             m_i = m_new
         out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        direct = v_ok
+        if CHUNK > 0:
+            # a row of one chunk ends here, as unsplit; a row of more leaves its partial
+            # (max, sum, unnormalised output) to _combine_kernel
+            direct = v_ok & (chunks <= 1) & (c == 0)
+            part = v_ok & (chunks > 1) & (c < chunks)
+            g = ((b * HQ + h) * Tq + t) * NC + c
+            tl.store(ws_m_ptr + g, m_i, mask=part)
+            tl.store(ws_l_ptr + g, l_i, mask=part)
+            tl.store(ws_acc_ptr + g[:, None] * D + offs_d[None, :], acc, mask=part[:, None])
         tl.store(o_ptr + b * s_ob + h[:, None] * s_oh + t[:, None] * s_ot + offs_d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=v_ok[:, None])
+                 out.to(o_ptr.dtype.element_ty), mask=direct[:, None])
+
+    @triton.jit
+    def _combine_kernel(o_ptr, first_ptr, hi_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
+                        Tq, HQ, HM, NC, s_ob, s_oh, s_ot,
+                        D: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr,
+                        CHUNK: tl.constexpr):
+        # rows of more than one chunk: M = max of the chunk maxima (exact), then the chunks'
+        # sums and outputs rescaled to M and added in chunk order, then one division
+        pid = tl.program_id(0)
+        b = tl.program_id(1).to(tl.int64)
+        r = pid * ROWS + tl.arange(0, ROWS)  # (head, query) rows of sequence b
+        r_ok = r < HQ * Tq
+        r = tl.where(r_ok, r, 0)
+        h = (r // Tq).to(tl.int64)
+        t = (r % Tq).to(tl.int64)
+        hm = tl.where(HM == 1, 0, h)
+        base = tl.load(first_ptr + b * HM * Tq) * 0 + 2147483647
+        for start in range(0, HM * Tq, SCAN):
+            offs = start + tl.arange(0, SCAN)
+            base = tl.minimum(base, tl.min(tl.load(first_ptr + b * HM * Tq + offs,
+                                                   mask=offs < HM * Tq, other=2147483647)))
+        his = tl.load(hi_ptr + (b * HM + hm) * Tq + t, mask=r_ok, other=0)
+        chunks = tl.where(his > base, (his - base + CHUNK - 1) // CHUNK, 0)
+        mine = r_ok & (chunks > 1)
+        g0 = ((b * HQ + h) * Tq + t) * NC
+        offs_d = tl.arange(0, D)
+        top = tl.full((ROWS,), -float("inf"), tl.float32)
+        for c in range(0, NC):
+            m_c = tl.load(ws_m_ptr + g0 + c, mask=mine & (c < chunks), other=-float("inf"))
+            top = tl.maximum(top, m_c)
+        shift = tl.where(top == -float("inf"), 0.0, top)
+        total = tl.zeros((ROWS,), tl.float32)
+        acc = tl.zeros((ROWS, D), tl.float32)
+        for c in range(0, NC):
+            use = mine & (c < chunks)
+            m_c = tl.load(ws_m_ptr + g0 + c, mask=use, other=-float("inf"))
+            w = tl.exp(m_c - shift)
+            total += tl.load(ws_l_ptr + g0 + c, mask=use, other=0.0) * w
+            acc += tl.load(ws_acc_ptr + (g0 + c)[:, None] * D + offs_d[None, :],
+                           mask=use[:, None], other=0.0) * w[:, None]
+        out = tl.where(total[:, None] > 0, acc / tl.where(total > 0, total, 1.0)[:, None], 0.0)
+        tl.store(o_ptr + b * s_ob + h[:, None] * s_oh + t[:, None] * s_ot + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=mine[:, None])
 
 
-def tile_config(dtype: torch.dtype, rows: int, op: str = "matmul") -> tuple[int, ...]:
-    """The tile configuration for a product of ``rows`` rows of ``dtype`` operands:
-    :data:`SMALL_CONFIGS` up to :data:`SMALL_M` rows, else :data:`CONFIGS`."""
-    cfg = (SMALL_CONFIGS if rows <= SMALL_M else CONFIGS).get(dtype)
-    if cfg is None:
+def tile_config(dtype: torch.dtype, rows: int, op: str = "matmul", *, n: int = 0,
+                row_tiles: int | None = None, sms: int = 0) -> tuple[int, ...]:
+    """The tile configuration of a product of ``rows`` rows (the rows of one expert, for a
+    grouped call) and ``n`` output columns, by speed alone (every configuration gives a row
+    the same bits): :data:`WIDE_CONFIGS` for at most :data:`SMALL_M` rows against a very wide
+    weight, :data:`SMALL_CONFIGS` for other calls of at most :data:`SMALL_M` rows and for
+    calls whose :data:`CONFIGS` grid (``row_tiles`` 128-row tiles, default ``rows / 128``,
+    times the column tiles) has fewer than two programs per multiprocessor (``sms``), else
+    :data:`CONFIGS`."""
+    if dtype not in CONFIGS:
         raise DTypeError(f"strict {op}: the tensor-core kernels take bf16, fp16 or fp32 operands, "
                          f"got {dtype}")
-    return cfg
+    if rows <= SMALL_M:
+        return (WIDE_CONFIGS if n >= _WIDE_N else SMALL_CONFIGS)[dtype]
+    tiles = (row_tiles if row_tiles is not None else -(-rows // 128)) * -(-n // 128)
+    return SMALL_CONFIGS[dtype] if tiles < 2 * sms else CONFIGS[dtype]
 
 
 def _launch_matmul(a, w, out, *, bias=None, a_dec=None, w_dec=None, tiles=None,
                    config=None) -> None:
-    bm, bn, bk, warps, stages = config or tile_config(a.dtype, a.shape[0])
+    bm, bn, bk, warps, stages = config or tile_config(
+        a.dtype, a.shape[0], n=out.shape[1], sms=_sms(a.device))
     grouped = tiles is not None
     m, k = a.shape
     n = out.shape[1]
@@ -408,9 +510,16 @@ def grouped_matmul(a: torch.Tensor, w: torch.Tensor, counts: list[int], *,
     if a_dec is not None:
         a_dec = a_dec.float().contiguous()
         w_dec = w_dec.float().reshape(w.shape[0], w.shape[1]).contiguous()
-    # the widest expert picks the configuration: a decode step's few rows per expert get the
-    # narrow tiles (the same bits, see SMALL_CONFIGS)
-    cfg = tile_config(a.dtype, max(counts, default=0), "grouped_matmul")
+    # the experts' row counts pick the configuration (every one gives the same bits): 64-row
+    # tiles when the experts hold 256 rows or fewer on average (a decode step, or a prefill
+    # spread over many experts: less of each tile is padding), else tile_config's choice
+    busy = [c for c in counts if c]
+    per_expert = -(-sum(busy) // max(1, len(busy)))
+    if per_expert <= 4 * SMALL_M:
+        cfg = tile_config(a.dtype, min(per_expert, SMALL_M), "grouped_matmul")
+    else:
+        cfg = tile_config(a.dtype, per_expert, "grouped_matmul", n=w.shape[1],
+                          row_tiles=sum(-(-c // 128) for c in busy), sms=_sms(a.device))
     _launch_matmul(a, w, out, a_dec=a_dec, w_dec=w_dec, config=cfg,
                    tiles=group_tiles(counts, a.device, cfg[0]))
     return out
@@ -469,38 +578,42 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
-#: Attention's (warps, pipeline stages). Part of a row's bits (the row reductions of the
-#: softmax follow the warps' layout), so one setting serves prefill and decode alike.
-ATTENTION_CONFIG = (4, 2)
+#: Attention's (warps, pipeline stages, key chunk). The key chunk (a multiple of 64, or 0)
+#: splits the keys a row sees into chunks of that many from its sequence's first visible key,
+#: each chunk's online softmax run by its own program and the chunks combined in order; it is
+#: part of a row's bits, so one setting serves prefill and decode alike. 0: no split.
+ATTENTION_CONFIG = (8, 3, 256)
 
 
-def visible_range(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's first visible key (``Tk`` when none) and last visible key + 1 (0 when none)
-    of a boolean mask ``[B, Hm, Tq, Tk]``: int32 ``[B, Hm, Tq]`` each, in one launch."""
+def visible_range(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's first visible key (``Tk`` when none), last visible key + 1 (0 when none) and
+    number of visible keys, of a boolean mask ``[B, Hm, Tq, Tk]``: int32 ``[B, Hm, Tq]`` each,
+    in one launch. A row whose count is ``hi - first`` sees one interval of keys."""
     b, hm, tq, tk = allowed.shape
     rows = allowed.reshape(b * hm * tq, tk)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     first = torch.empty((b, hm, tq), dtype=torch.int32, device=allowed.device)
-    hi = torch.empty_like(first)
+    hi, count = torch.empty_like(first), torch.empty_like(first)
     if first.numel() and tk:
-        _visible_kernel[(b * hm * tq,)](rows.view(torch.uint8), first, hi, tk, rows.stride(0),
+        _visible_kernel[(b * hm * tq,)](rows.view(torch.uint8), first, hi, count, tk,
+                                        rows.stride(0),
                                         BLOCK=min(1024, triton.next_power_of_2(tk)))
     elif first.numel():
-        first.fill_(0)
-        hi.fill_(0)
-    return first, hi
+        for t in (first, hi, count):
+            t.fill_(0)
+    return first, hi, count
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-              scaling: float, config: tuple[int, int] | None = None) -> torch.Tensor:
+              scaling: float, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Masked softmax attention ``[B, Hq, Tq, D]`` (grouped-query: ``Hq`` a multiple of ``Hkv``):
     ``q`` ``[B, Hq, Tq, D]``, ``k``, ``v`` ``[B, Hkv, Tk, D]`` (bf16 or fp16), ``allowed``
     ``[B, 1|Hq, Tq, Tk]`` (True = attend). Keys in blocks of 64 from each sequence's first
     visible key; a query that sees no key gets zeros. A program takes 64 (query head, query)
     rows of one key/value head, so a decode step's grouped heads read the keys once.
-    ``config`` (warps, stages) overrides :data:`ATTENTION_CONFIG` (a probe: rows' bits depend
-    on it)."""
+    ``config`` (warps, stages, key chunk) overrides :data:`ATTENTION_CONFIG` (a probe; the
+    key chunk is part of the rows' bits)."""
     require("attention", q)
     b, hq, tq, d = q.shape
     if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b or hq % k.shape[1] \
@@ -526,13 +639,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     qc, kc, vc = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     hkv = k.shape[1]
     rep = hq // hkv
-    warps, stages = config or ATTENTION_CONFIG
+    warps, stages, chunk = config or ATTENTION_CONFIG
+    if chunk % _ATT_BLOCK or chunk < 0:
+        raise ShapeError(f"strict attention: key chunk {chunk} (a multiple of {_ATT_BLOCK}, or 0)")
+    nc = triton.cdiv(tk, chunk) if chunk else 1
+    split = nc > 1
+    if split:  # partials of rows that see more than one chunk
+        ws_m = torch.empty((b * hq * tq * nc,), dtype=torch.float32, device=q.device)
+        ws_l = torch.empty_like(ws_m)
+        ws_acc = torch.empty((b * hq * tq * nc, d), dtype=torch.float32, device=q.device)
+    else:
+        ws_m = ws_l = ws_acc = out
+    scan = min(1024, triton.next_power_of_2(hm * tq))
     with torch.cuda.device(q.device):
-        first, hi = visible_range(mask)
-        _attention_kernel[(triton.cdiv(rep * tq, _ATT_BLOCK), b * hkv)](
-            qc, kc, vc, out, mask.view(torch.uint8), first, hi, tq, tk, hkv, rep, hm,
+        first, hi, count = visible_range(mask)
+        _attention_kernel[(triton.cdiv(rep * tq, _ATT_BLOCK), b * hkv, nc)](
+            qc, kc, vc, out, mask.view(torch.uint8), first, hi, count, tq, tk, hkv, rep, hm,
             float(scaling), *qc.stride()[:3], *kc.stride()[:3], *vc.stride()[:3],
             *out.stride()[:3], mask.stride(0), mask.stride(1) if hm > 1 else 0, mask.stride(2),
-            D=d, BLOCK=_ATT_BLOCK, SCAN=min(1024, triton.next_power_of_2(hm * tq)),
-            num_warps=warps, num_stages=stages)
+            ws_m, ws_l, ws_acc, nc, hq, D=d, BLOCK=_ATT_BLOCK, SCAN=scan,
+            CHUNK=chunk if split else 0, num_warps=warps, num_stages=stages)
+        if split:
+            rows = 16
+            _combine_kernel[(triton.cdiv(hq * tq, rows), b)](
+                out, first, hi, ws_m, ws_l, ws_acc, tq, hq, hm, nc, *out.stride()[:3], D=d,
+                ROWS=rows, SCAN=scan, CHUNK=chunk, num_warps=4)
     return out

@@ -69,7 +69,8 @@ def test_tile_shapes_give_a_row_the_same_bits(cuda, dtype):
     big = tensorcore.CONFIGS[dtype]
     bk = big[2]
     shapes = [(64, 64, bk, 4, 4), (64, 128, bk, 4, 3), (128, 64, bk, 8, 3), (64, 32, bk, 4, 4),
-              (128, 256, bk, 8, 3), tensorcore.SMALL_CONFIGS[dtype]]
+              (128, 256, bk, 8, 3), tensorcore.SMALL_CONFIGS[dtype],
+              tensorcore.WIDE_CONFIGS[dtype]]
     for n, k in ((2048, 2048), (1000, 72), (384, 768)):
         w = _rand(n, k, scale=k ** -0.5, seed=30, dtype=dtype)
         x = _rand(200, k, seed=31, dtype=dtype)
@@ -122,11 +123,12 @@ def test_row_kernels_are_invariant(cuda):
     assert float((ls.double() - ref).abs().max()) < 1e-4
 
 
-def test_attention_decode_equals_prefill(cuda):
+@pytest.mark.parametrize("t,lens", [(150, [150, 97, 1]), (600, [600, 300, 257])])
+def test_attention_decode_equals_prefill(cuda, t, lens):
     """A prompt left-padded in a cache, attended one query at a time, gives the bits of the same
-    tokens right-padded in a causal batch (blocks counted from the first visible key)."""
-    b, hq, hkv, d, t = 3, 8, 2, 128, 150
-    lens = [150, 97, 1]
+    tokens right-padded in a causal batch (blocks counted from the first visible key; rows
+    past the key chunk combine their chunks in order)."""
+    b, hq, hkv, d = 3, 8, 2, 128
     q, k, v = _rand(b, hq, t, d, seed=10), _rand(b, hkv, t, d, seed=11), _rand(b, hkv, t, d, seed=12)
     causal = torch.ones(t, t, dtype=torch.bool, device="cuda").tril()
     allowed = torch.zeros(b, 1, t, t, dtype=torch.bool, device="cuda")
@@ -142,7 +144,7 @@ def test_attention_decode_equals_prefill(cuda):
         kc = torch.zeros(1, hkv, t, d, dtype=k.dtype, device="cuda")
         vc = torch.zeros_like(kc)
         kc[0, :, pad:], vc[0, :, pad:] = k[i, :, :n], v[i, :, :n]
-        for pos in sorted({0, n // 2, n - 1}):
+        for pos in sorted({0, n // 2, n - 1, 255, 256} & set(range(n))):
             seen = torch.zeros(1, 1, 1, t, dtype=torch.bool, device="cuda")
             seen[..., pad:pad + pos + 1] = True
             one = tensorcore.attention(q[i:i + 1, :, pos:pos + 1], kc, vc, seen, d ** -0.5)
@@ -152,6 +154,14 @@ def test_attention_decode_equals_prefill(cuda):
     heads = tensorcore.attention(q, k, v, per_head, d ** -0.5)
     assert bool((heads[:, 5] == 0).all())
     assert torch.equal(heads[:, :5], full[:, :5]) and torch.equal(heads[:, 6:], full[:, 6:])
+    holed = allowed.clone()
+    holed[0, 0, :, 20:40] = False  # rows past key 40 see two intervals: the mask is read
+    got = tensorcore.attention(q, k, v, holed, d ** -0.5)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1),
+        attn_mask=holed)
+    assert float((got[0, :, :150].float() - want[0, :, :150]).abs().max()) < 2e-2
+    assert torch.equal(got[1:], full[1:])
 
 
 def test_kernels_run_in_a_cuda_graph(cuda):
