@@ -6,20 +6,20 @@ decode-time ones on every token (δ = 0). They differ in what else they promise 
 
 ``device`` (the default)
     On a CUDA device the batch-invariant tensor-core kernels of
-    :mod:`libalign.strict.tensorcore` (fixed tiles, no split over K, attention blocks counted
-    from each sequence's first key), PyTorch's element-wise kernels (each element computed on
-    its own, so invariant), its row softmax (one warp or block per row, the reduction shaped by
-    the row's width only) and a stable sort for top-k (ties to the lower index). The price of
-    a deterministic engine; the bits are the device's own, and equal to a sampler that runs
-    the same kernels (SGLang's batch-invariant Triton ops, :class:`Kernels` lets another set
-    stand in). On a CPU tensor the ``portable`` ops serve: they are the CPU's batch-invariant
-    implementation.
+    :mod:`libalign.strict.tensorcore` (no split over K, tile shapes that give a row the same
+    bits, attention blocks and key chunks counted from each sequence's first key), PyTorch's
+    element-wise kernels (each element computed on its own, so invariant), its row softmax
+    (one warp or block per row, the reduction shaped by the row's width only) and a stable
+    sort for top-k (ties to the lower index). The price of a deterministic engine; the bits
+    are the device's own, and equal to a sampler that runs the same kernels (SGLang's
+    batch-invariant Triton ops, :class:`Kernels` lets another set stand in). On a CPU tensor
+    the ``portable`` ops serve: they are the CPU's batch-invariant implementation.
 ``portable``
     :mod:`libalign.strict.ops` everywhere: IEEE element-wise operations in a written-down
     order, each op the same bits on a CPU and a GPU, at the price of a K-step product loop.
-    (Whole models do not yet agree everywhere: a trained tiny model's log-probs differed by up
-    to 1.6e-3 between an H200 and the CPU; ``python -m tests.bench strict -- --device cuda``
-    names the first module that differs.)
+    ``python -m tests.bench strict -- --device cuda`` compares a trained tiny model's
+    log-probs on the GPU and the CPU (equal on every token on an H100 and an H200) and, where
+    they differ, names the first module that does.
 
 A strict op never falls back to a kernel that is not batch-invariant: asked on a device the
 kernels cannot serve (a CUDA build without Triton), it raises

@@ -2,29 +2,34 @@
 
 A row comes out of a GPU kernel with different bits in a batch of 8 and a batch of 512 for
 one reason only: the kernel chose another *schedule* for the bigger call (a split over K
-whose partial sums are added at the end, a reduction spread over more threads, another tile
-shape and with it another instruction). The arithmetic of one tile is fixed by the hardware
+whose partial sums are added at the end, a reduction spread over more threads, an instruction
+that adds the products in another order). The arithmetic of one tile is fixed by the hardware
 and the compiler: a tensor-core ``mma`` adds its products into the accumulator the same way
-whichever row of the tile an input sits in. So a kernel whose schedule never depends on the
-number of rows is batch-invariant while running at tensor-core speed. Every kernel here follows
+whichever row or column of the tile an input sits in. So a kernel whose reduction order never
+depends on the number of rows is batch-invariant while running at tensor-core speed. Every kernel here follows
 that rule (as Thinking Machines' and SGLang's batch-invariant operations do):
 
-* :func:`matmul` and :func:`grouped_matmul`: one tile configuration per dtype (128 x 128 output
-  tiles, K in steps of 64, the same warps and pipeline depth) for every M; a program owns an
-  output tile and walks all of K in order into one fp32 accumulator, nothing is split over K;
-  bias, then the optional NVFP4 epilogue ``acc * (a_dec[m] * w_dec[n])``, then one rounding to
-  the output dtype. The grouped form runs the rows of many experts in one launch (a tile never
-  straddles two experts), each tile computed exactly as the plain form computes it.
-* :func:`mean_last` (the mean of RMSNorm) and :func:`log_softmax`: one program per row, the row
-  read in chunks of 1024 in order, each chunk reduced by the same in-register tree, the chunk
-  results added left to right.
-* :func:`attention`: one program per (sequence, head, block of 64 queries) walks the keys in
-  blocks of 64 with an online softmax, the blocks counted from the sequence's **first visible
-  key**, not from slot 0. A prompt left-padded in a sampler's KV cache and the same prompt
-  right-padded in a learner's batch therefore meet the same keys in the same blocks; blocks a
-  query cannot see change nothing (``m`` stays, ``alpha = 1``, ``p = 0``).
+* :func:`matmul` and :func:`grouped_matmul`: a program owns an output tile and walks all of K,
+  in steps of 64, into one fp32 accumulator; nothing is split over K; bias, then the optional
+  NVFP4 epilogue ``acc * (a_dec[m] * w_dec[n])``, then one rounding to the output dtype. The
+  tile's shape is chosen per call for speed (:func:`tile_config`): the tensor-core
+  instruction adds each output element's products in an order that does not depend on the
+  tile's other rows or columns, so every shape gives a row the same bits. The grouped form runs
+  the rows of many experts in one launch (a tile never straddles two experts), each tile
+  computed exactly as the plain form computes it.
+* :func:`mean_last` (the mean of RMSNorm) and :func:`log_softmax`: a row read in chunks of 1024
+  in order, each chunk reduced by the same in-register tree, the chunk results added left to
+  right (a small batch spreads a row's chunks over programs and adds their results in the
+  same order).
+* :func:`attention`: a program takes 64 (query head, query) rows of one key/value head and
+  walks the keys in blocks of 64 with an online softmax, the blocks counted from the
+  sequence's **first visible key**, not from slot 0. A prompt left-padded in a sampler's KV
+  cache and the same prompt right-padded in a learner's batch therefore meet the same keys in
+  the same blocks; blocks a query cannot see change nothing (``m`` stays, ``alpha = 1``,
+  ``p = 0``). The keys are split into chunks of :data:`ATTENTION_CONFIG`'s size from that same
+  key, one program per chunk, and a row of several chunks combines them in order.
 
-The tile shapes, the chunk widths and the reduction shapes are those of SGLang's
+The K steps, the chunk widths and the reduction shapes are those of SGLang's
 ``batch_invariant_ops`` (its Triton persistent matmul, ``log_softmax`` and ``mean_dim``), so a
 sampler running SGLang's deterministic inference on the Triton matmul computes the same bits
 as these kernels (checked on a GPU against SGLang's own functions). They are not the bits of
