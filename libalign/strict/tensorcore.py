@@ -273,7 +273,7 @@ if triton is not None:
                           s_ob, s_oh, s_ot, s_mb, s_mh, s_mq, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
                           NC, HQ,
                           D: tl.constexpr, BLOCK: tl.constexpr, SCAN: tl.constexpr,
-                          CHUNK: tl.constexpr):
+                          CHUNK: tl.constexpr, BLOCK_Q: tl.constexpr):
         # rows of a program: (query head, query) pairs of one sequence and one key/value head,
         # REP * Tq of them in head-major order, so a decode step's REP heads share one tile
         # and one read of the keys; a row's arithmetic never depends on its tile companions
@@ -281,7 +281,7 @@ if triton is not None:
         bk = tl.program_id(1)
         b = (bk // HKV).to(tl.int64)
         hk = (bk % HKV).to(tl.int64)
-        vr = pid_v * BLOCK + tl.arange(0, BLOCK)
+        vr = pid_v * BLOCK_Q + tl.arange(0, BLOCK_Q)
         v_ok = vr < REP * Tq
         vr = tl.where(v_ok, vr, 0)
         t = (vr % Tq).to(tl.int64)
@@ -311,9 +311,9 @@ if triton is not None:
         else:
             lo = base
             hi_k = stop
-        m_i = tl.full((BLOCK,), -float("inf"), tl.float32)
-        l_i = tl.zeros((BLOCK,), tl.float32)
-        acc = tl.zeros((BLOCK, D), tl.float32)
+        m_i = tl.full((BLOCK_Q,), -float("inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_Q,), tl.float32)
+        acc = tl.zeros((BLOCK_Q, D), tl.float32)
         k_base = k_ptr + b * s_kb + hk * s_kh
         v_base = v_ptr + b * s_vb + hk * s_vh
         mrow = mask_ptr + b * s_mb + hm[:, None] * s_mh + t[:, None] * s_mq
@@ -583,11 +583,12 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
-#: Attention's (warps, pipeline stages, key chunk). The key chunk (a multiple of 64, or 0)
-#: splits the keys a row sees into chunks of that many from its sequence's first visible key,
-#: each chunk's online softmax run by its own program and the chunks combined in order; it is
-#: part of a row's bits, so one setting serves prefill and decode alike. 0: no split.
-ATTENTION_CONFIG = (8, 3, 256)
+#: Attention's (warps, pipeline stages, key chunk, query rows per program). The key chunk (a
+#: multiple of 64, or 0) splits the keys a row sees into chunks of that many from its
+#: sequence's first visible key, each chunk's online softmax run by its own program and the
+#: chunks combined in order; it is part of a row's bits, so one setting serves prefill and
+#: decode alike. 0: no split. Keys are always walked in blocks of 64.
+ATTENTION_CONFIG = (8, 3, 256, 64)
 
 
 def visible_range(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -611,14 +612,14 @@ def visible_range(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-              scaling: float, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+              scaling: float, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Masked softmax attention ``[B, Hq, Tq, D]`` (grouped-query: ``Hq`` a multiple of ``Hkv``):
     ``q`` ``[B, Hq, Tq, D]``, ``k``, ``v`` ``[B, Hkv, Tk, D]`` (bf16 or fp16), ``allowed``
     ``[B, 1|Hq, Tq, Tk]`` (True = attend). Keys in blocks of 64 from each sequence's first
     visible key; a query that sees no key gets zeros. A program takes 64 (query head, query)
     rows of one key/value head, so a decode step's grouped heads read the keys once.
-    ``config`` (warps, stages, key chunk) overrides :data:`ATTENTION_CONFIG` (a probe; the
-    key chunk is part of the rows' bits)."""
+    ``config`` (warps, stages, key chunk, query rows) overrides :data:`ATTENTION_CONFIG` (a
+    probe; the key chunk is part of the rows' bits)."""
     require("attention", q)
     b, hq, tq, d = q.shape
     if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b or hq % k.shape[1] \
@@ -644,9 +645,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     qc, kc, vc = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     hkv = k.shape[1]
     rep = hq // hkv
-    warps, stages, chunk = config or ATTENTION_CONFIG
+    warps, stages, chunk, block_q = config or ATTENTION_CONFIG
     if chunk % _ATT_BLOCK or chunk < 0:
         raise ShapeError(f"strict attention: key chunk {chunk} (a multiple of {_ATT_BLOCK}, or 0)")
+    if block_q not in (16, 32, 64, 128):
+        raise ShapeError(f"strict attention: {block_q} query rows per program (16, 32, 64 or "
+                         "128)")
     nc = triton.cdiv(tk, chunk) if chunk else 1
     split = nc > 1
     if split:  # partials of rows that see more than one chunk
@@ -658,12 +662,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     scan = min(1024, triton.next_power_of_2(hm * tq))
     with torch.cuda.device(q.device):
         first, hi, count = visible_range(mask)
-        _attention_kernel[(triton.cdiv(rep * tq, _ATT_BLOCK), b * hkv, nc)](
+        _attention_kernel[(triton.cdiv(rep * tq, block_q), b * hkv, nc)](
             qc, kc, vc, out, mask.view(torch.uint8), first, hi, count, tq, tk, hkv, rep, hm,
             float(scaling), *qc.stride()[:3], *kc.stride()[:3], *vc.stride()[:3],
             *out.stride()[:3], mask.stride(0), mask.stride(1) if hm > 1 else 0, mask.stride(2),
             ws_m, ws_l, ws_acc, nc, hq, D=d, BLOCK=_ATT_BLOCK, SCAN=scan,
-            CHUNK=chunk if split else 0, num_warps=warps, num_stages=stages)
+            CHUNK=chunk if split else 0, BLOCK_Q=block_q, num_warps=warps,
+            num_stages=stages)
         if split:
             rows = 16
             _combine_kernel[(triton.cdiv(hq * tq, rows), b)](
