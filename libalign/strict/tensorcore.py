@@ -651,7 +651,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     if block_q not in (16, 32, 64, 128):
         raise ShapeError(f"strict attention: {block_q} query rows per program (16, 32, 64 or "
                          "128)")
-    nc = triton.cdiv(tk, chunk) if chunk else 1
+    nc = max(1, triton.cdiv(tk, chunk)) if chunk else 1
     split = nc > 1
     if split:  # partials of rows that see more than one chunk
         ws_m = torch.empty((b * hq * tq * nc,), dtype=torch.float32, device=q.device)

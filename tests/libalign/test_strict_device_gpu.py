@@ -162,6 +162,9 @@ def test_attention_decode_equals_prefill(cuda, t, lens):
         attn_mask=holed)
     assert float((got[0, :, :150].float() - want[0, :, :150]).abs().max()) < 2e-2
     assert torch.equal(got[1:], full[1:])
+    empty = k[:, :, :0]  # no keys at all: every query gets zeros
+    none = tensorcore.attention(q, empty, empty, allowed[..., :0], d ** -0.5)
+    assert none.shape == q.shape and bool((none == 0).all())
 
 
 def test_kernels_run_in_a_cuda_graph(cuda):
