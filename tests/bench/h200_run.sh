@@ -5,7 +5,9 @@
 #                                               mxfp4, probe (profile_convert --timeline),
 #                                               gemmprobe (profile_gemm: eager host time),
 #                                               refit (bench_refit: NVFP4 vs BF16 refit by CUDA IPC),
-#                                               recipes (bench_spec --recipes: kernel door vs spec)
+#                                               recipes (bench_spec --recipes: kernel door vs spec),
+#                                               tiles (probe_strict_tiles: strict tile shapes and
+#                                               attention settings, time and bits)
 # Wheels the image lacks travel in .whl/ (git-ignored; carry it): megatron-core and torchao, and
 # for the services the expert-parallel tests import, redis, httpx (+ httpcore, h11, anyio,
 # certifi, idna), pydantic(-core, -settings, annotated-types, typing-inspection,
@@ -47,7 +49,7 @@ for s in "$@"; do
                --layers 48 --json "$OUT/convert.json" ;;
     megatron) stage megatron "${T_MEGATRON:-200}" python3 -m tests.bench megatron -- \
                 --json "$OUT/megatron.json" ;;
-    strict) stage strict "${T_STRICT:-120}" python3 -m tests.bench strict -- --device cuda ${STRICT_ARGS:-} ;;
+    strict) stage strict "${T_STRICT:-200}" python3 -m tests.bench strict -- --device cuda ${STRICT_ARGS:-} ;;
     records) stage kv_guidance "${T_RECORDS:-60}" python3 -m tests.bench kv_guidance -- \
                --device cuda --no-learner
              stage routing "${T_RECORDS:-60}" python3 -m tests.bench routing -- --device cuda --no-learner
@@ -59,6 +61,7 @@ for s in "$@"; do
     gemmprobe) stage gemmprobe "${T_PROBE:-60}" python3 -m tests.bench.profile_gemm ;;
     recipes) stage recipes "${T_RECIPES:-90}" python3 -m tests.bench spec -- --recipes \
                --device cuda --json "$OUT/recipes.json" ;;
+    tiles) stage tiles "${T_TILES:-150}" python3 -m tests.bench.probe_strict_tiles ;;
     *) echo "unknown stage $s" >&2 ;;
   esac
 done
