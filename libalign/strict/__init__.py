@@ -3,8 +3,8 @@
 * :mod:`~libalign.strict.ops`: the operations strict execution runs (matmul in a fixed
   K order, softmax, log_softmax, norms), each giving row ``i`` the same bits alone or in a batch.
 * :mod:`~libalign.strict.triton_matmul`: the K-ordered product as one Triton kernel on a GPU.
-* :mod:`~libalign.strict.tensorcore`: batch-invariant tensor-core kernels (fixed tiles, no
-  split over K, row reductions in fixed chunks, attention blocks from the first visible key).
+* :mod:`~libalign.strict.tensorcore`: batch-invariant tensor-core kernels (no split over K,
+  row reductions in fixed chunks, attention blocks from the first visible key).
 * :mod:`~libalign.strict.device`: the two strict modes as op sets, ``device`` (those kernels on
   a GPU) and ``portable`` (:mod:`~libalign.strict.ops` everywhere).
 

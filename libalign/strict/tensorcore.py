@@ -92,16 +92,17 @@ WIDE_CONFIGS = {
 }
 SMALL_M = 64
 _WIDE_N = 16384
+_CHUNK = 1024          # row chunk of the row reductions
+_ATT_BLOCK = 64        # keys per step in attention
 _SMS: dict[int, int] = {}
 
 
 def _sms(device: torch.device) -> int:
+    """The multiprocessor count of CUDA ``device``, looked up once."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SMS:
         _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SMS[idx]
-_CHUNK = 1024          # row chunk of the row reductions
-_ATT_BLOCK = 64        # queries per program and keys per step in attention
 
 
 def available(x: torch.Tensor) -> bool:
@@ -216,14 +217,19 @@ if triton is not None:
         tl.store(part_ptr + row * NCHUNK + c, tl.max(vals))
 
     @triton.jit
+    def _row_top(part_ptr, row, NCHUNK: tl.constexpr, NCHUNK_P2: tl.constexpr):
+        """The row maximum from its chunk maxima (exact)."""
+        j = tl.arange(0, NCHUNK_P2)
+        return tl.max(tl.load(part_ptr + row * NCHUNK + j, mask=j < NCHUNK, other=-float("inf")))
+
+    @triton.jit
     def _chunk_sum_kernel(x_ptr, part_ptr, sum_ptr, s_xm: tl.constexpr, N: tl.constexpr,
                           NCHUNK: tl.constexpr, NCHUNK_P2: tl.constexpr, BLOCK: tl.constexpr):
         # program (row, c): the row maximum from the chunk maxima, then chunk c's sum of
         # exp(x - max), reduced exactly as the one-program kernel reduces that chunk
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        j = tl.arange(0, NCHUNK_P2)
-        top = tl.max(tl.load(part_ptr + row * NCHUNK + j, mask=j < NCHUNK, other=-float("inf")))
+        top = _row_top(part_ptr, row, NCHUNK, NCHUNK_P2)
         offs = c * BLOCK + tl.arange(0, BLOCK)
         ok = offs < N
         vals = tl.load(x_ptr + row * s_xm + offs, mask=ok, other=0.0)
@@ -237,8 +243,7 @@ if triton is not None:
         # kernel's running total), the log, then chunk c's outputs
         row = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
-        j = tl.arange(0, NCHUNK_P2)
-        top = tl.max(tl.load(part_ptr + row * NCHUNK + j, mask=j < NCHUNK, other=-float("inf")))
+        top = _row_top(part_ptr, row, NCHUNK, NCHUNK_P2)
         total = tl.sum(tl.zeros([1], dtype=top.dtype))
         for i in range(NCHUNK):
             total += tl.load(sum_ptr + row * NCHUNK + i)
@@ -267,6 +272,22 @@ if triton is not None:
         tl.store(count_ptr + r, count)
 
     @triton.jit
+    def _sequence_base(first_ptr, b, Tk, HM, Tq, SCAN: tl.constexpr):
+        """Sequence ``b``'s first visible key over all its mask rows (``Tk`` when none; exact:
+        a minimum)."""
+        base = Tk
+        for start in range(0, HM * Tq, SCAN):
+            offs = start + tl.arange(0, SCAN)
+            base = tl.minimum(base, tl.min(tl.load(first_ptr + b * HM * Tq + offs,
+                                                   mask=offs < HM * Tq, other=Tk)))
+        return base
+
+    @triton.jit
+    def _chunk_count(his, base, CHUNK: tl.constexpr):
+        """How many key chunks of ``CHUNK`` from ``base`` rows ending at ``his`` span."""
+        return tl.where(his > base, (his - base + CHUNK - 1) // CHUNK, 0)
+
+    @triton.jit
     def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, first_ptr, hi_ptr, count_ptr,
                           Tq, Tk, HKV, REP, HM, scaling,
                           s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt,
@@ -291,12 +312,7 @@ if triton is not None:
         offs_b = tl.arange(0, BLOCK)
         q = tl.load(q_ptr + b * s_qb + h[:, None] * s_qh + t[:, None] * s_qt + offs_d[None, :],
                     mask=v_ok[:, None], other=0.0)
-        # the sequence's first visible key over all its mask rows (exact: a minimum)
-        base = Tk
-        for start in range(0, HM * Tq, SCAN):
-            offs = start + tl.arange(0, SCAN)
-            base = tl.minimum(base, tl.min(tl.load(first_ptr + b * HM * Tq + offs,
-                                                   mask=offs < HM * Tq, other=Tk)))
+        base = _sequence_base(first_ptr, b, Tk, HM, Tq, SCAN)
         row = (b * HM + hm) * Tq + t
         lo_r = tl.load(first_ptr + row, mask=v_ok, other=0)
         his = tl.load(hi_ptr + row, mask=v_ok, other=0)
@@ -307,7 +323,7 @@ if triton is not None:
             c = tl.program_id(2)
             lo = base + c * CHUNK
             hi_k = tl.minimum(lo + CHUNK, stop)
-            chunks = tl.where(his > base, (his - base + CHUNK - 1) // CHUNK, 0)
+            chunks = _chunk_count(his, base, CHUNK)
         else:
             lo = base
             hi_k = stop
@@ -354,7 +370,7 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(o_ptr, first_ptr, hi_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
-                        Tq, HQ, HM, NC, s_ob, s_oh, s_ot,
+                        Tq, Tk, HQ, HM, NC, s_ob, s_oh, s_ot,
                         D: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr,
                         CHUNK: tl.constexpr):
         # rows of more than one chunk: M = max of the chunk maxima (exact), then the chunks'
@@ -367,13 +383,9 @@ if triton is not None:
         h = (r // Tq).to(tl.int64)
         t = (r % Tq).to(tl.int64)
         hm = tl.where(HM == 1, 0, h)
-        base = tl.load(first_ptr + b * HM * Tq) * 0 + 2147483647
-        for start in range(0, HM * Tq, SCAN):
-            offs = start + tl.arange(0, SCAN)
-            base = tl.minimum(base, tl.min(tl.load(first_ptr + b * HM * Tq + offs,
-                                                   mask=offs < HM * Tq, other=2147483647)))
+        base = _sequence_base(first_ptr, b, Tk, HM, Tq, SCAN)
         his = tl.load(hi_ptr + (b * HM + hm) * Tq + t, mask=r_ok, other=0)
-        chunks = tl.where(his > base, (his - base + CHUNK - 1) // CHUNK, 0)
+        chunks = _chunk_count(his, base, CHUNK)
         mine = r_ok & (chunks > 1)
         g0 = ((b * HQ + h) * Tq + t) * NC
         offs_d = tl.arange(0, D)
@@ -521,7 +533,7 @@ def grouped_matmul(a: torch.Tensor, w: torch.Tensor, counts: list[int], *,
     busy = [c for c in counts if c]
     per_expert = -(-sum(busy) // max(1, len(busy)))
     if per_expert <= 4 * SMALL_M:
-        cfg = tile_config(a.dtype, min(per_expert, SMALL_M), "grouped_matmul")
+        cfg = tile_config(a.dtype, SMALL_M, "grouped_matmul")
     else:
         cfg = tile_config(a.dtype, per_expert, "grouped_matmul", n=w.shape[1],
                           row_tiles=sum(-(-c // 128) for c in busy), sms=_sms(a.device))
@@ -672,6 +684,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
         if split:
             rows = 16
             _combine_kernel[(triton.cdiv(hq * tq, rows), b)](
-                out, first, hi, ws_m, ws_l, ws_acc, tq, hq, hm, nc, *out.stride()[:3], D=d,
+                out, first, hi, ws_m, ws_l, ws_acc, tq, tk, hq, hm, nc, *out.stride()[:3], D=d,
                 ROWS=rows, SCAN=scan, CHUNK=chunk, num_warps=4)
     return out
