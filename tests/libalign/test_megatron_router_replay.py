@@ -44,8 +44,6 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
 CFG = small_config()
 
 
-
-
 @pytest.fixture(autouse=True)
 def _shims(megatron_world):
     with cpu_shims(), train_mod.cpu_threads(1):

@@ -52,8 +52,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PATHS = ("bf16", "nvfp4_naive", "nvfp4_minite", "nvfp4_trace")
 
 
-
-
 @pytest.fixture(autouse=True)
 def _shims(megatron_world):
     with cpu_shims(), cpu_threads(1):
