@@ -38,7 +38,7 @@ from libalign.models import build_model, capture_guidance, generate, tiny_config
 from libalign.models import megatron as mg
 from libalign.models import megatron_export as mx
 from libalign.models import train as train_mod
-from libalign.models.megatron_cpu import cpu_shims, single_process_group
+from libalign.models.megatron_cpu import cpu_shims
 from libalign.models.task import SyntheticTask
 from tests.libalign.megatron_config import small_config
 
@@ -52,13 +52,6 @@ pytestmark = CPU_ONLY
 PATHS = ("bf16", "nvfp4_naive", "nvfp4_minite", "nvfp4_trace")
 TASK = SyntheticTask()
 CFG = small_config()
-
-
-@pytest.fixture(scope="session")
-def megatron_world():
-    """One ``gloo`` process and Megatron's model-parallel state, for the whole session."""
-    with single_process_group("gloo"):
-        yield
 
 
 @pytest.fixture(autouse=True)
