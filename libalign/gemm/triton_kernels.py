@@ -50,31 +50,114 @@ def _outer(amax, AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr):
 
 
 @triton.jit
-def _inner_values(x, enc, dec):
-    """Exact code * block-scale values of fp32 blocks ``x`` [R, B, 16] (te order, RNE)."""
+def _block_scales(x, enc):
+    """E4M3 block scales of fp32 blocks ``x`` [R, B, 16] under row encode scales ``enc`` [R]
+    (te order): ``e4m3(min(fl(vmax * fl(enc * fl(1/6))), 448))``, as float8 [R, B]."""
     vmax = tl.max(tl.abs(x), axis=2)
     sixth = tl.math.div_rn(tl.full(enc.shape, 1.0, tl.float32), tl.full(enc.shape, 6.0, tl.float32))
     pre = tl.minimum(vmax * (enc * sixth)[:, None], _FLT_MAX)
-    s = tl.minimum(pre, 448.0).to(tl.float8e4nv).to(tl.float32)
-    sd = s * dec[:, None]
-    mult = tl.minimum(tl.math.div_rn(tl.full(sd.shape, 1.0, tl.float32), sd), _FLT_MAX)
-    mult = tl.where(s == 0.0, 0.0, mult)
-    z = x * mult[:, :, None]
-    a = tl.minimum(tl.abs(z), 6.0)
-    mag = tl.where(a > 0.25, 0.5, 0.0)
-    mag = tl.where(a >= 0.75, 1.0, mag)
-    mag = tl.where(a > 1.25, 1.5, mag)
-    mag = tl.where(a >= 1.75, 2.0, mag)
-    mag = tl.where(a > 2.5, 3.0, mag)
-    mag = tl.where(a >= 3.5, 4.0, mag)
-    mag = tl.where(a > 5.0, 6.0, mag)
-    return tl.where(z < 0.0, -mag, mag) * s[:, :, None]
+    return tl.minimum(pre, 448.0).to(tl.float8e4nv)
 
 
 @triton.jit
-def _act_qdq_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x, stride_i,
-                    AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr, TENSOR_AMAX: tl.constexpr,
-                    ROWS: tl.constexpr, NB: tl.constexpr, DEQUANT: tl.constexpr):
+def _normalized(x, s, dec):
+    """``x`` [R, B, 16] times ``fl(1 / fl(s * dec))`` (0 where the block scale ``s`` is 0):
+    the values E2M1 rounds, before any clamp."""
+    sd = s * dec[:, None]
+    mult = tl.minimum(tl.math.div_rn(tl.full(sd.shape, 1.0, tl.float32), sd), _FLT_MAX)
+    mult = tl.where(s == 0.0, 0.0, mult)
+    return x * mult[:, :, None]
+
+
+@triton.jit
+def _rne_level(a):
+    """The E2M1 level index (0..7) nearest to magnitudes ``a`` <= 6, ties to the even level."""
+    level = tl.where(a > 0.25, 1, 0)
+    level = tl.where(a >= 0.75, 2, level)
+    level = tl.where(a > 1.25, 3, level)
+    level = tl.where(a >= 1.75, 4, level)
+    level = tl.where(a > 2.5, 5, level)
+    level = tl.where(a >= 3.5, 6, level)
+    return tl.where(a > 5.0, 7, level)
+
+
+@triton.jit
+def _e2m1_magnitude(i):
+    """The E2M1 magnitude of level index ``i`` (0..7)."""
+    v = tl.where(i >= 1, 0.5, 0.0)
+    v = tl.where(i >= 2, 1.0, v)
+    v = tl.where(i >= 3, 1.5, v)
+    v = tl.where(i >= 4, 2.0, v)
+    v = tl.where(i >= 5, 3.0, v)
+    v = tl.where(i >= 6, 4.0, v)
+    return tl.where(i >= 7, 6.0, v)
+
+
+@triton.jit
+def _level_bits(level, BITS: tl.constexpr):
+    """The low bits a code at signed ``level`` carries (level 0 carries 0); ``BITS`` 4: the
+    whole E2M1 code, sign bit 8 over the level index."""
+    if BITS == 4:  # noqa: SIM108 - a constexpr branch, resolved when Triton compiles
+        out = tl.where(level < 0, (-level) | 8, level)
+    else:
+        out = tl.abs(level) & ((1 << BITS) - 1)
+    return out
+
+
+@triton.jit
+def _rne_levels(x, enc, dec):
+    """Signed E2M1 levels (int32 -7..7, a zero magnitude level 0: positive zeros) of fp32
+    blocks ``x`` [R, B, 16] rounded to nearest (te order), and their float8 block scales."""
+    s8 = _block_scales(x, enc)
+    z = _normalized(x, s8.to(tl.float32), dec)
+    level = _rne_level(tl.minimum(tl.abs(z), 6.0))
+    return tl.where(z < 0.0, -level, level), s8
+
+
+@triton.jit
+def _level_values(level, s):
+    """Inner values ``code * block scale`` of signed levels [R, B, 16] under fp32 block scales
+    ``s`` [R, B]: exact, and +0.0 for level 0."""
+    mag = _e2m1_magnitude(tl.abs(level))
+    return tl.where(level < 0, -mag, mag) * s[:, :, None]
+
+
+@triton.jit
+def _store_codes(codes_ptr, scales_ptr, rows, b, level, sbyte, mask, stride_c, stride_s):
+    """Store signed levels [R, B, 16] as packed E2M1 codes (two a byte, the even element in the
+    low nibble: :func:`libalign.spec.packing.pack_nibbles`) at ``codes_ptr`` [M, K/2] and the
+    E4M3 block-scale bytes ``sbyte`` [R, B] at ``scales_ptr`` [M, K/16]; ``mask`` [R, B]."""
+    code = _level_bits(level, 4)
+    lo, hi = tl.split(tl.reshape(code, [code.shape[0], code.shape[1], 8, 2]))
+    r64 = rows.to(tl.int64)
+    jj = tl.arange(0, 8)
+    tl.store(codes_ptr + r64[:, None, None] * stride_c + b[None, :, None] * 8 + jj[None, None, :],
+             (lo | (hi << 4)).to(tl.uint8), mask=mask[:, :, None])
+    tl.store(scales_ptr + r64[:, None] * stride_s + b[None, :], sbyte, mask=mask)
+
+
+@triton.jit
+def _emit(out_ptr, scales_ptr, rows, b, cols, mask, level, s, sbyte, dec, stride_o, stride_s,
+          OUT: tl.constexpr):
+    """Write blocks [R, B, 16] of signed ``level`` under block scales ``s`` [R, B] (fp32; their
+    E4M3 bytes ``sbyte``) as the pass's ``OUT`` says: 0 the inner values (bf16 exact), 1 the
+    values read back ``fl(inner * dec)`` in ``out_ptr``'s dtype, 2 packed codes and scale
+    bytes (:func:`_store_codes`). ``mask`` [R, B] marks the blocks that exist."""
+    if OUT == 2:
+        _store_codes(out_ptr, scales_ptr, rows, b, level, sbyte, mask, stride_o, stride_s)
+    else:
+        val = _level_values(level, s)
+        if OUT == 1:  # the value read back: fl(inner * dec), one rounding to the output dtype
+            val = val * dec[:, None, None]
+        tl.store(out_ptr + rows.to(tl.int64)[:, None, None] * stride_o + cols,
+                 val.to(out_ptr.dtype.element_ty), mask=mask[:, :, None])
+
+
+@triton.jit
+def _act_qdq_kernel(x_ptr, out_ptr, scales_ptr, dec_ptr, amax_ptr, M, KB, stride_x, stride_o,
+                    stride_s, AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr,
+                    TENSOR_AMAX: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr,
+                    OUT: tl.constexpr):
     # a [ROWS, NB, 16] tile holds whole rows: one row per ROWS index, one 16-element block
     # per NB index, so block and row maxima are plain reductions (no reshapes)
     pid = tl.program_id(0)
@@ -83,27 +166,26 @@ def _act_qdq_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x, stride
     j = tl.arange(0, 16)
     cols = blk[None, :, None] * 16 + j[None, None, :]
     rmask = rows < M
-    mask = rmask[:, None, None] & (blk < KB)[None, :, None]  # whole blocks: K % 16 == 0
+    bmask = rmask[:, None] & (blk < KB)[None, :]  # whole blocks: K % 16 == 0
     r64 = rows[:, None, None].to(tl.int64)
-    x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + r64 * stride_x + cols, mask=bmask[:, :, None], other=0.0).to(tl.float32)
     poison = tl.sum(tl.sum(x * 0.0, axis=2), axis=1)  # NaN iff the row holds NaN or Inf
     if TENSOR_AMAX:
         amax = tl.load(amax_ptr) + tl.zeros([ROWS], dtype=tl.float32)
     else:
         amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
     enc, dec = _outer(amax, AMAX_FLOOR, HAS_FLOOR)
-    val = _inner_values(x, enc, dec)
-    if DEQUANT:  # the value read back: fl(inner * dec), one rounding to the output dtype
-        val = val * dec[:, None, None]
-    tl.store(inner_ptr + r64 * stride_i + cols, val.to(inner_ptr.dtype.element_ty), mask=mask)
+    level, s8 = _rne_levels(x, enc, dec)
+    _emit(out_ptr, scales_ptr, rows, blk, cols, bmask, level, s8.to(tl.float32),
+          s8.to(tl.uint8, bitcast=True), dec, stride_o, stride_s, OUT)
     tl.store(dec_ptr + rows, tl.where(poison == 0.0, dec, float("nan")), mask=rmask)
 
 
 @triton.jit
-def _act_qdq_chunked_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x, stride_i,
-                            AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr,
-                            TENSOR_AMAX: tl.constexpr, ROWS: tl.constexpr, CB: tl.constexpr,
-                            DEQUANT: tl.constexpr):
+def _act_qdq_chunked_kernel(x_ptr, out_ptr, scales_ptr, dec_ptr, amax_ptr, M, KB, stride_x,
+                            stride_o, stride_s, AMAX_FLOOR: tl.constexpr,
+                            HAS_FLOOR: tl.constexpr, TENSOR_AMAX: tl.constexpr,
+                            ROWS: tl.constexpr, CB: tl.constexpr, OUT: tl.constexpr):
     # rows whose block count is not a power of two: walk them in chunks of CB blocks, once
     # for the row maxima and once to encode (the second read mostly hits L2), so no lane
     # idles on padding
@@ -128,13 +210,41 @@ def _act_qdq_chunked_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x
     for c in range(0, KB, CB):
         b = c + blk
         cols = b[None, :, None] * 16 + j[None, None, :]
-        mask = rmask[:, None, None] & (b < KB)[None, :, None]
-        x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        val = _inner_values(x, enc, dec)
-        if DEQUANT:
-            val = val * dec[:, None, None]
-        tl.store(inner_ptr + r64 * stride_i + cols, val.to(inner_ptr.dtype.element_ty), mask=mask)
+        bmask = rmask[:, None] & (b < KB)[None, :]
+        x = tl.load(x_ptr + r64 * stride_x + cols, mask=bmask[:, :, None], other=0.0).to(tl.float32)
+        level, s8 = _rne_levels(x, enc, dec)
+        _emit(out_ptr, scales_ptr, rows, b, cols, bmask, level, s8.to(tl.float32),
+              s8.to(tl.uint8, bitcast=True), dec, stride_o, stride_s, OUT)
     tl.store(dec_ptr + rows, tl.where(poison == 0.0, dec, float("nan")), mask=rmask)
+
+
+_VALUES, _READ_BACK, _CODES = 0, 1, 2
+"""What an activation pass writes (its ``OUT``): inner values, values read back, codes."""
+
+
+def _act_pass(x, out, scales, dec, *, amax_floor, tensor_amax, elems, num_warps, chunk, mode):
+    """Launch the whole-row or the chunked activation kernel over rows ``x`` [M, K]."""
+    m, k = x.shape
+    if m == 0:
+        return
+    kb = k // 16
+    nb = triton.next_power_of_2(kb)
+    amax = tensor_amax if tensor_amax is not None else dec  # unused pointer when per row
+    common = dict(AMAX_FLOOR=float(amax_floor or 0.0), HAS_FLOOR=amax_floor is not None,
+                  TENSOR_AMAX=tensor_amax is not None, OUT=mode, num_warps=num_warps)
+    args = (x, out, scales, dec, amax, m, kb, x.stride(0), out.stride(0), scales.stride(0))
+    if nb == kb or chunk == 0 or (chunk is None and nb <= 8):  # whole rows in one tile
+        rows = max(1, min(64, elems // (16 * nb)))
+        _act_qdq_kernel[(triton.cdiv(m, rows),)](*args, ROWS=rows, NB=nb, **common)
+    else:
+        cb = chunk or 16
+        rows = max(1, min(64, elems // (16 * cb)))
+        _act_qdq_chunked_kernel[(triton.cdiv(m, rows),)](*args, ROWS=rows, CB=cb, **common)
+
+
+def _rows_ok(x: torch.Tensor, what: str) -> None:
+    if x.shape[-1] % 16 or x.stride(-1) != 1:
+        raise ValueError(f"{what} needs contiguous rows whose length is a multiple of 16")
 
 
 def act_qdq(x: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Tensor | None,
@@ -148,71 +258,55 @@ def act_qdq(x: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Ten
     ``dequantize`` writes the values read back instead, ``fl(inner * dec)`` rounded once to
     ``x``'s dtype (what ``(inner.float() * dec[:, None]).to(x.dtype)`` gives).
     """
+    _rows_ok(x, "act_qdq")
     m, k = x.shape
-    if k % 16 or x.stride(1) != 1:
-        raise ValueError("act_qdq needs contiguous rows whose length is a multiple of 16")
     inner = out if out is not None else torch.empty(
         (m, k), dtype=x.dtype if dequantize else torch.bfloat16, device=x.device)
     dec = torch.empty((m,), dtype=torch.float32, device=x.device) if dec_out is None else dec_out
-    if m == 0:
-        return inner, dec
-    kb = k // 16
-    nb = triton.next_power_of_2(kb)
-    amax = tensor_amax if tensor_amax is not None else dec  # unused pointer when per row
-    common = dict(AMAX_FLOOR=float(amax_floor or 0.0), HAS_FLOOR=amax_floor is not None,
-                  TENSOR_AMAX=tensor_amax is not None, DEQUANT=dequantize, num_warps=num_warps)
-    if nb == kb or chunk == 0 or (chunk is None and nb <= 8):  # whole rows in one tile
-        rows = max(1, min(64, elems // (16 * nb)))
-        _act_qdq_kernel[(triton.cdiv(m, rows),)](
-            x, inner, dec, amax, m, kb, x.stride(0), inner.stride(0), ROWS=rows, NB=nb, **common)
-    else:
-        cb = chunk or 16
-        rows = max(1, min(64, elems // (16 * cb)))
-        _act_qdq_chunked_kernel[(triton.cdiv(m, rows),)](
-            x, inner, dec, amax, m, kb, x.stride(0), inner.stride(0), ROWS=rows, CB=cb, **common)
+    _act_pass(x, inner, dec, dec, amax_floor=amax_floor, tensor_amax=tensor_amax, elems=elems,
+              num_warps=num_warps, chunk=chunk, mode=_READ_BACK if dequantize else _VALUES)
     return inner, dec
 
 
-@triton.jit
-def _e2m1_magnitude(i):
-    """The E2M1 magnitude of level index ``i`` (0..7)."""
-    v = tl.where(i >= 1, 0.5, 0.0)
-    v = tl.where(i >= 2, 1.0, v)
-    v = tl.where(i >= 3, 1.5, v)
-    v = tl.where(i >= 4, 2.0, v)
-    v = tl.where(i >= 5, 3.0, v)
-    v = tl.where(i >= 6, 4.0, v)
-    return tl.where(i >= 7, 6.0, v)
+def code_buffers(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty packed-code ``[m, K/2]`` and scale-byte ``[m, K/16]`` uint8 buffers; the codes'
+    rows start 16 bytes apart (the stride a TMA descriptor needs), whatever K is."""
+    kc = k // 2
+    codes = torch.empty((m, -(-kc // 16) * 16), dtype=torch.uint8, device=device)[:, :kc]
+    return codes, torch.empty((m, k // 16), dtype=torch.uint8, device=device)
+
+
+def act_codes(x: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Tensor | None,
+              codes_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None,
+              dec_out: torch.Tensor | None = None, elems: int = 4096, num_warps: int = 4,
+              chunk: int | None = None):
+    """Packed E2M1 codes (uint8 ``[M, K/2]``, the even element in the low nibble), E4M3 block
+    scale bytes (uint8 ``[M, K/16]``) and fp32 row decode scales ``[M]`` of activations.
+
+    :func:`act_qdq`'s pass with the same codes and scales, written as bits instead of values
+    (a fourth of the bytes): a zero magnitude is code 0x0 (positive zeros), so decoding them,
+    ``code * block scale``, gives :func:`act_qdq`'s inner values bit for bit. A row holding
+    NaN/Inf gets a NaN decode scale. ``chunk``, ``elems``, ``num_warps``: as :func:`act_qdq`'s.
+    """
+    _rows_ok(x, "act_codes")
+    m, k = x.shape
+    codes, scales = (codes_out, scales_out) if codes_out is not None else \
+        code_buffers(m, k, x.device)
+    dec = torch.empty((m,), dtype=torch.float32, device=x.device) if dec_out is None else dec_out
+    _act_pass(x, codes, scales, dec, amax_floor=amax_floor, tensor_amax=tensor_amax, elems=elems,
+              num_warps=num_warps, chunk=chunk, mode=_CODES)
+    return codes, scales, dec
 
 
 @triton.jit
-def _level_bits(level, BITS: tl.constexpr):
-    """The low bits a code at signed ``level`` carries (level 0 carries 0)."""
-    if BITS == 4:  # noqa: SIM108 - a constexpr branch, resolved when Triton compiles
-        out = tl.where(level < 0, (-level) | 8, level)
-    else:
-        out = tl.abs(level) & ((1 << BITS) - 1)
-    return out
-
-
-@triton.jit
-def _guided_values(x, s, dec, g, up_ptr, down_ptr, BITS: tl.constexpr):
-    """Inner values of fp32 blocks ``x`` [R, B, 16] rounded by the sampler's low bits ``g``
-    under its E4M3 block scales ``s`` [R, B] and row decode scales ``dec`` [R] (te order):
-    :func:`libalign.spec.normalized_with_scales`, then
+def _guided_levels(x, s, dec, g, up_ptr, down_ptr, BITS: tl.constexpr):
+    """Signed levels (int32 -7..7, positive zeros) of fp32 blocks ``x`` [R, B, 16] rounded by
+    the sampler's low bits ``g`` under its E4M3 block scales ``s`` [R, B] (fp32) and row decode
+    scales ``dec`` [R] (te order): :func:`libalign.spec.normalized_with_scales`, then
     :func:`libalign.spec.rounding.round_e2m1_guided` with positive zeros."""
-    sd = s * dec[:, None]
-    mult = tl.minimum(tl.math.div_rn(tl.full(sd.shape, 1.0, tl.float32), sd), _FLT_MAX)
-    mult = tl.where(s == 0.0, 0.0, mult)
-    z = tl.minimum(tl.maximum(x * mult[:, :, None], -6.0), 6.0)
+    z = tl.minimum(tl.maximum(_normalized(x, s, dec), -6.0), 6.0)
     a = tl.abs(z)
-    rne = tl.where(a > 0.25, 1, 0)  # the RNE level, as _inner_values rounds
-    rne = tl.where(a >= 0.75, 2, rne)
-    rne = tl.where(a > 1.25, 3, rne)
-    rne = tl.where(a >= 1.75, 4, rne)
-    rne = tl.where(a > 2.5, 5, rne)
-    rne = tl.where(a >= 3.5, 6, rne)
-    rne = tl.where(a > 5.0, 7, rne)
+    rne = _rne_level(a)  # the RNE level, as _rne_levels rounds
     lo = tl.where(a >= 0.5, 1, 0)  # the largest level whose magnitude is <= a
     lo = tl.where(a >= 1.0, 2, lo)
     lo = tl.where(a >= 1.5, 3, lo)
@@ -233,17 +327,15 @@ def _guided_values(x, s, dec, g, up_ptr, down_ptr, BITS: tl.constexpr):
     ends = tl.load(up_ptr + (upper + 7) * nc + g) + tl.load(down_ptr + (lower + 7) * nc + g)
     two_z = 2.0 * z
     outside = tl.where(ends < two_z, upper, tl.where(two_z < ends, lower, rne_level))
-    level = tl.where(lower_hit, lower, tl.where(upper_hit, upper, outside))
-    mag = _e2m1_magnitude(tl.abs(level))
-    return tl.where(level < 0, -mag, mag) * s[:, :, None]
+    return tl.where(lower_hit, lower, tl.where(upper_hit, upper, outside))
 
 
 @triton.jit
-def _guided_qdq_kernel(x_ptr, inner_ptr, dec_ptr, src_ptr, low_ptr, bs_ptr, rs_ptr, e4m3_ptr,
-                       up_ptr, down_ptr, M, stride_x, stride_i, stride_low, stride_bs,
-                       KB: tl.constexpr, AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr,
-                       BITS: tl.constexpr, ROWS: tl.constexpr, CB: tl.constexpr,
-                       DEQUANT: tl.constexpr):
+def _guided_qdq_kernel(x_ptr, out_ptr, scales_ptr, dec_ptr, src_ptr, low_ptr, bs_ptr, rs_ptr,
+                       e4m3_ptr, up_ptr, down_ptr, M, stride_x, stride_o, stride_s, stride_low,
+                       stride_bs, KB: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+                       HAS_FLOOR: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr,
+                       CB: tl.constexpr, OUT: tl.constexpr):
     # rows with a record (src >= 0) take its block and row scales and its low code bits;
     # the others round to nearest under their own scales, as _act_qdq_chunked_kernel does
     pid = tl.program_id(0)
@@ -270,19 +362,20 @@ def _guided_qdq_kernel(x_ptr, inner_ptr, dec_ptr, src_ptr, low_ptr, bs_ptr, rs_p
     for c in range(0, KB, CB):
         b = c + blk
         cols = b[None, :, None] * 16 + j[None, None, :]
-        mask = rmask[:, None, None] & (b < KB)[None, :, None]
-        x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        own = _inner_values(x, enc, dec)
+        bmask = rmask[:, None] & (b < KB)[None, :]
+        x = tl.load(x_ptr + r64 * stride_x + cols, mask=bmask[:, :, None], other=0.0).to(tl.float32)
+        own, s8 = _rne_levels(x, enc, dec)
         gmask = (rmask & guided)[:, None] & (b < KB)[None, :]
         sb = tl.load(bs_ptr + s64[:, None] * stride_bs + b[None, :], mask=gmask, other=0)
         s = tl.load(e4m3_ptr + sb.to(tl.int32))
         g = tl.load(low_ptr + s64[:, None, None] * stride_low + cols,
                     mask=gmask[:, :, None], other=0).to(tl.int32)
-        val = tl.where(guided[:, None, None], _guided_values(x, s, rs, g, up_ptr, down_ptr, BITS),
-                       own)
-        if DEQUANT:
-            val = val * read_dec[:, None, None]
-        tl.store(inner_ptr + r64 * stride_i + cols, val.to(inner_ptr.dtype.element_ty), mask=mask)
+        g_level = _guided_levels(x, s, rs, g, up_ptr, down_ptr, BITS)
+        level = tl.where(guided[:, None, None], g_level, own)
+        s = tl.where(guided[:, None], s, s8.to(tl.float32))
+        sbyte = tl.where(guided[:, None], sb, s8.to(tl.uint8, bitcast=True))
+        _emit(out_ptr, scales_ptr, rows, b, cols, bmask, level, s, sbyte, read_dec, stride_o,
+              stride_s, OUT)
     tl.store(dec_ptr + rows, tl.where(poison == 0.0, read_dec, float("nan")), mask=rmask)
 
 
@@ -290,7 +383,7 @@ def guided_act_qdq(x: torch.Tensor, *, src: torch.Tensor, low: torch.Tensor,
                    block_scales: torch.Tensor, row_scales: torch.Tensor, bits: int,
                    amax_floor: float | None, e4m3: torch.Tensor, up: torch.Tensor,
                    down: torch.Tensor, rows: int = 16, chunk: int = 16, num_warps: int = 4,
-                   dequantize: bool = False):
+                   dequantize: bool = False, codes: bool = False):
     """Inner values (bf16 ``[M, K]``) and fp32 row decode scales ``[M]`` of guided activations.
 
     Row ``r`` with ``src[r] >= 0`` (int32) is rounded by record ``src[r]``: its low code bits
@@ -298,21 +391,28 @@ def guided_act_qdq(x: torch.Tensor, *, src: torch.Tensor, low: torch.Tensor,
     decode scale ``row_scales`` ``[n]`` (fp32); the other rows round to nearest under their
     own scales. ``e4m3`` is the fp32 value of each E4M3 byte, ``up``/``down`` the
     nearest-matching-level tables of ``bits`` (:func:`libalign.spec.rounding.guide_tables`).
-    A row holding NaN/Inf gets a NaN decode scale. ``dequantize``: as :func:`act_qdq`'s.
+    A row holding NaN/Inf gets a NaN decode scale. ``dequantize``: as :func:`act_qdq`'s;
+    ``codes``: ``(codes, scale bytes, dec)`` as :func:`act_codes` gives them (a guided row's
+    scale bytes are its record's).
     """
     m, k = x.shape
-    if k % 16 or x.stride(1) != 1 or low.stride(-1) != 1 or block_scales.stride(-1) != 1:
-        raise ValueError("guided_act_qdq needs contiguous rows whose length is a multiple of 16")
-    inner = torch.empty((m, k), dtype=x.dtype if dequantize else torch.bfloat16, device=x.device)
+    _rows_ok(x, "guided_act_qdq")
+    if low.stride(-1) != 1 or block_scales.stride(-1) != 1:
+        raise ValueError("guided_act_qdq needs records with contiguous rows")
     dec = torch.empty((m,), dtype=torch.float32, device=x.device)
-    if m == 0:
-        return inner, dec
-    _guided_qdq_kernel[(triton.cdiv(m, rows),)](
-        x, inner, dec, src, low, block_scales, row_scales, e4m3, up, down, m,
-        x.stride(0), inner.stride(0), low.stride(0), block_scales.stride(0), KB=k // 16,
-        AMAX_FLOOR=float(amax_floor or 0.0), HAS_FLOOR=amax_floor is not None, BITS=bits,
-        ROWS=rows, CB=chunk, DEQUANT=dequantize, num_warps=num_warps)
-    return inner, dec
+    if codes:
+        out, scales = code_buffers(m, k, x.device)
+    else:
+        out = torch.empty((m, k), dtype=x.dtype if dequantize else torch.bfloat16, device=x.device)
+        scales = dec  # unused
+    if m:
+        _guided_qdq_kernel[(triton.cdiv(m, rows),)](
+            x, out, scales, dec, src, low, block_scales, row_scales, e4m3, up, down, m,
+            x.stride(0), out.stride(0), scales.stride(0), low.stride(0), block_scales.stride(0),
+            KB=k // 16, AMAX_FLOOR=float(amax_floor or 0.0), HAS_FLOOR=amax_floor is not None,
+            BITS=bits, ROWS=rows, CB=chunk,
+            OUT=_CODES if codes else _READ_BACK if dequantize else _VALUES, num_warps=num_warps)
+    return (out, scales, dec) if codes else (out, dec)
 
 
 @triton.jit
