@@ -49,6 +49,7 @@ from libalign.errors import ConfigError, DTypeError, ShapeError
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
     triton = None
 
@@ -254,19 +255,27 @@ if triton is not None:
         tl.store(out_ptr + row * s_om + offs, vals - top - lse, mask=ok)
 
     @triton.jit
-    def _visible_kernel(mask_ptr, first_ptr, hi_ptr, count_ptr, Tk, s_mr, BLOCK: tl.constexpr):
+    def _visible_kernel(mask_ptr, first_ptr, hi_ptr, count_ptr, bits_ptr, Tk, W, s_mr,
+                        BLOCK: tl.constexpr):
         # program r: mask row r's first visible key (Tk when none), last visible key + 1 (0
-        # when none) and number of visible keys; all exact whatever the chunking
+        # when none), number of visible keys, all exact whatever the chunking, and the row
+        # packed 64 keys a word (key j is bit j % 64 of word j // 64; W - 1 words, then a
+        # zero word that a block straddling the row's end reads)
         r = tl.program_id(0).to(tl.int64)
         first = Tk
         hi = Tk * 0
         count = Tk * 0
+        bit = tl.arange(0, 64).to(tl.int64)
         for start in range(0, Tk, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             seen = tl.load(mask_ptr + r * s_mr + offs, mask=offs < Tk, other=0) != 0
             first = tl.minimum(first, tl.min(tl.where(seen, offs, Tk)))
             hi = tl.maximum(hi, tl.max(tl.where(seen, offs + 1, 0)))
             count += tl.sum(seen.to(tl.int32))
+            words = tl.sum(tl.reshape(seen.to(tl.int64), (BLOCK // 64, 64)) << bit[None, :], 1)
+            w = start // 64 + tl.arange(0, BLOCK // 64)
+            tl.store(bits_ptr + r * W + w, words, mask=w < W - 1)
+        tl.store(bits_ptr + r * W + W - 1, tl.zeros((), tl.int64))
         tl.store(first_ptr + r, first)
         tl.store(hi_ptr + r, hi)
         tl.store(count_ptr + r, count)
@@ -288,32 +297,60 @@ if triton is not None:
         return tl.where(his > base, (his - base + CHUNK - 1) // CHUNK, 0)
 
     @triton.jit
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, first_ptr, hi_ptr, count_ptr,
-                          Tq, Tk, HKV, REP, HM, scaling,
-                          s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt,
-                          s_ob, s_oh, s_ot, s_mb, s_mh, s_mq, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
-                          NC, HQ,
+    def _key_block(q, k_desc, v_desc, b, hk, start, scaling, lo_r, his, brow, m_i, l_i, acc,
+                   D: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+        """One block of ``BLOCK`` (64) keys from ``start`` into a tile's online softmax:
+        scores, the rows' visibility (their key interval; with ``MASKED``, the packed mask
+        bits of the rows, words ``brow``), then ``m``, ``l`` and the output rescaled."""
+        offs_k = start + tl.arange(0, BLOCK)
+        k = tl.reshape(k_desc.load([b, hk, start, 0]), (BLOCK, D))  # zeros past Tk
+        s = tl.dot(q, tl.trans(k)) * scaling
+        if MASKED:  # the 64 bits from key `start` on: the end of one word, the start of the next
+            first = tl.full((), 0, tl.int32) + start  # a tensor even where start is an int
+            sh = (first % 64).to(tl.uint64)
+            w0 = tl.load(brow + first // 64).to(tl.uint64, bitcast=True)
+            w1 = tl.load(brow + first // 64 + 1).to(tl.uint64, bitcast=True)
+            word = (w0 >> sh) | tl.where(sh == 0, 0, w1 << ((64 - sh) % 64))
+            seen = ((word[:, None] >> tl.arange(0, BLOCK).to(tl.uint64)[None, :]) & 1) != 0
+        else:
+            seen = (offs_k[None, :] >= lo_r[:, None]) & (offs_k[None, :] < his[:, None])
+        s = tl.where(seen, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - shift)
+        p = tl.exp(s - shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vv = tl.reshape(v_desc.load([b, hk, start, 0]), (BLOCK, D))
+        acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _attention_kernel(q_ptr, k_desc, v_desc, o_desc, bits_ptr, first_ptr, hi_ptr, count_ptr,
+                          Tq, Tk, HKV, REP, HM, scaling, W, s_qb, s_qh, s_qt,
+                          ws_m_ptr, ws_l_ptr, ws_desc, R, HQ,
                           D: tl.constexpr, BLOCK: tl.constexpr, SCAN: tl.constexpr,
                           CHUNK: tl.constexpr, BLOCK_Q: tl.constexpr):
         # rows of a program: (query head, query) pairs of one sequence and one key/value head,
         # REP * Tq of them in head-major order, so a decode step's REP heads share one tile
-        # and one read of the keys; a row's arithmetic never depends on its tile companions
+        # and one read of the keys; a row's arithmetic never depends on its tile companions.
+        # Keys and values arrive by TMA, and the tile leaves by TMA (rows past REP * Tq fall
+        # outside the descriptors' bounds): no per-element addresses held in registers.
         pid_v = tl.program_id(0)
         bk = tl.program_id(1)
-        b = (bk // HKV).to(tl.int64)
-        hk = (bk % HKV).to(tl.int64)
+        b = bk // HKV
+        hk = bk % HKV
         vr = pid_v * BLOCK_Q + tl.arange(0, BLOCK_Q)
         v_ok = vr < REP * Tq
         vr = tl.where(v_ok, vr, 0)
         t = (vr % Tq).to(tl.int64)
-        h = hk * REP + (vr // Tq).to(tl.int64)
+        h = hk.to(tl.int64) * REP + (vr // Tq).to(tl.int64)
         hm = tl.where(HM == 1, 0, h)  # the mask's head: its only one, or the query's
+        b64 = b.to(tl.int64)
         offs_d = tl.arange(0, D)
-        offs_b = tl.arange(0, BLOCK)
-        q = tl.load(q_ptr + b * s_qb + h[:, None] * s_qh + t[:, None] * s_qt + offs_d[None, :],
+        q = tl.load(q_ptr + b64 * s_qb + h[:, None] * s_qh + t[:, None] * s_qt + offs_d[None, :],
                     mask=v_ok[:, None], other=0.0)
-        base = _sequence_base(first_ptr, b, Tk, HM, Tq, SCAN)
-        row = (b * HM + hm) * Tq + t
+        base = _sequence_base(first_ptr, b64, Tk, HM, Tq, SCAN)
+        row = (b64 * HM + hm) * Tq + t
         lo_r = tl.load(first_ptr + row, mask=v_ok, other=0)
         his = tl.load(hi_ptr + row, mask=v_ok, other=0)
         # a row whose visible keys are one interval (causal, padded) needs no mask reads
@@ -330,47 +367,34 @@ if triton is not None:
         m_i = tl.full((BLOCK_Q,), -float("inf"), tl.float32)
         l_i = tl.zeros((BLOCK_Q,), tl.float32)
         acc = tl.zeros((BLOCK_Q, D), tl.float32)
-        k_base = k_ptr + b * s_kb + hk * s_kh
-        v_base = v_ptr + b * s_vb + hk * s_vh
-        mrow = mask_ptr + b * s_mb + hm[:, None] * s_mh + t[:, None] * s_mq
-        for start in range(lo, hi_k, BLOCK):
-            offs_k = start + offs_b
-            k_ok = offs_k < Tk
-            # keys read transposed, [D, BLOCK], offsets within one (sequence, head) in int32
-            kt = tl.load(k_base + offs_d[:, None] + offs_k[None, :] * s_kt, mask=k_ok[None, :],
-                         other=0.0)
-            s = tl.dot(q, kt) * scaling
-            inside = (offs_k[None, :] >= lo_r[:, None]) & (offs_k[None, :] < his[:, None])
-            listed = tl.load(mrow + offs_k[None, :],
-                             mask=(v_ok & ~span)[:, None] & k_ok[None, :], other=0) != 0
-            seen = tl.where(span[:, None], inside, listed)
-            s = tl.where(seen, s, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            shift = tl.where(m_new == -float("inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - shift)
-            p = tl.exp(s - shift[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            vv = tl.load(v_base + offs_k[:, None] * s_vt + offs_d[None, :], mask=k_ok[:, None],
-                         other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
-            m_i = m_new
+        brow = bits_ptr + row * W
+        if tl.min(tl.where(v_ok, span, True).to(tl.int32)) == 1:  # the common case
+            for start in range(lo, hi_k, BLOCK):
+                m_i, l_i, acc = _key_block(q, k_desc, v_desc, b, hk, start, scaling, lo_r, his,
+                                           brow, m_i, l_i, acc, D, BLOCK, False)
+        else:
+            for start in range(lo, hi_k, BLOCK):
+                m_i, l_i, acc = _key_block(q, k_desc, v_desc, b, hk, start, scaling, lo_r, his,
+                                           brow, m_i, l_i, acc, D, BLOCK, True)
         out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-        direct = v_ok
+        out = tl.reshape(out.to(o_desc.dtype), (1, BLOCK_Q, D))
         if CHUNK > 0:
-            # a row of one chunk ends here, as unsplit; a row of more leaves its partial
-            # (max, sum, unnormalised output) to _combine_kernel
-            direct = v_ok & (chunks <= 1) & (c == 0)
+            # chunk 0 writes every row; a row of more than one chunk also leaves its partial
+            # (max, sum, unnormalised output) for _combine_kernel, which then overwrites it
+            if c == 0:
+                o_desc.store([bk, pid_v * BLOCK_Q, 0], out)
             part = v_ok & (chunks > 1) & (c < chunks)
-            g = ((b * HQ + h) * Tq + t) * NC + c
-            tl.store(ws_m_ptr + g, m_i, mask=part)
-            tl.store(ws_l_ptr + g, l_i, mask=part)
-            tl.store(ws_acc_ptr + g[:, None] * D + offs_d[None, :], acc, mask=part[:, None])
-        tl.store(o_ptr + b * s_ob + h[:, None] * s_oh + t[:, None] * s_ot + offs_d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=direct[:, None])
+            if tl.max(part.to(tl.int32)) > 0:
+                g = c.to(tl.int64) * R + (b64 * HQ + h) * Tq + t
+                tl.store(ws_m_ptr + g, m_i, mask=part)
+                tl.store(ws_l_ptr + g, l_i, mask=part)
+                ws_desc.store([c, bk, pid_v * BLOCK_Q, 0], tl.reshape(acc, (1, 1, BLOCK_Q, D)))
+        else:
+            o_desc.store([bk, pid_v * BLOCK_Q, 0], out)
 
     @triton.jit
     def _combine_kernel(o_ptr, first_ptr, hi_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
-                        Tq, Tk, HQ, HM, NC, s_ob, s_oh, s_ot,
+                        Tq, Tk, HQ, HM, NC, R, s_ob, s_oh, s_ot,
                         D: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr,
                         CHUNK: tl.constexpr):
         # rows of more than one chunk: M = max of the chunk maxima (exact), then the chunks'
@@ -387,21 +411,21 @@ if triton is not None:
         his = tl.load(hi_ptr + (b * HM + hm) * Tq + t, mask=r_ok, other=0)
         chunks = _chunk_count(his, base, CHUNK)
         mine = r_ok & (chunks > 1)
-        g0 = ((b * HQ + h) * Tq + t) * NC
+        g0 = (b * HQ + h) * Tq + t  # chunk c's partial is at c * R + g0
         offs_d = tl.arange(0, D)
         top = tl.full((ROWS,), -float("inf"), tl.float32)
         for c in range(0, NC):
-            m_c = tl.load(ws_m_ptr + g0 + c, mask=mine & (c < chunks), other=-float("inf"))
+            m_c = tl.load(ws_m_ptr + c * R + g0, mask=mine & (c < chunks), other=-float("inf"))
             top = tl.maximum(top, m_c)
         shift = tl.where(top == -float("inf"), 0.0, top)
         total = tl.zeros((ROWS,), tl.float32)
         acc = tl.zeros((ROWS, D), tl.float32)
         for c in range(0, NC):
             use = mine & (c < chunks)
-            m_c = tl.load(ws_m_ptr + g0 + c, mask=use, other=-float("inf"))
+            m_c = tl.load(ws_m_ptr + c * R + g0, mask=use, other=-float("inf"))
             w = tl.exp(m_c - shift)
-            total += tl.load(ws_l_ptr + g0 + c, mask=use, other=0.0) * w
-            acc += tl.load(ws_acc_ptr + (g0 + c)[:, None] * D + offs_d[None, :],
+            total += tl.load(ws_l_ptr + c * R + g0, mask=use, other=0.0) * w
+            acc += tl.load(ws_acc_ptr + (c * R + g0)[:, None] * D + offs_d[None, :],
                            mask=use[:, None], other=0.0) * w[:, None]
         out = tl.where(total[:, None] > 0, acc / tl.where(total > 0, total, 1.0)[:, None], 0.0)
         tl.store(o_ptr + b * s_ob + h[:, None] * s_oh + t[:, None] * s_ot + offs_d[None, :],
@@ -603,24 +627,45 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 ATTENTION_CONFIG = (8, 3, 256, 64)
 
 
-def visible_range(allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _tma_ready(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when a TMA descriptor can address it (16-byte aligned base, unit last
+    stride, every other stride a multiple of 16 bytes), else a contiguous copy."""
+    size = x.element_size()
+    if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(
+            (st * size) % 16 == 0 for st in x.stride()[:-1]):
+        return x
+    return x.contiguous()
+
+
+def _key_descriptor(x: torch.Tensor) -> TensorDescriptor:
+    """The TMA descriptor of keys or values ``[B, Hkv, Tk, D]`` whose box is one block of
+    :data:`_ATT_BLOCK` keys of one sequence and head (reads past ``Tk`` give zeros)."""
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, _ATT_BLOCK, x.shape[-1]])
+
+
+def visible_range(allowed: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's first visible key (``Tk`` when none), last visible key + 1 (0 when none) and
-    number of visible keys, of a boolean mask ``[B, Hm, Tq, Tk]``: int32 ``[B, Hm, Tq]`` each,
-    in one launch. A row whose count is ``hi - first`` sees one interval of keys."""
+    number of visible keys, of a boolean mask ``[B, Hm, Tq, Tk]``: int32 ``[B, Hm, Tq]`` each;
+    and the mask packed 64 keys a word, int64 ``[B * Hm * Tq, ceil(Tk / 64) + 1]`` (key ``j``
+    is bit ``j % 64`` of word ``j // 64``; the last word is zero). One launch. A row whose
+    count is ``hi - first`` sees one interval of keys."""
     b, hm, tq, tk = allowed.shape
     rows = allowed.reshape(b * hm * tq, tk)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     first = torch.empty((b, hm, tq), dtype=torch.int32, device=allowed.device)
     hi, count = torch.empty_like(first), torch.empty_like(first)
+    bits = torch.empty((b * hm * tq, triton.cdiv(tk, 64) + 1), dtype=torch.int64,
+                       device=allowed.device)
     if first.numel() and tk:
-        _visible_kernel[(b * hm * tq,)](rows.view(torch.uint8), first, hi, count, tk,
-                                        rows.stride(0),
-                                        BLOCK=min(1024, triton.next_power_of_2(tk)))
+        _visible_kernel[(b * hm * tq,)](rows.view(torch.uint8), first, hi, count, bits, tk,
+                                        bits.shape[1], rows.stride(0),
+                                        BLOCK=max(64, min(1024, triton.next_power_of_2(tk))))
     elif first.numel():
-        for t in (first, hi, count):
+        for t in (first, hi, count, bits):
             t.fill_(0)
-    return first, hi, count
+    return first, hi, count, bits
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
@@ -652,9 +697,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     out = torch.empty((b, hq, tq, d), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
-    mask = allowed if allowed.stride(-1) == 1 else allowed.contiguous()
-    hm = mask.shape[1]
-    qc, kc, vc = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if tk == 0:  # no keys: every query sees none
+        return out.zero_()
+    hm = allowed.shape[1]
+    qc = q if q.stride(-1) == 1 else q.contiguous()
+    kc, vc = _tma_ready(k), _tma_ready(v)
     hkv = k.shape[1]
     rep = hq // hkv
     warps, stages, chunk, block_q = config or ATTENTION_CONFIG
@@ -665,25 +712,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
                          "128)")
     nc = max(1, triton.cdiv(tk, chunk)) if chunk else 1
     split = nc > 1
-    if split:  # partials of rows that see more than one chunk
-        ws_m = torch.empty((b * hq * tq * nc,), dtype=torch.float32, device=q.device)
+    rows = rep * tq  # a key/value head's (query head, query) rows, contiguous in `out`
+    o_desc = TensorDescriptor(out.view(b * hkv, rows, d), [b * hkv, rows, d], [rows * d, d, 1],
+                              [1, block_q, d])
+    if split:  # partials of rows that see more than one chunk: [chunk, B * Hq * Tq] (x D)
+        ws_m = torch.empty((nc * b * hq * tq,), dtype=torch.float32, device=q.device)
         ws_l = torch.empty_like(ws_m)
-        ws_acc = torch.empty((b * hq * tq * nc, d), dtype=torch.float32, device=q.device)
+        ws_acc = torch.empty((nc, b * hkv, rows, d), dtype=torch.float32, device=q.device)
+        ws_desc = TensorDescriptor.from_tensor(ws_acc, [1, 1, block_q, d])
     else:
         ws_m = ws_l = ws_acc = out
+        ws_desc = o_desc
     scan = min(1024, triton.next_power_of_2(hm * tq))
     with torch.cuda.device(q.device):
-        first, hi, count = visible_range(mask)
-        _attention_kernel[(triton.cdiv(rep * tq, block_q), b * hkv, nc)](
-            qc, kc, vc, out, mask.view(torch.uint8), first, hi, count, tq, tk, hkv, rep, hm,
-            float(scaling), *qc.stride()[:3], *kc.stride()[:3], *vc.stride()[:3],
-            *out.stride()[:3], mask.stride(0), mask.stride(1) if hm > 1 else 0, mask.stride(2),
-            ws_m, ws_l, ws_acc, nc, hq, D=d, BLOCK=_ATT_BLOCK, SCAN=scan,
-            CHUNK=chunk if split else 0, BLOCK_Q=block_q, num_warps=warps,
-            num_stages=stages)
+        first, hi, count, bits = visible_range(allowed)
+        _attention_kernel[(triton.cdiv(rows, block_q), b * hkv, nc)](
+            qc, _key_descriptor(kc), _key_descriptor(vc), o_desc, bits, first, hi, count, tq, tk,
+            hkv, rep, hm, float(scaling), bits.shape[1], *qc.stride()[:3], ws_m, ws_l, ws_desc,
+            b * hq * tq, hq, D=d, BLOCK=_ATT_BLOCK, SCAN=scan, CHUNK=chunk if split else 0,
+            BLOCK_Q=block_q, num_warps=warps, num_stages=stages)
         if split:
-            rows = 16
-            _combine_kernel[(triton.cdiv(hq * tq, rows), b)](
-                out, first, hi, ws_m, ws_l, ws_acc, tq, tk, hq, hm, nc, *out.stride()[:3], D=d,
-                ROWS=rows, SCAN=scan, CHUNK=chunk, num_warps=4)
+            _combine_kernel[(triton.cdiv(hq * tq, 16), b)](
+                out, first, hi, ws_m, ws_l, ws_acc, tq, tk, hq, hm, nc, b * hq * tq,
+                *out.stride()[:3], D=d, ROWS=16, SCAN=scan, CHUNK=chunk, num_warps=4)
     return out

@@ -56,7 +56,8 @@ def main() -> None:
     ref_d = tensorcore.attention(q, k, v, seen, 128 ** -0.5)
     ref_p = tensorcore.attention(qp, kp, vp, causal, 128 ** -0.5)
     for cfg in ((8, 3, 256, 64), (8, 3, 0, 64), (8, 3, 512, 64), (8, 3, 256, 128),
-                (8, 3, 0, 128), (4, 3, 256, 128), (8, 2, 512, 128), (4, 2, 256, 32)):
+                (8, 3, 0, 128), (4, 3, 256, 128), (8, 2, 512, 128), (4, 2, 256, 32),
+                (4, 3, 256, 64), (8, 2, 256, 64), (4, 3, 256, 32), (8, 4, 256, 128)):
         same = (torch.equal(tensorcore.attention(q, k, v, seen, 128 ** -0.5, config=cfg), ref_d),
                 torch.equal(tensorcore.attention(qp, kp, vp, causal, 128 ** -0.5, config=cfg),
                             ref_p))
