@@ -1,26 +1,37 @@
 """Triton kernels of the emulated W4A4 expert GEMM on GPUs without FP4 tensor cores (Hopper).
 
-Reached only through :mod:`libalign.gemm.triton_grouped`. Two kernels implement :mod:`libalign.gemm`'s three
-steps:
+Reached only through :mod:`libalign.gemm.triton_grouped`. Two phases implement
+:mod:`libalign.gemm`'s three steps:
 
-``act_qdq``
+``act_codes`` (phase 1)
     One pass over the activations ``[M, K]``: the row maximum (or a given tensor maximum),
     the outer scales, the E4M3 block scales and the E2M1 codes, all in the ``te`` fp32
     operation order of :mod:`libalign.spec.scale_math` (true IEEE divisions through ``div_rn``,
     the E4M3 cast by the hardware converter, ties-to-even E2M1 by midpoint counting), then
-    writes the exact inner values ``code * block_scale`` as bf16 and the row decode scales.
-    A row holding NaN/Inf gets a NaN decode scale, which the caller checks. With
-    ``dequantize`` it writes the values read back instead, ``fl(inner * dec)`` in the input's
-    dtype: a fake-quantized tensor (the learner's FP4 K/V,
-    :func:`libalign.gemm.triton_grouped.triton_qdq_rows`) in one pass. ``guided_act_qdq`` is the same
-    pass with the rows that have a sampler's record rounded by it (TRACE).
-``grouped_gemm``
+    writes the packed codes (uint8 ``[M, K/2]``, the even element in the low nibble), the
+    E4M3 block-scale bytes (uint8 ``[M, K/16]``) and the fp32 row decode scales. A zero
+    magnitude is code 0x0 whatever its sign (positive zeros), so a code decodes to exactly
+    the inner value ``code * block_scale`` the GEMM multiplies. A row holding NaN/Inf gets a
+    NaN decode scale, which the caller checks. ``guided_act_qdq`` is the same pass with the
+    rows that have a sampler's record rounded by it (TRACE). The rounding has one home: the
+    level helpers (``_rne_levels``, ``_guided_levels``) give signed E2M1 levels and block
+    scales; ``_emit`` writes them as codes, or as values (``_level_values``).
+``grouped_gemm_codes`` (phase 2)
     A bf16 tensor-core GEMM over the padded expert layout: each ``BM``-row tile belongs to
-    one expert (``tile_expert``), its weights are that expert's exact inner values; fp32
-    accumulation; the epilogue ``bf16(acc * (a_dec[m] * w_dec[n]))``.
+    one expert (``tile_expert``), its weights are that expert's exact inner values; each
+    activation tile is loaded as codes and scale bytes and decoded in registers to the same
+    exact bf16 inner values; fp32 accumulation; the epilogue
+    ``bf16(acc * (a_dec[m] * w_dec[n]))``.
+
+The one-phase form writes the inner values as a bf16 tensor instead (``act_qdq``) and the
+GEMM reads them as they are (``grouped_gemm``): four times the bytes between the two kernels,
+the same dot operands and so the same output bits. ``act_qdq`` with ``dequantize`` writes the
+values read back, ``fl(inner * dec)`` in the input's dtype: a fake-quantized tensor (the
+learner's FP4 K/V, :func:`libalign.gemm.triton_grouped.triton_qdq_rows`) in one pass.
 
 Weights are quantized once per version (``libalign.gemm.prepare_weights``), so the per-call
-cost over a bf16 grouped GEMM is the activation pass and the epilogue's two scale loads.
+cost over a bf16 grouped GEMM is the activation pass, the tile decode and the epilogue's two
+scale loads.
 """
 
 from __future__ import annotations
@@ -448,8 +459,12 @@ def inner_from_codes(codes: torch.Tensor, scales: torch.Tensor, e4m3: torch.Tens
 
 
 def _set_blocks(nargs):
+    """The autotuner's pre-hook: each descriptor's block shape for the config being tried."""
     bm, bn, bk = nargs["BM"], nargs["BN"], nargs["BK"]
-    nargs["a_desc"].block_shape = [bm, bk]
+    if "c_desc" in nargs:  # packed codes: two a byte
+        nargs["c_desc"].block_shape = [bm, bk // 2]
+    else:
+        nargs["a_desc"].block_shape = [bm, bk]
     nargs["w_desc"].block_shape = [bn, bk]
     nargs["o_desc"].block_shape = [bm, bn]
 
@@ -462,6 +477,10 @@ def _configs():
             out.append(triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8, "FLATTEN": flat},
                                      num_stages=st, num_warps=wp, pre_hook=_set_blocks))
     return out
+
+
+CONFIGS = _configs()
+"""The tile configurations both GEMM kernels are tuned over (and tests may name one of)."""
 
 
 def _prune(configs, named_args, **kwargs):
@@ -479,7 +498,19 @@ def _tile_coords(tile, num_m, num_n, GROUP_M: tl.constexpr):
     return first_m + (tile % group) % size_m, (tile % group) // size_m
 
 
-@triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "PAD"],
+@triton.jit
+def _store_tile(o_desc, acc, a_dec_ptr, w_dec_ptr, e, pid_m, pid_n, N, BM: tl.constexpr,
+                BN: tl.constexpr):
+    """The epilogue: ``out = fl(acc * fl(a_dec[m] * w_dec[n]))`` in the output's dtype."""
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    a_dec = tl.load(a_dec_ptr + offs_m)
+    w_dec = tl.load(w_dec_ptr + e * N + offs_n, mask=offs_n < N, other=0.0)
+    out = acc * (a_dec[:, None] * w_dec[None, :])
+    o_desc.store([pid_m * BM, pid_n * BN], out.to(o_desc.dtype))
+
+
+@triton.autotune(configs=CONFIGS, key=["M_BUCKET", "N", "K", "PAD"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _grouped_gemm_kernel(a_desc, w_desc, o_desc, a_dec_ptr, w_dec_ptr, tile_expert_ptr,
@@ -500,101 +531,222 @@ def _grouped_gemm_kernel(a_desc, w_desc, o_desc, a_dec_ptr, w_dec_ptr, tile_expe
             a = a_desc.load([pid_m * BM, ki * BK])
             w = w_desc.load([row_w, ki * BK])
             acc = tl.dot(a, w.T, acc)
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        a_dec = tl.load(a_dec_ptr + offs_m)
-        w_dec = tl.load(w_dec_ptr + e * N + offs_n, mask=offs_n < N, other=0.0)
-        out = acc * (a_dec[:, None] * w_dec[None, :])
-        o_desc.store([pid_m * BM, pid_n * BN], out.to(o_desc.dtype))
+        _store_tile(o_desc, acc, a_dec_ptr, w_dec_ptr, e, pid_m, pid_n, N, BM, BN)
+
+
+@triton.jit
+def _code_values(c, s):
+    """fp32 ``code * block scale`` of the E2M1 codes in the low 4 bits of ``c`` (int32) under
+    fp32 block scales ``s``, the code's value built from its bits: level index ``n = c & 7``
+    (exponent ``n >> 1``, mantissa ``n & 1``) is ``(n + 252) << 22`` as fp32 bits for n >= 2,
+    0.5 for n == 1, 0 for n == 0; bit 8 is the sign. Exact: at most 6 significant bits."""
+    n = c & 7
+    mag = tl.where(n >= 2, (n + 252) << 22, tl.where(n == 1, 0x3F000000, 0))
+    return (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True) * s
+
+
+@triton.jit
+def _decoded_tile(c_desc, s_rows, row0, ki, KB, BM: tl.constexpr, BK: tl.constexpr):
+    """The inner values [BM, BK] (fp32) of k-step ``ki``: packed codes [BM, BK/2] by TMA, their
+    E4M3 scale bytes [BM, BK/16] from ``s_rows`` (the rows' scale pointers), decoded in
+    registers; the nibbles interleave back (low first), so element order is the unpacked one."""
+    c = c_desc.load([row0, ki * (BK // 2)]).to(tl.int32)
+    kb = ki * (BK // 16) + tl.arange(0, BK // 16)
+    sb = tl.load(s_rows + kb[None, :], mask=(kb < KB)[None, :], other=0)
+    s = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    s2 = tl.reshape(tl.broadcast_to(s[:, :, None], [BM, BK // 16, 8]), [BM, BK // 2])
+    return tl.reshape(tl.join(_code_values(c, s2), _code_values(c >> 4, s2)), [BM, BK])
+
+
+@triton.autotune(configs=CONFIGS, key=["M_BUCKET", "N", "K", "PAD"],
+                 prune_configs_by={"early_config_prune": _prune})
+@triton.jit
+def _grouped_gemm_codes_kernel(c_desc, w_desc, o_desc, a_dec_ptr, w_dec_ptr, tile_expert_ptr,
+                               M, N, K, M_BUCKET, PAD, s_ptr, stride_s, NUM_SMS: tl.constexpr,
+                               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                               GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+    # _grouped_gemm_kernel with the activations read as packed codes and scale bytes and
+    # decoded on load: the same tile walk, BK steps, dot operands and epilogue, so the bits
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=FLATTEN):
+        pid_m, pid_n = _tile_coords(tile, num_m, num_n, GROUP_M)
+        e = tl.load(tile_expert_ptr + (pid_m * BM) // PAD)
+        row_w = e * N + pid_n * BN
+        s_rows = s_ptr + (pid_m * BM + tl.arange(0, BM)).to(tl.int64)[:, None] * stride_s
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = _decoded_tile(c_desc, s_rows, pid_m * BM, ki, K // 16, BM, BK)
+            w = w_desc.load([row_w, ki * BK])
+            acc = tl.dot(a.to(w.dtype), w.T, acc)
+        _store_tile(o_desc, acc, a_dec_ptr, w_dec_ptr, e, pid_m, pid_n, N, BM, BN)
 
 
 _SMS: dict[int, int] = {}
 _TUNED: dict[tuple, triton.Config] = {}
-"""The autotuner's choice per (M bucket, N, K, padding, dtypes, device): its own key."""
+"""The autotuner's choice per (kernel, M bucket, N, K, padding, dtypes, device): its own key."""
+
+
+def _sm_count(device: torch.device) -> int:
+    dev = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _SMS.get(dev)
+    if sms is None:
+        sms = _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return sms
+
+
+def _launch(kernel, descs, ptrs, extra=(), *, mp: int, n: int, k: int, pad: int,
+            dtypes: tuple, device: torch.device, sms: int | None,
+            config: triton.Config | None) -> None:
+    """Launch a grouped GEMM kernel: ``descs(BM, BN, BK)`` its descriptors, ``ptrs`` the decode
+    scales and tile experts, ``extra`` what follows the shape arguments.
+
+    The first call of a shape lets the autotuner pick and remembers its pick in
+    :data:`_TUNED`; later calls launch that config directly: the same kernel and bits, without
+    the autotuner's per-call key building and pre-hook (host time is what a small call costs).
+    ``config`` (and ``sms``, the persistent grid's size) fix the choice instead (tests).
+    """
+    sms = sms or _sm_count(device)
+    m_bucket = triton.next_power_of_2(mp)
+    key = (kernel.fn.__name__, m_bucket, n, k, pad, *dtypes, device.index)
+    cfg = config or _TUNED.get(key)
+    if cfg is None:
+        def grid(meta):
+            return (min(sms, triton.cdiv(mp, meta["BM"]) * triton.cdiv(n, meta["BN"])),)
+
+        # the descriptors' block shapes are the pre-hook's to set, per config tried
+        kernel[grid](*descs(16, 16, 32), *ptrs, mp, n, k, m_bucket, pad, *extra, NUM_SMS=sms)
+        _TUNED[key] = kernel.best_config
+        return
+    bm, bn, bk = cfg.kwargs["BM"], cfg.kwargs["BN"], cfg.kwargs["BK"]
+    grid = (min(sms, triton.cdiv(mp, bm) * triton.cdiv(n, bn)),)
+    kernel.fn[grid](*descs(bm, bn, bk), *ptrs, mp, n, k, m_bucket, pad, *extra, NUM_SMS=sms,
+                    **cfg.all_kwargs())
+
+
+def _weights(w_inner: torch.Tensor, w_dec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights as ``[E*N, K]`` rows and their decode scales as ``[E*N]``."""
+    if not (w_inner.is_contiguous() and w_dec.is_contiguous() and w_dec.dtype == torch.float32):
+        raise ValueError("grouped_gemm needs contiguous bf16 weights and fp32 [E, N] decode scales")
+    e, n, k = w_inner.shape
+    return w_inner.reshape(e * n, k), w_dec.reshape(-1)
 
 
 def grouped_gemm(a_inner: torch.Tensor, a_dec: torch.Tensor, w_inner: torch.Tensor,
                  w_dec: torch.Tensor, tile_expert: torch.Tensor, pad: int,
-                 out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[Mp, N]`` of the padded layout; ``tile_expert`` holds one expert per ``pad`` rows."""
+                 out_dtype: torch.dtype = torch.bfloat16, out: torch.Tensor | None = None, *,
+                 config: triton.Config | None = None, sms: int | None = None) -> torch.Tensor:
+    """``out[Mp, N]`` of the padded layout; ``tile_expert`` holds one expert per ``pad`` rows.
+
+    ``config`` (one of :data:`CONFIGS`) and ``sms`` (the grid's size) replace the autotuner's
+    choice and the device's SM count (tests; the interpreter has neither)."""
     mp, k = a_inner.shape
-    e, n, _ = w_inner.shape
-    if not (w_inner.is_contiguous() and w_dec.is_contiguous() and w_dec.dtype == torch.float32):
-        raise ValueError("grouped_gemm needs contiguous bf16 weights and fp32 [E, N] decode scales")
+    n = w_inner.shape[1]
+    w2, wd = _weights(w_inner, w_dec)
     if out is None:
         out = torch.empty((mp, n), dtype=out_dtype, device=a_inner.device)
-    if mp == 0:
-        return out
-    dev = a_inner.device.index if a_inner.device.index is not None else torch.cuda.current_device()
-    sms = _SMS.get(dev)
-    if sms is None:
-        sms = _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    w2 = w_inner.reshape(e * n, k)
-    m_bucket = triton.next_power_of_2(mp)
-    key = (m_bucket, n, k, pad, a_inner.dtype, w_inner.dtype, out.dtype, dev)
-    cfg = _TUNED.get(key)
-    if cfg is None:  # first call of this shape: the autotuner picks, we remember its pick
-        dummy = [16, 16]
-        a_desc = TensorDescriptor.from_tensor(a_inner, dummy)
-        w_desc = TensorDescriptor.from_tensor(w2, dummy)
-        o_desc = TensorDescriptor.from_tensor(out, dummy)
+    if mp:
+        _launch(_grouped_gemm_kernel, lambda bm, bn, bk: (
+            TensorDescriptor.from_tensor(a_inner, [bm, bk]), TensorDescriptor.from_tensor(w2, [bn, bk]),
+            TensorDescriptor.from_tensor(out, [bm, bn])), (a_dec, wd, tile_expert), mp=mp, n=n, k=k,
+            pad=pad, dtypes=(a_inner.dtype, w_inner.dtype, out.dtype), device=a_inner.device,
+            sms=sms, config=config)
+    return out
 
-        def grid(meta):
-            return (min(sms, triton.cdiv(mp, meta["BM"]) * triton.cdiv(n, meta["BN"])),)
 
-        _grouped_gemm_kernel[grid](a_desc, w_desc, o_desc, a_dec, w_dec.reshape(-1), tile_expert,
-                                   mp, n, k, m_bucket, pad, NUM_SMS=sms)
-        _TUNED[key] = _grouped_gemm_kernel.best_config
-        return out
-    # later calls launch the chosen config directly: the same kernel and bits, without the
-    # autotuner's per-call key building and pre-hook (host time is what a small call costs)
-    bm, bn, bk = cfg.kwargs["BM"], cfg.kwargs["BN"], cfg.kwargs["BK"]
-    grid = (min(sms, triton.cdiv(mp, bm) * triton.cdiv(n, bn)),)
-    _grouped_gemm_kernel.fn[grid](
-        TensorDescriptor.from_tensor(a_inner, [bm, bk]), TensorDescriptor.from_tensor(w2, [bn, bk]),
-        TensorDescriptor.from_tensor(out, [bm, bn]), a_dec, w_dec.reshape(-1), tile_expert,
-        mp, n, k, m_bucket, pad, NUM_SMS=sms, **cfg.all_kwargs())
+def grouped_gemm_codes(a_codes: torch.Tensor, a_scales: torch.Tensor, a_dec: torch.Tensor,
+                       w_inner: torch.Tensor, w_dec: torch.Tensor, tile_expert: torch.Tensor,
+                       pad: int, out_dtype: torch.dtype = torch.bfloat16,
+                       out: torch.Tensor | None = None, *, config: triton.Config | None = None,
+                       sms: int | None = None) -> torch.Tensor:
+    """:func:`grouped_gemm` on activations given as packed codes ``[Mp, K/2]`` (rows 16-byte
+    aligned: :func:`code_buffers`) and E4M3 scale bytes ``[Mp, K/16]`` (uint8), decoded to the
+    weights' dtype inside the GEMM's loads: the same products, sums and bits, without an
+    inner-value tensor."""
+    mp, kc = a_codes.shape
+    k, n = 2 * kc, w_inner.shape[1]
+    if a_codes.dtype != torch.uint8 or a_scales.shape != (mp, k // 16) or a_scales.stride(1) != 1:
+        raise ValueError("grouped_gemm_codes needs uint8 codes [Mp, K/2] and scale bytes [Mp, K/16]")
+    w2, wd = _weights(w_inner, w_dec)
+    if out is None:
+        out = torch.empty((mp, n), dtype=out_dtype, device=a_codes.device)
+    if mp:
+        scales = a_scales.view(torch.uint8)
+        _launch(_grouped_gemm_codes_kernel, lambda bm, bn, bk: (
+            TensorDescriptor.from_tensor(a_codes, [bm, bk // 2]),
+            TensorDescriptor.from_tensor(w2, [bn, bk]), TensorDescriptor.from_tensor(out, [bm, bn])),
+            (a_dec, wd, tile_expert), (scales, scales.stride(0)), mp=mp, n=n, k=k, pad=pad,
+            dtypes=(torch.uint8, w_inner.dtype, out.dtype), device=a_codes.device, sms=sms,
+            config=config)
     return out
 
 
 _SIDE: dict[int, torch.cuda.Stream] = {}
 
 
-def pipelined(a: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Tensor | None,
-              w_inner: torch.Tensor, w_dec: torch.Tensor, tile_expert: torch.Tensor, pad: int,
-              out_dtype: torch.dtype = torch.bfloat16, chunks: int = 1):
-    """Activation pass and GEMM over ``chunks`` row ranges, the pass of range i+1 on a side
-    stream while the GEMM of range i runs (a memory-bound pass under a compute-bound GEMM).
-
-    Returns ``(out, dec)``; the bits do not depend on ``chunks`` (rows are independent).
-    """
-    m, k = a.shape
-    n = w_inner.shape[1]
-    inner = torch.empty((m, k), dtype=torch.bfloat16, device=a.device)
-    dec = torch.empty((m,), dtype=torch.float32, device=a.device)
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+def _overlapped(m: int, pad: int, chunks: int, device: torch.device, act, gemm) -> None:
+    """``act(lo, hi)`` then ``gemm(lo, hi)`` over ``chunks`` row ranges (multiples of ``pad``),
+    the pass of range i+1 on a side stream while the GEMM of range i runs."""
     step = -(-m // max(1, chunks) // pad) * pad if m else pad
     bounds = [(lo, min(m, lo + step)) for lo in range(0, m, step)]
     if len(bounds) <= 1:
-        act_qdq(a, amax_floor=amax_floor, tensor_amax=tensor_amax, out=inner, dec_out=dec)
-        grouped_gemm(inner, dec, w_inner, w_dec, tile_expert, pad, out_dtype, out=out)
-        return out, dec
-    main = torch.cuda.current_stream(a.device)
-    dev = a.device.index if a.device.index is not None else torch.cuda.current_device()
+        act(0, m)
+        gemm(0, m)
+        return
+    main = torch.cuda.current_stream(device)
+    dev = device.index if device.index is not None else torch.cuda.current_device()
     side = _SIDE.get(dev)
     if side is None:
-        side = _SIDE[dev] = torch.cuda.Stream(device=a.device)
+        side = _SIDE[dev] = torch.cuda.Stream(device=device)
     side.wait_stream(main)  # the activations (and the buffers) are ready on the main stream
     ready = []
     with torch.cuda.stream(side):
         for lo, hi in bounds:
-            act_qdq(a[lo:hi], amax_floor=amax_floor, tensor_amax=tensor_amax, out=inner[lo:hi],
-                    dec_out=dec[lo:hi])
+            act(lo, hi)
             ev = torch.cuda.Event()
             ev.record(side)
             ready.append(ev)
     for (lo, hi), ev in zip(bounds, ready, strict=True):
         main.wait_event(ev)
-        grouped_gemm(inner[lo:hi], dec[lo:hi], w_inner, w_dec, tile_expert[lo // pad:], pad,
-                     out_dtype, out=out[lo:hi])
+        gemm(lo, hi)
+
+
+def pipelined(a: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Tensor | None,
+              w_inner: torch.Tensor, w_dec: torch.Tensor, tile_expert: torch.Tensor, pad: int,
+              out_dtype: torch.dtype = torch.bfloat16, chunks: int = 1, codes: bool = True):
+    """Activation pass and GEMM over ``chunks`` row ranges, the pass of range i+1 on a side
+    stream while the GEMM of range i runs (a memory-bound pass under a compute-bound GEMM).
+
+    ``codes`` (two-phase): the pass writes packed codes and scale bytes
+    (:func:`act_codes`), which :func:`grouped_gemm_codes` decodes in its loads; else the pass
+    writes bf16 inner values (:func:`act_qdq`) for :func:`grouped_gemm`. Returns
+    ``(out, dec)``; the bits depend neither on ``chunks`` (rows are independent) nor on
+    ``codes`` (the same values reach the same dot products).
+    """
+    m, k = a.shape
+    n = w_inner.shape[1]
+    dec = torch.empty((m,), dtype=torch.float32, device=a.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if codes:
+        c, s = code_buffers(m, k, a.device)
+
+        def act(lo, hi):
+            act_codes(a[lo:hi], amax_floor=amax_floor, tensor_amax=tensor_amax,
+                      codes_out=c[lo:hi], scales_out=s[lo:hi], dec_out=dec[lo:hi])
+
+        def gemm(lo, hi):
+            grouped_gemm_codes(c[lo:hi], s[lo:hi], dec[lo:hi], w_inner, w_dec,
+                               tile_expert[lo // pad:], pad, out_dtype, out=out[lo:hi])
+    else:
+        inner = torch.empty((m, k), dtype=torch.bfloat16, device=a.device)
+
+        def act(lo, hi):
+            act_qdq(a[lo:hi], amax_floor=amax_floor, tensor_amax=tensor_amax, out=inner[lo:hi],
+                    dec_out=dec[lo:hi])
+
+        def gemm(lo, hi):
+            grouped_gemm(inner[lo:hi], dec[lo:hi], w_inner, w_dec, tile_expert[lo // pad:], pad,
+                         out_dtype, out=out[lo:hi])
+    _overlapped(m, pad, chunks, a.device, act, gemm)
     return out, dec
