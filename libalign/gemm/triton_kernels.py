@@ -13,9 +13,9 @@ Reached only through :mod:`libalign.gemm.triton_grouped`. Two phases implement
     magnitude is code 0x0 whatever its sign (positive zeros), so a code decodes to exactly
     the inner value ``code * block_scale`` the GEMM multiplies. A row holding NaN/Inf gets a
     NaN decode scale, which the caller checks. ``guided_act_qdq`` is the same pass with the
-    rows that have a sampler's record rounded by it (TRACE). The rounding has one home: the
-    level helpers (``_rne_levels``, ``_guided_levels``) give signed E2M1 levels and block
-    scales; ``_emit`` writes them as codes, or as values (``_level_values``).
+    rows that have a sampler's record rounded by it (TRACE). The rounding has one home:
+    ``_rne_blocks`` (round to nearest) and ``_guided_levels`` (TRACE) give E2M1 magnitudes,
+    signs and block scales, and ``_emit`` writes them as values or as codes.
 ``grouped_gemm_codes`` (phase 2)
     A bf16 tensor-core GEMM over the padded expert layout: each ``BM``-row tile belongs to
     one expert (``tile_expert``), its weights are that expert's exact inner values; each
@@ -81,15 +81,24 @@ def _normalized(x, s, dec):
 
 
 @triton.jit
-def _rne_level(a):
-    """The E2M1 level index (0..7) nearest to magnitudes ``a`` <= 6, ties to the even level."""
-    level = tl.where(a > 0.25, 1, 0)
-    level = tl.where(a >= 0.75, 2, level)
-    level = tl.where(a > 1.25, 3, level)
-    level = tl.where(a >= 1.75, 4, level)
-    level = tl.where(a > 2.5, 5, level)
-    level = tl.where(a >= 3.5, 6, level)
-    return tl.where(a > 5.0, 7, level)
+def _rne_magnitude(a):
+    """The E2M1 magnitude nearest to ``a`` (0 <= a <= 6), ties to the even level: midpoint
+    counting. The one home of round-to-nearest; codes come from it by :func:`_magnitude_index`."""
+    mag = tl.where(a > 0.25, 0.5, 0.0)
+    mag = tl.where(a >= 0.75, 1.0, mag)
+    mag = tl.where(a > 1.25, 1.5, mag)
+    mag = tl.where(a >= 1.75, 2.0, mag)
+    mag = tl.where(a > 2.5, 3.0, mag)
+    mag = tl.where(a >= 3.5, 4.0, mag)
+    return tl.where(a > 5.0, 6.0, mag)
+
+
+@triton.jit
+def _magnitude_index(mag):
+    """The level index (0..7, the code's low 3 bits) of an E2M1 magnitude, from its fp32 bits:
+    from 1.0 up the exponent and the one mantissa bit, ``(bits >> 22) - 252``; 1 for 0.5."""
+    bits = mag.to(tl.int32, bitcast=True)
+    return tl.where(mag >= 1.0, (bits >> 22) - 252, tl.where(mag > 0.0, 1, 0))
 
 
 @triton.jit
@@ -106,8 +115,7 @@ def _e2m1_magnitude(i):
 
 @triton.jit
 def _level_bits(level, BITS: tl.constexpr):
-    """The low bits a code at signed ``level`` carries (level 0 carries 0); ``BITS`` 4: the
-    whole E2M1 code, sign bit 8 over the level index."""
+    """The low bits a code at signed ``level`` carries (level 0 carries 0)."""
     if BITS == 4:  # noqa: SIM108 - a constexpr branch, resolved when Triton compiles
         out = tl.where(level < 0, (-level) | 8, level)
     else:
@@ -116,29 +124,22 @@ def _level_bits(level, BITS: tl.constexpr):
 
 
 @triton.jit
-def _rne_levels(x, enc, dec):
-    """Signed E2M1 levels (int32 -7..7, a zero magnitude level 0: positive zeros) of fp32
-    blocks ``x`` [R, B, 16] rounded to nearest (te order), and their float8 block scales."""
+def _rne_blocks(x, enc, dec):
+    """fp32 blocks ``x`` [R, B, 16] rounded to nearest (te order): the normalized values ``z``,
+    the E2M1 magnitudes of ``|z|`` and the float8 block scales [R, B]."""
     s8 = _block_scales(x, enc)
     z = _normalized(x, s8.to(tl.float32), dec)
-    level = _rne_level(tl.minimum(tl.abs(z), 6.0))
-    return tl.where(z < 0.0, -level, level), s8
+    return z, _rne_magnitude(tl.minimum(tl.abs(z), 6.0)), s8
 
 
 @triton.jit
-def _level_values(level, s):
-    """Inner values ``code * block scale`` of signed levels [R, B, 16] under fp32 block scales
-    ``s`` [R, B]: exact, and +0.0 for level 0."""
-    mag = _e2m1_magnitude(tl.abs(level))
-    return tl.where(level < 0, -mag, mag) * s[:, :, None]
-
-
-@triton.jit
-def _store_codes(codes_ptr, scales_ptr, rows, b, level, sbyte, mask, stride_c, stride_s):
-    """Store signed levels [R, B, 16] as packed E2M1 codes (two a byte, the even element in the
-    low nibble: :func:`libalign.spec.packing.pack_nibbles`) at ``codes_ptr`` [M, K/2] and the
-    E4M3 block-scale bytes ``sbyte`` [R, B] at ``scales_ptr`` [M, K/16]; ``mask`` [R, B]."""
-    code = _level_bits(level, 4)
+def _store_codes(codes_ptr, scales_ptr, rows, b, mag, neg, sbyte, mask, stride_c, stride_s):
+    """Store E2M1 magnitudes [R, B, 16] with signs ``neg`` as packed codes (two a byte, the even
+    element in the low nibble: :func:`libalign.spec.packing.pack_nibbles`) at ``codes_ptr``
+    [M, K/2], a zero magnitude as 0x0 whatever its sign (positive zeros), and the E4M3
+    block-scale bytes ``sbyte`` [R, B] at ``scales_ptr`` [M, K/16]; ``mask`` [R, B]."""
+    idx = _magnitude_index(mag)
+    code = tl.where(neg & (idx > 0), idx | 8, idx)
     lo, hi = tl.split(tl.reshape(code, [code.shape[0], code.shape[1], 8, 2]))
     r64 = rows.to(tl.int64)
     jj = tl.arange(0, 8)
@@ -148,16 +149,17 @@ def _store_codes(codes_ptr, scales_ptr, rows, b, level, sbyte, mask, stride_c, s
 
 
 @triton.jit
-def _emit(out_ptr, scales_ptr, rows, b, cols, mask, level, s, sbyte, dec, stride_o, stride_s,
+def _emit(out_ptr, scales_ptr, rows, b, cols, mask, mag, neg, s, sbyte, dec, stride_o, stride_s,
           OUT: tl.constexpr):
-    """Write blocks [R, B, 16] of signed ``level`` under block scales ``s`` [R, B] (fp32; their
-    E4M3 bytes ``sbyte``) as the pass's ``OUT`` says: 0 the inner values (bf16 exact), 1 the
-    values read back ``fl(inner * dec)`` in ``out_ptr``'s dtype, 2 packed codes and scale
-    bytes (:func:`_store_codes`). ``mask`` [R, B] marks the blocks that exist."""
+    """Write blocks [R, B, 16] of E2M1 magnitudes ``mag`` with signs ``neg`` under block scales
+    ``s`` [R, B] (fp32; their E4M3 bytes ``sbyte``) as the pass's ``OUT`` says: 0 the inner
+    values ``code * block scale`` (bf16, exact; a zero is +0.0: Triton's unary minus is
+    ``0 - x``), 1 the values read back ``fl(inner * dec)`` in ``out_ptr``'s dtype, 2 packed
+    codes and scale bytes (:func:`_store_codes`). ``mask`` [R, B] marks the blocks that exist."""
     if OUT == 2:
-        _store_codes(out_ptr, scales_ptr, rows, b, level, sbyte, mask, stride_o, stride_s)
+        _store_codes(out_ptr, scales_ptr, rows, b, mag, neg, sbyte, mask, stride_o, stride_s)
     else:
-        val = _level_values(level, s)
+        val = tl.where(neg, -mag, mag) * s[:, :, None]
         if OUT == 1:  # the value read back: fl(inner * dec), one rounding to the output dtype
             val = val * dec[:, None, None]
         tl.store(out_ptr + rows.to(tl.int64)[:, None, None] * stride_o + cols,
@@ -186,8 +188,8 @@ def _act_qdq_kernel(x_ptr, out_ptr, scales_ptr, dec_ptr, amax_ptr, M, KB, stride
     else:
         amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)
     enc, dec = _outer(amax, AMAX_FLOOR, HAS_FLOOR)
-    level, s8 = _rne_levels(x, enc, dec)
-    _emit(out_ptr, scales_ptr, rows, blk, cols, bmask, level, s8.to(tl.float32),
+    z, mag, s8 = _rne_blocks(x, enc, dec)
+    _emit(out_ptr, scales_ptr, rows, blk, cols, bmask, mag, z < 0.0, s8.to(tl.float32),
           s8.to(tl.uint8, bitcast=True), dec, stride_o, stride_s, OUT)
     tl.store(dec_ptr + rows, tl.where(poison == 0.0, dec, float("nan")), mask=rmask)
 
@@ -223,8 +225,8 @@ def _act_qdq_chunked_kernel(x_ptr, out_ptr, scales_ptr, dec_ptr, amax_ptr, M, KB
         cols = b[None, :, None] * 16 + j[None, None, :]
         bmask = rmask[:, None] & (b < KB)[None, :]
         x = tl.load(x_ptr + r64 * stride_x + cols, mask=bmask[:, :, None], other=0.0).to(tl.float32)
-        level, s8 = _rne_levels(x, enc, dec)
-        _emit(out_ptr, scales_ptr, rows, b, cols, bmask, level, s8.to(tl.float32),
+        z, mag, s8 = _rne_blocks(x, enc, dec)
+        _emit(out_ptr, scales_ptr, rows, b, cols, bmask, mag, z < 0.0, s8.to(tl.float32),
               s8.to(tl.uint8, bitcast=True), dec, stride_o, stride_s, OUT)
     tl.store(dec_ptr + rows, tl.where(poison == 0.0, dec, float("nan")), mask=rmask)
 
@@ -317,7 +319,7 @@ def _guided_levels(x, s, dec, g, up_ptr, down_ptr, BITS: tl.constexpr):
     :func:`libalign.spec.rounding.round_e2m1_guided` with positive zeros."""
     z = tl.minimum(tl.maximum(_normalized(x, s, dec), -6.0), 6.0)
     a = tl.abs(z)
-    rne = _rne_level(a)  # the RNE level, as _rne_levels rounds
+    rne = _magnitude_index(_rne_magnitude(a))  # the RNE level, as _rne_blocks rounds
     lo = tl.where(a >= 0.5, 1, 0)  # the largest level whose magnitude is <= a
     lo = tl.where(a >= 1.0, 2, lo)
     lo = tl.where(a >= 1.5, 3, lo)
@@ -375,17 +377,19 @@ def _guided_qdq_kernel(x_ptr, out_ptr, scales_ptr, dec_ptr, src_ptr, low_ptr, bs
         cols = b[None, :, None] * 16 + j[None, None, :]
         bmask = rmask[:, None] & (b < KB)[None, :]
         x = tl.load(x_ptr + r64 * stride_x + cols, mask=bmask[:, :, None], other=0.0).to(tl.float32)
-        own, s8 = _rne_levels(x, enc, dec)
+        z, mag, s8 = _rne_blocks(x, enc, dec)
         gmask = (rmask & guided)[:, None] & (b < KB)[None, :]
         sb = tl.load(bs_ptr + s64[:, None] * stride_bs + b[None, :], mask=gmask, other=0)
         s = tl.load(e4m3_ptr + sb.to(tl.int32))
         g = tl.load(low_ptr + s64[:, None, None] * stride_low + cols,
                     mask=gmask[:, :, None], other=0).to(tl.int32)
-        g_level = _guided_levels(x, s, rs, g, up_ptr, down_ptr, BITS)
-        level = tl.where(guided[:, None, None], g_level, own)
+        level = _guided_levels(x, s, rs, g, up_ptr, down_ptr, BITS)
+        sel = guided[:, None, None]
+        mag = tl.where(sel, _e2m1_magnitude(tl.abs(level)), mag)
+        neg = tl.where(sel, level < 0, z < 0.0)
         s = tl.where(guided[:, None], s, s8.to(tl.float32))
         sbyte = tl.where(guided[:, None], sb, s8.to(tl.uint8, bitcast=True))
-        _emit(out_ptr, scales_ptr, rows, b, cols, bmask, level, s, sbyte, read_dec, stride_o,
+        _emit(out_ptr, scales_ptr, rows, b, cols, bmask, mag, neg, s, sbyte, read_dec, stride_o,
               stride_s, OUT)
     tl.store(dec_ptr + rows, tl.where(poison == 0.0, read_dec, float("nan")), mask=rmask)
 
