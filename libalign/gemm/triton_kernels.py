@@ -540,24 +540,22 @@ def _grouped_gemm_kernel(a_desc, w_desc, o_desc, a_dec_ptr, w_dec_ptr, tile_expe
 
 @triton.jit
 def _code_values(c, s):
-    """fp32 ``code * block scale`` of the E2M1 codes in the low 4 bits of ``c`` (int32) under
-    fp32 block scales ``s``, the code's value built from its bits: level index ``n = c & 7``
-    (exponent ``n >> 1``, mantissa ``n & 1``) is ``(n + 252) << 22`` as fp32 bits for n >= 2,
-    0.5 for n == 1, 0 for n == 0; bit 8 is the sign. Exact: at most 6 significant bits."""
-    n = c & 7
-    mag = tl.where(n >= 2, (n + 252) << 22, tl.where(n == 1, 0x3F000000, 0))
-    return (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True) * s
+    """fp32 ``code * block scale`` of the E2M1 codes in the low 4 bits of ``c`` (int32), ``s``
+    the block scales times 2^14. The code's bits placed in an fp16, ``(c & 7) << 9`` and the
+    sign bit at 15, are its value times 2^-14: E2M1's two exponent bits and one mantissa bit
+    land in fp16's (its subnormal 0.5 in fp16's subnormals, which no hardware flushes). The
+    product is exact (at most 6 significant bits), so these are the inner values' bits."""
+    h = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+    return h.to(tl.float32) * s
 
 
 @triton.jit
-def _decoded_tile(c_desc, s_rows, row0, ki, KB, BM: tl.constexpr, BK: tl.constexpr):
-    """The inner values [BM, BK] (fp32) of k-step ``ki``: packed codes [BM, BK/2] by TMA, their
-    E4M3 scale bytes [BM, BK/16] from ``s_rows`` (the rows' scale pointers), decoded in
-    registers; the nibbles interleave back (low first), so element order is the unpacked one."""
+def _decoded_tile(c_desc, sb, row0, ki, BM: tl.constexpr, BK: tl.constexpr):
+    """The inner values [BM, BK] (fp32) of k-step ``ki``: packed codes [BM, BK/2] by TMA and
+    their E4M3 scale bytes ``sb`` [BM, BK/16], decoded in registers; the nibbles interleave
+    back (low first), so the elements are in the unpacked order."""
     c = c_desc.load([row0, ki * (BK // 2)]).to(tl.int32)
-    kb = ki * (BK // 16) + tl.arange(0, BK // 16)
-    sb = tl.load(s_rows + kb[None, :], mask=(kb < KB)[None, :], other=0)
-    s = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    s = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
     s2 = tl.reshape(tl.broadcast_to(s[:, :, None], [BM, BK // 16, 8]), [BM, BK // 2])
     return tl.reshape(tl.join(_code_values(c, s2), _code_values(c >> 4, s2)), [BM, BK])
 
@@ -579,11 +577,19 @@ def _grouped_gemm_codes_kernel(c_desc, w_desc, o_desc, a_dec_ptr, w_dec_ptr, til
         e = tl.load(tile_expert_ptr + (pid_m * BM) // PAD)
         row_w = e * N + pid_n * BN
         s_rows = s_ptr + (pid_m * BM + tl.arange(0, BM)).to(tl.int64)[:, None] * stride_s
+        kb = tl.arange(0, BK // 16)
+        sb = tl.load(s_rows + kb[None, :], mask=(kb < K // 16)[None, :], other=0)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for ki in range(k_tiles):
-            a = _decoded_tile(c_desc, s_rows, pid_m * BM, ki, K // 16, BM, BK)
+            # the next step's scale bytes load under this step's decode and dot (a plain load,
+            # too narrow for TMA, that the pipeliner leaves synchronous)
+            kb_next = (ki + 1) * (BK // 16) + tl.arange(0, BK // 16)
+            sb_next = tl.load(s_rows + kb_next[None, :], mask=(kb_next < K // 16)[None, :],
+                              other=0)
+            a = _decoded_tile(c_desc, sb, pid_m * BM, ki, BM, BK)
             w = w_desc.load([row_w, ki * BK])
             acc = tl.dot(a.to(w.dtype), w.T, acc)
+            sb = sb_next
         _store_tile(o_desc, acc, a_dec_ptr, w_dec_ptr, e, pid_m, pid_n, N, BM, BN)
 
 
