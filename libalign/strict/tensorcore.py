@@ -21,12 +21,13 @@ that rule (as Thinking Machines' and SGLang's batch-invariant operations do):
   in order, each chunk reduced by the same in-register tree, the chunk results added left to
   right (a small batch spreads a row's chunks over programs and adds their results in the
   same order).
-* :func:`attention`: a program takes 64 (query head, query) rows of one key/value head and
-  walks the keys in blocks of 64 with an online softmax, the blocks counted from the
+* :func:`attention`: a program takes 64 or 128 (query head, query) rows of one key/value head
+  (keys, values and the output tile move by TMA) and walks the keys in blocks of 64 with an
+  online softmax, the blocks counted from the
   sequence's **first visible key**, not from slot 0. A prompt left-padded in a sampler's KV
   cache and the same prompt right-padded in a learner's batch therefore meet the same keys in
   the same blocks; blocks a query cannot see change nothing (``m`` stays, ``alpha = 1``,
-  ``p = 0``). The keys are split into chunks of :data:`ATTENTION_CONFIG`'s size from that same
+  ``p = 0``). The keys are split into chunks of 256 (:data:`ATTENTION_CONFIG`) from that same
   key, one program per chunk, and a row of several chunks combines them in order.
 
 The K steps, the chunk widths and the reduction shapes are those of SGLang's
@@ -56,6 +57,7 @@ except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
 __all__ = [
     "CONFIGS",
     "attention",
+    "attention_config",
     "available",
     "group_tiles",
     "grouped_matmul",
@@ -106,6 +108,17 @@ def _sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
+def _tma_ready(x: torch.Tensor, copy: bool = True) -> torch.Tensor | None:
+    """``x`` itself when a TMA descriptor can address it (16-byte aligned base, unit last
+    stride, every other stride a multiple of 16 bytes), else a contiguous copy (``None``
+    without ``copy``)."""
+    size = x.element_size()
+    if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(
+            (st * size) % 16 == 0 for st in x.stride()[:-1]):
+        return x
+    return x.contiguous() if copy else None
+
+
 def available(x: torch.Tensor) -> bool:
     """Whether these kernels serve ``x``: a CUDA tensor with Triton present."""
     return triton is not None and x.is_cuda
@@ -125,11 +138,15 @@ if triton is not None:
 
     @triton.jit
     def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, adec_ptr, wdec_ptr,
-                       tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
+                       tile_e_ptr, tile_lo_ptr, tile_hi_ptr, a_desc, w_desc,
                        M, N, K, s_am, s_ak, s_be, s_bk, s_bn, s_cm, s_cn, s_de,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
-                       IEEE: tl.constexpr):
+                       IEEE: tl.constexpr, TMA: tl.constexpr):
+        # With TMA the operand tiles arrive by descriptor: ``a`` [M, K] and the weights as
+        # [E * N, K] rows; rows of a tile past its end (the next expert's, or zeros past M)
+        # and weight rows past N are read but never stored. The values multiplied, the K
+        # steps and the instruction are those of the pointer loads, so are the bits.
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if GROUPED:
@@ -148,12 +165,17 @@ if triton is not None:
         offs_kk = tl.arange(0, BLOCK_K)
         b_base = b_ptr + e * s_be
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        w_row = (e * N).to(tl.int32) + pid_n * BLOCK_N
         for ki in range(tl.cdiv(K, BLOCK_K)):
-            offs_k = ki * BLOCK_K + offs_kk
-            a = tl.load(a_ptr + offs_am[:, None] * s_am + offs_k[None, :] * s_ak,
-                        mask=offs_kk[None, :] < K - ki * BLOCK_K, other=0.0)
-            b = tl.load(b_base + offs_k[:, None] * s_bk + offs_bn[None, :] * s_bn,
-                        mask=offs_kk[:, None] < K - ki * BLOCK_K, other=0.0)
+            if TMA:
+                a = a_desc.load([start_m, ki * BLOCK_K])
+                b = tl.trans(w_desc.load([w_row, ki * BLOCK_K]))
+            else:
+                offs_k = ki * BLOCK_K + offs_kk
+                a = tl.load(a_ptr + offs_am[:, None] * s_am + offs_k[None, :] * s_ak,
+                            mask=offs_kk[None, :] < K - ki * BLOCK_K, other=0.0)
+                b = tl.load(b_base + offs_k[:, None] * s_bk + offs_bn[None, :] * s_bn,
+                            mask=offs_kk[:, None] < K - ki * BLOCK_K, other=0.0)
             if IEEE:  # noqa: SIM108 - a constexpr branch, compiled once per kernel variant
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
@@ -464,15 +486,22 @@ def _launch_matmul(a, w, out, *, bias=None, a_dec=None, w_dec=None, tiles=None,
     if n_mtiles == 0 or n == 0:
         return
     wdec = w_dec if w_dec is not None else dummy
+    tma = _tma_ready(a, copy=False) is not None and w3.is_contiguous() \
+        and _tma_ready(w3, copy=False) is not None
+    if tma:
+        a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
+        w_desc = TensorDescriptor.from_tensor(w3.view(-1, k), [bn, bk])
+    else:
+        a_desc = w_desc = dummy
     with torch.cuda.device(a.device):
         _matmul_kernel[(n_mtiles, triton.cdiv(n, bn))](
             a, w3, out, bias if bias is not None else dummy,
-            a_dec if a_dec is not None else dummy, wdec, te, tlo, thi,
+            a_dec if a_dec is not None else dummy, wdec, te, tlo, thi, a_desc, w_desc,
             m, n, k, a.stride(0), a.stride(1), w3.stride(0), w3.stride(2), w3.stride(1),
             out.stride(0), out.stride(1), wdec.stride(0) if w_dec is not None and wdec.ndim == 2
             else 0,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUPED=grouped, HAS_BIAS=bias is not None,
-            SCALED=a_dec is not None, IEEE=a.dtype == torch.float32,
+            SCALED=a_dec is not None, IEEE=a.dtype == torch.float32, TMA=tma,
             num_warps=warps, num_stages=stages)
 
 
@@ -619,22 +648,23 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
-#: Attention's (warps, pipeline stages, key chunk, query rows per program). The key chunk (a
+#: Attention's (warps, pipeline stages, key chunk, query rows per program) for calls of at
+#: most 64 (query head, query) rows per key/value head (a decode step). The key chunk (a
 #: multiple of 64, or 0) splits the keys a row sees into chunks of that many from its
 #: sequence's first visible key, each chunk's online softmax run by its own program and the
-#: chunks combined in order; it is part of a row's bits, so one setting serves prefill and
-#: decode alike. 0: no split. Keys are always walked in blocks of 64.
-ATTENTION_CONFIG = (8, 3, 256, 64)
+#: chunks combined in order; it is part of a row's bits, so every setting shares it. Keys are
+#: always walked in blocks of 64.
+ATTENTION_CONFIG = (4, 3, 256, 64)
+#: The same for larger calls (a prefill): 128 query rows a program on 8 warps. Tiles of 64 and
+#: 128 rows, on 4 or 8 warps, give a row the same bits (the tensor-core instruction is the
+#: same; checked on a GPU, and decode against prefill in the tests).
+ATTENTION_CONFIG_LARGE = (8, 3, 256, 128)
 
 
-def _tma_ready(x: torch.Tensor) -> torch.Tensor:
-    """``x`` itself when a TMA descriptor can address it (16-byte aligned base, unit last
-    stride, every other stride a multiple of 16 bytes), else a contiguous copy."""
-    size = x.element_size()
-    if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(
-            (st * size) % 16 == 0 for st in x.stride()[:-1]):
-        return x
-    return x.contiguous()
+def attention_config(rows: int) -> tuple[int, int, int, int]:
+    """The attention setting of a call with ``rows`` (query head, query) rows per key/value
+    head: :data:`ATTENTION_CONFIG` up to 64, else :data:`ATTENTION_CONFIG_LARGE`."""
+    return ATTENTION_CONFIG if rows <= 64 else ATTENTION_CONFIG_LARGE
 
 
 def _key_descriptor(x: torch.Tensor) -> TensorDescriptor:
@@ -673,10 +703,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     """Masked softmax attention ``[B, Hq, Tq, D]`` (grouped-query: ``Hq`` a multiple of ``Hkv``):
     ``q`` ``[B, Hq, Tq, D]``, ``k``, ``v`` ``[B, Hkv, Tk, D]`` (bf16 or fp16), ``allowed``
     ``[B, 1|Hq, Tq, Tk]`` (True = attend). Keys in blocks of 64 from each sequence's first
-    visible key; a query that sees no key gets zeros. A program takes 64 (query head, query)
-    rows of one key/value head, so a decode step's grouped heads read the keys once.
-    ``config`` (warps, stages, key chunk, query rows) overrides :data:`ATTENTION_CONFIG` (a
-    probe; the key chunk is part of the rows' bits)."""
+    visible key; a query that sees no key gets zeros. A program takes 64 or 128 (query head,
+    query) rows of one key/value head (:func:`attention_config`), so a decode step's grouped
+    heads read the keys once. ``config`` (warps, stages, key chunk, query rows) overrides
+    that choice (a probe; the key chunk is part of the rows' bits)."""
     require("attention", q)
     b, hq, tq, d = q.shape
     if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b or hq % k.shape[1] \
@@ -704,7 +734,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     kc, vc = _tma_ready(k), _tma_ready(v)
     hkv = k.shape[1]
     rep = hq // hkv
-    warps, stages, chunk, block_q = config or ATTENTION_CONFIG
+    warps, stages, chunk, block_q = config or attention_config(rep * tq)
     if chunk % _ATT_BLOCK or chunk < 0:
         raise ShapeError(f"strict attention: key chunk {chunk} (a multiple of {_ATT_BLOCK}, or 0)")
     if block_q not in (16, 32, 64, 128):
