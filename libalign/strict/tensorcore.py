@@ -347,16 +347,53 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _key_range(q, k_desc, v_desc, b, hk, lo, hi_k, scaling, lo_r, his, brow, all_span,
+                   D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_Q: tl.constexpr):
+        """The online softmax of keys ``lo`` .. ``hi_k`` from a fresh state: each row's
+        maximum, sum and unnormalised output. ``all_span``: every row sees one interval."""
+        m_i = tl.full((BLOCK_Q,), -float("inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_Q,), tl.float32)
+        acc = tl.zeros((BLOCK_Q, D), tl.float32)
+        if all_span:  # the common case: no mask bits read
+            for start in range(lo, hi_k, BLOCK):
+                m_i, l_i, acc = _key_block(q, k_desc, v_desc, b, hk, start, scaling, lo_r, his,
+                                           brow, m_i, l_i, acc, D, BLOCK, False)
+        else:
+            for start in range(lo, hi_k, BLOCK):
+                m_i, l_i, acc = _key_block(q, k_desc, v_desc, b, hk, start, scaling, lo_r, his,
+                                           brow, m_i, l_i, acc, D, BLOCK, True)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _fold(top, total, out, m_c, l_c, acc_c, use):
+        """Chunk ``c``'s (max, sum, output) folded into the rows' running (max, sum, output)
+        where ``use``: both rescaled to the new maximum, the products added by explicit fused
+        multiply-adds (so every kernel that folds rounds alike). From (-inf, 0, 0) the first
+        chunk's state comes out exactly."""
+        new = tl.maximum(top, m_c)
+        shift = tl.where(new == -float("inf"), 0.0, new)
+        keep = tl.exp(top - shift)
+        take = tl.exp(m_c - shift)
+        total_n = tl.fma(l_c, take, total * keep)
+        out_n = tl.fma(acc_c, take[:, None], out * keep[:, None])
+        return (tl.where(use, new, top), tl.where(use, total_n, total),
+                tl.where(use[:, None], out_n, out))
+
+    @triton.jit
     def _attention_kernel(q_ptr, k_desc, v_desc, o_desc, bits_ptr, first_ptr, hi_ptr, count_ptr,
                           Tq, Tk, HKV, REP, HM, scaling, W, s_qb, s_qh, s_qt,
                           ws_m_ptr, ws_l_ptr, ws_desc, R, HQ,
                           D: tl.constexpr, BLOCK: tl.constexpr, SCAN: tl.constexpr,
-                          CHUNK: tl.constexpr, BLOCK_Q: tl.constexpr):
+                          CHUNK: tl.constexpr, BLOCK_Q: tl.constexpr, SERIAL: tl.constexpr):
         # rows of a program: (query head, query) pairs of one sequence and one key/value head,
         # REP * Tq of them in head-major order, so a decode step's REP heads share one tile
         # and one read of the keys; a row's arithmetic never depends on its tile companions.
         # Keys and values arrive by TMA, and the tile leaves by TMA (rows past REP * Tq fall
         # outside the descriptors' bounds): no per-element addresses held in registers.
+        # A row's keys are cut in chunks of CHUNK from its sequence's first visible key; each
+        # chunk's softmax starts fresh and the chunks fold in order (_fold). SERIAL: this
+        # program walks its rows' chunks itself; else program c of axis 2 takes chunk c and
+        # leaves a row of several chunks to _combine_kernel, which folds the same way.
         pid_v = tl.program_id(0)
         bk = tl.program_id(1)
         b = bk // HKV
@@ -377,50 +414,57 @@ if triton is not None:
         his = tl.load(hi_ptr + row, mask=v_ok, other=0)
         # a row whose visible keys are one interval (causal, padded) needs no mask reads
         span = tl.load(count_ptr + row, mask=v_ok, other=0) == his - lo_r
+        all_span = tl.min(tl.where(v_ok, span, True).to(tl.int32)) == 1
         stop = tl.max(his)
-        if CHUNK > 0:  # this program's share of the keys: chunk c of CHUNK keys from base
-            c = tl.program_id(2)
-            lo = base + c * CHUNK
-            hi_k = tl.minimum(lo + CHUNK, stop)
-            chunks = _chunk_count(his, base, CHUNK)
-        else:
-            lo = base
-            hi_k = stop
-        m_i = tl.full((BLOCK_Q,), -float("inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_Q,), tl.float32)
-        acc = tl.zeros((BLOCK_Q, D), tl.float32)
         brow = bits_ptr + row * W
-        if tl.min(tl.where(v_ok, span, True).to(tl.int32)) == 1:  # the common case
-            for start in range(lo, hi_k, BLOCK):
-                m_i, l_i, acc = _key_block(q, k_desc, v_desc, b, hk, start, scaling, lo_r, his,
-                                           brow, m_i, l_i, acc, D, BLOCK, False)
+        if CHUNK == 0:
+            m_i, l_i, acc = _key_range(q, k_desc, v_desc, b, hk, base, stop, scaling, lo_r, his,
+                                       brow, all_span, D, BLOCK, BLOCK_Q)
+            out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+            o_desc.store([bk, pid_v * BLOCK_Q, 0], tl.reshape(out.to(o_desc.dtype),
+                                                            (1, BLOCK_Q, D)))
+        elif SERIAL:
+            chunks = _chunk_count(his, base, CHUNK)
+            top = tl.full((BLOCK_Q,), -float("inf"), tl.float32)
+            total = tl.zeros((BLOCK_Q,), tl.float32)
+            out = tl.zeros((BLOCK_Q, D), tl.float32)
+            for c in range(0, tl.max(chunks)):
+                lo = base + c * CHUNK
+                m_c, l_c, acc_c = _key_range(q, k_desc, v_desc, b, hk, lo,
+                                             tl.minimum(lo + CHUNK, stop), scaling, lo_r, his,
+                                             brow, all_span, D, BLOCK, BLOCK_Q)
+                top, total, out = _fold(top, total, out, m_c, l_c, acc_c, c < chunks)
+            out = tl.where(total[:, None] > 0, out / tl.where(total > 0, total, 1.0)[:, None],
+                           0.0)
+            o_desc.store([bk, pid_v * BLOCK_Q, 0], tl.reshape(out.to(o_desc.dtype),
+                                                            (1, BLOCK_Q, D)))
         else:
-            for start in range(lo, hi_k, BLOCK):
-                m_i, l_i, acc = _key_block(q, k_desc, v_desc, b, hk, start, scaling, lo_r, his,
-                                           brow, m_i, l_i, acc, D, BLOCK, True)
-        out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-        out = tl.reshape(out.to(o_desc.dtype), (1, BLOCK_Q, D))
-        if CHUNK > 0:
-            # chunk 0 writes every row; a row of more than one chunk also leaves its partial
-            # (max, sum, unnormalised output) for _combine_kernel, which then overwrites it
+            c = tl.program_id(2)
+            chunks = _chunk_count(his, base, CHUNK)
+            lo = base + c * CHUNK
+            m_i, l_i, acc = _key_range(q, k_desc, v_desc, b, hk, lo, tl.minimum(lo + CHUNK, stop),
+                                       scaling, lo_r, his, brow, all_span, D, BLOCK, BLOCK_Q)
+            # chunk 0 writes every row (a row of one chunk ends here: its fold is the identity);
+            # a row of several also leaves its chunk's state for _combine_kernel, which then
+            # overwrites the row
             if c == 0:
-                o_desc.store([bk, pid_v * BLOCK_Q, 0], out)
+                out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+                o_desc.store([bk, pid_v * BLOCK_Q, 0], tl.reshape(out.to(o_desc.dtype),
+                                                                (1, BLOCK_Q, D)))
             part = v_ok & (chunks > 1) & (c < chunks)
             if tl.max(part.to(tl.int32)) > 0:
                 g = c.to(tl.int64) * R + (b64 * HQ + h) * Tq + t
                 tl.store(ws_m_ptr + g, m_i, mask=part)
                 tl.store(ws_l_ptr + g, l_i, mask=part)
                 ws_desc.store([c, bk, pid_v * BLOCK_Q, 0], tl.reshape(acc, (1, 1, BLOCK_Q, D)))
-        else:
-            o_desc.store([bk, pid_v * BLOCK_Q, 0], out)
 
     @triton.jit
     def _combine_kernel(o_ptr, first_ptr, hi_ptr, ws_m_ptr, ws_l_ptr, ws_acc_ptr,
                         Tq, Tk, HQ, HM, NC, R, s_ob, s_oh, s_ot,
                         D: tl.constexpr, ROWS: tl.constexpr, SCAN: tl.constexpr,
                         CHUNK: tl.constexpr):
-        # rows of more than one chunk: M = max of the chunk maxima (exact), then the chunks'
-        # sums and outputs rescaled to M and added in chunk order, then one division
+        # rows of more than one chunk: the chunks' states folded in chunk order (_fold), then
+        # one division
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
         r = pid * ROWS + tl.arange(0, ROWS)  # (head, query) rows of sequence b
@@ -433,23 +477,19 @@ if triton is not None:
         his = tl.load(hi_ptr + (b * HM + hm) * Tq + t, mask=r_ok, other=0)
         chunks = _chunk_count(his, base, CHUNK)
         mine = r_ok & (chunks > 1)
-        g0 = (b * HQ + h) * Tq + t  # chunk c's partial is at c * R + g0
+        g0 = (b * HQ + h) * Tq + t  # chunk c's state is at c * R + g0
         offs_d = tl.arange(0, D)
         top = tl.full((ROWS,), -float("inf"), tl.float32)
-        for c in range(0, NC):
-            m_c = tl.load(ws_m_ptr + c * R + g0, mask=mine & (c < chunks), other=-float("inf"))
-            top = tl.maximum(top, m_c)
-        shift = tl.where(top == -float("inf"), 0.0, top)
         total = tl.zeros((ROWS,), tl.float32)
-        acc = tl.zeros((ROWS, D), tl.float32)
+        out = tl.zeros((ROWS, D), tl.float32)
         for c in range(0, NC):
             use = mine & (c < chunks)
             m_c = tl.load(ws_m_ptr + c * R + g0, mask=use, other=-float("inf"))
-            w = tl.exp(m_c - shift)
-            total += tl.load(ws_l_ptr + c * R + g0, mask=use, other=0.0) * w
-            acc += tl.load(ws_acc_ptr + (c * R + g0)[:, None] * D + offs_d[None, :],
-                           mask=use[:, None], other=0.0) * w[:, None]
-        out = tl.where(total[:, None] > 0, acc / tl.where(total > 0, total, 1.0)[:, None], 0.0)
+            l_c = tl.load(ws_l_ptr + c * R + g0, mask=use, other=0.0)
+            acc_c = tl.load(ws_acc_ptr + (c * R + g0)[:, None] * D + offs_d[None, :],
+                            mask=use[:, None], other=0.0)
+            top, total, out = _fold(top, total, out, m_c, l_c, acc_c, use)
+        out = tl.where(total[:, None] > 0, out / tl.where(total > 0, total, 1.0)[:, None], 0.0)
         tl.store(o_ptr + b * s_ob + h[:, None] * s_oh + t[:, None] * s_ot + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=mine[:, None])
 
@@ -734,18 +774,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     kc, vc = _tma_ready(k), _tma_ready(v)
     hkv = k.shape[1]
     rep = hq // hkv
-    warps, stages, chunk, block_q = config or attention_config(rep * tq)
+    rows = rep * tq  # a key/value head's (query head, query) rows, contiguous in `out`
+    warps, stages, chunk, block_q, *serial = config or attention_config(rows)
     if chunk % _ATT_BLOCK or chunk < 0:
         raise ShapeError(f"strict attention: key chunk {chunk} (a multiple of {_ATT_BLOCK}, or 0)")
     if block_q not in (16, 32, 64, 128):
         raise ShapeError(f"strict attention: {block_q} query rows per program (16, 32, 64 or "
                          "128)")
     nc = max(1, triton.cdiv(tk, chunk)) if chunk else 1
-    split = nc > 1
-    rows = rep * tq  # a key/value head's (query head, query) rows, contiguous in `out`
+    serial = serial[0] if serial else rows > SMALL_M
+    split = nc > 1 and not serial  # chunks on their own programs, folded by _combine_kernel
     o_desc = TensorDescriptor(out.view(b * hkv, rows, d), [b * hkv, rows, d], [rows * d, d, 1],
                               [1, block_q, d])
-    if split:  # partials of rows that see more than one chunk: [chunk, B * Hq * Tq] (x D)
+    if split:  # the states of rows that see more than one chunk: [chunk, B * Hq * Tq] (x D)
         ws_m = torch.empty((nc * b * hq * tq,), dtype=torch.float32, device=q.device)
         ws_l = torch.empty_like(ws_m)
         ws_acc = torch.empty((nc, b * hkv, rows, d), dtype=torch.float32, device=q.device)
@@ -756,11 +797,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     scan = min(1024, triton.next_power_of_2(hm * tq))
     with torch.cuda.device(q.device):
         first, hi, count, bits = visible_range(allowed)
-        _attention_kernel[(triton.cdiv(rows, block_q), b * hkv, nc)](
+        _attention_kernel[(triton.cdiv(rows, block_q), b * hkv, nc if split else 1)](
             qc, _key_descriptor(kc), _key_descriptor(vc), o_desc, bits, first, hi, count, tq, tk,
             hkv, rep, hm, float(scaling), bits.shape[1], *qc.stride()[:3], ws_m, ws_l, ws_desc,
-            b * hq * tq, hq, D=d, BLOCK=_ATT_BLOCK, SCAN=scan, CHUNK=chunk if split else 0,
-            BLOCK_Q=block_q, num_warps=warps, num_stages=stages)
+            b * hq * tq, hq, D=d, BLOCK=_ATT_BLOCK, SCAN=scan, CHUNK=chunk if nc > 1 else 0,
+            BLOCK_Q=block_q, SERIAL=serial, num_warps=warps, num_stages=stages)
         if split:
             _combine_kernel[(triton.cdiv(hq * tq, 16), b)](
                 out, first, hi, ws_m, ws_l, ws_acc, tq, tk, hq, hm, nc, b * hq * tq,

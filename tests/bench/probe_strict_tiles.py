@@ -4,9 +4,9 @@ Prints, for each candidate :func:`libalign.strict.tensorcore.matmul` configurati
 graph time of a 2048x2048 linear, an expert's 1536x2048 product and the 151936x2048 LM head at
 8 and 512 rows, whether each gives the bits of the large-call configuration, and cuBLAS's time
 as the baseline; then attention's decode (8 x 32/4 heads, 1024 keys) and prefill (4 x 512
-tokens) times per (warps, stages, key chunk, query rows) against PyTorch's SDPA,
-and whether each gives the default setting's bits. It informs the choice of
-``SMALL_CONFIGS`` and ``ATTENTION_CONFIG``; the tests check the bits.
+tokens) times per (warps, stages, key chunk, query rows[, chunks walked by one program])
+against PyTorch's SDPA, and whether each gives the default settings' bits. It informs the
+choice of ``SMALL_CONFIGS`` and the attention settings; the tests check the bits.
 Run: ``python -m tests.bench.probe_strict_tiles``.
 """
 
@@ -55,16 +55,18 @@ def main() -> None:
     print(f"\nattention: SDPA decode {sdpa_d:.4f} ms, prefill {sdpa_p:.4f} ms")
     ref_d = tensorcore.attention(q, k, v, seen, 128 ** -0.5)
     ref_p = tensorcore.attention(qp, kp, vp, causal, 128 ** -0.5)
-    for cfg in ((8, 3, 256, 64), (8, 3, 0, 64), (8, 3, 512, 64), (8, 3, 256, 128),
-                (8, 3, 0, 128), (4, 3, 256, 128), (8, 2, 512, 128), (4, 2, 256, 32),
-                (4, 3, 256, 64), (8, 2, 256, 64), (4, 3, 256, 32), (8, 4, 256, 128)):
+    for cfg in ((4, 3, 256, 64, False), (8, 3, 256, 64, False), (8, 3, 256, 128, False),
+                (8, 3, 256, 128, True), (8, 3, 256, 64, True), (8, 2, 256, 128, True),
+                (4, 3, 256, 64, True), (8, 3, 0, 128), (8, 3, 0, 64), (8, 3, 512, 128, True),
+                (4, 3, 256, 32, False)):
         same = (torch.equal(tensorcore.attention(q, k, v, seen, 128 ** -0.5, config=cfg), ref_d),
                 torch.equal(tensorcore.attention(qp, kp, vp, causal, 128 ** -0.5, config=cfg),
                             ref_p))
         d = graph_ms(lambda c=cfg: tensorcore.attention(q, k, v, seen, 128 ** -0.5, config=c), 30)
         p = graph_ms(lambda c=cfg: tensorcore.attention(qp, kp, vp, causal, 128 ** -0.5,
                                                         config=c), 30)
-        print(f"warps {cfg[0]} stages {cfg[1]} key chunk {cfg[2]} query rows {cfg[3]}: "
+        mode = "" if len(cfg) < 5 else (" serial" if cfg[4] else " split")
+        print(f"warps {cfg[0]} stages {cfg[1]} key chunk {cfg[2]} query rows {cfg[3]}{mode}: "
               f"decode {d:.4f} ms "
               f"({d / sdpa_d:.2f}x), prefill {p:.4f} ms ({p / sdpa_p:.2f}x); bits as the "
               f"default: {same}")
