@@ -273,3 +273,153 @@ def test_inner_values_on_the_device_equal_the_cpu_bits(dtype):
     ew = gemm.prepare_weights(w.to(CUDA), "nvfp4_minite")
     assert torch.equal(ew.inner.cpu().view(torch.int16),
                        gemm.inner_values(q, torch.bfloat16).view(torch.int16))
+
+
+# --- the two-phase form: codes written by the pass, decoded in the GEMM's loads ---------------
+
+def _ints(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("preset", ["minite", "te"])
+@pytest.mark.parametrize("k,chunk", [(64, None), (768, None), (768, 8), (2048, None), (2048, 0),
+                                     (80, None), (1040, 32)])
+def test_activation_codes_decode_to_the_one_phase_values(preset, k, chunk):
+    """act_codes' codes and scale bytes decode to act_qdq's bf16 inner values bit for bit on
+    every finite row (zeros +0.0), the decode scales are the same bits (NaN for NaN/Inf rows),
+    and for minite (positive zeros) the codes and scales are the spec's."""
+    _need_triton()
+    from libalign.gemm import triton_kernels as tk
+    from libalign.spec.rounding import e4m3_table
+
+    spec = PRESETS[preset]
+    a = _acts(333, k, seed=k + 5)
+    a[7, 3] = float("nan")
+    a[8, 0] = float("inf")
+    a[9, :20] = -0.0
+    amax = a.float().abs().nan_to_num(0, 0, 0).amax().reshape(1) \
+        if spec.outer_domain == "tensor" else None
+    inner, dec = tk.act_qdq(a, amax_floor=spec.amax_floor, tensor_amax=amax, chunk=chunk)
+    codes, scales, dec2 = tk.act_codes(a, amax_floor=spec.amax_floor, tensor_amax=amax,
+                                       chunk=chunk)
+    assert torch.equal(_ints(dec2), _ints(dec))
+    fin = ~torch.isnan(dec)
+    assert int(fin.sum()) == 331
+    back = tk.inner_from_codes(codes.contiguous(), scales, e4m3_table(a.device))
+    assert torch.equal(_ints(back[fin]), _ints(inner[fin]))
+    if spec.signed_zero == "positive":
+        q = quantize(a[fin].cpu(), spec)
+        assert torch.equal(codes[fin].cpu(), q.codes)
+        assert torch.equal(scales[fin].cpu(), q.block_scales.view(torch.uint8))
+
+
+def _weights_for(path, n, k, experts, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    w = (torch.randn(experts, n, k, generator=g) * 0.02).to(torch.bfloat16).to(CUDA)
+    return gemm.prepare_weights(w, path)
+
+
+@pytest.mark.parametrize("path", ["nvfp4_minite", "nvfp4_naive"])
+@pytest.mark.parametrize("n,k", [(1536, 2048), (2048, 768), (200, 96), (64, 80)])
+def test_two_phase_gemm_gives_the_one_phase_bits(path, n, k):
+    """The codes path (default) and the bf16 inner-value path give the same output bits for
+    uneven and empty experts, FC1/FC2 shapes, row chunks, and the codes kernel equals the
+    one-phase kernel under every tile config that serves the shape."""
+    _need_triton()
+    from libalign.gemm import triton_kernels as tk
+
+    counts = [130, 0, 1, 257, 64, 0, 511, 3]
+    ew = _weights_for(path, n, k, len(counts), seed=n + k)
+    a = _acts(sum(counts), k, seed=n)
+    lay = gemm.group_layout(counts, 128)
+    spec = ew.path.act_spec
+    one = triton_grouped.w4a4_grouped_triton(a, spec, ew.inner, ew.dec, lay, codes=False)
+    two = triton_grouped.w4a4_grouped_triton(a, spec, ew.inner, ew.dec, lay, codes=True)
+    assert torch.isfinite(one.float()).all() and torch.equal(_ints(one), _ints(two))
+    assert torch.equal(_ints(gemm.grouped_linear(a, ew, counts, backend="triton")), _ints(one))
+    with triton_grouped.gemm_codes(False):
+        assert torch.equal(_ints(gemm.grouped_linear(a, ew, counts, backend="triton")), _ints(one))
+    many = triton_grouped.w4a4_grouped_triton(a, spec, ew.inner, ew.dec, lay, codes=True, chunks=3)
+    assert torch.equal(_ints(many), _ints(one))
+    ap = lay.pad(a.contiguous())
+    amax = a.float().abs().amax().reshape(1) if spec.outer_domain == "tensor" else None
+    inner, dec = tk.act_qdq(ap, amax_floor=spec.amax_floor, tensor_amax=amax)
+    codes, scales, _ = tk.act_codes(ap, amax_floor=spec.amax_floor, tensor_amax=amax)
+    tiles = lay.tile_expert(128, a.device)
+    for cfg in tk.CONFIGS:
+        if 128 % cfg.kwargs["BM"] or n % cfg.kwargs["BN"]:
+            continue
+        want = tk.grouped_gemm(inner, dec, ew.inner, ew.dec, tiles, 128, config=cfg)
+        got = tk.grouped_gemm_codes(codes, scales, dec, ew.inner, ew.dec, tiles, 128, config=cfg)
+        assert torch.equal(_ints(got), _ints(want)), cfg
+
+
+@pytest.mark.parametrize("k", [2048, 768])
+def test_two_phase_guided_gemm_gives_the_one_phase_bits(k):
+    """With a sampler's records (some rows without one) the codes path gives the inner-value
+    path's bits, and its codes are guided_quantize's on the rows with a record."""
+    _need_triton()
+    from libalign.gemm import triton_kernels as tk
+    from libalign.guidance import guided_quantize
+    from libalign.spec.rounding import e4m3_table, guide_tables
+    from tests.libalign.test_guided_fused import SPEC, _case
+
+    counts = [100, 0, 37, 200, 1]
+    x, guide = _case(sum(counts), k, 2, seed=k, device=CUDA)
+    ew = _weights_for("nvfp4_trace", 1536, k, len(counts), seed=k)
+    lay = gemm.group_layout(counts, 128)
+    kw = dict(check_finite=True)
+    one = triton_grouped.w4a4_grouped_triton_guided(x, SPEC, guide, ew.inner, ew.dec, lay,
+                                                    codes=False, **kw)
+    two = triton_grouped.w4a4_grouped_triton_guided(x, SPEC, guide, ew.inner, ew.dec, lay,
+                                                    codes=True, **kw)
+    assert torch.equal(_ints(one), _ints(two))
+    up, down = guide_tables(guide.bits, x.device)
+    src = torch.where(guide.present, guide.index, -1).to(torch.int32)
+    args = dict(src=src, low=guide.low, block_scales=guide.block_scales.view(torch.uint8),
+                row_scales=guide.row_scales.float(), bits=guide.bits, amax_floor=SPEC.amax_floor,
+                e4m3=e4m3_table(x.device), up=up, down=down)
+    inner, dec = tk.guided_act_qdq(x, **args)
+    codes, scales, dec2 = tk.guided_act_qdq(x, codes=True, **args)
+    assert torch.equal(_ints(dec), _ints(dec2))
+    back = tk.inner_from_codes(codes.contiguous(), scales, e4m3_table(x.device))
+    assert torch.equal(_ints(back), _ints(inner))
+    q = guided_quantize(x, SPEC, guide)
+    rows = guide.present
+    assert torch.equal(codes[rows], q.codes[rows])
+    assert torch.equal(scales[rows], q.block_scales.view(torch.uint8)[rows])
+
+
+@pytest.mark.parametrize("codes", [True, False])
+@pytest.mark.parametrize("guided", [False, True])
+def test_nan_rows_raise_on_both_paths(codes, guided):
+    """A NaN row raises NonFiniteError naming it on the codes and the inner-value paths alike,
+    guided or not; unchecked, the other rows carry the same bits on both."""
+    _need_triton()
+    from libalign.guidance import RowGuide
+
+    counts = [20, 0, 20]
+    ew = _weights_for("nvfp4_minite", 64, 64, 3, seed=1)
+    a = _acts(40, 64, seed=1)
+    a[17, 5] = float("nan")
+    lay = gemm.group_layout(counts, 128)
+    spec = ew.path.act_spec
+    guide = RowGuide(present=torch.zeros(40, dtype=torch.bool, device=CUDA),
+                     index=torch.zeros(40, dtype=torch.int64, device=CUDA),
+                     low=torch.zeros(1, 64, dtype=torch.uint8, device=CUDA),
+                     block_scales=torch.zeros(1, 4, dtype=torch.uint8, device=CUDA),
+                     row_scales=torch.ones(1, dtype=torch.float32, device=CUDA), bits=1)
+
+    def run(check, use_codes):
+        if guided:
+            return triton_grouped.w4a4_grouped_triton_guided(
+                a, spec, guide, ew.inner, ew.dec, lay, check_finite=check, codes=use_codes)
+        return triton_grouped.w4a4_grouped_triton(a, spec, ew.inner, ew.dec, lay,
+                                                  check_finite=check, codes=use_codes)
+
+    with pytest.raises(NonFiniteError, match="17"):
+        run(True, codes)
+    out, other = run(False, codes), run(False, not codes)
+    assert torch.isnan(out[17]).all()
+    keep = torch.arange(40, device=CUDA) != 17
+    assert torch.equal(_ints(out[keep]), _ints(other[keep]))
