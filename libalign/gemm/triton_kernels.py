@@ -285,7 +285,8 @@ def code_buffers(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty packed-code ``[m, K/2]`` and scale-byte ``[m, K/16]`` uint8 buffers; the codes'
     rows start 16 bytes apart (the stride a TMA descriptor needs), whatever K is."""
     kc = k // 2
-    codes = torch.empty((m, -(-kc // 16) * 16), dtype=torch.uint8, device=device)[:, :kc]
+    codes = torch.empty((m, kc), dtype=torch.uint8, device=device) if kc % 16 == 0 else \
+        torch.empty((m, -(-kc // 16) * 16), dtype=torch.uint8, device=device)[:, :kc]
     return codes, torch.empty((m, k // 16), dtype=torch.uint8, device=device)
 
 
