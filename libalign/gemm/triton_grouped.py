@@ -270,7 +270,9 @@ def w4a4_grouped_triton_guided(a: torch.Tensor, spec: NumericsSpec, guide, w_inn
     src = (lay.pad((src + 1).reshape(-1, 1)) - 1).reshape(-1).contiguous()  # padding: no record
     tiles = lay.tile_expert(lay.pad_to, a.device)
     if _codes(codes):
-        c, s, dec = _guided_pass(tk, lay.pad(a.contiguous()), src, guide, spec, codes=True)
+        # 8 rows a program: the codes variant then compiles without register spills (16: 320 B)
+        c, s, dec = _guided_pass(tk, lay.pad(a.contiguous()), src, guide, spec, codes=True,
+                                 rows=8)
         out = tk.grouped_gemm_codes(c, s, dec, w_inner, w_dec, tiles, lay.pad_to, out_dtype)
     else:
         inner, dec = _guided_pass(tk, lay.pad(a.contiguous()), src, guide, spec)

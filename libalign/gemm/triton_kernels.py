@@ -15,7 +15,8 @@ Reached only through :mod:`libalign.gemm.triton_grouped`. Two phases implement
     NaN decode scale, which the caller checks. ``guided_act_qdq`` is the same pass with the
     rows that have a sampler's record rounded by it (TRACE). The rounding has one home:
     ``_rne_blocks`` (round to nearest) and ``_guided_levels`` (TRACE) give E2M1 magnitudes,
-    signs and block scales, and ``_emit`` writes them as values or as codes.
+    signs and block scales, written as values (``_signed_values``) or as codes
+    (``_store_codes``).
 ``grouped_gemm_codes`` (phase 2)
     A bf16 tensor-core GEMM over the padded expert layout: each ``BM``-row tile belongs to
     one expert (``tile_expert``), its weights are that expert's exact inner values; each
@@ -149,21 +150,34 @@ def _store_codes(codes_ptr, scales_ptr, rows, b, mag, neg, sbyte, mask, stride_c
 
 
 @triton.jit
+def _signed_values(mag, neg, s):
+    """Inner values ``code * block scale`` of E2M1 magnitudes [R, B, 16] with signs ``neg``
+    under fp32 block scales ``s`` [R, B]: exact, a zero +0.0 (Triton's unary minus is
+    ``0 - x``)."""
+    return tl.where(neg, -mag, mag) * s[:, :, None]
+
+
+@triton.jit
+def _store_values(out_ptr, rows, cols, mask, val, dec, stride_o, OUT: tl.constexpr):
+    """Store inner values [R, B, 16] (``OUT`` 0, bf16 exact) or the values read back
+    ``fl(inner * dec)`` (``OUT`` 1, one rounding to ``out_ptr``'s dtype); ``mask`` [R, B]."""
+    if OUT == 1:
+        val = val * dec[:, None, None]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None, None] * stride_o + cols,
+             val.to(out_ptr.dtype.element_ty), mask=mask[:, :, None])
+
+
+@triton.jit
 def _emit(out_ptr, scales_ptr, rows, b, cols, mask, mag, neg, s, sbyte, dec, stride_o, stride_s,
           OUT: tl.constexpr):
     """Write blocks [R, B, 16] of E2M1 magnitudes ``mag`` with signs ``neg`` under block scales
     ``s`` [R, B] (fp32; their E4M3 bytes ``sbyte``) as the pass's ``OUT`` says: 0 the inner
-    values ``code * block scale`` (bf16, exact; a zero is +0.0: Triton's unary minus is
-    ``0 - x``), 1 the values read back ``fl(inner * dec)`` in ``out_ptr``'s dtype, 2 packed
-    codes and scale bytes (:func:`_store_codes`). ``mask`` [R, B] marks the blocks that exist."""
+    values, 1 the values read back (:func:`_store_values`), 2 packed codes and scale bytes
+    (:func:`_store_codes`). ``mask`` [R, B] marks the blocks that exist."""
     if OUT == 2:
         _store_codes(out_ptr, scales_ptr, rows, b, mag, neg, sbyte, mask, stride_o, stride_s)
     else:
-        val = tl.where(neg, -mag, mag) * s[:, :, None]
-        if OUT == 1:  # the value read back: fl(inner * dec), one rounding to the output dtype
-            val = val * dec[:, None, None]
-        tl.store(out_ptr + rows.to(tl.int64)[:, None, None] * stride_o + cols,
-                 val.to(out_ptr.dtype.element_ty), mask=mask[:, :, None])
+        _store_values(out_ptr, rows, cols, mask, _signed_values(mag, neg, s), dec, stride_o, OUT)
 
 
 @triton.jit
@@ -379,6 +393,7 @@ def _guided_qdq_kernel(x_ptr, out_ptr, scales_ptr, dec_ptr, src_ptr, low_ptr, bs
         bmask = rmask[:, None] & (b < KB)[None, :]
         x = tl.load(x_ptr + r64 * stride_x + cols, mask=bmask[:, :, None], other=0.0).to(tl.float32)
         z, mag, s8 = _rne_blocks(x, enc, dec)
+        own = _signed_values(mag, z < 0.0, s8.to(tl.float32))  # (unused when writing codes)
         gmask = (rmask & guided)[:, None] & (b < KB)[None, :]
         sb = tl.load(bs_ptr + s64[:, None] * stride_bs + b[None, :], mask=gmask, other=0)
         s = tl.load(e4m3_ptr + sb.to(tl.int32))
@@ -386,12 +401,15 @@ def _guided_qdq_kernel(x_ptr, out_ptr, scales_ptr, dec_ptr, src_ptr, low_ptr, bs
                     mask=gmask[:, :, None], other=0).to(tl.int32)
         level = _guided_levels(x, s, rs, g, up_ptr, down_ptr, BITS)
         sel = guided[:, None, None]
-        mag = tl.where(sel, _e2m1_magnitude(tl.abs(level)), mag)
-        neg = tl.where(sel, level < 0, z < 0.0)
-        s = tl.where(guided[:, None], s, s8.to(tl.float32))
-        sbyte = tl.where(guided[:, None], sb, s8.to(tl.uint8, bitcast=True))
-        _emit(out_ptr, scales_ptr, rows, b, cols, bmask, mag, neg, s, sbyte, read_dec, stride_o,
-              stride_s, OUT)
+        gmag = _e2m1_magnitude(tl.abs(level))
+        if OUT == 2:  # the record's scale bytes; levels as signed magnitudes
+            _store_codes(out_ptr, scales_ptr, rows, b, tl.where(sel, gmag, mag),
+                         tl.where(sel, level < 0, z < 0.0),
+                         tl.where(guided[:, None], sb, s8.to(tl.uint8, bitcast=True)), bmask,
+                         stride_o, stride_s)
+        else:  # own values formed before the record's loads: fewer registers live across them
+            val = tl.where(sel, _signed_values(gmag, level < 0, s), own)
+            _store_values(out_ptr, rows, cols, bmask, val, read_dec, stride_o, OUT)
     tl.store(dec_ptr + rows, tl.where(poison == 0.0, read_dec, float("nan")), mask=rmask)
 
 
