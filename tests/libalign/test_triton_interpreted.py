@@ -135,6 +135,8 @@ GUIDED_CODES = textwrap.dedent("""
         inner, dec = tk.guided_act_qdq(x, **kw)
         codes, scales, dec2 = tk.guided_act_qdq(x, codes=True, **kw)
         assert torch.equal(dec2.view(torch.int32), dec.view(torch.int32))
+        eight = tk.guided_act_qdq(x, codes=True, rows=8, **kw)  # the GEMM path's tile
+        assert torch.equal(eight[0], codes) and torch.equal(eight[1], scales)
         fin = ~torch.isnan(dec)
         assert int(fin.sum()) == 20
         back = tk.inner_from_codes(codes.contiguous(), scales, e4m3)
