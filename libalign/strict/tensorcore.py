@@ -108,15 +108,14 @@ def _sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
-def _tma_ready(x: torch.Tensor, copy: bool = True) -> torch.Tensor | None:
+def _tma_ready(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself when a TMA descriptor can address it (16-byte aligned base, unit last
-    stride, every other stride a multiple of 16 bytes), else a contiguous copy (``None``
-    without ``copy``)."""
+    stride, every other stride a multiple of 16 bytes), else a contiguous copy."""
     size = x.element_size()
     if x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(
             (st * size) % 16 == 0 for st in x.stride()[:-1]):
         return x
-    return x.contiguous() if copy else None
+    return x.contiguous()
 
 
 def available(x: torch.Tensor) -> bool:
@@ -138,15 +137,11 @@ if triton is not None:
 
     @triton.jit
     def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, adec_ptr, wdec_ptr,
-                       tile_e_ptr, tile_lo_ptr, tile_hi_ptr, a_desc, w_desc,
+                       tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
                        M, N, K, s_am, s_ak, s_be, s_bk, s_bn, s_cm, s_cn, s_de,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
-                       IEEE: tl.constexpr, TMA: tl.constexpr):
-        # With TMA the operand tiles arrive by descriptor: ``a`` [M, K] and the weights as
-        # [E * N, K] rows; rows of a tile past its end (the next expert's, or zeros past M)
-        # and weight rows past N are read but never stored. The values multiplied, the K
-        # steps and the instruction are those of the pointer loads, so are the bits.
+                       IEEE: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if GROUPED:
@@ -165,17 +160,12 @@ if triton is not None:
         offs_kk = tl.arange(0, BLOCK_K)
         b_base = b_ptr + e * s_be
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        w_row = (e * N).to(tl.int32) + pid_n * BLOCK_N
         for ki in range(tl.cdiv(K, BLOCK_K)):
-            if TMA:
-                a = a_desc.load([start_m, ki * BLOCK_K])
-                b = tl.trans(w_desc.load([w_row, ki * BLOCK_K]))
-            else:
-                offs_k = ki * BLOCK_K + offs_kk
-                a = tl.load(a_ptr + offs_am[:, None] * s_am + offs_k[None, :] * s_ak,
-                            mask=offs_kk[None, :] < K - ki * BLOCK_K, other=0.0)
-                b = tl.load(b_base + offs_k[:, None] * s_bk + offs_bn[None, :] * s_bn,
-                            mask=offs_kk[:, None] < K - ki * BLOCK_K, other=0.0)
+            offs_k = ki * BLOCK_K + offs_kk
+            a = tl.load(a_ptr + offs_am[:, None] * s_am + offs_k[None, :] * s_ak,
+                        mask=offs_kk[None, :] < K - ki * BLOCK_K, other=0.0)
+            b = tl.load(b_base + offs_k[:, None] * s_bk + offs_bn[None, :] * s_bn,
+                        mask=offs_kk[:, None] < K - ki * BLOCK_K, other=0.0)
             if IEEE:  # noqa: SIM108 - a constexpr branch, compiled once per kernel variant
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
@@ -526,22 +516,15 @@ def _launch_matmul(a, w, out, *, bias=None, a_dec=None, w_dec=None, tiles=None,
     if n_mtiles == 0 or n == 0:
         return
     wdec = w_dec if w_dec is not None else dummy
-    tma = _tma_ready(a, copy=False) is not None and w3.is_contiguous() \
-        and _tma_ready(w3, copy=False) is not None
-    if tma:
-        a_desc = TensorDescriptor.from_tensor(a, [bm, bk])
-        w_desc = TensorDescriptor.from_tensor(w3.view(-1, k), [bn, bk])
-    else:
-        a_desc = w_desc = dummy
     with torch.cuda.device(a.device):
         _matmul_kernel[(n_mtiles, triton.cdiv(n, bn))](
             a, w3, out, bias if bias is not None else dummy,
-            a_dec if a_dec is not None else dummy, wdec, te, tlo, thi, a_desc, w_desc,
+            a_dec if a_dec is not None else dummy, wdec, te, tlo, thi,
             m, n, k, a.stride(0), a.stride(1), w3.stride(0), w3.stride(2), w3.stride(1),
             out.stride(0), out.stride(1), wdec.stride(0) if w_dec is not None and wdec.ndim == 2
             else 0,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUPED=grouped, HAS_BIAS=bias is not None,
-            SCALED=a_dec is not None, IEEE=a.dtype == torch.float32, TMA=tma,
+            SCALED=a_dec is not None, IEEE=a.dtype == torch.float32,
             num_warps=warps, num_stages=stages)
 
 
