@@ -587,7 +587,8 @@ def _grouped_gemm_codes_kernel(c_desc, w_desc, o_desc, a_dec_ptr, w_dec_ptr, til
                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                                GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
     # _grouped_gemm_kernel with the activations read as packed codes and scale bytes and
-    # decoded on load: the same tile walk, BK steps, dot operands and epilogue, so the bits
+    # decoded on load: the same tile walk, BK steps, dot operands and epilogue, so the same
+    # output bits
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
