@@ -188,7 +188,22 @@ def check_path(path: str | gemm.ExecutionPath) -> gemm.ExecutionPath:
     return p
 
 
-def _expert_rows(a: torch.Tensor, w: gemm.ExpertWeights, counts: list[int], act_q,
+class ExpertCounts:
+    """The rows per expert of one MoE call (rows sorted by expert): an integer tensor on the
+    rows' device, read to the host only where a loop over experts needs it (:attr:`host`,
+    once). Device mode's grouped product takes the tensor, so a forward on the GPU never
+    waits for the router."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    @functools.cached_property
+    def host(self) -> list[int]:
+        """The counts as a list (one read from the device)."""
+        return self.tensor.tolist()
+
+
+def _expert_rows(a: torch.Tensor, w: gemm.ExpertWeights, counts: ExpertCounts, act_q,
                  ops: DeviceOps | PortableOps) -> torch.Tensor:
     """Rows sorted by expert through ``w``'s path: in device mode on a GPU one grouped
     batch-invariant launch, else each expert's rows by the K-ordered product; backward: the
@@ -205,7 +220,7 @@ def _expert_rows(a: torch.Tensor, w: gemm.ExpertWeights, counts: list[int], act_
         return _grouped_rows(ops, a, w, counts, a_in if p.quantized else None,
                              a_dec if p.quantized else None, out_dtype)
     parts, lo = [], 0
-    for e, n in enumerate(counts):
+    for e, n in enumerate(counts.host):
         if n == 0:
             continue
         rows = slice(lo, lo + n)
@@ -224,7 +239,8 @@ def _expert_rows(a: torch.Tensor, w: gemm.ExpertWeights, counts: list[int], act_
     return torch.cat(parts)
 
 
-def _grouped_rows(ops: DeviceOps, a, w: gemm.ExpertWeights, counts, a_in, a_dec, out_dtype):
+def _grouped_rows(ops: DeviceOps, a, w: gemm.ExpertWeights, counts: ExpertCounts, a_in, a_dec,
+                  out_dtype):
     """Device mode: all experts' rows in one grouped launch (NVFP4: bf16 inner values, the
     path's epilogue); backward as :func:`_expert_rows`."""
     p = w.path
@@ -233,14 +249,14 @@ def _grouped_rows(ops: DeviceOps, a, w: gemm.ExpertWeights, counts, a_in, a_dec,
 
     def fn(_a, _w):
         if not p.quantized:
-            return kern.grouped_matmul(_a, _w.to(_a.dtype), counts, out_dtype=out_dtype)
+            return kern.grouped_matmul(_a, _w.to(_a.dtype), counts.tensor, out_dtype=out_dtype)
         inner = w.inner.to(torch.bfloat16)
         if scaled:
-            return kern.grouped_matmul(a_in, inner, counts, out_dtype=out_dtype, a_dec=a_dec,
-                                       w_dec=w.dec)
-        acc = kern.grouped_matmul(a_in, inner, counts, out_dtype=torch.float32)
+            return kern.grouped_matmul(a_in, inner, counts.tensor, out_dtype=out_dtype,
+                                       a_dec=a_dec, w_dec=w.dec)
+        acc = kern.grouped_matmul(a_in, inner, counts.tensor, out_dtype=torch.float32)
         parts, lo = [], 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts.host):
             parts.append(gemm.epilogue(acc[lo:lo + n], a_dec[lo:lo + n], w.dec[e], out_dtype,
                                        path=p))
             lo += n
@@ -248,7 +264,7 @@ def _grouped_rows(ops: DeviceOps, a, w: gemm.ExpertWeights, counts, a_in, a_dec,
 
     def stock(_a, _w):
         outs = [(rows @ _w[e].to(_a.dtype).T).to(out_dtype)
-                for e, rows in enumerate(_a.split(counts))]
+                for e, rows in enumerate(_a.split(counts.host))]
         return torch.cat(outs) if outs else _a.new_zeros((0, _w.shape[1]), dtype=out_dtype)
 
     return strict_ops.strict_forward(fn, stock, a, w.weight)
@@ -280,7 +296,10 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token_of = order // k
-    counts = torch.bincount(flat, minlength=gate_up.shape[0])[:gate_up.shape[0]].tolist()
+    # rows per expert from the sorted ids' boundaries: no read back to the host (bincount
+    # reads the largest id first)
+    experts = torch.arange(gate_up.shape[0] + 1, device=flat.device, dtype=flat.dtype)
+    counts = ExpertCounts(torch.searchsorted(flat[order], experts).diff())
     x = hidden[token_of]
     hook = act_hook if gate_up.path.quantized and down.path.quantized else None
     q1 = q2 = None

@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 
 from libalign.errors import ConfigError
+from libalign.strict import attention as strict_attention
 from libalign.strict import ops as portable
 from libalign.strict import tensorcore
 
@@ -51,7 +52,7 @@ class Kernels(Protocol):
     def matmul(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor: ...
 
-    def grouped_matmul(self, a: torch.Tensor, w: torch.Tensor, counts: list[int], *,
+    def grouped_matmul(self, a: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tensor, *,
                        out_dtype: torch.dtype, a_dec: torch.Tensor | None = None,
                        w_dec: torch.Tensor | None = None) -> torch.Tensor: ...
 
@@ -71,7 +72,7 @@ class TensorCoreKernels:
     grouped_matmul = staticmethod(tensorcore.grouped_matmul)
     mean_last = staticmethod(tensorcore.mean_last)
     log_softmax = staticmethod(tensorcore.log_softmax)
-    attention = staticmethod(tensorcore.attention)
+    attention = staticmethod(strict_attention.attention)
 
 
 class PortableOps:

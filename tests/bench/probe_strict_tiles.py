@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from libalign.strict import attention as strict_attention
 from libalign.strict import tensorcore
 
 from .measure import graph_ms
@@ -53,24 +54,24 @@ def main() -> None:
     sdpa_p = graph_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
         qp, kp, vp, is_causal=True, enable_gqa=True), 30)
     print(f"\nattention: SDPA decode {sdpa_d:.4f} ms, prefill {sdpa_p:.4f} ms")
-    ref_d = tensorcore.attention(q, k, v, seen, 128 ** -0.5)
-    ref_p = tensorcore.attention(qp, kp, vp, causal, 128 ** -0.5)
+    ref_d = strict_attention.attention(q, k, v, seen, 128 ** -0.5)
+    ref_p = strict_attention.attention(qp, kp, vp, causal, 128 ** -0.5)
     for cfg in ((4, 3, 256, 64, False), (8, 3, 256, 64, False), (8, 3, 256, 128, False),
                 (8, 3, 256, 128, True), (8, 3, 256, 64, True), (8, 2, 256, 128, True),
                 (4, 3, 256, 64, True), (8, 3, 0, 128), (8, 3, 0, 64), (8, 3, 512, 128, True),
                 (4, 3, 256, 32, False)):
-        same = (torch.equal(tensorcore.attention(q, k, v, seen, 128 ** -0.5, config=cfg), ref_d),
-                torch.equal(tensorcore.attention(qp, kp, vp, causal, 128 ** -0.5, config=cfg),
+        same = (torch.equal(strict_attention.attention(q, k, v, seen, 128 ** -0.5, config=cfg), ref_d),
+                torch.equal(strict_attention.attention(qp, kp, vp, causal, 128 ** -0.5, config=cfg),
                             ref_p))
-        d = graph_ms(lambda c=cfg: tensorcore.attention(q, k, v, seen, 128 ** -0.5, config=c), 30)
-        p = graph_ms(lambda c=cfg: tensorcore.attention(qp, kp, vp, causal, 128 ** -0.5,
+        d = graph_ms(lambda c=cfg: strict_attention.attention(q, k, v, seen, 128 ** -0.5, config=c), 30)
+        p = graph_ms(lambda c=cfg: strict_attention.attention(qp, kp, vp, causal, 128 ** -0.5,
                                                         config=c), 30)
         mode = "" if len(cfg) < 5 else (" serial" if cfg[4] else " split")
         print(f"warps {cfg[0]} stages {cfg[1]} key chunk {cfg[2]} query rows {cfg[3]}{mode}: "
               f"decode {d:.4f} ms "
               f"({d / sdpa_d:.2f}x), prefill {p:.4f} ms ({p / sdpa_p:.2f}x); bits as the "
               f"default: {same}")
-    vr = graph_ms(lambda: tensorcore.visible_range(causal), 30)
+    vr = graph_ms(lambda: strict_attention.visible_range(causal), 30)
     print(f"visible_range of the prefill mask: {vr:.4f} ms")
     _profile_layer()
 

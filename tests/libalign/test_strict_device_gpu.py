@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("transformers")
 
 from libalign.models import build_model, generate, score_sequences, strict, tiny_config
+from libalign.strict import attention as strict_attention
 from libalign.strict import tensorcore
 
 from .sglang_batch_invariant import load as load_sglang
@@ -134,7 +135,7 @@ def test_attention_decode_equals_prefill(cuda, t, lens):
     allowed = torch.zeros(b, 1, t, t, dtype=torch.bool, device="cuda")
     for i, n in enumerate(lens):
         allowed[i, 0, :n, :n] = causal[:n, :n]
-    full = tensorcore.attention(q, k, v, allowed, d ** -0.5)
+    full = strict_attention.attention(q, k, v, allowed, d ** -0.5)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1),
         attn_mask=allowed)
@@ -147,23 +148,23 @@ def test_attention_decode_equals_prefill(cuda, t, lens):
         for pos in sorted({0, n // 2, n - 1, 255, 256} & set(range(n))):
             seen = torch.zeros(1, 1, 1, t, dtype=torch.bool, device="cuda")
             seen[..., pad:pad + pos + 1] = True
-            one = tensorcore.attention(q[i:i + 1, :, pos:pos + 1], kc, vc, seen, d ** -0.5)
+            one = strict_attention.attention(q[i:i + 1, :, pos:pos + 1], kc, vc, seen, d ** -0.5)
             assert torch.equal(one[0, :, 0], full[i, :, pos])
     per_head = allowed.expand(b, hq, t, t).clone()
     per_head[:, 5] = False  # a mask per query head: head 5 sees nothing
-    heads = tensorcore.attention(q, k, v, per_head, d ** -0.5)
+    heads = strict_attention.attention(q, k, v, per_head, d ** -0.5)
     assert bool((heads[:, 5] == 0).all())
     assert torch.equal(heads[:, :5], full[:, :5]) and torch.equal(heads[:, 6:], full[:, 6:])
     holed = allowed.clone()
     holed[0, 0, :, 20:40] = False  # rows past key 40 see two intervals: the mask is read
-    got = tensorcore.attention(q, k, v, holed, d ** -0.5)
+    got = strict_attention.attention(q, k, v, holed, d ** -0.5)
     want = torch.nn.functional.scaled_dot_product_attention(
         q.float(), k.float().repeat_interleave(4, 1), v.float().repeat_interleave(4, 1),
         attn_mask=holed)
     assert float((got[0, :, :150].float() - want[0, :, :150]).abs().max()) < 2e-2
     assert torch.equal(got[1:], full[1:])
     empty = k[:, :, :0]  # no keys at all: every query gets zeros
-    none = tensorcore.attention(q, empty, empty, allowed[..., :0], d ** -0.5)
+    none = strict_attention.attention(q, empty, empty, allowed[..., :0], d ** -0.5)
     assert none.shape == q.shape and bool((none == 0).all())
 
 
@@ -175,7 +176,7 @@ def test_kernels_run_in_a_cuda_graph(cuda):
 
     def step():
         h = tensorcore.matmul(x, w)
-        return tensorcore.log_softmax(h.float()), tensorcore.attention(q, k, k, seen, 0.125)
+        return tensorcore.log_softmax(h.float()), strict_attention.attention(q, k, k, seen, 0.125)
 
     want = step()
     torch.cuda.synchronize()
@@ -188,6 +189,50 @@ def test_kernels_run_in_a_cuda_graph(cuda):
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+def test_expert_layer_reads_nothing_back_and_runs_in_a_cuda_graph(cuda):
+    """Device mode's MoE experts keep the routing on the GPU: the grouped product takes the
+    counts as a tensor (its tile table built on the device), so the layer runs with
+    synchronising calls forbidden, captures into a CUDA graph, and gives the bits of the
+    grouped product with the counts given as a list."""
+    from libalign import gemm
+    from libalign.strict.device import op_set
+
+    e, hid, inter, t, k = 8, 256, 128, 40, 2
+    w1 = _rand(e, 2 * inter, hid, scale=hid ** -0.5, seed=20)
+    w2 = _rand(e, hid, inter, scale=inter ** -0.5, seed=21)
+    gu, dn = gemm.prepare_weights(w1, "bf16"), gemm.prepare_weights(w2, "bf16")
+    h = _rand(t, hid, seed=22)
+    idx = torch.randint(0, e, (t, k), generator=torch.Generator().manual_seed(23)).cuda()
+    idx[:, 1] = (idx[:, 0] + 1) % e
+    wt = torch.rand(t, k, generator=torch.Generator().manual_seed(24)).cuda()
+    ops = op_set("device")
+
+    def layer():
+        return strict.experts_forward(h, idx, wt, gu, dn, ops=ops)
+
+    want = layer()
+    counts = torch.bincount(idx.reshape(-1), minlength=e)
+    a = _rand(int(counts.sum()), hid, seed=25)
+    listed = tensorcore.grouped_matmul(a, w1, counts.tolist(), out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = layer()
+        on_device = tensorcore.grouped_matmul(a, w1, counts, out_dtype=torch.bfloat16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(again, want) and torch.equal(on_device, listed)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        layer()
+        with torch.cuda.graph(graph, stream=stream):
+            got = layer()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("path", ["bf16", "nvfp4_minite"])

@@ -30,7 +30,7 @@ import torch
 
 from libalign import gemm
 from libalign.errors import ConfigError
-from libalign.strict import tensorcore
+from libalign.strict import attention as strict_attention
 
 __all__ = ["SGLANG_MODULE", "SGLangKernels"]
 
@@ -63,12 +63,15 @@ class SGLangKernels:
             return a.new_empty((0, w.shape[0]), dtype=out_dtype)
         return self.bi.matmul_persistent(a, w.t(), bias=bias, out_dtype=out_dtype)
 
-    def grouped_matmul(self, a: torch.Tensor, w: torch.Tensor, counts: list[int], *,
-                       out_dtype: torch.dtype, a_dec: torch.Tensor | None = None,
+    def grouped_matmul(self, a: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tensor,
+                       *, out_dtype: torch.dtype, a_dec: torch.Tensor | None = None,
                        w_dec: torch.Tensor | None = None) -> torch.Tensor:
         """Each expert's rows by ``matmul_persistent``; with ``a_dec``/``w_dec`` the NVFP4
         epilogue after it (:func:`libalign.gemm.epilogue`: ``acc * (a_dec[m] * w_dec[e, n])``
-        in fp32, then the rounding)."""
+        in fp32, then the rounding). Counts given as a tensor are read to the host (the
+        loop over experts needs them)."""
+        if isinstance(counts, torch.Tensor):
+            counts = counts.tolist()
         parts, lo = [], 0
         for e, n in enumerate(counts):
             if n:
@@ -95,4 +98,4 @@ class SGLangKernels:
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                   scaling: float) -> torch.Tensor:
         """libalign's batch-invariant attention (SGLang's runs inside its server's backends)."""
-        return tensorcore.attention(q, k, v, allowed, scaling)
+        return strict_attention.attention(q, k, v, allowed, scaling)
