@@ -7,7 +7,8 @@
 #                                               refit (bench_refit: NVFP4 vs BF16 refit by CUDA IPC),
 #                                               recipes (bench_spec --recipes: kernel door vs spec),
 #                                               tiles (probe_strict_tiles: strict tile shapes and
-#                                               attention settings, time and bits)
+#                                               attention settings, time and bits),
+#                                               host (probe_strict_host: host time per strict call)
 # Wheels the image lacks travel in .whl/ (git-ignored; carry it): megatron-core and torchao, and
 # for the services the expert-parallel tests import, redis, httpx (+ httpcore, h11, anyio,
 # certifi, idna), pydantic(-core, -settings, annotated-types, typing-inspection,
@@ -62,6 +63,7 @@ for s in "$@"; do
     recipes) stage recipes "${T_RECIPES:-90}" python3 -m tests.bench spec -- --recipes \
                --device cuda --json "$OUT/recipes.json" ;;
     tiles) stage tiles "${T_TILES:-150}" python3 -m tests.bench.probe_strict_tiles ;;
+    host) stage host "${T_HOST:-60}" python3 -m tests.bench.probe_strict_host ;;
     *) echo "unknown stage $s" >&2 ;;
   esac
 done
