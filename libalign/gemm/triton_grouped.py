@@ -6,17 +6,11 @@ accumulation, and the inner value ``code * block_scale`` of an NVFP4 element has
 :mod:`libalign.gemm`'s three steps as two Triton kernels (:mod:`libalign.gemm.triton_kernels`):
 
 1. one pass over the activations quantizes each row in the ``te`` fp32 operation order
-   (bit for bit the spec's codes and scales) and writes the packed E2M1 codes, the E4M3
-   block-scale bytes and the fp32 row decode scales;
+   (bit for bit the spec's codes and scales) and writes the bf16 inner values and fp32 row
+   decode scales;
 2. a bf16 tensor-core GEMM over the expert-padded layout (:mod:`libalign.gemm.row_groups`),
-   weights given as their exact inner values, that decodes each activation tile in its loads
-   (``code * block scale``, exact in bf16), with the epilogue
+   weights given as their exact inner values, with the epilogue
    ``bf16(acc * (a_dec[m] * w_dec[n]))``.
-
-The codes are a fourth of the bytes a bf16 inner-value tensor would be, written once and read
-once. :func:`gemm_codes` (``ALIGN_GEMM_CODES=0``) switches to the earlier form, where the pass
-writes bf16 inner values that the GEMM reads as they are: the same values reach the same dot
-products, so the outputs are the same bits.
 
 Only the fp32 addition order differs from the float64 reference, within one bf16 ulp.
 What the activation pass implements is narrower than the spec: :func:`triton_act_gap` says
@@ -107,8 +101,7 @@ def _unpad_rows(lay: GroupLayout):
 def w4a4_grouped_triton(a: torch.Tensor, spec: NumericsSpec, w_inner: torch.Tensor,
                         w_dec: torch.Tensor, layout: GroupLayout,
                         out_dtype: torch.dtype = torch.bfloat16, *,
-                        check_finite: bool = True, chunks: int | None = None,
-                        codes: bool | None = None) -> torch.Tensor:
+                        check_finite: bool = True, chunks: int | None = None) -> torch.Tensor:
     """The fused W4A4 grouped GEMM on a CUDA device.
 
     ``a`` ``[rows, K]`` sorted by expert as ``layout`` says; ``w_inner`` the bf16 inner values
@@ -118,9 +111,7 @@ def w4a4_grouped_triton(a: torch.Tensor, spec: NumericsSpec, w_inner: torch.Tens
     NaN/Inf: at once (one synchronisation), or when the enclosing
     :func:`libalign.gemm.finite_checks.deferred_finite_checks` block ends. ``chunks`` row ranges
     overlap the activation pass of one with the GEMM of the previous (default
-    ``$ALIGN_GEMM_CHUNKS`` or 1); the bits are the same for any value. ``codes``: the two-phase
-    form (packed codes decoded in the GEMM's loads) or a bf16 inner-value tensor (default
-    :func:`gemm_codes`' setting, on); the same bits either way.
+    ``$ALIGN_GEMM_CHUNKS`` or 1); the bits are the same for any value.
     """
     tk = _kernels_for(a, a.shape[-1])
     gap = triton_act_gap(spec)
@@ -138,22 +129,10 @@ def w4a4_grouped_triton(a: torch.Tensor, spec: NumericsSpec, w_inner: torch.Tens
         chunks = config.current().gemm_chunks
     out, dec = tk.pipelined(ap, amax_floor=spec.amax_floor, tensor_amax=amax, w_inner=w_inner,
                             w_dec=w_dec, tile_expert=tiles, pad=lay.pad_to, out_dtype=out_dtype,
-                            chunks=chunks, codes=_codes(codes))
+                            chunks=chunks)
     if check_finite:  # after the GEMM is queued, so the device never idles while the host looks
         check_rows(dec, a, "activations", _unpad_rows(lay))
     return lay.unpad(out)
-
-
-def gemm_codes(on: bool = True):
-    """Run the Triton W4A4 GEMM in two phases inside the block (on by default,
-    ``ALIGN_GEMM_CODES=0`` turns it off): the activation pass writes packed codes and scale
-    bytes that the GEMM decodes in its loads; off, it writes a bf16 inner-value tensor the
-    GEMM reads. The same bits either way (what the benchmark's ``inner`` rows time)."""
-    return config.scoped(gemm_codes=bool(on))
-
-
-def _codes(codes: bool | None) -> bool:
-    return config.current().gemm_codes if codes is None else bool(codes)
 
 
 def w4a4_grouped_triton_quantized(a_inner: torch.Tensor, a_dec: torch.Tensor,
@@ -239,8 +218,7 @@ def _record_rows(guide) -> torch.Tensor:
 
 def _guided_pass(tk, x: torch.Tensor, src: torch.Tensor, guide, spec: NumericsSpec, **kw):
     """The guided activation pass over rows ``x`` (``src``: each row's record, -1 none) with
-    ``guide``'s records, low bits and level tables: ``(values, row decode scales)``, or with
-    ``codes=True`` ``(codes, scale bytes, row decode scales)``."""
+    ``guide``'s records, low bits and level tables: ``(values, row decode scales)``."""
     up, down = guide_tables(guide.bits, x.device)
     return tk.guided_act_qdq(
         x, src=src, low=guide.low.contiguous(),
@@ -252,14 +230,13 @@ def _guided_pass(tk, x: torch.Tensor, src: torch.Tensor, guide, spec: NumericsSp
 def w4a4_grouped_triton_guided(a: torch.Tensor, spec: NumericsSpec, guide, w_inner: torch.Tensor,
                                w_dec: torch.Tensor, layout: GroupLayout,
                                out_dtype: torch.dtype = torch.bfloat16, *,
-                               check_finite: bool = True,
-                               codes: bool | None = None) -> torch.Tensor:
+                               check_finite: bool = True) -> torch.Tensor:
     """:func:`w4a4_grouped_triton` with the activations rounded by a sampler's records.
 
     ``guide`` (a :class:`~libalign.guidance.RowGuide` for the rows of ``a``): rows it marks
     present take their record's scales and low code bits
     (:func:`libalign.guidance.guided_quantize`'s bits), the others round to nearest; one
-    pass writes the codes (or with ``codes`` off the inner values), as the unguided pass does.
+    pass writes the inner values, as the unguided pass does.
     """
     tk = _kernels_for(a, a.shape[-1])
     gap = triton_guided_gap(spec, guide, a.shape[-1])
@@ -268,15 +245,9 @@ def w4a4_grouped_triton_guided(a: torch.Tensor, spec: NumericsSpec, guide, w_inn
     lay = _tiled(layout)
     src = _record_rows(guide)
     src = (lay.pad((src + 1).reshape(-1, 1)) - 1).reshape(-1).contiguous()  # padding: no record
-    tiles = lay.tile_expert(lay.pad_to, a.device)
-    if _codes(codes):
-        # 8 rows a program: the codes variant then compiles without register spills (16: 320 B)
-        c, s, dec = _guided_pass(tk, lay.pad(a.contiguous()), src, guide, spec, codes=True,
-                                 rows=8)
-        out = tk.grouped_gemm_codes(c, s, dec, w_inner, w_dec, tiles, lay.pad_to, out_dtype)
-    else:
-        inner, dec = _guided_pass(tk, lay.pad(a.contiguous()), src, guide, spec)
-        out = tk.grouped_gemm(inner, dec, w_inner, w_dec, tiles, lay.pad_to, out_dtype)
+    inner, dec = _guided_pass(tk, lay.pad(a.contiguous()), src, guide, spec)
+    out = tk.grouped_gemm(inner, dec, w_inner, w_dec, lay.tile_expert(lay.pad_to, a.device),
+                          lay.pad_to, out_dtype)
     if check_finite:
         check_rows(dec, a, "activations", _unpad_rows(lay))
     return lay.unpad(out)

@@ -54,10 +54,6 @@ class KernelConfig:
     """the C++ compiler of the CPU kernels"""
     gemm_chunks: int = 1
     """chunks the Triton W4A4 GEMM splits a call into to overlap the activation pass"""
-    gemm_codes: bool = True
-    """the Triton W4A4 GEMM in two phases: the activation pass writes packed FP4 codes and
-    block-scale bytes, the GEMM decodes them in its loads (off: the pass writes a bf16
-    inner-value tensor the GEMM reads; same bits)"""
     triton_decode: bool = True
     """decode bf16 inner values with the Triton pass (off: the table gather, same bits)"""
     fused_guidance: bool = True
@@ -89,8 +85,7 @@ _ENV = {  # field -> environment variable
     "kernels": "ALIGN_KERNELS", "cpu_kernel": "ALIGN_CPU_KERNEL", "cpu_march": "ALIGN_CPU_MARCH",
     "cuda_archs": "ALIGN_CUDA_ARCHS", "kernel_cache": "ALIGN_KERNEL_CACHE",
     "cutlass_dir": "ALIGN_CUTLASS_DIR", "nvcc": "NVCC", "cxx": "CXX",
-    "gemm_chunks": "ALIGN_GEMM_CHUNKS", "gemm_codes": "ALIGN_GEMM_CODES",
-    "triton_decode": "ALIGN_TRITON_DECODE",
+    "gemm_chunks": "ALIGN_GEMM_CHUNKS", "triton_decode": "ALIGN_TRITON_DECODE",
     "fused_guidance": "ALIGN_FUSED_GUIDANCE", "fused_kv": "ALIGN_FUSED_KV",
     "model_cache": "ALIGN_MODEL_CACHE",
 }

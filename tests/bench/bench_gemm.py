@@ -16,21 +16,11 @@ Rows, all measured in this run on the same inputs (median of CUDA-event timings)
 * ``minite nocheck``: the same without the check;
 * ``naive``: the ``nvfp4_naive`` path (per-tensor activation scale: an extra max pass),
   check deferred;
-* ``gemm only``: the Triton GEMM on already-quantized activations (what the fusion costs);
-* ``inner``: ``minite`` in the one-phase form (the activation pass writes a bf16 inner-value
-  tensor the GEMM reads; :func:`libalign.gemm.triton_grouped.gemm_codes` off), beside the
-  two-phase form every other W4A4 row runs (codes and scale bytes decoded in the GEMM's
-  loads), in the same run;
-* ``trace``: ``minite`` with every row rounded by a sampler's record (TRACE, 2 low bits a
-  value, records of a perturbed copy of the activations), check deferred.
+* ``gemm only``: the Triton GEMM on already-quantized activations (what the fusion costs).
 
-``graph`` rows are device time of a CUDA graph of the call (``nocheck``, ``inner``, ``trace``
-without the check; ``gemm``/``codes gemm`` and ``qdq``/``codes qdq`` the one- and two-phase
-kernels alone). The ratio column is each row's time over ``bf16``'s (graphs: over ``bf16
-graph``'s). The goal rows are geometric means over the cells: issue 21 item 3, ``minite``
-eager (activation quantization and the NaN/Inf check included) at most 1.3 and ``nocheck
-graph`` at most 1.15; the two-phase form's, ``minite`` eager at most 1.20, ``nocheck graph``
-at most 1.10, and ``trace`` eager at most 1.05 times ``minite``.
+The ratio column is each row's time over ``bf16``'s. The goal rows (issue 21 item 3) are
+geometric means over the cells: ``minite`` eager (activation quantization and the NaN/Inf
+check included) at most 1.3, ``nocheck graph`` (device time, CUDA graphs) at most 1.15.
 ``--profile`` adds, for the fewest rows of FC1 and FC2, a torch.profiler table of ten eager
 ``minite`` calls' host and device time per operation (launches, the check's sync) and
 writes its Chrome trace under ``$OUT``. Each cell also reports the largest difference to the
@@ -50,10 +40,7 @@ import torch
 
 from libalign import gemm
 from libalign.gemm.finite_checks import deferred_finite_checks
-from libalign.gemm.triton_grouped import gemm_codes, triton_gemm_available, w4a4_grouped_triton
-from libalign.guidance import RowGuide
-from libalign.spec.packing import unpack_nibbles
-from libalign.spec.rounding import low_bits
+from libalign.gemm.triton_grouped import triton_gemm_available, w4a4_grouped_triton
 
 from .measure import cuda_graph, event_ms, graph_ms
 
@@ -116,23 +103,7 @@ def _profile(label: str, fn, out_dir: str) -> None:
         prof.export_chrome_trace(os.path.join(out_dir, f"profile_{label.replace(' ', '_')}.json"))
 
 
-def _guide(a: torch.Tensor, tk) -> RowGuide:
-    """Records for every row of ``a``: a sampler's 2 low code bits, block and row scales of a
-    perturbed copy (quantized by the activation pass itself: its bits are the spec's)."""
-    noisy = a + 0.01 * torch.randn_like(a) * a.float().abs().mean().to(a.dtype)
-    codes, scales, dec = tk.act_codes(noisy, amax_floor=1e-12, tensor_amax=None)
-    m = a.shape[0]
-    return RowGuide(2, torch.ones(m, dtype=torch.bool, device=a.device),
-                    torch.arange(m, device=a.device), low_bits(unpack_nibbles(codes), 2),
-                    scales, dec)
-
-
-def _one_phase(key: str) -> bool:
-    """Rows timed in the one-phase form (a bf16 inner-value tensor between the kernels)."""
-    return key.startswith("inner")
-
-
-def _cell(name, k, n, rows, args, w, ew, ew_naive, ew_trace, tk) -> dict:
+def _cell(name, k, n, rows, args, w, ew, ew_naive, tk) -> dict:
     """Measure one (GEMM, rows per expert) cell and print its line."""
     dev = w.device
     counts = [rows] * args.experts
@@ -142,8 +113,6 @@ def _cell(name, k, n, rows, args, w, ew, ew_naive, ew_trace, tk) -> dict:
     offs = torch.tensor(lay.offsets(padded=False)[1:], dtype=torch.int32, device=dev)
     spec = ew.path.act_spec
     inner, dec = tk.act_qdq(a, amax_floor=spec.amax_floor, tensor_amax=None)
-    codes, scales, _ = tk.act_codes(a, amax_floor=spec.amax_floor, tensor_amax=None)
-    guide = _guide(a, tk)
     tiles = lay.tile_expert(128, dev)
     wt = w.transpose(1, 2)
     runs = {
@@ -152,61 +121,37 @@ def _cell(name, k, n, rows, args, w, ew, ew_naive, ew_trace, tk) -> dict:
         "sync": lambda: gemm.grouped_linear(a, ew, lay, backend="triton"),
         "nocheck": lambda: gemm.grouped_linear(a, ew, lay, backend="triton", check_finite=False),
         "naive": lambda: gemm.grouped_linear(a, ew_naive, lay, backend="triton"),
-        "inner": lambda: gemm.grouped_linear(a, ew, lay, backend="triton"),
-        "trace": lambda: gemm.grouped_linear(a, ew_trace, lay, backend="triton", act_guide=guide),
         "gemm": lambda: tk.grouped_gemm(inner, dec, ew.inner, ew.dec, tiles, 128),
-        "codes gemm": lambda: tk.grouped_gemm_codes(codes, scales, dec, ew.inner, ew.dec, tiles,
-                                                    128),
-    }
-    untimed = {  # graphed only
         "serial": lambda: w4a4_grouped_triton(a, spec, ew.inner, ew.dec, lay, check_finite=False,
-                                              chunks=1),
-        "inner nocheck": runs["nocheck"],
-        "trace nocheck": lambda: gemm.grouped_linear(a, ew_trace, lay, backend="triton",
-                                                     act_guide=guide, check_finite=False),
-        "qdq": lambda: tk.act_qdq(a, amax_floor=spec.amax_floor, tensor_amax=None),
-        "codes qdq": lambda: tk.act_codes(a, amax_floor=spec.amax_floor, tensor_amax=None),
+                                          chunks=1),
     }
+    runs["qdq"] = lambda: tk.act_qdq(a, amax_floor=spec.amax_floor, tensor_amax=None)
     with torch.no_grad():
         # rounds interleave the variants so clock drift hits them alike; median per variant
-        graphs = {}
-        for key in ("bf16", "nocheck", "serial", "inner nocheck", "trace nocheck", "gemm",
-                    "codes gemm", "qdq", "codes qdq"):
-            with gemm_codes(not _one_phase(key)):
-                graphs[f"{key.replace(' nocheck', '')} graph"] = cuda_graph(
-                    {**runs, **untimed}[key])
-        timed = dict(runs)
+        graphs = {f"{key} graph": cuda_graph(runs[key])
+                  for key in ("bf16", "nocheck", "serial", "gemm", "qdq")}
+        timed = {key: fn for key, fn in runs.items() if key not in ("qdq", "serial")}
         timed.update({key: g.replay for key, g in graphs.items()})
         samples: dict[str, list[float]] = {key: [] for key in timed}
         for _ in range(args.rounds):
             for key, fn in timed.items():
-                with nullcontext() if key == "sync" else deferred_finite_checks(), \
-                        gemm_codes(not _one_phase(key)):
+                with nullcontext() if key == "sync" else deferred_finite_checks():
                     samples[key].append(event_ms(fn, args.repeats))
         ms = {key: statistics.median(v) for key, v in samples.items()}
-        with gemm_codes(True):
-            out = runs["minite"]()
-        with gemm_codes(False):
-            same = bool(torch.equal(out, runs["inner"]()))
-        ulps = _check(a, ew, counts, out)
+        ulps = _check(a, ew, counts, runs["minite"]())
         if args.profile and rows == args.rows[0]:  # the host-bound cells
             with deferred_finite_checks():
                 _profile(f"{name} {rows} minite", runs["minite"], os.environ.get("OUT", ""))
     r = {key: ms[key] / ms["bf16"] for key in ms if "graph" not in key}
     r.update({key: ms[key] / ms["bf16 graph"] for key in ms if "graph" in key})
-    r["trace/minite"] = ms["trace"] / ms["minite"]
     flops = 2.0 * m * k * n
     row = {"cell": f"{name} {rows}", "ms": ms, "ratio": r, "max_ulps": ulps,
-           "one_phase_bits_equal": same,
            "bf16_tflops": flops / ms["bf16"] / 1e9, "minite_tflops": flops / ms["minite"] / 1e9}
-    print(f"{row['cell']:<11}" + "".join(f"{ms[c]:>8.3f}{r[c]:>6.2f}" for c in COLUMNS)
-          + f"{ulps:>6.1f}{'' if same else '  BITS DIFFER from the one-phase form'}", flush=True)
+    cols = ["bf16", "minite", "sync", "nocheck", "naive", "gemm", "bf16 graph", "nocheck graph",
+            "serial graph", "gemm graph", "qdq graph"]
+    print(f"{row['cell']:<11}" + "".join(f"{ms[c]:>8.3f}{r[c]:>6.2f}" for c in cols)
+          + f"{ulps:>6.1f}", flush=True)
     return row
-
-
-COLUMNS = ["bf16", "minite", "sync", "nocheck", "naive", "inner", "trace", "gemm", "codes gemm",
-           "bf16 graph", "nocheck graph", "inner graph", "trace graph", "serial graph",
-           "gemm graph", "codes gemm graph", "qdq graph", "codes qdq graph"]
 
 
 def main(argv: list[str]) -> int:
@@ -233,39 +178,29 @@ def main(argv: list[str]) -> int:
     if args.sweep:
         _qdq_sweep(args.repeats)
     results = []
-    header = (f"{'cell':<11}" + "".join(f"{c.replace('graph', 'gr'):>14}" for c in (
-        ["bf16 ms  x", *COLUMNS[1:]])) + f"{'ulps':>6}")
+    header = (f"{'cell':<11}" + "".join(f"{c:>14}" for c in (
+        "bf16 ms  x", "minite", "sync", "nocheck", "naive", "gemm", "bf16 graph", "nocheck gr", "serial gr",
+        "gemm gr", "qdq gr")) + f"{'ulps':>6}")
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(header)
     for name, k, n in CELLS:
         w = (torch.randn(args.experts, n, k, device=dev) * 0.02).to(torch.bfloat16)
         ew = gemm.prepare_weights(w, "nvfp4_minite")
         ew_naive = gemm.prepare_weights(w, "nvfp4_naive")
-        ew_trace = gemm.prepare_weights(w, "nvfp4_trace")
         for rows in args.rows:
-            results.append(_cell(name, k, n, rows, args, w, ew, ew_naive, ew_trace, tk))
+            results.append(_cell(name, k, n, rows, args, w, ew, ew_naive, tk))
     geo = {key: math.exp(statistics.fmean(math.log(x["ratio"][key]) for x in results))
-           for key in ("minite", "sync", "nocheck", "naive", "inner", "trace", "trace/minite",
-                       "gemm", "codes gemm", "nocheck graph", "inner graph", "trace graph",
-                       "serial graph", "gemm graph", "codes gemm graph", "qdq graph",
-                       "codes qdq graph")}
+           for key in ("minite", "sync", "nocheck", "naive", "gemm", "nocheck graph", "serial graph",
+                       "gemm graph")}
     print("geometric mean of ratios over bf16: "
           + ", ".join(f"{key} {v:.3f}" for key, v in geo.items()))
-    print("two-phase and one-phase outputs bit-equal in every cell:",
-          all(x["one_phase_bits_equal"] for x in results))
-    print("goals (same-run bf16 baselines; W4A4 rows in the two-phase form, 'inner' the one-phase):")
-    for key, label, target in (
-            ("minite", "issue 21 item 3: W4A4 + activation quantization, eager", 1.3),
-            ("sync", "  ... the check synchronising every call", 1.3),
-            ("nocheck graph", "issue 21 item 3: ... CUDA graphs", 1.15),
-            ("minite", "two-phase: W4A4 + activation quantization, eager", 1.20),
-            ("nocheck graph", "two-phase: ... device time, CUDA graphs", 1.10),
-            ("trace/minite", "two-phase: TRACE with records over minite, eager", 1.05),
-            ("inner", "(one-phase form, eager; no goal)", None),
-            ("inner graph", "(one-phase form, CUDA graphs; no goal)", None)):
-        verdict = "" if target is None else \
-            f"  goal <= {target}  {'met' if geo[key] <= target else 'NOT met'}"
-        print(f"  {label:56} {geo[key]:6.3f}{verdict}")
+    print("goals (issue 21 item 3; same-run bf16 baselines):")
+    for key, label, target in (("minite", "W4A4 + activation quantization, eager", 1.3),
+                               ("sync", "  ... the check synchronising every call", 1.3),
+                               ("nocheck graph", "W4A4 + activation quantization, CUDA graphs",
+                                1.15)):
+        print(f"  {label:48} {geo[key]:6.3f}  goal <= {target}  "
+              f"{'met' if geo[key] <= target else 'NOT met'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cells": results, "geomean": geo, "device": torch.cuda.get_device_name()}, f,
