@@ -34,6 +34,8 @@ gives the same bits alone, in a batch of 512, in a prefill or in a decode step.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from libalign.errors import ConfigError, DTypeError, ShapeError
@@ -364,6 +366,13 @@ def group_tiles(counts: torch.Tensor, rows: int,
     return t[0], t[1], t[2]
 
 
+@functools.lru_cache(maxsize=8)
+def _device_counts(counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Counts given as a list, on ``device`` (kept, read-only: a MoE layer's FC1 and FC2, and a
+    CUDA graph's capture after its warm-up calls, copy nothing)."""
+    return torch.tensor(counts, dtype=torch.int32).to(device)
+
+
 def grouped_matmul(a: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.Tensor, *,
                    out_dtype: torch.dtype, a_dec: torch.Tensor | None = None,
                    w_dec: torch.Tensor | None = None) -> torch.Tensor:
@@ -387,7 +396,7 @@ def grouped_matmul(a: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.T
         raise ShapeError(f"strict grouped_matmul: counts add to {sum(counts)} over {len(counts)} "
                          f"experts, a has {a.shape[0]} rows, w {w.shape[0]} experts")
     else:
-        counts = torch.tensor(counts, dtype=torch.int32).to(a.device, non_blocking=True)
+        counts = _device_counts(tuple(counts), a.device)
     if (a_dec is None) != (w_dec is None):
         raise ShapeError("strict grouped_matmul: a_dec and w_dec come together")
     m = a.shape[0]
