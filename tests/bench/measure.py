@@ -1,8 +1,8 @@
 """What several benchmarks share: timing a callable on a device, timing steps round robin against
 a baseline row measured in the same run, and printing a table of rows.
 
-Used by bench_guidance, bench_kv_guidance, bench_mxfp4, bench_routing and bench_strict (not a
-benchmark itself: ``python -m tests.bench`` runs the ``bench_*`` modules only).
+Used by bench_guidance, bench_kv_guidance, bench_mxfp4, bench_routing, bench_strict and the
+probes (not a benchmark itself: ``python -m tests.bench`` runs the ``bench_*`` modules only).
 """
 
 from __future__ import annotations
@@ -36,6 +36,21 @@ def seconds(fn: Callable[[], object], repeats: int, device="cpu", stat=min,
         sync(device)
         times.append(time.perf_counter() - t)
     return stat(times)
+
+
+def host_us(fn: Callable[[], object], calls: int = 200) -> float:
+    """Host microseconds a call of ``fn`` on a CUDA device: ``calls`` calls queued back to back
+    (after five warm-up calls and a synchronisation), over ``calls``. Meaningful where the
+    device keeps up, so the host never waits on it."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t) / calls * 1e6
+    torch.cuda.synchronize()
+    return us
 
 
 def cuda_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:

@@ -13,30 +13,18 @@ from __future__ import annotations
 
 import cProfile
 import pstats
-import time
 
 import torch
 
 from libalign.strict import attention as strict_attention
 from libalign.strict import tensorcore
 
+from .measure import host_us
+
 
 def _rnd(*shape, scale=1.0, seed=0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(*shape, generator=g) * scale).to("cuda", torch.bfloat16)
-
-
-def host_us(fn, calls: int = 200) -> float:
-    """Microseconds of host time a call, queueing ``calls`` calls without waiting."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter() - t) / calls * 1e6
-    torch.cuda.synchronize()
-    return us
 
 
 def main() -> None:

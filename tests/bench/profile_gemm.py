@@ -19,7 +19,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 
@@ -27,18 +26,7 @@ from libalign import gemm
 from libalign.gemm.finite_checks import deferred_finite_checks
 from libalign.gemm.triton_grouped import triton_gemm_available, w4a4_grouped_triton
 
-
-def _host_us(fn, calls: int) -> float:
-    """Host µs per call over ``calls`` back-to-back calls (one sync before and after)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return host / calls * 1e6
+from .measure import host_us
 
 
 def _cell(name: str, k: int, n: int, args, tk) -> None:
@@ -70,7 +58,7 @@ def _cell(name: str, k: int, n: int, args, tk) -> None:
     print(f"== {name} {args.rows} rows/expert: host µs per call ({args.calls} calls)")
     with torch.no_grad(), deferred_finite_checks():
         for label, fn in runs.items():
-            print(f"  {label:<34}{_host_us(fn, args.calls):>9.1f}", flush=True)
+            print(f"  {label:<34}{host_us(fn, args.calls):>9.1f}", flush=True)
         prof = cProfile.Profile()
         fn = runs["grouped_linear, deferred check"]
         prof.enable()
