@@ -299,7 +299,8 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     # rows per expert from the sorted ids' boundaries: no read back to the host (bincount
     # reads the largest id first)
     experts = torch.arange(gate_up.shape[0] + 1, device=flat.device, dtype=flat.dtype)
-    counts = ExpertCounts(torch.searchsorted(flat[order], experts).diff())
+    sorted_ids = flat[order]
+    counts = ExpertCounts(torch.searchsorted(sorted_ids, experts).diff())
     x = hidden[token_of]
     hook = act_hook if gate_up.path.quantized and down.path.quantized else None
     q1 = q2 = None
@@ -310,7 +311,7 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     gate, up = h.chunk(2, dim=-1)
     act = ops.silu(gate) * up
     if hook is not None:
-        q2 = hook("fc2", act, down.path.act_spec, token_of, flat[order])
+        q2 = hook("fc2", act, down.path.act_spec, token_of, sorted_ids)
     y = _expert_rows(act, down, counts, q2, ops)
     if observer is not None:
         for name, value in (("routing", top_k_index), ("order", order), ("fc1_in", x),

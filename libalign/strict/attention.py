@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from libalign.errors import DTypeError, ShapeError
-from libalign.strict.tensorcore import SMALL_M, require
+from libalign.strict.tensorcore import require
 
 try:
     import triton
@@ -157,6 +157,17 @@ if triton is not None:
                 tl.where(use[:, None], out_n, out))
 
     @triton.jit
+    def _normalised(out, total):
+        """Rows' outputs over their softmax sums (zeros for a row that saw no key)."""
+        return tl.where(total[:, None] > 0, out / tl.where(total > 0, total, 1.0)[:, None], 0.0)
+
+    @triton.jit
+    def _store_tile(o_desc, bk, pid_v, out, total, D: tl.constexpr, BLOCK_Q: tl.constexpr):
+        """A program's rows, normalised and rounded, into the output by TMA."""
+        o_desc.store([bk, pid_v * BLOCK_Q, 0],
+                     tl.reshape(_normalised(out, total).to(o_desc.dtype), (1, BLOCK_Q, D)))
+
+    @triton.jit
     def _attention_kernel(q_ptr, k_desc, v_desc, o_desc, bits_ptr, first_ptr, hi_ptr, count_ptr,
                           Tq, Tk, HKV, REP, HM, scaling, W, s_qb, s_qh, s_qt,
                           ws_m_ptr, ws_l_ptr, ws_desc, R, HQ,
@@ -197,9 +208,7 @@ if triton is not None:
         if CHUNK == 0:
             m_i, l_i, acc = _key_range(q, k_desc, v_desc, b, hk, base, stop, scaling, lo_r, his,
                                        brow, all_span, D, BLOCK, BLOCK_Q)
-            out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-            o_desc.store([bk, pid_v * BLOCK_Q, 0], tl.reshape(out.to(o_desc.dtype),
-                                                            (1, BLOCK_Q, D)))
+            _store_tile(o_desc, bk, pid_v, acc, l_i, D, BLOCK_Q)
         elif SERIAL:
             chunks = _chunk_count(his, base, CHUNK)
             top = tl.full((BLOCK_Q,), -float("inf"), tl.float32)
@@ -211,10 +220,7 @@ if triton is not None:
                                              tl.minimum(lo + CHUNK, stop), scaling, lo_r, his,
                                              brow, all_span, D, BLOCK, BLOCK_Q)
                 top, total, out = _fold(top, total, out, m_c, l_c, acc_c, c < chunks)
-            out = tl.where(total[:, None] > 0, out / tl.where(total > 0, total, 1.0)[:, None],
-                           0.0)
-            o_desc.store([bk, pid_v * BLOCK_Q, 0], tl.reshape(out.to(o_desc.dtype),
-                                                            (1, BLOCK_Q, D)))
+            _store_tile(o_desc, bk, pid_v, out, total, D, BLOCK_Q)
         else:
             c = tl.program_id(2)
             chunks = _chunk_count(his, base, CHUNK)
@@ -225,9 +231,7 @@ if triton is not None:
             # a row of several also leaves its chunk's state for _combine_kernel, which then
             # overwrites the row
             if c == 0:
-                out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-                o_desc.store([bk, pid_v * BLOCK_Q, 0], tl.reshape(out.to(o_desc.dtype),
-                                                                (1, BLOCK_Q, D)))
+                _store_tile(o_desc, bk, pid_v, acc, l_i, D, BLOCK_Q)
             part = v_ok & (chunks > 1) & (c < chunks)
             if tl.max(part.to(tl.int32)) > 0:
                 g = c.to(tl.int64) * R + (b64 * HQ + h) * Tq + t
@@ -266,25 +270,27 @@ if triton is not None:
             acc_c = tl.load(ws_acc_ptr + (c * R + g0)[:, None] * D + offs_d[None, :],
                             mask=use[:, None], other=0.0)
             top, total, out = _fold(top, total, out, m_c, l_c, acc_c, use)
-        out = tl.where(total[:, None] > 0, out / tl.where(total > 0, total, 1.0)[:, None], 0.0)
         tl.store(o_ptr + b * s_ob + h[:, None] * s_oh + t[:, None] * s_ot + offs_d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=mine[:, None])
+                 _normalised(out, total).to(o_ptr.dtype.element_ty), mask=mine[:, None])
 
 
-#: Attention's (warps, pipeline stages, key chunk, query rows per program) for calls of at
-#: most 64 (query head, query) rows per key/value head (a decode step). The key chunk (a
-#: multiple of 64, or 0) splits the keys a row sees into chunks of that many from its
-#: sequence's first visible key, each chunk's online softmax run by its own program and the
-#: chunks combined in order; it is part of a row's bits, so every setting shares it. Keys are
-#: always walked in blocks of 64.
-ATTENTION_CONFIG = (4, 3, 256, 64)
-#: The same for larger calls (a prefill): 128 query rows a program on 8 warps. Tiles of 64 and
-#: 128 rows, on 4 or 8 warps, give a row the same bits (the tensor-core instruction is the
-#: same; checked on a GPU, and decode against prefill in the tests).
-ATTENTION_CONFIG_LARGE = (8, 3, 256, 128)
+#: Attention's (warps, pipeline stages, key chunk, query rows per program, chunks walked by
+#: one program) for calls of at most 64 (query head, query) rows per key/value head (a decode
+#: step). The key chunk (a multiple of 64, or 0) splits the keys a row sees into chunks of
+#: that many from its sequence's first visible key, each chunk's softmax started fresh and the
+#: chunks folded in order; it is part of a row's bits, so every setting shares it. A decode
+#: step runs each chunk on its own program (many programs for a long cache). Keys are always
+#: walked in blocks of 64.
+ATTENTION_CONFIG = (4, 3, 256, 64, False)
+#: The same for larger calls (a prefill): 128 query rows a program on 8 warps, each program
+#: walking its rows' chunks itself (no partial results written). Tiles of 64 and 128 rows, on
+#: 4 or 8 warps, and either way of running the chunks give a row the same bits (the
+#: tensor-core instruction and the fold are the same; checked on a GPU, and decode against
+#: prefill in the tests).
+ATTENTION_CONFIG_LARGE = (8, 3, 256, 128, True)
 
 
-def attention_config(rows: int) -> tuple[int, int, int, int]:
+def attention_config(rows: int) -> tuple[int, int, int, int, bool]:
     """The attention setting of a call with ``rows`` (query head, query) rows per key/value
     head: :data:`ATTENTION_CONFIG` up to 64, else :data:`ATTENTION_CONFIG_LARGE`."""
     return ATTENTION_CONFIG if rows <= 64 else ATTENTION_CONFIG_LARGE
@@ -322,14 +328,15 @@ def visible_range(allowed: torch.Tensor
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
-              scaling: float, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+              scaling: float, config: tuple[int, ...] | None = None) -> torch.Tensor:
     """Masked softmax attention ``[B, Hq, Tq, D]`` (grouped-query: ``Hq`` a multiple of ``Hkv``):
     ``q`` ``[B, Hq, Tq, D]``, ``k``, ``v`` ``[B, Hkv, Tk, D]`` (bf16 or fp16), ``allowed``
     ``[B, 1|Hq, Tq, Tk]`` (True = attend). Keys in blocks of 64 from each sequence's first
     visible key; a query that sees no key gets zeros. A program takes 64 or 128 (query head,
     query) rows of one key/value head (:func:`attention_config`), so a decode step's grouped
-    heads read the keys once. ``config`` (warps, stages, key chunk, query rows) overrides
-    that choice (a probe; the key chunk is part of the rows' bits)."""
+    heads read the keys once. ``config`` (warps, stages, key chunk, query rows[, chunks walked
+    by one program]) overrides that choice (a probe; the key chunk is part of the rows'
+    bits; without the fifth entry the chunks run as :func:`attention_config` says)."""
     require("attention", q)
     b, hq, tq, d = q.shape
     if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b or hq % k.shape[1] \
@@ -365,7 +372,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
         raise ShapeError(f"strict attention: {block_q} query rows per program (16, 32, 64 or "
                          "128)")
     nc = max(1, triton.cdiv(tk, chunk)) if chunk else 1
-    serial = serial[0] if serial else rows > SMALL_M
+    serial = serial[0] if serial else attention_config(rows)[4]
     split = nc > 1 and not serial  # chunks on their own programs, folded by _combine_kernel
     o_desc = TensorDescriptor(out.view(b * hkv, rows, d), [b * hkv, rows, d], [rows * d, d, 1],
                               [1, block_q, d])

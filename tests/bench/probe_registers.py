@@ -68,9 +68,9 @@ def main() -> None:
     aligned = ("q_ptr", "bits_ptr", "first_ptr", "hi_ptr", "count_ptr", "ws_m_ptr", "ws_l_ptr",
                "s_qb", "s_qh", "s_qt")
     print("strict attention, head dimension 128 (sm_90a):")
-    for label, (warps, stages, chunk, rows), serial in (
-            ("decode step", attention.ATTENTION_CONFIG, False),
-            ("prefill", attention.ATTENTION_CONFIG_LARGE, True)):
+    for label, (warps, stages, chunk, rows, serial) in (
+            ("decode step", attention.ATTENTION_CONFIG),
+            ("prefill", attention.ATTENTION_CONFIG_LARGE)):
         types = dict(att, o_desc=f"tensordesc<bf16[1,{rows},{d}]>",
                      ws_desc=f"tensordesc<fp32[1,1,{rows},{d}]>")
         consts = dict(D=d, BLOCK=64, SCAN=512, CHUNK=chunk, BLOCK_Q=rows, SERIAL=serial)
