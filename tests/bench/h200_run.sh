@@ -8,7 +8,9 @@
 #                                               recipes (bench_spec --recipes: kernel door vs spec),
 #                                               tiles (probe_strict_tiles: strict tile shapes and
 #                                               attention settings, time and bits),
-#                                               host (probe_strict_host: host time per strict call)
+#                                               host (probe_strict_host: host time per strict call),
+#                                               layer (probe_strict_layer: a 30B-shaped layer's
+#                                               host time, launches and waits, normal and strict)
 # Wheels the image lacks travel in .whl/ (git-ignored; carry it): megatron-core and torchao, and
 # for the services the expert-parallel tests import, redis, httpx (+ httpcore, h11, anyio,
 # certifi, idna), pydantic(-core, -settings, annotated-types, typing-inspection,
@@ -64,6 +66,7 @@ for s in "$@"; do
                --device cuda --json "$OUT/recipes.json" ;;
     tiles) stage tiles "${T_TILES:-150}" python3 -m tests.bench.probe_strict_tiles ;;
     host) stage host "${T_HOST:-60}" python3 -m tests.bench.probe_strict_host ;;
+    layer) stage layer "${T_LAYER:-120}" python3 -m tests.bench.probe_strict_layer ;;
     *) echo "unknown stage $s" >&2 ;;
   esac
 done
