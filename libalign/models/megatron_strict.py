@@ -155,9 +155,8 @@ def _attention_forward(self, query, key, value, attention_mask, attn_mask_type=N
     sq, b, sk = query.shape[0], query.shape[1], key.shape[0]
     if sq != sk:
         raise _refuse("a KV cache", "the strict learner scores whole sequences")
-    cos, sin = hf_strict.rope_table(self.__dict__[_ROPE], sq)
-    cos = cos[:sq].to(query.device, query.dtype)
-    sin = sin[:sq].to(query.device, query.dtype)
+    cos, sin = hf_strict.rope_table(self.__dict__[_ROPE], sq, query.device)
+    cos, sin = cos[:sq].to(query.dtype), sin[:sq].to(query.dtype)
     # Hugging Face's apply_rotary_pos_emb on [b, h, s, d], in the activations' dtype
     q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
     q = (q * cos) + (_rotate_half(q) * sin)

@@ -84,6 +84,7 @@ STRICT_ATTENTION = "libalign_strict"
 _STATE = "_libalign_strict"
 _OPS = "_libalign_strict_ops"  # the op set on each module strict mode rewired
 _ROPE_TABLE = "_libalign_strict_rope"
+_ROPE_COPIES = "_libalign_strict_rope_copies"  # the table's copies on other devices
 _ROPE_CHUNK = 256
 
 
@@ -149,13 +150,27 @@ def route(ops: DeviceOps | PortableOps, h: torch.Tensor, weight: torch.Tensor, t
     return logits, top.to(logits.dtype), index
 
 
-def rope_table(module: nn.Module, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_table(module: nn.Module, positions: int,
+               device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(cos, sin)`` ``[P, dim]`` for positions ``0..P-1``, extended in chunks as needed:
     ``f = fp32(p) * inv_freq`` (fp32), then ``cos f`` and ``sin f`` by Python's libm in float64,
-    each element on its own, rounded to fp32 and scaled by the rope's attention scaling."""
+    each element on its own, rounded to fp32 and scaled by the rope's attention scaling. The
+    table is computed on the host; on another ``device`` a copy of it is kept there (copied
+    again only when the table grows), so a step looks positions up where they live."""
     have = module.__dict__.get(_ROPE_TABLE)
-    if have is not None and have[0].shape[0] >= positions:
+    if have is None or have[0].shape[0] < positions:
+        have = _grow_rope_table(module, positions)
+    device = torch.device(device)
+    if device.type == "cpu":
         return have
+    copies = module.__dict__.setdefault(_ROPE_COPIES, {})
+    copy = copies.get(device)
+    if copy is None or copy[0].shape[0] != have[0].shape[0]:
+        copy = copies[device] = (have[0].to(device), have[1].to(device))
+    return copy
+
+
+def _grow_rope_table(module: nn.Module, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     size = -(-positions // _ROPE_CHUNK) * _ROPE_CHUNK
     inv = module.inv_freq.detach().float().cpu()
     freqs = (torch.arange(size, dtype=torch.float32).unsqueeze(-1) * inv).tolist()
@@ -168,12 +183,15 @@ def rope_table(module: nn.Module, positions: int) -> tuple[torch.Tensor, torch.T
 
 
 def _rotary_forward(self: nn.Module, x: torch.Tensor, position_ids: torch.Tensor):
-    if position_ids.numel() and int(position_ids.min()) < 0:
-        raise ShapeError("strict rotary embedding: negative position ids")
-    need = int(position_ids.max()) + 1 if position_ids.numel() else 1
-    cos, sin = rope_table(self, need)
-    idx = position_ids.detach().cpu().long()
-    return cos[idx].to(x.device, x.dtype), sin[idx].to(x.device, x.dtype)
+    need = 1
+    if position_ids.numel():  # the one read back of a step: the positions' range
+        lo, hi = torch.stack(torch.aminmax(position_ids.detach())).tolist()
+        if lo < 0:
+            raise ShapeError("strict rotary embedding: negative position ids")
+        need = hi + 1
+    cos, sin = rope_table(self, need, x.device)
+    idx = position_ids.detach().to(x.device, torch.long)
+    return cos[idx].to(x.dtype), sin[idx].to(x.dtype)
 
 
 # --- experts -----------------------------------------------------------------------------------

@@ -9,8 +9,10 @@ tokens), on each path, in each mode:
 * from ``torch.profiler`` over 3 forwards, per forward: the kernels' summed device time, the
   number of kernel launches, and the calls that make the host wait (synchronisations and
   device-to-host copies);
+* ``host ms by module``: each module's host time (from its forward's entry to its return,
+  nothing synchronised), the mean of 5 forwards;
 * the profiler's 20 most expensive host ops (self CPU time) of the strict forward, and a
-  ``cProfile`` of it (the Python functions the host time is spent in).
+  ``cProfile`` of it (the Python functions the host time is spent in, by cumulative time).
 
 Run: ``python -m tests.bench.probe_strict_layer [--paths bf16 nvfp4_minite]``.
 """
@@ -47,6 +49,33 @@ def _times(fn, repeats: int = 5) -> tuple[float, float]:
     return statistics.median(walls) * 1e3, statistics.median(hosts) * 1e3
 
 
+def _module_host_ms(model, fn, repeats: int = 5) -> dict[str, float]:
+    """Host ms per forward from each named module's forward entry to its return, the mean of
+    ``repeats`` forwards (inclusive of the modules it calls; nothing synchronised)."""
+    spans: dict[str, list[float]] = {}
+    starts: dict[str, float] = {}
+    handles = []
+    for name, module in model.named_modules():
+        if not name or name.count(".") > 4:
+            continue
+
+        def pre(_m, _a, name=name):
+            starts[name] = time.perf_counter()
+
+        def post(_m, _a, _o, name=name):
+            spans.setdefault(name, []).append(time.perf_counter() - starts[name])
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        for _ in range(repeats):
+            fn()
+            torch.cuda.synchronize()
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: sum(v) * 1e3 / repeats for n, v in spans.items()}
+
+
 def _profile(fn, n: int = 3):
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
@@ -70,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(f"{'path':14} {'mode':7} {'wall ms':>8} {'host ms':>8} {'kernel ms':>10} "
           f"{'launches':>9}  waits")
-    keep = {}
+    keep: dict = {}
+    by_module: dict[tuple[str, bool], dict[str, float]] = {}
     with torch.no_grad():
         for path in args.paths:
             models.set_path(model, path)
@@ -84,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
                     mode = "strict" if on else "normal"
                     print(f"{path:14} {mode:7} {wall:8.2f} {host:8.2f} {kernel:10.2f} "
                           f"{launches:9.0f}  {waits}")
+                    by_module[(path, on)] = _module_host_ms(model, fn)
                     if on and path == args.paths[0]:
                         keep["prof"] = prof
                         cp = cProfile.Profile()
@@ -94,12 +125,22 @@ def main(argv: list[str] | None = None) -> None:
                         torch.cuda.synchronize()
                         keep["cprofile"] = cp
     models.reset_paths(model)
+    for path in args.paths:
+        normal, strict_ms = by_module[(path, False)], by_module[(path, True)]
+        print(f"\nhost ms by module, {path} (entry to return, mean of 5 forwards)")
+        print(f"{'module':48} {'normal':>8} {'strict':>8}")
+        for name in normal:
+            print(f"{name:48} {normal[name]:8.3f} {strict_ms.get(name, float('nan')):8.3f}")
     if "prof" in keep:
         print(f"\nstrict {args.paths[0]} forward, host ops by self CPU time (3 forwards):")
         print(keep["prof"].key_averages().table(sort_by="self_cpu_time_total", row_limit=20,
                                                 max_name_column_width=60))
         print(f"\ncProfile, 3 strict {args.paths[0]} forwards (tottime, s):")
-        pstats.Stats(keep["cprofile"]).sort_stats("tottime").print_stats(25)
+        stats = pstats.Stats(keep["cprofile"])
+        stats.sort_stats("tottime").print_stats(25)
+        print(f"\ncProfile, 3 strict {args.paths[0]} forwards, libalign and the model's code "
+              f"by cumulative time:")
+        stats.sort_stats("cumulative").print_stats("libalign|modeling_qwen3_moe|masking_utils", 40)
 
 
 if __name__ == "__main__":
