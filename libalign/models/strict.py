@@ -335,11 +335,9 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
         for name, value in (("routing", top_k_index), ("order", order), ("fc1_in", x),
                             ("fc1_out", h), ("fc2_in", act), ("fc2_out", y)):
             observer(name, value)
-    y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
     slot_of = torch.empty_like(order)
     slot_of[order] = torch.arange(order.numel(), device=order.device)
-    per_token = y[slot_of].reshape(t, k, -1).float()
-    return ops.sequential_sum(per_token, 1).to(hidden.dtype)
+    return ops.combine_experts(y, slot_of, top_k_weights, hidden.dtype)
 
 
 # --- turning it on and off ---------------------------------------------------------------------

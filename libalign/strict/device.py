@@ -86,6 +86,7 @@ class PortableOps:
     log_softmax = staticmethod(portable.log_softmax)
     topk_indices = staticmethod(portable.topk_indices)
     sequential_sum = staticmethod(portable.sequential_sum)
+    combine_experts = staticmethod(portable.combine_experts)
     silu = staticmethod(portable.silu)
     attention = staticmethod(portable.attention)
 
@@ -163,6 +164,16 @@ class DeviceOps:
     def sequential_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
         """Left-to-right sum (element-wise additions: the same on every device)."""
         return portable.sequential_sum(x, dim, keepdim)
+
+    def combine_experts(self, y: torch.Tensor, slot_of: torch.Tensor, weights: torch.Tensor,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+        """A MoE layer's weighted sum of each token's expert rows, in slot order (one launch
+        on a GPU: :func:`libalign.strict.tensorcore.combine_rows`, the portable form's bits)."""
+        if not self._on_device("combine", y):
+            return portable.combine_experts(y, slot_of, weights, out_dtype)
+        fn = lambda y_, w_: tensorcore.combine_rows(y_, slot_of, w_, out_dtype)  # noqa: E731
+        stock = lambda y_, w_: portable.combine_experts(y_, slot_of, w_, out_dtype)  # noqa: E731
+        return portable.strict_forward(fn, stock, y, weights)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         """SiLU in ``x``'s dtype (PyTorch's element-wise kernel on a GPU)."""

@@ -59,9 +59,9 @@ import torch
 from libalign.errors import DTypeError, ShapeError
 from libalign.strict.triton_matmul import kordered_matmul, kordered_matmul_available
 
-__all__ = ["attention", "attention_stock", "check_linear", "check_topk", "exp", "linear", "log",
-           "log_softmax", "rms_norm", "sequential_sum", "silu", "softmax", "topk_indices",
-           "tree_sum"]
+__all__ = ["attention", "attention_stock", "check_linear", "check_topk", "combine_experts", "exp",
+           "linear", "log", "log_softmax", "rms_norm", "sequential_sum", "silu", "softmax",
+           "topk_indices", "tree_sum"]
 
 _LOG2E = 1.4426950408889634
 _LN2_HI = 0.693145751953125       # 0.6931457519 has 15 significant bits: n * _LN2_HI is exact
@@ -180,6 +180,17 @@ def sequential_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> tor
     for i in range(x.shape[0]):
         out = out + x[i]
     return out.unsqueeze(dim if dim >= 0 else out.ndim + 1 + dim) if keepdim else out
+
+
+def combine_experts(y: torch.Tensor, slot_of: torch.Tensor, weights: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """A MoE layer's output: each token's ``k`` expert rows (``y`` ``[T * k, H]`` sorted by
+    expert, ``slot_of[t * k + j]`` the sorted row of token ``t``'s slot ``j``) times its router
+    weight rounded to ``y``'s dtype, in ``y``'s dtype, then added in fp32 in slot order from
+    0 (:func:`sequential_sum`) and rounded once to ``out_dtype``; differentiable."""
+    t, k = weights.shape
+    rows = y[slot_of] * weights.reshape(-1, 1).to(y.dtype)
+    return sequential_sum(rows.reshape(t, k, -1).float(), 1).to(out_dtype)
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:

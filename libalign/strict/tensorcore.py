@@ -21,6 +21,8 @@ that rule (as Thinking Machines' and SGLang's batch-invariant operations do):
   in order, each chunk reduced by the same in-register tree, the chunk results added left to
   right (a small batch spreads a row's chunks over programs and adds their results in the
   same order).
+* :func:`combine_rows` (a MoE layer's output): each token's expert rows weighted and added
+  in slot order in one pass, element-wise operations whose bits are the portable form's.
 * attention lives in :mod:`libalign.strict.attention`, on the same rule.
 
 The K steps, the chunk widths and the reduction shapes are those of SGLang's
@@ -49,6 +51,7 @@ except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
 __all__ = [
     "CONFIGS",
     "available",
+    "combine_rows",
     "group_tiles",
     "grouped_matmul",
     "log_softmax",
@@ -187,6 +190,22 @@ if triton is not None:
             tl.store(te_ptr + i, tl.where(real, e, 0), mask=i < T)
             tl.store(lo_ptr + i, lo, mask=i < T)
             tl.store(hi_ptr + i, hi, mask=i < T)
+
+    @triton.jit
+    def _combine_rows_kernel(y_ptr, slot_ptr, w_ptr, out_ptr, H, s_y, s_o, K: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < H
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(K):
+            row = tl.load(slot_ptr + tok * K + j).to(tl.int64)
+            wv = tl.load(w_ptr + tok * K + j).to(y_ptr.dtype.element_ty).to(tl.float32)
+            v = tl.load(y_ptr + row * s_y + offs, mask=ok, other=0.0).to(tl.float32)
+            # the product rounded to y's dtype, then added in fp32: the round trip keeps the
+            # multiply and the add two operations (never one FMA)
+            acc = acc + (v * wv).to(y_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + tok * s_o + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _mean_kernel(x_ptr, out_ptr, s_xm, N, BLOCK: tl.constexpr):
@@ -435,6 +454,38 @@ def mean_last(x: torch.Tensor) -> torch.Tensor:
         with torch.cuda.device(x.device):
             _mean_kernel[(x2.shape[0],)](x2, out, x2.stride(0), x2.shape[1], BLOCK=_CHUNK)
     return out.reshape(*x.shape[:-1], 1)
+
+
+def combine_rows(y: torch.Tensor, slot_of: torch.Tensor, weights: torch.Tensor,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """Each token's ``k`` expert rows weighted and added in its top-k order, in one launch:
+    ``out[t] = sum_j fp32(y[slot_of[t * k + j]] * w[t, j])`` (``y`` ``[T * k, H]`` bf16 or
+    fp16, the expert outputs sorted by expert; ``slot_of`` ``[T * k]`` the sorted row of each
+    (token, slot); ``weights`` ``[T, k]``), each product rounded to ``y``'s dtype with the
+    weight rounded to it first, the sum in fp32 from 0 left to right, one rounding to
+    ``out_dtype``: the bits of :func:`libalign.strict.ops.combine_experts`."""
+    require("combine", y)
+    if y.dtype not in (torch.bfloat16, torch.float16):
+        raise DTypeError(f"strict combine takes bf16 or fp16 expert rows, got {y.dtype}")
+    t, k = weights.shape
+    if y.ndim != 2 or y.shape[0] != t * k or slot_of.shape != (t * k,) \
+            or slot_of.device != y.device or weights.device != y.device:
+        raise ShapeError(f"strict combine: rows {tuple(y.shape)}, slots {tuple(slot_of.shape)}, "
+                         f"weights {tuple(weights.shape)} (rows [T * k, H], slots [T * k], "
+                         "weights [T, k] on one device)")
+    h = y.shape[1]
+    out = torch.empty((t, h), dtype=out_dtype, device=y.device)
+    if not out.numel():
+        return out.zero_() if k == 0 else out
+    if k == 0:
+        return out.zero_()
+    yc = y if y.stride(-1) == 1 else y.contiguous()
+    block = min(1024, max(16, triton.next_power_of_2(h)))
+    with torch.cuda.device(y.device):
+        _combine_rows_kernel[(t, triton.cdiv(h, block))](
+            yc, slot_of.contiguous(), weights.contiguous(), out, h, yc.stride(0), out.stride(0),
+            K=k, BLOCK=block, num_warps=4)
+    return out
 
 
 #: Up to this many rows, :func:`log_softmax` spreads each row over one program per chunk.

@@ -124,6 +124,27 @@ def test_row_kernels_are_invariant(cuda):
     assert float((ls.double() - ref).abs().max()) < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_combine_rows_equals_the_portable_combine(cuda, dtype):
+    """The MoE output kernel gives the bits of the portable weighted sum (products rounded to
+    the rows' dtype, fp32 sum in slot order from 0, one rounding), -0.0 included, for the
+    hidden dtype and fp32 outputs."""
+    from libalign.strict import ops as portable
+
+    t, k, h = 300, 8, 2048 + 48
+    y = _rand(t * k, h, scale=3.0, seed=30, dtype=dtype)
+    y[:k, :4] = -0.0
+    order = torch.randperm(t * k, generator=torch.Generator().manual_seed(31)).cuda()
+    slot_of = torch.empty_like(order)
+    slot_of[order] = torch.arange(t * k, device="cuda")
+    w = torch.rand(t, k, generator=torch.Generator().manual_seed(32)).cuda()
+    for out_dtype in (dtype, torch.float32):
+        got = tensorcore.combine_rows(y, slot_of, w, out_dtype)
+        want = portable.combine_experts(y, slot_of, w, out_dtype)
+        assert got.dtype == out_dtype and torch.equal(got, want)
+        assert torch.equal(torch.signbit(got), torch.signbit(want))
+
+
 @pytest.mark.parametrize("t,lens", [(150, [150, 97, 1]), (600, [600, 300, 257])])
 def test_attention_decode_equals_prefill(cuda, t, lens):
     """A prompt left-padded in a cache, attended one query at a time, gives the bits of the same
