@@ -133,10 +133,14 @@ class DeviceOps:
         if not self._on_device("rms_norm", x):
             return portable.rms_norm(x, weight, eps)
 
-        def values(x_, w_):
-            xf = x_.float()
-            var = self.kernels.mean_last(xf * xf)
-            return w_ * (xf * torch.rsqrt(var + eps)).to(x_.dtype)
+        if eps > 0:
+            def values(x_, w_):
+                return tensorcore.rms_norm(x_, w_, eps, self.kernels.mean_last)
+        else:
+            def values(x_, w_):
+                xf = x_.float()
+                var = self.kernels.mean_last(xf * xf)
+                return w_ * (xf * torch.rsqrt(var + eps)).to(x_.dtype)
 
         return portable.strict_forward(values, lambda x_, w_: _stock_rms(x_, w_, eps), x, weight)
 
@@ -160,10 +164,19 @@ class DeviceOps:
         portable.check_topk(k, scores.shape[-1])
         return torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices[..., :k]
 
-    @staticmethod
-    def sequential_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
-        """Left-to-right sum (element-wise additions: the same on every device)."""
-        return portable.sequential_sum(x, dim, keepdim)
+    def sequential_sum(self, x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+        """Left-to-right sum (element-wise additions: the same on every device; one launch on a
+        GPU, :func:`libalign.strict.tensorcore.sequential_sum`)."""
+        if not self._on_device("sequential_sum", x):
+            return portable.sequential_sum(x, dim, keepdim)
+        d = dim if dim >= 0 else x.ndim + dim
+
+        def values(x_):
+            out = tensorcore.sequential_sum(x_, d)
+            return out.unsqueeze(d) if keepdim else out
+
+        return portable.strict_forward(values, lambda x_: portable.sequential_sum(x_, d, keepdim),
+                                       x)
 
     def combine_experts(self, y: torch.Tensor, slot_of: torch.Tensor, weights: torch.Tensor,
                         out_dtype: torch.dtype) -> torch.Tensor:

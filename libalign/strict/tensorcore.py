@@ -21,6 +21,8 @@ that rule (as Thinking Machines' and SGLang's batch-invariant operations do):
   in order, each chunk reduced by the same in-register tree, the chunk results added left to
   right (a small batch spreads a row's chunks over programs and adds their results in the
   same order).
+* :func:`rms_norm`: the squares, the mean above, then scale and weight in one pass
+  (element-wise steps, PyTorch's bits).
 * :func:`combine_rows` (a MoE layer's output): each token's expert rows weighted and added
   in slot order in one pass, element-wise operations whose bits are the portable form's.
 * attention lives in :mod:`libalign.strict.attention`, on the same rule.
@@ -37,6 +39,7 @@ gives the same bits alone, in a batch of 512, in a prefill or in a decode step.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -58,6 +61,8 @@ __all__ = [
     "matmul",
     "mean_last",
     "require",
+    "rms_norm",
+    "sequential_sum",
     "tile_config",
 ]
 
@@ -206,6 +211,34 @@ if triton is not None:
             # multiply and the add two operations (never one FMA)
             acc = acc + (v * wv).to(y_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + tok * s_o + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _square_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, v * v, mask=offs < n)
+
+    @triton.jit
+    def _rms_scale_kernel(x_ptr, var_ptr, w_ptr, out_ptr, N, s_x, s_o, eps,
+                          BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < N
+        r = tl.math.rsqrt(tl.load(var_ptr + row) + eps)
+        xv = tl.load(x_ptr + row * s_x + offs, mask=ok, other=0.0).to(tl.float32)
+        y = (xv * r).to(x_ptr.dtype.element_ty).to(tl.float32)
+        wv = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * s_o + offs, (wv * y).to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _sequential_sum_kernel(x_ptr, out_ptr, R, K, BLOCK: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = rows < R
+        acc = tl.zeros([BLOCK], dtype=tl.float32).to(x_ptr.dtype.element_ty)
+        for j in range(K):
+            v = tl.load(x_ptr + rows * K + j, mask=ok, other=0.0)
+            acc = (acc.to(tl.float32) + v.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows, acc, mask=ok)
 
     @triton.jit
     def _mean_kernel(x_ptr, out_ptr, s_xm, N, BLOCK: tl.constexpr):
@@ -454,6 +487,56 @@ def mean_last(x: torch.Tensor) -> torch.Tensor:
         with torch.cuda.device(x.device):
             _mean_kernel[(x2.shape[0],)](x2, out, x2.stride(0), x2.shape[1], BLOCK=_CHUNK)
     return out.reshape(*x.shape[:-1], 1)
+
+
+def sequential_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The sum over ``dim`` left to right from 0 (``((0 + x0) + x1) + ...``), each addition
+    rounded to ``x``'s dtype, in one launch: the bits of
+    :func:`libalign.strict.ops.sequential_sum`."""
+    require("sequential_sum", x)
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise DTypeError(f"strict sequential_sum takes a float dtype, got {x.dtype}")
+    moved = x.movedim(dim, -1)
+    if moved.shape[-1] == 0 or moved.numel() == 0:
+        return x.new_zeros(moved.shape[:-1])
+    rows = moved.reshape(-1, moved.shape[-1]).contiguous()
+    out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
+    with torch.cuda.device(x.device):
+        _sequential_sum_kernel[(triton.cdiv(rows.shape[0], 256),)](
+                rows, out, rows.shape[0], rows.shape[1], BLOCK=256)
+    return out.reshape(moved.shape[:-1])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             mean: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Qwen3's RMSNorm ``weight * (xf * rsqrt(mean(xf * xf) + eps)).to(x.dtype)`` (``xf`` = ``x``
+    in fp32) in three launches: the squares, ``mean`` (default :func:`mean_last`; a kernel set
+    brings its own), then the scaling and the weight in one pass. The bits of those steps as
+    PyTorch's element-wise ops compute them: each product one fp32 rounding, the GPU's
+    ``rsqrt``, the rounding to ``x``'s dtype before the weight. ``eps`` must be positive."""
+    require("rms_norm", x)
+    if not eps > 0:
+        raise ShapeError(f"strict rms_norm: eps {eps} (the fused form takes a positive eps)")
+    n = x.shape[-1]
+    if weight.shape != (n,) or weight.device != x.device:
+        raise ShapeError(f"strict rms_norm: weight {tuple(weight.shape)} on {weight.device} for "
+                         f"rows of {n} on {x.device}")
+    x2 = x.reshape(-1, n)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype),
+                      device=x.device)
+    if not x2.numel():
+        return out.reshape(x.shape)
+    squares = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
+    block = min(1024, max(16, triton.next_power_of_2(n)))
+    with torch.cuda.device(x.device):
+        _square_kernel[(triton.cdiv(x2.numel(), 1024),)](x2, squares, x2.numel(), BLOCK=1024)
+        var = (mean or mean_last)(squares).reshape(-1)
+        _rms_scale_kernel[(x2.shape[0], triton.cdiv(n, block))](
+            x2, var.contiguous(), weight.contiguous(), out, n, x2.stride(0), out.stride(0),
+            float(eps), BLOCK=block)
+    return out.reshape(x.shape)
 
 
 def combine_rows(y: torch.Tensor, slot_of: torch.Tensor, weights: torch.Tensor,

@@ -124,6 +124,37 @@ def test_row_kernels_are_invariant(cuda):
     assert float((ls.double() - ref).abs().max()) < 1e-4
 
 
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.bfloat16, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32),
+                                             (torch.float16, torch.float16),
+                                             (torch.float32, torch.bfloat16)])
+def test_rms_norm_equals_its_steps(cuda, x_dtype, w_dtype):
+    """The three-launch RMSNorm gives the bits of its steps as separate PyTorch ops (squares,
+    the strict mean, + eps, rsqrt, scale, rounding, weight), for a layer's rows and for
+    per-head rows of 128, with the output dtype PyTorch's promotion gives."""
+    for shape, seed in (((300, 2048), 40), ((4, 7, 32, 128), 41)):
+        x = _rand(*shape, scale=2.0, seed=seed, dtype=x_dtype)
+        x[0, :5] = 0
+        w = (1 + _rand(shape[-1], scale=0.1, seed=seed + 1)).to(w_dtype)
+        xf = x.float()
+        want = w * (xf * torch.rsqrt(tensorcore.mean_last(xf * xf) + 1e-6)).to(x_dtype)
+        got = tensorcore.rms_norm(x, w, 1e-6)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sequential_sum_equals_the_portable_sum(cuda, dtype):
+    """The one-launch left-to-right sum gives the portable sum's bits over the last dimension
+    (a router's top-k) and a middle one, -0.0 included."""
+    from libalign.strict import ops as portable
+
+    for shape, dim in (((2048, 8), -1), ((40, 8, 300), 1)):
+        x = _rand(*shape, scale=2.0, seed=50, dtype=dtype)
+        x.view(-1)[:3] = -0.0
+        got, want = tensorcore.sequential_sum(x, dim), portable.sequential_sum(x, dim)
+        assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_combine_rows_equals_the_portable_combine(cuda, dtype):
     """The MoE output kernel gives the bits of the portable weighted sum (products rounded to
