@@ -8,8 +8,6 @@
   on first use, and the CPU path chosen at run time (AVX-512, AVX2 or scalar).
 * :mod:`~libalign.kernels.config`: the one typed configuration of kernels and fused passes,
   read from the environment once.
-* :mod:`~libalign.kernels.triton_launch`: Triton launches whose argument binding is done once
-  per specialization (the strict kernels launch through it).
 
 ``from libalign.kernels import quantize`` (or ``from libalign.kernels import ops``).
 """

@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from libalign.errors import DTypeError, ShapeError
-from libalign.kernels.triton_launch import launched
 from libalign.strict.tensorcore import require
 
 try:
@@ -319,7 +318,7 @@ def visible_range(allowed: torch.Tensor
     bits = torch.empty((b * hm * tq, triton.cdiv(tk, 64) + 1), dtype=torch.int64,
                        device=allowed.device)
     if first.numel() and tk:
-        launched(_visible_kernel)[(b * hm * tq,)](rows.view(torch.uint8), first, hi, count, bits, tk,
+        _visible_kernel[(b * hm * tq,)](rows.view(torch.uint8), first, hi, count, bits, tk,
                                         bits.shape[1], rows.stride(0),
                                         BLOCK=max(64, min(1024, triton.next_power_of_2(tk))))
     elif first.numel():
@@ -388,13 +387,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     scan = min(1024, triton.next_power_of_2(hm * tq))
     with torch.cuda.device(q.device):
         first, hi, count, bits = visible_range(allowed)
-        launched(_attention_kernel)[(triton.cdiv(rows, block_q), b * hkv, nc if split else 1)](
+        _attention_kernel[(triton.cdiv(rows, block_q), b * hkv, nc if split else 1)](
             qc, _key_descriptor(kc), _key_descriptor(vc), o_desc, bits, first, hi, count, tq, tk,
             hkv, rep, hm, float(scaling), bits.shape[1], *qc.stride()[:3], ws_m, ws_l, ws_desc,
             b * hq * tq, hq, D=d, BLOCK=_ATT_BLOCK, SCAN=scan, CHUNK=chunk if nc > 1 else 0,
             BLOCK_Q=block_q, SERIAL=serial, num_warps=warps, num_stages=stages)
         if split:
-            launched(_combine_kernel)[(triton.cdiv(hq * tq, 16), b)](
+            _combine_kernel[(triton.cdiv(hq * tq, 16), b)](
                 out, first, hi, ws_m, ws_l, ws_acc, tq, tk, hq, hm, nc, b * hq * tq,
                 *out.stride()[:3], D=d, ROWS=16, SCAN=scan, CHUNK=chunk, num_warps=4)
     return out

@@ -44,7 +44,6 @@ from collections.abc import Callable
 import torch
 
 from libalign.errors import ConfigError, DTypeError, ShapeError
-from libalign.kernels.triton_launch import launched
 
 try:
     import triton
@@ -357,7 +356,7 @@ def _launch_matmul(a, w, out, *, bias=None, a_dec=None, w_dec=None, tiles=None,
         return
     wdec = w_dec if w_dec is not None else dummy
     with torch.cuda.device(a.device):
-        launched(_matmul_kernel)[(n_mtiles, triton.cdiv(n, bn))](
+        _matmul_kernel[(n_mtiles, triton.cdiv(n, bn))](
             a, w3, out, bias if bias is not None else dummy,
             a_dec if a_dec is not None else dummy, wdec, te, tlo, thi,
             m, n, k, a.stride(0), a.stride(1), w3.stride(0), w3.stride(2), w3.stride(1),
@@ -414,7 +413,7 @@ def group_tiles(counts: torch.Tensor, rows: int,
     if total:
         e_p2 = max(16, triton.next_power_of_2(e))
         with torch.cuda.device(counts.device):
-            launched(_tile_table_kernel)[(1,)](counts, t[0], t[1], t[2], e, rows, total, BM=bm, E_P2=e_p2,
+            _tile_table_kernel[(1,)](counts, t[0], t[1], t[2], e, rows, total, BM=bm, E_P2=e_p2,
                                      BLOCK=max(16, min(256, 16384 // e_p2)))
     return t[0], t[1], t[2]
 
@@ -486,7 +485,7 @@ def mean_last(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
     if x2.shape[0]:
         with torch.cuda.device(x.device):
-            launched(_mean_kernel)[(x2.shape[0],)](x2, out, x2.stride(0), x2.shape[1], BLOCK=_CHUNK)
+            _mean_kernel[(x2.shape[0],)](x2, out, x2.stride(0), x2.shape[1], BLOCK=_CHUNK)
     return out.reshape(*x.shape[:-1], 1)
 
 
@@ -503,7 +502,7 @@ def sequential_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     rows = moved.reshape(-1, moved.shape[-1]).contiguous()
     out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
     with torch.cuda.device(x.device):
-        launched(_sequential_sum_kernel)[(triton.cdiv(rows.shape[0], 256),)](
+        _sequential_sum_kernel[(triton.cdiv(rows.shape[0], 256),)](
                 rows, out, rows.shape[0], rows.shape[1], BLOCK=256)
     return out.reshape(moved.shape[:-1])
 
@@ -532,9 +531,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     squares = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
     block = min(1024, max(16, triton.next_power_of_2(n)))
     with torch.cuda.device(x.device):
-        launched(_square_kernel)[(triton.cdiv(x2.numel(), 1024),)](x2, squares, x2.numel(), BLOCK=1024)
+        _square_kernel[(triton.cdiv(x2.numel(), 1024),)](x2, squares, x2.numel(), BLOCK=1024)
         var = (mean or mean_last)(squares).reshape(-1)
-        launched(_rms_scale_kernel)[(x2.shape[0], triton.cdiv(n, block))](
+        _rms_scale_kernel[(x2.shape[0], triton.cdiv(n, block))](
             x2, var.contiguous(), weight.contiguous(), out, n, x2.stride(0), out.stride(0),
             float(eps), BLOCK=block)
     return out.reshape(x.shape)
@@ -566,7 +565,7 @@ def combine_rows(y: torch.Tensor, slot_of: torch.Tensor, weights: torch.Tensor,
     yc = y if y.stride(-1) == 1 else y.contiguous()
     block = min(1024, max(16, triton.next_power_of_2(h)))
     with torch.cuda.device(y.device):
-        launched(_combine_rows_kernel)[(t, triton.cdiv(h, block))](
+        _combine_rows_kernel[(t, triton.cdiv(h, block))](
             yc, slot_of.contiguous(), weights.contiguous(), out, h, yc.stride(0), out.stride(0),
             K=k, BLOCK=block, num_warps=4)
     return out
@@ -595,16 +594,16 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
         return out.reshape(x.shape)
     with torch.cuda.device(x.device):
         if rows > SPLIT_ROWS:
-            launched(_log_softmax_kernel)[(rows,)](xf, out, xf.stride(0), out.stride(0), n, BLOCK=_CHUNK)
+            _log_softmax_kernel[(rows,)](xf, out, xf.stride(0), out.stride(0), n, BLOCK=_CHUNK)
         else:
             nchunk = triton.cdiv(n, _CHUNK)
             top = torch.empty((rows, nchunk), dtype=torch.float32, device=x.device)
             sums = torch.empty_like(top)
             grid = (rows, nchunk)
             p2 = triton.next_power_of_2(nchunk)
-            launched(_chunk_max_kernel)[grid](xf, top, xf.stride(0), n, NCHUNK=nchunk, BLOCK=_CHUNK)
-            launched(_chunk_sum_kernel)[grid](xf, top, sums, xf.stride(0), n, NCHUNK=nchunk,
+            _chunk_max_kernel[grid](xf, top, xf.stride(0), n, NCHUNK=nchunk, BLOCK=_CHUNK)
+            _chunk_sum_kernel[grid](xf, top, sums, xf.stride(0), n, NCHUNK=nchunk,
                                     NCHUNK_P2=p2, BLOCK=_CHUNK)
-            launched(_chunk_out_kernel)[grid](xf, out, top, sums, xf.stride(0), out.stride(0), n,
+            _chunk_out_kernel[grid](xf, out, top, sums, xf.stride(0), out.stride(0), n,
                                     NCHUNK=nchunk, NCHUNK_P2=p2, BLOCK=_CHUNK)
     return out.reshape(x.shape)
