@@ -488,16 +488,23 @@ def test_alignd_convert_splits_expert_stacks_as_the_stream_does(tmp_path, preset
             assert torch.equal(back.dequantize(), q.expert(e).dequantize()[rows]), pre
 
 
-@pytest.mark.parametrize("bucket_bytes", [3000, 20000, 1 << 20])
-def test_filled_buckets_hold_the_packed_buckets_bits(bucket_bytes):
+@pytest.mark.parametrize("bucket_bytes,stack_bytes", [(3000, 1 << 26), (20000, 1 << 26),
+                                                      (1 << 20, 1 << 26), (1 << 20, 3000)])
+def test_filled_buckets_hold_the_packed_buckets_bits(bucket_bytes, stack_bytes, monkeypatch):
     """minite buckets are quantized in place (alignd.sync.fill): every entry equals the packing
-    producer's, 2-D weights and 3-D stacks (split per expert) alike, entries back to back."""
+    producer's, 2-D weights and 3-D stacks (split per expert) alike, entries back to back;
+    runs of same-shape 2-D weights quantized as one stack (copied, or viewed where they are
+    per-expert views of one tensor), whatever the stack's size limit."""
+    from alignd.sync import fill
     from alignd.sync.buckets import ended_buckets
     from alignd.sync.fill import filled_buckets
 
+    monkeypatch.setattr(fill, "STACK_BYTES", stack_bytes)
     named = [(n, torch.cat([t, t], -1) if ".experts." in n else t)
              for n, t in W.named_weights(seed=2, experts=6)]  # K = 64: fillable
     named += [(n.replace("layers.0", "layers.1"), t) for n, t in stack_model(3).items()]
+    views = torch.randn(5, 24, 128, generator=torch.Generator().manual_seed(3)).bfloat16()
+    named += [(f"model.layers.2.mlp.experts.{e}.down_proj.weight", views[e]) for e in range(5)]
     filled = list(filled_buckets(named, "minite", bucket_bytes=bucket_bytes, all_linear=True))
     packed = list(ended_buckets(quantize_named(named, "minite", all_linear=True,
                                                bucket_bytes=bucket_bytes), bucket_bytes))
@@ -509,6 +516,22 @@ def test_filled_buckets_hold_the_packed_buckets_bits(bucket_bytes):
         assert layout([e.name for e in b.entries], [e.dtype for e in b.entries],
                       [e.shape for e in b.entries]) == b.entries
         assert b.entries[-1].end_idx == b.nbytes
+
+
+def test_a_run_of_views_of_one_tensor_is_stacked_without_a_copy():
+    """Per-expert views of one stacked parameter, back to back in memory, stack as a view of
+    it; inputs elsewhere (or out of order) are copied into a new stack."""
+    from alignd.sync.fill import _stacked
+
+    base = torch.randn(4, 8, 64)
+    viewed = _stacked([base[e] for e in range(4)])
+    assert viewed.data_ptr() == base.data_ptr() and torch.equal(viewed, base)
+    part = _stacked([base[e] for e in (1, 2, 3)])
+    assert part.data_ptr() == base[1].data_ptr() and torch.equal(part, base[1:])
+    shuffled = _stacked([base[e] for e in (0, 2, 1)])
+    assert shuffled.data_ptr() != base.data_ptr() and torch.equal(shuffled, base[[0, 2, 1]])
+    apart = [torch.randn(8, 64) for _ in range(3)]
+    assert torch.equal(_stacked(apart), torch.stack(apart))
 
 
 def test_filled_buckets_name_a_non_finite_tensor():

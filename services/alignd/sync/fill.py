@@ -17,12 +17,19 @@ Layout of a filled bucket
     refit falls back to the packing producer), entries lie back to back, so SGLang's receivers
     rebuild them from names, dtypes and shapes as for a packed bucket. A 3-D expert stack is
     one region of codes and one of scales; its per-expert entries (a ``gate_up_proj`` split in
-    gate and up rows) are sub-ranges of them.
+    gate and up rows) are sub-ranges of them. A run of consecutive 2-D weights of one shape (a
+    trainer's per-expert tensors) is laid out the same way: its codes, then its scales.
+Launches
+    A run quantizes as one stack, one launch where each weight on its own costs a launch and
+    its host work. Per-expert views of one stacked parameter, back to back in memory, are
+    viewed as the stack; other inputs are copied into it, at most :data:`STACK_BYTES` at a
+    time. Every weight keeps its own row scales, so the bits are those of one launch per weight.
 Memory
     The bucket being filled and its fp32 tail, kept per weight until the bucket closes (4 bytes
     a row: under 1 % of the bucket at K = 768), plus the row maxima of the batch being quantized
     (scratch); the inputs of one batch (at most ``bucket_bytes`` of them) are held until the
-    batch is quantized. With the bucket in flight: two buckets.
+    batch is quantized, and a run's stacked copy (at most :data:`STACK_BYTES`). With the bucket
+    in flight: two buckets.
 Passed-through tensors
     Everything not quantized goes to buckets of its own, packed as before.
 
@@ -62,7 +69,12 @@ class _Slot:
     codes_at: int
     scales_at: int
     rows_at: int  # index of its first row in the fp32 tail
-    outer: torch.Tensor  # its rows' decode scales, until the bucket closes
+    outer: torch.Tensor | None = None  # its rows' decode scales, set when its batch quantizes
+
+
+#: A run of same-shape 2-D weights quantizes as one stack of at most this many input bytes
+#: (the copy that stacks inputs which are not already adjacent in memory).
+STACK_BYTES = 64 << 20
 
 
 class _Filler:
@@ -87,8 +99,7 @@ class _Filler:
 
     def add(self, name: str, x: torch.Tensor, batch_bytes: int) -> None:
         codes, scales, rows = self.sizes(x)
-        outer = torch.empty(x.shape[:-1], dtype=torch.float32, device=self.device)
-        slot = _Slot(name, x, self.used, self.used + codes, self.nrows, outer)
+        slot = _Slot(name, x, self.used, self.used + codes, self.nrows)
         self.used += codes + scales
         self.nrows += rows
         self.slots.append(slot)
@@ -98,22 +109,33 @@ class _Filler:
             self.quantize()
 
     def quantize(self) -> None:
-        """Quantize the open batch into its places (one synchronisation)."""
+        """Quantize the open batch into its places (one synchronisation). Consecutive 2-D
+        weights of one shape go as one stack (:func:`_runs`): one launch for the run, its
+        codes then its block scales back to back in the run's bytes."""
         batch, self.batch, self.batch_bytes = self.batch, [], 0
         if not batch:
             return
-        dests = []
-        for s in batch:
-            lead, k = tuple(s.x.shape[:-1]), s.x.shape[-1]
-            codes, scales, _ = self.sizes(s.x)
+        sources, dests = [], []
+        for run in _runs(batch):
+            x0, n = run[0].x, len(run)
+            lead, k = tuple(x0.shape[:-1]), x0.shape[-1]
+            codes, scales, _ = self.sizes(x0)
+            start = run[0].codes_at
+            outer = torch.empty((n, *lead), dtype=torch.float32, device=self.device)
+            for i, s in enumerate(run):
+                s.codes_at, s.scales_at = start + i * codes, start + n * codes + i * scales
+                s.outer = outer[i]
+            shape = (n, *lead) if n > 1 else lead
+            sources.append(_stacked([s.x for s in run]) if n > 1 else x0)
             dests.append(NVFP4Tensor(
-                codes=self.flat[s.codes_at:s.codes_at + codes].view(*lead, k // 2),
-                block_scales=self.flat[s.scales_at:s.scales_at + scales]
-                .view(torch.float8_e4m3fn).view(*lead, k // 16),
-                outer_scale=s.outer, spec=self.spec, shape=tuple(s.x.shape),
-                outer_amax=torch.empty_like(s.outer)))  # scratch, freed with the batch
+                codes=self.flat[start:start + n * codes].view(*shape, k // 2),
+                block_scales=self.flat[start + n * codes:start + n * (codes + scales)]
+                .view(torch.float8_e4m3fn).view(*shape, k // 16),
+                outer_scale=outer if n > 1 else outer[0], spec=self.spec,
+                shape=(*shape, k), outer_amax=torch.empty(shape, dtype=torch.float32,
+                                                          device=self.device)))  # scratch
         try:
-            quantize_into([s.x for s in batch], dests, self.spec)
+            quantize_into(sources, dests, self.spec)
         except AlignError as e:
             for s in batch:  # the failure path only: find the tensor it is about
                 try:
@@ -146,6 +168,40 @@ class _Filler:
                                          torch.float32, r0, r0 + 4 * n, 4 * n))
         ones.sort(key=lambda e: e.start_idx)
         return Bucket(self.flat[:tail + 4 * self.nrows], ones + fours)
+
+
+def _runs(batch: list[_Slot]) -> Iterator[list[_Slot]]:
+    """The batch cut into runs: consecutive 2-D inputs of one shape, dtype and device (at most
+    :data:`STACK_BYTES` of input each); every other slot a run of its own."""
+    run: list[_Slot] = []
+    size = 0
+    for s in batch:
+        x = s.x
+        nbytes = x.numel() * x.element_size()
+        if run and (x.ndim != 2 or run[0].x.shape != x.shape or run[0].x.dtype != x.dtype
+                    or run[0].x.device != x.device or size + nbytes > STACK_BYTES):
+            yield run
+            run, size = [], 0
+        run.append(s)
+        size += nbytes
+        if x.ndim != 2:
+            yield run
+            run, size = [], 0
+    if run:
+        yield run
+
+
+def _stacked(xs: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(xs)``, without the copy when the inputs already lie back to back in one
+    storage (a trainer's per-expert views of one stacked parameter)."""
+    x0 = xs[0]
+    step = x0.numel()
+    if x0.is_contiguous() and all(
+            x.is_contiguous() and x.untyped_storage().data_ptr() == x0.untyped_storage().data_ptr()
+            and x.data_ptr() == x0.data_ptr() + i * step * x0.element_size()
+            for i, x in enumerate(xs)):
+        return x0.as_strided((len(xs), *x0.shape), (step, *x0.stride()))
+    return torch.stack(xs)
 
 
 def _weights(s: _Slot) -> list[tuple[str, int, int]]:
