@@ -10,7 +10,10 @@
 #                                               attention settings, time and bits),
 #                                               host (probe_strict_host: host time per strict call),
 #                                               layer (probe_strict_layer: a 30B-shaped layer's
-#                                               host time, launches and waits, normal and strict)
+#                                               host time, launches and waits, normal and strict),
+#                                               fill (probe_fill_host: the refit producer's host
+#                                               time per weight, stacked runs against one launch
+#                                               a weight)
 # Wheels the image lacks travel in .whl/ (git-ignored; carry it): megatron-core and torchao, and
 # for the services the expert-parallel tests import, redis, httpx (+ httpcore, h11, anyio,
 # certifi, idna), pydantic(-core, -settings, annotated-types, typing-inspection,
@@ -67,6 +70,8 @@ for s in "$@"; do
     tiles) stage tiles "${T_TILES:-150}" python3 -m tests.bench.probe_strict_tiles ;;
     host) stage host "${T_HOST:-60}" python3 -m tests.bench.probe_strict_host ;;
     layer) stage layer "${T_LAYER:-120}" python3 -m tests.bench.probe_strict_layer ;;
+    fill) stage fill "${T_FILL:-90}" python3 -m tests.bench.probe_fill_host --device cuda \
+            --rows 768 --cols 2048 ;;
     *) echo "unknown stage $s" >&2 ;;
   esac
 done
