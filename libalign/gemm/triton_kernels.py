@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from libalign.kernels.grid import cdiv, next_power_of_2
+
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older Triton
@@ -157,18 +159,18 @@ def act_qdq(x: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Ten
     if m == 0:
         return inner, dec
     kb = k // 16
-    nb = triton.next_power_of_2(kb)
+    nb = next_power_of_2(kb)
     amax = tensor_amax if tensor_amax is not None else dec  # unused pointer when per row
     common = dict(AMAX_FLOOR=float(amax_floor or 0.0), HAS_FLOOR=amax_floor is not None,
                   TENSOR_AMAX=tensor_amax is not None, DEQUANT=dequantize, num_warps=num_warps)
     if nb == kb or chunk == 0 or (chunk is None and nb <= 8):  # whole rows in one tile
         rows = max(1, min(64, elems // (16 * nb)))
-        _act_qdq_kernel[(triton.cdiv(m, rows),)](
+        _act_qdq_kernel[(cdiv(m, rows),)](
             x, inner, dec, amax, m, kb, x.stride(0), inner.stride(0), ROWS=rows, NB=nb, **common)
     else:
         cb = chunk or 16
         rows = max(1, min(64, elems // (16 * cb)))
-        _act_qdq_chunked_kernel[(triton.cdiv(m, rows),)](
+        _act_qdq_chunked_kernel[(cdiv(m, rows),)](
             x, inner, dec, amax, m, kb, x.stride(0), inner.stride(0), ROWS=rows, CB=cb, **common)
     return inner, dec
 
@@ -307,7 +309,7 @@ def guided_act_qdq(x: torch.Tensor, *, src: torch.Tensor, low: torch.Tensor,
     dec = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m == 0:
         return inner, dec
-    _guided_qdq_kernel[(triton.cdiv(m, rows),)](
+    _guided_qdq_kernel[(cdiv(m, rows),)](
         x, inner, dec, src, low, block_scales, row_scales, e4m3, up, down, m,
         x.stride(0), inner.stride(0), low.stride(0), block_scales.stride(0), KB=k // 16,
         AMAX_FLOOR=float(amax_floor or 0.0), HAS_FLOOR=amax_floor is not None, BITS=bits,
@@ -343,7 +345,7 @@ def inner_from_codes(codes: torch.Tensor, scales: torch.Tensor, e4m3: torch.Tens
                       device=codes.device)
     n = codes.numel()
     if n:
-        _inner_from_codes_kernel[(triton.cdiv(n, block),)](codes, scales, e4m3, out, n, BLOCK=block)
+        _inner_from_codes_kernel[(cdiv(n, block),)](codes, scales, e4m3, out, n, BLOCK=block)
     return out
 
 
@@ -430,7 +432,7 @@ def grouped_gemm(a_inner: torch.Tensor, a_dec: torch.Tensor, w_inner: torch.Tens
     if sms is None:
         sms = _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
     w2 = w_inner.reshape(e * n, k)
-    m_bucket = triton.next_power_of_2(mp)
+    m_bucket = next_power_of_2(mp)
     key = (m_bucket, n, k, pad, a_inner.dtype, w_inner.dtype, out.dtype, dev)
     cfg = _TUNED.get(key)
     if cfg is None:  # first call of this shape: the autotuner picks, we remember its pick
@@ -440,7 +442,7 @@ def grouped_gemm(a_inner: torch.Tensor, a_dec: torch.Tensor, w_inner: torch.Tens
         o_desc = TensorDescriptor.from_tensor(out, dummy)
 
         def grid(meta):
-            return (min(sms, triton.cdiv(mp, meta["BM"]) * triton.cdiv(n, meta["BN"])),)
+            return (min(sms, cdiv(mp, meta["BM"]) * cdiv(n, meta["BN"])),)
 
         _grouped_gemm_kernel[grid](a_desc, w_desc, o_desc, a_dec, w_dec.reshape(-1), tile_expert,
                                    mp, n, k, m_bucket, pad, NUM_SMS=sms)
@@ -449,7 +451,7 @@ def grouped_gemm(a_inner: torch.Tensor, a_dec: torch.Tensor, w_inner: torch.Tens
     # later calls launch the chosen config directly: the same kernel and bits, without the
     # autotuner's per-call key building and pre-hook (host time is what a small call costs)
     bm, bn, bk = cfg.kwargs["BM"], cfg.kwargs["BN"], cfg.kwargs["BK"]
-    grid = (min(sms, triton.cdiv(mp, bm) * triton.cdiv(n, bn)),)
+    grid = (min(sms, cdiv(mp, bm) * cdiv(n, bn)),)
     _grouped_gemm_kernel.fn[grid](
         TensorDescriptor.from_tensor(a_inner, [bm, bk]), TensorDescriptor.from_tensor(w2, [bn, bk]),
         TensorDescriptor.from_tensor(out, [bm, bn]), a_dec, w_dec.reshape(-1), tile_expert,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from libalign.errors import DTypeError, ShapeError
+from libalign.kernels.grid import cdiv, next_power_of_2
 from libalign.strict.tensorcore import require
 
 try:
@@ -315,12 +316,12 @@ def visible_range(allowed: torch.Tensor
         rows = rows.contiguous()
     first = torch.empty((b, hm, tq), dtype=torch.int32, device=allowed.device)
     hi, count = torch.empty_like(first), torch.empty_like(first)
-    bits = torch.empty((b * hm * tq, triton.cdiv(tk, 64) + 1), dtype=torch.int64,
+    bits = torch.empty((b * hm * tq, cdiv(tk, 64) + 1), dtype=torch.int64,
                        device=allowed.device)
     if first.numel() and tk:
         _visible_kernel[(b * hm * tq,)](rows.view(torch.uint8), first, hi, count, bits, tk,
                                         bits.shape[1], rows.stride(0),
-                                        BLOCK=max(64, min(1024, triton.next_power_of_2(tk))))
+                                        BLOCK=max(64, min(1024, next_power_of_2(tk))))
     elif first.numel():
         for t in (first, hi, count, bits):
             t.fill_(0)
@@ -371,7 +372,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     if block_q not in (16, 32, 64, 128):
         raise ShapeError(f"strict attention: {block_q} query rows per program (16, 32, 64 or "
                          "128)")
-    nc = max(1, triton.cdiv(tk, chunk)) if chunk else 1
+    nc = max(1, cdiv(tk, chunk)) if chunk else 1
     serial = serial[0] if serial else attention_config(rows)[4]
     split = nc > 1 and not serial  # chunks on their own programs, folded by _combine_kernel
     o_desc = TensorDescriptor(out.view(b * hkv, rows, d), [b * hkv, rows, d], [rows * d, d, 1],
@@ -384,16 +385,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     else:
         ws_m = ws_l = ws_acc = out
         ws_desc = o_desc
-    scan = min(1024, triton.next_power_of_2(hm * tq))
+    scan = min(1024, next_power_of_2(hm * tq))
     with torch.cuda.device(q.device):
         first, hi, count, bits = visible_range(allowed)
-        _attention_kernel[(triton.cdiv(rows, block_q), b * hkv, nc if split else 1)](
+        _attention_kernel[(cdiv(rows, block_q), b * hkv, nc if split else 1)](
             qc, _key_descriptor(kc), _key_descriptor(vc), o_desc, bits, first, hi, count, tq, tk,
             hkv, rep, hm, float(scaling), bits.shape[1], *qc.stride()[:3], ws_m, ws_l, ws_desc,
             b * hq * tq, hq, D=d, BLOCK=_ATT_BLOCK, SCAN=scan, CHUNK=chunk if nc > 1 else 0,
             BLOCK_Q=block_q, SERIAL=serial, num_warps=warps, num_stages=stages)
         if split:
-            _combine_kernel[(triton.cdiv(hq * tq, 16), b)](
+            _combine_kernel[(cdiv(hq * tq, 16), b)](
                 out, first, hi, ws_m, ws_l, ws_acc, tq, tk, hq, hm, nc, b * hq * tq,
                 *out.stride()[:3], D=d, ROWS=16, SCAN=scan, CHUNK=chunk, num_warps=4)
     return out

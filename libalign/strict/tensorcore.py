@@ -44,6 +44,7 @@ from collections.abc import Callable
 import torch
 
 from libalign.errors import ConfigError, DTypeError, ShapeError
+from libalign.kernels.grid import cdiv, next_power_of_2
 
 try:
     import triton
@@ -348,20 +349,23 @@ def _launch_matmul(a, w, out, *, bias=None, a_dec=None, w_dec=None, tiles=None,
     grouped = tiles is not None
     m, k = a.shape
     n = out.shape[1]
-    w3 = w if w.ndim == 3 else w.unsqueeze(0)
+    if w.ndim == 3:
+        s_be, s_bn, s_bk = w.stride()
+    else:  # one expert: the strides of w.unsqueeze(0), without making the view
+        s_bn, s_bk = w.stride()
+        s_be = w.shape[0] * s_bn
     dummy = out
     te, tlo, thi = tiles if grouped else (dummy, dummy, dummy)
-    n_mtiles = te.shape[0] if grouped else triton.cdiv(m, bm)
+    n_mtiles = te.shape[0] if grouped else cdiv(m, bm)
     if n_mtiles == 0 or n == 0:
         return
     wdec = w_dec if w_dec is not None else dummy
     with torch.cuda.device(a.device):
-        _matmul_kernel[(n_mtiles, triton.cdiv(n, bn))](
-            a, w3, out, bias if bias is not None else dummy,
+        _matmul_kernel[(n_mtiles, cdiv(n, bn))](
+            a, w, out, bias if bias is not None else dummy,
             a_dec if a_dec is not None else dummy, wdec, te, tlo, thi,
-            m, n, k, a.stride(0), a.stride(1), w3.stride(0), w3.stride(2), w3.stride(1),
-            out.stride(0), out.stride(1), wdec.stride(0) if w_dec is not None and wdec.ndim == 2
-            else 0,
+            m, n, k, *a.stride(), s_be, s_bk, s_bn, *out.stride(),
+            wdec.stride(0) if w_dec is not None and wdec.ndim == 2 else 0,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUPED=grouped, HAS_BIAS=bias is not None,
             SCALED=a_dec is not None, IEEE=a.dtype == torch.float32,
             num_warps=warps, num_stages=stages)
@@ -408,10 +412,10 @@ def group_tiles(counts: torch.Tensor, rows: int,
     tile never holds two experts' rows. There are ``ceil(rows / bm) + E`` entries, the most
     the counts could need; those past the last real tile are empty (first row = end row)."""
     e = counts.shape[0]
-    total = triton.cdiv(rows, bm) + e
+    total = cdiv(rows, bm) + e
     t = torch.empty((3, total), dtype=torch.int32, device=counts.device)
     if total:
-        e_p2 = max(16, triton.next_power_of_2(e))
+        e_p2 = max(16, next_power_of_2(e))
         with torch.cuda.device(counts.device):
             _tile_table_kernel[(1,)](counts, t[0], t[1], t[2], e, rows, total, BM=bm, E_P2=e_p2,
                                      BLOCK=max(16, min(256, 16384 // e_p2)))
@@ -502,7 +506,7 @@ def sequential_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     rows = moved.reshape(-1, moved.shape[-1]).contiguous()
     out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
     with torch.cuda.device(x.device):
-        _sequential_sum_kernel[(triton.cdiv(rows.shape[0], 256),)](
+        _sequential_sum_kernel[(cdiv(rows.shape[0], 256),)](
                 rows, out, rows.shape[0], rows.shape[1], BLOCK=256)
     return out.reshape(moved.shape[:-1])
 
@@ -529,11 +533,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if not x2.numel():
         return out.reshape(x.shape)
     squares = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
-    block = min(1024, max(16, triton.next_power_of_2(n)))
+    block = min(1024, max(16, next_power_of_2(n)))
     with torch.cuda.device(x.device):
-        _square_kernel[(triton.cdiv(x2.numel(), 1024),)](x2, squares, x2.numel(), BLOCK=1024)
+        _square_kernel[(cdiv(x2.numel(), 1024),)](x2, squares, x2.numel(), BLOCK=1024)
         var = (mean or mean_last)(squares).reshape(-1)
-        _rms_scale_kernel[(x2.shape[0], triton.cdiv(n, block))](
+        _rms_scale_kernel[(x2.shape[0], cdiv(n, block))](
             x2, var.contiguous(), weight.contiguous(), out, n, x2.stride(0), out.stride(0),
             float(eps), BLOCK=block)
     return out.reshape(x.shape)
@@ -563,9 +567,9 @@ def combine_rows(y: torch.Tensor, slot_of: torch.Tensor, weights: torch.Tensor,
     if k == 0:
         return out.zero_()
     yc = y if y.stride(-1) == 1 else y.contiguous()
-    block = min(1024, max(16, triton.next_power_of_2(h)))
+    block = min(1024, max(16, next_power_of_2(h)))
     with torch.cuda.device(y.device):
-        _combine_rows_kernel[(t, triton.cdiv(h, block))](
+        _combine_rows_kernel[(t, cdiv(h, block))](
             yc, slot_of.contiguous(), weights.contiguous(), out, h, yc.stride(0), out.stride(0),
             K=k, BLOCK=block, num_warps=4)
     return out
@@ -596,11 +600,11 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
         if rows > SPLIT_ROWS:
             _log_softmax_kernel[(rows,)](xf, out, xf.stride(0), out.stride(0), n, BLOCK=_CHUNK)
         else:
-            nchunk = triton.cdiv(n, _CHUNK)
+            nchunk = cdiv(n, _CHUNK)
             top = torch.empty((rows, nchunk), dtype=torch.float32, device=x.device)
             sums = torch.empty_like(top)
             grid = (rows, nchunk)
-            p2 = triton.next_power_of_2(nchunk)
+            p2 = next_power_of_2(nchunk)
             _chunk_max_kernel[grid](xf, top, xf.stride(0), n, NCHUNK=nchunk, BLOCK=_CHUNK)
             _chunk_sum_kernel[grid](xf, top, sums, xf.stride(0), n, NCHUNK=nchunk,
                                     NCHUNK_P2=p2, BLOCK=_CHUNK)

@@ -26,6 +26,8 @@ import contextlib
 
 import torch
 
+from libalign.kernels.grid import cdiv
+
 try:
     import triton
     import triton.language as tl
@@ -88,7 +90,7 @@ def kordered_matmul(a: torch.Tensor, w: torch.Tensor, *, zero_init: bool = False
     out = torch.empty((bsz, m, n), dtype=torch.float32, device=a.device)
     if out.numel() and k:
         bm, bn = _blocks(m, n)
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), bsz)
+        grid = (cdiv(m, bm), cdiv(n, bn), bsz)
         on = torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext()
         with on:
             _kordered_kernel[grid](a3, w3, out, m, n, k, *a3.stride(), *w3.stride(), *out.stride(),
