@@ -220,7 +220,9 @@ def _rms(x, w):
 def layer_table(device: torch.device, repeat: int, mode: str) -> dict:
     """One decoder layer at Qwen3-30B-A3B's shapes (embedding, layer, final norm; 4 x 512
     tokens, bf16 and nvfp4_minite experts): normal (sdpa attention, libalign's grouped experts)
-    against strict, timed in alternation."""
+    against strict, timed in alternation, the median of at least 10 forwards each (a
+    host-bound call: a few forwards move the ratio by several percent)."""
+    repeat = max(repeat, 10)
     cfg = models.qwen3_30b_a3b_shaped_config(num_layers=1, vocab_size=4096)
     model = models.build_model(cfg, seed=0, device=device)
     ids = torch.randint(0, 4096, (4, 512), generator=torch.Generator().manual_seed(0)).to(device)
