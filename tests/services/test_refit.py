@@ -518,6 +518,49 @@ def test_filled_buckets_hold_the_packed_buckets_bits(bucket_bytes, stack_bytes, 
         assert b.entries[-1].end_idx == b.nbytes
 
 
+def test_filled_buckets_hold_no_closed_bucket_while_one_is_in_flight(monkeypatch):
+    """Each bucket is yielded before the next is allocated: while the caller holds one (in
+    flight), the producer holds no other filled or packed bucket, so a refit keeps two at most
+    (the one in flight and the one being filled), passed-through tensors included."""
+    import gc
+    import weakref
+
+    from alignd.sync import fill
+
+    made: list[weakref.ref] = []
+    real_init, real_ended = fill._Filler.__init__, fill.ended_buckets
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        made.append(weakref.ref(self.flat))
+
+    def ended(*a, **k):
+        for b, last in real_ended(*a, **k):
+            made.append(weakref.ref(b.flat))
+            yield b, last
+
+    monkeypatch.setattr(fill._Filler, "__init__", init)
+    monkeypatch.setattr(fill, "ended_buckets", ended)
+    g = torch.Generator().manual_seed(4)
+    named = []
+    for layer in range(3):
+        named.append((f"model.layers.{layer}.self_attn.q_proj.weight",
+                      torch.randn(64, 64, generator=g).bfloat16()))
+        named.append((f"model.layers.{layer}.input_layernorm.weight", torch.randn(4000)))
+        named += [(f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight",
+                   torch.randn(32, 64, generator=g).bfloat16()) for e in range(6)]
+    count = 0
+    for bucket, _ in fill.filled_buckets(named, "minite", bucket_bytes=9000):
+        gc.collect()
+        held = bucket.flat.untyped_storage().data_ptr()
+        alive = [r() for r in made if r() is not None]
+        others = [t for t in alive if t.untyped_storage().data_ptr() != held]
+        assert not others, f"bucket {count}: the producer holds {len(others)} more"
+        count += 1
+        del bucket, alive, others
+    assert count > 3
+
+
 def test_a_run_of_views_of_one_tensor_is_stacked_without_a_copy():
     """Per-expert views of one stacked parameter, back to back in memory, stack as a view of
     it; inputs elsewhere (or out of order) are copied into a new stack."""

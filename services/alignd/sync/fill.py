@@ -28,8 +28,8 @@ Memory
     The bucket being filled and its fp32 tail, kept per weight until the bucket closes (4 bytes
     a row: under 1 % of the bucket at K = 768), plus the row maxima of the batch being quantized
     (scratch); the inputs of one batch (at most ``bucket_bytes`` of them) are held until the
-    batch is quantized, and a run's stacked copy (at most :data:`STACK_BYTES`). With the bucket
-    in flight: two buckets.
+    batch is quantized, and stacked copies of runs (at most :data:`STACK_BYTES` at a time). With
+    the bucket in flight: two buckets.
 Passed-through tensors
     Everything not quantized goes to buckets of its own, packed as before.
 
@@ -72,9 +72,10 @@ class _Slot:
     outer: torch.Tensor | None = None  # its rows' decode scales, set when its batch quantizes
 
 
-#: A run of same-shape 2-D weights quantizes as one stack of at most this many input bytes
-#: (the copy that stacks inputs which are not already adjacent in memory).
-STACK_BYTES = 64 << 20
+#: A run of same-shape 2-D weights quantizes as one stack of at most this many input bytes,
+#: and a batch holds at most this many bytes of stacked copies (inputs that are not already
+#: adjacent in memory) before it quantizes them.
+STACK_BYTES = 32 << 20
 
 
 class _Filler:
@@ -109,15 +110,25 @@ class _Filler:
             self.quantize()
 
     def quantize(self) -> None:
-        """Quantize the open batch into its places (one synchronisation). Consecutive 2-D
-        weights of one shape go as one stack (:func:`_runs`): one launch for the run, its
-        codes then its block scales back to back in the run's bytes."""
+        """Quantize the open batch into its places (one synchronisation per
+        :data:`STACK_BYTES` of stacked copies, one for the batch when nothing is copied).
+        Consecutive 2-D weights of one shape go as one stack (:func:`_runs`): one launch for
+        the run, its codes then its block scales back to back in the run's bytes."""
         batch, self.batch, self.batch_bytes = self.batch, [], 0
         if not batch:
             return
-        sources, dests = [], []
+        sources: list[torch.Tensor] = []
+        dests: list[NVFP4Tensor] = []
+        copied = 0
         for run in _runs(batch):
             x0, n = run[0].x, len(run)
+            xs = [s.x for s in run]
+            copy = n > 1 and not _adjacent(xs)
+            nbytes = sum(x.numel() * x.element_size() for x in xs) if copy else 0
+            if sources and copied + nbytes > STACK_BYTES:  # bound the stacked copies held
+                self._quantize_into(sources, dests, batch)
+                sources, dests, copied = [], [], 0
+            copied += nbytes
             lead, k = tuple(x0.shape[:-1]), x0.shape[-1]
             codes, scales, _ = self.sizes(x0)
             start = run[0].codes_at
@@ -126,7 +137,7 @@ class _Filler:
                 s.codes_at, s.scales_at = start + i * codes, start + n * codes + i * scales
                 s.outer = outer[i]
             shape = (n, *lead) if n > 1 else lead
-            sources.append(_stacked([s.x for s in run]) if n > 1 else x0)
+            sources.append(_stacked(xs) if n > 1 else x0)
             dests.append(NVFP4Tensor(
                 codes=self.flat[start:start + n * codes].view(*shape, k // 2),
                 block_scales=self.flat[start + n * codes:start + n * (codes + scales)]
@@ -134,6 +145,9 @@ class _Filler:
                 outer_scale=outer if n > 1 else outer[0], spec=self.spec,
                 shape=(*shape, k), outer_amax=torch.empty(shape, dtype=torch.float32,
                                                           device=self.device)))  # scratch
+        self._quantize_into(sources, dests, batch)
+
+    def _quantize_into(self, sources, dests, batch: list[_Slot]) -> None:
         try:
             quantize_into(sources, dests, self.spec)
         except AlignError as e:
@@ -191,16 +205,21 @@ def _runs(batch: list[_Slot]) -> Iterator[list[_Slot]]:
         yield run
 
 
-def _stacked(xs: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(xs)``, without the copy when the inputs already lie back to back in one
-    storage (a trainer's per-expert views of one stacked parameter)."""
+def _adjacent(xs: list[torch.Tensor]) -> bool:
+    """Whether the contiguous inputs lie back to back, in order, in one storage (a trainer's
+    per-expert views of one stacked parameter)."""
     x0 = xs[0]
-    step = x0.numel()
-    if x0.is_contiguous() and all(
-            x.is_contiguous() and x.untyped_storage().data_ptr() == x0.untyped_storage().data_ptr()
-            and x.data_ptr() == x0.data_ptr() + i * step * x0.element_size()
-            for i, x in enumerate(xs)):
-        return x0.as_strided((len(xs), *x0.shape), (step, *x0.stride()))
+    step = x0.numel() * x0.element_size()
+    base = x0.untyped_storage().data_ptr()
+    return all(x.is_contiguous() and x.untyped_storage().data_ptr() == base
+               and x.data_ptr() == x0.data_ptr() + i * step for i, x in enumerate(xs))
+
+
+def _stacked(xs: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(xs)``, without the copy when the inputs are :func:`_adjacent`."""
+    if _adjacent(xs):
+        x0 = xs[0]
+        return x0.as_strided((len(xs), *x0.shape), (x0.numel(), *x0.stride()))
     return torch.stack(xs)
 
 
@@ -222,7 +241,9 @@ def filled_buckets(named: Iterable[tuple[str, torch.Tensor]], spec: NumericsSpec
                    device: torch.device | str | None = None) -> Iterator[tuple[Bucket, bool]]:
     """The buckets of a refit under a :func:`fills` spec, each with whether it is the last:
     quantized tensors written in place (module doc), the others packed. Bits and names equal
-    :func:`~alignd.sync.stream.quantize_named`'s; its checks and errors apply."""
+    :func:`~alignd.sync.stream.quantize_named`'s; its checks and errors apply. A bucket is
+    yielded as soon as it is closed and before the next is allocated, so a caller that keeps
+    one bucket in flight holds two at most (one being filled)."""
     spec = resolve_spec(spec)
     if not fills(spec):
         raise InputError(f"preset {spec.name!r} keeps no decode scale per row; its buckets are "
@@ -233,28 +254,32 @@ def filled_buckets(named: Iterable[tuple[str, torch.Tensor]], spec: NumericsSpec
     raw: list[tuple[str, torch.Tensor]] = []
     raw_bytes = 0
     filler: _Filler | None = None
-    ready: list[Bucket] = []  # closed, not yet yielded: the last is known one step later
 
-    def emit() -> Iterator[tuple[Bucket, bool]]:
-        while len(ready) > 1:
-            yield ready.pop(0), False
+    def flush_filler(last: bool = False) -> Iterator[tuple[Bucket, bool]]:
+        # yielded before the next bucket is allocated: with the one in flight, two at most
+        nonlocal filler
+        if filler is not None:
+            closed, filler = filler.close(), None
+            yield closed, last
 
-    def close_raw() -> None:
+    def flush_raw(last: bool = False) -> Iterator[tuple[Bucket, bool]]:
         nonlocal raw, raw_bytes
         if raw:
-            ready.extend(b for b, _ in ended_buckets(raw, 1 << 62, device))
-            raw, raw_bytes = [], 0
+            items, raw, raw_bytes = raw, [], 0
+            packed = [b for b, _ in ended_buckets(items, 1 << 62, device)]
+            for i, b in enumerate(packed):
+                yield b, last and i == len(packed) - 1
 
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise DTypeError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
         if not select(name, t):
             n = t.numel() * t.element_size()
-            if raw and raw_bytes + n > bucket_bytes:
-                close_raw()
+            if raw and raw_bytes + n > bucket_bytes:  # the filler goes first: the packed
+                yield from flush_filler()            # bucket is then the only one built
+                yield from flush_raw()
             raw.append((name, t))
             raw_bytes += n
-            yield from emit()
             continue
         if not _fillable(name, t):  # the packing producer's checks and names, for this one
             for q_name, q in quantize_named([(name, t)], spec, bucket_bytes=bucket_bytes):
@@ -263,18 +288,13 @@ def filled_buckets(named: Iterable[tuple[str, torch.Tensor]], spec: NumericsSpec
             continue
         dev = torch.device(device) if device is not None else t.device
         if filler is not None and (filler.device != dev or not filler.fits(t)):
-            ready.append(filler.close())
-            filler = None
+            yield from flush_filler()  # not the last: t follows
         if filler is None:
             codes, scales, rows = _Filler.sizes(t)
             filler = _Filler(spec, max(bucket_bytes, codes + scales + 4 * rows), dev)
         filler.add(name, t.to(dev) if t.device != dev else t, bucket_bytes)
-        yield from emit()
-    if filler is not None:
-        ready.append(filler.close())
-    close_raw()
-    while ready:
-        yield ready.pop(0), not ready
+    yield from flush_filler(last=not raw)
+    yield from flush_raw(last=True)
 
 
 def _fillable(name: str, t: torch.Tensor) -> bool:
