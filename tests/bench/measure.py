@@ -7,6 +7,8 @@ probes (not a benchmark itself: ``python -m tests.bench`` runs the ``bench_*`` m
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import re
 import statistics
 import time
@@ -51,6 +53,18 @@ def host_us(fn: Callable[[], object], calls: int = 200) -> float:
     us = (time.perf_counter() - t) / calls * 1e6
     torch.cuda.synchronize()
     return us
+
+
+def profiled(fn: Callable[[], object], calls: int) -> pstats.Stats:
+    """A ``cProfile`` of ``calls`` back-to-back calls of ``fn`` on a CUDA device (the device
+    synchronised after them, outside the profile): where their host time goes."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    return pstats.Stats(prof)
 
 
 def cuda_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:

@@ -11,15 +11,12 @@ host time is spent in. Run: ``python -m tests.bench.probe_strict_host``.
 
 from __future__ import annotations
 
-import cProfile
-import pstats
-
 import torch
 
 from libalign.strict import attention as strict_attention
 from libalign.strict import tensorcore
 
-from .measure import host_us
+from .measure import host_us, profiled
 
 
 def _rnd(*shape, scale=1.0, seed=0):
@@ -57,14 +54,9 @@ def main() -> None:
         b = host_us(stock) if stock is not None else float("nan")
         print(f"{name:44} {s:10.1f} {b:9.1f} {s / b:6.2f}")
     for name, fn in (("attention", cases[2][1]), ("linear", cases[0][1])):
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(200):
-            fn()
-        prof.disable()
-        torch.cuda.synchronize()
+        stats = profiled(fn, 200)
         print(f"\ncProfile, 200 strict {name} calls (tottime, s):")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+        stats.sort_stats("tottime").print_stats(18)
 
 
 if __name__ == "__main__":

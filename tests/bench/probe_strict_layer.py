@@ -20,8 +20,6 @@ Run: ``python -m tests.bench.probe_strict_layer [--paths bf16 nvfp4_minite]``.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import pstats
 import statistics
 import time
 
@@ -30,6 +28,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from libalign import models
 from libalign.models import strict
+
+from .measure import profiled
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaMemcpy",
@@ -117,13 +117,7 @@ def main(argv: list[str] | None = None) -> None:
                     by_module[(path, on)] = _module_host_ms(model, fn)
                     if on and path == args.paths[0]:
                         keep["prof"] = prof
-                        cp = cProfile.Profile()
-                        cp.enable()
-                        for _ in range(3):
-                            fn()
-                        cp.disable()
-                        torch.cuda.synchronize()
-                        keep["cprofile"] = cp
+                        keep["cprofile"] = profiled(fn, 3)
     models.reset_paths(model)
     for path in args.paths:
         normal, strict_ms = by_module[(path, False)], by_module[(path, True)]
@@ -136,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         print(keep["prof"].key_averages().table(sort_by="self_cpu_time_total", row_limit=20,
                                                 max_name_column_width=60))
         print(f"\ncProfile, 3 strict {args.paths[0]} forwards (tottime, s):")
-        stats = pstats.Stats(keep["cprofile"])
+        stats = keep["cprofile"]
         stats.sort_stats("tottime").print_stats(25)
         print(f"\ncProfile, 3 strict {args.paths[0]} forwards, libalign and the model's code "
               f"by cumulative time:")

@@ -16,9 +16,6 @@ Run: ``python -m tests.bench.profile_gemm [--rows 256] [--calls 300]``.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 
 import torch
 
@@ -26,7 +23,7 @@ from libalign import gemm
 from libalign.gemm.finite_checks import deferred_finite_checks
 from libalign.gemm.triton_grouped import triton_gemm_available, w4a4_grouped_triton
 
-from .measure import host_us
+from .measure import host_us, profiled
 
 
 def _cell(name: str, k: int, n: int, args, tk) -> None:
@@ -59,16 +56,8 @@ def _cell(name: str, k: int, n: int, args, tk) -> None:
     with torch.no_grad(), deferred_finite_checks():
         for label, fn in runs.items():
             print(f"  {label:<34}{host_us(fn, args.calls):>9.1f}", flush=True)
-        prof = cProfile.Profile()
-        fn = runs["grouped_linear, deferred check"]
-        prof.enable()
-        for _ in range(args.calls):
-            fn()
-        prof.disable()
-        torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
-    print(buf.getvalue())
+        stats = profiled(runs["grouped_linear, deferred check"], args.calls)
+    stats.sort_stats("tottime").print_stats(22)
 
 
 def main(argv: list[str] | None = None) -> int:
