@@ -564,17 +564,20 @@ def test_filled_buckets_hold_no_closed_bucket_while_one_is_in_flight(monkeypatch
 def test_a_run_of_views_of_one_tensor_is_stacked_without_a_copy():
     """Per-expert views of one stacked parameter, back to back in memory, stack as a view of
     it; inputs elsewhere (or out of order) are copied into a new stack."""
-    from alignd.sync.fill import _stacked
+    from alignd.sync.fill import _adjacent, _stacked
+
+    def stacked(xs):
+        return _stacked(xs, _adjacent(xs))
 
     base = torch.randn(4, 8, 64)
-    viewed = _stacked([base[e] for e in range(4)])
+    viewed = stacked([base[e] for e in range(4)])
     assert viewed.data_ptr() == base.data_ptr() and torch.equal(viewed, base)
-    part = _stacked([base[e] for e in (1, 2, 3)])
+    part = stacked([base[e] for e in (1, 2, 3)])
     assert part.data_ptr() == base[1].data_ptr() and torch.equal(part, base[1:])
-    shuffled = _stacked([base[e] for e in (0, 2, 1)])
+    shuffled = stacked([base[e] for e in (0, 2, 1)])
     assert shuffled.data_ptr() != base.data_ptr() and torch.equal(shuffled, base[[0, 2, 1]])
     apart = [torch.randn(8, 64) for _ in range(3)]
-    assert torch.equal(_stacked(apart), torch.stack(apart))
+    assert not _adjacent(apart) and torch.equal(stacked(apart), torch.stack(apart))
 
 
 def test_filled_buckets_name_a_non_finite_tensor():

@@ -123,8 +123,8 @@ class _Filler:
         for run in _runs(batch):
             x0, n = run[0].x, len(run)
             xs = [s.x for s in run]
-            copy = n > 1 and not _adjacent(xs)
-            nbytes = sum(x.numel() * x.element_size() for x in xs) if copy else 0
+            adjacent = n == 1 or _adjacent(xs)
+            nbytes = 0 if adjacent else sum(x.numel() * x.element_size() for x in xs)
             if sources and copied + nbytes > STACK_BYTES:  # bound the stacked copies held
                 self._quantize_into(sources, dests, batch)
                 sources, dests, copied = [], [], 0
@@ -137,7 +137,7 @@ class _Filler:
                 s.codes_at, s.scales_at = start + i * codes, start + n * codes + i * scales
                 s.outer = outer[i]
             shape = (n, *lead) if n > 1 else lead
-            sources.append(_stacked(xs) if n > 1 else x0)
+            sources.append(x0 if n == 1 else _stacked(xs, adjacent))
             dests.append(NVFP4Tensor(
                 codes=self.flat[start:start + n * codes].view(*shape, k // 2),
                 block_scales=self.flat[start + n * codes:start + n * (codes + scales)]
@@ -215,9 +215,10 @@ def _adjacent(xs: list[torch.Tensor]) -> bool:
                and x.data_ptr() == x0.data_ptr() + i * step for i, x in enumerate(xs))
 
 
-def _stacked(xs: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(xs)``, without the copy when the inputs are :func:`_adjacent`."""
-    if _adjacent(xs):
+def _stacked(xs: list[torch.Tensor], adjacent: bool) -> torch.Tensor:
+    """``torch.stack(xs)``, without the copy when the inputs are ``adjacent``
+    (:func:`_adjacent`)."""
+    if adjacent:
         x0 = xs[0]
         return x0.as_strided((len(xs), *x0.shape), (x0.numel(), *x0.stride()))
     return torch.stack(xs)
