@@ -506,8 +506,8 @@ def sequential_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     rows = moved.reshape(-1, moved.shape[-1]).contiguous()
     out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
     with torch.cuda.device(x.device):
-        _sequential_sum_kernel[(cdiv(rows.shape[0], 256),)](
-                rows, out, rows.shape[0], rows.shape[1], BLOCK=256)
+        _sequential_sum_kernel[(cdiv(rows.shape[0], 256),)](rows, out, rows.shape[0],
+                                                             rows.shape[1], BLOCK=256)
     return out.reshape(moved.shape[:-1])
 
 
@@ -562,9 +562,7 @@ def combine_rows(y: torch.Tensor, slot_of: torch.Tensor, weights: torch.Tensor,
                          "weights [T, k] on one device)")
     h = y.shape[1]
     out = torch.empty((t, h), dtype=out_dtype, device=y.device)
-    if not out.numel():
-        return out.zero_() if k == 0 else out
-    if k == 0:
+    if not out.numel() or k == 0:  # no slots: every token's sum is 0
         return out.zero_()
     yc = y if y.stride(-1) == 1 else y.contiguous()
     block = min(1024, max(16, next_power_of_2(h)))
