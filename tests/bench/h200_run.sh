@@ -67,7 +67,7 @@ for s in "$@"; do
     gemmprobe) stage gemmprobe "${T_PROBE:-60}" python3 -m tests.bench.profile_gemm ;;
     recipes) stage recipes "${T_RECIPES:-90}" python3 -m tests.bench spec -- --recipes \
                --device cuda --json "$OUT/recipes.json" ;;
-    tiles) stage tiles "${T_TILES:-150}" python3 -m tests.bench.probe_strict_tiles ;;
+    tiles) stage tiles "${T_TILES:-150}" python3 -m tests.bench.probe_strict_tiles ${TILES_ARGS:-} ;;
     host) stage host "${T_HOST:-60}" python3 -m tests.bench.probe_strict_host ;;
     layer) stage layer "${T_LAYER:-120}" python3 -m tests.bench.probe_strict_layer ;;
     fill) stage fill "${T_FILL:-90}" python3 -m tests.bench.probe_fill_host --device cuda \

@@ -7,10 +7,14 @@ as the baseline; then attention's decode (8 x 32/4 heads, 1024 keys) and prefill
 tokens) times per (warps, stages, key chunk, query rows[, chunks walked by one program])
 against PyTorch's SDPA, and whether each gives the default settings' bits. It informs the
 choice of ``SMALL_CONFIGS`` and the attention settings; the tests check the bits.
-Run: ``python -m tests.bench.probe_strict_tiles``.
+Run: ``python -m tests.bench.probe_strict_tiles`` (``--attention``: the attention rows only,
+under the settings the kernel runs by default and their neighbours).
 """
 
 from __future__ import annotations
+
+import argparse
+import os
 
 import torch
 
@@ -25,11 +29,28 @@ def _rnd(*shape, scale=1.0, seed=0):
     return (torch.randn(*shape, generator=g) * scale).to("cuda", torch.bfloat16)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m tests.bench.probe_strict_tiles")
+    ap.add_argument("--attention", action="store_true",
+                    help="time attention only (the default settings and their neighbours)")
+    ap.add_argument("--bits", metavar="FILE",
+                    help="attention's default outputs: saved to FILE when it does not exist, "
+                         "else compared with it (another commit's bits)")
+    args = ap.parse_args(argv)
+    only_attention = args.attention
+    print(f"device: {torch.cuda.get_device_name()}")
+    if not only_attention:
+        _products()
+    _attention(only_attention, args.bits)
+    if not only_attention:
+        _profile_layer()
+
+
+def _products() -> None:
+    """The strict products under each candidate tile shape against cuBLAS."""
     big = tensorcore.CONFIGS[torch.bfloat16]
     cands = [big, (64, 64, 64, 4, 4), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 32, 64, 4, 4),
              (64, 128, 64, 4, 4), (128, 64, 64, 8, 3), (64, 256, 64, 8, 3), (128, 256, 64, 8, 3)]
-    print(f"device: {torch.cuda.get_device_name()}")
     print(f"{'product':22} {'rows':>5} {'cuBLAS ms':>10} " + " ".join(
         f"{'x'.join(map(str, c[:3]))}/{c[3]}w{c[4]}s".rjust(18) for c in cands))
     for name, n in (("linear 2048x2048", 2048), ("expert 1536x2048", 1536),
@@ -45,6 +66,10 @@ def main() -> None:
                 same = torch.equal(tensorcore.matmul(x, w, config=c), ref)
                 cells.append(f"{ms:.4f} {ms / base:5.2f}x {'=' if same else '!'}".rjust(18))
             print(f"{name:22} {m:5d} {base:10.4f} " + " ".join(cells))
+
+
+def _attention(short: bool, bits: str | None) -> None:
+    """Decode and prefill attention under each setting against SDPA, and the bits."""
     q, k, v = _rnd(8, 32, 1, 128), _rnd(8, 4, 1024, 128), _rnd(8, 4, 1024, 128)
     seen = torch.ones(8, 1, 1, 1024, dtype=torch.bool, device="cuda")
     qp, kp, vp = _rnd(4, 32, 512, 128), _rnd(4, 4, 512, 128), _rnd(4, 4, 512, 128)
@@ -56,10 +81,20 @@ def main() -> None:
     print(f"\nattention: SDPA decode {sdpa_d:.4f} ms, prefill {sdpa_p:.4f} ms")
     ref_d = strict_attention.attention(q, k, v, seen, 128 ** -0.5)
     ref_p = strict_attention.attention(qp, kp, vp, causal, 128 ** -0.5)
-    for cfg in ((4, 3, 256, 64, False), (8, 3, 256, 64, False), (8, 3, 256, 128, False),
-                (8, 3, 256, 128, True), (8, 3, 256, 64, True), (8, 2, 256, 128, True),
-                (4, 3, 256, 64, True), (8, 3, 0, 128), (8, 3, 0, 64), (8, 3, 512, 128, True),
-                (4, 3, 256, 32, False)):
+    if bits and os.path.exists(bits):
+        saved = torch.load(bits)
+        print(f"default bits as {bits}: decode {torch.equal(saved['decode'].cuda(), ref_d)}, "
+              f"prefill {torch.equal(saved['prefill'].cuda(), ref_p)}")
+    elif bits:
+        torch.save({"decode": ref_d.cpu(), "prefill": ref_p.cpu()}, bits)
+    cfgs = ((4, 3, 256, 64, False), (8, 3, 256, 64, False), (8, 3, 256, 128, False),
+            (8, 3, 256, 128, True), (8, 3, 256, 64, True), (8, 2, 256, 128, True),
+            (4, 3, 256, 64, True), (8, 3, 0, 128), (8, 3, 0, 64), (8, 3, 512, 128, True),
+            (4, 3, 256, 32, False))
+    if short:
+        cfgs = ((4, 3, 256, 64, False), (8, 3, 256, 128, True), (8, 2, 256, 128, True),
+                (8, 4, 256, 128, True), (4, 3, 256, 64, True), (8, 3, 256, 64, True))
+    for cfg in cfgs:
         same = (torch.equal(strict_attention.attention(q, k, v, seen, 128 ** -0.5, config=cfg), ref_d),
                 torch.equal(strict_attention.attention(qp, kp, vp, causal, 128 ** -0.5, config=cfg),
                             ref_p))
@@ -73,7 +108,6 @@ def main() -> None:
               f"default: {same}")
     vr = graph_ms(lambda: strict_attention.visible_range(causal), 30)
     print(f"visible_range of the prefill mask: {vr:.4f} ms")
-    _profile_layer()
 
 
 def _profile_layer() -> None:
