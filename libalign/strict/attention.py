@@ -158,6 +158,35 @@ if triton is not None:
                 tl.where(use[:, None], out_n, out))
 
     @triton.jit
+    def _chunks_walked(q, k_desc, v_desc, b, hk, base, stop, scaling, lo_r, his, brow, chunks,
+                       D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       CHUNK: tl.constexpr, MASKED: tl.constexpr):
+        """Every key block from ``base`` to ``stop`` in one loop (one software pipeline of
+        key loads across chunk boundaries), each chunk's state folded in when its last block
+        is done and then started fresh: the arithmetic of a loop per chunk, in the same
+        order. Returns the rows' folded sums and outputs."""
+        top = tl.full((BLOCK_Q,), -float("inf"), tl.float32)
+        total = tl.zeros((BLOCK_Q,), tl.float32)
+        out = tl.zeros((BLOCK_Q, D), tl.float32)
+        m_i = tl.full((BLOCK_Q,), -float("inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_Q,), tl.float32)
+        acc = tl.zeros((BLOCK_Q, D), tl.float32)
+        n_blocks = tl.maximum(stop - base + BLOCK - 1, 0) // BLOCK
+        for j in range(0, n_blocks):
+            # a chunk's first block starts from the fresh state (selected, not branched to:
+            # the accumulator stays in the tensor-core pipeline)
+            fresh = j % (CHUNK // BLOCK) == 0
+            m_i = tl.where(fresh, -float("inf"), m_i)
+            l_i = tl.where(fresh, 0.0, l_i)
+            acc = tl.where(fresh, 0.0, acc)
+            m_i, l_i, acc = _key_block(q, k_desc, v_desc, b, hk, base + j * BLOCK, scaling, lo_r,
+                                       his, brow, m_i, l_i, acc, D, BLOCK, MASKED)
+            if ((j + 1) % (CHUNK // BLOCK) == 0) | (j == n_blocks - 1):
+                top, total, out = _fold(top, total, out, m_i, l_i, acc, j // (CHUNK // BLOCK)
+                                        < chunks)
+        return total, out
+
+    @triton.jit
     def _normalised(out, total):
         """Rows' outputs over their softmax sums (zeros for a row that saw no key)."""
         return tl.where(total[:, None] > 0, out / tl.where(total > 0, total, 1.0)[:, None], 0.0)
@@ -212,15 +241,14 @@ if triton is not None:
             _store_tile(o_desc, bk, pid_v, acc, l_i, D, BLOCK_Q)
         elif SERIAL:
             chunks = _chunk_count(his, base, CHUNK)
-            top = tl.full((BLOCK_Q,), -float("inf"), tl.float32)
-            total = tl.zeros((BLOCK_Q,), tl.float32)
-            out = tl.zeros((BLOCK_Q, D), tl.float32)
-            for c in range(0, tl.max(chunks)):
-                lo = base + c * CHUNK
-                m_c, l_c, acc_c = _key_range(q, k_desc, v_desc, b, hk, lo,
-                                             tl.minimum(lo + CHUNK, stop), scaling, lo_r, his,
-                                             brow, all_span, D, BLOCK, BLOCK_Q)
-                top, total, out = _fold(top, total, out, m_c, l_c, acc_c, c < chunks)
+            if all_span:
+                total, out = _chunks_walked(q, k_desc, v_desc, b, hk, base, stop, scaling,
+                                                 lo_r, his, brow, chunks, D, BLOCK, BLOCK_Q,
+                                                 CHUNK, False)
+            else:
+                total, out = _chunks_walked(q, k_desc, v_desc, b, hk, base, stop, scaling,
+                                                 lo_r, his, brow, chunks, D, BLOCK, BLOCK_Q,
+                                                 CHUNK, True)
             _store_tile(o_desc, bk, pid_v, out, total, D, BLOCK_Q)
         else:
             c = tl.program_id(2)
