@@ -23,9 +23,11 @@ depends on the call's size):
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from libalign.errors import DTypeError, ShapeError
+from libalign.errors import DTypeError, InputError, ShapeError
 from libalign.kernels.grid import cdiv, next_power_of_2
 from libalign.strict.tensorcore import require
 
@@ -40,6 +42,9 @@ __all__ = ["ATTENTION_CONFIG", "ATTENTION_CONFIG_LARGE", "attention", "attention
            "visible_range"]
 
 _ATT_BLOCK = 64  # keys per step
+#: :func:`visible_range`'s program: mask elements it reads at once (rows of ``Tk`` keys, a power
+#: of two of them) and warps.
+VISIBLE_TILE = (2048, 4)
 
 
 def _tma_ready(x: torch.Tensor) -> torch.Tensor:
@@ -55,30 +60,36 @@ def _tma_ready(x: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _visible_kernel(mask_ptr, first_ptr, hi_ptr, count_ptr, bits_ptr, Tk, W, s_mr,
-                        BLOCK: tl.constexpr):
-        # program r: mask row r's first visible key (Tk when none), last visible key + 1 (0
-        # when none), number of visible keys, all exact whatever the chunking, and the row
-        # packed 64 keys a word (key j is bit j % 64 of word j // 64; W - 1 words, then a
-        # zero word that a block straddling the row's end reads)
-        r = tl.program_id(0).to(tl.int64)
-        first = Tk
-        hi = Tk * 0
-        count = Tk * 0
+    def _visible_kernel(mask_ptr, first_ptr, hi_ptr, count_ptr, bits_ptr, R, Tk, W, s_mr,
+                        ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        # program p: mask rows p * ROWS .. + ROWS; for each, its first visible key (Tk when
+        # none), last visible key + 1 (0 when none), number of visible keys, all exact whatever
+        # the chunking, and the row packed 64 keys a word (key j is bit j % 64 of word j // 64;
+        # W - 2 words, then two zero words that a block straddling the row's end reads)
+        r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        r_ok = r < R
+        first = tl.zeros((ROWS,), tl.int32) + Tk
+        hi = tl.zeros((ROWS,), tl.int32)
+        count = tl.zeros((ROWS,), tl.int32)
         bit = tl.arange(0, 64).to(tl.int64)
         for start in range(0, Tk, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            seen = tl.load(mask_ptr + r * s_mr + offs, mask=offs < Tk, other=0) != 0
-            first = tl.minimum(first, tl.min(tl.where(seen, offs, Tk)))
-            hi = tl.maximum(hi, tl.max(tl.where(seen, offs + 1, 0)))
-            count += tl.sum(seen.to(tl.int32))
-            words = tl.sum(tl.reshape(seen.to(tl.int64), (BLOCK // 64, 64)) << bit[None, :], 1)
+            seen = tl.load(mask_ptr + r[:, None] * s_mr + offs[None, :],
+                           mask=r_ok[:, None] & (offs[None, :] < Tk), other=0) != 0
+            first = tl.minimum(first, tl.min(tl.where(seen, offs[None, :], Tk), 1))
+            hi = tl.maximum(hi, tl.max(tl.where(seen, offs[None, :] + 1, 0), 1))
+            count += tl.sum(seen.to(tl.int32), 1)
+            words = tl.sum(tl.reshape(seen.to(tl.int64), (ROWS, BLOCK // 64, 64))
+                           << bit[None, None, :], 2)
             w = start // 64 + tl.arange(0, BLOCK // 64)
-            tl.store(bits_ptr + r * W + w, words, mask=w < W - 1)
-        tl.store(bits_ptr + r * W + W - 1, tl.zeros((), tl.int64))
-        tl.store(first_ptr + r, first)
-        tl.store(hi_ptr + r, hi)
-        tl.store(count_ptr + r, count)
+            tl.store(bits_ptr + r[:, None] * W + w[None, :], words,
+                     mask=r_ok[:, None] & (w[None, :] < W - 2))
+        zero = tl.zeros((ROWS,), tl.int64)
+        tl.store(bits_ptr + r * W + W - 2, zero, mask=r_ok)
+        tl.store(bits_ptr + r * W + W - 1, zero, mask=r_ok)
+        tl.store(first_ptr + r, first, mask=r_ok)
+        tl.store(hi_ptr + r, hi, mask=r_ok)
+        tl.store(count_ptr + r, count, mask=r_ok)
 
     @triton.jit
     def _sequence_base(first_ptr, b, Tk, HM, Tq, SCAN: tl.constexpr):
@@ -101,24 +112,35 @@ if triton is not None:
                    D: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
         """One block of ``BLOCK`` (64) keys from ``start`` into a tile's online softmax:
         scores, the rows' visibility (their key interval; with ``MASKED``, the packed mask
-        bits of the rows, words ``brow``), then ``m``, ``l`` and the output rescaled."""
+        bits of the rows, words ``brow``), then ``m``, ``l`` and the output rescaled.
+        ``scaling`` is the softmax scale times log2(e): ``m`` is kept in base-2 units, and a
+        probability is ``2 ** fma(score, scaling, -m)``, one fused step from the raw product
+        (the scale's multiply, the shift and the exponential's change of base in one)."""
         offs_k = start + tl.arange(0, BLOCK)
         k = tl.reshape(k_desc.load([b, hk, start, 0]), (BLOCK, D))  # zeros past Tk
-        s = tl.dot(q, tl.trans(k)) * scaling
-        if MASKED:  # the 64 bits from key `start` on: the end of one word, the start of the next
+        s = tl.dot(q, tl.trans(k))
+        if MASKED:  # each 64 bits from key `start` on: the end of one word, the start of the next
             first = tl.full((), 0, tl.int32) + start  # a tensor even where start is an int
             sh = (first % 64).to(tl.uint64)
             w0 = tl.load(brow + first // 64).to(tl.uint64, bitcast=True)
             w1 = tl.load(brow + first // 64 + 1).to(tl.uint64, bitcast=True)
             word = (w0 >> sh) | tl.where(sh == 0, 0, w1 << ((64 - sh) % 64))
-            seen = ((word[:, None] >> tl.arange(0, BLOCK).to(tl.uint64)[None, :]) & 1) != 0
+            j = tl.arange(0, BLOCK).to(tl.uint64)
+            if BLOCK == 128:  # keys 64..127 of the block: the next word's pair
+                w2 = tl.load(brow + first // 64 + 2).to(tl.uint64, bitcast=True)
+                word2 = (w1 >> sh) | tl.where(sh == 0, 0, w2 << ((64 - sh) % 64))
+                bit = tl.where(j[None, :] < 64, word[:, None] >> (j[None, :] % 64),
+                               word2[:, None] >> (j[None, :] % 64))
+            else:
+                bit = word[:, None] >> j[None, :]
+            seen = (bit & 1) != 0
         else:
             seen = (offs_k[None, :] >= lo_r[:, None]) & (offs_k[None, :] < his[:, None])
         s = tl.where(seen, s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * scaling)  # the scale is positive: max commutes
         shift = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - shift)
-        p = tl.exp(s - shift[:, None])
+        alpha = tl.exp2(m_i - shift)
+        p = tl.exp2(tl.fma(s, scaling, -shift[:, None]))
         l_i = l_i * alpha + tl.sum(p, 1)
         vv = tl.reshape(v_desc.load([b, hk, start, 0]), (BLOCK, D))
         acc = acc * alpha[:, None] + tl.dot(p.to(vv.dtype), vv)
@@ -146,12 +168,12 @@ if triton is not None:
     def _fold(top, total, out, m_c, l_c, acc_c, use):
         """Chunk ``c``'s (max, sum, output) folded into the rows' running (max, sum, output)
         where ``use``: both rescaled to the new maximum, the products added by explicit fused
-        multiply-adds (so every kernel that folds rounds alike). From (-inf, 0, 0) the first
-        chunk's state comes out exactly."""
+        multiply-adds (so every kernel that folds rounds alike). Maxima are in base-2 units
+        (:func:`_key_block`). From (-inf, 0, 0) the first chunk's state comes out exactly."""
         new = tl.maximum(top, m_c)
         shift = tl.where(new == -float("inf"), 0.0, new)
-        keep = tl.exp(top - shift)
-        take = tl.exp(m_c - shift)
+        keep = tl.exp2(top - shift)
+        take = tl.exp2(m_c - shift)
         total_n = tl.fma(l_c, take, total * keep)
         out_n = tl.fma(acc_c, take[:, None], out * keep[:, None])
         return (tl.where(use, new, top), tl.where(use, total_n, total),
@@ -335,21 +357,24 @@ def visible_range(allowed: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's first visible key (``Tk`` when none), last visible key + 1 (0 when none) and
     number of visible keys, of a boolean mask ``[B, Hm, Tq, Tk]``: int32 ``[B, Hm, Tq]`` each;
-    and the mask packed 64 keys a word, int64 ``[B * Hm * Tq, ceil(Tk / 64) + 1]`` (key ``j``
-    is bit ``j % 64`` of word ``j // 64``; the last word is zero). One launch. A row whose
-    count is ``hi - first`` sees one interval of keys."""
+    and the mask packed 64 keys a word, int64 ``[B * Hm * Tq, ceil(Tk / 64) + 2]`` (key ``j``
+    is bit ``j % 64`` of word ``j // 64``; the last two words are zero). One launch, a program
+    taking :data:`VISIBLE_TILE` mask elements' worth of rows. A row whose count is
+    ``hi - first`` sees one interval of keys."""
     b, hm, tq, tk = allowed.shape
-    rows = allowed.reshape(b * hm * tq, tk)
+    n = b * hm * tq
+    rows = allowed.reshape(n, tk)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     first = torch.empty((b, hm, tq), dtype=torch.int32, device=allowed.device)
     hi, count = torch.empty_like(first), torch.empty_like(first)
-    bits = torch.empty((b * hm * tq, cdiv(tk, 64) + 1), dtype=torch.int64,
-                       device=allowed.device)
+    bits = torch.empty((n, cdiv(tk, 64) + 2), dtype=torch.int64, device=allowed.device)
     if first.numel() and tk:
-        _visible_kernel[(b * hm * tq,)](rows.view(torch.uint8), first, hi, count, bits, tk,
-                                        bits.shape[1], rows.stride(0),
-                                        BLOCK=max(64, min(1024, next_power_of_2(tk))))
+        block = max(64, min(1024, next_power_of_2(tk)))
+        per = max(1, min(next_power_of_2(n), VISIBLE_TILE[0] // block))
+        _visible_kernel[(cdiv(n, per),)](rows.view(torch.uint8), first, hi, count, bits, n, tk,
+                                         bits.shape[1], rows.stride(0), ROWS=per, BLOCK=block,
+                                         num_warps=VISIBLE_TILE[1])
     elif first.numel():
         for t in (first, hi, count, bits):
             t.fill_(0)
@@ -378,6 +403,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     if d not in (16, 32, 64, 128, 256):
         raise ShapeError(f"strict attention: head dimension {d} (the kernel takes 16, 32, 64, "
                          "128 or 256)")
+    if not (math.isfinite(scaling) and scaling > 0):
+        raise InputError(f"strict attention: softmax scale {scaling!r} (a positive finite number)")
     tk = k.shape[2]
     if allowed.shape[0] != b or allowed.shape[1] not in (1, hq) or allowed.shape[2] != tq \
             or allowed.shape[3] != tk or allowed.dtype != torch.bool:
@@ -414,11 +441,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
         ws_m = ws_l = ws_acc = out
         ws_desc = o_desc
     scan = min(1024, next_power_of_2(hm * tq))
+    base2_scale = float(scaling) * math.log2(math.e)  # scores in base-2 units (_key_block)
     with torch.cuda.device(q.device):
         first, hi, count, bits = visible_range(allowed)
         _attention_kernel[(cdiv(rows, block_q), b * hkv, nc if split else 1)](
             qc, _key_descriptor(kc), _key_descriptor(vc), o_desc, bits, first, hi, count, tq, tk,
-            hkv, rep, hm, float(scaling), bits.shape[1], *qc.stride()[:3], ws_m, ws_l, ws_desc,
+            hkv, rep, hm, base2_scale, bits.shape[1], *qc.stride()[:3], ws_m, ws_l, ws_desc,
             b * hq * tq, hq, D=d, BLOCK=_ATT_BLOCK, SCAN=scan, CHUNK=chunk if nc > 1 else 0,
             BLOCK_Q=block_q, SERIAL=serial, num_warps=warps, num_stages=stages)
         if split:

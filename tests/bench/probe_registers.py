@@ -60,8 +60,8 @@ def report(fn, types: dict[str, str], constexprs: dict, aligned: tuple[str, ...]
 
 def main() -> None:
     d = 128
-    att = dict(q_ptr="*bf16", k_desc=f"tensordesc<bf16[1,1,64,{d}]>",
-               v_desc=f"tensordesc<bf16[1,1,64,{d}]>", bits_ptr="*i64", first_ptr="*i32",
+    att = dict(q_ptr="*bf16", k_desc=f"tensordesc<bf16[1,1,{attention._ATT_BLOCK},{d}]>",
+               v_desc=f"tensordesc<bf16[1,1,{attention._ATT_BLOCK},{d}]>", bits_ptr="*i64", first_ptr="*i32",
                hi_ptr="*i32", count_ptr="*i32", Tq="i32", Tk="i32", HKV="i32", REP="i32",
                HM="i32", scaling="fp32", W="i32", s_qb="i32", s_qh="i32", s_qt="i32",
                ws_m_ptr="*fp32", ws_l_ptr="*fp32", R="i32", HQ="i32")
@@ -73,7 +73,7 @@ def main() -> None:
             ("prefill", attention.ATTENTION_CONFIG_LARGE)):
         types = dict(att, o_desc=f"tensordesc<bf16[1,{rows},{d}]>",
                      ws_desc=f"tensordesc<fp32[1,1,{rows},{d}]>")
-        consts = dict(D=d, BLOCK=64, SCAN=512, CHUNK=chunk, BLOCK_Q=rows, SERIAL=serial)
+        consts = dict(D=d, BLOCK=attention._ATT_BLOCK, SCAN=512, CHUNK=chunk, BLOCK_Q=rows, SERIAL=serial)
         print(f"  {label:12} {warps} warps, {rows} rows: "
               f"{report(attention._attention_kernel, types, consts, aligned, warps, stages)}")
     mm = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", bias_ptr="*bf16", adec_ptr="*fp32",

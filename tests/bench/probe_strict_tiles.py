@@ -93,7 +93,8 @@ def _attention(short: bool, bits: str | None) -> None:
             (4, 3, 256, 32, False))
     if short:
         cfgs = ((4, 3, 256, 64, False), (8, 3, 256, 128, True), (8, 2, 256, 128, True),
-                (8, 4, 256, 128, True), (4, 3, 256, 64, True), (8, 3, 256, 64, True))
+                (8, 4, 256, 128, True), (4, 3, 256, 64, True), (4, 2, 256, 64, True),
+                (8, 3, 256, 64, True))
     for cfg in cfgs:
         same = (torch.equal(strict_attention.attention(q, k, v, seen, 128 ** -0.5, config=cfg), ref_d),
                 torch.equal(strict_attention.attention(qp, kp, vp, causal, 128 ** -0.5, config=cfg),
@@ -107,7 +108,20 @@ def _attention(short: bool, bits: str | None) -> None:
               f"({d / sdpa_d:.2f}x), prefill {p:.4f} ms ({p / sdpa_p:.2f}x); bits as the "
               f"default: {same}")
     vr = graph_ms(lambda: strict_attention.visible_range(causal), 30)
-    print(f"visible_range of the prefill mask: {vr:.4f} ms")
+    print(f"visible_range of the prefill mask: {vr:.4f} ms (program tile "
+          f"{strict_attention.VISIBLE_TILE})")
+    default, want = strict_attention.VISIBLE_TILE, strict_attention.visible_range(causal)
+    for tile in ((512, 4), (1024, 4), (4096, 4), (8192, 8), (512, 1), (1024, 2), (2048, 2)):
+        strict_attention.VISIBLE_TILE = tile
+        try:
+            same = all(torch.equal(a, b) for a, b in zip(strict_attention.visible_range(causal),
+                                                         want, strict=True))
+            vr = graph_ms(lambda: strict_attention.visible_range(causal), 30)
+            dec = graph_ms(lambda: strict_attention.visible_range(seen), 30)
+            print(f"  tile {tile}: prefill mask {vr:.4f} ms, decode mask {dec:.4f} ms, "
+                  f"same: {same}")
+        finally:
+            strict_attention.VISIBLE_TILE = default
 
 
 def _profile_layer() -> None:
