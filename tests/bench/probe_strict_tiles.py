@@ -96,17 +96,10 @@ def _attention(short: bool, bits: str | None) -> None:
                 (8, 4, 256, 128, True), (4, 3, 256, 64, True), (4, 2, 256, 64, True),
                 (8, 3, 256, 64, True))
     for cfg in cfgs:
-        same = (torch.equal(strict_attention.attention(q, k, v, seen, 128 ** -0.5, config=cfg), ref_d),
-                torch.equal(strict_attention.attention(qp, kp, vp, causal, 128 ** -0.5, config=cfg),
-                            ref_p))
-        d = graph_ms(lambda c=cfg: strict_attention.attention(q, k, v, seen, 128 ** -0.5, config=c), 30)
-        p = graph_ms(lambda c=cfg: strict_attention.attention(qp, kp, vp, causal, 128 ** -0.5,
-                                                        config=c), 30)
-        mode = "" if len(cfg) < 5 else (" serial" if cfg[4] else " split")
-        print(f"warps {cfg[0]} stages {cfg[1]} key chunk {cfg[2]} query rows {cfg[3]}{mode}: "
-              f"decode {d:.4f} ms "
-              f"({d / sdpa_d:.2f}x), prefill {p:.4f} ms ({p / sdpa_p:.2f}x); bits as the "
-              f"default: {same}")
+        try:
+            _setting(cfg, q, k, v, seen, qp, kp, vp, causal, ref_d, ref_p, sdpa_d, sdpa_p)
+        except Exception as e:  # a setting this card cannot run (shared memory): say so, go on
+            print(f"setting {cfg}: {type(e).__name__}: {str(e)[:160]}")
     vr = graph_ms(lambda: strict_attention.visible_range(causal), 30)
     print(f"visible_range of the prefill mask: {vr:.4f} ms (program tile "
           f"{strict_attention.VISIBLE_TILE})")
@@ -122,6 +115,21 @@ def _attention(short: bool, bits: str | None) -> None:
                   f"same: {same}")
         finally:
             strict_attention.VISIBLE_TILE = default
+
+
+def _setting(cfg, q, k, v, seen, qp, kp, vp, causal, ref_d, ref_p, sdpa_d, sdpa_p) -> None:
+    """One attention setting's decode and prefill times and whether it gives the default bits."""
+    same = (torch.equal(strict_attention.attention(q, k, v, seen, 128 ** -0.5, config=cfg), ref_d),
+            torch.equal(strict_attention.attention(qp, kp, vp, causal, 128 ** -0.5, config=cfg),
+                        ref_p))
+    d = graph_ms(lambda c=cfg: strict_attention.attention(q, k, v, seen, 128 ** -0.5, config=c), 30)
+    p = graph_ms(lambda c=cfg: strict_attention.attention(qp, kp, vp, causal, 128 ** -0.5,
+                                                    config=c), 30)
+    mode = "" if len(cfg) < 5 else (" serial" if cfg[4] else " split")
+    print(f"warps {cfg[0]} stages {cfg[1]} key chunk {cfg[2]} query rows {cfg[3]}{mode}: "
+          f"decode {d:.4f} ms "
+          f"({d / sdpa_d:.2f}x), prefill {p:.4f} ms ({p / sdpa_p:.2f}x); bits as the "
+          f"default: {same}")
 
 
 def _profile_layer() -> None:
