@@ -333,12 +333,12 @@ if triton is not None:
 #: step runs each chunk on its own program (many programs for a long cache). Keys are always
 #: walked in blocks of 64.
 ATTENTION_CONFIG = (4, 3, 256, 64, False)
-#: The same for larger calls (a prefill): 128 query rows a program on 8 warps, each program
-#: walking its rows' chunks itself (no partial results written). Tiles of 64 and 128 rows, on
-#: 4 or 8 warps, and either way of running the chunks give a row the same bits (the
-#: tensor-core instruction and the fold are the same; checked on a GPU, and decode against
-#: prefill in the tests).
-ATTENTION_CONFIG_LARGE = (8, 3, 256, 128, True)
+#: The same for larger calls (a prefill): 64 query rows a program on 4 warps with a two-stage
+#: key pipeline (two programs share a multiprocessor), each program walking its rows' chunks
+#: itself (no partial results written). Tiles of 64 and 128 rows, on 4 or 8 warps, and either
+#: way of running the chunks give a row the same bits (the tensor-core instruction and the
+#: fold are the same; checked on a GPU, and decode against prefill in the tests).
+ATTENTION_CONFIG_LARGE = (4, 2, 256, 64, True)
 
 
 def attention_config(rows: int) -> tuple[int, int, int, int, bool]:

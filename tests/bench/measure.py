@@ -82,9 +82,11 @@ def cuda_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def event_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median milliseconds of ``repeats`` calls of ``fn`` on the current CUDA stream, each
-    between two CUDA events (after three warm-up calls)."""
+def event_ms(fn: Callable[[], object], repeats: int, per_sample: int = 1) -> float:
+    """Median milliseconds of a call of ``fn`` on the current CUDA stream over ``repeats``
+    samples, each ``per_sample`` calls back to back between two CUDA events (after three
+    warm-up calls). With more than one call a sample the device never waits on the host
+    between calls, so a host slow to launch does not add its latency to a short kernel."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -92,17 +94,23 @@ def event_ms(fn: Callable[[], object], repeats: int) -> float:
     for _ in range(repeats):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        fn()
+        for _ in range(per_sample):
+            fn()
         e.record()
         e.synchronize()
-        times.append(s.elapsed_time(e))
+        times.append(s.elapsed_time(e) / per_sample)
     return statistics.median(times)
+
+
+#: Graph replays a :func:`graph_ms` sample times back to back.
+GRAPH_REPLAYS = 10
 
 
 def graph_ms(fn: Callable[[], object], repeats: int) -> float:
     """Median milliseconds of replaying a CUDA graph of ``fn``: its device time, without the
-    host's launch overhead."""
-    return event_ms(cuda_graph(fn).replay, repeats)
+    host's launch overhead (replays queued :data:`GRAPH_REPLAYS` at a time, so the device
+    runs them back to back and no replay waits for the host)."""
+    return event_ms(cuda_graph(fn).replay, repeats, GRAPH_REPLAYS)
 
 
 def round_robin(cases: Sequence[tuple[Callable[[], object], dict]], repeats: int,
