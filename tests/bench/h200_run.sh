@@ -70,7 +70,7 @@ for s in "$@"; do
     tiles) stage tiles "${T_TILES:-150}" python3 -m tests.bench.probe_strict_tiles ${TILES_ARGS:-} ;;
     host) stage host "${T_HOST:-60}" python3 -m tests.bench.probe_strict_host ;;
     layer) stage layer "${T_LAYER:-120}" python3 -m tests.bench.probe_strict_layer ;;
-    fill) stage fill "${T_FILL:-90}" python3 -m tests.bench.probe_fill_host --device cuda \
+    fill) stage fill "${T_FILL:-90}" python3 -m tests.bench.probe_fill_host --device cuda ${FILL_ARGS:-} \
             --rows 768 --cols 2048 ;;
     *) echo "unknown stage $s" >&2 ;;
   esac

@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cols", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--views", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="then print a cProfile of one stacked run (where its host time goes) "
+                        "and the device's kernel time in it")
     args = p.parse_args(argv)
     named = _named(args.layers, args.rows, args.cols, args.views, args.device)
     stacked_limit = fill.STACK_BYTES
@@ -82,6 +85,19 @@ def main(argv: list[str] | None = None) -> None:
         m = statistics.median(ts)
         print(f"{mode:22} {m * 1e3:8.1f} {m / n * 1e6:10.1f} {m / base:12.3f}")
     print(f"same bits: {same}")
+    if args.profile and args.device == "cuda":
+        _profile(named)
+
+
+def _profile(named) -> None:
+    """One stacked run: its cProfile (host time by function) and the profiler's kernel table."""
+    from .measure import profiled
+
+    profiled(lambda: _run(named, "cuda"), 1).sort_stats("tottime").print_stats(22)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _run(named, "cuda")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10,
+                                    max_name_column_width=60))
 
 
 if __name__ == "__main__":
