@@ -69,7 +69,6 @@ class _Slot:
     codes_at: int
     scales_at: int
     rows_at: int  # index of its first row in the fp32 tail
-    outer: torch.Tensor | None = None  # its rows' decode scales, set when its batch quantizes
 
 
 #: A run of same-shape 2-D weights quantizes as one stack of at most this many input bytes,
@@ -86,6 +85,7 @@ class _Filler:
         self.flat = torch.empty(capacity, dtype=torch.uint8, device=device)
         self.used, self.nrows = 0, 0
         self.slots: list[_Slot] = []
+        self.outers: list[torch.Tensor] = []  # each run's rows' decode scales, in slot order
         self.batch: list[_Slot] = []
         self.batch_bytes = 0
 
@@ -133,9 +133,9 @@ class _Filler:
             codes, scales, _ = self.sizes(x0)
             start = run[0].codes_at
             outer = torch.empty((n, *lead), dtype=torch.float32, device=self.device)
+            self.outers.append(outer)
             for i, s in enumerate(run):
                 s.codes_at, s.scales_at = start + i * codes, start + n * codes + i * scales
-                s.outer = outer[i]
             shape = (n, *lead) if n > 1 else lead
             sources.append(x0 if n == 1 else _stacked(xs, adjacent))
             dests.append(NVFP4Tensor(
@@ -162,8 +162,8 @@ class _Filler:
         """The bucket: the fp32 tail copied behind the 1-byte part, entries in byte order."""
         self.quantize()
         tail = self.used
-        if self.slots:  # every slot's decode scales, in row order, in one batched copy
-            torch.cat([s.outer.reshape(-1) for s in self.slots],
+        if self.slots:  # every run's decode scales, in row order, in one batched copy
+            torch.cat([o.reshape(-1) for o in self.outers],
                       out=self.flat[tail:tail + 4 * self.nrows].view(torch.float32))
         ones: list[BucketEntry] = []
         fours: list[BucketEntry] = []
