@@ -65,7 +65,7 @@ if triton is not None:
         # program p: mask rows p * ROWS .. + ROWS; for each, its first visible key (Tk when
         # none), last visible key + 1 (0 when none), number of visible keys, all exact whatever
         # the chunking, and the row packed 64 keys a word (key j is bit j % 64 of word j // 64;
-        # W - 2 words, then two zero words that a block straddling the row's end reads)
+        # W - 1 words, then a zero word that a block straddling the row's end reads)
         r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         r_ok = r < R
         first = tl.zeros((ROWS,), tl.int32) + Tk
@@ -83,10 +83,8 @@ if triton is not None:
                            << bit[None, None, :], 2)
             w = start // 64 + tl.arange(0, BLOCK // 64)
             tl.store(bits_ptr + r[:, None] * W + w[None, :], words,
-                     mask=r_ok[:, None] & (w[None, :] < W - 2))
-        zero = tl.zeros((ROWS,), tl.int64)
-        tl.store(bits_ptr + r * W + W - 2, zero, mask=r_ok)
-        tl.store(bits_ptr + r * W + W - 1, zero, mask=r_ok)
+                     mask=r_ok[:, None] & (w[None, :] < W - 1))
+        tl.store(bits_ptr + r * W + W - 1, tl.zeros((ROWS,), tl.int64), mask=r_ok)
         tl.store(first_ptr + r, first, mask=r_ok)
         tl.store(hi_ptr + r, hi, mask=r_ok)
         tl.store(count_ptr + r, count, mask=r_ok)
@@ -119,21 +117,13 @@ if triton is not None:
         offs_k = start + tl.arange(0, BLOCK)
         k = tl.reshape(k_desc.load([b, hk, start, 0]), (BLOCK, D))  # zeros past Tk
         s = tl.dot(q, tl.trans(k))
-        if MASKED:  # each 64 bits from key `start` on: the end of one word, the start of the next
+        if MASKED:  # the 64 bits from key `start` on: the end of one word, the start of the next
             first = tl.full((), 0, tl.int32) + start  # a tensor even where start is an int
             sh = (first % 64).to(tl.uint64)
             w0 = tl.load(brow + first // 64).to(tl.uint64, bitcast=True)
             w1 = tl.load(brow + first // 64 + 1).to(tl.uint64, bitcast=True)
             word = (w0 >> sh) | tl.where(sh == 0, 0, w1 << ((64 - sh) % 64))
-            j = tl.arange(0, BLOCK).to(tl.uint64)
-            if BLOCK == 128:  # keys 64..127 of the block: the next word's pair
-                w2 = tl.load(brow + first // 64 + 2).to(tl.uint64, bitcast=True)
-                word2 = (w1 >> sh) | tl.where(sh == 0, 0, w2 << ((64 - sh) % 64))
-                bit = tl.where(j[None, :] < 64, word[:, None] >> (j[None, :] % 64),
-                               word2[:, None] >> (j[None, :] % 64))
-            else:
-                bit = word[:, None] >> j[None, :]
-            seen = (bit & 1) != 0
+            seen = ((word[:, None] >> tl.arange(0, BLOCK).to(tl.uint64)[None, :]) & 1) != 0
         else:
             seen = (offs_k[None, :] >= lo_r[:, None]) & (offs_k[None, :] < his[:, None])
         s = tl.where(seen, s, -float("inf"))
@@ -357,8 +347,8 @@ def visible_range(allowed: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's first visible key (``Tk`` when none), last visible key + 1 (0 when none) and
     number of visible keys, of a boolean mask ``[B, Hm, Tq, Tk]``: int32 ``[B, Hm, Tq]`` each;
-    and the mask packed 64 keys a word, int64 ``[B * Hm * Tq, ceil(Tk / 64) + 2]`` (key ``j``
-    is bit ``j % 64`` of word ``j // 64``; the last two words are zero). One launch, a program
+    and the mask packed 64 keys a word, int64 ``[B * Hm * Tq, ceil(Tk / 64) + 1]`` (key ``j``
+    is bit ``j % 64`` of word ``j // 64``; the last word is zero). One launch, a program
     taking :data:`VISIBLE_TILE` mask elements' worth of rows. A row whose count is
     ``hi - first`` sees one interval of keys."""
     b, hm, tq, tk = allowed.shape
@@ -368,7 +358,7 @@ def visible_range(allowed: torch.Tensor
         rows = rows.contiguous()
     first = torch.empty((b, hm, tq), dtype=torch.int32, device=allowed.device)
     hi, count = torch.empty_like(first), torch.empty_like(first)
-    bits = torch.empty((n, cdiv(tk, 64) + 2), dtype=torch.int64, device=allowed.device)
+    bits = torch.empty((n, cdiv(tk, 64) + 1), dtype=torch.int64, device=allowed.device)
     if first.numel() and tk:
         block = max(64, min(1024, next_power_of_2(tk)))
         per = max(1, min(next_power_of_2(n), VISIBLE_TILE[0] // block))
