@@ -71,13 +71,23 @@ def _products(k_steps: bool) -> None:
             cells = []
             for c in cands:
                 try:
-                    ms = graph_ms(lambda x=x, w=w, c=c: tensorcore.matmul(x, w, config=c), 30)
-                    same = torch.equal(tensorcore.matmul(x, w, config=c), ref)
+                    ms = graph_ms(lambda x=x, w=w, c=c: _product(x, w, c), 30)
+                    same = torch.equal(_product(x, w, c), ref)
                 except Exception as e:  # a tile this card cannot run (shared memory)
                     cells.append(type(e).__name__[:17].rjust(18))
                     continue
                 cells.append(f"{ms:.4f} {ms / base:5.2f}x {'=' if same else '!'}".rjust(18))
             print(f"{name:22} {m:5d} {base:10.4f} " + " ".join(cells))
+
+
+def _product(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
+    """``x @ w.T`` under tile ``config``. ``matmul`` refuses a K step other than its own (the
+    step could be part of the bits); the probe launches such a candidate itself to find out."""
+    if config[2] == tensorcore.CONFIGS[x.dtype][2]:
+        return tensorcore.matmul(x, w, config=config)
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    tensorcore._launch_matmul(x, w, out, config=config)
+    return out
 
 
 def _attention(short: bool, bits: str | None) -> None:
@@ -106,6 +116,7 @@ def _attention(short: bool, bits: str | None) -> None:
     if short:
         cfgs = ((4, 3, 256, 64, False), (8, 3, 256, 128, True), (8, 2, 256, 128, True),
                 (8, 4, 256, 128, True), (4, 3, 256, 64, True), (4, 2, 256, 64, True),
+                (4, 1, 256, 64, True), (4, 2, 256, 32, True),
                 (8, 3, 256, 64, True))
     for cfg in cfgs:
         try:
