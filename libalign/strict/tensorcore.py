@@ -92,6 +92,17 @@ WIDE_CONFIGS = {
     torch.float16: (64, 256, 64, 8, 3),
     torch.float32: (64, 128, 32, 4, 3),
 }
+#: For at most :data:`SMALL_M` rows against an ordinary weight: 64-column tiles (twice the
+#: programs of :data:`SMALL_CONFIGS`) that step K by 256, so each program walks a quarter of
+#: the steps. The tensor-core instruction adds 16 products of K at a time into the
+#: accumulator, in K order, whatever the step's width: a K step that is a multiple of
+#: :data:`CONFIGS`'s gives every element the same additions in the same order (checked on a
+#: GPU, K steps of 64, 128 and 256). fp32 operands keep their step.
+FEW_ROWS_CONFIGS = {
+    torch.bfloat16: (64, 64, 256, 4, 3),
+    torch.float16: (64, 64, 256, 4, 3),
+    torch.float32: (64, 128, 32, 4, 3),
+}
 SMALL_M = 64
 _WIDE_N = 16384
 _CHUNK = 1024          # row chunk of the row reductions
@@ -329,15 +340,15 @@ def tile_config(dtype: torch.dtype, rows: int, op: str = "matmul", *, n: int = 0
     """The tile configuration of a product of ``rows`` rows (the rows of one expert, for a
     grouped call) and ``n`` output columns, by speed alone (every configuration gives a row
     the same bits): :data:`WIDE_CONFIGS` for at most :data:`SMALL_M` rows against a very wide
-    weight, :data:`SMALL_CONFIGS` for other calls of at most :data:`SMALL_M` rows and for
-    calls whose :data:`CONFIGS` grid (``row_tiles`` 128-row tiles, default ``rows / 128``,
-    times the column tiles) has fewer than two programs per multiprocessor (``sms``), else
-    :data:`CONFIGS`."""
+    weight, :data:`FEW_ROWS_CONFIGS` for other calls of at most :data:`SMALL_M` rows,
+    :data:`SMALL_CONFIGS` for calls whose :data:`CONFIGS` grid (``row_tiles`` 128-row tiles,
+    default ``rows / 128``, times the column tiles) has fewer than two programs per
+    multiprocessor (``sms``), else :data:`CONFIGS`."""
     if dtype not in CONFIGS:
         raise DTypeError(f"strict {op}: the tensor-core kernels take bf16, fp16 or fp32 operands, "
                          f"got {dtype}")
     if rows <= SMALL_M:
-        return (WIDE_CONFIGS if n >= _WIDE_N else SMALL_CONFIGS)[dtype]
+        return (WIDE_CONFIGS if n >= _WIDE_N else FEW_ROWS_CONFIGS)[dtype]
     tiles = (row_tiles if row_tiles is not None else -(-rows // 128)) * -(-n // 128)
     return SMALL_CONFIGS[dtype] if tiles < 2 * sms else CONFIGS[dtype]
 
@@ -391,9 +402,11 @@ def matmul(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     one rounding to ``out_dtype`` (default ``a``'s); row ``i`` the same bits for every ``M``.
     ``config`` overrides :func:`tile_config` (a probe comparing tile shapes)."""
     _check_operands("matmul", a, w, 2)
-    if config is not None and config[2] != tile_config(a.dtype, 0)[2]:
-        raise ShapeError(f"strict matmul: tile config {config} steps K by {config[2]}, the "
-                         f"kernels by {tile_config(a.dtype, 0)[2]}")
+    step = CONFIGS[a.dtype][2] if a.dtype in CONFIGS else 0
+    if config is not None and (config[2] % step or (a.dtype == torch.float32 and config[2] != step)):
+        raise ShapeError(f"strict matmul: tile config {config} steps K by {config[2]}; the "
+                         f"kernels' step is {step}"
+                         + ("" if a.dtype == torch.float32 else " (or a multiple of it)"))
     out = torch.empty((a.shape[0], w.shape[0]), dtype=out_dtype or a.dtype, device=a.device)
     if a.shape[1] == 0:
         out.zero_()

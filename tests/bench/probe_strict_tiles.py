@@ -6,7 +6,7 @@ graph time of a 2048x2048 linear, an expert's 1536x2048 product and the 151936x2
 as the baseline; then attention's decode (8 x 32/4 heads, 1024 keys) and prefill (4 x 512
 tokens) times per (warps, stages, key chunk, query rows[, chunks walked by one program])
 against PyTorch's SDPA, and whether each gives the default settings' bits. It informs the
-choice of ``SMALL_CONFIGS`` and the attention settings; the tests check the bits.
+choice of ``SMALL_CONFIGS``, ``FEW_ROWS_CONFIGS`` and the attention settings; the tests check the bits.
 Run: ``python -m tests.bench.probe_strict_tiles`` (``--attention``: the attention rows only,
 under the settings the kernel runs by default and their neighbours).
 """

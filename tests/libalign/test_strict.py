@@ -255,20 +255,24 @@ def test_modes_refuse_what_they_cannot_keep_invariant(model):
 
 def test_tile_config_picks_narrow_tiles_where_the_grid_would_be_thin():
     """The tile shape by call size (every shape gives a row the same bits; the GPU tests check
-    that): a decode step's few rows take 64-row tiles, 256 columns against a very wide weight;
-    a call whose 128 x 128 grid has fewer than two programs per multiprocessor takes 64-row
-    tiles too; a large call the 128 x 128 tiles; other dtypes are refused by name."""
+    that): a decode step's few rows take 64 x 64 tiles stepping K by 256, 64 x 256 against a
+    very wide weight; a call whose 128 x 128 grid has fewer than two programs per
+    multiprocessor takes 64-row tiles; a large call the 128 x 128 tiles; other dtypes are
+    refused by name."""
     from libalign.strict import tensorcore as tc
 
     bf = torch.bfloat16
-    assert tc.tile_config(bf, 8, n=2048, sms=132) == tc.SMALL_CONFIGS[bf]
+    assert tc.tile_config(bf, 8, n=2048, sms=132) == tc.FEW_ROWS_CONFIGS[bf] == (64, 64, 256, 4, 3)
     assert tc.tile_config(bf, 64, n=151936, sms=132) == tc.WIDE_CONFIGS[bf]
     assert tc.tile_config(bf, 512, n=2048, sms=132) == tc.SMALL_CONFIGS[bf]     # 64 tiles
     assert tc.tile_config(bf, 512, n=151936, sms=132) == tc.CONFIGS[bf]         # 4,748 tiles
     assert tc.tile_config(bf, 4096, n=2048, sms=132) == tc.CONFIGS[bf]          # 512 tiles
     assert tc.tile_config(bf, 300, n=2048, row_tiles=200, sms=132) == tc.CONFIGS[bf]
-    for table in (tc.SMALL_CONFIGS, tc.WIDE_CONFIGS):  # one K step per dtype, whatever the shape
-        assert all(table[d][2] == tc.CONFIGS[d][2] for d in tc.CONFIGS)
+    for table in (tc.SMALL_CONFIGS, tc.WIDE_CONFIGS, tc.FEW_ROWS_CONFIGS):
+        # K stepped by a multiple of the large tiles' step (the same additions in the same
+        # order on the tensor cores); fp32's IEEE products keep the one step
+        assert all(table[d][2] % tc.CONFIGS[d][2] == 0 for d in tc.CONFIGS)
+        assert table[torch.float32][2] == tc.CONFIGS[torch.float32][2]
     with pytest.raises(DTypeError, match=r"strict matmul.*int8"):
         tc.tile_config(torch.int8, 8)
 

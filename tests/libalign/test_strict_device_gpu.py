@@ -65,13 +65,16 @@ def test_matmul_rows_are_invariant(cuda, n, k):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_tile_shapes_give_a_row_the_same_bits(cuda, dtype):
-    """The narrow tiles of small calls (SMALL_CONFIGS) and other output-tile shapes with the
-    same K step give every row the bits of the large-call configuration."""
+    """The narrow tiles of small calls (SMALL_CONFIGS, FEW_ROWS_CONFIGS) and other output-tile
+    shapes, with the same K step or (on the tensor cores) a multiple of it, give every row the
+    bits of the large-call configuration."""
     big = tensorcore.CONFIGS[dtype]
     bk = big[2]
     shapes = [(64, 64, bk, 4, 4), (64, 128, bk, 4, 3), (128, 64, bk, 8, 3), (64, 32, bk, 4, 4),
               (128, 256, bk, 8, 3), tensorcore.SMALL_CONFIGS[dtype],
-              tensorcore.WIDE_CONFIGS[dtype]]
+              tensorcore.WIDE_CONFIGS[dtype], tensorcore.FEW_ROWS_CONFIGS[dtype]]
+    if dtype != torch.float32:
+        shapes += [(64, 128, 2 * bk, 4, 3), (64, 32, 4 * bk, 4, 3)]
     for n, k in ((2048, 2048), (1000, 72), (384, 768)):
         w = _rand(n, k, scale=k ** -0.5, seed=30, dtype=dtype)
         x = _rand(200, k, seed=31, dtype=dtype)
