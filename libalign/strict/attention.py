@@ -24,6 +24,7 @@ depends on the call's size):
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -381,6 +382,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     heads read the keys once. ``config`` (warps, stages, key chunk, query rows[, chunks walked
     by one program]) overrides that choice (a probe; the key chunk is part of the rows'
     bits; without the fifth entry the chunks run as :func:`attention_config` says)."""
+    if not (isinstance(scaling, numbers.Real) and math.isfinite(scaling) and scaling > 0):
+        raise InputError(f"strict attention: softmax scale {scaling!r} (a positive finite number: "
+                         "the kernel keeps scores in base-2 units, scale folded in)")
     require("attention", q)
     b, hq, tq, d = q.shape
     if k.ndim != 4 or k.shape != v.shape or k.shape[0] != b or hq % k.shape[1] \
@@ -393,8 +397,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
     if d not in (16, 32, 64, 128, 256):
         raise ShapeError(f"strict attention: head dimension {d} (the kernel takes 16, 32, 64, "
                          "128 or 256)")
-    if not (math.isfinite(scaling) and scaling > 0):
-        raise InputError(f"strict attention: softmax scale {scaling!r} (a positive finite number)")
     tk = k.shape[2]
     if allowed.shape[0] != b or allowed.shape[1] not in (1, hq) or allowed.shape[2] != tq \
             or allowed.shape[3] != tk or allowed.dtype != torch.bool:

@@ -194,6 +194,22 @@ def test_tree_sum_ignores_trailing_zero_padding_and_topk_breaks_ties_low():
     assert strict_ops.topk_indices(s, 3).tolist() == [[1, 3, 4]]
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.125, math.inf, math.nan, "0.125"])
+def test_device_attention_refuses_a_scale_it_cannot_fold(scale):
+    """The device kernel keeps scores in base-2 units with the scale folded into one fused
+    multiply-add, which needs a positive finite scale: anything else is refused by name before
+    any device is asked for."""
+    from alignclient.errors import InputError
+
+    from libalign.strict import attention as strict_attention
+
+    q = torch.zeros(1, 2, 3, 16, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, 3, 16, dtype=torch.bfloat16)
+    seen = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    with pytest.raises(InputError, match="softmax scale"):
+        strict_attention.attention(q, k, k, seen, scale)
+
+
 def test_attention_left_and_right_padding_agree():
     """A query's strict attention output is the same bits whether its keys sit right-padded at
     slots 0..t or left-padded behind masked slots (the cache layout)."""

@@ -179,6 +179,28 @@ def test_combine_rows_equals_the_portable_combine(cuda, dtype):
         assert torch.equal(torch.signbit(got), torch.signbit(want))
 
 
+@pytest.mark.parametrize("shape", [(2, 1, 40, 40), (1, 3, 7, 150), (3, 1, 1, 1030),
+                                   (4, 1, 512, 512), (2, 2, 9, 1)])
+@pytest.mark.parametrize("tile", [(2048, 4), (64, 1), (8192, 8)])
+def test_visible_range_is_exact(cuda, shape, tile, monkeypatch):
+    """Each mask row's first visible key, end and count, and the mask packed 64 keys a word
+    with one zero word after, are exact whatever the rows a program takes (VISIBLE_TILE)."""
+    monkeypatch.setattr(strict_attention, "VISIBLE_TILE", tile)
+    b, hm, tq, tk = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    allowed = (torch.rand(b, hm, tq, tk, generator=g) > 0.4).cuda()
+    allowed[0, 0, 0] = False  # a row that sees nothing
+    first, hi, count, bits = strict_attention.visible_range(allowed)
+    rows = allowed.reshape(-1, tk).cpu()
+    idx = torch.arange(tk)
+    assert torch.equal(first.flatten().cpu(), torch.where(rows, idx, tk).amin(1).int())
+    assert torch.equal(hi.flatten().cpu(), torch.where(rows, idx + 1, 0).amax(1).int())
+    assert torch.equal(count.flatten().cpu(), rows.sum(1).int())
+    assert bits.shape == (rows.shape[0], (tk + 63) // 64 + 1)
+    unpacked = ((bits.cpu()[:, :, None] >> torch.arange(64)) & 1).reshape(rows.shape[0], -1)
+    assert torch.equal(unpacked[:, :tk].bool(), rows) and not bool(unpacked[:, tk:].any())
+
+
 @pytest.mark.parametrize("t,lens", [(150, [150, 97, 1]), (600, [600, 300, 257])])
 def test_attention_decode_equals_prefill(cuda, t, lens):
     """A prompt left-padded in a cache, attended one query at a time, gives the bits of the same
