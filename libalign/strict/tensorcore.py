@@ -476,13 +476,15 @@ def grouped_matmul(a: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.T
         a_dec = a_dec.float().contiguous()
         w_dec = w_dec.float().reshape(w.shape[0], w.shape[1]).contiguous()
     # the rows per expert pick the configuration (every one gives the same bits), estimated
-    # as if the router spread the rows evenly (the counts stay on the device): 64-row tiles
-    # at 256 rows an expert or fewer (a decode step, or a prefill spread over many experts:
-    # less of each tile is padding), else tile_config's choice
+    # as if the router spread the rows evenly (the counts stay on the device): a few rows'
+    # tiles at SMALL_M rows an expert or fewer (a decode step), 64-row tiles up to 256 (a
+    # prefill spread over many experts: less of each tile is padding), else tile_config's
     experts = max(1, min(counts.shape[0], m))
     per_expert = -(-m // experts)
     if per_expert <= 4 * SMALL_M:
-        cfg = tile_config(a.dtype, SMALL_M, "grouped_matmul")
+        cfg = tile_config(a.dtype, per_expert, "grouped_matmul", n=w.shape[1])
+        if per_expert > SMALL_M:
+            cfg = SMALL_CONFIGS[a.dtype]
     else:
         cfg = tile_config(a.dtype, per_expert, "grouped_matmul", n=w.shape[1],
                           row_tiles=-(-m // 128) + experts, sms=_sms(a.device))

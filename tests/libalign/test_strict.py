@@ -293,6 +293,27 @@ def test_tile_config_picks_narrow_tiles_where_the_grid_would_be_thin():
         tc.tile_config(torch.int8, 8)
 
 
+def test_grouped_product_tiles_by_rows_per_expert(monkeypatch):
+    """A grouped call's tiles follow its rows per expert (as if spread evenly): a decode
+    step's few rows take the few-row tiles, up to 256 rows an expert the 64-row tiles, more
+    the large-call choice."""
+    from libalign.strict import tensorcore as tc
+
+    seen = []
+    monkeypatch.setattr(tc, "require", lambda op, x: None)
+    monkeypatch.setattr(tc, "_sms", lambda device: 132)
+    monkeypatch.setattr(tc, "group_tiles", lambda counts, m, bm: None)
+    monkeypatch.setattr(tc, "_launch_matmul", lambda *a, config, **k: seen.append(config))
+    bf = torch.bfloat16
+    w = torch.zeros(128, 1536, 64, dtype=bf)
+    for rows_per_expert in (4, 64, 65, 256, 4096):
+        m = 128 * rows_per_expert
+        tc.grouped_matmul(torch.zeros(m, 64, dtype=bf), w, [rows_per_expert] * 128,
+                          out_dtype=bf)
+    assert seen == [tc.FEW_ROWS_CONFIGS[bf], tc.FEW_ROWS_CONFIGS[bf], tc.SMALL_CONFIGS[bf],
+                    tc.SMALL_CONFIGS[bf], tc.CONFIGS[bf]]
+
+
 def test_device_mode_on_a_cpu_is_the_portable_ops():
     """On CPU tensors device mode runs the portable ops: the same bits op for op."""
     from libalign.strict.device import DeviceOps, PortableOps
