@@ -402,11 +402,13 @@ def matmul(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     one rounding to ``out_dtype`` (default ``a``'s); row ``i`` the same bits for every ``M``.
     ``config`` overrides :func:`tile_config` (a probe comparing tile shapes)."""
     _check_operands("matmul", a, w, 2)
-    step = CONFIGS[a.dtype][2] if a.dtype in CONFIGS else 0
-    if config is not None and (config[2] % step or (a.dtype == torch.float32 and config[2] != step)):
-        raise ShapeError(f"strict matmul: tile config {config} steps K by {config[2]}; the "
-                         f"kernels' step is {step}"
-                         + ("" if a.dtype == torch.float32 else " (or a multiple of it)"))
+    if config is not None:
+        tile_config(a.dtype, 0)  # a dtype no tile serves is refused by name
+        step = CONFIGS[a.dtype][2]
+        if config[2] % step or (a.dtype == torch.float32 and config[2] != step):
+            raise ShapeError(f"strict matmul: tile config {config} steps K by {config[2]}; the "
+                             f"kernels' step is {step}"
+                             + ("" if a.dtype == torch.float32 else " (or a multiple of it)"))
     out = torch.empty((a.shape[0], w.shape[0]), dtype=out_dtype or a.dtype, device=a.device)
     if a.shape[1] == 0:
         out.zero_()

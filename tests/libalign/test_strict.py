@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 
-from alignclient.errors import ConfigError, DTypeError, SpecError
+from alignclient.errors import ConfigError, DTypeError, ShapeError, SpecError
 
 from libalign.models import build_model, generate, score_sequences, strict, tiny_config, use_path
 from libalign.models.scoring import completion_logprobs, right_padded_batch
@@ -291,6 +291,24 @@ def test_tile_config_picks_narrow_tiles_where_the_grid_would_be_thin():
         assert table[torch.float32][2] == tc.CONFIGS[torch.float32][2]
     with pytest.raises(DTypeError, match=r"strict matmul.*int8"):
         tc.tile_config(torch.int8, 8)
+
+
+def test_matmul_refuses_a_tile_config_it_cannot_run_by_name(monkeypatch):
+    """A tile configuration is checked before any launch: a dtype no tile serves is a
+    DTypeError, a K step that is not a multiple of the kernels' (fp32: not the step itself) a
+    ShapeError naming the step."""
+    from libalign.strict import tensorcore as tc
+
+    monkeypatch.setattr(tc, "require", lambda op, x: None)
+    a = torch.zeros(4, 64, dtype=torch.int8)
+    with pytest.raises(DTypeError, match=r"strict matmul.*int8"):
+        tc.matmul(a, a, config=(64, 64, 64, 4, 3))
+    b = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ShapeError, match="steps K by 32; the kernels' step is 64"):
+        tc.matmul(b, b, config=(64, 64, 32, 4, 3))
+    f = torch.zeros(4, 64)
+    with pytest.raises(ShapeError, match=r"steps K by 64; the kernels' step is 32$"):
+        tc.matmul(f, f, config=(64, 64, 64, 4, 3))
 
 
 def test_grouped_product_tiles_by_rows_per_expert(monkeypatch):
