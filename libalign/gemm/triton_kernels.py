@@ -52,24 +52,39 @@ def _outer(amax, AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr):
 
 
 @triton.jit
+def _block_multiplier(s, dec):
+    """The multiplier that normalizes a block under E4M3 block scale ``s`` [R, B] and row
+    decode scale ``dec`` [R] (te order): ``min(fl(1 / fl(s * dec)), FLT_MAX)``, 0 where
+    ``s`` is 0."""
+    sd = s * dec[:, None]
+    mult = tl.minimum(tl.math.div_rn(tl.full(sd.shape, 1.0, tl.float32), sd), _FLT_MAX)
+    return tl.where(s == 0.0, 0.0, mult)
+
+
+@triton.jit
+def _rne_ladder(a, l0, l1, l2, l3, l4, l5, l6, l7):
+    """The E2M1 level nearest a normalized magnitude ``a`` (at most 6; ties to the even
+    level, by midpoint comparisons), given as ``l0`` .. ``l7``: the levels' magnitudes or
+    their indices."""
+    out = tl.where(a > 0.25, l1, l0)
+    out = tl.where(a >= 0.75, l2, out)
+    out = tl.where(a > 1.25, l3, out)
+    out = tl.where(a >= 1.75, l4, out)
+    out = tl.where(a > 2.5, l5, out)
+    out = tl.where(a >= 3.5, l6, out)
+    return tl.where(a > 5.0, l7, out)
+
+
+@triton.jit
 def _inner_values(x, enc, dec):
     """Exact code * block-scale values of fp32 blocks ``x`` [R, B, 16] (te order, RNE)."""
     vmax = tl.max(tl.abs(x), axis=2)
     sixth = tl.math.div_rn(tl.full(enc.shape, 1.0, tl.float32), tl.full(enc.shape, 6.0, tl.float32))
     pre = tl.minimum(vmax * (enc * sixth)[:, None], _FLT_MAX)
     s = tl.minimum(pre, 448.0).to(tl.float8e4nv).to(tl.float32)
-    sd = s * dec[:, None]
-    mult = tl.minimum(tl.math.div_rn(tl.full(sd.shape, 1.0, tl.float32), sd), _FLT_MAX)
-    mult = tl.where(s == 0.0, 0.0, mult)
-    z = x * mult[:, :, None]
+    z = x * _block_multiplier(s, dec)[:, :, None]
     a = tl.minimum(tl.abs(z), 6.0)
-    mag = tl.where(a > 0.25, 0.5, 0.0)
-    mag = tl.where(a >= 0.75, 1.0, mag)
-    mag = tl.where(a > 1.25, 1.5, mag)
-    mag = tl.where(a >= 1.75, 2.0, mag)
-    mag = tl.where(a > 2.5, 3.0, mag)
-    mag = tl.where(a >= 3.5, 4.0, mag)
-    mag = tl.where(a > 5.0, 6.0, mag)
+    mag = _rne_ladder(a, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
     return tl.where(z < 0.0, -mag, mag) * s[:, :, None]
 
 
@@ -203,18 +218,9 @@ def _guided_values(x, s, dec, g, up_ptr, down_ptr, BITS: tl.constexpr):
     under its E4M3 block scales ``s`` [R, B] and row decode scales ``dec`` [R] (te order):
     :func:`libalign.spec.normalized_with_scales`, then
     :func:`libalign.spec.rounding.round_e2m1_guided` with positive zeros."""
-    sd = s * dec[:, None]
-    mult = tl.minimum(tl.math.div_rn(tl.full(sd.shape, 1.0, tl.float32), sd), _FLT_MAX)
-    mult = tl.where(s == 0.0, 0.0, mult)
-    z = tl.minimum(tl.maximum(x * mult[:, :, None], -6.0), 6.0)
+    z = tl.minimum(tl.maximum(x * _block_multiplier(s, dec)[:, :, None], -6.0), 6.0)
     a = tl.abs(z)
-    rne = tl.where(a > 0.25, 1, 0)  # the RNE level, as _inner_values rounds
-    rne = tl.where(a >= 0.75, 2, rne)
-    rne = tl.where(a > 1.25, 3, rne)
-    rne = tl.where(a >= 1.75, 4, rne)
-    rne = tl.where(a > 2.5, 5, rne)
-    rne = tl.where(a >= 3.5, 6, rne)
-    rne = tl.where(a > 5.0, 7, rne)
+    rne = _rne_ladder(a, 0, 1, 2, 3, 4, 5, 6, 7)  # the RNE level, as _inner_values rounds
     lo = tl.where(a >= 0.5, 1, 0)  # the largest level whose magnitude is <= a
     lo = tl.where(a >= 1.0, 2, lo)
     lo = tl.where(a >= 1.5, 3, lo)
