@@ -62,6 +62,11 @@ typedef struct NvParams {
   int32_t four_over_six;    // NV_FOS_*; with it, GIVEN mode reads the outer maxima (one per
                             // enc/dec entry) from amax_out, which every block's error needs
   int32_t four_over_six_error;  // NV_FOS_MAE or NV_FOS_MSE
+  const void* const* gather;    // NULL, or p->experts pointers (host memory for the CPU
+                                // call, device memory for the CUDA one): expert e's rows*k
+                                // contiguous elements are read from gather[e] instead of
+                                // x + e*rows*k; the outputs are laid out as for one stack.
+                                // NVFP4 ROW mode, unswizzled scales only (else -3).
 } NvParams;
 
 // CPU: x points at experts*rows*k elements of in_dtype (contiguous). codes receives

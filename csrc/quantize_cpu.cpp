@@ -312,6 +312,19 @@ int nvfp4_quantize_cpu(const void* x, uint8_t* codes, uint8_t* scales, float* am
                        float* stored_out, const float* enc, const float* dec,
                        const NvParams* p, int nthreads) {
   if (p->k % (NV_IS_MX(p->op_order) ? 32 : 16) != 0) return -1;
+  if (p->gather) {  // each expert's rows from its own pointer, outputs as for one stack
+    if (NV_IS_MX(p->op_order) || p->outer_mode != NV_OUTER_ROW || p->swizzled) return -3;
+    NvParams one = *p;
+    one.experts = 1;
+    one.gather = nullptr;
+    const int64_t rk = p->rows * p->k;
+    int out = 0;
+    for (int64_t e = 0; e < p->experts && !(out & NV_FLAG_NONFINITE); ++e)
+      out |= nvfp4_quantize_cpu(p->gather[e], codes + e * (rk / 2), scales + e * (rk / 16),
+                                amax_out + e * p->rows, stored_out + e * p->rows, enc, dec, &one,
+                                nthreads);
+    return out;
+  }
   const int64_t total = p->experts * p->rows;
   const int path = current_path();
   std::vector<int> flags(static_cast<size_t>(std::max(1, nthreads)), 0);
@@ -325,6 +338,7 @@ int nvfp4_quantize_cpu(const void* x, uint8_t* codes, uint8_t* scales, float* am
 
 int nvfp4_amax_cpu(const void* x, float* amax_out, const NvParams* p, int nthreads) {
   if (p->k % (NV_IS_MX(p->op_order) ? 32 : 16) != 0) return -1;
+  if (p->gather) return -3;
   const int64_t total = p->experts * p->rows;
   const int nt = std::max(1, nthreads), path = current_path();
   std::vector<float> part(static_cast<size_t>(nt * p->experts), 0.0f);

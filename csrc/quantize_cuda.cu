@@ -230,7 +230,8 @@ quantize_rows(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
   const int64_t r = static_cast<int64_t>(blockIdx.x) * wpc + warp;
   if (r >= total) return;
   const int nb = static_cast<int>(p.k / 16), nchunks = nb * kCpb;
-  const uint4* xr = x + r * nchunks;
+  const uint4* xr = p.gather ? static_cast<const uint4*>(p.gather[r / p.rows]) + (r % p.rows) * nchunks
+                            : x + r * nchunks;
   uint4* srow = staged + (STAGED ? warp * nchunks : 0);
 
   // phase 1: stage the row, its maximum
@@ -353,7 +354,9 @@ quantize_rows_reg(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
   const int lane = threadIdx.x & 31;
   const unsigned gmask = (G == 32) ? 0xFFFFFFFFu : (((1u << G) - 1u) << (lane & ~(G - 1)));
   const int nb = static_cast<int>(p.k / 16);
-  const uint4* xr = x + r * (static_cast<int64_t>(nb) * kCpb);
+  const int64_t row_chunks = static_cast<int64_t>(nb) * kCpb;
+  const uint4* xr = p.gather ? static_cast<const uint4*>(p.gather[r / p.rows]) + (r % p.rows) * row_chunks
+                            : x + r * row_chunks;
 
   uint32_t w[BPL][kWpb];
 #pragma unroll
@@ -601,6 +604,8 @@ int nvfp4_quantize_cuda(const void* x, uint8_t* codes, uint8_t* scales, float* a
                         float* stored_out, const float* enc, const float* dec,
                         const NvParams* p, int* flags_dev, void* stream) {
   if (p->k % (NV_IS_MX(p->op_order) ? 32 : 16) != 0) return -1;
+  if (p->gather && (NV_IS_MX(p->op_order) || p->outer_mode != NV_OUTER_ROW || p->swizzled))
+    return -3;
   if (p->experts * p->rows == 0) return 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (NV_IS_MX(p->op_order))
@@ -624,6 +629,7 @@ int nvfp4_cuda_set_variant(int variant) {
 int nvfp4_amax_cuda(const void* x, float* amax_out, const NvParams* p, int* flags_dev,
                     void* stream) {
   if (p->k % 16 != 0) return -1;
+  if (p->gather) return -3;
   const int64_t total = p->experts * p->rows;
   if (total == 0) return 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream);

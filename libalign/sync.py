@@ -27,6 +27,14 @@ Errors
     and CPU sources, are quantized by :func:`libalign.kernels.quantize` and copied in, with the
     same bits.
 
+Stacks that are never made
+    A source may be a :class:`Stacked`: the stack ``[E, M, K]`` of E same-shape 2-D
+    tensors (a trainer's per-expert weights, each its own allocation). Under a preset
+    scaled per row the kernels read each tensor's rows where it lies, through a table of
+    one pointer per tensor, and write the stack's outputs: one launch for E weights and no
+    copy of the inputs (the bits of the stack's call). Elsewhere (another outer-scale
+    domain, a destination on the host, a call no kernel serves) the stack is made first.
+
 The destinations are :class:`~libalign.spec.NVFP4Tensor` buffers of the sources' shapes
 and spec with linear block scales; :func:`empty_destination` allocates them.
 """
@@ -34,6 +42,7 @@ and spec with linear block scales; :func:`empty_destination` allocates them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -92,7 +101,41 @@ def _copy_result(q: NVFP4Tensor, d: NVFP4Tensor) -> None:
         dst.copy_(src)
 
 
-def quantize_into(sources: Sequence[torch.Tensor], destinations: Sequence[NVFP4Tensor],
+@dataclass(frozen=True)
+class Stacked:
+    """A :func:`quantize_into` source: the stack ``[len(tensors), M, K]`` of same-shape 2-D
+    tensors, read where each one lies (module doc); :meth:`stack` makes it where a call
+    needs the tensor itself."""
+
+    tensors: tuple[torch.Tensor, ...]
+
+    def __post_init__(self):
+        ts = self.tensors
+        if not ts or not all(isinstance(t, torch.Tensor) for t in ts):
+            raise SpecError("a Stacked source needs at least one tensor, and only tensors")
+        t0 = ts[0]
+        odd = next((i for i, t in enumerate(ts) if t.ndim != 2 or t.shape != t0.shape
+                    or t.dtype != t0.dtype or t.device != t0.device), None)
+        if odd is not None:
+            t = ts[odd]
+            raise SpecError(f"a Stacked source's tensors must be 2-D of one shape, dtype and "
+                            f"device: tensor {odd} is {tuple(t.shape)} {t.dtype} on {t.device}, "
+                            f"tensor 0 {tuple(t0.shape)} {t0.dtype} on {t0.device}")
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((len(self.tensors), *self.tensors[0].shape))
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    def stack(self) -> torch.Tensor:
+        """The stack itself (a copy)."""
+        return torch.stack(self.tensors)
+
+
+def quantize_into(sources: Sequence[torch.Tensor | Stacked], destinations: Sequence[NVFP4Tensor],
                   spec: NumericsSpec | None = None) -> None:
     """Quantize ``sources[i]`` into ``destinations[i]`` for every i, as described above.
 
@@ -101,21 +144,51 @@ def quantize_into(sources: Sequence[torch.Tensor], destinations: Sequence[NVFP4T
     spec = PRESETS["minite"] if spec is None else spec
     if len(sources) != len(destinations):
         raise SpecError(f"{len(sources)} sources but {len(destinations)} destinations")
+    sources = list(sources)
     for i, (x, d) in enumerate(zip(sources, destinations, strict=True)):
-        _spec.check_input(x, spec)
-        _check_destination(i, x, d, spec)
+        if isinstance(x, Stacked):
+            t0 = x.tensors[0]
+            _spec.check_input(torch.empty(x.shape, dtype=t0.dtype, device="meta"), spec)
+            _check_destination(i, x, d, spec)
+            if not _gathers(x, d, spec):
+                sources[i] = x.stack()
+        else:
+            _spec.check_input(x, spec)
+            _check_destination(i, x, d, spec)
     gpu = [i for i, x in enumerate(sources) if x.device.type == "cuda"
-           and ops.kernel_gap(x, spec, None) is None]
+           and (isinstance(x, Stacked) or ops.kernel_gap(x, spec, None) is None)]
     lib = native.load("cuda") if gpu else None
     served = set(gpu) if lib is not None else set()
     for i, (x, d) in enumerate(zip(sources, destinations, strict=True)):
-        if i not in served:
+        if isinstance(x, Stacked) and x.device.type == "cpu":
+            _gather_on_cpu(x, d, spec)
+        elif i not in served:
+            if isinstance(x, Stacked):
+                x = x.stack()
             same = d.codes.device == x.device
             q = ops.quantize(x, spec, out=d if same else None)
             if not same:
                 _copy_result(q, d)
     if lib is not None:
         _quantize_on_gpu(lib, sources, destinations, spec, gpu)
+
+
+def _gathers(x: Stacked, d: NVFP4Tensor, spec: NumericsSpec) -> bool:
+    """Whether the kernels read ``x``'s tensors in place: a preset and tensors they serve so
+    (:func:`libalign.kernels.calls.gatherable`), the destination on their device, and a
+    compiled library for it."""
+    t0 = x.tensors[0]
+    return (calls.gatherable(x.tensors, spec) and ops.kernel_gap(t0, spec, None) is None
+            and d.codes.device == t0.device and native.load(t0.device.type) is not None)
+
+
+def _gather_on_cpu(x: Stacked, d: NVFP4Tensor, spec: NumericsSpec) -> None:
+    """A CPU :class:`Stacked` source through the CPU library; a flagged call is redone on the
+    stack by :func:`libalign.kernels.quantize`, which raises the spec's error or gives its
+    bits."""
+    t, _table = calls.launch_gather(native.load("cpu"), x.tensors, spec, d)
+    if t.flags:
+        ops.quantize(x.stack(), spec, out=d)
 
 
 def _quantize_on_gpu(lib, sources, destinations, spec, indices) -> None:
@@ -129,9 +202,16 @@ def _quantize_on_gpu(lib, sources, destinations, spec, indices) -> None:
     free: dict[int, torch.cuda.Event] = {}  # id(staging set) -> its last copy's end
     turn: dict[tuple, int] = {}
     launched = []
+    tables = []  # the gathered calls' pointer tables, held until the kernels have run
     for i in indices:
         x, d = sources[i], destinations[i]
         slot = flags[i:i + 1]
+        if isinstance(x, Stacked):  # colocated (else it was stacked): tensors read in place
+            t, table = calls.launch_gather(lib, x.tensors, spec, d, flags=slot,
+                                           stream=compute.cuda_stream)
+            tables.append(table)
+            launched.append((i, t))
+            continue
         if d.codes.device == dev:  # colocated: the kernel writes the destination itself
             t = calls.launch(lib, x, spec, None, False, out=d, flags=slot,
                                     stream=compute.cuda_stream)
@@ -166,11 +246,12 @@ def _quantize_on_gpu(lib, sources, destinations, spec, indices) -> None:
         copier.synchronize()
     for i, t in launched:
         bad = host_flags[i]
+        x = sources[i].stack() if bad and isinstance(sources[i], Stacked) else t.x
         if bad == calls.FLAG_USE_SPEC:  # a corner only the spec reproduces
-            _copy_result(_spec.quantize(sources[i], spec), destinations[i])
+            _copy_result(_spec.quantize(x, spec), destinations[i])
         elif bad:
             try:
-                calls.raise_like_spec(t.x, spec, None)
+                calls.raise_like_spec(x, spec, None)
             except Exception as e:
                 e.add_note(f"quantize_into: source {i} of {len(sources)}")
                 raise

@@ -27,6 +27,7 @@ re-exports it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 from dataclasses import dataclass
 
@@ -196,7 +197,7 @@ def check_launch(code: int, what: str) -> None:
 class Pending:
     """A launched kernel call whose flags are not read yet (see :func:`quantize_many`)."""
 
-    x: torch.Tensor
+    x: torch.Tensor | None  # None for launch_gather's calls
     spec: NumericsSpec
     outer_amax: torch.Tensor | None
     swizzled: bool
@@ -279,6 +280,72 @@ def launch(lib, x, spec, outer_amax, swizzled, out=None, flags=None, stream=None
             pending.flags = bad
     pending.stored, pending.amax = stored, amax
     return pending
+
+
+def gatherable(xs, spec: NumericsSpec) -> bool:
+    """Whether :func:`launch_gather` serves the stack of ``xs``: an NVFP4 preset scaled per
+    row that the compiled kernels implement, and contiguous 2-D tensors of one shape, dtype
+    and device whose data start on a 16-byte boundary (the CUDA kernels read 16 bytes at a
+    time)."""
+    if not xs or spec.is_mx or spec.outer_domain != "row":
+        return False
+    x0 = xs[0]
+    return all(x.ndim == 2 and x.shape == x0.shape and x.dtype == x0.dtype
+               and x.device == x0.device and x.is_contiguous() and x.data_ptr() % 16 == 0
+               for x in xs)
+
+
+def launch_gather(lib, xs, spec: NumericsSpec, out: NVFP4Tensor, flags=None, stream=None
+                  ) -> tuple[Pending, object]:
+    """:func:`launch` of the stack of the 2-D tensors ``xs`` into ``out`` (its ``[E, M, ...]``
+    buffers), without making the stack: the kernels read tensor e's rows where it lies,
+    through a table of one pointer per tensor (:func:`gatherable` says when this serves).
+    The bits are those of the stack's call.
+
+    Returns the pending call (``x`` None: a caller that meets a flag stacks ``xs`` and asks
+    the spec) and the pointer table, which must outlive the kernels: on CUDA the caller
+    holds it until it has read the flags (the launch is asynchronous); a CPU call is done
+    when this returns, and its ``flags`` are the kernel's result.
+    """
+    x0 = xs[0]
+    e, (m, k) = len(xs), x0.shape
+    dev = x0.device
+    cuda = dev.type == "cuda"
+    p = native.NvParams.from_buffer_copy(params_for((e, m, k), x0.dtype, spec, False))
+    ptrs = [x.data_ptr() for x in xs]
+    if cuda:
+        table = torch.tensor(ptrs, dtype=torch.int64).to(dev)
+        p.gather = table.data_ptr()
+    else:
+        table = (ctypes.c_void_p * e)(*ptrs)
+        p.gather = ctypes.cast(table, ctypes.c_void_p).value
+    codes = out.codes.view(e, m, k // 2)
+    scales = out.block_scales.view(torch.uint8).view(e, m, k // spec.block_size)
+    amax_out, stored_out = out.outer_amax.view(-1), out.outer_scale.view(-1)
+    if cuda:
+        if flags is None:
+            flags = torch.zeros(1, dtype=torch.int32, device=dev)
+        if stream is None:
+            stream = current_stream_handle(dev)
+        same = dev.index is None or dev.index == torch.cuda.current_device()
+        with contextlib.nullcontext() if same else torch.cuda.device(dev):
+            code = lib.nvfp4_quantize_cuda(x0.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                                           amax_out.data_ptr(), stored_out.data_ptr(),
+                                           amax_out.data_ptr(), amax_out.data_ptr(), p,
+                                           flags.data_ptr(), stream)
+        check_launch(code, "quantize")
+        if code:
+            raise RuntimeError(f"CUDA error {code} in the NVFP4 quantize kernel")
+        result = flags
+    else:
+        result = lib.nvfp4_quantize_cpu(x0.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                                        amax_out.data_ptr(), stored_out.data_ptr(),
+                                        amax_out.data_ptr(), amax_out.data_ptr(), p,
+                                        torch.get_num_threads())
+        check_launch(result, "quantize")
+    pending = Pending(None, spec, None, False, out, codes, scales, amax_out, stored_out, None,
+                      None, result)
+    return pending, table
 
 
 def finish(t: Pending, bad: int):

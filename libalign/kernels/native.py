@@ -103,6 +103,7 @@ class NvParams(ctypes.Structure):
         ("nonfinite_saturate", ctypes.c_int32), ("in_max", ctypes.c_float),
         ("swizzled", ctypes.c_int32), ("e4m3_max", ctypes.c_float),
         ("four_over_six", ctypes.c_int32), ("four_over_six_error", ctypes.c_int32),
+        ("gather", ctypes.c_void_p),
     ]
 
 

@@ -5,7 +5,7 @@ per weight, same run.
 weights (``--layers`` layers of 128 experts x gate/up/down, each ``--rows`` x ``--cols``, small
 by default so the quantize kernels' own time is negligible and what is left is host work),
 once with runs of same-shape weights quantized as one stack (the default) and once with every
-weight quantized on its own (``STACK_BYTES = 0``), alternating, median of ``--repeats``. Both
+weight quantized on its own (``RUN_BYTES = 0``), alternating, median of ``--repeats``. Both
 produce the same bits (checked). ``--views``: the experts are views of one stacked tensor per
 projection (the stack is viewed, not copied).
 
@@ -59,16 +59,16 @@ def main(argv: list[str] | None = None) -> None:
                         "and the device's kernel time in it")
     args = p.parse_args(argv)
     named = _named(args.layers, args.rows, args.cols, args.views, args.device)
-    stacked_limit = fill.STACK_BYTES
+    stacked_limit = fill.RUN_BYTES
     times: dict[str, list[float]] = {"stacked": [], "one launch a weight": []}
     bits = {}
     for i in range(args.repeats + 1):
         for mode, limit in (("stacked", stacked_limit), ("one launch a weight", 0)):
-            fill.STACK_BYTES = limit
+            fill.RUN_BYTES = limit
             try:
                 dt, got = _run(named, args.device)
             finally:
-                fill.STACK_BYTES = stacked_limit
+                fill.RUN_BYTES = stacked_limit
             if i:
                 times[mode].append(dt)
             bits[mode] = got

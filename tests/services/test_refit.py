@@ -488,18 +488,19 @@ def test_alignd_convert_splits_expert_stacks_as_the_stream_does(tmp_path, preset
             assert torch.equal(back.dequantize(), q.expert(e).dequantize()[rows]), pre
 
 
-@pytest.mark.parametrize("bucket_bytes,stack_bytes", [(3000, 1 << 26), (20000, 1 << 26),
-                                                      (1 << 20, 1 << 26), (1 << 20, 3000)])
-def test_filled_buckets_hold_the_packed_buckets_bits(bucket_bytes, stack_bytes, monkeypatch):
+@pytest.mark.parametrize("bucket_bytes,run_bytes", [(3000, None), (20000, None),
+                                                    (1 << 20, None), (1 << 20, 3000),
+                                                    (1 << 20, 0)])
+def test_filled_buckets_hold_the_packed_buckets_bits(bucket_bytes, run_bytes, monkeypatch):
     """minite buckets are quantized in place (alignd.sync.fill): every entry equals the packing
     producer's, 2-D weights and 3-D stacks (split per expert) alike, entries back to back;
-    runs of same-shape 2-D weights quantized as one stack (copied, or viewed where they are
-    per-expert views of one tensor), whatever the stack's size limit."""
+    runs of same-shape 2-D weights quantized as one stack (read in place, or viewed where
+    they are per-expert views of one tensor), whatever the run's size limit."""
     from alignd.sync import fill
     from alignd.sync.buckets import ended_buckets
     from alignd.sync.fill import filled_buckets
 
-    monkeypatch.setattr(fill, "STACK_BYTES", stack_bytes)
+    monkeypatch.setattr(fill, "RUN_BYTES", run_bytes)
     named = [(n, torch.cat([t, t], -1) if ".experts." in n else t)
              for n, t in W.named_weights(seed=2, experts=6)]  # K = 64: fillable
     named += [(n.replace("layers.0", "layers.1"), t) for n, t in stack_model(3).items()]
@@ -561,23 +562,25 @@ def test_filled_buckets_hold_no_closed_bucket_while_one_is_in_flight(monkeypatch
     assert count > 3
 
 
-def test_a_run_of_views_of_one_tensor_is_stacked_without_a_copy():
+def test_a_run_of_weights_is_stacked_without_a_copy():
     """Per-expert views of one stacked parameter, back to back in memory, stack as a view of
-    it; inputs elsewhere (or out of order) are copied into a new stack."""
+    it; inputs elsewhere (or out of order) become a Stacked source, read in place by the
+    kernels: no input is copied either way."""
     from alignd.sync.fill import _adjacent, _stacked
 
-    def stacked(xs):
-        return _stacked(xs, _adjacent(xs))
+    from libalign.sync import Stacked
 
     base = torch.randn(4, 8, 64)
-    viewed = stacked([base[e] for e in range(4)])
+    viewed = _stacked([base[e] for e in range(4)])
     assert viewed.data_ptr() == base.data_ptr() and torch.equal(viewed, base)
-    part = stacked([base[e] for e in (1, 2, 3)])
+    part = _stacked([base[e] for e in (1, 2, 3)])
     assert part.data_ptr() == base[1].data_ptr() and torch.equal(part, base[1:])
-    shuffled = stacked([base[e] for e in (0, 2, 1)])
-    assert shuffled.data_ptr() != base.data_ptr() and torch.equal(shuffled, base[[0, 2, 1]])
+    shuffled = _stacked([base[e] for e in (0, 2, 1)])
+    assert isinstance(shuffled, Stacked) and torch.equal(shuffled.stack(), base[[0, 2, 1]])
     apart = [torch.randn(8, 64) for _ in range(3)]
-    assert not _adjacent(apart) and torch.equal(stacked(apart), torch.stack(apart))
+    got = _stacked(apart)
+    assert not _adjacent(apart) and isinstance(got, Stacked)
+    assert all(a is b for a, b in zip(got.tensors, apart, strict=True))
 
 
 def test_filled_buckets_name_a_non_finite_tensor():

@@ -22,14 +22,15 @@ Layout of a filled bucket
 Launches
     A run quantizes as one stack, one launch where each weight on its own costs a launch and
     its host work. Per-expert views of one stacked parameter, back to back in memory, are
-    viewed as the stack; other inputs are copied into it, at most :data:`STACK_BYTES` at a
-    time. Every weight keeps its own row scales, so the bits are those of one launch per weight.
+    viewed as the stack; other inputs are read where they lie (a
+    :class:`libalign.sync.Stacked` source: the kernels take one pointer per weight), so no
+    input is copied. Every weight keeps its own row scales, so the bits are those of one
+    launch per weight.
 Memory
-    The bucket being filled and its fp32 tail, kept per weight until the bucket closes (4 bytes
+    The bucket being filled and its fp32 tail, kept per run until the bucket closes (4 bytes
     a row: under 1 % of the bucket at K = 768), plus the row maxima of the batch being quantized
-    (scratch); the inputs of one batch (at most ``bucket_bytes`` of them) are held until the
-    batch is quantized, and stacked copies of runs (at most :data:`STACK_BYTES` at a time). With
-    the bucket in flight: two buckets.
+    (scratch); the inputs of one batch (at most ``bucket_bytes`` of them) are referenced until
+    the batch is quantized, never copied. With the bucket in flight: two buckets.
 Passed-through tensors
     Everything not quantized goes to buckets of its own, packed as before.
 
@@ -51,7 +52,7 @@ from alignd.sync.buckets import Bucket, BucketEntry, ended_buckets
 from alignd.sync.stream import quantize_named
 from libalign.kernels import ops
 from libalign.spec import NumericsSpec, NVFP4Tensor
-from libalign.sync import quantize_into
+from libalign.sync import Stacked, quantize_into
 
 
 def fills(spec: NumericsSpec) -> bool:
@@ -71,10 +72,9 @@ class _Slot:
     rows_at: int  # index of its first row in the fp32 tail
 
 
-#: A run of same-shape 2-D weights quantizes as one stack of at most this many input bytes,
-#: and a batch holds at most this many bytes of stacked copies (inputs that are not already
-#: adjacent in memory) before it quantizes them.
-STACK_BYTES = 32 << 20
+#: A run of same-shape 2-D weights quantizes as one launch of at most this many input bytes
+#: (None: no bound but the batch's; 0: one launch a weight).
+RUN_BYTES: int | None = None
 
 
 class _Filler:
@@ -110,25 +110,17 @@ class _Filler:
             self.quantize()
 
     def quantize(self) -> None:
-        """Quantize the open batch into its places (one synchronisation per
-        :data:`STACK_BYTES` of stacked copies, one for the batch when nothing is copied).
+        """Quantize the open batch into its places (one synchronisation for the batch).
         Consecutive 2-D weights of one shape go as one stack (:func:`_runs`): one launch for
         the run, its codes then its block scales back to back in the run's bytes."""
         batch, self.batch, self.batch_bytes = self.batch, [], 0
         if not batch:
             return
-        sources: list[torch.Tensor] = []
+        sources: list[torch.Tensor | Stacked] = []
         dests: list[NVFP4Tensor] = []
-        copied = 0
         for run in _runs(batch):
             x0, n = run[0].x, len(run)
             xs = [s.x for s in run]
-            adjacent = n == 1 or _adjacent(xs)
-            nbytes = 0 if adjacent else sum(x.numel() * x.element_size() for x in xs)
-            if sources and copied + nbytes > STACK_BYTES:  # bound the stacked copies held
-                self._quantize_into(sources, dests, batch)
-                sources, dests, copied = [], [], 0
-            copied += nbytes
             lead, k = tuple(x0.shape[:-1]), x0.shape[-1]
             codes, scales, _ = self.sizes(x0)
             start = run[0].codes_at
@@ -137,7 +129,7 @@ class _Filler:
             for i, s in enumerate(run):
                 s.codes_at, s.scales_at = start + i * codes, start + n * codes + i * scales
             shape = (n, *lead) if n > 1 else lead
-            sources.append(x0 if n == 1 else _stacked(xs, adjacent))
+            sources.append(x0 if n == 1 else _stacked(xs))
             dests.append(NVFP4Tensor(
                 codes=self.flat[start:start + n * codes].view(*shape, k // 2),
                 block_scales=self.flat[start + n * codes:start + n * (codes + scales)]
@@ -185,20 +177,23 @@ class _Filler:
 
 
 def _runs(batch: list[_Slot]) -> Iterator[list[_Slot]]:
-    """The batch cut into runs: consecutive 2-D inputs of one shape, dtype and device (at most
-    :data:`STACK_BYTES` of input each); every other slot a run of its own."""
+    """The batch cut into runs: consecutive contiguous 2-D inputs of one shape, dtype and
+    device whose data start on a 16-byte boundary (what the kernels read in place; at most
+    :data:`RUN_BYTES` of input each); every other slot a run of its own."""
     run: list[_Slot] = []
     size = 0
     for s in batch:
         x = s.x
         nbytes = x.numel() * x.element_size()
-        if run and (x.ndim != 2 or run[0].x.shape != x.shape or run[0].x.dtype != x.dtype
-                    or run[0].x.device != x.device or size + nbytes > STACK_BYTES):
+        joins = x.ndim == 2 and x.is_contiguous() and x.data_ptr() % 16 == 0
+        if run and (not joins or run[0].x.shape != x.shape or run[0].x.dtype != x.dtype
+                    or run[0].x.device != x.device
+                    or (RUN_BYTES is not None and size + nbytes > RUN_BYTES)):
             yield run
             run, size = [], 0
         run.append(s)
         size += nbytes
-        if x.ndim != 2:
+        if not joins:
             yield run
             run, size = [], 0
     if run:
@@ -215,13 +210,13 @@ def _adjacent(xs: list[torch.Tensor]) -> bool:
                and x.data_ptr() == x0.data_ptr() + i * step for i, x in enumerate(xs))
 
 
-def _stacked(xs: list[torch.Tensor], adjacent: bool) -> torch.Tensor:
-    """``torch.stack(xs)``, without the copy when the inputs are ``adjacent``
-    (:func:`_adjacent`)."""
-    if adjacent:
+def _stacked(xs: list[torch.Tensor]) -> torch.Tensor | Stacked:
+    """The stack of a run's inputs: viewed when they lie back to back (:func:`_adjacent`),
+    else a :class:`~libalign.sync.Stacked` source the kernels read in place."""
+    if _adjacent(xs):
         x0 = xs[0]
         return x0.as_strided((len(xs), *x0.shape), (x0.numel(), *x0.stride()))
-    return torch.stack(xs)
+    return Stacked(tuple(xs))
 
 
 def _weights(s: _Slot) -> list[tuple[str, int, int]]:
