@@ -72,9 +72,11 @@ def test_tile_shapes_give_a_row_the_same_bits(cuda, dtype):
     bk = big[2]
     shapes = [(64, 64, bk, 4, 4), (64, 128, bk, 4, 3), (128, 64, bk, 8, 3), (64, 32, bk, 4, 4),
               (128, 256, bk, 8, 3), tensorcore.SMALL_CONFIGS[dtype],
-              tensorcore.WIDE_CONFIGS[dtype], tensorcore.FEW_ROWS_CONFIGS[dtype]]
-    if dtype != torch.float32:
-        shapes += [(64, 128, 2 * bk, 4, 3), (64, 32, 4 * bk, 4, 3)]
+              tensorcore.WIDE_CONFIGS[dtype], tensorcore.FEW_ROWS_CONFIGS[dtype],
+              tensorcore.SKINNY_CONFIGS[dtype]]
+    if dtype != torch.float32:  # K steps of 128 and 256; the transposed product of few rows
+        shapes += [(64, 128, 2 * bk, 4, 3), (64, 32, 4 * bk, 4, 3), (16, 128, 4 * bk, 4, 3),
+                   (32, 64, 4 * bk, 4, 3), (16, 32, bk, 4, 4)]
     for n, k in ((2048, 2048), (1000, 72), (384, 768)):
         w = _rand(n, k, scale=k ** -0.5, seed=30, dtype=dtype)
         x = _rand(200, k, seed=31, dtype=dtype)
