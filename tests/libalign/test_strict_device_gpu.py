@@ -184,13 +184,23 @@ def test_combine_rows_equals_the_portable_combine(cuda, dtype):
 @pytest.mark.parametrize("tile", [(2048, 4), (64, 1), (8192, 8)])
 def test_visible_range_is_exact(cuda, shape, tile, monkeypatch):
     """Each mask row's first visible key, end and count, and the mask packed 64 keys a word
-    with one zero word after, are exact whatever the rows a program takes (VISIBLE_TILE)."""
+    with one zero word after, are exact whatever the rows a program takes (VISIBLE_TILE), for
+    a dense mask and for views read through their strides (sliced keys, broadcast sequences
+    and queries)."""
     monkeypatch.setattr(strict_attention, "VISIBLE_TILE", tile)
     b, hm, tq, tk = shape
     g = torch.Generator().manual_seed(sum(shape))
     allowed = (torch.rand(b, hm, tq, tk, generator=g) > 0.4).cuda()
     allowed[0, 0, 0] = False  # a row that sees nothing
+    for view in (allowed[..., :max(1, tk - 3)], allowed[:1].expand(b, hm, tq, tk),
+                 allowed[:, :, :1].expand(b, hm, tq, tk)):  # read through strides, not copied
+        _check_visible(view)
+    _check_visible(allowed)
+
+
+def _check_visible(allowed):
     first, hi, count, bits = strict_attention.visible_range(allowed)
+    tk = allowed.shape[-1]
     rows = allowed.reshape(-1, tk).cpu()
     idx = torch.arange(tk)
     assert torch.equal(first.flatten().cpu(), torch.where(rows, idx, tk).amin(1).int())
