@@ -61,21 +61,24 @@ def _tma_ready(x: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _visible_kernel(mask_ptr, first_ptr, hi_ptr, count_ptr, bits_ptr, R, Tk, W, s_mr,
-                        ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        # program p: mask rows p * ROWS .. + ROWS; for each, its first visible key (Tk when
-        # none), last visible key + 1 (0 when none), number of visible keys, all exact whatever
-        # the chunking, and the row packed 64 keys a word (key j is bit j % 64 of word j // 64;
-        # W - 1 words, then a zero word that a block straddling the row's end reads)
+    def _visible_kernel(mask_ptr, first_ptr, hi_ptr, count_ptr, bits_ptr, R, Tk, W, HM, Tq,
+                        s_mb, s_mh, s_mt, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        # program p: mask rows p * ROWS .. + ROWS (row r is (sequence, head, query) of the
+        # [B, HM, Tq, Tk] mask, read through its strides: a broadcast mask is not copied);
+        # for each, its first visible key (Tk when none), last visible key + 1 (0 when none),
+        # number of visible keys, all exact whatever the chunking, and the row packed 64 keys
+        # a word (key j is bit j % 64 of word j // 64; W - 1 words, then a zero word that a
+        # block straddling the row's end reads)
         r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         r_ok = r < R
+        row_at = (r // (HM * Tq)) * s_mb + ((r // Tq) % HM) * s_mh + (r % Tq) * s_mt
         first = tl.zeros((ROWS,), tl.int32) + Tk
         hi = tl.zeros((ROWS,), tl.int32)
         count = tl.zeros((ROWS,), tl.int32)
         bit = tl.arange(0, 64).to(tl.int64)
         for start in range(0, Tk, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            seen = tl.load(mask_ptr + r[:, None] * s_mr + offs[None, :],
+            seen = tl.load(mask_ptr + row_at[:, None] + offs[None, :],
                            mask=r_ok[:, None] & (offs[None, :] < Tk), other=0) != 0
             first = tl.minimum(first, tl.min(tl.where(seen, offs[None, :], Tk), 1))
             hi = tl.maximum(hi, tl.max(tl.where(seen, offs[None, :] + 1, 0), 1))
@@ -354,18 +357,17 @@ def visible_range(allowed: torch.Tensor
     ``hi - first`` sees one interval of keys."""
     b, hm, tq, tk = allowed.shape
     n = b * hm * tq
-    rows = allowed.reshape(n, tk)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    if allowed.stride(-1) != 1:
+        allowed = allowed.contiguous()
     first = torch.empty((b, hm, tq), dtype=torch.int32, device=allowed.device)
     hi, count = torch.empty_like(first), torch.empty_like(first)
     bits = torch.empty((n, cdiv(tk, 64) + 1), dtype=torch.int64, device=allowed.device)
     if first.numel() and tk:
         block = max(64, min(1024, next_power_of_2(tk)))
         per = max(1, min(next_power_of_2(n), VISIBLE_TILE[0] // block))
-        _visible_kernel[(cdiv(n, per),)](rows.view(torch.uint8), first, hi, count, bits, n, tk,
-                                         bits.shape[1], rows.stride(0), ROWS=per, BLOCK=block,
-                                         num_warps=VISIBLE_TILE[1])
+        _visible_kernel[(cdiv(n, per),)](allowed.view(torch.uint8), first, hi, count, bits, n,
+                                         tk, bits.shape[1], hm, tq, *allowed.stride()[:3],
+                                         ROWS=per, BLOCK=block, num_warps=VISIBLE_TILE[1])
     elif first.numel():
         for t in (first, hi, count, bits):
             t.fill_(0)

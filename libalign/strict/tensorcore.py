@@ -103,6 +103,16 @@ FEW_ROWS_CONFIGS = {
     torch.float16: (64, 64, 256, 4, 3),
     torch.float32: (64, 128, 32, 4, 3),
 }
+#: For at most :data:`SKINNY_M` rows: tiles of 16 rows. A tile of fewer than 64 rows runs
+#: the transposed product (the weight tile times the rows' tile, transposed back), so the
+#: rows are the instruction's narrow side and no load is spent on padding rows; each
+#: element still adds its products 16 at a time in K order. fp32 operands keep their tiles.
+SKINNY_CONFIGS = {
+    torch.bfloat16: (16, 64, 256, 4, 3),
+    torch.float16: (16, 64, 256, 4, 3),
+    torch.float32: (64, 128, 32, 4, 3),
+}
+SKINNY_M = 16
 SMALL_M = 64
 _WIDE_N = 16384
 _CHUNK = 1024          # row chunk of the row reductions
@@ -161,16 +171,22 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # a grouped launch has a program for every tile the rows could need; those past the
         # last real tile hold no rows and skip the loop (they store nothing)
+        if BLOCK_M < 64:  # few rows: the weight's columns are the instruction's wide side
+            acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for ki in range(tl.where(start_m < end_m, tl.cdiv(K, BLOCK_K), 0)):
             offs_k = ki * BLOCK_K + offs_kk
             a = tl.load(a_ptr + offs_am[:, None] * s_am + offs_k[None, :] * s_ak,
                         mask=offs_kk[None, :] < K - ki * BLOCK_K, other=0.0)
             b = tl.load(b_base + offs_k[:, None] * s_bk + offs_bn[None, :] * s_bn,
                         mask=offs_kk[:, None] < K - ki * BLOCK_K, other=0.0)
-            if IEEE:  # noqa: SIM108 - a constexpr branch, compiled once per kernel variant
+            if BLOCK_M < 64:  # the transposed product: w-tile [N, K] times a-tile^T [K, M]
+                acc_t = tl.dot(tl.trans(b), tl.trans(a), acc_t)
+            elif IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, b, acc)
+        if BLOCK_M < 64:
+            acc = tl.trans(acc_t)
         offs_cm = start_m + tl.arange(0, BLOCK_M)
         offs_cn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = offs_cm < end_m
@@ -340,7 +356,8 @@ def tile_config(dtype: torch.dtype, rows: int, op: str = "matmul", *, n: int = 0
     """The tile configuration of a product of ``rows`` rows (the rows of one expert, for a
     grouped call) and ``n`` output columns, by speed alone (every configuration gives a row
     the same bits): :data:`WIDE_CONFIGS` for at most :data:`SMALL_M` rows against a very wide
-    weight, :data:`FEW_ROWS_CONFIGS` for other calls of at most :data:`SMALL_M` rows,
+    weight, :data:`SKINNY_CONFIGS` for other calls of at most :data:`SKINNY_M` rows,
+    :data:`FEW_ROWS_CONFIGS` for other calls of at most :data:`SMALL_M` rows,
     :data:`SMALL_CONFIGS` for calls whose :data:`CONFIGS` grid (``row_tiles`` 128-row tiles,
     default ``rows / 128``, times the column tiles) has fewer than two programs per
     multiprocessor (``sms``), else :data:`CONFIGS`."""
@@ -348,7 +365,9 @@ def tile_config(dtype: torch.dtype, rows: int, op: str = "matmul", *, n: int = 0
         raise DTypeError(f"strict {op}: the tensor-core kernels take bf16, fp16 or fp32 operands, "
                          f"got {dtype}")
     if rows <= SMALL_M:
-        return (WIDE_CONFIGS if n >= _WIDE_N else FEW_ROWS_CONFIGS)[dtype]
+        if n >= _WIDE_N:
+            return WIDE_CONFIGS[dtype]
+        return (SKINNY_CONFIGS if rows <= SKINNY_M else FEW_ROWS_CONFIGS)[dtype]
     tiles = (row_tiles if row_tiles is not None else -(-rows // 128)) * -(-n // 128)
     return SMALL_CONFIGS[dtype] if tiles < 2 * sms else CONFIGS[dtype]
 

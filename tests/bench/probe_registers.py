@@ -84,7 +84,8 @@ def main() -> None:
                "N", "K")
     print("strict product, bf16 (sm_90a):")
     for label, cfg in (("large", tensorcore.CONFIGS), ("small", tensorcore.SMALL_CONFIGS),
-                       ("few", tensorcore.FEW_ROWS_CONFIGS), ("wide", tensorcore.WIDE_CONFIGS)):
+                       ("few", tensorcore.FEW_ROWS_CONFIGS), ("skinny", tensorcore.SKINNY_CONFIGS),
+                       ("wide", tensorcore.WIDE_CONFIGS)):
         bm, bn, bk, warps, stages = cfg[torch.bfloat16]
         for grouped in (False, True):
             consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUPED=grouped, HAS_BIAS=False,

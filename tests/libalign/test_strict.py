@@ -278,13 +278,14 @@ def test_tile_config_picks_narrow_tiles_where_the_grid_would_be_thin():
     from libalign.strict import tensorcore as tc
 
     bf = torch.bfloat16
-    assert tc.tile_config(bf, 8, n=2048, sms=132) == tc.FEW_ROWS_CONFIGS[bf] == (64, 64, 256, 4, 3)
+    assert tc.tile_config(bf, 8, n=2048, sms=132) == tc.SKINNY_CONFIGS[bf] == (16, 64, 256, 4, 3)
+    assert tc.tile_config(bf, 17, n=2048, sms=132) == tc.FEW_ROWS_CONFIGS[bf] == (64, 64, 256, 4, 3)
     assert tc.tile_config(bf, 64, n=151936, sms=132) == tc.WIDE_CONFIGS[bf]
     assert tc.tile_config(bf, 512, n=2048, sms=132) == tc.SMALL_CONFIGS[bf]     # 64 tiles
     assert tc.tile_config(bf, 512, n=151936, sms=132) == tc.CONFIGS[bf]         # 4,748 tiles
     assert tc.tile_config(bf, 4096, n=2048, sms=132) == tc.CONFIGS[bf]          # 512 tiles
     assert tc.tile_config(bf, 300, n=2048, row_tiles=200, sms=132) == tc.CONFIGS[bf]
-    for table in (tc.SMALL_CONFIGS, tc.WIDE_CONFIGS, tc.FEW_ROWS_CONFIGS):
+    for table in (tc.SMALL_CONFIGS, tc.WIDE_CONFIGS, tc.FEW_ROWS_CONFIGS, tc.SKINNY_CONFIGS):
         # K stepped by a multiple of the large tiles' step (the same additions in the same
         # order on the tensor cores); fp32's IEEE products keep the one step
         assert all(table[d][2] % tc.CONFIGS[d][2] == 0 for d in tc.CONFIGS)
@@ -328,7 +329,7 @@ def test_grouped_product_tiles_by_rows_per_expert(monkeypatch):
         m = 128 * rows_per_expert
         tc.grouped_matmul(torch.zeros(m, 64, dtype=bf), w, [rows_per_expert] * 128,
                           out_dtype=bf)
-    assert seen == [tc.FEW_ROWS_CONFIGS[bf], tc.FEW_ROWS_CONFIGS[bf], tc.SMALL_CONFIGS[bf],
+    assert seen == [tc.SKINNY_CONFIGS[bf], tc.FEW_ROWS_CONFIGS[bf], tc.SMALL_CONFIGS[bf],
                     tc.SMALL_CONFIGS[bf], tc.CONFIGS[bf]]
 
 

@@ -72,9 +72,11 @@ def test_tile_shapes_give_a_row_the_same_bits(cuda, dtype):
     bk = big[2]
     shapes = [(64, 64, bk, 4, 4), (64, 128, bk, 4, 3), (128, 64, bk, 8, 3), (64, 32, bk, 4, 4),
               (128, 256, bk, 8, 3), tensorcore.SMALL_CONFIGS[dtype],
-              tensorcore.WIDE_CONFIGS[dtype], tensorcore.FEW_ROWS_CONFIGS[dtype]]
-    if dtype != torch.float32:
-        shapes += [(64, 128, 2 * bk, 4, 3), (64, 32, 4 * bk, 4, 3)]
+              tensorcore.WIDE_CONFIGS[dtype], tensorcore.FEW_ROWS_CONFIGS[dtype],
+              tensorcore.SKINNY_CONFIGS[dtype]]
+    if dtype != torch.float32:  # K steps of 128 and 256; the transposed product of few rows
+        shapes += [(64, 128, 2 * bk, 4, 3), (64, 32, 4 * bk, 4, 3), (16, 128, 4 * bk, 4, 3),
+                   (32, 64, 4 * bk, 4, 3), (16, 32, bk, 4, 4)]
     for n, k in ((2048, 2048), (1000, 72), (384, 768)):
         w = _rand(n, k, scale=k ** -0.5, seed=30, dtype=dtype)
         x = _rand(200, k, seed=31, dtype=dtype)
@@ -184,13 +186,23 @@ def test_combine_rows_equals_the_portable_combine(cuda, dtype):
 @pytest.mark.parametrize("tile", [(2048, 4), (64, 1), (8192, 8)])
 def test_visible_range_is_exact(cuda, shape, tile, monkeypatch):
     """Each mask row's first visible key, end and count, and the mask packed 64 keys a word
-    with one zero word after, are exact whatever the rows a program takes (VISIBLE_TILE)."""
+    with one zero word after, are exact whatever the rows a program takes (VISIBLE_TILE), for
+    a dense mask and for views read through their strides (sliced keys, broadcast sequences
+    and queries)."""
     monkeypatch.setattr(strict_attention, "VISIBLE_TILE", tile)
     b, hm, tq, tk = shape
     g = torch.Generator().manual_seed(sum(shape))
     allowed = (torch.rand(b, hm, tq, tk, generator=g) > 0.4).cuda()
     allowed[0, 0, 0] = False  # a row that sees nothing
+    for view in (allowed[..., :max(1, tk - 3)], allowed[:1].expand(b, hm, tq, tk),
+                 allowed[:, :, :1].expand(b, hm, tq, tk)):  # read through strides, not copied
+        _check_visible(view)
+    _check_visible(allowed)
+
+
+def _check_visible(allowed):
     first, hi, count, bits = strict_attention.visible_range(allowed)
+    tk = allowed.shape[-1]
     rows = allowed.reshape(-1, tk).cpu()
     idx = torch.arange(tk)
     assert torch.equal(first.flatten().cpu(), torch.where(rows, idx, tk).amin(1).int())
