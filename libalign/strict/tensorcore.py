@@ -56,7 +56,6 @@ __all__ = [
     "CONFIGS",
     "available",
     "combine_rows",
-    "group_tiles",
     "grouped_matmul",
     "log_softmax",
     "matmul",
@@ -145,18 +144,31 @@ def require(op: str, x: torch.Tensor) -> None:
 if triton is not None:
 
     @triton.jit
-    def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, adec_ptr, wdec_ptr,
-                       tile_e_ptr, tile_lo_ptr, tile_hi_ptr,
+    def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, adec_ptr, wdec_ptr, counts_ptr, E,
                        M, N, K, s_am, s_ak, s_be, s_bk, s_bn, s_cm, s_cn, s_de,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
-                       IEEE: tl.constexpr):
+                       GROUPED: tl.constexpr, E_P2: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       SCALED: tl.constexpr, IEEE: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         if GROUPED:
-            e = tl.load(tile_e_ptr + pid_m).to(tl.int64)
-            start_m = tl.load(tile_lo_ptr + pid_m)
-            end_m = tl.load(tile_hi_ptr + pid_m)
+            # row tile pid_m of rows sorted by expert, from the experts' row counts alone (no
+            # table, no read to the host): expert e's tiles follow the tiles of the experts
+            # before it, and a tile never holds two experts' rows. Tiles past the last real
+            # one hold no rows (start = end = M), as does anything past M.
+            ex = tl.arange(0, E_P2)
+            n = tl.load(counts_ptr + ex, mask=ex < E, other=0).to(tl.int32)
+            tiles = (n + BLOCK_M - 1) // BLOCK_M
+            before = tl.cumsum(tiles, 0) <= pid_m  # experts whose tiles all precede this one
+            e = tl.sum(before.to(tl.int32), 0)
+            rows_before = tl.sum(tl.where(before, n, 0), 0)
+            tiles_before = tl.sum(tl.where(before, tiles, 0), 0)
+            n_e = tl.sum(tl.where(ex == e, n, 0), 0)
+            real = e < E
+            start_m = tl.minimum(tl.where(real, rows_before + (pid_m - tiles_before) * BLOCK_M,
+                                          M), M)
+            end_m = tl.minimum(tl.where(real, rows_before + n_e, M), M)
+            e = tl.where(real, e, 0).to(tl.int64)
         else:
             e = 0
             start_m = pid_m * BLOCK_M
@@ -199,30 +211,6 @@ if triton is not None:
             acc = acc * (ad[:, None] * wd[None, :])
         c = c_ptr + offs_cm.to(tl.int64)[:, None] * s_cm + offs_cn.to(tl.int64)[None, :] * s_cn
         tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
-    def _tile_table_kernel(counts_ptr, te_ptr, lo_ptr, hi_ptr, E, M, T, BM: tl.constexpr,
-                           E_P2: tl.constexpr, BLOCK: tl.constexpr):
-        # one program: tile i of a grouped launch (rows sorted by expert) -> its expert, first
-        # row and end row, from the experts' row counts alone (on the device: no host read);
-        # tiles past the last real one are empty (first = end = M), as is anything past M
-        ex = tl.arange(0, E_P2)
-        n = tl.load(counts_ptr + ex, mask=ex < E, other=0).to(tl.int32)
-        tiles = (n + BM - 1) // BM
-        tile_end = tl.cumsum(tiles, 0)
-        for start in range(0, T, BLOCK):
-            i = start + tl.arange(0, BLOCK)
-            before = tile_end[None, :] <= i[:, None]  # experts whose tiles all precede tile i
-            e = tl.sum(before.to(tl.int32), 1)        # so tile i is expert e's
-            rows_before = tl.sum(tl.where(before, n[None, :], 0), 1)
-            tiles_before = tl.sum(tl.where(before, tiles[None, :], 0), 1)
-            n_e = tl.sum(tl.where(ex[None, :] == e[:, None], n[None, :], 0), 1)
-            real = e < E
-            lo = tl.minimum(tl.where(real, rows_before + (i - tiles_before) * BM, M), M)
-            hi = tl.minimum(tl.where(real, rows_before + n_e, M), M)
-            tl.store(te_ptr + i, tl.where(real, e, 0), mask=i < T)
-            tl.store(lo_ptr + i, lo, mask=i < T)
-            tl.store(hi_ptr + i, hi, mask=i < T)
 
     @triton.jit
     def _combine_rows_kernel(y_ptr, slot_ptr, w_ptr, out_ptr, H, s_y, s_o, K: tl.constexpr,
@@ -372,11 +360,13 @@ def tile_config(dtype: torch.dtype, rows: int, op: str = "matmul", *, n: int = 0
     return SMALL_CONFIGS[dtype] if tiles < 2 * sms else CONFIGS[dtype]
 
 
-def _launch_matmul(a, w, out, *, bias=None, a_dec=None, w_dec=None, tiles=None,
+def _launch_matmul(a, w, out, *, bias=None, a_dec=None, w_dec=None, counts=None,
                    config=None) -> None:
+    """One launch of :func:`_matmul_kernel`; with ``counts`` (the experts' row counts on the
+    device) a grouped launch, whose programs find their row tiles from the counts."""
     bm, bn, bk, warps, stages = config or tile_config(
         a.dtype, a.shape[0], n=out.shape[1], sms=_sms(a.device))
-    grouped = tiles is not None
+    grouped = counts is not None
     m, k = a.shape
     n = out.shape[1]
     if w.ndim == 3:
@@ -385,18 +375,21 @@ def _launch_matmul(a, w, out, *, bias=None, a_dec=None, w_dec=None, tiles=None,
         s_bn, s_bk = w.stride()
         s_be = w.shape[0] * s_bn
     dummy = out
-    te, tlo, thi = tiles if grouped else (dummy, dummy, dummy)
-    n_mtiles = te.shape[0] if grouped else cdiv(m, bm)
+    experts = counts.shape[0] if grouped else 0
+    # grouped: a program for every row tile the counts could need (each expert with rows
+    # may end in a partial tile, and at most M experts have rows); those with no rows exit
+    n_mtiles = cdiv(m, bm) + min(experts, m) if grouped else cdiv(m, bm)
     if n_mtiles == 0 or n == 0:
         return
     wdec = w_dec if w_dec is not None else dummy
     with torch.cuda.device(a.device):
         _matmul_kernel[(n_mtiles, cdiv(n, bn))](
             a, w, out, bias if bias is not None else dummy,
-            a_dec if a_dec is not None else dummy, wdec, te, tlo, thi,
+            a_dec if a_dec is not None else dummy, wdec, counts if grouped else dummy, experts,
             m, n, k, *a.stride(), s_be, s_bk, s_bn, *out.stride(),
             wdec.stride(0) if w_dec is not None and wdec.ndim == 2 else 0,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUPED=grouped, HAS_BIAS=bias is not None,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUPED=grouped,
+            E_P2=max(16, next_power_of_2(experts)), HAS_BIAS=bias is not None,
             SCALED=a_dec is not None, IEEE=a.dtype == torch.float32,
             num_warps=warps, num_stages=stages)
 
@@ -436,24 +429,6 @@ def matmul(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
         return out
     _launch_matmul(a, w, out, bias=bias, config=config)
     return out
-
-
-def group_tiles(counts: torch.Tensor, rows: int,
-                bm: int = CONFIGS[torch.bfloat16][0]) -> tuple[torch.Tensor, ...]:
-    """The grouped launch's row tiles of ``bm`` rows from per-expert row counts ``counts``
-    (an integer tensor on the launch's device; ``rows`` rows sorted by expert):
-    ``(expert, first row, end row)`` per tile, int32, one launch and no read to the host. A
-    tile never holds two experts' rows. There are ``ceil(rows / bm) + E`` entries, the most
-    the counts could need; those past the last real tile are empty (first row = end row)."""
-    e = counts.shape[0]
-    total = cdiv(rows, bm) + e
-    t = torch.empty((3, total), dtype=torch.int32, device=counts.device)
-    if total:
-        e_p2 = max(16, next_power_of_2(e))
-        with torch.cuda.device(counts.device):
-            _tile_table_kernel[(1,)](counts, t[0], t[1], t[2], e, rows, total, BM=bm, E_P2=e_p2,
-                                     BLOCK=max(16, min(256, 16384 // e_p2)))
-    return t[0], t[1], t[2]
 
 
 @functools.lru_cache(maxsize=8)
@@ -509,8 +484,7 @@ def grouped_matmul(a: torch.Tensor, w: torch.Tensor, counts: list[int] | torch.T
     else:
         cfg = tile_config(a.dtype, per_expert, "grouped_matmul", n=w.shape[1],
                           row_tiles=-(-m // 128) + experts, sms=_sms(a.device))
-    _launch_matmul(a, w, out, a_dec=a_dec, w_dec=w_dec, config=cfg,
-                   tiles=group_tiles(counts, m, cfg[0]))
+    _launch_matmul(a, w, out, a_dec=a_dec, w_dec=w_dec, config=cfg, counts=counts)
     return out
 
 

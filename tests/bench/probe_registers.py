@@ -77,9 +77,8 @@ def main() -> None:
         print(f"  {label:12} {warps} warps, {rows} rows: "
               f"{report(attention._attention_kernel, types, consts, aligned, warps, stages)}")
     mm = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", bias_ptr="*bf16", adec_ptr="*fp32",
-              wdec_ptr="*fp32", tile_e_ptr="*i32", tile_lo_ptr="*i32", tile_hi_ptr="*i32",
-              M="i32", N="i32", K="i32", s_am="i32", s_be="i32", s_bn="i32", s_cm="i32",
-              s_cn="i32", s_de="i32")
+              wdec_ptr="*fp32", counts_ptr="*i32", E="i32", M="i32", N="i32", K="i32", s_am="i32",
+              s_be="i32", s_bn="i32", s_cm="i32", s_cn="i32", s_de="i32")
     aligned = (*(n for n, t in mm.items() if t.startswith("*")), "s_am", "s_be", "s_bn", "s_cm",
                "N", "K")
     print("strict product, bf16 (sm_90a):")
@@ -88,7 +87,7 @@ def main() -> None:
                        ("wide", tensorcore.WIDE_CONFIGS)):
         bm, bn, bk, warps, stages = cfg[torch.bfloat16]
         for grouped in (False, True):
-            consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUPED=grouped, HAS_BIAS=False,
+            consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUPED=grouped, E_P2=128, HAS_BIAS=False,
                           SCALED=grouped, IEEE=False, s_ak=1, s_bk=1)
             print(f"  {label:6} {bm}x{bn}x{bk} {'grouped' if grouped else 'plain  '}: "
                   f"{report(tensorcore._matmul_kernel, mm, consts, aligned, warps, stages)}")

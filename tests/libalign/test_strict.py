@@ -321,7 +321,6 @@ def test_grouped_product_tiles_by_rows_per_expert(monkeypatch):
     seen = []
     monkeypatch.setattr(tc, "require", lambda op, x: None)
     monkeypatch.setattr(tc, "_sms", lambda device: 132)
-    monkeypatch.setattr(tc, "group_tiles", lambda counts, m, bm: None)
     monkeypatch.setattr(tc, "_launch_matmul", lambda *a, config, **k: seen.append(config))
     bf = torch.bfloat16
     w = torch.zeros(128, 1536, 64, dtype=bf)
