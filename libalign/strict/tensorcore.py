@@ -79,8 +79,8 @@ CONFIGS = {
 #: steps by the same tensor-core instruction, which adds each output element's products in
 #: an order that does not depend on the tile's other rows or columns, so a row gets the bits
 #: :data:`CONFIGS` gives it (checked on a GPU for every dtype and these shapes).
-#: ``SMALL_CONFIGS``: 64-row tiles; ``WIDE_CONFIGS``: 64 rows and 256 columns, for a few rows
-#: against a very wide weight (an LM head).
+#: ``SMALL_CONFIGS``: 64-row tiles; ``WIDE_CONFIGS``: 64 rows and 256 columns, for up to
+#: :data:`SMALL_M` rows against a very wide weight (an LM head).
 SMALL_CONFIGS = {
     torch.bfloat16: (64, 128, 64, 4, 4),
     torch.float16: (64, 128, 64, 4, 4),
@@ -102,7 +102,7 @@ FEW_ROWS_CONFIGS = {
     torch.float16: (64, 64, 256, 4, 3),
     torch.float32: (64, 128, 32, 4, 3),
 }
-#: For at most :data:`SKINNY_M` rows: tiles of 16 rows. A tile of fewer than 64 rows runs
+#: For at most :data:`SKINNY_M` rows, whatever the weight's width: tiles of 16 rows. A tile of fewer than 64 rows runs
 #: the transposed product (the weight tile times the rows' tile, transposed back), so the
 #: rows are the instruction's narrow side and no load is spent on padding rows; each
 #: element still adds its products 16 at a time in K order. fp32 operands keep their tiles.
@@ -343,19 +343,19 @@ def tile_config(dtype: torch.dtype, rows: int, op: str = "matmul", *, n: int = 0
                 row_tiles: int | None = None, sms: int = 0) -> tuple[int, ...]:
     """The tile configuration of a product of ``rows`` rows (the rows of one expert, for a
     grouped call) and ``n`` output columns, by speed alone (every configuration gives a row
-    the same bits): :data:`WIDE_CONFIGS` for at most :data:`SMALL_M` rows against a very wide
-    weight, :data:`SKINNY_CONFIGS` for other calls of at most :data:`SKINNY_M` rows,
-    :data:`FEW_ROWS_CONFIGS` for other calls of at most :data:`SMALL_M` rows,
+    the same bits): :data:`SKINNY_CONFIGS` for at most :data:`SKINNY_M` rows (whatever the
+    weight's width), :data:`WIDE_CONFIGS` for other calls of at most :data:`SMALL_M` rows
+    against a very wide weight, :data:`FEW_ROWS_CONFIGS` for the rest of those,
     :data:`SMALL_CONFIGS` for calls whose :data:`CONFIGS` grid (``row_tiles`` 128-row tiles,
     default ``rows / 128``, times the column tiles) has fewer than two programs per
     multiprocessor (``sms``), else :data:`CONFIGS`."""
     if dtype not in CONFIGS:
         raise DTypeError(f"strict {op}: the tensor-core kernels take bf16, fp16 or fp32 operands, "
                          f"got {dtype}")
+    if rows <= SKINNY_M:
+        return SKINNY_CONFIGS[dtype]
     if rows <= SMALL_M:
-        if n >= _WIDE_N:
-            return WIDE_CONFIGS[dtype]
-        return (SKINNY_CONFIGS if rows <= SKINNY_M else FEW_ROWS_CONFIGS)[dtype]
+        return (WIDE_CONFIGS if n >= _WIDE_N else FEW_ROWS_CONFIGS)[dtype]
     tiles = (row_tiles if row_tiles is not None else -(-rows // 128)) * -(-n // 128)
     return SMALL_CONFIGS[dtype] if tiles < 2 * sms else CONFIGS[dtype]
 

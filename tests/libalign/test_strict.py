@@ -271,8 +271,8 @@ def test_modes_refuse_what_they_cannot_keep_invariant(model):
 
 def test_tile_config_picks_narrow_tiles_where_the_grid_would_be_thin():
     """The tile shape by call size (every shape gives a row the same bits; the GPU tests check
-    that): a decode step's few rows take 64 x 64 tiles stepping K by 256, 64 x 256 against a
-    very wide weight; a call whose 128 x 128 grid has fewer than two programs per
+    that): up to 16 rows take 16 x 64 tiles stepping K by 256, against any weight; up to 64
+    rows 64 x 64 tiles stepping K by 256, or 64 x 256 against a very wide weight; a call whose 128 x 128 grid has fewer than two programs per
     multiprocessor takes 64-row tiles; a large call the 128 x 128 tiles; other dtypes are
     refused by name."""
     from libalign.strict import tensorcore as tc
@@ -281,6 +281,7 @@ def test_tile_config_picks_narrow_tiles_where_the_grid_would_be_thin():
     assert tc.tile_config(bf, 8, n=2048, sms=132) == tc.SKINNY_CONFIGS[bf] == (16, 64, 256, 4, 3)
     assert tc.tile_config(bf, 17, n=2048, sms=132) == tc.FEW_ROWS_CONFIGS[bf] == (64, 64, 256, 4, 3)
     assert tc.tile_config(bf, 64, n=151936, sms=132) == tc.WIDE_CONFIGS[bf]
+    assert tc.tile_config(bf, 16, n=151936, sms=132) == tc.SKINNY_CONFIGS[bf]
     assert tc.tile_config(bf, 512, n=2048, sms=132) == tc.SMALL_CONFIGS[bf]     # 64 tiles
     assert tc.tile_config(bf, 512, n=151936, sms=132) == tc.CONFIGS[bf]         # 4,748 tiles
     assert tc.tile_config(bf, 4096, n=2048, sms=132) == tc.CONFIGS[bf]          # 512 tiles
