@@ -102,10 +102,11 @@ FEW_ROWS_CONFIGS = {
     torch.float16: (64, 64, 256, 4, 3),
     torch.float32: (64, 128, 32, 4, 3),
 }
-#: For at most :data:`SKINNY_M` rows, whatever the weight's width: tiles of 16 rows. A tile of fewer than 64 rows runs
-#: the transposed product (the weight tile times the rows' tile, transposed back), so the
-#: rows are the instruction's narrow side and no load is spent on padding rows; each
-#: element still adds its products 16 at a time in K order. fp32 operands keep their tiles.
+#: For at most :data:`SKINNY_M` rows, whatever the weight's width: tiles of 16 rows. A tile
+#: of fewer than 64 rows runs the transposed product (the weight tile times the rows' tile,
+#: transposed back), so the rows are the instruction's narrow side and no load is spent on
+#: padding rows; each element still adds its products 16 at a time in K order. fp32
+#: operands keep their tiles.
 SKINNY_CONFIGS = {
     torch.bfloat16: (16, 64, 256, 4, 3),
     torch.float16: (16, 64, 256, 4, 3),

@@ -272,9 +272,9 @@ def test_modes_refuse_what_they_cannot_keep_invariant(model):
 def test_tile_config_picks_narrow_tiles_where_the_grid_would_be_thin():
     """The tile shape by call size (every shape gives a row the same bits; the GPU tests check
     that): up to 16 rows take 16 x 64 tiles stepping K by 256, against any weight; up to 64
-    rows 64 x 64 tiles stepping K by 256, or 64 x 256 against a very wide weight; a call whose 128 x 128 grid has fewer than two programs per
-    multiprocessor takes 64-row tiles; a large call the 128 x 128 tiles; other dtypes are
-    refused by name."""
+    rows 64 x 64 tiles stepping K by 256, or 64 x 256 against a very wide weight; a call whose
+    128 x 128 grid has fewer than two programs per multiprocessor takes 64-row tiles; a large
+    call the 128 x 128 tiles; other dtypes are refused by name."""
     from libalign.strict import tensorcore as tc
 
     bf = torch.bfloat16
