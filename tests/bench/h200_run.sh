@@ -13,7 +13,9 @@
 #                                               host time, launches and waits, normal and strict),
 #                                               fill (probe_fill_host: the refit producer's host
 #                                               time per weight, stacked runs against one launch
-#                                               a weight)
+#                                               a weight), roofline (probe_convert_cuda --roofline:
+#                                               the converter's kernel variants against the copy
+#                                               and against kernels of the same traffic)
 # Wheels the image lacks travel in .whl/ (git-ignored; carry it): megatron-core and torchao, and
 # for the services the expert-parallel tests import, redis, httpx (+ httpcore, h11, anyio,
 # certifi, idna), pydantic(-core, -settings, annotated-types, typing-inspection,
@@ -72,6 +74,8 @@ for s in "$@"; do
     layer) stage layer "${T_LAYER:-120}" python3 -m tests.bench.probe_strict_layer ;;
     fill) stage fill "${T_FILL:-90}" python3 -m tests.bench.probe_fill_host --device cuda ${FILL_ARGS:-} \
             --rows 768 --cols 2048 ;;
+    roofline) stage roofline "${T_ROOFLINE:-120}" python3 -m tests.bench.probe_convert_cuda \
+                ${ROOFLINE_ARGS:-minite} --roofline ;;
     *) echo "unknown stage $s" >&2 ;;
   esac
 done

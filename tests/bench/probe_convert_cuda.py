@@ -6,7 +6,14 @@ kernel variant bit for bit against the spec, then prints per stack and variant t
 kernel-only time (sum of the kernels' device durations, torch.profiler), the end-to-end
 time a caller of ``quantize_many`` pays (CUDA events around the call, and wall clock),
 and the device-to-device copy of the same bytes, in effective GB/s (read + write).
-Run: ``python -m tests.bench.probe_convert_cuda [preset]``.
+
+``--roofline`` adds, per stack, what this traffic can reach on the device without the
+converter's arithmetic: Triton kernels that read the stack once and write nothing but a
+value a row (``read``), and that read it and write the converter's output bytes (a byte a
+pair of values and a byte a block of 16, from the values' top bits: ``twin``), each over a
+few tile settings, the best kept. A twin well above the kernels says their code leaves
+bandwidth unused; a twin near them says the traffic itself is the limit.
+Run: ``python -m tests.bench.probe_convert_cuda [preset] [--roofline]``.
 """
 
 from __future__ import annotations
@@ -20,6 +27,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from libalign.kernels import ops
 from libalign.spec import PRESETS, quantize
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
+    triton = None
 
 SHAPES = ((1536, 2048), (2048, 768))
 
@@ -64,8 +77,79 @@ def kernel_ms(fn, reps: int) -> float:
     return total / reps / 1e3
 
 
+if triton is not None:
+
+    @triton.jit
+    def _read_rows(x_ptr, out_ptr, n_rows, K: tl.constexpr, C: tl.constexpr,
+                   ROWS: tl.constexpr):
+        # every byte of ROWS rows read once, in K / C column pieces; one int32 a row written
+        # (the rows' bitwise OR)
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        ok = r < n_rows
+        base = x_ptr + r.to(tl.int64)[:, None] * K + tl.arange(0, C)[None, :]
+        acc = tl.zeros((ROWS,), dtype=tl.int32)
+        for c in tl.static_range(K // C):
+            x = tl.load(base + c * C, mask=ok[:, None], other=0)
+            acc |= tl.reduce_or(x.to(tl.int32) & 0xFFFF, 1)
+        tl.store(out_ptr + r, acc, mask=ok)
+
+    @triton.jit
+    def _twin_rows(x_ptr, codes_ptr, scales_ptr, n_rows, K: tl.constexpr, C: tl.constexpr,
+                   ROWS: tl.constexpr):
+        # the converter's traffic: ROWS rows of K 16-bit values read once, in K / C column
+        # pieces; K / 2 bytes a row (a byte a pair of values, from their top bits) and K / 16
+        # bytes a row (a byte a block of 16, its largest magnitude's top byte) written
+        r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        ok = r < n_rows
+        r64 = r.to(tl.int64)
+        for c in tl.static_range(K // C):
+            x = tl.load(x_ptr + r64[:, None] * K + c * C + tl.arange(0, C)[None, :],
+                        mask=ok[:, None], other=0).to(tl.int32) & 0xFFFF
+            lo, hi = tl.split(tl.reshape(x, (ROWS, C // 2, 2)))
+            codes = ((lo >> 12) | ((hi >> 12) << 4)).to(tl.uint8)
+            tl.store(codes_ptr + r64[:, None] * (K // 2) + c * (C // 2)
+                     + tl.arange(0, C // 2)[None, :], codes, mask=ok[:, None])
+            top = tl.max(tl.reshape(x & 0x7FFF, (ROWS, C // 16, 16)), 2)
+            tl.store(scales_ptr + r64[:, None] * (K // 16) + c * (C // 16)
+                     + tl.arange(0, C // 16)[None, :], (top >> 7).to(tl.uint8),
+                     mask=ok[:, None])
+
+
+#: (rows a program, warps) the roofline kernels try
+ROOFLINE_TILES = ((4, 4), (8, 4), (8, 8), (16, 8))
+
+
+def roofline(x: torch.Tensor, copy_gbps: float) -> None:
+    """Print the best read-only and twin bandwidth over :data:`ROOFLINE_TILES` for ``x``."""
+    k = x.shape[-1]
+    rows = x.numel() // k
+    flat = x.view(torch.int16).reshape(rows, k)
+    acc = torch.empty(rows, dtype=torch.int32, device=x.device)
+    codes = torch.empty((rows, k // 2), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((rows, k // 16), dtype=torch.uint8, device=x.device)
+    bytes_in = x.numel() * x.element_size()
+    piece = min(1024, k & -k)  # the largest power of two dividing K, at most 1024
+    for label, moved, kern, args in (
+            ("read", bytes_in + 4 * rows, _read_rows, (acc,)),
+            ("twin", bytes_in + codes.numel() + scales.numel(), _twin_rows, (codes, scales))):
+        best = None
+        for per, warps in ROOFLINE_TILES:
+            def run(per=per, warps=warps, kern=kern, args=args):
+                kern[(triton.cdiv(rows, per),)](flat, *args, rows, K=k, C=piece, ROWS=per,
+                                                num_warps=warps)
+            run()
+            ms, _ = event_ms(run, 20)
+            if best is None or ms < best[0]:
+                best = (ms, per, warps)
+        ms, per, warps = best
+        print(f"{f'K={k} {label} ({per} rows, {warps} warps)':34} {'':>10} {'':>7} {ms:10.3f} "
+              f"{moved / ms / 1e6:7.0f} {'':>8} {moved / ms / 1e6 / copy_gbps:8.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    with_roofline = "--roofline" in argv
+    argv = [a for a in argv if a != "--roofline"]
     preset = argv[0] if argv else "minite"
     spec = PRESETS[preset]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -88,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         cms, _ = event_ms(copy, 20)
         copy_gbps = 2 * bytes_in / cms / 1e6
         print(f"{label + ' copy':34} {'':>10} {'':>7} {cms:10.3f} {copy_gbps:7.0f}")
+        if with_roofline and triton is not None and len(xs) == 1:
+            roofline(xs[0], copy_gbps)
         for variant in ("staged", "registers", "auto"):
             with ops.cuda_kernel_variant(variant):
                 def run(xs=xs):
