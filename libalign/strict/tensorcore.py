@@ -10,13 +10,15 @@ depends on the number of rows is batch-invariant while running at tensor-core sp
 that rule (as Thinking Machines' and SGLang's batch-invariant operations do):
 
 * :func:`matmul` and :func:`grouped_matmul`: a program owns an output tile and walks all of K,
-  in steps of 64, into one fp32 accumulator; nothing is split over K; bias, then the optional
+  in steps of 64 (256 for few rows: the instruction still adds 16 products of K at a time, in
+  K order), into one fp32 accumulator; nothing is split over K; bias, then the optional
   NVFP4 epilogue ``acc * (a_dec[m] * w_dec[n])``, then one rounding to the output dtype. The
   tile's shape is chosen per call for speed (:func:`tile_config`): the tensor-core
   instruction adds each output element's products in an order that does not depend on the
   tile's other rows or columns, so every shape gives a row the same bits. The grouped form runs
-  the rows of many experts in one launch (a tile never straddles two experts), each tile
-  computed exactly as the plain form computes it.
+  the rows of many experts in one launch (a tile never straddles two experts; each program
+  finds its tile from the experts' row counts on the device), each tile computed exactly as
+  the plain form computes it.
 * :func:`mean_last` (the mean of RMSNorm) and :func:`log_softmax`: a row read in chunks of 1024
   in order, each chunk reduced by the same in-register tree, the chunk results added left to
   right (a small batch spreads a row's chunks over programs and adds their results in the
