@@ -11,7 +11,9 @@ and the device-to-device copy of the same bytes, in effective GB/s (read + write
 converter's arithmetic: Triton kernels that read the stack once and write nothing but a
 value a row (``read``), and that read it and write the converter's output bytes (a byte a
 pair of values and a byte a block of 16, from the values' top bits: ``twin``), each over a
-few tile settings, the best kept. A twin well above the kernels says their code leaves
+few tile settings, the best kept, and PyTorch's row maximum of the same bytes (a read by a
+tuned library kernel). All as device time against the copy's (CUDA graph replays), the
+converter's kernels beside them. A twin well above the kernels says their code leaves
 bandwidth unused; a twin near them says the traffic itself is the limit.
 Run: ``python -m tests.bench.probe_convert_cuda [preset] [--roofline]``.
 """
@@ -27,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from libalign.kernels import ops
 from libalign.spec import PRESETS, quantize
+from tests.bench.measure import graph_ms
 
 try:
     import triton
@@ -119,8 +122,11 @@ if triton is not None:
 ROOFLINE_TILES = ((4, 4), (8, 4), (8, 8), (16, 8))
 
 
-def roofline(x: torch.Tensor, copy_gbps: float) -> None:
-    """Print the best read-only and twin bandwidth over :data:`ROOFLINE_TILES` for ``x``."""
+def roofline(x: torch.Tensor) -> None:
+    """Print the best read-only and twin bandwidth over :data:`ROOFLINE_TILES` for ``x``, as
+    device time (CUDA graph replays, no host launch work) against the copy timed the same
+    way, beside the converter's kernels (``quantize_many``, minite; their device time by the
+    profiler: the call reads its error flags back, so it is not captured in a graph)."""
     k = x.shape[-1]
     rows = x.numel() // k
     flat = x.view(torch.int16).reshape(rows, k)
@@ -129,6 +135,18 @@ def roofline(x: torch.Tensor, copy_gbps: float) -> None:
     scales = torch.empty((rows, k // 16), dtype=torch.uint8, device=x.device)
     bytes_in = x.numel() * x.element_size()
     piece = min(1024, k & -k)  # the largest power of two dividing K, at most 1024
+    dst = torch.empty_like(x)
+    copy_ms = graph_ms(lambda: dst.copy_(x), 20)
+    copy_gbps = 2 * bytes_in / copy_ms / 1e6
+    print(f"{f'K={k} copy (device time)':34} {'':>10} {'':>7} {copy_ms:10.3f} {copy_gbps:7.0f}")
+    outs = ops.quantize_many([x], PRESETS["minite"])
+    conv_ms = kernel_ms(lambda: ops.quantize_many([x], PRESETS["minite"]), 10)
+    moved = bytes_in + out_bytes(outs[0])
+    print(f"{f'K={k} converter (device time)':34} {'':>10} {'':>7} {conv_ms:10.3f} "
+          f"{moved / conv_ms / 1e6:7.0f} {'':>8} {moved / conv_ms / 1e6 / copy_gbps:8.2f}")
+    torch_ms = graph_ms(lambda: torch.amax(flat, 1), 20)
+    print(f"{f'K={k} read (torch.amax)':34} {'':>10} {'':>7} {torch_ms:10.3f} "
+          f"{bytes_in / torch_ms / 1e6:7.0f} {'':>8} {bytes_in / torch_ms / 1e6 / copy_gbps:8.2f}")
     for label, moved, kern, args in (
             ("read", bytes_in + 4 * rows, _read_rows, (acc,)),
             ("twin", bytes_in + codes.numel() + scales.numel(), _twin_rows, (codes, scales))):
@@ -138,7 +156,7 @@ def roofline(x: torch.Tensor, copy_gbps: float) -> None:
                 kern[(triton.cdiv(rows, per),)](flat, *args, rows, K=k, C=piece, ROWS=per,
                                                 num_warps=warps)
             run()
-            ms, _ = event_ms(run, 20)
+            ms = graph_ms(run, 20)
             if best is None or ms < best[0]:
                 best = (ms, per, warps)
         ms, per, warps = best
@@ -173,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         copy_gbps = 2 * bytes_in / cms / 1e6
         print(f"{label + ' copy':34} {'':>10} {'':>7} {cms:10.3f} {copy_gbps:7.0f}")
         if with_roofline and triton is not None and len(xs) == 1:
-            roofline(xs[0], copy_gbps)
+            roofline(xs[0])
         for variant in ("staged", "registers", "auto"):
             with ops.cuda_kernel_variant(variant):
                 def run(xs=xs):
