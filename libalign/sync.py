@@ -146,15 +146,12 @@ def quantize_into(sources: Sequence[torch.Tensor | Stacked], destinations: Seque
         raise SpecError(f"{len(sources)} sources but {len(destinations)} destinations")
     sources = list(sources)
     for i, (x, d) in enumerate(zip(sources, destinations, strict=True)):
-        if isinstance(x, Stacked):
-            t0 = x.tensors[0]
-            _spec.check_input(torch.empty(x.shape, dtype=t0.dtype, device="meta"), spec)
-            _check_destination(i, x, d, spec)
-            if not _gathers(x, d, spec):
-                sources[i] = x.stack()
-        else:
-            _spec.check_input(x, spec)
-            _check_destination(i, x, d, spec)
+        stacked = isinstance(x, Stacked)  # checked by its shape and dtype, not stacked yet
+        _spec.check_input(torch.empty(x.shape, dtype=x.tensors[0].dtype, device="meta")
+                          if stacked else x, spec)
+        _check_destination(i, x, d, spec)
+        if stacked and not _gathers(x, d, spec):
+            sources[i] = x.stack()
     gpu = [i for i, x in enumerate(sources) if x.device.type == "cuda"
            and (isinstance(x, Stacked) or ops.kernel_gap(x, spec, None) is None)]
     lib = native.load("cuda") if gpu else None
@@ -162,9 +159,7 @@ def quantize_into(sources: Sequence[torch.Tensor | Stacked], destinations: Seque
     for i, (x, d) in enumerate(zip(sources, destinations, strict=True)):
         if isinstance(x, Stacked) and x.device.type == "cpu":
             _gather_on_cpu(x, d, spec)
-        elif i not in served:
-            if isinstance(x, Stacked):
-                x = x.stack()
+        elif i not in served:  # never a Stacked source: on a CPU it went above, on CUDA it is served
             same = d.codes.device == x.device
             q = ops.quantize(x, spec, out=d if same else None)
             if not same:

@@ -193,6 +193,23 @@ def check_launch(code: int, what: str) -> None:
         raise SpecError(f"the {what} kernel refused its parameters (code {code})")
 
 
+def encode(lib, cuda: bool, x: int, codes: int, scales: int, amax: int, stored: int, enc: int,
+           dec: int, p, flags: int, stream, nthreads: int) -> int:
+    """One launch of the encode kernel on raw addresses. On CUDA it is queued on ``stream``
+    and its flags land at ``flags`` (0 is returned); on the CPU it has run when this returns,
+    and its flags are returned. A refused parameter block is a SpecError, a CUDA launch error
+    a RuntimeError."""
+    if cuda:
+        code = lib.nvfp4_quantize_cuda(x, codes, scales, amax, stored, enc, dec, p, flags, stream)
+        check_launch(code, "quantize")
+        if code:
+            raise RuntimeError(f"CUDA error {code} in the NVFP4 quantize kernel")
+        return 0
+    bad = lib.nvfp4_quantize_cpu(x, codes, scales, amax, stored, enc, dec, p, nthreads)
+    check_launch(bad, "quantize")
+    return bad
+
+
 @dataclass
 class Pending:
     """A launched kernel call whose flags are not read yet (see :func:`quantize_many`)."""
@@ -263,21 +280,10 @@ def launch(lib, x, spec, outer_amax, swizzled, out=None, flags=None, stream=None
             enc, dec, stored, amax = given
             if spec.four_over_six != "off":  # the kernel reads the outer maxima here
                 amax_out = amax.reshape(-1).contiguous()
-        if cuda:
-            code = lib.nvfp4_quantize_cuda(x3.data_ptr(), codes.data_ptr(), scales.data_ptr(),
-                                           amax_out.data_ptr(), stored_out.data_ptr(),
-                                           enc.data_ptr(), dec.data_ptr(), p, flags.data_ptr(),
-                                           stream)
-            check_launch(code, "quantize")
-            if code:
-                raise RuntimeError(f"CUDA error {code} in the NVFP4 quantize kernel")
-            pending.flags = flags
-        else:
-            bad = lib.nvfp4_quantize_cpu(x3.data_ptr(), codes.data_ptr(), scales.data_ptr(),
-                                         amax_out.data_ptr(), stored_out.data_ptr(),
-                                         enc.data_ptr(), dec.data_ptr(), p, nthreads)
-            check_launch(bad, "quantize")
-            pending.flags = bad
+        bad = encode(lib, cuda, x3.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                     amax_out.data_ptr(), stored_out.data_ptr(), enc.data_ptr(), dec.data_ptr(),
+                     p, flags.data_ptr() if cuda else 0, stream, nthreads)
+        pending.flags = flags if cuda else bad
     pending.stored, pending.amax = stored, amax
     return pending
 
@@ -290,9 +296,14 @@ def gatherable(xs, spec: NumericsSpec) -> bool:
     if not xs or spec.is_mx or spec.outer_domain != "row":
         return False
     x0 = xs[0]
-    return all(x.ndim == 2 and x.shape == x0.shape and x.dtype == x0.dtype
-               and x.device == x0.device and x.is_contiguous() and x.data_ptr() % 16 == 0
-               for x in xs)
+    return all(readable_in_place(x) and x.shape == x0.shape and x.dtype == x0.dtype
+               and x.device == x0.device for x in xs)
+
+
+def readable_in_place(x: torch.Tensor) -> bool:
+    """Whether the kernels can read ``x`` as one tensor of a :func:`launch_gather` stack:
+    2-D, contiguous, its data on a 16-byte boundary."""
+    return x.ndim == 2 and x.is_contiguous() and x.data_ptr() % 16 == 0
 
 
 def launch_gather(lib, xs, spec: NumericsSpec, out: NVFP4Tensor, flags=None, stream=None
@@ -322,29 +333,19 @@ def launch_gather(lib, xs, spec: NumericsSpec, out: NVFP4Tensor, flags=None, str
     codes = out.codes.view(e, m, k // 2)
     scales = out.block_scales.view(torch.uint8).view(e, m, k // spec.block_size)
     amax_out, stored_out = out.outer_amax.view(-1), out.outer_scale.view(-1)
-    if cuda:
-        if flags is None:
-            flags = torch.zeros(1, dtype=torch.int32, device=dev)
-        if stream is None:
-            stream = current_stream_handle(dev)
-        same = dev.index is None or dev.index == torch.cuda.current_device()
-        with contextlib.nullcontext() if same else torch.cuda.device(dev):
-            code = lib.nvfp4_quantize_cuda(x0.data_ptr(), codes.data_ptr(), scales.data_ptr(),
-                                           amax_out.data_ptr(), stored_out.data_ptr(),
-                                           amax_out.data_ptr(), amax_out.data_ptr(), p,
-                                           flags.data_ptr(), stream)
-        check_launch(code, "quantize")
-        if code:
-            raise RuntimeError(f"CUDA error {code} in the NVFP4 quantize kernel")
-        result = flags
-    else:
-        result = lib.nvfp4_quantize_cpu(x0.data_ptr(), codes.data_ptr(), scales.data_ptr(),
-                                        amax_out.data_ptr(), stored_out.data_ptr(),
-                                        amax_out.data_ptr(), amax_out.data_ptr(), p,
-                                        torch.get_num_threads())
-        check_launch(result, "quantize")
+    if cuda and flags is None:
+        flags = torch.zeros(1, dtype=torch.int32, device=dev)
+    if cuda and stream is None:
+        stream = current_stream_handle(dev)
+    same = not cuda or dev.index is None or dev.index == torch.cuda.current_device()
+    with contextlib.nullcontext() if same else torch.cuda.device(dev):
+        # the encode/decode pointers are read only outside the row domain
+        bad = encode(lib, cuda, x0.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                     amax_out.data_ptr(), stored_out.data_ptr(), amax_out.data_ptr(),
+                     amax_out.data_ptr(), p, flags.data_ptr() if cuda else 0, stream,
+                     torch.get_num_threads())
     pending = Pending(None, spec, None, False, out, codes, scales, amax_out, stored_out, None,
-                      None, result)
+                      None, flags if cuda else bad)
     return pending, table
 
 
@@ -529,17 +530,9 @@ def launch_many(lib, xs, spec, swizzled) -> tuple[list[Pending], torch.Tensor | 
             amax, stored = base + slot.amax, base + slot.stored
             # the encode/decode pointers are read only outside the row domain; MXFP4 has no
             # outer scale and its kernels never read them
-            if cuda:
-                code = lib.nvfp4_quantize_cuda(x3.data_ptr(), codes, scales, amax, stored, amax,
-                                               amax, slot.params, flags.data_ptr() + 4 * i,
-                                               stream)
-                check_launch(code, "quantize")
-                if code:
-                    raise RuntimeError(f"CUDA error {code} in the NVFP4 quantize kernel")
-            else:
-                bad = lib.nvfp4_quantize_cpu(x3.data_ptr(), codes, scales, amax, stored, amax,
-                                             amax, slot.params, nthreads)
-                check_launch(bad, "quantize")
+            bad = encode(lib, cuda, x3.data_ptr(), codes, scales, amax, stored, amax, amax,
+                         slot.params, flags.data_ptr() + 4 * i if cuda else 0, stream, nthreads)
+            if not cuda:
                 results[i] = bad
     return assemble(buf, xs, spec, swizzled, plan, results), flags
 

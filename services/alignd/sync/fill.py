@@ -51,6 +51,7 @@ from alignd.formats.weight_store import named_error
 from alignd.sync.buckets import Bucket, BucketEntry, ended_buckets
 from alignd.sync.stream import quantize_named
 from libalign.kernels import ops
+from libalign.kernels.calls import readable_in_place
 from libalign.spec import NumericsSpec, NVFP4Tensor
 from libalign.sync import Stacked, quantize_into
 
@@ -185,7 +186,7 @@ def _runs(batch: list[_Slot]) -> Iterator[list[_Slot]]:
     for s in batch:
         x = s.x
         nbytes = x.numel() * x.element_size()
-        joins = x.ndim == 2 and x.is_contiguous() and x.data_ptr() % 16 == 0
+        joins = readable_in_place(x)
         if run and (not joins or run[0].x.shape != x.shape or run[0].x.dtype != x.dtype
                     or run[0].x.device != x.device
                     or (RUN_BYTES is not None and size + nbytes > RUN_BYTES)):
