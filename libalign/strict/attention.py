@@ -218,7 +218,8 @@ if triton is not None:
                           Tq, Tk, HKV, REP, HM, scaling, W, s_qb, s_qh, s_qt,
                           ws_m_ptr, ws_l_ptr, ws_desc, R, HQ,
                           D: tl.constexpr, BLOCK: tl.constexpr, SCAN: tl.constexpr,
-                          CHUNK: tl.constexpr, BLOCK_Q: tl.constexpr, SERIAL: tl.constexpr):
+                          CHUNK: tl.constexpr, BLOCK_Q: tl.constexpr, SERIAL: tl.constexpr,
+                          LATE_FIRST: tl.constexpr):
         # rows of a program: (query head, query) pairs of one sequence and one key/value head,
         # REP * Tq of them in head-major order, so a decode step's REP heads share one tile
         # and one read of the keys; a row's arithmetic never depends on its tile companions.
@@ -230,6 +231,18 @@ if triton is not None:
         # leaves a row of several chunks to _combine_kernel, which folds the same way.
         pid_v = tl.program_id(0)
         bk = tl.program_id(1)
+        if LATE_FIRST:
+            # launch order -> tile: the tiles of each head's last queries first, those of its
+            # first queries last. Under a causal mask a late query sees the most keys, so the
+            # longest programs start first and the short ones fill the end of the launch. Only
+            # the order changes: each tile is still one program's, computed the same way.
+            # (REP * Tq rows in whole tiles of BLOCK_Q: tq_tiles tiles a head.)
+            tq_tiles = Tq // BLOCK_Q
+            lin = pid_v + bk * tl.num_programs(0)
+            groups = tl.num_programs(1) * REP  # (sequence, key/value head, query head)
+            g = lin % groups
+            bk = g // REP
+            pid_v = (g % REP) * tq_tiles + (tq_tiles - 1 - lin // groups)
         b = bk // HKV
         hk = bk % HKV
         vr = pid_v * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -442,7 +455,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
             qc, _key_descriptor(kc), _key_descriptor(vc), o_desc, bits, first, hi, count, tq, tk,
             hkv, rep, hm, base2_scale, bits.shape[1], *qc.stride()[:3], ws_m, ws_l, ws_desc,
             b * hq * tq, hq, D=d, BLOCK=_ATT_BLOCK, SCAN=scan, CHUNK=chunk if nc > 1 else 0,
-            BLOCK_Q=block_q, SERIAL=serial, num_warps=warps, num_stages=stages)
+            BLOCK_Q=block_q, SERIAL=serial, LATE_FIRST=not split and tq % block_q == 0
+            and tq > block_q, num_warps=warps, num_stages=stages)
         if split:
             _combine_kernel[(cdiv(hq * tq, 16), b)](
                 out, first, hi, ws_m, ws_l, ws_acc, tq, tk, hq, hm, nc, b * hq * tq,
