@@ -218,7 +218,8 @@ def _check_visible(allowed):
 def test_attention_decode_equals_prefill(cuda, t, lens):
     """A prompt left-padded in a cache, attended one query at a time, gives the bits of the same
     tokens right-padded in a causal batch (blocks counted from the first visible key; rows
-    past the key chunk combine their chunks in order; also a prefill of whole query tiles)."""
+    past the key chunk combine their chunks in order; a prefill of whole query tiles launches
+    its tiles in another order)."""
     b, hq, hkv, d = 3, 8, 2, 128
     q, k, v = _rand(b, hq, t, d, seed=10), _rand(b, hkv, t, d, seed=11), _rand(b, hkv, t, d, seed=12)
     causal = torch.ones(t, t, dtype=torch.bool, device="cuda").tril()
