@@ -35,6 +35,7 @@ from libalign.strict.tensorcore import require
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - Triton ships with CUDA builds of torch
     triton = None
@@ -46,6 +47,15 @@ _ATT_BLOCK = 64  # keys per step
 #: :func:`visible_range`'s program: mask elements it reads at once (rows of ``Tk`` keys, a power
 #: of two of them) and warps.
 VISIBLE_TILE = (2048, 4)
+#: On a GPU of compute capability 9.0 or later, launch the attention kernel as a programmatic
+#: dependent of :func:`visible_range`'s: its programs start (load their queries) while the
+#: mask analysis finishes, and wait for it (``griddepcontrol.wait``) before reading it. Only
+#: the start moves: the arithmetic and the bits are the same either way.
+DEPENDENT_LAUNCH = True
+#: A prefill whose query tiles hold whole heads' queries launches the tiles of each head's
+#: last queries first: under a causal mask they see the most keys, so the longest programs
+#: start first and the short ones fill the end. Only the launch order changes.
+LATE_FIRST = True
 
 
 def _tma_ready(x: torch.Tensor) -> torch.Tensor:
@@ -62,13 +72,18 @@ if triton is not None:
 
     @triton.jit
     def _visible_kernel(mask_ptr, first_ptr, hi_ptr, count_ptr, bits_ptr, R, Tk, W, HM, Tq,
-                        s_mb, s_mh, s_mt, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                        s_mb, s_mh, s_mt, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                        DEPENDENTS: tl.constexpr):
         # program p: mask rows p * ROWS .. + ROWS (row r is (sequence, head, query) of the
         # [B, HM, Tq, Tk] mask, read through its strides: a broadcast mask is not copied);
         # for each, its first visible key (Tk when none), last visible key + 1 (0 when none),
         # number of visible keys, all exact whatever the chunking, and the row packed 64 keys
         # a word (key j is bit j % 64 of word j // 64; W - 1 words, then a zero word that a
         # block straddling the row's end reads)
+        # a dependent launch (the attention kernel) may start once every program got here;
+        # it waits for this kernel's end before it reads what this one writes
+        if DEPENDENTS:
+            gdc_launch_dependents()
         r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         r_ok = r < R
         row_at = (r // (HM * Tq)) * s_mb + ((r // Tq) % HM) * s_mh + (r % Tq) * s_mt
@@ -219,7 +234,7 @@ if triton is not None:
                           ws_m_ptr, ws_l_ptr, ws_desc, R, HQ,
                           D: tl.constexpr, BLOCK: tl.constexpr, SCAN: tl.constexpr,
                           CHUNK: tl.constexpr, BLOCK_Q: tl.constexpr, SERIAL: tl.constexpr,
-                          LATE_FIRST: tl.constexpr):
+                          LATE_FIRST: tl.constexpr, DEPENDENT: tl.constexpr):
         # rows of a program: (query head, query) pairs of one sequence and one key/value head,
         # REP * Tq of them in head-major order, so a decode step's REP heads share one tile
         # and one read of the keys; a row's arithmetic never depends on its tile companions.
@@ -255,6 +270,8 @@ if triton is not None:
         offs_d = tl.arange(0, D)
         q = tl.load(q_ptr + b64 * s_qb + h[:, None] * s_qh + t[:, None] * s_qt + offs_d[None, :],
                     mask=v_ok[:, None], other=0.0)
+        if DEPENDENT:  # launched as visible_range's dependent: its results after its end
+            gdc_wait()
         base = _sequence_base(first_ptr, b64, Tk, HM, Tq, SCAN)
         row = (b64 * HM + hm) * Tq + t
         lo_r = tl.load(first_ptr + row, mask=v_ok, other=0)
@@ -360,14 +377,16 @@ def _key_descriptor(x: torch.Tensor) -> TensorDescriptor:
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, _ATT_BLOCK, x.shape[-1]])
 
 
-def visible_range(allowed: torch.Tensor
+def visible_range(allowed: torch.Tensor, *, dependents: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's first visible key (``Tk`` when none), last visible key + 1 (0 when none) and
     number of visible keys, of a boolean mask ``[B, Hm, Tq, Tk]``: int32 ``[B, Hm, Tq]`` each;
     and the mask packed 64 keys a word, int64 ``[B * Hm * Tq, ceil(Tk / 64) + 1]`` (key ``j``
     is bit ``j % 64`` of word ``j // 64``; the last word is zero). One launch, a program
     taking :data:`VISIBLE_TILE` mask elements' worth of rows. A row whose count is
-    ``hi - first`` sees one interval of keys."""
+    ``hi - first`` sees one interval of keys. ``dependents``: the next launch on the stream
+    is a programmatic dependent (:data:`DEPENDENT_LAUNCH`), released as soon as every program
+    has started."""
     b, hm, tq, tk = allowed.shape
     n = b * hm * tq
     if allowed.stride(-1) != 1:
@@ -380,7 +399,8 @@ def visible_range(allowed: torch.Tensor
         per = max(1, min(next_power_of_2(n), VISIBLE_TILE[0] // block))
         _visible_kernel[(cdiv(n, per),)](allowed.view(torch.uint8), first, hi, count, bits, n,
                                          tk, bits.shape[1], hm, tq, *allowed.stride()[:3],
-                                         ROWS=per, BLOCK=block, num_warps=VISIBLE_TILE[1])
+                                         ROWS=per, BLOCK=block, DEPENDENTS=dependents,
+                                         num_warps=VISIBLE_TILE[1])
     elif first.numel():
         for t in (first, hi, count, bits):
             t.fill_(0)
@@ -449,14 +469,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.
         ws_desc = o_desc
     scan = min(1024, next_power_of_2(hm * tq))
     base2_scale = float(scaling) * math.log2(math.e)  # scores in base-2 units (_key_block)
+    # the dependent launch where the device has it (a CPU tensor runs Triton's interpreter)
+    dependent = DEPENDENT_LAUNCH and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
     with torch.cuda.device(q.device):
-        first, hi, count, bits = visible_range(allowed)
+        first, hi, count, bits = visible_range(allowed, dependents=dependent)
         _attention_kernel[(cdiv(rows, block_q), b * hkv, nc if split else 1)](
             qc, _key_descriptor(kc), _key_descriptor(vc), o_desc, bits, first, hi, count, tq, tk,
             hkv, rep, hm, base2_scale, bits.shape[1], *qc.stride()[:3], ws_m, ws_l, ws_desc,
             b * hq * tq, hq, D=d, BLOCK=_ATT_BLOCK, SCAN=scan, CHUNK=chunk if nc > 1 else 0,
-            BLOCK_Q=block_q, SERIAL=serial, LATE_FIRST=not split and tq % block_q == 0
-            and tq > block_q, num_warps=warps, num_stages=stages)
+            BLOCK_Q=block_q, SERIAL=serial, LATE_FIRST=LATE_FIRST and not split
+            and tq % block_q == 0 and tq > block_q, DEPENDENT=dependent, launch_pdl=dependent,
+            num_warps=warps, num_stages=stages)
         if split:
             _combine_kernel[(cdiv(hq * tq, 16), b)](
                 out, first, hi, ws_m, ws_l, ws_acc, tq, tk, hq, hm, nc, b * hq * tq,

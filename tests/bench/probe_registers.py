@@ -74,7 +74,7 @@ def main() -> None:
         types = dict(att, o_desc=f"tensordesc<bf16[1,{rows},{d}]>",
                      ws_desc=f"tensordesc<fp32[1,1,{rows},{d}]>")
         consts = dict(D=d, BLOCK=attention._ATT_BLOCK, SCAN=512, CHUNK=chunk, BLOCK_Q=rows,
-                      SERIAL=serial, LATE_FIRST=serial)
+                      SERIAL=serial, LATE_FIRST=serial, DEPENDENT=True)
         print(f"  {label:12} {warps} warps, {rows} rows: "
               f"{report(attention._attention_kernel, types, consts, aligned, warps, stages)}")
     mm = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", bias_ptr="*bf16", adec_ptr="*fp32",

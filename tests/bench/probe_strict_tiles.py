@@ -5,7 +5,9 @@ graph time of a 2048x2048 linear, an expert's 1536x2048 product and the 151936x2
 8 and 512 rows, whether each gives the bits of the large-call configuration, and cuBLAS's time
 as the baseline; then attention's decode (8 x 32/4 heads, 1024 keys) and prefill (4 x 512
 tokens) times per (warps, stages, key chunk, query rows[, chunks walked by one program])
-against PyTorch's SDPA, and whether each gives the default settings' bits. It informs the
+against PyTorch's SDPA, and whether each gives the default settings' bits, then the default
+settings with the attention module's launch switches (``DEPENDENT_LAUNCH``, ``LATE_FIRST``)
+off and on, timed in the same run. It informs the
 choice of ``SMALL_CONFIGS``, ``FEW_ROWS_CONFIGS`` and the attention settings; the tests check the bits.
 Run: ``python -m tests.bench.probe_strict_tiles`` (``--attention``: the attention rows only,
 under the settings the kernel runs by default and their neighbours).
@@ -123,6 +125,7 @@ def _attention(short: bool, bits: str | None) -> None:
             _setting(cfg, q, k, v, seen, qp, kp, vp, causal, ref_d, ref_p, sdpa_d, sdpa_p)
         except Exception as e:  # a setting this card cannot run (shared memory): say so, go on
             print(f"setting {cfg}: {type(e).__name__}: {str(e)[:160]}")
+    _launch_switches(q, k, v, seen, qp, kp, vp, causal, ref_d, ref_p, sdpa_d, sdpa_p)
     vr = graph_ms(lambda: strict_attention.visible_range(causal), 30)
     print(f"visible_range of the prefill mask: {vr:.4f} ms (program tile "
           f"{strict_attention.VISIBLE_TILE})")
@@ -140,6 +143,25 @@ def _attention(short: bool, bits: str | None) -> None:
             strict_attention.VISIBLE_TILE = default
 
 
+def _launch_switches(q, k, v, seen, qp, kp, vp, causal, ref_d, ref_p, sdpa_d, sdpa_p) -> None:
+    """The default settings with each launch switch of the attention module off and on
+    (DEPENDENT_LAUNCH, LATE_FIRST): time against SDPA, and the default bits."""
+    saved = strict_attention.DEPENDENT_LAUNCH, strict_attention.LATE_FIRST
+    try:
+        for dependent in (False, True):
+            for late in (False, True):
+                strict_attention.DEPENDENT_LAUNCH, strict_attention.LATE_FIRST = dependent, late
+                print(f"default settings, dependent launch {dependent}, late queries first "
+                      f"{late}:", end=" ")
+                try:
+                    _setting(None, q, k, v, seen, qp, kp, vp, causal, ref_d, ref_p, sdpa_d,
+                             sdpa_p)
+                except Exception as e:  # a switch this card or driver cannot run: say so
+                    print(f"{type(e).__name__}: {str(e)[:160]}")
+    finally:
+        strict_attention.DEPENDENT_LAUNCH, strict_attention.LATE_FIRST = saved
+
+
 def _setting(cfg, q, k, v, seen, qp, kp, vp, causal, ref_d, ref_p, sdpa_d, sdpa_p) -> None:
     """One attention setting's decode and prefill times and whether it gives the default bits."""
     same = (torch.equal(strict_attention.attention(q, k, v, seen, 128 ** -0.5, config=cfg), ref_d),
@@ -148,9 +170,12 @@ def _setting(cfg, q, k, v, seen, qp, kp, vp, causal, ref_d, ref_p, sdpa_d, sdpa_
     d = graph_ms(lambda c=cfg: strict_attention.attention(q, k, v, seen, 128 ** -0.5, config=c), 30)
     p = graph_ms(lambda c=cfg: strict_attention.attention(qp, kp, vp, causal, 128 ** -0.5,
                                                     config=c), 30)
-    mode = "" if len(cfg) < 5 else (" serial" if cfg[4] else " split")
-    print(f"warps {cfg[0]} stages {cfg[1]} key chunk {cfg[2]} query rows {cfg[3]}{mode}: "
-          f"decode {d:.4f} ms "
+    if cfg is None:
+        label = "default"
+    else:
+        mode = "" if len(cfg) < 5 else (" serial" if cfg[4] else " split")
+        label = f"warps {cfg[0]} stages {cfg[1]} key chunk {cfg[2]} query rows {cfg[3]}{mode}"
+    print(f"{label}: decode {d:.4f} ms "
           f"({d / sdpa_d:.2f}x), prefill {p:.4f} ms ({p / sdpa_p:.2f}x); bits as the "
           f"default: {same}")
 
