@@ -24,7 +24,8 @@ that rule (as Thinking Machines' and SGLang's batch-invariant operations do):
   right (a small batch spreads a row's chunks over programs and adds their results in the
   same order).
 * :func:`rms_norm`: the squares, the mean above, then scale and weight in one pass
-  (element-wise steps, PyTorch's bits).
+  (element-wise steps, PyTorch's bits); with this module's own mean, one launch a call whose
+  squares are summed in the same order.
 * :func:`combine_rows` (a MoE layer's output): each token's expert rows weighted and added
   in slot order in one pass, element-wise operations whose bits are the portable form's.
 * attention lives in :mod:`libalign.strict.attention`, on the same rule.
@@ -248,6 +249,30 @@ if triton is not None:
         y = (xv * r).to(x_ptr.dtype.element_ty).to(tl.float32)
         wv = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * s_o + offs, (wv * y).to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, s_x, s_o, eps, BLOCK: tl.constexpr):
+        # rms_norm in one program a row, with the bits of its three launches (_square_kernel,
+        # _mean_kernel, _rms_scale_kernel). A row sum's order is set by how the loaded chunk
+        # lies in the threads: Triton gives every load and store of a kernel the widest
+        # vector any of them allows, and _mean_kernel's fp32 loads hold 4 values a thread. So
+        # every access here is declared at most 4 contiguous: the squares then lie as
+        # _mean_kernel's loads do and are summed by the same tree. Launched without FMA
+        # contraction, so each square is one fp32 rounding, as _square_kernel stores it.
+        row = tl.program_id(0).to(tl.int64)
+        acc = 0.0
+        for start in range(0, N, BLOCK):
+            offs = tl.max_contiguous(start + tl.arange(0, BLOCK), 4)
+            v = tl.load(x_ptr + row * s_x + offs, mask=offs < N, other=0.0).to(tl.float32)
+            acc += tl.sum(v * v)
+        r = tl.math.rsqrt(acc / N + eps)
+        for start in range(0, N, BLOCK):
+            offs = tl.max_contiguous(start + tl.arange(0, BLOCK), 4)
+            ok = offs < N
+            xv = tl.load(x_ptr + row * s_x + offs, mask=ok, other=0.0).to(tl.float32)
+            y = (xv * r).to(x_ptr.dtype.element_ty).to(tl.float32)
+            wv = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + row * s_o + offs, (wv * y).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _sequential_sum_kernel(x_ptr, out_ptr, R, K, BLOCK: tl.constexpr):
@@ -530,7 +555,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     in fp32) in three launches: the squares, ``mean`` (default :func:`mean_last`; a kernel set
     brings its own), then the scaling and the weight in one pass. The bits of those steps as
     PyTorch's element-wise ops compute them: each product one fp32 rounding, the GPU's
-    ``rsqrt``, the rounding to ``x``'s dtype before the weight. ``eps`` must be positive."""
+    ``rsqrt``, the rounding to ``x``'s dtype before the weight. ``eps`` must be positive.
+
+    With :func:`mean_last` as the mean, rows whose width is a multiple of 16 starting on a
+    16-byte boundary take one launch instead (:func:`_rms_norm_kernel`), with the same bits."""
     require("rms_norm", x)
     if not eps > 0:
         raise ShapeError(f"strict rms_norm: eps {eps} (the fused form takes a positive eps)")
@@ -544,6 +572,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype),
                       device=x.device)
     if not x2.numel():
+        return out.reshape(x.shape)
+    if (mean is None or mean is mean_last) and n % 16 == 0 and x2.data_ptr() % 16 == 0:
+        with torch.cuda.device(x.device):
+            _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), out, n, x2.stride(0),
+                                             out.stride(0), float(eps), BLOCK=_CHUNK,
+                                             enable_fp_fusion=False)
         return out.reshape(x.shape)
     squares = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
     block = min(1024, max(16, next_power_of_2(n)))

@@ -147,6 +147,23 @@ def test_rms_norm_equals_its_steps(cuda, x_dtype, w_dtype):
         assert got.dtype == want.dtype and torch.equal(got, want)
 
 
+def test_rms_norm_in_one_launch_equals_its_three(cuda):
+    """Rows 16-aligned in width and address take the one-launch RMSNorm; its bits are the
+    three launches' (the squares summed in _mean_kernel's order), for a layer's rows, per-head
+    rows, a width past one chunk, fp16 and fp32 inputs; an unaligned view takes the three."""
+    def three(t):
+        return tensorcore.mean_last(t)
+
+    for shape, dtype, seed in (((300, 2048), torch.bfloat16, 60), ((4, 7, 32, 128), torch.bfloat16, 61),
+                               ((33, 1040), torch.float16, 62), ((9, 2048), torch.float32, 63)):
+        x = _rand(*shape, scale=2.0, seed=seed, dtype=dtype)
+        w = 1 + _rand(shape[-1], scale=0.1, seed=seed + 1)
+        assert torch.equal(tensorcore.rms_norm(x, w, 1e-6), tensorcore.rms_norm(x, w, 1e-6, three))
+    x = _rand(8, 2049, seed=64)[:, 1:]  # 2-byte offset: the three launches
+    w = 1 + _rand(2048, scale=0.1, seed=65)
+    assert torch.equal(tensorcore.rms_norm(x, w, 1e-6), tensorcore.rms_norm(x, w, 1e-6, three))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sequential_sum_equals_the_portable_sum(cuda, dtype):
     """The one-launch left-to-right sum gives the portable sum's bits over the last dimension
