@@ -338,6 +338,9 @@ quantize_rows(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
 // issued before any arithmetic and nothing goes through shared memory. The row maximum is
 // a shuffle reduction within the group. G and BPL are chosen on the host so that G * BPL
 // covers the row's blocks with the least waste (K = 2048: 32 x 4; K = 768: 16 x 3).
+// 4-over-6 blocks are not served here: their encode is a call (fos_block) whose argument
+// passing and registers, carried by every kernel that can reach it, would cost this
+// kernel about half its occupancy; the shared-memory kernel takes them.
 template <int DT, int ORDER, int SZ, int BPL>
 __global__ void __launch_bounds__(256)
 quantize_rows_reg(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
@@ -401,14 +404,12 @@ quantize_rows_reg(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
     }
   }
   NvOuter o;
-  float fos_amax = 0.0f;  // the outer maximum 4-over-6's errors scale by
   if (p.outer_mode == NV_OUTER_ROW) {
     uint32_t rm = mine;
     for (int off = G >> 1; off > 0; off >>= 1) rm = max(rm, __shfl_xor_sync(gmask, rm, off, G));
     float a = __uint_as_float(rm);
     if (p.has_amax_floor) a = nv_max(a, p.amax_floor);
     o = nv_outer_from_amax(a, ORDER, p.e4m3_max);
-    fos_amax = a;
     if (gl == 0) {
       amax_out[r] = a;
       stored_out[r] = nv_stored(a, o, p);
@@ -417,7 +418,6 @@ quantize_rows_reg(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
     const int64_t i = p.outer_stride ? r / p.rows : 0;
     o.enc = enc_in[i];
     o.dec = dec_in[i];
-    if (p.four_over_six != NV_FOS_OFF) fos_amax = amax_out[i];  // given: read, not written
   }
   const float te_mult = nv_te_block_mult(o.enc);
   const float neg_above = nv_neg_threshold(p.signed_zero);
@@ -429,13 +429,6 @@ quantize_rows_reg(const uint4* __restrict__ x, uint8_t* __restrict__ codes,
   for (int i = 0; i < BPL; ++i) {
     const int b = gl + G * i;
     if (b >= nb) break;
-    if constexpr (ORDER == NV_ORDER_TE) {
-      if (p.four_over_six != NV_FOS_OFF) {
-        fos_store<DT>(w[i], __uint_as_float(bm[i]), o, fos_amax, p,
-                      scales + scale_row + (p.swizzled ? nv_swizzle_col(b) : b), crow + b);
-        continue;
-      }
-    }
     float pre = nv_block_prescale(__uint_as_float(bm[i]), o, te_mult, ORDER);
     if (pre != pre) local |= NV_FLAG_UNDEFINED_SCALE;
     if (p.has_zero_prescale && pre == 0.0f) pre = p.zero_prescale_to;
@@ -534,7 +527,7 @@ cudaError_t launch3(const void* x, uint8_t* codes, uint8_t* scales, float* amax_
   const int64_t total = p.experts * p.rows;
   const int64_t row_bytes = p.k * (DT == NV_IN_FP32 ? 4 : 2);
   const uint4* xv = static_cast<const uint4*>(x);
-  if (g_variant != 1) {
+  if (g_variant != 1 && p.four_over_six == NV_FOS_OFF) {
     int glog = 0, bpl = 0;
     reg_shape(p.k / 16, Traits<DT>::kCpb, &glog, &bpl);
     switch (bpl) {
