@@ -54,7 +54,7 @@ for s in "$@"; do
              --maxfail=15 --continue-on-collection-errors -o addopts="-rfE" ${TEST_FILES:-tests/libalign} ;;
     gemm) stage gemm "${T_GEMM:-200}" python3 -m tests.bench gemm -- ${GEMM_ARGS:---profile} ;;
     convert) stage convert "${T_CONVERT:-150}" python3 -m tests.bench convert -- \
-               --layers 48 --json "$OUT/convert.json" ;;
+               --layers "${CONVERT_LAYERS:-48}" --json "$OUT/convert.json" ;;
     megatron) stage megatron "${T_MEGATRON:-200}" python3 -m tests.bench megatron -- \
                 --json "$OUT/megatron.json" ;;
     strict) stage strict "${T_STRICT:-200}" python3 -m tests.bench strict -- --device cuda ${STRICT_ARGS:-} ;;
