@@ -18,7 +18,7 @@ hitting the phase's endpoint as fast as it answers:
 Each client has its own ``AsyncClient`` (one keep-alive connection); each phase first
 opens them (one ``/healthz`` each, not counted).
 
-Then overload (issue 23), after ``--versions`` (2,000) more versions are registered, each
+Then overload, after ``--versions`` (2,000) more versions are registered, each
 phase ``--overload-seconds`` long, measured by ``--probes`` liveness probes that each open a
 new connection per ``GET /healthz`` (as an orchestrator's probe does):
 

@@ -18,7 +18,7 @@ Rows, all measured in this run on the same inputs (median of CUDA-event timings)
   check deferred;
 * ``gemm only``: the Triton GEMM on already-quantized activations (what the fusion costs).
 
-The ratio column is each row's time over ``bf16``'s. The goal rows (issue 21 item 3) are
+The ratio column is each row's time over ``bf16``'s. The goal rows are
 geometric means over the cells: ``minite`` eager (activation quantization and the NaN/Inf
 check included) at most 1.3, ``nocheck graph`` (device time, CUDA graphs) at most 1.15.
 ``--profile`` adds, for the fewest rows of FC1 and FC2, a torch.profiler table of ten eager
@@ -194,7 +194,7 @@ def main(argv: list[str]) -> int:
                        "gemm graph")}
     print("geometric mean of ratios over bf16: "
           + ", ".join(f"{key} {v:.3f}" for key, v in geo.items()))
-    print("goals (issue 21 item 3; same-run bf16 baselines):")
+    print("goals (same-run bf16 baselines):")
     for key, label, target in (("minite", "W4A4 + activation quantization, eager", 1.3),
                                ("sync", "  ... the check synchronising every call", 1.3),
                                ("nocheck graph", "W4A4 + activation quantization, CUDA graphs",

@@ -33,7 +33,7 @@ activation pass (the cost of the guided path's bookkeeping).
 (2 low bits a value, captured from this model's own ``nvfp4_minite`` forward on the same
 batch, so the guided rows reproduce round-to-nearest and ``rel L2`` equals minite's).
 
-The goal rows at the end (issue 21 item 5) divide by the same run's numbers: ``nvfp4_minite``
+The goal rows at the end divide by the same run's numbers: ``nvfp4_minite``
 model time over ``bf16`` (goal <= 1.10), the weight quantization per step of
 ``nvfp4_minite`` (goal <= 5 ms), and ``nvfp4_trace_rec`` model time over ``nvfp4_minite``
 (goal <= 1.074, TRACE's own overhead figure). Every step runs inside
@@ -47,7 +47,7 @@ guided rows inside the Triton activation pass
 ``nvfp4_trace_rec_unfused`` quantizes them first (:func:`libalign.guidance.guided_quantize`:
 dozens of tensor passes), as before that pass existed.
 
-FP4 KV rows (issue 19): ``nvfp4_minite_kv`` is ``nvfp4_minite`` with K and V quantized to
+FP4 KV rows: ``nvfp4_minite_kv`` is ``nvfp4_minite`` with K and V quantized to
 ``kv_nvfp4`` in Megatron's attention and read back dequantized
 (:mod:`libalign.models.megatron_kv`: the KV quantize and dequantize cost);
 ``nvfp4_trace_kv_rec`` is ``nvfp4_trace_kv_nvfp4`` as a learner runs it: expert rows and K/V
@@ -59,7 +59,7 @@ guidance and the KV dequantization together). Both read K/V back in one fused Tr
 take the unfused path instead (:func:`libalign.gemm.triton_grouped.fused_kv` off: ``ops.quantize`` or
 ``guided_quantize``, then ``dequantize_kv``; the same bits), as before that pass existed.
 
-Routing replay (R3, issue 19): ``nvfp4_minite_r3`` is ``nvfp4_minite`` with every token's
+Routing replay (R3): ``nvfp4_minite_r3`` is ``nvfp4_minite`` with every token's
 routing replayed from records (:func:`libalign.models.megatron_routing.replay_routing`, gate
 weights recomputed): the records are this model's own top-k on the batch, with every 10th
 token's experts shifted by one, so one token in ten is forced and the rest is compared and
@@ -250,7 +250,7 @@ def _run(args) -> dict:
 
 
 def _goals(rows: dict) -> list[dict]:
-    """Issue 21 item 5's rows, each a ratio or time of this run against its goal."""
+    """The goal rows, each a ratio or time of this run against its goal."""
     out = []
 
     def add(name, value, goal, unit):
@@ -260,7 +260,7 @@ def _goals(rows: dict) -> list[dict]:
         print(f"  {name:<44}{value:>9.3f}{unit:<3} goal <= {goal:g}{unit}  "
               f"{'met' if value <= goal else 'NOT met'}", flush=True)
 
-    print("goals (issue 21 item 5, issue 19 rows; same-run baselines):")
+    print("goals (same-run baselines):")
     mn = rows.get("nvfp4_minite", {})
     add("nvfp4_minite whole model / bf16", mn.get("model_ratio"), GOALS["minite_model"], "x")
     for key, name in (("nvfp4_minite_sync", "nvfp4_minite, a sync per GEMM's check / bf16"),

@@ -1,4 +1,4 @@
-"""Routing replay (R3, issue 19 item 3): record bytes, encode/decode throughput, learner overhead.
+"""Routing replay (R3): record bytes, encode/decode throughput, learner overhead.
 
 Three tables, each against a baseline measured in the same run:
 

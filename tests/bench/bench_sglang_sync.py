@@ -4,8 +4,8 @@ Workload: one MoE layer of Qwen3-30B-A3B shapes in the per-expert names SGLang l
 ``E`` experts of gate/up 768x2048 and down 2048x768, BF16, seeded randn (E=8 by default:
 75.5 MB; ``--experts``).
 
-Baseline, measured in this run: what the SGLang sampler did on every load before issue 22
-(and every sampler did on its own): convert the published BF16 version into a ModelOpt NVFP4
+Baseline, measured in this run: what a sampler does on every load without the converter's
+one export per version: convert the published BF16 version into a ModelOpt NVFP4
 checkpoint on the CPU (:func:`alignd.formats.export.convert_checkpoint`, tensor-scaled
 ``modelopt`` preset, fused gate/up sharing one scale), inside its load.
 

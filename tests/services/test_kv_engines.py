@@ -1,4 +1,4 @@
-"""The embedded engines with an FP4 KV cache (issue 19 items 1-2): the sampler's path names its KV
+"""The embedded engines with an FP4 KV cache: the sampler's path names its KV
 format and its records carry K/V sections with the version and model they were made for; the
 learner's KV-guided path scores closer to the sampler, trains, and refuses records without K/V
 guidance by name."""

@@ -1,4 +1,4 @@
-"""One conversion per version (issue 22 item 1): the ModelOpt export SGLang loads is the store
+"""One conversion per version: the ModelOpt export SGLang loads is the store
 version's bits re-laid out, written once by the converter, from whole and sharded versions
 alike; what SGLang cannot load is refused by name; retention prunes exports no sampler needs."""
 

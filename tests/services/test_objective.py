@@ -1,4 +1,4 @@
-"""The learner's objective knobs (issue 19 item 5): the TIS cap and level, PPO ratio clipping
+"""The learner's objective knobs: the TIS cap and level, PPO ratio clipping
 and the ``max_version_diff`` staleness bound, in the engine, the loop, the settings and the API."""
 
 from __future__ import annotations

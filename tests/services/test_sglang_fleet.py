@@ -1,4 +1,4 @@
-"""The SGLang adapter's server contract (issue 22 item 3) against contract servers on real
+"""The SGLang adapter's server contract against contract servers on real
 ports: API keys, pre-temperature log-probs or a typed refusal, servers that are not the version
 asked for, concurrent calls with a lock only around switches, several servers (one failing),
 and the workers behind an sglang-router."""
