@@ -15,7 +15,9 @@
 #                                               time per weight, stacked runs against one launch
 #                                               a weight), roofline (probe_convert_cuda --roofline:
 #                                               the converter's kernel variants against the copy
-#                                               and against kernels of the same traffic)
+#                                               and against kernels of the same traffic),
+#                                               fused (probe_w4a4_fused: the W4A4 GEMM quantizing
+#                                               activations in its load, against today's two steps)
 # Wheels the image lacks travel in .whl/ (git-ignored; carry it): megatron-core and torchao, and
 # for the services the expert-parallel tests import, redis, httpx (+ httpcore, h11, anyio,
 # certifi, idna), pydantic(-core, -settings, annotated-types, typing-inspection,
@@ -76,6 +78,7 @@ for s in "$@"; do
             --rows 768 --cols 2048 ;;
     roofline) stage roofline "${T_ROOFLINE:-120}" python3 -m tests.bench.probe_convert_cuda \
                 ${ROOFLINE_ARGS:-minite} --roofline ;;
+    fused) stage fused "${T_FUSED:-150}" python3 -m tests.bench.probe_w4a4_fused ;;
     *) echo "unknown stage $s" >&2 ;;
   esac
 done
