@@ -40,8 +40,10 @@ Run: ``python -m tests.bench refit [-- --device cuda --layers 4 --bucket-mb 512 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import platform
+import pstats
 import statistics
 import time
 from multiprocessing.connection import Connection
@@ -233,6 +235,35 @@ def refit_once(named, sink: PipeSink, spec: str | None, version: str, bucket_byt
     return row
 
 
+class NullSink:
+    """A sink that answers at once and loads nothing: the producer's time without a server."""
+
+    def update_weights_from_tensor(self, **_kwargs) -> object:
+        """``(True, "ok")`` for any bucket."""
+        return True, "ok"
+
+
+def profile_producer(named, sink: PipeSink, bucket_bytes: int, cuda: bool,
+                     weights_bytes: int) -> None:
+    """Print where an NVFP4 refit's producer spends its time: one refit into a sink that
+    answers at once (the producer's split without the server), then one into the server under
+    ``cProfile`` (the calling thread only: the producer; the send thread is not profiled)."""
+    alone = [refit_once(named, NullSink(), SPEC, f"null-{i}", bucket_bytes, cuda, weights_bytes)
+             for i in range(3)]
+    best = min(alone, key=lambda r: r["wall_s"])
+    print(f"nvfp4 refit into a sink that loads nothing: wall {best['wall_s'] * 1e3:.1f} ms, "
+          f"produce {best['produce_s'] * 1e3:.1f} ms, send {best['send_s'] * 1e3:.1f} ms "
+          f"(best of 3)")
+    prof = cProfile.Profile()
+    prof.enable()
+    refit_once(named, sink, SPEC, "profiled", bucket_bytes, cuda, weights_bytes)
+    prof.disable()
+    stats = pstats.Stats(prof)
+    print("the producer's thread, one nvfp4 refit into the server (cProfile):")
+    stats.sort_stats("tottime").print_stats(18)
+    stats.sort_stats("cumulative").print_stats(22)
+
+
 def summarize(rows: list[dict], layers: int, bucket_bytes: int) -> dict:
     """Medians of a kind's timed refits, per layer and scaled to 48 layers."""
     med = {k: statistics.median(r[k] for r in rows) for k in ("wall_s", "produce_s", "send_s")}
@@ -294,6 +325,8 @@ def measure(args) -> dict:
                     server.ask(("clock", k))
         clocks = {k: server.ask(("clock", k)) for k in KINDS}
         counts = {k: server.ask(("count", k)) for k in KINDS}
+        if getattr(args, "profile", False):
+            profile_producer(named, sinks["nvfp4"], bucket_bytes, cuda, weights_bytes)
         checks = check_delivery(server, named)
     finally:
         server.close()
@@ -374,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="timed refits of each kind (default: 7 on a GPU, 3 on the CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write every figure to this file")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timing, profile the NVFP4 refit's producer")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
