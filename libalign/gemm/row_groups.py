@@ -96,6 +96,17 @@ class GroupLayout:
             return y
         return y[self.row_map(y.device)]
 
+    def source_rows(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """int32 unpadded row of each padded-layout row, -1 for padding, on ``device``
+        (cached): what a kernel that gathers rows into the padded layout reads
+        (:func:`libalign.gemm.triton_kernels.act_qdq`'s ``src_rows``)."""
+        key = ("sources", str(device))
+        if key not in self._cache:
+            out = torch.full((self.padded_total,), -1, dtype=torch.int32, device=device)
+            out[self.row_map(device)] = torch.arange(self.total, dtype=torch.int32, device=device)
+            self._cache[key] = out
+        return self._cache[key]
+
     def row_map(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """int64 position in the padded layout of each unpadded row, on ``device`` (cached).
 

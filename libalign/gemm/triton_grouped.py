@@ -118,7 +118,9 @@ def w4a4_grouped_triton(a: torch.Tensor, spec: NumericsSpec, w_inner: torch.Tens
     if gap is not None:
         raise SpecError(f"the Triton W4A4 GEMM cannot serve {gap}")
     lay = _tiled(layout)
-    ap = lay.pad(a.contiguous())
+    a = a.contiguous()
+    # rows reach the padded layout inside the activation pass: no padded copy of ``a``
+    src_rows = lay.source_rows(a.device) if lay.padded_total != lay.total else None
     amax = None
     if spec.outer_domain == "tensor":
         # one read pass (no |a| temporary); NaN propagates and is caught by the row check
@@ -127,9 +129,9 @@ def w4a4_grouped_triton(a: torch.Tensor, spec: NumericsSpec, w_inner: torch.Tens
     tiles = lay.tile_expert(lay.pad_to, a.device)
     if chunks is None:
         chunks = config.current().gemm_chunks
-    out, dec = tk.pipelined(ap, amax_floor=spec.amax_floor, tensor_amax=amax, w_inner=w_inner,
+    out, dec = tk.pipelined(a, amax_floor=spec.amax_floor, tensor_amax=amax, w_inner=w_inner,
                             w_dec=w_dec, tile_expert=tiles, pad=lay.pad_to, out_dtype=out_dtype,
-                            chunks=chunks)
+                            chunks=chunks, src_rows=src_rows)
     if check_finite:  # after the GEMM is queued, so the device never idles while the host looks
         check_rows(dec, a, "activations", _unpad_rows(lay))
     return lay.unpad(out)

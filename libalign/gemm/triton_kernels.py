@@ -89,9 +89,20 @@ def _inner_values(x, enc, dec):
 
 
 @triton.jit
-def _act_qdq_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x, stride_i,
+def _source_rows(src_ptr, rows, rmask, GATHER: tl.constexpr):
+    """Input row of each output row and whether it is read: itself, or with ``GATHER`` the
+    int32 ``src_ptr[row]`` (-1: a row of zeros, never read)."""
+    if GATHER:
+        src = tl.load(src_ptr + rows, mask=rmask, other=-1)
+        return tl.where(src >= 0, src, 0).to(tl.int64), rmask & (src >= 0)
+    return rows.to(tl.int64), rmask
+
+
+@triton.jit
+def _act_qdq_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, src_ptr, M, KB, stride_x, stride_i,
                     AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr, TENSOR_AMAX: tl.constexpr,
-                    ROWS: tl.constexpr, NB: tl.constexpr, DEQUANT: tl.constexpr):
+                    ROWS: tl.constexpr, NB: tl.constexpr, DEQUANT: tl.constexpr,
+                    GATHER: tl.constexpr):
     # a [ROWS, NB, 16] tile holds whole rows: one row per ROWS index, one 16-element block
     # per NB index, so block and row maxima are plain reductions (no reshapes)
     pid = tl.program_id(0)
@@ -100,9 +111,11 @@ def _act_qdq_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x, stride
     j = tl.arange(0, 16)
     cols = blk[None, :, None] * 16 + j[None, None, :]
     rmask = rows < M
+    src, read = _source_rows(src_ptr, rows, rmask, GATHER)
     mask = rmask[:, None, None] & (blk < KB)[None, :, None]  # whole blocks: K % 16 == 0
     r64 = rows[:, None, None].to(tl.int64)
-    x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + src[:, None, None] * stride_x + cols,
+                mask=mask & read[:, None, None], other=0.0).to(tl.float32)
     poison = tl.sum(tl.sum(x * 0.0, axis=2), axis=1)  # NaN iff the row holds NaN or Inf
     if TENSOR_AMAX:
         amax = tl.load(amax_ptr) + tl.zeros([ROWS], dtype=tl.float32)
@@ -117,10 +130,10 @@ def _act_qdq_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x, stride
 
 
 @triton.jit
-def _act_qdq_chunked_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x, stride_i,
-                            AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr,
+def _act_qdq_chunked_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, src_ptr, M, KB, stride_x,
+                            stride_i, AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr,
                             TENSOR_AMAX: tl.constexpr, ROWS: tl.constexpr, CB: tl.constexpr,
-                            DEQUANT: tl.constexpr):
+                            DEQUANT: tl.constexpr, GATHER: tl.constexpr):
     # rows whose block count is not a power of two: walk them in chunks of CB blocks, once
     # for the row maxima and once to encode (the second read mostly hits L2), so no lane
     # idles on padding
@@ -129,6 +142,8 @@ def _act_qdq_chunked_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x
     blk = tl.arange(0, CB)
     j = tl.arange(0, 16)
     rmask = rows < M
+    src, read = _source_rows(src_ptr, rows, rmask, GATHER)
+    s64 = src[:, None, None]
     r64 = rows[:, None, None].to(tl.int64)
     amax = tl.zeros([ROWS], dtype=tl.float32)
     poison = tl.zeros([ROWS], dtype=tl.float32)
@@ -136,7 +151,8 @@ def _act_qdq_chunked_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x
         b = c + blk
         cols = b[None, :, None] * 16 + j[None, None, :]
         mask = rmask[:, None, None] & (b < KB)[None, :, None]
-        x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + s64 * stride_x + cols, mask=mask & read[:, None, None],
+                    other=0.0).to(tl.float32)
         poison += tl.sum(tl.sum(x * 0.0, axis=2), axis=1)
         amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), axis=2), axis=1))
     if TENSOR_AMAX:
@@ -146,7 +162,8 @@ def _act_qdq_chunked_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x
         b = c + blk
         cols = b[None, :, None] * 16 + j[None, None, :]
         mask = rmask[:, None, None] & (b < KB)[None, :, None]
-        x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + s64 * stride_x + cols, mask=mask & read[:, None, None],
+                    other=0.0).to(tl.float32)
         val = _inner_values(x, enc, dec)
         if DEQUANT:
             val = val * dec[:, None, None]
@@ -157,17 +174,22 @@ def _act_qdq_chunked_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, M, KB, stride_x
 def act_qdq(x: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Tensor | None,
             out: torch.Tensor | None = None, dec_out: torch.Tensor | None = None,
             elems: int = 4096, num_warps: int = 4, chunk: int | None = None,
-            dequantize: bool = False):
+            dequantize: bool = False, src_rows: torch.Tensor | None = None):
     """Inner values (bf16 ``[M, K]``) and fp32 row decode scales ``[M]`` of activations.
 
     Rows of a power-of-two block count are read once as whole-row tiles; others in chunks of
     ``chunk`` blocks (default 16; 0 forces whole-row tiles padded to a power of two).
     ``dequantize`` writes the values read back instead, ``fl(inner * dec)`` rounded once to
     ``x``'s dtype (what ``(inner.float() * dec[:, None]).to(x.dtype)`` gives).
+    ``src_rows`` (int32 ``[M]``, on ``x``'s device) gathers: output row ``r`` quantizes
+    ``x[src_rows[r]]``, or a row of zeros where it is -1, so rows sorted by expert reach a
+    padded layout in the same pass (:meth:`~libalign.gemm.row_groups.GroupLayout.source_rows`).
     """
-    m, k = x.shape
+    m, k = x.shape if src_rows is None else (src_rows.shape[0], x.shape[1])
     if k % 16 or x.stride(1) != 1:
         raise ValueError("act_qdq needs contiguous rows whose length is a multiple of 16")
+    if src_rows is not None and (src_rows.dtype != torch.int32 or src_rows.device != x.device):
+        raise ValueError("act_qdq's src_rows must be int32 on the activations' device")
     inner = out if out is not None else torch.empty(
         (m, k), dtype=x.dtype if dequantize else torch.bfloat16, device=x.device)
     dec = torch.empty((m,), dtype=torch.float32, device=x.device) if dec_out is None else dec_out
@@ -177,16 +199,20 @@ def act_qdq(x: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Ten
     nb = next_power_of_2(kb)
     amax = tensor_amax if tensor_amax is not None else dec  # unused pointer when per row
     common = dict(AMAX_FLOOR=float(amax_floor or 0.0), HAS_FLOOR=amax_floor is not None,
-                  TENSOR_AMAX=tensor_amax is not None, DEQUANT=dequantize, num_warps=num_warps)
+                  TENSOR_AMAX=tensor_amax is not None, DEQUANT=dequantize,
+                  GATHER=src_rows is not None, num_warps=num_warps)
+    src = src_rows if src_rows is not None else dec  # unused pointer without a gather
     if nb == kb or chunk == 0 or (chunk is None and nb <= 8):  # whole rows in one tile
         rows = max(1, min(64, elems // (16 * nb)))
         _act_qdq_kernel[(cdiv(m, rows),)](
-            x, inner, dec, amax, m, kb, x.stride(0), inner.stride(0), ROWS=rows, NB=nb, **common)
+            x, inner, dec, amax, src, m, kb, x.stride(0), inner.stride(0), ROWS=rows, NB=nb,
+            **common)
     else:
         cb = chunk or 16
         rows = max(1, min(64, elems // (16 * cb)))
         _act_qdq_chunked_kernel[(cdiv(m, rows),)](
-            x, inner, dec, amax, m, kb, x.stride(0), inner.stride(0), ROWS=rows, CB=cb, **common)
+            x, inner, dec, amax, src, m, kb, x.stride(0), inner.stride(0), ROWS=rows, CB=cb,
+            **common)
     return inner, dec
 
 
@@ -470,13 +496,15 @@ _SIDE: dict[int, torch.cuda.Stream] = {}
 
 def pipelined(a: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Tensor | None,
               w_inner: torch.Tensor, w_dec: torch.Tensor, tile_expert: torch.Tensor, pad: int,
-              out_dtype: torch.dtype = torch.bfloat16, chunks: int = 1):
+              out_dtype: torch.dtype = torch.bfloat16, chunks: int = 1,
+              src_rows: torch.Tensor | None = None):
     """Activation pass and GEMM over ``chunks`` row ranges, the pass of range i+1 on a side
     stream while the GEMM of range i runs (a memory-bound pass under a compute-bound GEMM).
+    ``src_rows`` gathers ``a``'s rows into the padded layout in the pass (:func:`act_qdq`).
 
     Returns ``(out, dec)``; the bits do not depend on ``chunks`` (rows are independent).
     """
-    m, k = a.shape
+    m, k = a.shape if src_rows is None else (src_rows.shape[0], a.shape[1])
     n = w_inner.shape[1]
     inner = torch.empty((m, k), dtype=torch.bfloat16, device=a.device)
     dec = torch.empty((m,), dtype=torch.float32, device=a.device)
@@ -484,7 +512,8 @@ def pipelined(a: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.T
     step = -(-m // max(1, chunks) // pad) * pad if m else pad
     bounds = [(lo, min(m, lo + step)) for lo in range(0, m, step)]
     if len(bounds) <= 1:
-        act_qdq(a, amax_floor=amax_floor, tensor_amax=tensor_amax, out=inner, dec_out=dec)
+        act_qdq(a, amax_floor=amax_floor, tensor_amax=tensor_amax, out=inner, dec_out=dec,
+                src_rows=src_rows)
         grouped_gemm(inner, dec, w_inner, w_dec, tile_expert, pad, out_dtype, out=out)
         return out, dec
     main = torch.cuda.current_stream(a.device)
@@ -496,8 +525,9 @@ def pipelined(a: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.T
     ready = []
     with torch.cuda.stream(side):
         for lo, hi in bounds:
-            act_qdq(a[lo:hi], amax_floor=amax_floor, tensor_amax=tensor_amax, out=inner[lo:hi],
-                    dec_out=dec[lo:hi])
+            act_qdq(a if src_rows is not None else a[lo:hi], amax_floor=amax_floor,
+                    tensor_amax=tensor_amax, out=inner[lo:hi], dec_out=dec[lo:hi],
+                    src_rows=src_rows[lo:hi] if src_rows is not None else None)
             ev = torch.cuda.Event()
             ev.record(side)
             ready.append(ev)

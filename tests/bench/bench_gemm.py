@@ -3,6 +3,8 @@
 Cells: the miniTE module shapes, 32 experts with 256, 1,024, 4,096 or 8,192 rows each, FC1
 (K=2048, N=1536) and FC2 (K=768, N=2048); bf16 activations drawn per cell, weights
 quantized once beforehand (a weight version is quantized once, used for many calls).
+``--uneven`` spreads each cell's rows over the experts as routing does (no count a multiple
+of the 128-row tiles, so every expert's rows are padded on the way into the GEMM).
 
 Rows, all measured in this run on the same inputs (median of CUDA-event timings):
 
@@ -16,7 +18,10 @@ Rows, all measured in this run on the same inputs (median of CUDA-event timings)
 * ``minite nocheck``: the same without the check;
 * ``naive``: the ``nvfp4_naive`` path (per-tensor activation scale: an extra max pass),
   check deferred;
-* ``gemm only``: the Triton GEMM on already-quantized activations (what the fusion costs).
+* ``gemm only``: the Triton GEMM on already-quantized activations (what the fusion costs);
+* ``serial graph`` / ``padded graph``: the activation pass and GEMM in one stream, as a CUDA
+  graph, with rows reaching the padded layout inside the pass / by a padded copy first (the
+  two differ only under ``--uneven``).
 
 The ratio column is each row's time over ``bf16``'s. The goal rows are
 geometric means over the cells: ``minite`` eager (activation quantization and the NaN/Inf
@@ -103,16 +108,30 @@ def _profile(label: str, fn, out_dir: str) -> None:
         prof.export_chrome_trace(os.path.join(out_dir, f"profile_{label.replace(' ', '_')}.json"))
 
 
+def expert_counts(rows: int, experts: int, uneven: bool) -> list[int]:
+    """``rows`` for every expert, or with ``uneven`` a routed-like spread about that mean: from
+    a quarter to 1.75 times it, each a multiple of 16 and none of 128 (every expert's rows
+    then need padding to the GEMM's 128-row tiles)."""
+    if not uneven:
+        return [rows] * experts
+    out = []
+    for i in range(experts):
+        c = 16 * max(1, round(rows * (0.25 + 1.5 * i / max(1, experts - 1)) / 16))
+        out.append(c + 16 if c % 128 == 0 else c)
+    return out
+
+
 def _cell(name, k, n, rows, args, w, ew, ew_naive, tk) -> dict:
     """Measure one (GEMM, rows per expert) cell and print its line."""
     dev = w.device
-    counts = [rows] * args.experts
-    m = rows * args.experts
+    counts = expert_counts(rows, args.experts, args.uneven)
+    m = sum(counts)
     a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     lay = gemm.group_layout(counts, 128)
     offs = torch.tensor(lay.offsets(padded=False)[1:], dtype=torch.int32, device=dev)
     spec = ew.path.act_spec
-    inner, dec = tk.act_qdq(a, amax_floor=spec.amax_floor, tensor_amax=None)
+    src = lay.source_rows(dev) if lay.padded_total != lay.total else None
+    inner, dec = tk.act_qdq(a, amax_floor=spec.amax_floor, tensor_amax=None, src_rows=src)
     tiles = lay.tile_expert(128, dev)
     wt = w.transpose(1, 2)
     runs = {
@@ -125,12 +144,18 @@ def _cell(name, k, n, rows, args, w, ew, ew_naive, tk) -> dict:
         "serial": lambda: w4a4_grouped_triton(a, spec, ew.inner, ew.dec, lay, check_finite=False,
                                           chunks=1),
     }
-    runs["qdq"] = lambda: tk.act_qdq(a, amax_floor=spec.amax_floor, tensor_amax=None)
+    # the activations padded by a copy first, then the same pass and GEMM (the path before
+    # the pass gathered rows into the padded layout itself)
+    runs["padded"] = lambda: lay.unpad(tk.pipelined(
+        lay.pad(a), amax_floor=spec.amax_floor, tensor_amax=None, w_inner=ew.inner, w_dec=ew.dec,
+        tile_expert=tiles, pad=128)[0])
+    runs["qdq"] = lambda: tk.act_qdq(a, amax_floor=spec.amax_floor, tensor_amax=None,
+                                     src_rows=src)
     with torch.no_grad():
         # rounds interleave the variants so clock drift hits them alike; median per variant
         graphs = {f"{key} graph": cuda_graph(runs[key])
-                  for key in ("bf16", "nocheck", "serial", "gemm", "qdq")}
-        timed = {key: fn for key, fn in runs.items() if key not in ("qdq", "serial")}
+                  for key in ("bf16", "nocheck", "serial", "padded", "gemm", "qdq")}
+        timed = {key: fn for key, fn in runs.items() if key not in ("qdq", "serial", "padded")}
         timed.update({key: g.replay for key, g in graphs.items()})
         samples: dict[str, list[float]] = {key: [] for key in timed}
         for _ in range(args.rounds):
@@ -148,7 +173,7 @@ def _cell(name, k, n, rows, args, w, ew, ew_naive, tk) -> dict:
     row = {"cell": f"{name} {rows}", "ms": ms, "ratio": r, "max_ulps": ulps,
            "bf16_tflops": flops / ms["bf16"] / 1e9, "minite_tflops": flops / ms["minite"] / 1e9}
     cols = ["bf16", "minite", "sync", "nocheck", "naive", "gemm", "bf16 graph", "nocheck graph",
-            "serial graph", "gemm graph", "qdq graph"]
+            "serial graph", "padded graph", "gemm graph", "qdq graph"]
     print(f"{row['cell']:<11}" + "".join(f"{ms[c]:>8.3f}{r[c]:>6.2f}" for c in cols)
           + f"{ulps:>6.1f}", flush=True)
     return row
@@ -162,6 +187,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sweep", action="store_true", help="also sweep the activation pass's tiles")
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables of eager calls")
     ap.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
+    ap.add_argument("--uneven", action="store_true",
+                    help="experts' rows spread about --rows (each padded to the tiles)")
     ap.add_argument("--json", default=os.environ.get("OUT", "") and os.path.join(os.environ["OUT"],
                                                                                    "bench_gemm.json"))
     args = ap.parse_args(argv)
@@ -180,7 +207,7 @@ def main(argv: list[str]) -> int:
     results = []
     header = (f"{'cell':<11}" + "".join(f"{c:>14}" for c in (
         "bf16 ms  x", "minite", "sync", "nocheck", "naive", "gemm", "bf16 graph", "nocheck gr", "serial gr",
-        "gemm gr", "qdq gr")) + f"{'ulps':>6}")
+        "padded gr", "gemm gr", "qdq gr")) + f"{'ulps':>6}")
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(header)
     for name, k, n in CELLS:
@@ -191,7 +218,7 @@ def main(argv: list[str]) -> int:
             results.append(_cell(name, k, n, rows, args, w, ew, ew_naive, tk))
     geo = {key: math.exp(statistics.fmean(math.log(x["ratio"][key]) for x in results))
            for key in ("minite", "sync", "nocheck", "naive", "gemm", "nocheck graph", "serial graph",
-                       "gemm graph")}
+                       "padded graph", "gemm graph")}
     print("geometric mean of ratios over bf16: "
           + ", ".join(f"{key} {v:.3f}" for key, v in geo.items()))
     print("goals (same-run bf16 baselines):")

@@ -176,6 +176,17 @@ def test_row_map_is_the_documented_example():
     assert gemm.group_layout([0, 4, 2], 1).row_map().tolist() == list(range(6))
 
 
+def test_source_rows_invert_the_row_map():
+    """Each padded row names the row it holds, -1 for padding: gathering by it is ``pad``."""
+    lay = gemm.group_layout([3, 0, 130], 128)
+    src = lay.source_rows()
+    assert src.dtype == torch.int32 and src.shape == (lay.padded_total,)
+    assert src.tolist() == [0, 1, 2, *[-1] * 125, *range(3, 133), *[-1] * 126]
+    a = _a(lay.total, 32)
+    gathered = torch.where((src >= 0)[:, None], a[src.clamp(min=0).long()], 0)
+    assert torch.equal(gathered, lay.pad(a))
+
+
 def test_zero_rows_do_not_change_a_result():
     """Zero padding rows leave per-tensor and per-row results unchanged (max of |x| is unmoved)."""
     counts = [4, 6]

@@ -184,6 +184,23 @@ def test_chunked_and_whole_row_activation_passes_agree(k):
         assert torch.equal(part[0], whole[0]) and torch.equal(part[1], whole[1])
 
 
+@pytest.mark.parametrize("k", [768, 2048])
+def test_gathering_pass_equals_the_pass_over_a_padded_copy(k):
+    """Reading rows into the padded layout inside the activation pass (``src_rows``) gives the
+    bits of the pass over the zero-padded copy, padding rows included, in both kernels."""
+    _need_triton()
+    from libalign.gemm import triton_kernels as tk
+
+    lay = gemm.group_layout([130, 0, 1, 257, 64, 3], 128)
+    a = _acts(lay.total, k, seed=k + 1)
+    for chunk in (0, None):
+        want = tk.act_qdq(lay.pad(a), amax_floor=None, tensor_amax=None, chunk=chunk)
+        got = tk.act_qdq(a, amax_floor=None, tensor_amax=None, chunk=chunk,
+                         src_rows=lay.source_rows(a.device))
+        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+        assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))
+
+
 def test_pipelined_chunks_give_the_same_bits():
     """Overlapping the activation pass with the GEMM over row chunks changes no output bit."""
     _need_triton()

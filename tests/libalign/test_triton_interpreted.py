@@ -5,7 +5,8 @@ Where Triton is installed but no GPU is (a CI runner), each script runs in a sub
 decode (:func:`libalign.gemm.triton_kernels.inner_from_codes`) must give
 :func:`libalign.gemm.inner_values`'s bits for every scale and code byte, and the fused guided
 pass (:func:`libalign.gemm.triton_kernels.guided_act_qdq`) guided_quantize's values on the rows that
-have a record. Rows rounded under their own scales are left to the GPU tests: the
+have a record, and the activation pass that gathers rows into a padded layout the bits of
+the pass over the padded copy. Rows rounded under their own scales are left to the GPU tests: the
 interpreter's E4M3 conversion is not the hardware's. Skipped without Triton.
 """
 
@@ -66,6 +67,21 @@ GUIDED = textwrap.dedent("""
     print("interpreted guided rows equal")
 """)
 
+GATHER = textwrap.dedent("""
+    import torch
+    from libalign import gemm
+    from libalign.gemm import triton_kernels as tk
+    lay = gemm.group_layout([13, 0, 1, 70, 3], 64)
+    for k in (96, 256):  # 6 blocks: the chunked kernel; 16: whole-row tiles
+        a = (torch.randn(lay.total, k, generator=torch.Generator().manual_seed(k)) * 3).to(
+            torch.bfloat16)
+        want = tk.act_qdq(lay.pad(a), amax_floor=None, tensor_amax=None)
+        got = tk.act_qdq(a, amax_floor=None, tensor_amax=None, src_rows=lay.source_rows())
+        assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16)), k
+        assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32)), k
+    print("interpreted gather equal")
+""")
+
 
 def _interpret(script: str) -> str:
     try:
@@ -89,3 +105,9 @@ def test_guided_rows_in_the_triton_interpreter():
     """The fused guided pass gives guided_quantize's inner values and decode scales on every
     row with a record (sampler, random and tie-grid low bits, 1-4 bits)."""
     assert "interpreted guided rows equal" in _interpret(GUIDED)
+
+
+def test_gathering_activation_pass_in_the_triton_interpreter():
+    """The activation pass that reads rows into the padded layout (``src_rows``) gives the
+    bits of the pass over the zero-padded copy, in both kernels."""
+    assert "interpreted gather equal" in _interpret(GATHER)
