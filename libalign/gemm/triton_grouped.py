@@ -246,8 +246,11 @@ def w4a4_grouped_triton_guided(a: torch.Tensor, spec: NumericsSpec, guide, w_inn
         raise SpecError(f"the fused guided pass cannot serve {gap}")
     lay = _tiled(layout)
     src = _record_rows(guide)
-    src = (lay.pad((src + 1).reshape(-1, 1)) - 1).reshape(-1).contiguous()  # padding: no record
-    inner, dec = _guided_pass(tk, lay.pad(a.contiguous()), src, guide, spec)
+    rows = None
+    if lay.padded_total != lay.total:  # the pass reads each row into its padded place
+        src = (lay.pad((src + 1).reshape(-1, 1)) - 1).reshape(-1).contiguous()  # padding: none
+        rows = lay.source_rows(a.device)
+    inner, dec = _guided_pass(tk, a.contiguous(), src, guide, spec, src_rows=rows)
     out = tk.grouped_gemm(inner, dec, w_inner, w_dec, lay.tile_expert(lay.pad_to, a.device),
                           lay.pad_to, out_dtype)
     if check_finite:

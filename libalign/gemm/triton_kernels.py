@@ -273,11 +273,11 @@ def _guided_values(x, s, dec, g, up_ptr, down_ptr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _guided_qdq_kernel(x_ptr, inner_ptr, dec_ptr, src_ptr, low_ptr, bs_ptr, rs_ptr, e4m3_ptr,
-                       up_ptr, down_ptr, M, stride_x, stride_i, stride_low, stride_bs,
+def _guided_qdq_kernel(x_ptr, inner_ptr, dec_ptr, src_ptr, arow_ptr, low_ptr, bs_ptr, rs_ptr,
+                       e4m3_ptr, up_ptr, down_ptr, M, stride_x, stride_i, stride_low, stride_bs,
                        KB: tl.constexpr, AMAX_FLOOR: tl.constexpr, HAS_FLOOR: tl.constexpr,
                        BITS: tl.constexpr, ROWS: tl.constexpr, CB: tl.constexpr,
-                       DEQUANT: tl.constexpr):
+                       DEQUANT: tl.constexpr, GATHER: tl.constexpr):
     # rows with a record (src >= 0) take its block and row scales and its low code bits;
     # the others round to nearest under their own scales, as _act_qdq_chunked_kernel does
     pid = tl.program_id(0)
@@ -286,6 +286,8 @@ def _guided_qdq_kernel(x_ptr, inner_ptr, dec_ptr, src_ptr, low_ptr, bs_ptr, rs_p
     j = tl.arange(0, 16)
     rmask = rows < M
     r64 = rows[:, None, None].to(tl.int64)
+    arow, read = _source_rows(arow_ptr, rows, rmask, GATHER)
+    a64 = arow[:, None, None]
     src = tl.load(src_ptr + rows, mask=rmask, other=-1)
     guided = src >= 0
     s64 = tl.where(guided, src, 0).to(tl.int64)
@@ -295,7 +297,8 @@ def _guided_qdq_kernel(x_ptr, inner_ptr, dec_ptr, src_ptr, low_ptr, bs_ptr, rs_p
         b = c + blk
         cols = b[None, :, None] * 16 + j[None, None, :]
         mask = rmask[:, None, None] & (b < KB)[None, :, None]
-        x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + a64 * stride_x + cols, mask=mask & read[:, None, None],
+                    other=0.0).to(tl.float32)
         poison += tl.sum(tl.sum(x * 0.0, axis=2), axis=1)
         amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), axis=2), axis=1))
     enc, dec = _outer(amax, AMAX_FLOOR, HAS_FLOOR)
@@ -305,7 +308,8 @@ def _guided_qdq_kernel(x_ptr, inner_ptr, dec_ptr, src_ptr, low_ptr, bs_ptr, rs_p
         b = c + blk
         cols = b[None, :, None] * 16 + j[None, None, :]
         mask = rmask[:, None, None] & (b < KB)[None, :, None]
-        x = tl.load(x_ptr + r64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + a64 * stride_x + cols, mask=mask & read[:, None, None],
+                    other=0.0).to(tl.float32)
         own = _inner_values(x, enc, dec)
         gmask = (rmask & guided)[:, None] & (b < KB)[None, :]
         sb = tl.load(bs_ptr + s64[:, None] * stride_bs + b[None, :], mask=gmask, other=0)
@@ -324,7 +328,7 @@ def guided_act_qdq(x: torch.Tensor, *, src: torch.Tensor, low: torch.Tensor,
                    block_scales: torch.Tensor, row_scales: torch.Tensor, bits: int,
                    amax_floor: float | None, e4m3: torch.Tensor, up: torch.Tensor,
                    down: torch.Tensor, rows: int = 16, chunk: int = 16, num_warps: int = 4,
-                   dequantize: bool = False):
+                   dequantize: bool = False, src_rows: torch.Tensor | None = None):
     """Inner values (bf16 ``[M, K]``) and fp32 row decode scales ``[M]`` of guided activations.
 
     Row ``r`` with ``src[r] >= 0`` (int32) is rounded by record ``src[r]``: its low code bits
@@ -332,20 +336,26 @@ def guided_act_qdq(x: torch.Tensor, *, src: torch.Tensor, low: torch.Tensor,
     decode scale ``row_scales`` ``[n]`` (fp32); the other rows round to nearest under their
     own scales. ``e4m3`` is the fp32 value of each E4M3 byte, ``up``/``down`` the
     nearest-matching-level tables of ``bits`` (:func:`libalign.spec.rounding.guide_tables`).
-    A row holding NaN/Inf gets a NaN decode scale. ``dequantize``: as :func:`act_qdq`'s.
+    A row holding NaN/Inf gets a NaN decode scale. ``dequantize`` and ``src_rows`` (the
+    input row of each output row, -1 for zeros; ``src`` is then over the output rows): as
+    :func:`act_qdq`'s.
     """
-    m, k = x.shape
+    m, k = x.shape if src_rows is None else (src_rows.shape[0], x.shape[1])
     if k % 16 or x.stride(1) != 1 or low.stride(-1) != 1 or block_scales.stride(-1) != 1:
         raise ValueError("guided_act_qdq needs contiguous rows whose length is a multiple of 16")
+    if src_rows is not None and (src_rows.dtype != torch.int32 or src_rows.device != x.device):
+        raise ValueError("guided_act_qdq's src_rows must be int32 on the activations' device")
     inner = torch.empty((m, k), dtype=x.dtype if dequantize else torch.bfloat16, device=x.device)
     dec = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m == 0:
         return inner, dec
     _guided_qdq_kernel[(cdiv(m, rows),)](
-        x, inner, dec, src, low, block_scales, row_scales, e4m3, up, down, m,
+        x, inner, dec, src, src if src_rows is None else src_rows, low, block_scales, row_scales,
+        e4m3, up, down, m,
         x.stride(0), inner.stride(0), low.stride(0), block_scales.stride(0), KB=k // 16,
         AMAX_FLOOR=float(amax_floor or 0.0), HAS_FLOOR=amax_floor is not None, BITS=bits,
-        ROWS=rows, CB=chunk, DEQUANT=dequantize, num_warps=num_warps)
+        ROWS=rows, CB=chunk, DEQUANT=dequantize, GATHER=src_rows is not None,
+        num_warps=num_warps)
     return inner, dec
 
 

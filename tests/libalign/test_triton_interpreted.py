@@ -79,6 +79,19 @@ GATHER = textwrap.dedent("""
         got = tk.act_qdq(a, amax_floor=None, tensor_amax=None, src_rows=lay.source_rows())
         assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16)), k
         assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32)), k
+    from libalign.spec.rounding import e4m3_bits_to_float, guide_tables
+    from tests.libalign.test_guided_fused import SPEC, _case
+    x, guide = _case(lay.total, 96, 2, seed=5, random_bits=True)
+    src = torch.where(guide.present, guide.index, -1).to(torch.int32)
+    src = (lay.pad((src + 1).reshape(-1, 1)) - 1).reshape(-1).contiguous()
+    up, down = guide_tables(2, "cpu")
+    kw = dict(src=src, low=guide.low, block_scales=guide.block_scales.view(torch.uint8),
+              row_scales=guide.row_scales.float(), bits=2, amax_floor=SPEC.amax_floor,
+              e4m3=e4m3_bits_to_float(torch.arange(256, dtype=torch.uint8)), up=up, down=down)
+    want = tk.guided_act_qdq(lay.pad(x), **kw)
+    got = tk.guided_act_qdq(x, src_rows=lay.source_rows(), **kw)
+    assert torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+    assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))
     print("interpreted gather equal")
 """)
 
@@ -108,6 +121,6 @@ def test_guided_rows_in_the_triton_interpreter():
 
 
 def test_gathering_activation_pass_in_the_triton_interpreter():
-    """The activation pass that reads rows into the padded layout (``src_rows``) gives the
-    bits of the pass over the zero-padded copy, in both kernels."""
+    """The activation passes that read rows into the padded layout (``src_rows``) give the
+    bits of the passes over the zero-padded copy: both unguided kernels and the guided one."""
     assert "interpreted gather equal" in _interpret(GATHER)
