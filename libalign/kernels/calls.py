@@ -325,7 +325,9 @@ def launch_gather(lib, xs, spec: NumericsSpec, out: NVFP4Tensor, flags=None, str
     p = native.NvParams.from_buffer_copy(params_for((e, m, k), x0.dtype, spec, False))
     ptrs = [x.data_ptr() for x in xs]
     if cuda:
-        table = torch.tensor(ptrs, dtype=torch.int64).to(dev)
+        # queued on the stream the kernels run on: a blocking copy from pageable memory would
+        # wait for every kernel queued before it (the driver stages the source at once)
+        table = torch.tensor(ptrs, dtype=torch.int64).to(dev, non_blocking=True)
         p.gather = table.data_ptr()
     else:
         table = (ctypes.c_void_p * e)(*ptrs)

@@ -17,8 +17,9 @@ Layout of a filled bucket
     refit falls back to the packing producer), entries lie back to back, so SGLang's receivers
     rebuild them from names, dtypes and shapes as for a packed bucket. A 3-D expert stack is
     one region of codes and one of scales; its per-expert entries (a ``gate_up_proj`` split in
-    gate and up rows) are sub-ranges of them. A run of consecutive 2-D weights of one shape (a
-    trainer's per-expert tensors) is laid out the same way: its codes, then its scales.
+    gate and up rows) are sub-ranges of them. A batch's 2-D weights of one shape (a trainer's
+    per-expert tensors, whatever order their shapes come in) are grouped into a run, laid out
+    the same way: its codes, then its scales.
 Launches
     A run quantizes as one stack, one launch where each weight on its own costs a launch and
     its host work. Per-expert views of one stacked parameter, back to back in memory, are
@@ -119,16 +120,19 @@ class _Filler:
             return
         sources: list[torch.Tensor | Stacked] = []
         dests: list[NVFP4Tensor] = []
-        for run in _runs(batch):
+        # the batch's bytes and rows are laid out again, run by run: the batch occupies the
+        # same span whatever the order of its slots within it
+        start, first_row = batch[0].codes_at, batch[0].rows_at
+        for run in _runs(_by_shape(batch)):
             x0, n = run[0].x, len(run)
             xs = [s.x for s in run]
             lead, k = tuple(x0.shape[:-1]), x0.shape[-1]
-            codes, scales, _ = self.sizes(x0)
-            start = run[0].codes_at
+            codes, scales, rows = self.sizes(x0)
             outer = torch.empty((n, *lead), dtype=torch.float32, device=self.device)
             self.outers.append(outer)
             for i, s in enumerate(run):
                 s.codes_at, s.scales_at = start + i * codes, start + n * codes + i * scales
+                s.rows_at = first_row + i * rows
             shape = (n, *lead) if n > 1 else lead
             sources.append(x0 if n == 1 else _stacked(xs))
             dests.append(NVFP4Tensor(
@@ -138,6 +142,8 @@ class _Filler:
                 outer_scale=outer if n > 1 else outer[0], spec=self.spec,
                 shape=(*shape, k), outer_amax=torch.empty(shape, dtype=torch.float32,
                                                           device=self.device)))  # scratch
+            start += n * (codes + scales)
+            first_row += n * rows
         self._quantize_into(sources, dests, batch)
 
     def _quantize_into(self, sources, dests, batch: list[_Slot]) -> None:
@@ -174,7 +180,19 @@ class _Filler:
                 fours.append(BucketEntry(f"{module}.weight_scale_2", torch.Size((n, 1)),
                                          torch.float32, r0, r0 + 4 * n, 4 * n))
         ones.sort(key=lambda e: e.start_idx)
+        fours.sort(key=lambda e: e.start_idx)
         return Bucket(self.flat[:tail + 4 * self.nrows], ones + fours)
+
+
+def _by_shape(batch: list[_Slot]) -> list[_Slot]:
+    """The batch's slots with those of one shape, dtype and device side by side, in order of
+    first appearance (a trainer's per-expert ``gate``/``up``/``down`` weights alternate
+    shapes; grouped, each shape is one run, one launch, where alternating they were a launch
+    or two each)."""
+    groups: dict[tuple, list[_Slot]] = {}
+    for s in batch:
+        groups.setdefault((tuple(s.x.shape), s.x.dtype, str(s.x.device)), []).append(s)
+    return [s for g in groups.values() for s in g]
 
 
 def _runs(batch: list[_Slot]) -> Iterator[list[_Slot]]:
