@@ -171,6 +171,16 @@ def _act_qdq_chunked_kernel(x_ptr, inner_ptr, dec_ptr, amax_ptr, src_ptr, M, KB,
     tl.store(dec_ptr + rows, tl.where(poison == 0.0, dec, float("nan")), mask=rmask)
 
 
+def _pass_shape(x: torch.Tensor, src_rows: torch.Tensor | None, what: str) -> tuple[int, int]:
+    """``(rows, K)`` an activation pass writes: ``x``'s own, or one row per ``src_rows``
+    entry (which must be int32 on ``x``'s device)."""
+    if src_rows is None:
+        return tuple(x.shape)
+    if src_rows.dtype != torch.int32 or src_rows.device != x.device:
+        raise ValueError(f"{what}'s src_rows must be int32 on the activations' device")
+    return src_rows.shape[0], x.shape[1]
+
+
 def act_qdq(x: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Tensor | None,
             out: torch.Tensor | None = None, dec_out: torch.Tensor | None = None,
             elems: int = 4096, num_warps: int = 4, chunk: int | None = None,
@@ -185,11 +195,9 @@ def act_qdq(x: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.Ten
     ``x[src_rows[r]]``, or a row of zeros where it is -1, so rows sorted by expert reach a
     padded layout in the same pass (:meth:`~libalign.gemm.row_groups.GroupLayout.source_rows`).
     """
-    m, k = x.shape if src_rows is None else (src_rows.shape[0], x.shape[1])
+    m, k = _pass_shape(x, src_rows, "act_qdq")
     if k % 16 or x.stride(1) != 1:
         raise ValueError("act_qdq needs contiguous rows whose length is a multiple of 16")
-    if src_rows is not None and (src_rows.dtype != torch.int32 or src_rows.device != x.device):
-        raise ValueError("act_qdq's src_rows must be int32 on the activations' device")
     inner = out if out is not None else torch.empty(
         (m, k), dtype=x.dtype if dequantize else torch.bfloat16, device=x.device)
     dec = torch.empty((m,), dtype=torch.float32, device=x.device) if dec_out is None else dec_out
@@ -340,11 +348,9 @@ def guided_act_qdq(x: torch.Tensor, *, src: torch.Tensor, low: torch.Tensor,
     input row of each output row, -1 for zeros; ``src`` is then over the output rows): as
     :func:`act_qdq`'s.
     """
-    m, k = x.shape if src_rows is None else (src_rows.shape[0], x.shape[1])
+    m, k = _pass_shape(x, src_rows, "guided_act_qdq")
     if k % 16 or x.stride(1) != 1 or low.stride(-1) != 1 or block_scales.stride(-1) != 1:
         raise ValueError("guided_act_qdq needs contiguous rows whose length is a multiple of 16")
-    if src_rows is not None and (src_rows.dtype != torch.int32 or src_rows.device != x.device):
-        raise ValueError("guided_act_qdq's src_rows must be int32 on the activations' device")
     inner = torch.empty((m, k), dtype=x.dtype if dequantize else torch.bfloat16, device=x.device)
     dec = torch.empty((m,), dtype=torch.float32, device=x.device)
     if m == 0:
@@ -514,7 +520,7 @@ def pipelined(a: torch.Tensor, *, amax_floor: float | None, tensor_amax: torch.T
 
     Returns ``(out, dec)``; the bits do not depend on ``chunks`` (rows are independent).
     """
-    m, k = a.shape if src_rows is None else (src_rows.shape[0], a.shape[1])
+    m, k = _pass_shape(a, src_rows, "pipelined")
     n = w_inner.shape[1]
     inner = torch.empty((m, k), dtype=torch.bfloat16, device=a.device)
     dec = torch.empty((m,), dtype=torch.float32, device=a.device)
