@@ -48,18 +48,10 @@ TILES = ((128, 256, 64, 3, 8), (128, 128, 64, 4, 8), (128, 128, 64, 3, 4), (64, 
 if triton is not None:
 
     @triton.jit
-    def _coords(GROUP_M: tl.constexpr, M, N, BM: tl.constexpr, BN: tl.constexpr):
-        pid = tl.program_id(0)
-        num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-        group = GROUP_M * num_n
-        first_m = (pid // group) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        return first_m + (pid % group) % size_m, (pid % group) // size_m
-
-    @triton.jit
     def _plain_kernel(a_desc, w_desc, o_desc, a_dec_ptr, w_dec_ptr, M, N, K,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-        pid_m, pid_n = _coords(GROUP_M, M, N, BM, BN)
+        pid_m, pid_n = tk._tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN),
+                                         GROUP_M)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for ki in range(tl.cdiv(K, BK)):
             a = a_desc.load([pid_m * BM, ki * BK])
@@ -73,7 +65,8 @@ if triton is not None:
     @triton.jit
     def _fused_kernel(x_desc, w_desc, o_desc, amax_ptr, w_dec_ptr, M, N, K,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
-        pid_m, pid_n = _coords(GROUP_M, M, N, BM, BN)
+        pid_m, pid_n = tk._tile_coords(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN),
+                                         GROUP_M)
         amax = tl.load(amax_ptr + pid_m * BM + tl.arange(0, BM)).to(tl.float32)
         enc, dec = tk._outer(amax, 0.0, False)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
